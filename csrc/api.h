@@ -1,0 +1,140 @@
+// Framework-free launchers of every kernel family. Each launcher validates what it can
+// without touching device data, launches on `stream` and returns an error code
+// (petitSuccess or the launch error). No torch types cross this header.
+#pragma once
+
+#include "layout.h"
+
+namespace petit {
+
+// ------------------------------------------------------------------ routing.cu
+// Per-local-expert row lists from a routing block (a stable counting sort, device-side
+// counts only, no host sync). See docs/architecture.md, "Per-local-expert row lists".
+struct RowListArgs {
+  const int32_t* topk_ids;   // [num_entries] local expert ids or -1 (entry = row*K + k)
+  int num_entries;           // N*K
+  int num_local_experts;     // L <= kMaxExperts
+  int32_t* workspace;        // [row_list_workspace_ints(num_entries, L)]
+  int32_t* expert_counts;    // [L]
+  int32_t* expert_offsets;   // [L+1]
+  int32_t* sorted_entries;   // [num_entries]
+};
+constexpr int kRowListChunk = 1024;  // entries per block
+PETIT_HOST_DEVICE int64_t row_list_workspace_ints(int num_entries, int num_local_experts) {
+  return int64_t(ceil_div(num_entries > 0 ? num_entries : 1, kRowListChunk)) * num_local_experts;
+}
+petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stream);
+
+// -------------------------------------------------------- dispatch_combine.cu
+// Device-side state of one EpBuffer (local memory, not in the heap).
+struct EpState {
+  uint64_t epoch;         // epoch of the last completed dispatch; advanced on the GPU
+  uint32_t blocks_done;   // grid-completion counter of the running dispatch
+  uint32_t pad;
+};
+
+// Written by a kernel whose bounded wait expired (host-visible pinned memory).
+struct EpDiagnostics {
+  int32_t timed_out;      // 0 = no error
+  int32_t rank;           // the waiting rank
+  int32_t peer;           // the rank whose flag never arrived
+  int32_t phase;          // 0 = dispatch, 1 = combine
+  int32_t group;          // token group (32 tokens) of the flag
+  int32_t pad;
+  uint64_t expected_epoch;
+  uint64_t observed_flag; // raw flag value seen last
+};
+
+struct EpContextArgs {
+  char* heap_base;            // rank r's heap starts at heap_base + r * heap_stride
+  int64_t heap_stride;
+  HeapLayout layout;
+  int rank;
+  int world_size;
+  int num_experts;
+  int num_local_experts;
+  EpState* state;
+  EpDiagnostics* diagnostics;
+  uint64_t timeout_ticks;
+  uint32_t* token_rank_mask;  // [T_max]  ranks each own token was sent to (bit d)
+  uint32_t* group_done;       // [2, W, G_max] completion counters (dispatch, combine)
+  int32_t* recv_group_counts; // [W, G_max] rows received per (source, group), last dispatch
+  int num_blocks;             // persistent grid; must be co-resident (<= SM count)
+};
+
+struct DispatchArgs {
+  EpContextArgs ctx;
+  const petit_bf16_bits* x;   // [T, H]
+  const void* topk_ids;       // [T, K] int32 or int64 global ids, -1 = unused
+  bool ids_are_int64;
+  const float* topk_weights;  // [T, K]
+  int num_tokens;             // T <= region_stride
+  int top_k;                  // K <= layout.max_top_k
+  int region_stride;          // R <= layout.max_tokens, equal on all ranks
+  int num_chunks;             // set by the launcher
+};
+
+struct CombineArgs {
+  EpContextArgs ctx;
+  const petit_bf16_bits* expert_out;  // [W*R, H] local weighted sums, in dispatch layout
+  petit_bf16_bits* out;               // [T, H]
+  int num_tokens;
+  int top_k;
+  int region_stride;
+  int num_chunks;             // set by the launcher
+};
+
+petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream);
+petitError_t launch_combine(const CombineArgs& args, petitStream_t stream);
+
+// Ceiling for benchmarks: every rank pushes `bytes_per_peer` from `src` into each peer's
+// heap at `heap_offset` with the same SM copy loop the dispatch uses (self excluded).
+struct PeerWriteArgs {
+  char* heap_base;
+  int64_t heap_stride;
+  int rank;
+  int world_size;
+  const void* src;
+  int64_t heap_offset;
+  int64_t bytes_per_peer;  // multiple of 16
+  int num_blocks;
+};
+petitError_t launch_peer_write(const PeerWriteArgs& args, petitStream_t stream);
+
+// ------------------------------------------------------------------- heap.cpp
+// One rank's share of the linearized symmetric heap (virtual-memory API).
+class SymmetricHeap {
+ public:
+  // Allocates `bytes` (rounded up to the allocation granularity) on `device` with a
+  // POSIX-fd shareable handle.
+  static petitError_t create(int device, int64_t bytes, SymmetricHeap** out, char* err,
+                             int err_len);
+  ~SymmetricHeap();
+  // A new file descriptor for this rank's allocation (the caller sends and closes it).
+  petitError_t export_fd(int* fd, char* err, int err_len);
+  // Maps all ranks' allocations into one reserved range: peer_fds[r] for r != rank (ignored
+  // for r == rank; every fd is closed here). After this, base() is valid. On error the
+  // partial state is undone by release().
+  petitError_t map_all(const int* peer_fds, int world_size, int rank, char* err, int err_len);
+  void release();
+  char* base() const { return base_; }
+  int64_t stride() const { return stride_; }
+  int64_t bytes() const { return bytes_; }
+  int device() const { return device_; }
+
+ private:
+  SymmetricHeap() = default;
+  int device_ = -1;
+  int64_t bytes_ = 0;      // requested size
+  int64_t stride_ = 0;     // rounded to the granularity
+  petitMemHandle_t local_handle_{};
+  bool has_local_handle_ = false;
+  petitMemHandle_t* peer_handles_ = nullptr;  // [world]; [rank] is local_handle_
+  bool* imported_ = nullptr;                   // [world]
+  int world_size_ = 0;
+  int num_mapped_ = 0;
+  char* base_ = nullptr;
+  bool mapped_ = false;
+};
+
+}  // namespace petit

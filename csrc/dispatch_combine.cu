@@ -1,0 +1,366 @@
+// Push dispatch and combine over the linearized symmetric heap (one node, bf16 rows).
+//
+// Work is split into items (destination or source rank, token group of 32, hidden chunk)
+// processed by a persistent grid; every item ends in one system-scope release of an
+// epoch-tagged flag in the peer's heap (no remote atomics). Each kernel first does all its
+// send items, then waits for its receive items: since all blocks are co-resident and sends
+// never wait, every rank's sends complete and the waits terminate (or time out).
+#include <stdio.h>
+
+#include "api.h"
+
+namespace petit {
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / PETIT_WARP_SIZE;
+constexpr int kVecElems = 8;  // bf16 per 16-byte vector
+
+PETIT_DEVICE char* rank_heap(const EpContextArgs& c, int rank) {
+  return c.heap_base + int64_t(rank) * c.heap_stride;
+}
+
+// [begin, end) of hidden chunk `chunk` of `num_chunks`, in 16-byte vectors.
+PETIT_DEVICE void chunk_range(int num_vectors, int chunk, int num_chunks, int* begin, int* end) {
+  *begin = int(int64_t(num_vectors) * chunk / num_chunks);
+  *end = int(int64_t(num_vectors) * (chunk + 1) / num_chunks);
+}
+
+// One warp copies vectors [begin, end) of a row; four independent loads in flight per lane.
+PETIT_DEVICE void warp_copy(uint4* __restrict__ dst, const uint4* __restrict__ src, int begin,
+                            int end, int lane) {
+  int v = begin + lane;
+  for (; v + 3 * PETIT_WARP_SIZE < end; v += 4 * PETIT_WARP_SIZE) {
+    uint4 a = src[v], b = src[v + PETIT_WARP_SIZE], c = src[v + 2 * PETIT_WARP_SIZE],
+          d = src[v + 3 * PETIT_WARP_SIZE];
+    dst[v] = a;
+    dst[v + PETIT_WARP_SIZE] = b;
+    dst[v + 2 * PETIT_WARP_SIZE] = c;
+    dst[v + 3 * PETIT_WARP_SIZE] = d;
+  }
+  for (; v < end; v += PETIT_WARP_SIZE) dst[v] = src[v];
+}
+
+// Index of the n-th set bit of a 32-bit mask.
+PETIT_DEVICE int nth_set_bit(uint32_t mask, int n) {
+  for (int i = 0; i < n; ++i) mask &= mask - 1;
+  return __ffs(mask) - 1;
+}
+
+// Bounded spin until flag's epoch equals `epoch`; on expiry record, print and trap.
+PETIT_DEVICE uint64_t wait_flag(const EpContextArgs& c, const uint64_t* flag, uint64_t epoch,
+                                int peer, int phase, int group) {
+  uint64_t value = petit_load_acquire_sys(flag);
+  if (flag_epoch(value) == epoch) return value;
+  const uint64_t start = petit_timer();
+  while (true) {
+    value = petit_load_acquire_sys(flag);
+    if (flag_epoch(value) == epoch) return value;
+    if (petit_timer() - start > c.timeout_ticks) {
+      if (atomicCAS(&c.diagnostics->timed_out, 0, 1) == 0) {
+        c.diagnostics->rank = c.rank;
+        c.diagnostics->peer = peer;
+        c.diagnostics->phase = phase;
+        c.diagnostics->group = group;
+        c.diagnostics->expected_epoch = epoch;
+        c.diagnostics->observed_flag = value;
+        petit_fence_sys();
+        printf("petit_moe: %s timed out on rank %d waiting for rank %d, token group %d: "
+               "expected epoch %llu, flag holds epoch %llu (count %u)\n",
+               phase == 0 ? "dispatch" : "combine", c.rank, peer, group,
+               (unsigned long long)epoch, (unsigned long long)flag_epoch(value),
+               flag_count(value));
+      }
+      petit_trap();
+    }
+  }
+}
+
+// Called by thread 0 after the block fenced its writes of item (peer, group): the last of
+// `num_chunks` items of that (peer, group) publishes the flag. The counter is local and
+// reset by its last user, so it is zero again for the next epoch.
+PETIT_DEVICE void publish_item(uint32_t* done_counter, int num_chunks, uint64_t* remote_flag,
+                               uint64_t flag_value) {
+  if (num_chunks > 1) {
+    if (petit_atomic_add_gpu(done_counter, 1) != uint32_t(num_chunks - 1)) return;
+    *done_counter = 0;
+    petit_fence_sys();  // order the other blocks' (fenced) writes before the flag
+  }
+  petit_store_release_sys(remote_flag, flag_value);
+}
+
+template <typename IdT>
+PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
+  const EpContextArgs& c = a.ctx;
+  const HeapLayout& l = c.layout;
+  __shared__ uint64_t s_epoch;
+  __shared__ uint32_t s_route_mask;
+  if (threadIdx.x == 0) s_epoch = *((volatile uint64_t*)&c.state->epoch) + 1;
+  __syncthreads();
+  const uint64_t epoch = s_epoch;
+
+  const int R = a.region_stride, K = a.top_k, W = c.world_size, L = c.num_local_experts;
+  const int num_groups = ceil_div(R, kTokenGroupSize);
+  const int num_vectors = l.hidden / kVecElems;
+  const int num_chunks = a.num_chunks;
+  const int lane = petit_lane_id(), warp = petit_warp_id();
+  const IdT* ids = static_cast<const IdT*>(a.topk_ids);
+
+  // ---- send: item = ((group * W) + peer_step) * num_chunks + chunk
+  const int num_items = num_groups * W * num_chunks;
+  for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const int chunk = item % num_chunks;
+    const int peer_step = (item / num_chunks) % W;
+    const int group = item / (num_chunks * W);
+    const int dst = (c.rank + 1 + peer_step) % W;  // peers first, self last
+    char* dst_heap = rank_heap(c, dst);
+    if (warp == 0) {
+      // Lane t owns token group*32 + t: routing entries and the route bit for `dst`.
+      const int token = group * kTokenGroupSize + lane;
+      bool routed = false;
+      if (lane < kTokenGroupSize && token < R) {
+        const int64_t slot = (int64_t(c.rank) * R + token) * K;
+        int32_t* dst_ids = reinterpret_cast<int32_t*>(dst_heap + l.dispatch_ids) + slot;
+        float* dst_weights = reinterpret_cast<float*>(dst_heap + l.dispatch_weights) + slot;
+        uint32_t rank_mask = 0;
+        for (int k = 0; k < K; ++k) {
+          int32_t local = -1;
+          float weight = 0.f;
+          if (token < a.num_tokens) {
+            const int64_t id = int64_t(ids[int64_t(token) * K + k]);
+            if (id >= 0) {
+              const int owner = int(id / L);
+              rank_mask |= 1u << owner;
+              if (owner == dst) {
+                local = int32_t(id - int64_t(dst) * L);
+                weight = a.topk_weights[int64_t(token) * K + k];
+              }
+            }
+          }
+          routed |= (local >= 0);
+          if (chunk == 0) {
+            dst_ids[k] = local;
+            dst_weights[k] = weight;
+          }
+        }
+        if (chunk == 0 && dst == c.rank && token < a.num_tokens)
+          c.token_rank_mask[token] = rank_mask;
+      }
+      const uint32_t mask = uint32_t(petit_ballot(routed));
+      if (lane == 0) s_route_mask = mask;
+    }
+    __syncthreads();
+    const uint32_t route_mask = s_route_mask;
+    int begin, end;
+    chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
+    const int num_routed = __popc(route_mask);
+    for (int j = warp; j < num_routed; j += kWarps) {
+      const int token = group * kTokenGroupSize + nth_set_bit(route_mask, j);
+      const uint4* src = reinterpret_cast<const uint4*>(a.x) + int64_t(token) * num_vectors;
+      uint4* dst_row = reinterpret_cast<uint4*>(dst_heap + l.dispatch_rows) +
+                       (int64_t(c.rank) * R + token) * num_vectors;
+      warp_copy(dst_row, src, begin, end, lane);
+    }
+    petit_fence_sys();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint64_t* flag = reinterpret_cast<uint64_t*>(dst_heap + l.dispatch_flags) +
+                       int64_t(c.rank) * l.max_groups + group;
+      publish_item(c.group_done + int64_t(dst) * l.max_groups + group, num_chunks, flag,
+                   make_flag(epoch, __popc(route_mask)));
+    }
+  }
+
+  // ---- receive: every (source, group) flag of this call must show the epoch.
+  const uint64_t* my_flags =
+      reinterpret_cast<const uint64_t*>(rank_heap(c, c.rank) + l.dispatch_flags);
+  for (int f = blockIdx.x * blockDim.x + threadIdx.x; f < W * num_groups;
+       f += gridDim.x * blockDim.x) {
+    const int src = f / num_groups, group = f % num_groups;
+    const uint64_t value =
+        wait_flag(c, my_flags + int64_t(src) * l.max_groups + group, epoch, src, 0, group);
+    c.recv_group_counts[int64_t(src) * l.max_groups + group] = int32_t(flag_count(value));
+  }
+
+  // ---- advance the epoch once every block has read it (the last block to finish).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    petit_fence_sys();
+    if (petit_atomic_add_gpu(&c.state->blocks_done, 1) == gridDim.x - 1) {
+      c.state->blocks_done = 0;
+      *((volatile uint64_t*)&c.state->epoch) = epoch;
+    }
+  }
+}
+
+PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
+  const EpContextArgs& c = a.ctx;
+  const HeapLayout& l = c.layout;
+  __shared__ uint32_t s_route_mask;
+  // The epoch of the dispatch this combine answers (advanced by that dispatch).
+  const uint64_t epoch = *((volatile uint64_t*)&c.state->epoch);
+
+  const int R = a.region_stride, K = a.top_k, W = c.world_size;
+  const int num_groups = ceil_div(R, kTokenGroupSize);
+  const int num_vectors = l.hidden / kVecElems;
+  const int num_chunks = a.num_chunks;
+  const int lane = petit_lane_id(), warp = petit_warp_id();
+  const char* my_heap = rank_heap(c, c.rank);
+  const int32_t* recv_ids = reinterpret_cast<const int32_t*>(my_heap + l.dispatch_ids);
+
+  // ---- send: reduced rows of source `src`'s tokens go back to src's combine region.
+  const int num_items = num_groups * W * num_chunks;
+  for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const int chunk = item % num_chunks;
+    const int peer_step = (item / num_chunks) % W;
+    const int group = item / (num_chunks * W);
+    const int src = (c.rank + 1 + peer_step) % W;
+    char* src_heap = rank_heap(c, src);
+    if (warp == 0) {
+      const int token = group * kTokenGroupSize + lane;
+      bool routed = false;
+      if (lane < kTokenGroupSize && token < R) {
+        const int32_t* row_ids = recv_ids + (int64_t(src) * R + token) * K;
+        for (int k = 0; k < K; ++k) routed |= (row_ids[k] >= 0);
+      }
+      const uint32_t mask = uint32_t(petit_ballot(routed));
+      if (lane == 0) s_route_mask = mask;
+    }
+    __syncthreads();
+    const uint32_t route_mask = s_route_mask;
+    int begin, end;
+    chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
+    const int num_routed = __popc(route_mask);
+    for (int j = warp; j < num_routed; j += kWarps) {
+      const int token = group * kTokenGroupSize + nth_set_bit(route_mask, j);
+      const uint4* row = reinterpret_cast<const uint4*>(a.expert_out) +
+                         (int64_t(src) * R + token) * num_vectors;
+      uint4* dst_row = reinterpret_cast<uint4*>(src_heap + l.combine_rows) +
+                       (int64_t(c.rank) * R + token) * num_vectors;
+      warp_copy(dst_row, row, begin, end, lane);
+    }
+    petit_fence_sys();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint64_t* flag = reinterpret_cast<uint64_t*>(src_heap + l.combine_flags) +
+                       int64_t(c.rank) * l.max_groups + group;
+      publish_item(c.group_done + int64_t(W + src) * l.max_groups + group, num_chunks, flag,
+                   make_flag(epoch, __popc(route_mask)));
+    }
+  }
+
+  // ---- receive + reduce own tokens: y[i] = sum over ranks d in mask(i) of row [d*R + i].
+  const uint64_t* my_flags = reinterpret_cast<const uint64_t*>(my_heap + l.combine_flags);
+  const uint4* combine_rows = reinterpret_cast<const uint4*>(my_heap + l.combine_rows);
+  const int own_groups = ceil_div(a.num_tokens, kTokenGroupSize);
+  for (int item = blockIdx.x; item < own_groups * num_chunks; item += gridDim.x) {
+    const int chunk = item % num_chunks, group = item / num_chunks;
+    if (threadIdx.x < W)
+      wait_flag(c, my_flags + int64_t(threadIdx.x) * l.max_groups + group, epoch,
+                threadIdx.x, 1, group);
+    __syncthreads();
+    int begin, end;
+    chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
+    const int width = end - begin;
+    const int first_token = group * kTokenGroupSize;
+    const int group_tokens = min(kTokenGroupSize, a.num_tokens - first_token);
+    for (int idx = threadIdx.x; idx < group_tokens * width; idx += blockDim.x) {
+      const int token = first_token + idx / width;
+      const int v = begin + idx % width;
+      uint32_t mask = c.token_rank_mask[token];
+      float acc[kVecElems];
+#pragma unroll
+      for (int e = 0; e < kVecElems; ++e) acc[e] = 0.f;
+      while (mask) {  // rank order d = 0..W-1, fp32 accumulation
+        const int d = __ffs(mask) - 1;
+        mask &= mask - 1;
+        const uint4 packed =
+            petit_load_cg(combine_rows + (int64_t(d) * R + token) * num_vectors + v);
+        const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed);
+#pragma unroll
+        for (int e = 0; e < kVecElems; ++e) acc[e] += petit_bf16_to_float(h[e]);
+      }
+      uint4 result;
+      petit_bf16_bits* r = reinterpret_cast<petit_bf16_bits*>(&result);
+#pragma unroll
+      for (int e = 0; e < kVecElems; ++e) r[e] = petit_float_to_bf16(acc[e]);
+      reinterpret_cast<uint4*>(a.out)[int64_t(token) * num_vectors + v] = result;
+    }
+    __syncthreads();
+  }
+}
+
+PETIT_GLOBAL void __launch_bounds__(kThreads, 1) peer_write_kernel(PeerWriteArgs a) {
+  const int num_vectors = int(a.bytes_per_peer / 16);
+  const int lane = petit_lane_id(), warp = petit_warp_id();
+  const int global_warp = blockIdx.x * kWarps + warp, num_warps = gridDim.x * kWarps;
+  // Split the vectors of every peer into warp-sized spans of 4 KB, interleaved over peers.
+  constexpr int kSpan = 256;
+  const int spans_per_peer = ceil_div(num_vectors, kSpan);
+  for (int s = global_warp; s < spans_per_peer * (a.world_size - 1); s += num_warps) {
+    const int peer = (a.rank + 1 + s % (a.world_size - 1)) % a.world_size;
+    const int span = s / (a.world_size - 1);
+    uint4* dst = reinterpret_cast<uint4*>(a.heap_base + int64_t(peer) * a.heap_stride +
+                                          a.heap_offset);
+    warp_copy(dst, static_cast<const uint4*>(a.src), span * kSpan,
+              min(num_vectors, (span + 1) * kSpan), lane);
+  }
+}
+
+// Hidden chunks per (peer, group) so that small calls still spread over the grid; a chunk
+// keeps at least 64 vectors (1 KB) of a row.
+int choose_num_chunks(int num_groups, int world_size, int num_vectors, int num_blocks) {
+  const int items = num_groups * world_size;
+  int chunks = ceil_div(num_blocks, items > 0 ? items : 1);
+  const int max_chunks = num_vectors / 64 > 1 ? num_vectors / 64 : 1;
+  return chunks < 1 ? 1 : (chunks > max_chunks ? max_chunks : chunks);
+}
+
+petitError_t check_context(const EpContextArgs& c, int region_stride, int num_tokens,
+                           int top_k) {
+  if (c.num_blocks < 1 || c.world_size < 1 || c.world_size > kMaxWorldSize) return petitErrorInvalidValue;
+  if (region_stride < num_tokens || region_stride > c.layout.max_tokens || num_tokens < 0)
+    return petitErrorInvalidValue;
+  if (top_k < 1 || top_k > c.layout.max_top_k || c.layout.hidden % kVecElems != 0)
+    return petitErrorInvalidValue;
+  return petitSuccess;
+}
+
+}  // namespace
+
+petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
+  petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
+  if (err != petitSuccess) return err;
+  DispatchArgs a = args;
+  a.num_chunks = choose_num_chunks(ceil_div(a.region_stride, kTokenGroupSize),
+                                   a.ctx.world_size, a.ctx.layout.hidden / kVecElems,
+                                   a.ctx.num_blocks);
+  if (a.ids_are_int64)
+    petitLaunchKernel(dispatch_kernel<int64_t>, dim3(a.ctx.num_blocks), dim3(kThreads), 0,
+                      stream, a);
+  else
+    petitLaunchKernel(dispatch_kernel<int32_t>, dim3(a.ctx.num_blocks), dim3(kThreads), 0,
+                      stream, a);
+  return petitGetLastError();
+}
+
+petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
+  petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
+  if (err != petitSuccess) return err;
+  CombineArgs a = args;
+  a.num_chunks = choose_num_chunks(ceil_div(a.region_stride, kTokenGroupSize),
+                                   a.ctx.world_size, a.ctx.layout.hidden / kVecElems,
+                                   a.ctx.num_blocks);
+  petitLaunchKernel(combine_kernel, dim3(a.ctx.num_blocks), dim3(kThreads), 0, stream, a);
+  return petitGetLastError();
+}
+
+petitError_t launch_peer_write(const PeerWriteArgs& a, petitStream_t stream) {
+  if (a.world_size < 2 || a.bytes_per_peer % 16 != 0 || a.num_blocks < 1)
+    return petitErrorInvalidValue;
+  petitLaunchKernel(peer_write_kernel, dim3(a.num_blocks), dim3(kThreads), 0, stream, a);
+  return petitGetLastError();
+}
+
+}  // namespace petit

@@ -1,0 +1,77 @@
+// Symmetric-heap layout of one EpBuffer, shared by the allocator (host) and the kernels
+// (device), so the two can never disagree on an offset. See docs/architecture.md.
+#pragma once
+
+#include "platform.h"
+
+namespace petit {
+
+constexpr int kTokenGroupSize = 32;    // tokens per readiness flag
+constexpr int kMaxTopK = 16;
+constexpr int kMaxWorldSize = 32;      // token -> rank masks are uint32
+constexpr int kMaxExperts = 512;
+constexpr int kRegionAlignment = 256;  // bytes; keeps every region 16-byte vector aligned
+constexpr int kFlagCountBits = 6;      // flag = epoch << 6 | rows routed in the group (0..32)
+
+PETIT_HOST_DEVICE uint64_t make_flag(uint64_t epoch, uint32_t count) {
+  return (epoch << kFlagCountBits) | count;
+}
+PETIT_HOST_DEVICE uint64_t flag_epoch(uint64_t flag) { return flag >> kFlagCountBits; }
+PETIT_HOST_DEVICE uint32_t flag_count(uint64_t flag) {
+  return uint32_t(flag & ((1u << kFlagCountBits) - 1));
+}
+
+PETIT_HOST_DEVICE int64_t align_up(int64_t value, int64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+PETIT_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Byte offsets (identical on every rank) of the regions inside one rank's heap.
+struct HeapLayout {
+  int world_size;
+  int max_tokens;   // T_max per rank
+  int hidden;       // H (elements)
+  int max_top_k;    // K_max
+  int max_groups;   // ceil(T_max / 32)
+  int64_t row_bytes;
+  int64_t dispatch_rows;     // [W, T_max, H] bf16
+  int64_t dispatch_ids;      // [W, T_max, K_max] int32
+  int64_t dispatch_weights;  // [W, T_max, K_max] f32
+  int64_t dispatch_flags;    // [W, G_max] u64
+  int64_t combine_rows;      // [W, T_max, H] bf16
+  int64_t combine_flags;     // [W, G_max] u64
+  int64_t flags_begin;       // [flags_begin, flags_end) is zeroed at creation
+  int64_t flags_end;
+  int64_t total_bytes;
+};
+
+PETIT_HOST_DEVICE HeapLayout make_heap_layout(int world_size, int max_tokens, int hidden,
+                                              int max_top_k) {
+  HeapLayout l;
+  l.world_size = world_size;
+  l.max_tokens = max_tokens;
+  l.hidden = hidden;
+  l.max_top_k = max_top_k;
+  l.max_groups = ceil_div(max_tokens, kTokenGroupSize);
+  l.row_bytes = int64_t(hidden) * 2;
+  const int64_t rows = int64_t(world_size) * max_tokens;
+  int64_t cursor = 0;
+  // The layout is the construction order: advance a cursor region by region.
+  auto take = [&cursor](int64_t bytes) {
+    int64_t offset = cursor;
+    cursor = align_up(cursor + bytes, kRegionAlignment);
+    return offset;
+  };
+  l.dispatch_rows = take(rows * l.row_bytes);
+  l.dispatch_ids = take(rows * max_top_k * 4);
+  l.dispatch_weights = take(rows * max_top_k * 4);
+  l.combine_rows = take(rows * l.row_bytes);
+  l.flags_begin = cursor;
+  l.dispatch_flags = take(int64_t(world_size) * l.max_groups * 8);
+  l.combine_flags = take(int64_t(world_size) * l.max_groups * 8);
+  l.flags_end = cursor;
+  l.total_bytes = cursor;
+  return l;
+}
+
+}  // namespace petit

@@ -1,0 +1,62 @@
+"""Build script for vllm-petit-moe.
+
+The compiled extension `vllm_petit_moe._C` is built with torch's CUDAExtension for sm_90a by
+default. Override the targets with TORCH_CUDA_ARCH_LIST (e.g. "9.0a" or "9.0a;10.0a"); the
+compile runs in parallel (ninja, MAX_JOBS defaults to the core count).
+
+Install (needs nvcc and the pinned torch already present, hence no build isolation):
+    pip install vllm==0.24.0
+    CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e ".[test]"
+"""
+import os
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent.resolve()
+CSRC = ROOT / "csrc"
+
+# Sources of the extension: framework-free kernels + the one torch binding file.
+KERNEL_SOURCES = ["heap.cpp", "routing.cu", "dispatch_combine.cu"]
+BINDING_SOURCES = ["bindings.cpp"]
+
+
+def _extension_modules():
+    if os.environ.get("PETIT_MOE_SKIP_EXTENSION") == "1":
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"  # torch otherwise may guess /usr/local
+    nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
+                  "-Xptxas=-warn-spills"]
+    ext = CUDAExtension(
+        name="vllm_petit_moe._C",
+        sources=[str(Path("csrc") / s) for s in KERNEL_SOURCES + BINDING_SOURCES],
+        include_dirs=[str(CSRC)],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+    )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extension_modules()
+
+setup(
+    name="vllm-petit-moe",
+    version="0.1.0",
+    description="Expert-parallel MoE backend for vLLM: symmetric-heap dispatch/combine "
+                "kernels, grouped GEMMs and a fused MegaMoE kernel",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_petit_moe", "vllm_petit_moe.*"]),
+    package_data={"vllm_petit_moe": ["configs/*.json", "configs/*/*.json"]},
+    install_requires=["vllm==0.24.0", "torch==2.11.0"],
+    extras_require={"test": ["pytest>=8", "matplotlib", "requests"]},
+    entry_points={"vllm.general_plugins": ["petit_moe = vllm_petit_moe.plugin:register"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)

@@ -1,0 +1,54 @@
+"""Shared fixtures. GPU tests skip with a reason on machines without CUDA devices; the
+multi-rank pool runs W ranks on however many GPUs there are (ranks share GPUs if needed)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rank_pool import RankPool
+
+
+def num_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def extension_available() -> bool:
+    try:
+        from vllm_petit_moe import _C  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+requires_gpu = pytest.mark.skipif(num_gpus() == 0, reason="needs a CUDA GPU")
+requires_extension = pytest.mark.skipif(not extension_available(),
+                                        reason="compiled extension vllm_petit_moe._C not built")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+
+
+_pools: dict[int, RankPool] = {}
+
+
+@pytest.fixture(scope="session")
+def rank_pools():
+    """Factory: rank_pools(W) -> a live RankPool of W ranks (restarted after a failure)."""
+    def get(world_size: int) -> RankPool:
+        if num_gpus() == 0:
+            pytest.skip("needs a CUDA GPU")
+        if not extension_available():
+            pytest.skip("compiled extension vllm_petit_moe._C not built")
+        max_ranks_per_gpu = int(os.environ.get("PETIT_TEST_MAX_RANKS_PER_GPU", "4"))
+        if world_size > num_gpus() * max_ranks_per_gpu:
+            pytest.skip(f"{world_size} ranks need >= {world_size // max_ranks_per_gpu} GPUs")
+        pool = _pools.get(world_size)
+        if pool is None or not pool.healthy:
+            pool = _pools[world_size] = RankPool(world_size, num_gpus())
+        return pool
+    yield get
+    for pool in _pools.values():
+        pool.close()

@@ -1,0 +1,239 @@
+"""Multi-rank GPU tests of EpBuffer dispatch/combine against the torch reference.
+
+Every rank seeds identically, builds *all* ranks' inputs and computes its own expected
+output locally with the reference, so checking needs no collectives. Runs W ranks on the
+available GPUs (ranks share a GPU when there are fewer GPUs than ranks).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rank_pool import get_buffer
+from vllm_petit_moe import reference as ref
+
+NUM_EXPERTS = 32
+POISON = float("nan")
+
+
+def _inputs(seed, tokens_per_rank, hidden, top_k, num_experts, world_size, skew, device):
+    """All ranks' (x, topk_ids, topk_weights), identical on every rank."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    xs, ids, weights = [], [], []
+    for t in tokens_per_rank:
+        xs.append(torch.randn(t, hidden, generator=gen, device=device).to(torch.bfloat16))
+        i, w = ref.random_topk(t, num_experts, top_k, generator=gen, skew=skew,
+                               world_size=world_size, device=device)
+        ids.append(i)
+        weights.append(w)
+    return xs, ids, weights
+
+
+def _scaled_experts(recv_x, recv_ids, recv_weights):
+    """A cheap deterministic stand-in for the experts: expert e scales by (1 + e/8).
+    Rows whose ids are all -1 are 0."""
+    scale = torch.where(recv_ids >= 0, recv_weights * (1 + recv_ids.float() / 8), 0.0)
+    return (recv_x.float() * scale.sum(dim=1, keepdim=True)).to(torch.bfloat16)
+
+
+def _check_dispatch(out, expected, rank, tag):
+    assert torch.equal(out.recv_topk_ids, expected.recv_topk_ids.to(out.recv_topk_ids.device)), \
+        f"{tag}: routing ids differ on rank {rank}"
+    assert torch.equal(out.recv_topk_weights, expected.recv_topk_weights), \
+        f"{tag}: routing weights differ on rank {rank}"
+    mask = expected.routed_mask
+    assert torch.equal(out.recv_x[mask], expected.recv_x[mask]), \
+        f"{tag}: received rows differ on rank {rank}"
+
+
+def _rank_round_trip(state, cfg, seed, tokens_per_rank, top_k, skew, rounds, region_stride,
+                     identity):
+    rank, world, device = state["rank"], state["world_size"], state["device"]
+    buf = get_buffer(state, **cfg)
+    hidden, num_experts = cfg["hidden_size"], cfg["num_experts"]
+    stride = region_stride or max(tokens_per_rank)
+    for r in range(rounds):
+        xs, ids, ws = _inputs(seed + r, tokens_per_rank, hidden, top_k, num_experts, world,
+                              skew, device)
+        out = buf.dispatch(xs[rank], ids[rank], ws[rank], region_stride=stride)
+        expected = ref.dispatch_reference(xs, ids, ws, num_experts, stride)
+        _check_dispatch(out, expected[rank], rank, f"round {r}")
+        experts = ref.identity_experts_reference if identity else _scaled_experts
+        expert_out = experts(out.recv_x, out.recv_topk_ids, out.recv_topk_weights)
+        y = torch.full_like(xs[rank], POISON)
+        buf.combine(expert_out, out.handle, out=y)
+        expert_outs = [experts(e.recv_x, e.recv_topk_ids, e.recv_topk_weights) for e in expected]
+        want = ref.combine_reference(expert_outs, ids, num_experts)[rank]
+        # Same fp32 rank-order sum, same rounding: the combine is bit-exact.
+        assert torch.equal(y, want), f"round {r}: combine differs on rank {rank}: max err " \
+            f"{(y.float() - want.float()).abs().max().item()}"
+        if identity:  # dispatch -> identity experts -> combine returns the input
+            tol = ref.tolerance(want, xs[rank].float())
+            ref.check_close(y, xs[rank].float(), tol, name="identity round trip")
+        counts = buf.recv_tokens_per_rank(out.handle).cpu()
+        routed = [int(e.routed_mask[s * stride:(s + 1) * stride].sum()) for e in expected[rank:rank + 1]
+                  for s in range(world)]
+        assert counts.tolist() == routed
+    torch.cuda.synchronize()
+    return rounds
+
+
+def _rank_cuda_graph(state, cfg, seed, num_tokens, top_k, replays):
+    rank, world, device = state["rank"], state["world_size"], state["device"]
+    buf = get_buffer(state, **cfg)
+    hidden, num_experts = cfg["hidden_size"], cfg["num_experts"]
+    xs, ids, ws = _inputs(seed, [num_tokens] * world, hidden, top_k, num_experts, world, None,
+                          device)
+    static_x, static_ids, static_w = xs[rank].clone(), ids[rank].clone(), ws[rank].clone()
+    static_y = torch.empty_like(static_x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph (collective)
+        out = buf.dispatch(static_x, static_ids, static_w, region_stride=num_tokens)
+        buf.combine(_scaled_experts(out.recv_x, out.recv_topk_ids, out.recv_topk_weights),
+                    out.handle, out=static_y)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = buf.dispatch(static_x, static_ids, static_w, region_stride=num_tokens)
+        buf.combine(_scaled_experts(out.recv_x, out.recv_topk_ids, out.recv_topk_weights),
+                    out.handle, out=static_y)
+    for r in range(replays):
+        xs, ids, ws = _inputs(seed + 1 + r, [num_tokens] * world, hidden, top_k, num_experts,
+                              world, None, device)
+        static_x.copy_(xs[rank])
+        static_ids.copy_(ids[rank])
+        static_w.copy_(ws[rank])
+        static_y.fill_(POISON)
+        graph.replay()
+        expected = ref.dispatch_reference(xs, ids, ws, num_experts, num_tokens)
+        _check_dispatch(out, expected[rank], rank, f"replay {r}")
+        expert_outs = [_scaled_experts(e.recv_x, e.recv_topk_ids, e.recv_topk_weights)
+                       for e in expected]
+        want = ref.combine_reference(expert_outs, ids, num_experts)[rank]
+        assert torch.equal(static_y, want), f"replay {r}: combine differs on rank {rank}"
+    torch.cuda.synchronize()
+    return replays
+
+
+def _rank_bad_inputs(state, cfg):
+    buf = get_buffer(state, **cfg)
+    dev, H, T = state["device"], cfg["hidden_size"], 4
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    ids = torch.zeros(T, 2, dtype=torch.int64, device=dev)
+    w = torch.full((T, 2), 0.5, device=dev)
+    cases = [
+        (lambda: buf.dispatch(x.float(), ids, w), "bfloat16"),
+        (lambda: buf.dispatch(x[:, :8].contiguous(), ids, w), "hidden size"),
+        (lambda: buf.dispatch(x, ids + cfg["num_experts"], w), r"\[-1, %d\)" % cfg["num_experts"]),
+        (lambda: buf.dispatch(x, ids - 2, w), "top-k ids"),
+        (lambda: buf.dispatch(x, torch.zeros(T, 17, dtype=torch.int64, device=dev),
+                              torch.zeros(T, 17, device=dev)), "top-k 17"),
+        (lambda: buf.dispatch(torch.randn(cfg["max_tokens_per_rank"] + 1, H, device=dev).bfloat16(),
+                              torch.zeros(cfg["max_tokens_per_rank"] + 1, 2, dtype=torch.int64, device=dev),
+                              torch.zeros(cfg["max_tokens_per_rank"] + 1, 2, device=dev)),
+         "max_tokens_per_rank"),
+        (lambda: buf.dispatch(x, ids, w, region_stride=2), "region_stride"),
+        (lambda: buf.dispatch(x, ids, w.double()), "float32"),
+    ]
+    for fn, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            fn()
+    return True
+
+
+def _rank_world_mismatch(state):
+    """Creating a buffer whose experts do not split over the world size is refused."""
+    from vllm_petit_moe.buffer import EpBuffer
+    with pytest.raises(ValueError, match="divisible by the world size"):
+        EpBuffer(state["group"], hidden_size=64, num_experts=state["world_size"] * 3 + 1,
+                 max_tokens_per_rank=8)
+    return True
+
+
+def _cfg(hidden=136, max_tokens=256, num_experts=NUM_EXPERTS, **kw):
+    return dict(hidden_size=hidden, num_experts=num_experts, max_tokens_per_rank=max_tokens,
+                timeout_s=20.0, **kw)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("tokens,top_k,skew", [
+    ("equal:1", 1, None), ("equal:7", 4, None), ("equal:128", 8, None),
+    ("unequal", 8, None), ("zero_one", 2, None), ("equal:100", 8, "one_expert"),
+    ("equal:96", 6, "hot_rank")])
+def test_dispatch_combine_matches_reference(rank_pools, world_size, tokens, top_k, skew):
+    pool = rank_pools(world_size)
+    if tokens == "unequal":
+        per_rank = [(37 * (r + 1)) % 200 + 1 for r in range(world_size)]
+    elif tokens == "zero_one":
+        per_rank = [0 if r % 2 == 0 else 1 for r in range(world_size)]
+    else:
+        per_rank = [int(tokens.split(":")[1])] * world_size
+    pool.run(_rank_round_trip, _cfg(), 1000 + top_k, per_rank, top_k, skew, 3, None, False)
+
+
+@pytest.mark.parametrize("hidden", [8, 7168, 8200])
+def test_hidden_sizes_and_identity_round_trip(rank_pools, hidden):
+    pool = rank_pools(2)
+    pool.run(_rank_round_trip, _cfg(hidden=hidden, max_tokens=300), 7, [300, 129], 8, None, 2,
+             None, True)
+
+
+def test_max_tokens_4096_and_region_stride(rank_pools):
+    pool = rank_pools(2)
+    pool.run(_rank_round_trip, _cfg(hidden=2048, max_tokens=4096), 11, [4096, 4096], 8, None,
+             2, None, False)
+    # A region stride above every rank's T (padding rows must come back as -1).
+    pool.run(_rank_round_trip, _cfg(hidden=2048, max_tokens=4096), 12, [100, 3000], 8, None,
+             2, 4000, False)
+
+
+def test_one_rank_receives_everything(rank_pools):
+    # top-1 on expert 0 for every token: rank 0 receives all rows, the others nothing.
+    pool = rank_pools(2)
+    pool.run(_rank_round_trip, _cfg(), 21, [200, 50], 1, "one_expert", 2, None, True)
+
+
+def test_200_back_to_back_rounds(rank_pools):
+    pool = rank_pools(2)
+    pool.run(_rank_round_trip, _cfg(hidden=256), 31, [64, 45], 8, None, 200, None, False)
+
+
+def test_cuda_graph_replays(rank_pools):
+    pool = rank_pools(2)
+    pool.run(_rank_cuda_graph, _cfg(hidden=512), 41, 96, 8, 17)
+
+
+def test_bad_inputs_raise_clear_errors(rank_pools):
+    pool = rank_pools(2)
+    pool.run(_rank_bad_inputs, _cfg(max_tokens=64))
+    pool.run(_rank_world_mismatch)
+
+
+def _rank_timeout(state):
+    """Rank 0 dispatches, the others never do: rank 0's bounded wait must fail the call."""
+    import time
+    buf = get_buffer(state, **_cfg(hidden=64, max_tokens=32, timeout_s=1.0))
+    if state["rank"] != 0:
+        time.sleep(5)
+        return None
+    x = torch.randn(4, 64, device=state["device"]).bfloat16()
+    ids = torch.zeros(4, 1, dtype=torch.int64, device=state["device"])
+    w = torch.ones(4, 1, device=state["device"])
+    buf.dispatch(x, ids, w)
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        return {"error": str(e), **buf.diagnostics()}
+    return {"error": None}
+
+
+def test_spin_wait_is_bounded(rank_pools):
+    pool = rank_pools(2)
+    results = pool.run(_rank_timeout, timeout_s=120)
+    pool.close()  # rank 0's CUDA context is gone after the trap
+    r0 = results[0]
+    assert r0["error"] is not None, "dispatch without a peer must fail, not hang or succeed"
+    assert r0["timed_out"] == 1 and r0["rank"] == 0 and r0["peer"] == 1
+    assert r0["phase"] == "dispatch" and r0["expected_epoch"] == 1

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# On a GPU machine: build the extension with every core, run the whole test suite (GPU and
+# multi-rank tests included: W ranks share the GPUs when there are fewer GPUs than ranks),
+# optionally the benchmarks, and print a short summary last. Logs go to $OUT (default
+# /tmp/petit-gpu-check).
+#
+#   bash tools/gpu_check.sh                 # build + tests
+#   BENCH=1 bash tools/gpu_check.sh         # + examples/bench_dispatch_combine.py (>= 2 GPUs)
+#   PYTEST_ARGS="-k graph" bash tools/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/petit-gpu-check}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+PY=${PYTHON:-python3}
+
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | sed 's/^ *//')
+num_gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+
+t0=$(date +%s)
+MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1
+build_rc=$?
+build_s=$(( $(date +%s) - t0 ))
+spills=$(grep -c "bytes spill stores" "$OUT/build.log" 2>/dev/null || true)
+[ $build_rc -eq 0 ] || tail -40 "$OUT/build.log"
+
+test_rc=1
+if [ $build_rc -eq 0 ]; then
+  t1=$(date +%s)
+  $PY -m pytest -q -rs ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/pytest.log"
+  test_rc=${PIPESTATUS[0]}
+  test_s=$(( $(date +%s) - t1 ))
+fi
+
+bench_rc=-
+if [ "${BENCH:-0}" = 1 ] && [ $build_rc -eq 0 ] && [ "$num_gpus" -ge 2 ]; then
+  $PY examples/bench_dispatch_combine.py ${BENCH_ARGS:-} --out-dir "$OUT" 2>&1 | tee "$OUT/bench.log"
+  bench_rc=${PIPESTATUS[0]}
+fi
+
+echo
+echo "================ petit-moe GPU check ================"
+echo "gpus        : ${gpus:-none} ($num_gpus)"
+echo "commit      : $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+echo "build       : rc=$build_rc in ${build_s}s (spilling functions: ${spills:-0})"
+echo "tests       : rc=$test_rc in ${test_s:-0}s: $(tail -1 "$OUT/pytest.log" 2>/dev/null)"
+echo "bench       : rc=$bench_rc"
+[ $build_rc -eq 0 ] && [ $test_rc -eq 0 ] && { [ "$bench_rc" = - ] || [ "$bench_rc" = 0 ]; }

@@ -1,0 +1,290 @@
+"""`EpBuffer`: the expert-parallel communication buffer (symmetric heap + dispatch/combine).
+
+One `EpBuffer` owns one rank's share of the linearized symmetric heap, the process group and
+the configuration; it is created collectively by every rank of one node's EP group. See
+docs/architecture.md for the data layout and the flag/epoch protocol.
+
+    buf = EpBuffer(group, hidden_size=7168, num_experts=256, max_tokens_per_rank=4096)
+    out = buf.dispatch(x, topk_ids, topk_weights)          # received rows + routing
+    expert_out = my_experts(out.recv_x, out.recv_topk_ids, out.recv_topk_weights)
+    y = buf.combine(expert_out, out.handle)                 # [T, H], summed at the source
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .heap import check_single_node, exchange_fds
+
+logger = logging.getLogger("vllm_petit_moe")
+
+MAX_TOP_K = 16
+MAX_EXPERTS = 512
+MAX_WORLD_SIZE = 32
+TOKEN_GROUP_SIZE = 32
+
+
+def _ops():
+    from . import _C  # compiled extension; imported lazily so CPU-only code never needs it
+    return _C
+
+
+@dataclass(frozen=True)
+class CombineHandle:
+    """What `combine` needs from the `dispatch` it answers. Valid until the next dispatch
+    on the same buffer."""
+    num_tokens: int
+    top_k: int
+    region_stride: int
+
+
+@dataclass(frozen=True)
+class DispatchOutput:
+    """Result of `EpBuffer.dispatch` at this (destination) rank; W = world size,
+    R = region stride. The tensors are views of the heap, valid until the next dispatch.
+
+    recv_x:            [W*R, H] bfloat16; row s*R+i = token i of source s if routed here.
+    recv_topk_ids:     [W*R, K] int32 local expert ids, -1 where the expert is not local
+                       (rows of tokens i >= T_s are all -1).
+    recv_topk_weights: [W*R, K] float32, 0 where the id is -1.
+    handle:            pass to `EpBuffer.combine`.
+    """
+    recv_x: torch.Tensor
+    recv_topk_ids: torch.Tensor
+    recv_topk_weights: torch.Tensor
+    handle: CombineHandle
+
+
+def heap_bytes(world_size: int, max_tokens_per_rank: int, hidden_size: int,
+               max_top_k: int) -> int:
+    """Bytes of one rank's heap (before rounding to the allocation granularity). Mirrors
+    csrc/layout.h make_heap_layout; tests check the two agree."""
+    align = lambda n: (n + 255) // 256 * 256  # noqa: E731
+    rows = world_size * max_tokens_per_rank
+    groups = -(-max_tokens_per_rank // TOKEN_GROUP_SIZE)
+    total = 0
+    for nbytes in (rows * hidden_size * 2, rows * max_top_k * 4, rows * max_top_k * 4,
+                   rows * hidden_size * 2, world_size * groups * 8, world_size * groups * 8):
+        total += align(nbytes)
+    return total
+
+
+def validate_config(*, world_size: int, hidden_size: int, num_experts: int,
+                    max_tokens_per_rank: int, max_top_k: int) -> None:
+    """Raise ValueError naming the limit for an unsupported buffer configuration."""
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"petit_moe: world size {world_size} outside [1, {MAX_WORLD_SIZE}]")
+    if hidden_size <= 0 or hidden_size % 8 != 0:
+        raise ValueError(f"petit_moe: hidden size {hidden_size} must be a positive multiple "
+                         "of 8 (16-byte bf16 vectors)")
+    if not 1 <= num_experts <= MAX_EXPERTS or num_experts % world_size != 0:
+        raise ValueError(f"petit_moe: num_experts {num_experts} must be in [1, {MAX_EXPERTS}] "
+                         f"and divisible by the world size {world_size}")
+    if not 1 <= max_top_k <= MAX_TOP_K:
+        raise ValueError(f"petit_moe: max_top_k {max_top_k} outside [1, {MAX_TOP_K}]")
+    if max_tokens_per_rank < 1:
+        raise ValueError("petit_moe: max_tokens_per_rank must be >= 1")
+
+
+class EpBuffer:
+    """Expert-parallel dispatch/combine over a linearized symmetric heap (one node, bf16).
+
+    Collective: every rank of `group` constructs it with the same arguments, in the same
+    order relative to other EpBuffers. `group` may be any torch.distributed group (gloo is
+    fine; it only carries the rendezvous).
+
+    Args:
+        group: the EP process group (all ranks on this node).
+        hidden_size: H, a multiple of 8.
+        num_experts: E, divisible by the world size, <= 512.
+        max_tokens_per_rank: the largest T a dispatch may carry; sizes the heap
+            (2 * W * T_max * H * 2 bytes of rows per rank). Larger calls raise ValueError.
+        max_top_k: the largest top-k (<= 16).
+        num_sms: blocks of the persistent dispatch/combine grid (default: every SM).
+        timeout_s: bound of every spin-wait; on expiry the kernel reports rank, peer, token
+            group and epoch (see `diagnostics`) and traps.
+        validate_ids: check expert ids on the host (one sync) when not capturing a graph.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, *, hidden_size: int, num_experts: int,
+                 max_tokens_per_rank: int, max_top_k: int = MAX_TOP_K,
+                 num_sms: int | None = None, timeout_s: float = 30.0,
+                 validate_ids: bool = True):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        validate_config(world_size=self.world_size, hidden_size=hidden_size,
+                        num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
+                        max_top_k=max_top_k)
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.world_size
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_top_k = max_top_k
+        self.timeout_s = timeout_s
+        self.validate_ids = validate_ids
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_sms = sm_count if num_sms is None else num_sms
+        if not 1 <= self.num_sms <= sm_count:
+            raise ValueError(f"petit_moe: num_sms {self.num_sms} outside [1, {sm_count}]")
+
+        check_single_node(group)
+        self._ctx = _ops().EpContext(self.device.index, self.rank, self.world_size,
+                                     max_tokens_per_rank, hidden_size, max_top_k, num_experts,
+                                     self.num_sms, timeout_s)
+        try:
+            fds = exchange_fds(group, self._ctx.export_fd())
+            self._ctx.map_peers(fds)  # zeroes this rank's flags
+            dist.barrier(group=group)  # ... before any peer may write them
+            self._verify_mapping()
+        except BaseException:
+            self._ctx.close()
+            raise
+        self.footprint_bytes = self._ctx.heap_bytes
+        logger.info("petit_moe: EP buffer rank %d/%d: heap %.1f MiB per rank (%d tokens/rank "
+                    "x hidden %d x top-%d), %d SMs", self.rank, self.world_size,
+                    self.footprint_bytes / 2**20, max_tokens_per_rank, hidden_size,
+                    max_top_k, self.num_sms)
+
+    # ------------------------------------------------------------------ setup checks
+    def _verify_mapping(self) -> None:
+        """Every rank writes a signature into its own heap; each reads all of them back
+        through the linear range. Catches a broken mapping before any kernel relies on it."""
+        offset = _ops().heap_layout(self.world_size, self.max_tokens_per_rank,
+                                    self.hidden_size, self.max_top_k)["combine_rows"]
+        signature = lambda r: torch.arange(16, dtype=torch.uint8, device=self.device) + 16 * r  # noqa: E731
+        self._ctx.heap_view(self.rank, offset, 16).copy_(signature(self.rank))
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        for r in range(self.world_size):
+            got = self._ctx.heap_view(r, offset, 16)
+            if not torch.equal(got, signature(r)):
+                raise RuntimeError(f"petit_moe: rank {self.rank} reads a wrong signature from "
+                                   f"rank {r}'s heap through the linear mapping")
+        dist.barrier(group=self.group)  # nobody overwrites the region before all have read
+
+    def _check_open(self) -> None:
+        if self._ctx is None:
+            raise RuntimeError("petit_moe: EpBuffer is closed")
+
+    # -------------------------------------------------------------------- hot path
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 region_stride: int | None = None) -> DispatchOutput:
+        """Send each token once to every rank owning one of its experts.
+
+        Args:
+            x: [T, H] bfloat16 tokens of this rank (T <= region_stride).
+            topk_ids: [T, K] int32/int64 global expert ids in [0, E), -1 = unused slot.
+            topk_weights: [T, K] float32.
+            region_stride: R, equal on every rank and >= every rank's T
+                (default: max_tokens_per_rank). The output has W*R rows.
+        No host synchronization (unless validate_ids and not capturing); capturable in a
+        CUDA graph. Collective: every rank calls it.
+        """
+        self._check_open()
+        region_stride = self.max_tokens_per_rank if region_stride is None else region_stride
+        self._validate_dispatch(x, topk_ids, topk_weights, region_stride)
+        recv_x, recv_ids, recv_weights = self._ctx.dispatch(x, topk_ids, topk_weights,
+                                                            region_stride)
+        handle = CombineHandle(num_tokens=x.shape[0], top_k=topk_ids.shape[1],
+                               region_stride=region_stride)
+        return DispatchOutput(recv_x, recv_ids, recv_weights, handle)
+
+    def combine(self, expert_out: torch.Tensor, handle: CombineHandle,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Return each destination's reduced row to its source and sum them there.
+
+        Args:
+            expert_out: [W*R, H] bfloat16 in the dispatch layout; row s*R+i must hold the
+                weighted sum over this rank's experts of token i of source s (only rows
+                routed here are read).
+            handle: from the dispatch this answers (the latest one on this buffer).
+            out: optional [T, H] bfloat16 output.
+        Returns y [T, H] bfloat16: y[i] = sum over ranks d routed by token i of
+        expert_out_d[rank*R + i], accumulated in fp32.
+        """
+        self._check_open()
+        rows = self.world_size * handle.region_stride
+        if expert_out.dtype != torch.bfloat16 or tuple(expert_out.shape) != (rows, self.hidden_size):
+            raise ValueError(f"petit_moe: expert_out must be bfloat16 [{rows}, {self.hidden_size}]"
+                             f" (world*region_stride, hidden), got {expert_out.dtype} "
+                             f"{list(expert_out.shape)}")
+        if out is None:
+            out = torch.empty(handle.num_tokens, self.hidden_size, dtype=torch.bfloat16,
+                              device=self.device)
+        elif out.dtype != torch.bfloat16 or tuple(out.shape) != (handle.num_tokens, self.hidden_size):
+            raise ValueError(f"petit_moe: out must be bfloat16 [{handle.num_tokens}, "
+                             f"{self.hidden_size}], got {out.dtype} {list(out.shape)}")
+        self._ctx.combine(expert_out.contiguous(), out, handle.top_k, handle.region_stride)
+        return out
+
+    def _validate_dispatch(self, x, topk_ids, topk_weights, region_stride) -> None:
+        if x.dim() != 2 or x.dtype != torch.bfloat16:
+            raise ValueError(f"petit_moe: x must be a 2-D bfloat16 tensor, got {x.dtype} "
+                             f"{list(x.shape)}")
+        if x.shape[1] != self.hidden_size:
+            raise ValueError(f"petit_moe: x hidden size {x.shape[1]} != buffer hidden size "
+                             f"{self.hidden_size}")
+        num_tokens = x.shape[0]
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or \
+                topk_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"petit_moe: topk_ids must be int32/int64 [{num_tokens}, K], got "
+                             f"{topk_ids.dtype} {list(topk_ids.shape)}")
+        top_k = topk_ids.shape[1]
+        if not 1 <= top_k <= self.max_top_k:
+            raise ValueError(f"petit_moe: top-k {top_k} outside [1, {self.max_top_k}] "
+                             "(max_top_k of this buffer)")
+        if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (num_tokens, top_k):
+            raise ValueError(f"petit_moe: topk_weights must be float32 [{num_tokens}, {top_k}], "
+                             f"got {topk_weights.dtype} {list(topk_weights.shape)}")
+        if region_stride > self.max_tokens_per_rank:
+            raise ValueError(f"petit_moe: region_stride {region_stride} exceeds the buffer's "
+                             f"max_tokens_per_rank {self.max_tokens_per_rank}")
+        if num_tokens > region_stride:
+            raise ValueError(f"petit_moe: {num_tokens} tokens exceed "
+                             + (f"the buffer's max_tokens_per_rank {self.max_tokens_per_rank}"
+                                if region_stride == self.max_tokens_per_rank
+                                else f"region_stride {region_stride}")
+                             + "; split the call into chunks")
+        for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if t.device != self.device:
+                raise ValueError(f"petit_moe: {name} is on {t.device}, the buffer on {self.device}")
+        if self.validate_ids and num_tokens > 0 and not torch.cuda.is_current_stream_capturing():
+            bad = (topk_ids < -1) | (topk_ids >= self.num_experts)
+            if bool(bad.any()):
+                raise ValueError(f"petit_moe: top-k ids must be in [-1, {self.num_experts}) "
+                                 f"(num_experts); got min {int(topk_ids.min())}, "
+                                 f"max {int(topk_ids.max())}")
+
+    # ------------------------------------------------------------------ inspection
+    def recv_tokens_per_rank(self, handle: CombineHandle) -> torch.Tensor:
+        """[W] int32 on the device: rows received from each source in the last dispatch."""
+        groups = -(-handle.region_stride // TOKEN_GROUP_SIZE)
+        return self._ctx.recv_group_counts()[:, :groups].sum(dim=1, dtype=torch.int32)
+
+    def diagnostics(self) -> dict:
+        """The record of a timed-out wait (timed_out=0 when none), readable after the trap."""
+        return dict(self._ctx.diagnostics()) if self._ctx is not None else {}
+
+    def peer_write(self, src: torch.Tensor, bytes_per_peer: int) -> None:
+        """Benchmark ceiling: push `bytes_per_peer` of `src` into every peer's heap with the
+        same SM copy loop and grid as dispatch (self excluded). Not a collective sync."""
+        self._check_open()
+        self._ctx.peer_write(src, bytes_per_peer, self.num_sms)
+
+    def close(self) -> None:
+        """Unmap and release the heap (waits for the device). Collective in spirit: peers
+        must not use this rank's heap afterwards."""
+        if self._ctx is not None:
+            self._ctx.close()
+            self._ctx = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
