@@ -126,6 +126,7 @@ class SymmetricHeap {
   SymmetricHeap() = default;
   int device_ = -1;
   int64_t bytes_ = 0;      // requested size
+  int64_t granularity_ = 0;
   int64_t stride_ = 0;     // rounded to the granularity
   petitMemHandle_t local_handle_{};
   bool has_local_handle_ = false;

@@ -61,6 +61,7 @@ petitError_t SymmetricHeap::create(int device, int64_t bytes, SymmetricHeap** ou
   SymmetricHeap* heap = new SymmetricHeap();
   heap->device_ = device;
   heap->bytes_ = bytes;
+  heap->granularity_ = int64_t(granularity);
   heap->stride_ = align_up(bytes, int64_t(granularity));
   petitVmmResult res = petit_vmm_create(&heap->local_handle_, size_t(heap->stride_), &prop);
   if (res != petitVmmResult(0)) {
@@ -100,7 +101,7 @@ petitError_t SymmetricHeap::map_all(const int* peer_fds, int world_size, int ran
     imported_[r] = true;
   }
   const size_t total = size_t(stride_) * size_t(world_size);
-  PETIT_VMM_CHECK(petit_vmm_reserve(&base_, total, size_t(stride_)),
+  PETIT_VMM_CHECK(petit_vmm_reserve(&base_, total, size_t(granularity_)),
                   "reservation of a %zu-byte virtual range for %d heaps", total, world_size);
   for (int r = 0; r < world_size; ++r) {
     PETIT_VMM_CHECK(petit_vmm_map(base_ + int64_t(r) * stride_, size_t(stride_), peer_handles_[r]),

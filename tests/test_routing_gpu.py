@@ -15,6 +15,15 @@ def _random_routing_block(num_rows, top_k, num_local, gen, invalid_fraction=0.5)
     return torch.where(drop, torch.full_like(ids, -1), ids)
 
 
+def test_row_lists_bad_input():
+    from vllm_petit_moe import _C
+    ids = torch.zeros(4, 2, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="int32"):
+        _C.expert_row_lists(ids, 4)
+    with pytest.raises(RuntimeError, match="num_local_experts"):
+        _C.expert_row_lists(ids.int(), 513)
+
+
 @pytest.mark.parametrize("num_rows,top_k,num_local", [
     (1, 1, 1), (7, 3, 5), (64, 8, 128), (1000, 8, 32), (4096, 8, 128), (8192, 16, 512),
     (16384, 8, 8), (3, 2, 512)])
@@ -61,12 +70,7 @@ def test_row_lists_poisoned_outputs_fully_written_under_graph():
         ref = expert_row_lists_reference(static_ids.cpu(), 16)
         for got, want in zip(outs, ref):
             assert torch.equal(got.cpu(), want)
+    torch.cuda.synchronize()
+    del graph, outs
 
 
-def test_row_lists_bad_input():
-    from vllm_petit_moe import _C
-    ids = torch.zeros(4, 2, dtype=torch.int64, device="cuda")
-    with pytest.raises(RuntimeError, match="int32"):
-        _C.expert_row_lists(ids, 4)
-    with pytest.raises(RuntimeError, match="num_local_experts"):
-        _C.expert_row_lists(ids.int(), 513)

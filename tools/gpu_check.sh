@@ -28,14 +28,14 @@ spills=$(grep -c "bytes spill stores" "$OUT/build.log" 2>/dev/null || true)
 test_rc=1
 if [ $build_rc -eq 0 ]; then
   t1=$(date +%s)
-  $PY -m pytest -q -rs ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/pytest.log"
+  timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -rs ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/pytest.log"
   test_rc=${PIPESTATUS[0]}
   test_s=$(( $(date +%s) - t1 ))
 fi
 
 bench_rc=-
 if [ "${BENCH:-0}" = 1 ] && [ $build_rc -eq 0 ] && [ "$num_gpus" -ge 2 ]; then
-  $PY examples/bench_dispatch_combine.py ${BENCH_ARGS:-} --out-dir "$OUT" 2>&1 | tee "$OUT/bench.log"
+  timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py ${BENCH_ARGS:-} --out-dir "$OUT" 2>&1 | tee "$OUT/bench.log"
   bench_rc=${PIPESTATUS[0]}
 fi
 

@@ -1,0 +1,802 @@
+"""CPU-only tests of the vLLM plugin: entry point, flag registration, the hook's decision and
+substitution, and ``PetitPrepareAndFinalize`` inside vLLM's real modular kernel.
+
+Runs with the real vLLM (0.24.0 tested) and no GPU. vLLM's config objects, prepare/finalize
+classes, Triton experts object, expert maps and ``FusedMoEKernel`` are the real ones. Faked,
+because they need a GPU: the ``EpBuffer`` (``FakeEpBuffer`` below: the architecture.md layout
+computed with ``vllm_petit_moe.reference``, every rank's inputs known to every rank, as in
+pplx-kernels' tests), the runtime facts of the EP group (``EpRuntime``), and the Triton GEMMs
+(``ReferenceExperts``: vLLM's experts contract, expert_map lookup included, on the
+reference). The compiled extension is never imported.
+
+Tests that need a fresh process (plugin loading, lazy patching) run a short script in a
+subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from vllm.config import (  # noqa: E402
+    DeviceConfig,
+    ParallelConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.forward_context import (  # noqa: E402
+    DPMetadata,
+    create_forward_context,
+    override_forward_context,
+)
+from vllm.model_executor.layers.fused_moe import modular_kernel as mk  # noqa: E402
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
+from vllm.model_executor.layers.fused_moe.config import (  # noqa: E402
+    FUSED_MOE_UNQUANTIZED_CONFIG,
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    FusedMoEQuantConfig,
+    RoutingMethodType,
+)
+from vllm.model_executor.layers.fused_moe.expert_map_manager import (  # noqa: E402
+    determine_expert_map,
+)
+from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts  # noqa: E402
+from vllm.model_executor.layers.fused_moe.prepare_finalize import (  # noqa: E402
+    MoEPrepareAndFinalizeNaiveDPEPModular,
+    make_moe_prepare_and_finalize_naive_dp_ep,
+    make_moe_prepare_and_finalize_no_dp_ep,
+)
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (  # noqa: E402
+    TopKWeightAndReduceNoOP,
+)
+
+from vllm_petit_moe import reference  # noqa: E402
+from vllm_petit_moe.vllm_glue import buffers, compat, envs, hook  # noqa: E402
+from vllm_petit_moe.vllm_glue.prepare_finalize import (  # noqa: E402
+    PetitPrepareAndFinalize,
+    linear_expert_map,
+    local_to_global_expert_ids,
+)
+
+# --------------------------------------------------------------------------------------------
+# Fakes of what needs a GPU
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeDispatchOutput:
+    recv_x: torch.Tensor
+    recv_topk_ids: torch.Tensor
+    recv_topk_weights: torch.Tensor
+    handle: object
+
+
+@dataclass
+class SimulatedCall:
+    """One MoE call of all W ranks: every rank's inputs and the global expert weights."""
+
+    xs: list[torch.Tensor]
+    topk_ids: list[torch.Tensor]
+    topk_weights: list[torch.Tensor]
+    w13: torch.Tensor  # [E, 2I, H] bf16
+    w2: torch.Tensor  # [E, H, I] bf16
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def local_weights(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        num_local = self.num_experts // world_size
+        experts = slice(rank * num_local, (rank + 1) * num_local)
+        return self.w13[experts], self.w2[experts]
+
+
+class FakeEpBuffer:
+    """``EpBuffer``'s API on the CPU. Dispatch returns the reference layout for this rank;
+    combine computes the other ranks' expert outputs with the reference (their inputs are
+    known here) and combines them with this rank's real ``expert_out``."""
+
+    def __init__(self, rank: int, world_size: int, num_experts: int, call: SimulatedCall | None):
+        self.rank = rank
+        self.world_size = world_size
+        self.num_local_experts = num_experts // world_size
+        self.footprint_bytes = 1 << 20
+        self.num_experts = num_experts
+        self.call = call
+        self.region_strides: list[int] = []
+
+    def dispatch(self, x, topk_ids, topk_weights, region_stride=None):
+        call = self.call
+        assert torch.equal(x, call.xs[self.rank])
+        assert torch.equal(topk_ids.long(), call.topk_ids[self.rank].long())
+        assert topk_weights.dtype == torch.float32
+        self.region_strides.append(region_stride)
+        received = reference.dispatch_reference(
+            call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride
+        )[self.rank]
+        return FakeDispatchOutput(
+            received.recv_x,
+            received.recv_topk_ids,
+            received.recv_topk_weights,
+            handle=("fake-handle", self.rank, region_stride),
+        )
+
+    def combine(self, expert_out, handle, out=None):
+        call = self.call
+        assert handle == ("fake-handle", self.rank, self.region_strides[-1])
+        region_stride = handle[2]
+        assert expert_out.shape[0] == self.world_size * region_stride
+        dispatched = reference.dispatch_reference(
+            call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride
+        )
+        expert_outs = []
+        for dst_rank, received in enumerate(dispatched):
+            if dst_rank == self.rank:
+                expert_outs.append(expert_out)
+                continue
+            w13, w2 = call.local_weights(dst_rank, self.world_size)
+            expert_outs.append(
+                reference.experts_reference(
+                    received.recv_x, received.recv_topk_ids, received.recv_topk_weights, w13, w2
+                )
+            )
+        y = reference.combine_reference(expert_outs, call.topk_ids, self.num_experts)[self.rank]
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+    def close(self):
+        pass
+
+
+class ReferenceExperts(mk.FusedMoEExpertsModular):
+    """vLLM's Triton experts contract on the CPU: global ``topk_ids`` resolved through the
+    layer's ``expert_map`` (non-local -> contributes 0), router weights applied, top-k reduced
+    (``TopKWeightAndReduceNoOP``), output ``[M, H]``; the GEMMs are the reference's."""
+
+    @staticmethod
+    def activation_format():
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device():
+        return True
+
+    @staticmethod
+    def _supports_no_act_and_mul():
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key):
+        return weight_key is None and activation_key is None
+
+    @staticmethod
+    def _supports_activation(activation):
+        return activation == MoEActivation.SILU
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config):
+        return True
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
+                         expert_tokens_meta, activation):
+        return (M, topk, max(N, K)), (M, topk, max(N, K)), (M, K)
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOP()
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input):
+        assert expert_map is not None
+        # vLLM's moe_align_block_size needs ids in [0, E): a -1 would index expert_map[-1].
+        assert bool(((topk_ids >= 0) & (topk_ids < global_num_experts)).all())
+        local_ids = expert_map.long()[topk_ids.long()].to(torch.int32)
+        weights = torch.where(local_ids >= 0, topk_weights, 0.0)
+        output.copy_(reference.experts_reference(hidden_states, local_ids, weights, w1, w2))
+
+
+# --------------------------------------------------------------------------------------------
+# Real vLLM config objects
+# --------------------------------------------------------------------------------------------
+
+
+def make_parallel_config(**overrides) -> FusedMoEParallelConfig:
+    fields = dict(
+        tp_size=1, tp_rank=0, pcp_size=1, pcp_rank=0, dp_size=2, dp_rank=0, ep_size=2,
+        ep_rank=0, sp_size=1, use_ep=True, all2all_backend="allgather_reducescatter",
+        enable_eplb=False,
+    )
+    fields.update(overrides)
+    return FusedMoEParallelConfig(**fields)
+
+
+def make_moe_config(parallel: FusedMoEParallelConfig | None = None, **overrides) -> FusedMoEConfig:
+    parallel = parallel or make_parallel_config()
+    num_experts = overrides.pop("num_experts", 16)
+    fields = dict(
+        num_experts=num_experts,
+        experts_per_token=4,
+        hidden_dim=1024,
+        intermediate_size=512,
+        num_local_experts=num_experts // parallel.ep_size,
+        num_logical_experts=num_experts,
+        activation=MoEActivation.SILU,
+        device="cpu",
+        routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=parallel,
+        in_dtype=torch.bfloat16,
+        max_num_tokens=2048,
+    )
+    fields.update(overrides)
+    return FusedMoEConfig(**fields)
+
+
+def make_vllm_config(**parallel_kwargs) -> VllmConfig:
+    parallel_kwargs = {"data_parallel_size": 2, "enable_expert_parallel": True, **parallel_kwargs}
+    return VllmConfig(
+        parallel_config=ParallelConfig(**parallel_kwargs), device_config=DeviceConfig(device="cpu")
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm_config() -> VllmConfig:
+    return make_vllm_config()
+
+
+def single_node_cuda(rank: int = 0, world_size: int = 2, **overrides) -> hook.EpRuntime:
+    fields = dict(platform="cuda", ep_world_size=world_size, ep_rank=rank, internode=False,
+                  cpu_group=object())
+    fields.update(overrides)
+    return hook.EpRuntime(**fields)
+
+
+def naive_pf(world_size: int = 2) -> MoEPrepareAndFinalizeNaiveDPEPModular:
+    return make_moe_prepare_and_finalize_naive_dp_ep(
+        use_monolithic=False, is_sequence_parallel=False, num_dispatchers=world_size
+    )
+
+
+def triton_experts(moe_config, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG, vllm_config=None):
+    with set_current_vllm_config(vllm_config or make_vllm_config()):
+        return TritonExperts(moe_config, quant_config)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point and register() (fresh processes)
+# --------------------------------------------------------------------------------------------
+
+
+def run_python(script: str, **env_overrides: str) -> dict:
+    """Run ``script`` in a fresh interpreter; it prints one JSON object as its last line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env.update(env_overrides)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_entry_point_is_discovered():
+    from importlib.metadata import entry_points
+
+    from vllm_petit_moe import plugin
+
+    found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "petit_moe"]
+    assert len(found) == 1, "pip install -e . registers the vllm.general_plugins entry point"
+    assert found[0].value == "vllm_petit_moe.plugin:register"
+    assert found[0].load() is plugin.register
+
+
+_PROBE = """
+    import json, sys
+    import vllm.envs as vllm_envs
+    from vllm.plugins import load_general_plugins
+    mk_name = "vllm.model_executor.layers.fused_moe.modular_kernel"
+    out = {{}}
+    {body}
+    print(json.dumps(out))
+"""
+
+
+def test_flag_is_unknown_to_vllm_without_the_plugin():
+    # Control for the next test: vLLM's strict env validation rejects the flag by itself.
+    out = run_python(_PROBE.format(body="""
+    try:
+        vllm_envs.validate_environ(hard_fail=True)
+        out["rejected"] = False
+    except ValueError:
+        out["rejected"] = True
+    """), VLLM_USE_PETIT_MOE="0")
+    assert out["rejected"]
+
+
+def test_register_without_flag_only_registers_the_env_vars():
+    out = run_python(_PROBE.format(body="""
+    load_general_plugins()
+    load_general_plugins()  # vLLM calls it in several places; only the first loads
+    from vllm_petit_moe import plugin
+    plugin.register()  # idempotent
+    vllm_envs.validate_environ(hard_fail=True)  # raises if the flag were unknown
+    out["registered"] = sorted(k for k in vllm_envs.environment_variables if "PETIT" in k)
+    out["flag"] = vllm_envs.VLLM_USE_PETIT_MOE
+    out["mk_imported"] = mk_name in sys.modules
+    out["finders"] = [type(f).__name__ for f in sys.meta_path if "PostImport" in type(f).__name__]
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+    out["patched"] = hasattr(FusedMoEKernel.__init__, "_petit_moe_original")
+    """), VLLM_USE_PETIT_MOE="0")
+    assert out == {
+        "registered": ["VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_TIMEOUT_S", "VLLM_USE_PETIT_MOE"],
+        "flag": False,
+        "mk_imported": False,
+        "finders": [],
+        "patched": False,
+    }
+
+
+def test_register_with_flag_patches_lazily_and_once():
+    out = run_python(_PROBE.format(body="""
+    load_general_plugins()
+    vllm_envs.validate_environ(hard_fail=True)
+    out["flag"] = vllm_envs.VLLM_USE_PETIT_MOE
+    out["mk_imported_after_register"] = mk_name in sys.modules  # register() stays cheap
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+    init = FusedMoEKernel.__init__
+    out["patched"] = hasattr(init, "_petit_moe_original")
+    from vllm_petit_moe import plugin
+    from vllm_petit_moe.vllm_glue import hook
+    plugin.register()
+    hook.install()  # a second installation must not wrap twice
+    out["same_patch"] = FusedMoEKernel.__init__ is init
+    out["single_layer"] = not hasattr(init._petit_moe_original, "_petit_moe_original")
+    out["finders_left"] = [
+        type(f).__name__ for f in sys.meta_path if "PostImport" in type(f).__name__
+    ]
+    """), VLLM_USE_PETIT_MOE="1")
+    assert out == {
+        "flag": True,
+        "mk_imported_after_register": False,
+        "patched": True,
+        "same_patch": True,
+        "single_layer": True,
+        "finders_left": [],
+    }
+
+
+def test_register_with_flag_patches_an_already_imported_kernel():
+    out = run_python(_PROBE.format(body="""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+    from vllm_petit_moe import plugin
+    plugin.register()
+    out["patched"] = hasattr(FusedMoEKernel.__init__, "_petit_moe_original")
+    """), VLLM_USE_PETIT_MOE="true")
+    assert out == {"patched": True}
+
+
+def test_malformed_flag_fails_at_registration(monkeypatch):
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "maybe")
+    with pytest.raises(ValueError, match="VLLM_USE_PETIT_MOE"):
+        envs.use_petit_moe()
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_TIMEOUT_S, "-1")
+    with pytest.raises(ValueError, match="VLLM_PETIT_MOE_TIMEOUT_S"):
+        envs.timeout_s()
+
+
+# --------------------------------------------------------------------------------------------
+# compat
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "version, supported",
+    [("0.24.0", True), ("0.24.1.dev3+gabcdef", True), ("0.33.9", True), ("0.23.2", False),
+     ("0.34.0", False), ("1.0.0", False), ("not-a-version", False)],
+)
+def test_supported_version_range(version, supported):
+    assert compat.is_supported_vllm_version(version) is supported
+
+
+def test_installed_vllm_is_in_range_and_unsupported_only_warns(monkeypatch):
+    import vllm
+
+    assert compat.check_vllm_version()
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    assert compat.check_vllm_version() is False  # warns, does not raise
+
+
+def test_call_when_imported(tmp_path, monkeypatch):
+    (tmp_path / "petit_probe_mod.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    assert compat.call_when_imported("petit_probe_mod", lambda m: seen.append(m.VALUE + 1)) is False
+    assert seen == []
+    import petit_probe_mod  # noqa: F401
+
+    assert seen == [42]
+    assert compat.call_when_imported("petit_probe_mod", lambda m: seen.append(m.VALUE)) is True
+    assert seen == [42, 41]
+    monkeypatch.delitem(sys.modules, "petit_probe_mod")
+
+
+# --------------------------------------------------------------------------------------------
+# Decision logic on real vLLM config objects
+# --------------------------------------------------------------------------------------------
+
+
+def decide(pf=None, experts=None, parallel_config=None, runtime=None, moe_config=None):
+    moe_config = moe_config or make_moe_config()
+    experts = experts or triton_experts(moe_config)
+    pf = pf or naive_pf(moe_config.moe_parallel_config.ep_size)
+    parallel_config = parallel_config or make_vllm_config().parallel_config
+    runtime = runtime or single_node_cuda(world_size=moe_config.moe_parallel_config.ep_size)
+    return hook.decide(pf, experts, parallel_config, lambda: runtime)
+
+
+def test_decide_substitutes_for_dp_ep_single_node_bf16():
+    decision = decide()
+    assert decision.substitute and decision.applicable, decision.reason
+
+
+@pytest.mark.parametrize("world_size, rank", [(2, 1), (4, 3), (8, 5)])
+def test_decide_substitutes_on_every_rank(world_size, rank):
+    parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
+                                    ep_rank=rank)
+    moe_config = make_moe_config(parallel, num_experts=64)
+    decision = decide(moe_config=moe_config, runtime=single_node_cuda(rank, world_size),
+                      pf=naive_pf(world_size))
+    assert decision.substitute, decision.reason
+
+
+def _other_experts_class():
+    class OtherExperts(ReferenceExperts):  # a Standard-format, non-Triton experts class
+        pass
+
+    return OtherExperts
+
+
+UNSUPPORTED = {
+    "multi-node": dict(runtime=single_node_cuda(internode=True)),
+    "non-cuda platform": dict(runtime=single_node_cuda(platform="rocm")),
+    "ep group mismatch": dict(runtime=single_node_cuda(rank=1)),
+    "tp inside dp": dict(moe_config=make_moe_config(make_parallel_config(ep_size=4))),
+    "pcp": dict(moe_config=make_moe_config(make_parallel_config(pcp_size=2, ep_size=2))),
+    "sequence parallel": dict(moe_config=make_moe_config(make_parallel_config(sp_size=2))),
+    "eplb": dict(moe_config=make_moe_config(make_parallel_config(enable_eplb=True))),
+    "dbo": dict(parallel_config=ParallelConfig(data_parallel_size=2, enable_expert_parallel=True,
+                                               enable_dbo=True)),
+    "lora": dict(moe_config=make_moe_config(is_lora_enabled=True)),
+    "fp16 activations": dict(moe_config=make_moe_config(in_dtype=torch.float16)),
+    "uneven experts": dict(moe_config=make_moe_config(num_experts=15, num_local_experts=8)),
+    "top-k above 16": dict(moe_config=make_moe_config(num_experts=64, experts_per_token=17)),
+    "hidden not multiple of 8": dict(moe_config=make_moe_config(hidden_dim=1020)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSUPPORTED))
+def test_decide_keeps_vllm_for_unsupported_setups(case):
+    decision = decide(**UNSUPPORTED[case])
+    assert not decision.substitute
+    assert decision.applicable, "a DP+EP layer we cannot serve must warn, not pass silently"
+
+
+def test_decide_keeps_vllm_for_quantized_activations():
+    moe_config = make_moe_config()
+    for quant in (
+        FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128]),
+        FusedMoEQuantConfig.make(torch.float8_e4m3fn, per_act_token_quant=True),
+    ):
+        decision = decide(moe_config=moe_config, experts=triton_experts(moe_config, quant))
+        assert not decision.substitute and decision.applicable
+        assert "quantized activations" in decision.reason
+
+
+def test_decide_keeps_vllm_for_non_triton_and_monolithic_experts():
+    moe_config = make_moe_config()
+    other = _other_experts_class()(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG)
+    decision = decide(moe_config=moe_config, experts=other)
+    assert not decision.substitute and decision.applicable and "OtherExperts" in decision.reason
+
+    monolithic_pf = make_moe_prepare_and_finalize_naive_dp_ep(
+        use_monolithic=True, is_sequence_parallel=False, num_dispatchers=2
+    )
+    decision = decide(moe_config=moe_config, pf=monolithic_pf)
+    assert not decision.substitute and decision.applicable and "monolithic" in decision.reason
+
+
+def test_decide_keeps_vllm_without_a_current_vllm_config():
+    moe_config = make_moe_config()
+    decision = hook.decide(naive_pf(), triton_experts(moe_config), None, single_node_cuda)
+    assert not decision.substitute and decision.applicable
+
+
+NOT_APPLICABLE = {
+    "dp=1": dict(moe_config=make_moe_config(make_parallel_config(dp_size=1, ep_size=2)),
+                 pf=make_moe_prepare_and_finalize_no_dp_ep(use_monolithic=False)),
+    "dp without ep": dict(
+        moe_config=make_moe_config(make_parallel_config(use_ep=False, ep_size=1))
+    ),
+    "other all2all backend": dict(
+        moe_config=make_moe_config(make_parallel_config(all2all_backend="deepep_low_latency"))
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_APPLICABLE))
+def test_decide_leaves_other_setups_alone(case):
+    decision = decide(**NOT_APPLICABLE[case])
+    assert not decision.substitute and not decision.applicable
+
+
+def test_decide_probes_the_runtime_only_after_config_checks():
+    def must_not_run():
+        raise AssertionError("probed the EP group for a layer the config already rules out")
+
+    moe_config = make_moe_config(is_lora_enabled=True)
+    decision = hook.decide(naive_pf(), triton_experts(moe_config),
+                           make_vllm_config().parallel_config, must_not_run)
+    assert not decision.substitute
+
+
+# --------------------------------------------------------------------------------------------
+# The hook inside vLLM's FusedMoEKernel
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kernel_hook(monkeypatch):
+    """The FusedMoEKernel patch installed for one test, with the GPU-only parts faked."""
+    created = []
+
+    def create_buffer(group, config):
+        buffer = FakeEpBuffer(0, 2, config.num_experts, call=None)
+        created.append((group, config, buffer))
+        return buffer
+
+    runtime = single_node_cuda()
+    monkeypatch.setattr(hook, "_runtime_provider", lambda: runtime)
+    monkeypatch.setattr(buffers, "_create_buffer", create_buffer)
+    monkeypatch.setattr(hook, "_reported", set())
+    monkeypatch.delenv(envs.VLLM_PETIT_MOE_STRICT, raising=False)
+    buffers.close_all_buffers()
+    installed = compat.install_kernel_hook(hook.maybe_substitute)
+    try:
+        yield created
+    finally:
+        if installed:
+            compat.uninstall_kernel_hook()
+        buffers.close_all_buffers()
+
+
+def build_kernel(moe_config, vllm_config, pf=None, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG):
+    with set_current_vllm_config(vllm_config):
+        experts = TritonExperts(moe_config, quant_config)
+        return mk.FusedMoEKernel(pf or naive_pf(), experts)
+
+
+def test_hook_substitutes_with_flag_and_shares_one_buffer(kernel_hook, monkeypatch, vllm_config):
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
+    moe_config = make_moe_config()
+    first = build_kernel(moe_config, vllm_config)
+    second = build_kernel(moe_config, vllm_config)
+
+    for kernel in (first, second):
+        pf = kernel.prepare_finalize
+        assert isinstance(pf, PetitPrepareAndFinalize)
+        assert kernel.output_is_reduced()
+        assert pf.activation_format == mk.FusedMoEActivationFormat.Standard
+        assert pf.topk_indices_dtype() == torch.int32
+        assert pf.num_dispatchers() == 2
+        assert pf.max_num_tokens_per_rank() == moe_config.max_num_tokens
+        assert isinstance(kernel.fused_experts, TritonExperts)  # experts stay vLLM's
+    assert first.prepare_finalize.buffer is second.prepare_finalize.buffer
+    assert len(kernel_hook) == 1  # one collective creation for all layers
+    group, config, _ = kernel_hook[0]
+    assert (config.hidden_size, config.num_experts) == (1024, 16)
+    assert config.max_tokens_per_rank == moe_config.max_num_tokens
+
+
+def test_hook_is_inert_without_flag(kernel_hook, monkeypatch, vllm_config):
+    monkeypatch.delenv(envs.VLLM_USE_PETIT_MOE, raising=False)
+    kernel = build_kernel(make_moe_config(), vllm_config)
+    assert type(kernel.prepare_finalize) is MoEPrepareAndFinalizeNaiveDPEPModular
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "0")
+    kernel = build_kernel(make_moe_config(), vllm_config)
+    assert type(kernel.prepare_finalize) is MoEPrepareAndFinalizeNaiveDPEPModular
+    assert kernel_hook == []
+
+
+def test_hook_falls_back_with_a_warning_and_strict_mode_fails(kernel_hook, monkeypatch,
+                                                              vllm_config):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.petit_moe.hook")
+    logger.addHandler(handler)
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
+    fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128])
+    try:
+        for _ in range(2):
+            kernel = build_kernel(make_moe_config(), vllm_config, quant_config=fp8)
+            assert type(kernel.prepare_finalize) is MoEPrepareAndFinalizeNaiveDPEPModular
+    finally:
+        logger.removeHandler(handler)
+    warnings = [r for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, "one warning per process and reason"
+    assert "quantized activations" in warnings[0].getMessage()
+
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_STRICT, "1")
+    with pytest.raises(RuntimeError, match="quantized activations"):
+        build_kernel(make_moe_config(), vllm_config, quant_config=fp8)
+    assert kernel_hook == []
+
+
+def test_hook_leaves_a_multi_node_deployment_alone(kernel_hook, monkeypatch, vllm_config):
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
+    monkeypatch.setattr(hook, "_runtime_provider", lambda: single_node_cuda(internode=True))
+    kernel = build_kernel(make_moe_config(), vllm_config)
+    assert type(kernel.prepare_finalize) is MoEPrepareAndFinalizeNaiveDPEPModular
+    assert kernel_hook == []
+
+
+# --------------------------------------------------------------------------------------------
+# Expert ids and vLLM's expert_map
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_local_ids_map_through_vllms_expert_map(world_size):
+    num_experts = 8 * world_size
+    num_local = num_experts // world_size
+    recv_ids = torch.tensor([[l, -1] for l in range(num_local)] + [[-1, -1]], dtype=torch.int32)
+    for rank in range(world_size):
+        _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
+        assert torch.equal(expert_map, linear_expert_map(num_experts, rank=rank,
+                                                         world_size=world_size))
+        global_ids = local_to_global_expert_ids(
+            recv_ids, rank=rank, num_local_experts=num_local, world_size=world_size
+        )
+        assert global_ids.dtype == torch.int32
+        assert bool(((global_ids >= 0) & (global_ids < num_experts)).all())
+        # Exactly what vLLM's experts will see through the layer's expert_map:
+        assert torch.equal(expert_map[global_ids.long()], recv_ids)
+
+
+def test_prepare_rejects_a_non_linear_expert_map(vllm_config):
+    call = make_call(world_size=2, num_tokens=[3, 2])
+    pf = PetitPrepareAndFinalize(FakeEpBuffer(0, 2, 8, call), num_experts=8,
+                                 max_tokens_per_rank=64)
+    _, round_robin, _ = determine_expert_map(2, 0, 8, "round_robin")
+    with dp_step(vllm_config, [3, 2]), pytest.raises(RuntimeError, match="linear placement"):
+        pf.prepare(call.xs[0], call.topk_weights[0], call.topk_ids[0], 8, round_robin, False,
+                   FUSED_MOE_UNQUANTIZED_CONFIG)
+
+
+# --------------------------------------------------------------------------------------------
+# PetitPrepareAndFinalize inside vLLM's modular kernel, against the reference
+# --------------------------------------------------------------------------------------------
+
+
+def make_call(world_size, num_tokens, *, num_experts=8, hidden=40, intermediate=24, top_k=3,
+              seed=0) -> SimulatedCall:
+    """All ranks' inputs, seeded identically everywhere; some -1 ids punched in."""
+    gen = torch.Generator().manual_seed(seed)
+    xs, ids, ws = [], [], []
+    for tokens in num_tokens:
+        topk_ids, topk_weights = reference.random_topk(tokens, num_experts, top_k, generator=gen)
+        if tokens > 1:
+            topk_ids[1, 0] = -1
+            topk_weights[1, 0] = 0.0
+        xs.append(torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16))
+        ids.append(topk_ids.to(torch.int32))
+        ws.append(topk_weights)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden**0.5)
+    w2 = (torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate**0.5)
+    return SimulatedCall(xs, ids, ws, w13.to(torch.bfloat16), w2.to(torch.bfloat16))
+
+
+def dp_step(vllm_config, num_tokens):
+    """A forward context carrying vLLM's DP metadata for one step."""
+    dp_metadata = DPMetadata(torch.tensor(num_tokens, dtype=torch.int32))
+    return override_forward_context(create_forward_context(None, vllm_config, dp_metadata))
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    from vllm.v1.worker import workspace as vllm_workspace
+
+    if not vllm_workspace.is_workspace_manager_initialized():
+        vllm_workspace.init_workspace_manager(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "world_size, num_tokens",
+    [(2, [5, 3]), (2, [1, 1]), (2, [0, 4]), (4, [2, 7, 0, 3])],
+)
+def test_modular_kernel_matches_reference(world_size, num_tokens, vllm_config, workspace):
+    call = make_call(world_size, num_tokens)
+    num_experts, top_k = call.num_experts, call.topk_ids[0].shape[1]
+    expected = reference.ep_moe_reference(
+        call.xs, call.topk_ids, call.topk_weights, call.w13, call.w2, world_size
+    )
+    for rank in range(world_size):
+        parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
+                                        ep_rank=rank)
+        moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
+                                     hidden_dim=call.xs[0].shape[1], intermediate_size=24)
+        buffer = FakeEpBuffer(rank, world_size, num_experts, call)
+        pf = PetitPrepareAndFinalize(buffer, num_experts=num_experts, max_tokens_per_rank=64)
+        with set_current_vllm_config(vllm_config):
+            kernel = mk.FusedMoEKernel(
+                pf, ReferenceExperts(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG)
+            )
+        _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
+        w13, w2 = call.local_weights(rank, world_size)
+        with dp_step(vllm_config, num_tokens):
+            out = kernel.apply(
+                call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
+                activation=MoEActivation.SILU, global_num_experts=num_experts,
+                expert_map=expert_map, apply_router_weight_on_input=False,
+            )
+        assert buffer.region_strides == [max(num_tokens)]
+        assert out.shape == call.xs[rank].shape
+        assert torch.equal(out, expected[rank]), f"rank {rank}"
+
+
+def test_back_to_back_layers_share_one_buffer(vllm_config):
+    call = make_call(2, [4, 2])
+    buffer = FakeEpBuffer(0, 2, 8, call)
+    layers = [PetitPrepareAndFinalize(buffer, num_experts=8, max_tokens_per_rank=64)
+              for _ in range(2)]
+    _, expert_map, _ = determine_expert_map(2, 0, 8, "linear")
+    args = (call.xs[0], call.topk_weights[0], call.topk_ids[0], 8, expert_map, False,
+            FUSED_MOE_UNQUANTIZED_CONFIG)
+    with dp_step(vllm_config, [4, 2]):
+        recv_x, _, _, recv_ids, recv_w = layers[0].prepare(*args)
+        with pytest.raises(RuntimeError, match="not been combined"):
+            layers[1].prepare(*args)
+        expert_out = torch.zeros(recv_x.shape, dtype=torch.bfloat16)
+        output = torch.empty_like(call.xs[0])
+        layers[0].finalize(output, expert_out, recv_w, recv_ids, False, TopKWeightAndReduceNoOP())
+        layers[1].prepare(*args)  # fine once the first layer has combined
+
+
+def test_prepare_errors_are_explicit(vllm_config):
+    call = make_call(2, [4, 2])
+    _, expert_map, _ = determine_expert_map(2, 0, 8, "linear")
+
+    def prepare(pf, x=None, quant=FUSED_MOE_UNQUANTIZED_CONFIG, expert_map=expert_map):
+        x = call.xs[0] if x is None else x
+        return pf.prepare(x, call.topk_weights[0], call.topk_ids[0], 8, expert_map, False, quant)
+
+    pf = PetitPrepareAndFinalize(FakeEpBuffer(0, 2, 8, call), num_experts=8,
+                                 max_tokens_per_rank=64)
+    with dp_step(vllm_config, [4, 2]):
+        fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128])
+        with pytest.raises(NotImplementedError, match="quantized MoE activations"):
+            prepare(pf, quant=fp8)
+        with pytest.raises(NotImplementedError, match="bfloat16"):
+            prepare(pf, x=call.xs[0].half())
+        with pytest.raises(RuntimeError, match="expert_map"):
+            prepare(pf, expert_map=None)
+
+    small = PetitPrepareAndFinalize(FakeEpBuffer(0, 2, 8, call), num_experts=8,
+                                    max_tokens_per_rank=3)
+    with dp_step(vllm_config, [4, 2]), pytest.raises(RuntimeError, match="max_tokens_per_rank"):
+        prepare(small)
+    with pytest.raises(RuntimeError, match="no DP metadata"):
+        prepare(pf)

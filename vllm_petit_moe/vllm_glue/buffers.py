@@ -1,0 +1,118 @@
+"""One communication buffer per process, shared by all MoE layers of a model.
+
+``get_or_create_buffer`` semantics (what the glue relies on):
+
+- **Collective on first use**: the first call for a key constructs an ``EpBuffer``, which is a
+  collective over ``group`` (every EP rank allocates its heap and maps its peers'). Callers
+  must therefore make the same sequence of calls, with the same arguments, on every rank.
+  vLLM builds its MoE layers in the same order on every rank from the same config, and the
+  hook's decision depends only on that config and on facts that are equal on all ranks, so
+  the calls it makes from ``FusedMoEKernel.__init__`` meet this.
+- **Key**: (group, hidden_size, num_experts). Layers with the same key share one buffer (the
+  normal case: all layers of a model). A layer with another hidden size or expert count gets
+  a buffer of its own, created collectively like the first.
+- **No growth**: a later call for an existing key that asks for more tokens per rank or a
+  larger top-k than the buffer was built with raises ``ValueError`` (all layers of one vLLM
+  instance ask for the same sizes, so this indicates a bug, not a configuration to support).
+  Smaller requests reuse the buffer.
+- The footprint of each new buffer is logged at INFO on every rank.
+
+The compiled extension is imported only when a buffer is actually created
+(``vllm_petit_moe.buffer`` imports it), never by this module or by the hook's decision.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("vllm.petit_moe.buffers")
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """Sizes an ``EpBuffer`` is built for (see ``vllm_petit_moe.buffer.EpBuffer``)."""
+
+    hidden_size: int
+    num_experts: int
+    max_tokens_per_rank: int
+    max_top_k: int = 16
+    num_sms: int | None = None
+    timeout_s: float = 30.0
+
+
+@dataclass
+class _Entry:
+    group: Any  # kept alive so that id(group) stays unique while the entry exists
+    config: BufferConfig
+    buffer: Any
+
+
+_BUFFERS: dict[tuple[int, int, int], _Entry] = {}
+
+
+def _create_buffer(group: Any, config: BufferConfig) -> Any:
+    """Construct an ``EpBuffer`` (collective over ``group``). Replaced in CPU tests."""
+    from vllm_petit_moe.buffer import EpBuffer
+
+    return EpBuffer(
+        group,
+        hidden_size=config.hidden_size,
+        num_experts=config.num_experts,
+        max_tokens_per_rank=config.max_tokens_per_rank,
+        max_top_k=config.max_top_k,
+        num_sms=config.num_sms,
+        timeout_s=config.timeout_s,
+    )
+
+
+def get_or_create_buffer(group: Any, config: BufferConfig) -> Any:
+    """The process's ``EpBuffer`` for ``(group, config.hidden_size, config.num_experts)``.
+
+    Creates it (a collective over ``group``) on first use; see the module docstring.
+    """
+    key = (id(group), config.hidden_size, config.num_experts)
+    entry = _BUFFERS.get(key)
+    if entry is not None:
+        built = entry.config
+        if (
+            config.max_tokens_per_rank > built.max_tokens_per_rank
+            or config.max_top_k > built.max_top_k
+        ):
+            raise ValueError(
+                f"vllm-petit-moe: a MoE layer needs an EpBuffer with max_tokens_per_rank="
+                f"{config.max_tokens_per_rank}, max_top_k={config.max_top_k}, but the shared "
+                f"buffer was built for {built.max_tokens_per_rank}, {built.max_top_k}; "
+                "growing a buffer is not supported (it would need a collective re-creation "
+                "while other layers hold the old one)"
+            )
+        return entry.buffer
+
+    buffer = _create_buffer(group, config)
+    _BUFFERS[key] = _Entry(group, config, buffer)
+    footprint = getattr(buffer, "footprint_bytes", None)
+    logger.info(
+        "vllm-petit-moe: EpBuffer rank %s/%s, hidden %d, %d experts, %d tokens/rank, "
+        "top-k <= %d: %s",
+        getattr(buffer, "rank", "?"),
+        getattr(buffer, "world_size", "?"),
+        config.hidden_size,
+        config.num_experts,
+        config.max_tokens_per_rank,
+        config.max_top_k,
+        f"{footprint / 2**20:.1f} MiB" if isinstance(footprint, int) else "footprint unknown",
+    )
+    return buffer
+
+
+def close_all_buffers() -> None:
+    """Close and forget every cached buffer (tests, benchmarks, clean shutdown).
+
+    Collective in the same sense as creation if ``EpBuffer.close`` is: call it on all ranks.
+    """
+    while _BUFFERS:
+        _, entry = _BUFFERS.popitem()
+        close = getattr(entry.buffer, "close", None)
+        if close is not None:
+            close()

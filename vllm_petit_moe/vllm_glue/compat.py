@@ -1,0 +1,392 @@
+"""Every vLLM version difference and every monkeypatch of vllm-petit-moe, in one place.
+
+Supported vLLM range: **0.24 – 0.33** (minor versions, inclusive) where the interfaces below
+exist; **tested: 0.24.0** (with torch 2.11.0). Outside the range the plugin warns once and
+still tries: every lookup below is by feature (module / attribute present), and a missing one
+fails with an error that names what was looked for, never with wrong results.
+
+Each entry below carries a comment block:
+
+- WHY   the reason the plugin needs it;
+- HOW   what exactly is looked up or changed in vLLM;
+- REMOVE WHEN   the vLLM change that would make it unnecessary.
+
+The module imports only the standard library at import time; every vLLM or torch import
+happens inside a function, so ``vllm_petit_moe.plugin.register`` stays cheap in processes
+that never build a MoE layer (the API server).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger("vllm.petit_moe.compat")
+
+TESTED_VLLM_VERSION = "0.24.0"
+MIN_SUPPORTED_VLLM = (0, 24)
+MAX_SUPPORTED_VLLM = (0, 33)
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg, *args)
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM version
+# --------------------------------------------------------------------------------------------
+
+
+def vllm_version() -> str:
+    """``vllm.__version__`` (``"unknown"`` if the attribute is missing)."""
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def is_supported_vllm_version(version: str) -> bool:
+    """Whether ``version``'s (major, minor) lies in [MIN_SUPPORTED_VLLM, MAX_SUPPORTED_VLLM].
+
+    Dev/rc/local suffixes are ignored (``0.24.1.dev3+gabc`` counts as 0.24). Unparsable
+    versions are reported as unsupported.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version).release
+    except InvalidVersion:
+        return False
+    major_minor = tuple(release[:2]) + (0,) * (2 - len(release[:2]))
+    return MIN_SUPPORTED_VLLM <= major_minor <= MAX_SUPPORTED_VLLM
+
+
+def check_vllm_version() -> bool:
+    """Warn once (never raise) when the installed vLLM is outside the supported range."""
+    version = vllm_version()
+    supported = is_supported_vllm_version(version)
+    if not supported:
+        _warn_once(
+            "version",
+            "vllm-petit-moe supports vLLM %d.%d-%d.%d (tested %s); found vLLM %s. The plugin "
+            "still tries, and fails with a named error if an interface it needs is missing.",
+            *MIN_SUPPORTED_VLLM,
+            *MAX_SUPPORTED_VLLM,
+            TESTED_VLLM_VERSION,
+            version,
+        )
+    return supported
+
+
+# --------------------------------------------------------------------------------------------
+# Environment-variable registry
+# --------------------------------------------------------------------------------------------
+#
+# WHY   vLLM validates VLLM_* variables against its registry (`envs.validate_environ`, run in
+#       `EngineArgs.create_engine_config`): with `fail_on_environ_validation` an unknown
+#       VLLM_USE_PETIT_MOE is a hard error, otherwise a warning on every start. Registering
+#       also makes `vllm.envs.VLLM_USE_PETIT_MOE` resolve and puts the flag's value into
+#       `envs.compile_factors()` (the torch.compile cache key), which is harmless.
+# HOW   `vllm.envs.environment_variables` is a plain dict name -> zero-argument getter
+#       (vLLM 0.24; the same dict has existed since long before 0.24). We `setdefault` our
+#       getters into it. If the dict is missing (a future vLLM with another registry) we do
+#       nothing and say so at debug level: the flag still works, vLLM may warn about it.
+#       Plugins are loaded (EngineArgs.__post_init__) before validate_environ runs, in the
+#       API server and again in engine cores and workers.
+# REMOVE WHEN vLLM offers a public API for plugins to declare environment variables.
+
+
+def register_env_vars(getters: dict[str, Callable[[], Any]]) -> bool:
+    """Add ``getters`` to vLLM's environment-variable registry; True if a registry exists."""
+    import vllm.envs as vllm_envs
+
+    registry = getattr(vllm_envs, "environment_variables", None)
+    if not isinstance(registry, dict):
+        logger.debug("vllm.envs has no environment_variables dict; flags not registered")
+        return False
+    for name, getter in getters.items():
+        registry.setdefault(name, getter)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Fused-MoE symbols
+# --------------------------------------------------------------------------------------------
+#
+# WHY   Our prepare/finalize subclasses vLLM's modular prepare/finalize base class, and the hook
+#       recognizes vLLM's allgather/reduce-scatter prepare/finalize and Triton experts by type.
+# HOW   Look the classes up by (module, name) candidates, newest layout first. 0.24 layout:
+#       fused_moe/modular_kernel.py (FusedMoEKernel, FusedMoEPrepareAndFinalizeModular, ...),
+#       fused_moe/prepare_finalize/naive_dp_ep.py (MoEPrepareAndFinalizeNaiveDPEP{Modular,
+#       Monolithic}), fused_moe/topk_weight_and_reduce.py, fused_moe/experts/triton_moe.py.
+#       Older names (FusedMoEModularKernel, FusedMoEPrepareAndFinalize as the modular base,
+#       TritonExperts in fused_moe.py) are listed as fallbacks for vLLM builds near 0.24.
+# REMOVE WHEN the supported range starts at a version with one stable layout (then import
+#       directly).
+
+_MK = "vllm.model_executor.layers.fused_moe.modular_kernel"
+_NAIVE_PF = "vllm.model_executor.layers.fused_moe.prepare_finalize.naive_dp_ep"
+_TOPK_REDUCE = "vllm.model_executor.layers.fused_moe.topk_weight_and_reduce"
+
+_SYMBOLS: dict[str, tuple[tuple[str, str], ...]] = {
+    "FusedMoEKernel": ((_MK, "FusedMoEKernel"), (_MK, "FusedMoEModularKernel")),
+    "PrepareAndFinalizeModular": (
+        (_MK, "FusedMoEPrepareAndFinalizeModular"),
+        (_MK, "FusedMoEPrepareAndFinalize"),
+    ),
+    "ActivationFormat": ((_MK, "FusedMoEActivationFormat"),),
+    "NaiveDPEPModular": ((_NAIVE_PF, "MoEPrepareAndFinalizeNaiveDPEPModular"),),
+    "NaiveDPEPMonolithic": ((_NAIVE_PF, "MoEPrepareAndFinalizeNaiveDPEPMonolithic"),),
+    "TopKWeightAndReduceNoOP": ((_TOPK_REDUCE, "TopKWeightAndReduceNoOP"),),
+    "TopKWeightAndReduceContiguous": ((_TOPK_REDUCE, "TopKWeightAndReduceContiguous"),),
+    "TopKWeightAndReduceDelegate": ((_TOPK_REDUCE, "TopKWeightAndReduceDelegate"),),
+    "TritonExperts": (
+        ("vllm.model_executor.layers.fused_moe.experts.triton_moe", "TritonExperts"),
+        ("vllm.model_executor.layers.fused_moe.fused_moe", "TritonExperts"),
+    ),
+}
+
+
+def fused_moe_symbol(name: str) -> Any:
+    """The vLLM class known here as ``name`` (a key of ``_SYMBOLS``); ImportError if absent."""
+    tried = []
+    for module_name, attr in _SYMBOLS[name]:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            tried.append(f"{module_name} (module missing)")
+            continue
+        if hasattr(module, attr):
+            return getattr(module, attr)
+        tried.append(f"{module_name}.{attr}")
+    raise ImportError(
+        f"vllm-petit-moe: vLLM {vllm_version()} lacks {name}; looked for: {', '.join(tried)}. "
+        f"Supported vLLM: {MIN_SUPPORTED_VLLM[0]}.{MIN_SUPPORTED_VLLM[1]}-"
+        f"{MAX_SUPPORTED_VLLM[0]}.{MAX_SUPPORTED_VLLM[1]}."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# MONKEYPATCH: FusedMoEKernel.__init__
+# --------------------------------------------------------------------------------------------
+#
+# WHY   `--all2all-backend` rejects unknown values (argparse choices, the pydantic Literal
+#       of ParallelConfig.all2all_backend, and the all2all-manager switch), so we cannot add a
+#       backend by name. Every modular MoE kernel, for every quant method that owns one
+#       (oracle/{unquantized,fp8,int8,nvfp4,mxfp4,int_wna16,w4a8,w4a8_int8}.py, the
+#       FusedMoEModularMethod of the old interface, LoRA and elastic-EP rebuilds), is built as
+#       `FusedMoEKernel(prepare_finalize, fused_experts)`: the single place where the
+#       prepare/finalize chosen by `all2all_utils.maybe_make_prepare_finalize` meets the
+#       experts. Patching `maybe_make_prepare_finalize` instead would not work: each oracle
+#       imports it by name.
+# HOW   Wrap `FusedMoEKernel.__init__`: before the original runs, the plugin's `substitute`
+#       callback may return another prepare/finalize (ours) in place of the one passed in.
+#       Only that argument changes; the experts object, weights and everything else stay as
+#       vLLM built them. The wrapper is marked (`_petit_moe_original`) so installing twice is
+#       a no-op, and `uninstall_kernel_hook` restores the original (tests).
+#       The patch is installed when the modular-kernel module is first imported (see
+#       `call_when_imported`) so that `register()` imports no fused-MoE code in processes
+#       that never build a MoE layer.
+# REMOVE WHEN vLLM lets plugins register an all2all backend / prepare-finalize factory.
+
+
+def install_kernel_hook(substitute: Callable[[Any, Any], Any]) -> bool:
+    """Patch ``FusedMoEKernel.__init__`` to pass ``prepare_finalize`` through ``substitute``.
+
+    ``substitute(prepare_finalize, fused_experts) -> prepare_finalize``. Returns True if this
+    call installed the patch, False if it was already installed.
+    """
+    kernel_cls = fused_moe_symbol("FusedMoEKernel")
+    current = kernel_cls.__init__
+    if getattr(current, "_petit_moe_original", None) is not None:
+        return False
+    original = current
+
+    def __init__(self, prepare_finalize, fused_experts, *args, **kwargs):
+        prepare_finalize = substitute(prepare_finalize, fused_experts)
+        original(self, prepare_finalize, fused_experts, *args, **kwargs)
+
+    __init__._petit_moe_original = original  # type: ignore[attr-defined]
+    __init__.__doc__ = original.__doc__
+    __init__.__qualname__ = getattr(original, "__qualname__", "__init__")
+    kernel_cls.__init__ = __init__
+    return True
+
+
+def uninstall_kernel_hook() -> bool:
+    """Undo ``install_kernel_hook``; True if a patch was removed."""
+    kernel_cls = fused_moe_symbol("FusedMoEKernel")
+    original = getattr(kernel_cls.__init__, "_petit_moe_original", None)
+    if original is None:
+        return False
+    kernel_cls.__init__ = original
+    return True
+
+
+def kernel_hook_installed() -> bool:
+    """Whether ``FusedMoEKernel.__init__`` currently carries our patch (imports the module)."""
+    kernel_cls = fused_moe_symbol("FusedMoEKernel")
+    return getattr(kernel_cls.__init__, "_petit_moe_original", None) is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Post-import hook (a patch of the import system, not of vLLM)
+# --------------------------------------------------------------------------------------------
+#
+# WHY   The kernel patch must be in place before the first MoE layer is built, but importing
+#       vLLM's fused-MoE package inside `register()` would load it (Triton, custom ops, ...)
+#       in every process, including the API server that never builds a layer.
+# HOW   If the module is already imported, run the callback now. Otherwise put a finder at
+#       the front of `sys.meta_path` that, for that one module name, wraps the real loader so
+#       the callback runs right after the module body; the finder removes itself once used.
+#       Forked children inherit it, spawned ones call `register()` again.
+# REMOVE WHEN the patch above is removed, or if importing the module eagerly is acceptable.
+
+_import_lock = threading.Lock()
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, callback: Callable[[ModuleType], None]):
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_code, get_source, ... for tools
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, module_name: str, callback: Callable[[ModuleType], None]):
+        self.module_name = module_name
+        self._callback = callback
+        self._searching = False
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.module_name or self._searching:
+            return None
+        self._searching = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._searching = False
+        if spec is None or spec.loader is None:
+            return None
+        _remove_finder(self)
+        spec.loader = _CallbackLoader(spec.loader, self._callback)
+        return spec
+
+
+def _remove_finder(finder: _PostImportFinder) -> None:
+    with _import_lock:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+
+
+def call_when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> bool:
+    """Run ``callback(module)`` now if ``module_name`` is imported, else right after its import.
+
+    Returns True if the callback ran now.
+    """
+    module = sys.modules.get(module_name)
+    if module is not None:
+        callback(module)
+        return True
+    with _import_lock:
+        if not any(
+            isinstance(f, _PostImportFinder) and f.module_name == module_name
+            for f in sys.meta_path
+        ):
+            sys.meta_path.insert(0, _PostImportFinder(module_name, callback))
+    return False
+
+
+MODULAR_KERNEL_MODULE = _MK
+
+
+# --------------------------------------------------------------------------------------------
+# Runtime state of vLLM (config, parallel groups, forward context, platform)
+# --------------------------------------------------------------------------------------------
+#
+# WHY   The hook decides per layer from vLLM's config and parallel state; prepare() needs the
+#       token counts of all DP ranks of the current step to size its output statically.
+# HOW   0.24: `vllm.config.get_current_vllm_config_or_none` (falls back to the raising
+#       `get_current_vllm_config`); `vllm.distributed.get_ep_group()` is a GroupCoordinator with
+#       `world_size`, `rank_in_group`, `cpu_group` (gloo) and
+#       `device_communicator.all2all_manager.internode` (computed by vLLM with a collective at
+#       group creation; we fall back to our own `in_the_same_node_as` collective if absent);
+#       `vllm.forward_context.get_forward_context().dp_metadata.num_tokens_across_dp_cpu` is a
+#       CPU int tensor [DP size] (no device sync to read it).
+# REMOVE WHEN never (these are the inputs); only the lookups may need new fallbacks.
+
+
+def current_vllm_config_or_none() -> Any:
+    """The vLLM config of the current ``set_current_vllm_config`` context, or None."""
+    from vllm import config as vllm_config_module
+
+    getter = getattr(vllm_config_module, "get_current_vllm_config_or_none", None)
+    if getter is not None:
+        return getter()
+    try:
+        return vllm_config_module.get_current_vllm_config()
+    except AssertionError:
+        return None
+
+
+def platform_name() -> str:
+    """``"cuda"``, ``"rocm"`` or vLLM's device type of the current platform."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return "cuda"
+    if current_platform.is_rocm():
+        return "rocm"
+    return str(getattr(current_platform, "device_type", "") or "unspecified")
+
+
+def ep_group_facts() -> tuple[int, int, bool, Any]:
+    """(world size, rank in group, internode, cpu process group) of vLLM's EP group."""
+    from vllm.distributed import get_ep_group
+
+    ep_group = get_ep_group()
+    communicator = getattr(ep_group, "device_communicator", None)
+    manager = getattr(communicator, "all2all_manager", None)
+    internode = getattr(manager, "internode", None)
+    if internode is None:
+        from vllm.distributed.parallel_state import in_the_same_node_as
+
+        internode = not all(in_the_same_node_as(ep_group.cpu_group, source_rank=0))
+    return ep_group.world_size, ep_group.rank_in_group, bool(internode), ep_group.cpu_group
+
+
+def dp_num_tokens_across_ranks() -> list[int] | None:
+    """Token counts of all DP ranks in the current forward pass, or None if vLLM set none.
+
+    Host-side only (a CPU tensor in vLLM 0.24): safe under CUDA-graph capture.
+    """
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    dp_metadata = getattr(get_forward_context(), "dp_metadata", None)
+    if dp_metadata is None:
+        return None
+    counts = getattr(dp_metadata, "num_tokens_across_dp_cpu", None)
+    if counts is None:
+        return None
+    return [int(c) for c in counts.tolist()]

@@ -1,0 +1,67 @@
+"""Environment variables of vllm-petit-moe (read with ``os`` only; no vLLM import).
+
+They are also registered in vLLM's own registry (``vllm.envs.environment_variables``) by
+``vllm_petit_moe.plugin.register`` so that vLLM's environment validation knows them
+(see ``compat.register_env_vars``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+VLLM_USE_PETIT_MOE = "VLLM_USE_PETIT_MOE"
+"""``1`` switches DP+EP MoE layers to our dispatch/combine. Default off."""
+
+VLLM_PETIT_MOE_STRICT = "VLLM_PETIT_MOE_STRICT"
+"""``1``: with the flag on, fail (RuntimeError) instead of falling back to vLLM's backend for
+a MoE layer we cannot serve. For benchmarks and CI, where a silent fallback would measure the
+wrong thing. Default off (fall back with a warning)."""
+
+VLLM_PETIT_MOE_TIMEOUT_S = "VLLM_PETIT_MOE_TIMEOUT_S"
+"""Bound, in seconds, of every spin-wait of the dispatch/combine kernels before they report
+the rank/flag/epoch they waited on and fail. Default 30."""
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def _parse_bool(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"{name}={os.environ[name]!r}: expected one of 1/0, true/false, yes/no, on/off"
+    )
+
+
+def use_petit_moe() -> bool:
+    """Whether ``VLLM_USE_PETIT_MOE`` is set to a true value."""
+    return _parse_bool(VLLM_USE_PETIT_MOE)
+
+
+def strict() -> bool:
+    """Whether ``VLLM_PETIT_MOE_STRICT`` is set to a true value."""
+    return _parse_bool(VLLM_PETIT_MOE_STRICT)
+
+
+def timeout_s() -> float:
+    """``VLLM_PETIT_MOE_TIMEOUT_S`` as a positive float (default 30)."""
+    raw = os.environ.get(VLLM_PETIT_MOE_TIMEOUT_S, "").strip()
+    if not raw:
+        return 30.0
+    value = float(raw)
+    if not value > 0:
+        raise ValueError(f"{VLLM_PETIT_MOE_TIMEOUT_S}={raw!r}: must be > 0")
+    return value
+
+
+ENV_VARS: dict[str, Callable[[], Any]] = {
+    VLLM_USE_PETIT_MOE: use_petit_moe,
+    VLLM_PETIT_MOE_STRICT: strict,
+    VLLM_PETIT_MOE_TIMEOUT_S: timeout_s,
+}
+"""Name -> getter, in the form of vLLM's ``environment_variables`` registry."""

@@ -1,0 +1,287 @@
+"""The hook: substitute ``PetitPrepareAndFinalize`` where vLLM builds its modular MoE kernel.
+
+vLLM 0.24 builds every modular MoE kernel as ``FusedMoEKernel(prepare_finalize, experts)``
+(``vllm/model_executor/layers/fused_moe/modular_kernel.py``); with ``--data-parallel-size N
+--enable-expert-parallel`` and the default ``--all2all-backend allgather_reducescatter`` the
+prepare/finalize is ``MoEPrepareAndFinalizeNaiveDPEPModular``. ``install()`` patches that
+constructor (``compat.install_kernel_hook``); for each kernel, ``decide()`` looks at vLLM's
+config objects and a few runtime facts and either substitutes ours or keeps vLLM's with a
+logged reason. Decisions depend only on values that are equal on all EP ranks, so all ranks
+substitute together (the buffer creation behind a substitution is a collective).
+
+Outcomes, each logged once per process and reason:
+
+- **substitute** (INFO): the layer's dispatch/combine run through our ``EpBuffer``.
+- **not applicable** (INFO): nothing of ours to replace (no DP>1 with EP, or another
+  ``--all2all-backend`` chosen explicitly).
+- **unsupported** (WARNING): a DP+EP layer we cannot serve yet; vLLM's allgather/reduce-
+  scatter stays. With ``VLLM_PETIT_MOE_STRICT=1`` both non-substitute outcomes raise instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_petit_moe.vllm_glue import buffers, compat, envs
+
+logger = logging.getLogger("vllm.petit_moe.hook")
+
+# Limits of our dispatch/combine (docs/architecture.md).
+MAX_TOP_K = 16
+HIDDEN_SIZE_MULTIPLE = 8
+SUPPORTED_PLATFORMS = ("cuda",)
+
+
+@dataclass(frozen=True)
+class EpRuntime:
+    """Facts about this process that vLLM's config objects do not hold.
+
+    platform: ``compat.platform_name()`` (``"cuda"``, ``"rocm"``, ...).
+    ep_world_size / ep_rank: vLLM's EP group.
+    internode: whether the EP group spans more than one node.
+    cpu_group: the EP group's CPU (gloo) process group, handed to ``EpBuffer``.
+    """
+
+    platform: str
+    ep_world_size: int
+    ep_rank: int
+    internode: bool
+    cpu_group: Any = None
+
+
+def probe_runtime() -> EpRuntime:
+    """Read ``EpRuntime`` from vLLM's platform and parallel state (no new collective)."""
+    world_size, rank, internode, cpu_group = compat.ep_group_facts()
+    return EpRuntime(compat.platform_name(), world_size, rank, internode, cpu_group)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Outcome of ``decide``: ``substitute`` or not, and why (one short sentence)."""
+
+    substitute: bool
+    reason: str
+    applicable: bool = True  # False: no DP+EP allgather/reduce-scatter layer to replace
+
+
+def _unsupported(reason: str) -> Decision:
+    return Decision(False, reason, applicable=True)
+
+
+def _not_applicable(reason: str) -> Decision:
+    return Decision(False, reason, applicable=False)
+
+
+def decide(
+    prepare_finalize: Any,
+    fused_experts: Any,
+    parallel_config: Any,
+    runtime_provider: Callable[[], EpRuntime],
+) -> Decision:
+    """Whether to replace ``prepare_finalize`` by ours for this ``FusedMoEKernel``.
+
+    prepare_finalize / fused_experts: the objects vLLM passes to ``FusedMoEKernel``.
+    parallel_config: vLLM's ``ParallelConfig`` of the current vLLM config, or None if no vLLM
+        config is current (then DBO cannot be ruled out: unsupported).
+    runtime_provider: returns the ``EpRuntime``; called only once the config checks passed.
+    Pure apart from ``runtime_provider``: no logging, no allocation.
+    """
+    import torch
+
+    from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
+
+    if isinstance(prepare_finalize, PetitPrepareAndFinalize):
+        return Decision(True, "already a PetitPrepareAndFinalize")
+
+    moe = getattr(fused_experts, "moe_config", None)
+    mpc = getattr(moe, "moe_parallel_config", None)
+    if moe is None or mpc is None:
+        return _not_applicable("experts carry no FusedMoEConfig")
+
+    # 1. Is this vLLM's DP+EP allgather/reduce-scatter layer at all?
+    if not (mpc.dp_size > 1 and mpc.use_ep):
+        return _not_applicable(
+            f"no data+expert parallelism (dp_size={mpc.dp_size}, use_ep={mpc.use_ep})"
+        )
+    if mpc.all2all_backend != "allgather_reducescatter":
+        return _not_applicable(
+            f"--all2all-backend={mpc.all2all_backend} chosen explicitly; petit replaces only "
+            "the default allgather_reducescatter"
+        )
+    if isinstance(prepare_finalize, compat.fused_moe_symbol("NaiveDPEPMonolithic")):
+        return _unsupported(
+            f"monolithic experts ({type(fused_experts).__name__}: router fused into the "
+            "kernel) take router logits, not top-k ids"
+        )
+    if not isinstance(prepare_finalize, compat.fused_moe_symbol("NaiveDPEPModular")):
+        return _not_applicable(
+            f"prepare/finalize is {type(prepare_finalize).__name__}, not vLLM's "
+            "allgather/reduce-scatter one"
+        )
+
+    # 2. Parallel layout: one EP rank per DP rank, no TP/PCP/SP inside, static placement.
+    if mpc.ep_size != mpc.dp_size or mpc.pcp_size != 1:
+        return _unsupported(
+            f"EP group is not the DP group (ep_size={mpc.ep_size}, dp_size={mpc.dp_size}, "
+            f"pcp_size={mpc.pcp_size}): tensor/context parallelism inside a DP rank"
+        )
+    if mpc.sp_size > 1:
+        return _unsupported(f"sequence-parallel MoE (sp_size={mpc.sp_size})")
+    if mpc.enable_eplb:
+        return _unsupported("EPLB (expert load balancing, redundant experts)")
+    if parallel_config is None:
+        return _unsupported("no current vLLM config (cannot rule out dual-batch overlap)")
+    if getattr(parallel_config, "enable_dbo", False) or getattr(
+        parallel_config, "use_ubatching", False
+    ):
+        return _unsupported("dual-batch overlap / micro-batching (--enable-dbo)")
+    if getattr(parallel_config, "enable_elastic_ep", False):
+        return _unsupported("elastic EP")
+
+    # 3. The layer: bf16 activations, sizes within our kernels' limits, no LoRA.
+    if getattr(moe, "is_lora_enabled", False):
+        return _unsupported("LoRA on MoE layers")
+    if moe.in_dtype is not torch.bfloat16:
+        return _unsupported(f"activation dtype {moe.in_dtype} (only bfloat16 so far)")
+    quant_config = getattr(fused_experts, "quant_config", None)
+    quant_dtype = getattr(quant_config, "quant_dtype", None)
+    if quant_dtype is not None:
+        return _unsupported(
+            f"quantized activations (quant_dtype={quant_dtype}, block_shape="
+            f"{getattr(quant_config, 'block_shape', None)}): fp8 dispatch is not implemented yet"
+        )
+    if moe.hidden_dim % HIDDEN_SIZE_MULTIPLE != 0:
+        return _unsupported(f"hidden size {moe.hidden_dim} is not a multiple of 8")
+    if moe.experts_per_token > MAX_TOP_K:
+        return _unsupported(f"top-k {moe.experts_per_token} > {MAX_TOP_K}")
+    even_split = moe.num_experts % mpc.ep_size == 0
+    if not even_split or moe.num_local_experts != moe.num_experts // mpc.ep_size:
+        return _unsupported(
+            f"{moe.num_experts} experts do not split evenly over {mpc.ep_size} EP ranks "
+            f"(this rank has {moe.num_local_experts})"
+        )
+
+    # 4. The experts: vLLM's Triton experts (expert_map aware, reduce the top-k themselves).
+    triton_experts = compat.fused_moe_symbol("TritonExperts")
+    no_op_reduce = compat.fused_moe_symbol("TopKWeightAndReduceNoOP")
+    if not isinstance(fused_experts, triton_experts):
+        return _unsupported(
+            f"experts {type(fused_experts).__name__} (only vLLM's Triton experts are wired up)"
+        )
+    if not isinstance(fused_experts.finalize_weight_and_reduce_impl(), no_op_reduce):
+        return _unsupported(f"experts {type(fused_experts).__name__} do not reduce top-k")
+
+    # 5. This process: a supported GPU, the EP group on one node and matching the config.
+    runtime = runtime_provider()
+    if runtime.platform not in SUPPORTED_PLATFORMS:
+        return _unsupported(f"platform {runtime.platform} (supported: {SUPPORTED_PLATFORMS})")
+    if runtime.internode:
+        return _unsupported("EP group spans several nodes (intranode NVLink only)")
+    if runtime.ep_world_size != mpc.ep_size or runtime.ep_rank != mpc.ep_rank:
+        return _unsupported(
+            f"EP group (rank {runtime.ep_rank} of {runtime.ep_world_size}) does not match the "
+            f"layer's parallel config (rank {mpc.ep_rank} of {mpc.ep_size})"
+        )
+    return Decision(True, f"DP={mpc.dp_size} x EP={mpc.ep_size} on one node, bf16")
+
+
+# --------------------------------------------------------------------------------------------
+# Reporting (once per process and reason)
+# --------------------------------------------------------------------------------------------
+
+_reported: set[tuple[bool, str]] = set()
+
+
+def _report(decision: Decision, kept_class: str) -> None:
+    key = (decision.substitute, decision.reason)
+    if decision.substitute:
+        if key not in _reported:
+            _reported.add(key)
+            logger.info(
+                "vllm-petit-moe: MoE layers use PetitPrepareAndFinalize (petit dispatch/"
+                "combine) instead of %s: %s",
+                kept_class,
+                decision.reason,
+            )
+        return
+    if envs.strict():
+        raise RuntimeError(
+            f"vllm-petit-moe: VLLM_USE_PETIT_MOE=1 and VLLM_PETIT_MOE_STRICT=1, but a MoE layer "
+            f"cannot use petit: {decision.reason}"
+        )
+    if key in _reported:
+        return
+    _reported.add(key)
+    if decision.applicable:
+        logger.warning(
+            "vllm-petit-moe: VLLM_USE_PETIT_MOE=1 but unsupported here: %s. These MoE layers "
+            "keep vLLM's %s.",
+            decision.reason,
+            kept_class,
+        )
+    else:
+        logger.info(
+            "vllm-petit-moe: not used for these MoE layers (%s); they keep vLLM's %s.",
+            decision.reason,
+            kept_class,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The substitution and its installation
+# --------------------------------------------------------------------------------------------
+
+# Replaced in CPU tests (no GPU, no process group).
+_runtime_provider: Callable[[], EpRuntime] = probe_runtime
+
+
+def build_prepare_finalize(fused_experts: Any, runtime: EpRuntime) -> Any:
+    """Our prepare/finalize for the layer of ``fused_experts`` (creates/reuses the buffer)."""
+    from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
+
+    moe = fused_experts.moe_config
+    # vLLM's max_num_batched_tokens bounds the tokens of one step on one DP rank, padding for
+    # CUDA graphs and across DP included (capture sizes do not exceed it).
+    max_tokens = max(int(moe.max_num_tokens), int(getattr(moe, "max_capture_size", 0) or 0))
+    config = buffers.BufferConfig(
+        hidden_size=moe.hidden_dim,
+        num_experts=moe.num_experts,
+        max_tokens_per_rank=max_tokens,
+        max_top_k=MAX_TOP_K,
+        timeout_s=envs.timeout_s(),
+    )
+    buffer = buffers.get_or_create_buffer(runtime.cpu_group, config)
+    return PetitPrepareAndFinalize(
+        buffer, num_experts=moe.num_experts, max_tokens_per_rank=max_tokens
+    )
+
+
+def maybe_substitute(prepare_finalize: Any, fused_experts: Any) -> Any:
+    """``FusedMoEKernel.__init__`` hook: ours if ``decide`` says so, else ``prepare_finalize``."""
+    if not envs.use_petit_moe():
+        return prepare_finalize
+    parallel_config = getattr(compat.current_vllm_config_or_none(), "parallel_config", None)
+    runtime: list[EpRuntime] = []
+
+    def provide_runtime() -> EpRuntime:
+        runtime.append(_runtime_provider())
+        return runtime[0]
+
+    decision = decide(prepare_finalize, fused_experts, parallel_config, provide_runtime)
+    _report(decision, type(prepare_finalize).__name__)
+    if not decision.substitute or not runtime:  # `not runtime`: it was already ours
+        return prepare_finalize
+    return build_prepare_finalize(fused_experts, runtime[0])
+
+
+def install() -> None:
+    """Install the ``FusedMoEKernel`` hook now or when vLLM's modular kernel is imported."""
+
+    def _install(_module) -> None:
+        if compat.install_kernel_hook(maybe_substitute):
+            logger.debug("vllm-petit-moe: FusedMoEKernel hook installed")
+
+    compat.call_when_imported(compat.MODULAR_KERNEL_MODULE, _install)

@@ -1,0 +1,338 @@
+"""``PetitPrepareAndFinalize``: vLLM's modular prepare/finalize over our ``EpBuffer``.
+
+Where it sits in vLLM's modular kernel (``FusedMoEKernelModularImpl.apply``, vLLM 0.24)::
+
+    prepare(a1 [T,H], topk_weights [T,K], topk_ids [T,K] global, ..., expert_map)
+        -> (recv_x [W*R,H], None, None, recv_ids [W*R,K] global, recv_weights [W*R,K])
+    experts.apply(recv_x, w1, w2, recv_weights, recv_ids, ..., expert_map)     # vLLM's own
+        -> fused_out [W*R, H] = per-row weighted sum over this rank's experts
+    finalize(output [T,H], fused_out, ...)  -> combine into ``output`` in place
+
+Expert ids. Our dispatch delivers, per received row, *local* expert ids (``0..L-1``) or ``-1``
+(slot not routed here, or padding row). vLLM's experts run with the layer's ``expert_map``
+(global -> local, ``-1`` for other ranks' experts), which we cannot replace: the modular kernel
+passes the layer's map to ``experts.apply``. So ``prepare`` returns *global* ids:
+
+- a local id ``l`` becomes ``rank*L + l``, which ``expert_map`` maps back to ``l``;
+- ``-1`` becomes ``((rank+1) % W) * L``: a valid global id owned by another rank, which
+  ``expert_map`` maps to ``-1``. vLLM's Triton experts then treat the slot exactly like a
+  token routed to another rank in its own allgather path: ``moe_align_block_size`` counts it,
+  the block's expert becomes ``expert_map[e] = -1`` and the GEMM kernels write zeros for it,
+  so the slot adds exactly 0 to the row's sum (its weight is 0 as well).
+
+  Passing ``-1`` through instead would be wrong: ``expert_map[-1]`` (the map's last entry,
+  used by the Python-side lookup ``expert_map[expert_ids]``) is a valid local expert on the
+  last rank, and vLLM's CUDA ``moe_align_block_size`` skips negative ids in some versions and
+  indexes shared memory with them in others; a skipped slot leaves its intermediate row
+  unwritten, which ``moe_sum`` would then add as garbage.
+
+This needs vLLM's linear expert placement (rank ``r`` owns ``[r*L, (r+1)*L)``), which is the
+only placement vLLM uses with the allgather/reduce-scatter backend in 0.24
+(``determine_expert_placement_strategy`` falls back to linear), and ``E % W == 0``. The hook
+checks both from the config; ``prepare`` additionally compares the actual ``expert_map``
+tensor once (first eager call).
+
+Weights and reduction. vLLM's Triton experts multiply the router weight in the down GEMM
+and sum the ``K`` slots (``moe_sum``); their ``finalize_weight_and_reduce_impl`` is
+``TopKWeightAndReduceNoOP``. Their output row is thus exactly the *local weighted sum* that
+``EpBuffer.combine`` expects. Experts that leave weighting/reduction to us
+(``TopKWeightAndReduceDelegate``) get vLLM's ``TopKWeightAndReduceContiguous`` first, like
+vLLM's own allgather finalize does.
+
+Static shapes. ``R`` (the region stride) is the max of all DP ranks' token counts of this step,
+read from vLLM's forward context (a CPU tensor: no device sync), so every call with the same
+padded batch has the same ``W*R`` rows, as CUDA graphs require; under graphs vLLM pads all DP
+ranks to one count anyway. Rows of a source beyond its token count carry only ``-1`` ids.
+
+Quantized activations (fp8 1x128 block, fp8 per-token) are not implemented yet:
+``prepare`` raises ``NotImplementedError`` (the hook does not substitute for them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_petit_moe.vllm_glue import compat
+
+_PrepareAndFinalizeModular = compat.fused_moe_symbol("PrepareAndFinalizeModular")
+_ActivationFormat = compat.fused_moe_symbol("ActivationFormat")
+_TopKWeightAndReduceDelegate = compat.fused_moe_symbol("TopKWeightAndReduceDelegate")
+_TopKWeightAndReduceContiguous = compat.fused_moe_symbol("TopKWeightAndReduceContiguous")
+
+# Buffer reuse invariant (docs/architecture.md, "Buffer reuse"): a rank may start dispatch n+1
+# on a buffer only after its combine n returned. All MoE layers share one buffer, so this
+# holds only if every prepare() is followed by its layer's finalize() before any other
+# layer's prepare() on the same buffer. vLLM's modular kernel runs prepare -> experts ->
+# finalize synchronously per layer and layers one after another on one stream; DBO
+# (two micro-batches interleaving layers) would break it and is rejected by the hook. We
+# still check it on the host: id(buffer) -> the prepare/finalize that has dispatched and not
+# yet combined.
+_PENDING_DISPATCH: dict[int, "PetitPrepareAndFinalize"] = {}
+
+
+def local_to_global_expert_ids(
+    recv_topk_ids: torch.Tensor, *, rank: int, num_local_experts: int, world_size: int
+) -> torch.Tensor:
+    """Map dispatched local ids to global ids for vLLM's experts + ``expert_map``.
+
+    recv_topk_ids: ``[N, K] int32``, local ids of ``rank`` or ``-1``. Returns ``[N, K] int32``:
+    ``rank*L + id`` for local ids; for ``-1`` the first expert of rank ``(rank+1) % W``, which
+    vLLM's linear ``expert_map`` maps to ``-1`` (not local). Needs ``world_size > 1``.
+    No host sync; CUDA-graph capturable.
+    """
+    if world_size < 2:
+        raise ValueError("local_to_global_expert_ids needs world_size >= 2 (a non-local id)")
+    first_local = rank * num_local_experts
+    non_local = ((rank + 1) % world_size) * num_local_experts
+    return torch.where(recv_topk_ids >= 0, recv_topk_ids + first_local, non_local).to(
+        torch.int32
+    )
+
+
+def linear_expert_map(
+    num_experts: int, *, rank: int, world_size: int, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """The expert map vLLM builds for linear placement with ``E % W == 0`` (CPU tensor)."""
+    num_local = num_experts // world_size
+    expert_map = torch.full((num_experts,), -1, dtype=dtype)
+    expert_map[rank * num_local : (rank + 1) * num_local] = torch.arange(num_local, dtype=dtype)
+    return expert_map
+
+
+def _is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
+    """vLLM modular prepare/finalize that dispatches/combines through an ``EpBuffer``.
+
+    buffer: an ``EpBuffer`` of this rank (shared by all layers; see ``buffers``).
+    num_experts: global expert count ``E`` of the layer (``E % W == 0``).
+    max_tokens_per_rank: the largest region stride ``R`` a call may use (the buffer's size).
+    """
+
+    def __init__(self, buffer, *, num_experts: int, max_tokens_per_rank: int):
+        super().__init__()
+        world_size, rank = int(buffer.world_size), int(buffer.rank)
+        if world_size < 2:
+            raise ValueError(f"EpBuffer world_size must be >= 2, got {world_size}")
+        if num_experts % world_size != 0:
+            raise ValueError(f"num_experts={num_experts} is not divisible by W={world_size}")
+        num_local = num_experts // world_size
+        buffer_local = getattr(buffer, "num_local_experts", num_local)
+        if int(buffer_local) != num_local:
+            raise ValueError(
+                f"EpBuffer has {buffer_local} local experts, the layer {num_local} "
+                f"({num_experts} experts over {world_size} ranks)"
+            )
+        self.buffer = buffer
+        self.rank = rank
+        self.world_size = world_size
+        self.num_experts = num_experts
+        self.num_local_experts = num_local
+        self._max_tokens_per_rank = max_tokens_per_rank
+        self._handle = None
+        self._num_rows = 0
+        self._expert_map_checked = False
+
+    # --- interface properties -----------------------------------------------------------
+
+    @property
+    def activation_format(self):
+        return _ActivationFormat.Standard
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        # The router then emits int32 ids, which our dispatch reads natively.
+        return torch.int32
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        return self._max_tokens_per_rank
+
+    def num_dispatchers(self) -> int:
+        return self.world_size
+
+    def output_is_reduced(self) -> bool:
+        # finalize() leaves in `output` the complete MoE output of this rank's tokens (summed
+        # over all ranks' experts); nothing is left for the layer's all-reduce.
+        return True
+
+    def supports_async(self) -> bool:
+        return False
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def region_stride(self, num_tokens: int) -> int:
+        """``R`` of this step: the max token count over all DP ranks (equal on every rank)."""
+        counts = compat.dp_num_tokens_across_ranks()
+        if counts is None:
+            raise RuntimeError(
+                "vllm-petit-moe: no DP metadata in the forward context; the region stride must "
+                "be agreed on by all EP ranks and is taken from vLLM's num_tokens_across_dp"
+            )
+        if len(counts) != self.world_size:
+            raise RuntimeError(
+                f"vllm-petit-moe: DP metadata has {len(counts)} ranks, the EP group "
+                f"{self.world_size}; only DP size == EP size (TP=1) is supported"
+            )
+        stride = max(counts)
+        if num_tokens > stride:
+            raise RuntimeError(
+                f"vllm-petit-moe: this rank has {num_tokens} tokens, more than the DP maximum "
+                f"{stride} of this step ({counts})"
+            )
+        if stride > self._max_tokens_per_rank:
+            raise RuntimeError(
+                f"vllm-petit-moe: {stride} tokens on one DP rank exceed the EpBuffer's "
+                f"max_tokens_per_rank={self._max_tokens_per_rank} (vLLM's "
+                "max_num_batched_tokens when the buffer was built)"
+            )
+        return stride
+
+    def _check_expert_map(self, expert_map: torch.Tensor | None) -> None:
+        if expert_map is None:
+            raise RuntimeError(
+                "vllm-petit-moe: the experts run without an expert_map; dispatched ids are "
+                "global ids that need vLLM's EP expert_map to select local experts"
+            )
+        if self._expert_map_checked or _is_capturing():
+            return
+        # One host sync, on the first eager call (vLLM's profile/warm-up runs come before any
+        # CUDA-graph capture); the map is static afterwards (EPLB is rejected by the hook).
+        expected = linear_expert_map(self.num_experts, rank=self.rank, world_size=self.world_size)
+        actual = expert_map.detach().to("cpu", torch.int32)
+        if actual.shape != expected.shape or not torch.equal(actual, expected):
+            raise RuntimeError(
+                "vllm-petit-moe: the layer's expert_map is not vLLM's linear placement of "
+                f"{self.num_experts} experts over {self.world_size} ranks (rank {self.rank}); "
+                "our dispatch sends global expert e to rank e // L"
+            )
+        self._expert_map_checked = True
+
+    # --- prepare / finalize --------------------------------------------------------------
+
+    def prepare(
+        self,
+        a1: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_experts: int,
+        expert_map: torch.Tensor | None,
+        apply_router_weight_on_input: bool,
+        quant_config,
+        defer_input_quant: bool = False,
+    ):
+        """Dispatch this rank's tokens; return what this rank's experts must process.
+
+        a1 ``[T, H] bf16``, topk_weights ``[T, K] float32``, topk_ids ``[T, K]`` global ids.
+        Returns ``(recv_x [W*R, H] bf16, None, None, recv_ids [W*R, K] int32 global,
+        recv_weights [W*R, K] float32)``; see the module docstring for the ids.
+        """
+        quant_dtype = getattr(quant_config, "quant_dtype", None)
+        if quant_dtype is not None and not defer_input_quant:
+            # TODO(petit-moe): fp8 e4m3 dispatch with 1x128 block scales and per-token scales,
+            # quantized at the source inside dispatch (docs/vllm_integration.md, "Not yet").
+            raise NotImplementedError(
+                "vllm-petit-moe: quantized MoE activations "
+                f"(quant_dtype={quant_dtype}, block_shape="
+                f"{quant_config.block_shape}, per_act_token={quant_config.per_act_token_quant}) "
+                "are not supported yet; only bf16 activations are"
+            )
+        if a1.dtype != torch.bfloat16:
+            raise NotImplementedError(
+                f"vllm-petit-moe: MoE activations must be bfloat16, got {a1.dtype}"
+            )
+        if num_experts != self.num_experts:
+            raise RuntimeError(
+                f"vllm-petit-moe: layer called with {num_experts} experts, prepared for "
+                f"{self.num_experts}"
+            )
+        self._check_expert_map(expert_map)
+
+        if apply_router_weight_on_input:
+            # Same contract as vLLM's allgather prepare: top-1 only, weight folded into x; the
+            # experts then skip the weight (the dispatched weights are unused).
+            if topk_ids.size(1) != 1:
+                raise NotImplementedError(
+                    "apply_router_weight_on_input is only supported for top-1 routing"
+                )
+            a1 = a1 * topk_weights.to(a1.dtype)
+
+        buffer_key = id(self.buffer)
+        pending = _PENDING_DISPATCH.get(buffer_key)
+        if pending is not None:
+            raise RuntimeError(
+                "vllm-petit-moe: dispatch on a shared EpBuffer while a previous dispatch has not "
+                "been combined (interleaved MoE layers, e.g. dual-batch overlap, are not "
+                "supported)"
+            )
+
+        stride = self.region_stride(a1.size(0))
+        self._num_rows = self.world_size * stride
+        if stride == 0:
+            # All DP ranks have 0 tokens (equal on all ranks: nobody dispatches).
+            hidden, top_k = a1.size(1), topk_ids.size(1)
+            self._handle = None
+            return (
+                a1.new_empty((0, hidden)),
+                None,
+                None,
+                topk_ids.new_empty((0, top_k), dtype=torch.int32),
+                topk_weights.new_empty((0, top_k), dtype=torch.float32),
+            )
+
+        out = self.buffer.dispatch(
+            a1.contiguous(),
+            topk_ids.contiguous(),
+            topk_weights.to(torch.float32).contiguous(),
+            region_stride=stride,
+        )
+        _PENDING_DISPATCH[buffer_key] = self
+        self._handle = out.handle
+        recv_ids = local_to_global_expert_ids(
+            out.recv_topk_ids,
+            rank=self.rank,
+            num_local_experts=self.num_local_experts,
+            world_size=self.world_size,
+        )
+        return out.recv_x, None, None, recv_ids, out.recv_topk_weights
+
+    def finalize(
+        self,
+        output: torch.Tensor,
+        fused_expert_output: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        apply_router_weight_on_input: bool,
+        weight_and_reduce_impl,
+    ) -> None:
+        """Combine the experts' rows back to their source ranks, into ``output [T, H]``.
+
+        fused_expert_output: ``[W*R, H]`` (reduced experts) or ``[W*R, K, H]`` / ``[W*R*K, H]``
+        (experts that delegate weighting and reduction); topk_weights / topk_ids are the
+        dispatched ``[W*R, K]`` tensors that prepare returned.
+        """
+        if self._num_rows == 0:
+            return
+        if isinstance(weight_and_reduce_impl, _TopKWeightAndReduceDelegate):
+            weight_and_reduce_impl = _TopKWeightAndReduceContiguous()
+        expert_out = weight_and_reduce_impl.apply(
+            output=None,
+            fused_expert_output=fused_expert_output,
+            topk_weights=topk_weights,
+            topk_ids=topk_ids,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+        )
+        expected_shape = (self._num_rows, output.size(1))
+        if tuple(expert_out.shape) != expected_shape:
+            raise RuntimeError(
+                f"vllm-petit-moe: experts produced {tuple(expert_out.shape)}, combine needs the "
+                f"local weighted sum {expected_shape}"
+            )
+        if expert_out.dtype != torch.bfloat16:
+            expert_out = expert_out.to(torch.bfloat16)
+
+        handle, self._handle = self._handle, None
+        _PENDING_DISPATCH.pop(id(self.buffer), None)
+        result = self.buffer.combine(expert_out.contiguous(), handle, out=output)
+        if result is not None and result.data_ptr() != output.data_ptr():
+            output.copy_(result)
