@@ -152,9 +152,9 @@ def _rank_world_mismatch(state):
     return True
 
 
-def _cfg(hidden=136, max_tokens=256, num_experts=NUM_EXPERTS, **kw):
+def _cfg(hidden=136, max_tokens=256, num_experts=NUM_EXPERTS, timeout_s=20.0):
     return dict(hidden_size=hidden, num_experts=num_experts, max_tokens_per_rank=max_tokens,
-                timeout_s=20.0, **kw)
+                timeout_s=timeout_s)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
