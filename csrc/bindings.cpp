@@ -14,18 +14,29 @@
 namespace petit {
 namespace {
 
+// Checks format their message with snprintf: no std::ostream integer insertion is compiled
+// into this module (a GCC-13 header / older libstdc++ pairing crashes there, seen on the
+// H200 image), and one formatting path serves every message.
+#define PETIT_CHECK(cond, ...)                                       \
+  do {                                                               \
+    if (!(cond)) {                                                   \
+      char _petit_msg[512];                                          \
+      snprintf(_petit_msg, sizeof(_petit_msg), __VA_ARGS__);         \
+      TORCH_CHECK(false, "petit_moe: ", static_cast<const char*>(_petit_msg)); \
+    }                                                                \
+  } while (0)
+
 #define PETIT_CHECK_OK(expr, what)                                                    \
   do {                                                                                \
     petitError_t _err = (expr);                                                       \
-    TORCH_CHECK(_err == petitSuccess, "petit_moe: ", what, " failed: ",              \
-                petitGetErrorString(_err));                                           \
+    PETIT_CHECK(_err == petitSuccess, "%s failed: %s", what, petitGetErrorString(_err)); \
   } while (0)
 
 void check_cuda_tensor(const torch::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.is_cuda(), "petit_moe: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.is_contiguous(), "petit_moe: ", name, " must be contiguous");
-  TORCH_CHECK(t.dim() == dim, "petit_moe: ", name, " must have ", dim, " dims, got ",
-              t.dim());
+  PETIT_CHECK(t.is_cuda(), "%s must be a CUDA tensor", name);
+  PETIT_CHECK(t.is_contiguous(), "%s must be contiguous", name);
+  PETIT_CHECK(t.dim() == dim, "%s must have %lld dims, got %lld", name, (long long)dim,
+              (long long)t.dim());
 }
 
 // Owns one rank's symmetric heap plus the local device state of an EpBuffer.
@@ -35,19 +46,19 @@ class EpContext {
             int64_t hidden, int64_t max_top_k, int64_t num_experts, int64_t num_blocks,
             double timeout_s)
       : device_(int(device)) {
-    TORCH_CHECK(world_size >= 1 && world_size <= kMaxWorldSize, "petit_moe: world size ",
-                world_size, " outside [1, ", kMaxWorldSize, "]");
-    TORCH_CHECK(rank >= 0 && rank < world_size, "petit_moe: rank ", rank, " outside [0, ",
-                world_size, ")");
-    TORCH_CHECK(hidden > 0 && hidden % 8 == 0, "petit_moe: hidden size ", hidden,
-                " must be a positive multiple of 8");
-    TORCH_CHECK(max_top_k >= 1 && max_top_k <= kMaxTopK, "petit_moe: max top-k ", max_top_k,
-                " outside [1, ", kMaxTopK, "]");
-    TORCH_CHECK(num_experts >= world_size && num_experts <= kMaxExperts &&
+    PETIT_CHECK(world_size >= 1 && world_size <= kMaxWorldSize, "world size %lld outside [1, %d]",
+                (long long)world_size, kMaxWorldSize);
+    PETIT_CHECK(rank >= 0 && rank < world_size, "rank %lld outside [0, %lld)", (long long)rank,
+                (long long)world_size);
+    PETIT_CHECK(hidden > 0 && hidden % 8 == 0, "hidden size %lld must be a positive multiple of 8",
+                (long long)hidden);
+    PETIT_CHECK(max_top_k >= 1 && max_top_k <= kMaxTopK, "max top-k %lld outside [1, %d]",
+                (long long)max_top_k, kMaxTopK);
+    PETIT_CHECK(num_experts >= world_size && num_experts <= kMaxExperts &&
                     num_experts % world_size == 0,
-                "petit_moe: ", num_experts, " experts must be a multiple of the world size ",
-                world_size, " and at most ", kMaxExperts);
-    TORCH_CHECK(max_tokens >= 1, "petit_moe: max tokens per rank must be >= 1");
+                "%lld experts must be a multiple of the world size %lld and at most %d",
+                (long long)num_experts, (long long)world_size, kMaxExperts);
+    PETIT_CHECK(max_tokens >= 1, "max tokens per rank must be >= 1");
     c10::cuda::CUDAGuard guard(device_);
     args_.layout = make_heap_layout(int(world_size), int(max_tokens), int(hidden),
                                     int(max_top_k));
@@ -58,8 +69,9 @@ class EpContext {
     int num_sms = 0;
     PETIT_CHECK_OK(petitDeviceGetAttribute(&num_sms, petitDevAttrMultiProcessorCount, device_),
                    "SM count query");
-    TORCH_CHECK(num_blocks >= 1 && num_blocks <= num_sms, "petit_moe: num_sms ", num_blocks,
-                " must be in [1, ", num_sms, "] (the persistent grid must be co-resident)");
+    PETIT_CHECK(num_blocks >= 1 && num_blocks <= num_sms,
+                "num_sms %lld must be in [1, %d] (the persistent grid must be co-resident)",
+                (long long)num_blocks, num_sms);
     args_.num_blocks = int(num_blocks);
     args_.timeout_ticks = uint64_t(timeout_s * petit_timer_ticks_per_second());
 
@@ -67,7 +79,7 @@ class EpContext {
     SymmetricHeap* heap = nullptr;
     petitError_t e = SymmetricHeap::create(device_, args_.layout.total_bytes, &heap, err,
                                            sizeof(err));
-    TORCH_CHECK(e == petitSuccess, "petit_moe: ", err);
+    PETIT_CHECK(e == petitSuccess, "%s", err);
     heap_.reset(heap);
 
     auto opts = torch::TensorOptions().device(torch::kCUDA, device_);
@@ -92,22 +104,22 @@ class EpContext {
   int64_t export_fd() {
     int fd = -1;
     char err[512] = {0};
-    TORCH_CHECK(heap_, "petit_moe: context is closed");
-    TORCH_CHECK(heap_->export_fd(&fd, err, sizeof(err)) == petitSuccess, "petit_moe: ", err);
+    PETIT_CHECK(heap_ != nullptr, "context is closed");
+    PETIT_CHECK(heap_->export_fd(&fd, err, sizeof(err)) == petitSuccess, "%s", err);
     return fd;
   }
 
   // fds[r] for r != rank: descriptors received from the peers (closed here).
   void map_peers(const std::vector<int64_t>& fds) {
-    TORCH_CHECK(heap_, "petit_moe: context is closed");
-    TORCH_CHECK(int64_t(fds.size()) == args_.world_size, "petit_moe: expected ",
-                args_.world_size, " descriptors, got ", fds.size());
+    PETIT_CHECK(heap_ != nullptr, "context is closed");
+    PETIT_CHECK(int64_t(fds.size()) == args_.world_size, "expected %d descriptors, got %zu",
+                args_.world_size, fds.size());
     c10::cuda::CUDAGuard guard(device_);
     std::vector<int> int_fds(fds.begin(), fds.end());
     char err[512] = {0};
     petitError_t e = heap_->map_all(int_fds.data(), args_.world_size, args_.rank, err,
                                     sizeof(err));
-    TORCH_CHECK(e == petitSuccess, "petit_moe: ", err);
+    PETIT_CHECK(e == petitSuccess, "%s", err);
     args_.heap_base = heap_->base();
     args_.heap_stride = heap_->stride();
     // Flags start at epoch 0; the caller runs a barrier before any peer writes them.
@@ -121,9 +133,9 @@ class EpContext {
   // uint8 view of `num_bytes` at `offset` of rank `rank`'s heap, through the linear range.
   torch::Tensor heap_view(int64_t rank, int64_t offset, int64_t num_bytes) {
     check_mapped();
-    TORCH_CHECK(rank >= 0 && rank < args_.world_size, "petit_moe: rank out of range");
-    TORCH_CHECK(offset >= 0 && num_bytes >= 0 && offset + num_bytes <= heap_->stride(),
-                "petit_moe: heap view out of range");
+    PETIT_CHECK(rank >= 0 && rank < args_.world_size, "rank %lld out of range", (long long)rank);
+    PETIT_CHECK(offset >= 0 && num_bytes >= 0 && offset + num_bytes <= heap_->stride(),
+                "heap view out of range");
     return view(args_.heap_base + rank * args_.heap_stride + offset, {num_bytes},
                 torch::kUInt8);
   }
@@ -135,23 +147,22 @@ class EpContext {
     check_cuda_tensor(topk_ids, "topk_ids", 2);
     check_cuda_tensor(topk_weights, "topk_weights", 2);
     const int64_t T = x.size(0), K = topk_ids.size(1);
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "petit_moe: x must be bfloat16");
-    TORCH_CHECK(x.size(1) == args_.layout.hidden, "petit_moe: x hidden size ", x.size(1),
-                " != buffer hidden size ", args_.layout.hidden);
-    TORCH_CHECK(topk_ids.scalar_type() == torch::kInt32 || topk_ids.scalar_type() == torch::kInt64,
-                "petit_moe: topk_ids must be int32 or int64");
-    TORCH_CHECK(topk_weights.scalar_type() == torch::kFloat32,
-                "petit_moe: topk_weights must be float32");
-    TORCH_CHECK(topk_ids.size(0) == T && topk_weights.size(0) == T && topk_weights.size(1) == K,
-                "petit_moe: x, topk_ids and topk_weights disagree on the token count / top-k");
-    TORCH_CHECK(K >= 1 && K <= args_.layout.max_top_k, "petit_moe: top-k ", K,
-                " outside [1, ", args_.layout.max_top_k, "]");
-    TORCH_CHECK(T <= region_stride && region_stride <= args_.layout.max_tokens,
-                "petit_moe: need tokens (", T, ") <= region stride (", region_stride,
-                ") <= max tokens per rank (", args_.layout.max_tokens, ")");
-    TORCH_CHECK(x.get_device() == device_ && topk_ids.get_device() == device_ &&
+    PETIT_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16");
+    PETIT_CHECK(x.size(1) == args_.layout.hidden, "x hidden size %lld != buffer hidden size %d",
+                (long long)x.size(1), args_.layout.hidden);
+    PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32 || topk_ids.scalar_type() == torch::kInt64,
+                "topk_ids must be int32 or int64");
+    PETIT_CHECK(topk_weights.scalar_type() == torch::kFloat32, "topk_weights must be float32");
+    PETIT_CHECK(topk_ids.size(0) == T && topk_weights.size(0) == T && topk_weights.size(1) == K,
+                "x, topk_ids and topk_weights disagree on the token count / top-k");
+    PETIT_CHECK(K >= 1 && K <= args_.layout.max_top_k, "top-k %lld outside [1, %d]", (long long)K,
+                args_.layout.max_top_k);
+    PETIT_CHECK(T <= region_stride && region_stride <= args_.layout.max_tokens,
+                "need tokens (%lld) <= region stride (%lld) <= max tokens per rank (%d)",
+                (long long)T, (long long)region_stride, args_.layout.max_tokens);
+    PETIT_CHECK(x.get_device() == device_ && topk_ids.get_device() == device_ &&
                     topk_weights.get_device() == device_,
-                "petit_moe: inputs must be on the buffer's device ", device_);
+                "inputs must be on the buffer's device %d", device_);
     c10::cuda::CUDAGuard guard(device_);
     DispatchArgs a{};
     a.ctx = args_;
@@ -176,16 +187,16 @@ class EpContext {
     check_cuda_tensor(expert_out, "expert_out", 2);
     check_cuda_tensor(out, "out", 2);
     const int64_t rows = int64_t(args_.world_size) * region_stride;
-    TORCH_CHECK(expert_out.scalar_type() == torch::kBFloat16 &&
-                    out.scalar_type() == torch::kBFloat16,
-                "petit_moe: expert_out and out must be bfloat16");
-    TORCH_CHECK(expert_out.size(0) == rows && expert_out.size(1) == args_.layout.hidden,
-                "petit_moe: expert_out must be [world*region_stride, hidden] = [", rows, ", ",
-                args_.layout.hidden, "], got [", expert_out.size(0), ", ", expert_out.size(1),
-                "]");
-    TORCH_CHECK(out.size(1) == args_.layout.hidden && out.size(0) <= region_stride,
-                "petit_moe: out must be [tokens <= region_stride, hidden]");
-    TORCH_CHECK(region_stride <= args_.layout.max_tokens, "petit_moe: region stride too large");
+    PETIT_CHECK(expert_out.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+                "expert_out and out must be bfloat16");
+    PETIT_CHECK(expert_out.size(0) == rows && expert_out.size(1) == args_.layout.hidden,
+                "expert_out must be [world*region_stride, hidden] = [%lld, %d], got [%lld, %lld]",
+                (long long)rows, args_.layout.hidden, (long long)expert_out.size(0),
+                (long long)expert_out.size(1));
+    PETIT_CHECK(out.size(1) == args_.layout.hidden && out.size(0) <= region_stride,
+                "out must be [tokens <= region_stride, hidden]");
+    PETIT_CHECK(region_stride <= args_.layout.max_tokens, "region stride %lld > max tokens %d",
+                (long long)region_stride, args_.layout.max_tokens);
     c10::cuda::CUDAGuard guard(device_);
     CombineArgs a{};
     a.ctx = args_;
@@ -200,11 +211,11 @@ class EpContext {
   // Benchmark ceiling: push `bytes_per_peer` of `src` into every peer's combine region.
   void peer_write(const torch::Tensor& src, int64_t bytes_per_peer, int64_t num_blocks) {
     check_mapped();
-    TORCH_CHECK(src.is_cuda() && src.is_contiguous() && src.nbytes() >= size_t(bytes_per_peer),
-                "petit_moe: peer_write source too small");
+    PETIT_CHECK(src.is_cuda() && src.is_contiguous() && src.nbytes() >= size_t(bytes_per_peer),
+                "peer_write source too small");
     const int64_t region = args_.layout.flags_begin - args_.layout.combine_rows;
-    TORCH_CHECK(bytes_per_peer <= region && bytes_per_peer % 16 == 0,
-                "petit_moe: bytes_per_peer must be a multiple of 16 and <= ", region);
+    PETIT_CHECK(bytes_per_peer <= region && bytes_per_peer % 16 == 0,
+                "bytes_per_peer must be a multiple of 16 and <= %lld", (long long)region);
     c10::cuda::CUDAGuard guard(device_);
     PeerWriteArgs a{};
     a.heap_base = args_.heap_base;
@@ -252,12 +263,18 @@ class EpContext {
 
  private:
   void check_mapped() const {
-    TORCH_CHECK(heap_ && args_.heap_base != nullptr,
-                "petit_moe: the symmetric heap is not mapped (closed, or map_peers not run)");
+    PETIT_CHECK(heap_ && args_.heap_base != nullptr,
+                "the symmetric heap is not mapped (closed, or map_peers not run)");
   }
   torch::Tensor view(char* ptr, std::vector<int64_t> sizes, torch::ScalarType dtype) const {
-    return torch::from_blob(ptr, sizes, [](void*) {},
-                            torch::TensorOptions().dtype(dtype).device(torch::kCUDA, device_));
+    // The heap is VMM memory whose pages may live on a peer GPU: name the device the
+    // mapping is accessed from instead of letting torch query the pointer's home device.
+    const torch::Device device(torch::kCUDA, device_);
+    return at::for_blob(ptr, sizes)
+        .options(torch::TensorOptions().dtype(dtype).device(device))
+        .target_device(device)
+        .deleter([](void*) {})
+        .make_tensor();
   }
 
   int device_;
@@ -270,11 +287,10 @@ class EpContext {
 std::vector<torch::Tensor> expert_row_lists(const torch::Tensor& topk_ids,
                                             int64_t num_local_experts) {
   check_cuda_tensor(topk_ids, "topk_ids", 2);
-  TORCH_CHECK(topk_ids.scalar_type() == torch::kInt32, "petit_moe: topk_ids must be int32");
-  TORCH_CHECK(num_local_experts >= 1 && num_local_experts <= kMaxExperts,
-              "petit_moe: num_local_experts ", num_local_experts, " outside [1, ", kMaxExperts,
-              "]");
-  TORCH_CHECK(topk_ids.numel() < (int64_t(1) << 31), "petit_moe: too many routing entries");
+  PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32, "topk_ids must be int32");
+  PETIT_CHECK(num_local_experts >= 1 && num_local_experts <= kMaxExperts,
+              "num_local_experts %lld outside [1, %d]", (long long)num_local_experts, kMaxExperts);
+  PETIT_CHECK(topk_ids.numel() < (int64_t(1) << 31), "too many routing entries");
   c10::cuda::CUDAGuard guard(topk_ids.device());
   auto opts = topk_ids.options();
   const int num_entries = int(topk_ids.numel());

@@ -188,8 +188,8 @@ class EpBuffer:
         self._check_open()
         region_stride = self.max_tokens_per_rank if region_stride is None else region_stride
         self._validate_dispatch(x, topk_ids, topk_weights, region_stride)
-        recv_x, recv_ids, recv_weights = self._ctx.dispatch(x, topk_ids, topk_weights,
-                                                            region_stride)
+        recv_x, recv_ids, recv_weights = self._ctx.dispatch(
+            x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), region_stride)
         handle = CombineHandle(num_tokens=x.shape[0], top_k=topk_ids.shape[1],
                                region_stride=region_stride)
         return DispatchOutput(recv_x, recv_ids, recv_weights, handle)
