@@ -292,8 +292,9 @@ def main():
     for proc in procs:
         proc.join()
     gpu = torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = os.environ.get("PETIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+        text=True).stdout.strip() or "unknown"  # the device copy has no .git: pass PETIT_COMMIT
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     name = f"dispatch_combine_{gpu}x{world}"
     out_dirs = [ROOT / "examples" / "results"] + ([Path(args.out_dir)] if args.out_dir else [])

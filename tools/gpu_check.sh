@@ -7,6 +7,7 @@
 #   bash tools/gpu_check.sh                 # build + tests
 #   BENCH=1 bash tools/gpu_check.sh         # + examples/bench_dispatch_combine.py (>= 2 GPUs)
 #   PYTEST_ARGS="-k graph" bash tools/gpu_check.sh
+# The device copy of the tree has no .git: pass PETIT_COMMIT=<hash> to stamp results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/petit-gpu-check}
@@ -42,7 +43,7 @@ fi
 echo
 echo "================ petit-moe GPU check ================"
 echo "gpus        : ${gpus:-none} ($num_gpus)"
-echo "commit      : $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+echo "commit      : ${PETIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 echo "build       : rc=$build_rc in ${build_s}s (spilling functions: ${spills:-0})"
 echo "tests       : rc=$test_rc in ${test_s:-0}s: $(tail -1 "$OUT/pytest.log" 2>/dev/null)"
 echo "bench       : rc=$bench_rc"
