@@ -27,17 +27,18 @@ PETIT_DEVICE void chunk_range(int num_vectors, int chunk, int num_chunks, int* b
   *end = int(int64_t(num_vectors) * (chunk + 1) / num_chunks);
 }
 
-// One warp copies vectors [begin, end) of a row; four independent loads in flight per lane.
+// One warp copies vectors [begin, end) of a row; kCopyUnroll independent 16-byte loads in
+// flight per lane before the first store.
+constexpr int kCopyUnroll = 8;
 PETIT_DEVICE void warp_copy(uint4* __restrict__ dst, const uint4* __restrict__ src, int begin,
                             int end, int lane) {
   int v = begin + lane;
-  for (; v + 3 * PETIT_WARP_SIZE < end; v += 4 * PETIT_WARP_SIZE) {
-    uint4 a = src[v], b = src[v + PETIT_WARP_SIZE], c = src[v + 2 * PETIT_WARP_SIZE],
-          d = src[v + 3 * PETIT_WARP_SIZE];
-    dst[v] = a;
-    dst[v + PETIT_WARP_SIZE] = b;
-    dst[v + 2 * PETIT_WARP_SIZE] = c;
-    dst[v + 3 * PETIT_WARP_SIZE] = d;
+  for (; v + (kCopyUnroll - 1) * PETIT_WARP_SIZE < end; v += kCopyUnroll * PETIT_WARP_SIZE) {
+    uint4 buf[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) buf[u] = src[v + u * PETIT_WARP_SIZE];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) dst[v + u * PETIT_WARP_SIZE] = buf[u];
   }
   for (; v < end; v += PETIT_WARP_SIZE) dst[v] = src[v];
 }
@@ -194,6 +195,15 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
   }
 }
 
+// Combine runs two roles at once so the reduction overlaps the transfer: sender blocks push
+// this rank's reduced rows back to their (remote) sources, group by group; reducer blocks
+// wait for each own token group's rows from the peers and sum them as they land. A token's
+// own-rank row is read straight from expert_out (never copied). With fewer than
+// kMinSplitBlocks blocks, every block sends first and reduces after.
+constexpr int kMinSplitBlocks = 4;
+constexpr int kReducerShare = 4;  // 1 of every kReducerShare blocks reduces
+constexpr int kReduceUnroll = 4;
+
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const EpContextArgs& c = a.ctx;
   const HeapLayout& l = c.layout;
@@ -209,12 +219,19 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const char* my_heap = rank_heap(c, c.rank);
   const int32_t* recv_ids = reinterpret_cast<const int32_t*>(my_heap + l.dispatch_ids);
 
-  // ---- send: reduced rows of source `src`'s tokens go back to src's combine region.
-  const int num_items = num_groups * W * num_chunks;
-  for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+  const bool split = gridDim.x >= kMinSplitBlocks;
+  const int num_reducers = split ? int(gridDim.x) / kReducerShare : int(gridDim.x);
+  const int num_senders = split ? int(gridDim.x) - num_reducers : int(gridDim.x);
+  const bool is_sender = !split || int(blockIdx.x) < num_senders;
+  const bool is_reducer = !split || int(blockIdx.x) >= num_senders;
+
+  // ---- send: reduced rows of remote source `src`'s tokens go back to src's combine region,
+  // item = ((group * (W-1)) + peer_step) * num_chunks + chunk, so groups complete in order.
+  const int num_items = is_sender ? num_groups * (W - 1) * num_chunks : 0;
+  for (int item = blockIdx.x; item < num_items; item += num_senders) {
     const int chunk = item % num_chunks;
-    const int peer_step = (item / num_chunks) % W;
-    const int group = item / (num_chunks * W);
+    const int peer_step = (item / num_chunks) % (W - 1);
+    const int group = item / (num_chunks * (W - 1));
     const int src = (c.rank + 1 + peer_step) % W;
     char* src_heap = rank_heap(c, src);
     if (warp == 0) {
@@ -249,14 +266,19 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
                    make_flag(epoch, __popc(route_mask)));
     }
   }
+  if (!is_reducer) return;
 
-  // ---- receive + reduce own tokens: y[i] = sum over ranks d in mask(i) of row [d*R + i].
+  // ---- reduce own tokens: y[i] = sum over ranks d in mask(i), in rank order, of row i of d
+  // (from the peer's push into my combine region, or my own expert_out for d == rank).
   const uint64_t* my_flags = reinterpret_cast<const uint64_t*>(my_heap + l.combine_flags);
   const uint4* combine_rows = reinterpret_cast<const uint4*>(my_heap + l.combine_rows);
+  const uint4* own_rows =
+      reinterpret_cast<const uint4*>(a.expert_out) + int64_t(c.rank) * R * num_vectors;
   const int own_groups = ceil_div(a.num_tokens, kTokenGroupSize);
-  for (int item = blockIdx.x; item < own_groups * num_chunks; item += gridDim.x) {
+  const int reducer = split ? int(blockIdx.x) - num_senders : int(blockIdx.x);
+  for (int item = reducer; item < own_groups * num_chunks; item += num_reducers) {
     const int chunk = item % num_chunks, group = item / num_chunks;
-    if (threadIdx.x < W)
+    if (threadIdx.x < W && int(threadIdx.x) != c.rank)
       wait_flag(c, my_flags + int64_t(threadIdx.x) * l.max_groups + group, epoch,
                 threadIdx.x, 1, group);
     __syncthreads();
@@ -265,27 +287,46 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     const int width = end - begin;
     const int first_token = group * kTokenGroupSize;
     const int group_tokens = min(kTokenGroupSize, a.num_tokens - first_token);
-    for (int idx = threadIdx.x; idx < group_tokens * width; idx += blockDim.x) {
-      const int token = first_token + idx / width;
-      const int v = begin + idx % width;
-      uint32_t mask = c.token_rank_mask[token];
-      float acc[kVecElems];
+    // kReduceUnroll independent (token, vector) positions per thread keep enough loads in
+    // flight to stream from HBM; ranks are visited in order d = 0..W-1 (fp32 accumulation).
+    const int total = group_tokens * width;
+    for (int base = threadIdx.x; base < total; base += blockDim.x * kReduceUnroll) {
+      int64_t offset[kReduceUnroll];
+      uint32_t mask[kReduceUnroll];
+      float acc[kReduceUnroll][kVecElems];
 #pragma unroll
-      for (int e = 0; e < kVecElems; ++e) acc[e] = 0.f;
-      while (mask) {  // rank order d = 0..W-1, fp32 accumulation
-        const int d = __ffs(mask) - 1;
-        mask &= mask - 1;
-        const uint4 packed =
-            petit_load_cg(combine_rows + (int64_t(d) * R + token) * num_vectors + v);
-        const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed);
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        const int idx = base + u * int(blockDim.x);
+        const int token = first_token + idx / width;
+        offset[u] = int64_t(token) * num_vectors + begin + idx % width;
+        mask[u] = idx < total ? c.token_rank_mask[token] : 0u;
 #pragma unroll
-        for (int e = 0; e < kVecElems; ++e) acc[e] += petit_bf16_to_float(h[e]);
+        for (int e = 0; e < kVecElems; ++e) acc[u][e] = 0.f;
       }
-      uint4 result;
-      petit_bf16_bits* r = reinterpret_cast<petit_bf16_bits*>(&result);
+      for (int d = 0; d < W; ++d) {
+        const uint4* rows = d == c.rank ? own_rows : combine_rows + int64_t(d) * R * num_vectors;
+        uint4 packed[kReduceUnroll];
 #pragma unroll
-      for (int e = 0; e < kVecElems; ++e) r[e] = petit_float_to_bf16(acc[e]);
-      reinterpret_cast<uint4*>(a.out)[int64_t(token) * num_vectors + v] = result;
+        for (int u = 0; u < kReduceUnroll; ++u)
+          if ((mask[u] >> d) & 1u)
+            packed[u] = d == c.rank ? rows[offset[u]] : petit_load_cg(rows + offset[u]);
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          if (!((mask[u] >> d) & 1u)) continue;
+          const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed[u]);
+#pragma unroll
+          for (int e = 0; e < kVecElems; ++e) acc[u][e] += petit_bf16_to_float(h[e]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        if (base + u * int(blockDim.x) >= total) continue;
+        uint4 result;
+        petit_bf16_bits* r = reinterpret_cast<petit_bf16_bits*>(&result);
+#pragma unroll
+        for (int e = 0; e < kVecElems; ++e) r[e] = petit_float_to_bf16(acc[u][e]);
+        reinterpret_cast<uint4*>(a.out)[offset[u]] = result;
+      }
     }
     __syncthreads();
   }
@@ -308,13 +349,17 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) peer_write_kernel(PeerWriteArgs
   }
 }
 
-// Hidden chunks per (peer, group) so that small calls still spread over the grid; a chunk
-// keeps at least 64 vectors (1 KB) of a row.
-int choose_num_chunks(int num_groups, int world_size, int num_vectors, int num_blocks) {
-  const int items = num_groups * world_size;
-  int chunks = ceil_div(num_blocks, items > 0 ? items : 1);
-  const int max_chunks = num_vectors / 64 > 1 ? num_vectors / 64 : 1;
-  return chunks < 1 ? 1 : (chunks > max_chunks ? max_chunks : chunks);
+// Hidden chunks per (peer, group) item, so that small calls still spread over the grid. A
+// chunk keeps >= kMinChunkVectors vectors (32 KB) of the group's rows: splitting less
+// data only adds a completion counter and a fence to the latency.
+constexpr int kMinChunkVectors = 2048;
+int choose_num_chunks(int region_stride, int num_peers, int num_vectors, int num_blocks) {
+  const int num_groups = ceil_div(region_stride, kTokenGroupSize);
+  const int items = num_groups * (num_peers > 0 ? num_peers : 1);
+  const int group_rows = region_stride < kTokenGroupSize ? region_stride : kTokenGroupSize;
+  const int max_chunks = int(int64_t(group_rows) * num_vectors / kMinChunkVectors);
+  const int chunks = ceil_div(num_blocks, items);
+  return chunks < 1 ? 1 : (chunks > max_chunks ? (max_chunks > 1 ? max_chunks : 1) : chunks);
 }
 
 petitError_t check_context(const EpContextArgs& c, int region_stride, int num_tokens,
@@ -333,9 +378,8 @@ petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
   petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
   if (err != petitSuccess) return err;
   DispatchArgs a = args;
-  a.num_chunks = choose_num_chunks(ceil_div(a.region_stride, kTokenGroupSize),
-                                   a.ctx.world_size, a.ctx.layout.hidden / kVecElems,
-                                   a.ctx.num_blocks);
+  a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size,
+                                   a.ctx.layout.hidden / kVecElems, a.ctx.num_blocks);
   if (a.ids_are_int64)
     petitLaunchKernel(dispatch_kernel<int64_t>, dim3(a.ctx.num_blocks), dim3(kThreads), 0,
                       stream, a);
@@ -349,9 +393,11 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
   if (err != petitSuccess) return err;
   CombineArgs a = args;
-  a.num_chunks = choose_num_chunks(ceil_div(a.region_stride, kTokenGroupSize),
-                                   a.ctx.world_size, a.ctx.layout.hidden / kVecElems,
-                                   a.ctx.num_blocks);
+  const int senders = a.ctx.num_blocks >= kMinSplitBlocks
+                          ? a.ctx.num_blocks - a.ctx.num_blocks / kReducerShare
+                          : a.ctx.num_blocks;
+  a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size - 1,
+                                   a.ctx.layout.hidden / kVecElems, senders);
   petitLaunchKernel(combine_kernel, dim3(a.ctx.num_blocks), dim3(kThreads), 0, stream, a);
   return petitGetLastError();
 }

@@ -237,7 +237,9 @@ def _plot(rows, path, title):
         axes[1].plot(toks, [r["dispatch_ratio"] for r in sel], style, label=f"dispatch {label}")
         axes[1].plot(toks, [r["combine_ratio"] for r in sel], style, alpha=0.6,
                      label=f"combine {label}")
-    nccl = sorted((r for r in rows if r["routing"] == "uniform"), key=lambda r: r["tokens"])
+    most_sms = max(r["num_sms"] for r in rows)
+    nccl = sorted((r for r in rows if r["routing"] == "uniform" and r["num_sms"] == most_sms),
+                  key=lambda r: r["tokens"])
     axes[0].plot([r["tokens"] for r in nccl], [r["nccl_us"] for r in nccl], "k:",
                  label="NCCL all_to_all_single (same rows)")
     axes[0].set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="latency (us)",
@@ -262,7 +264,13 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 10 iters")
     p.add_argument("--out-dir", default=None, help="also copy the results here")
+    p.add_argument("--replot", metavar="JSONL", help="only redraw the plot of a results file")
     args = p.parse_args()
+    if args.replot:
+        rows = [json.loads(line) for line in open(args.replot)]
+        _plot(rows, Path(args.replot).with_suffix(".png"),
+              f"EpBuffer dispatch/combine, {rows[0]['gpu']} x{rows[0]['world']}, {rows[0]['commit']}")
+        return
     if args.tokens is None:
         args.tokens = QUICK_TOKENS if args.quick else TOKENS
     if args.quick:
