@@ -195,14 +195,13 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
   }
 }
 
-// Combine runs two roles at once so the reduction overlaps the transfer: sender blocks push
-// this rank's reduced rows back to their (remote) sources, group by group; reducer blocks
-// wait for each own token group's rows from the peers and sum them as they land. A token's
-// own-rank row is read straight from expert_out (never copied). With fewer than
-// kMinSplitBlocks blocks, every block sends first and reduces after.
-constexpr int kMinSplitBlocks = 4;
-constexpr int kReducerShare = 4;  // 1 of every kReducerShare blocks reduces
-constexpr int kReduceUnroll = 4;
+// Combine: every block first pushes its share of this rank's reduced rows back to their
+// (remote) sources, group by group, then reduces own token groups as their rows land; blocks
+// that finish sending early start on groups that already arrived, so the phases overlap.
+// A token's own-rank row is read straight from expert_out (never copied). The reduction is
+// one warp per token row (its rank mask is warp-uniform) with kReduceUnroll 16-byte loads
+// in flight per lane.
+constexpr int kReduceUnroll = 8;
 
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const EpContextArgs& c = a.ctx;
@@ -219,16 +218,10 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const char* my_heap = rank_heap(c, c.rank);
   const int32_t* recv_ids = reinterpret_cast<const int32_t*>(my_heap + l.dispatch_ids);
 
-  const bool split = gridDim.x >= kMinSplitBlocks;
-  const int num_reducers = split ? int(gridDim.x) / kReducerShare : int(gridDim.x);
-  const int num_senders = split ? int(gridDim.x) - num_reducers : int(gridDim.x);
-  const bool is_sender = !split || int(blockIdx.x) < num_senders;
-  const bool is_reducer = !split || int(blockIdx.x) >= num_senders;
-
   // ---- send: reduced rows of remote source `src`'s tokens go back to src's combine region,
   // item = ((group * (W-1)) + peer_step) * num_chunks + chunk, so groups complete in order.
-  const int num_items = is_sender ? num_groups * (W - 1) * num_chunks : 0;
-  for (int item = blockIdx.x; item < num_items; item += num_senders) {
+  const int num_items = num_groups * (W - 1) * num_chunks;
+  for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
     const int chunk = item % num_chunks;
     const int peer_step = (item / num_chunks) % (W - 1);
     const int group = item / (num_chunks * (W - 1));
@@ -266,8 +259,6 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
                    make_flag(epoch, __popc(route_mask)));
     }
   }
-  if (!is_reducer) return;
-
   // ---- reduce own tokens: y[i] = sum over ranks d in mask(i), in rank order, of row i of d
   // (from the peer's push into my combine region, or my own expert_out for d == rank).
   const uint64_t* my_flags = reinterpret_cast<const uint64_t*>(my_heap + l.combine_flags);
@@ -275,8 +266,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const uint4* own_rows =
       reinterpret_cast<const uint4*>(a.expert_out) + int64_t(c.rank) * R * num_vectors;
   const int own_groups = ceil_div(a.num_tokens, kTokenGroupSize);
-  const int reducer = split ? int(blockIdx.x) - num_senders : int(blockIdx.x);
-  for (int item = reducer; item < own_groups * num_chunks; item += num_reducers) {
+  for (int item = blockIdx.x; item < own_groups * num_chunks; item += gridDim.x) {
     const int chunk = item % num_chunks, group = item / num_chunks;
     if (threadIdx.x < W && int(threadIdx.x) != c.rank)
       wait_flag(c, my_flags + int64_t(threadIdx.x) * l.max_groups + group, epoch,
@@ -284,48 +274,47 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     __syncthreads();
     int begin, end;
     chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
-    const int width = end - begin;
     const int first_token = group * kTokenGroupSize;
     const int group_tokens = min(kTokenGroupSize, a.num_tokens - first_token);
-    // kReduceUnroll independent (token, vector) positions per thread keep enough loads in
-    // flight to stream from HBM; ranks are visited in order d = 0..W-1 (fp32 accumulation).
-    const int total = group_tokens * width;
-    for (int base = threadIdx.x; base < total; base += blockDim.x * kReduceUnroll) {
-      int64_t offset[kReduceUnroll];
-      uint32_t mask[kReduceUnroll];
-      float acc[kReduceUnroll][kVecElems];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        const int idx = base + u * int(blockDim.x);
-        const int token = first_token + idx / width;
-        offset[u] = int64_t(token) * num_vectors + begin + idx % width;
-        mask[u] = idx < total ? c.token_rank_mask[token] : 0u;
-#pragma unroll
-        for (int e = 0; e < kVecElems; ++e) acc[u][e] = 0.f;
-      }
-      for (int d = 0; d < W; ++d) {
-        const uint4* rows = d == c.rank ? own_rows : combine_rows + int64_t(d) * R * num_vectors;
-        uint4 packed[kReduceUnroll];
+    for (int row = warp; row < group_tokens; row += kWarps) {
+      const int token = first_token + row;
+      const uint32_t mask = c.token_rank_mask[token];
+      const int64_t row_offset = int64_t(token) * num_vectors;
+      for (int v0 = begin + lane; v0 < end; v0 += kReduceUnroll * PETIT_WARP_SIZE) {
+        float acc[kReduceUnroll][kVecElems];
 #pragma unroll
         for (int u = 0; u < kReduceUnroll; ++u)
-          if ((mask[u] >> d) & 1u)
-            packed[u] = d == c.rank ? rows[offset[u]] : petit_load_cg(rows + offset[u]);
+#pragma unroll
+          for (int e = 0; e < kVecElems; ++e) acc[u][e] = 0.f;
+        for (int d = 0; d < W; ++d) {  // rank order, fp32 accumulation
+          if (!((mask >> d) & 1u)) continue;  // warp-uniform
+          uint4 packed[kReduceUnroll];
+#pragma unroll
+          for (int u = 0; u < kReduceUnroll; ++u) {
+            const int v = v0 + u * PETIT_WARP_SIZE;
+            if (v < end)
+              packed[u] = d == c.rank ? own_rows[row_offset + v]
+                                      : petit_load_cg(combine_rows +
+                                                      int64_t(d) * R * num_vectors + row_offset + v);
+          }
+#pragma unroll
+          for (int u = 0; u < kReduceUnroll; ++u) {
+            if (v0 + u * PETIT_WARP_SIZE >= end) continue;
+            const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed[u]);
+#pragma unroll
+            for (int e = 0; e < kVecElems; ++e) acc[u][e] += petit_bf16_to_float(h[e]);
+          }
+        }
 #pragma unroll
         for (int u = 0; u < kReduceUnroll; ++u) {
-          if (!((mask[u] >> d) & 1u)) continue;
-          const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed[u]);
+          const int v = v0 + u * PETIT_WARP_SIZE;
+          if (v >= end) continue;
+          uint4 result;
+          petit_bf16_bits* r = reinterpret_cast<petit_bf16_bits*>(&result);
 #pragma unroll
-          for (int e = 0; e < kVecElems; ++e) acc[u][e] += petit_bf16_to_float(h[e]);
+          for (int e = 0; e < kVecElems; ++e) r[e] = petit_float_to_bf16(acc[u][e]);
+          reinterpret_cast<uint4*>(a.out)[row_offset + v] = result;
         }
-      }
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        if (base + u * int(blockDim.x) >= total) continue;
-        uint4 result;
-        petit_bf16_bits* r = reinterpret_cast<petit_bf16_bits*>(&result);
-#pragma unroll
-        for (int e = 0; e < kVecElems; ++e) r[e] = petit_float_to_bf16(acc[u][e]);
-        reinterpret_cast<uint4*>(a.out)[offset[u]] = result;
       }
     }
     __syncthreads();
@@ -393,11 +382,8 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
   if (err != petitSuccess) return err;
   CombineArgs a = args;
-  const int senders = a.ctx.num_blocks >= kMinSplitBlocks
-                          ? a.ctx.num_blocks - a.ctx.num_blocks / kReducerShare
-                          : a.ctx.num_blocks;
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size - 1,
-                                   a.ctx.layout.hidden / kVecElems, senders);
+                                   a.ctx.layout.hidden / kVecElems, a.ctx.num_blocks);
   petitLaunchKernel(combine_kernel, dim3(a.ctx.num_blocks), dim3(kThreads), 0, stream, a);
   return petitGetLastError();
 }
