@@ -4,8 +4,9 @@ The compiled extension `vllm_petit_moe._C` is built with torch's CUDAExtension f
 default. Override the targets with TORCH_CUDA_ARCH_LIST (e.g. "9.0a" or "9.0a;10.0a"); the
 compile runs in parallel (ninja, MAX_JOBS defaults to the core count).
 
-Install (needs nvcc and the pinned torch already present, hence no build isolation):
-    pip install vllm==0.24.0
+Install (needs nvcc and the pinned torch already present, hence no build isolation; an
+editable build without isolation also needs wheel and ninja in the environment):
+    pip install vllm==0.24.0 "setuptools>=64,<80" wheel ninja
     CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e ".[test]"
 """
 import os

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .heap import check_single_node, exchange_fds
 
-logger = logging.getLogger("vllm_petit_moe")
+logger = logging.getLogger("vllm.petit_moe.buffer")  # inside vLLM's logger tree
 
 MAX_TOP_K = 16
 MAX_EXPERTS = 512

@@ -1,0 +1,293 @@
+"""One MoE layer through vLLM's modular kernel in a real DP=W + EP setup: petit vs vLLM default.
+
+One process per GPU, each with vLLM's own distributed state (``tests/vllm_moe_harness.py``:
+``init_distributed_environment`` + ``initialize_model_parallel`` under a DP=W, EP config).
+Both kernels come from vLLM's unquantized oracle on the same weights and routing:
+
+- default: ``MoEPrepareAndFinalizeNaiveDPEPModular`` (all-gather / reduce-scatter over NCCL)
+  + ``TritonExperts``;
+- petit: the same call with ``VLLM_USE_PETIT_MOE=1``, our hook substituting
+  ``PetitPrepareAndFinalize`` (symmetric-heap dispatch/combine) + the same ``TritonExperts``.
+
+For each (preset, routing, tokens per rank): both paths are captured in CUDA graphs (all
+ranks with the same token count, as vLLM pads them under graphs) and timed as the median
+device time of one replay (CUDA events), the layer time being the slowest rank's median.
+Effective TFLOPS per GPU = 2*3*hidden*moe_intermediate * (token-expert pairs of all ranks / W)
+/ time; speedup = petit TFLOPS / default TFLOPS = default time / petit time. The two outputs
+of the same inputs are compared too (``rel_diff``: relative Frobenius difference).
+
+Routing: ``uniform`` (K distinct experts per token) or ``skewed`` (``reference.random_topk(
+skew="hot_rank", hot_fraction=...)``: each token-expert pair lands on rank 0's experts with
+probability hot_fraction; ``hot_share`` records the share rank 0 actually got; at W=2 the
+default 0.5 equals an even split of pairs, so pass a larger one for skew there).
+
+    python examples/bench_moe_layer.py                  # both presets, tokens 1..4096
+    python examples/bench_moe_layer.py --quick          # tokens 1, 8, 64, 512, 4096
+    python examples/bench_moe_layer.py --replot examples/results/moe_layer_H200x2.jsonl
+Writes examples/results/moe_layer_<gpu>x<W>.jsonl (fields gpu, world, commit, date, preset,
+routing, tokens, petit_tflops, default_tflops, speedup, petit_us, default_us, ...) and a PNG
+next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import vllm_moe_harness as harness  # noqa: E402
+
+PRESETS = harness.PRESETS
+TOKENS = [2**i for i in range(13)]  # 1, 2, 4, ..., 4096 tokens per rank
+QUICK_TOKENS = [1, 8, 64, 512, 4096]
+ROUTINGS = ("uniform", "skewed")
+
+
+# --------------------------------------------------------------------------------------------
+# Rank side
+# --------------------------------------------------------------------------------------------
+
+
+def _rank_build(state, preset, max_tokens, seed, petit_via):
+    """Free the previous preset's layer and build this one (local random weights)."""
+    import torch
+
+    from vllm_petit_moe.vllm_glue import buffers
+
+    if state.cache.pop("layer", None) is not None:
+        torch.cuda.synchronize()
+        buffers.close_all_buffers()  # collective in spirit: every rank does it here
+        torch.cuda.empty_cache()
+    shape = PRESETS[preset]
+    num_local = shape.num_experts // state.world_size
+    w13, w2 = harness.random_weights(shape, num_local, seed=seed + 1000 * state.rank,
+                                     device=state.device)
+    layer = harness.build_layer(state, shape, w13, w2, max_num_tokens=max_tokens,
+                                petit_via=petit_via)
+    state.cache["layer"] = layer
+    buffer = layer.kernels["petit"].prepare_finalize.buffer
+    return dict(gpu=torch.cuda.get_device_name(state.device), vllm_backend=layer.vllm_backend,
+                heap_mib=buffer.footprint_bytes / 2**20,
+                weights_gib=(w13.numel() + w2.numel()) * 2 / 2**30)
+
+
+def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed):
+    import torch
+
+    layer = state.cache["layer"]
+    shape, world, rank = layer.shape, state.world_size, state.rank
+    counts = [num_tokens] * world
+    skew = None if routing == "uniform" else "hot_rank"
+    xs, ids, ws = harness.make_inputs(shape, counts, seed=seed, device=state.device, skew=skew,
+                                      hot_fraction=hot_fraction)
+    num_local = shape.num_experts // world
+    pairs = sum(int((i >= 0).sum()) for i in ids)
+    share = [sum(int(((i >= 0) & (i // num_local == d)).sum()) for i in ids) / max(pairs, 1)
+             for d in range(world)]
+
+    captured = {}
+    for path in harness.PATHS:
+        static = (xs[rank].clone(), ids[rank].clone(), ws[rank].clone())
+        captured[path] = harness.capture(
+            state.device, lambda path=path, static=static: layer.forward(path, *static, counts))
+    outs = {}
+    for path, (graph, out) in captured.items():
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[path] = out.float().clone()
+    diff = outs["petit"] - outs["default"]
+    norm = outs["default"].norm().item()
+    row = dict(pairs=pairs, hot_share=share[0], max_share=max(share),
+               rel_diff=diff.norm().item() / norm if norm > 0 else 0.0,
+               max_abs_diff=diff.abs().max().item(),
+               finite=bool(torch.isfinite(outs["petit"]).all()
+                           and torch.isfinite(outs["default"]).all()))
+    for path, (graph, _) in captured.items():
+        torch.cuda.synchronize()
+        state.barrier()
+        row[f"{path}_us"] = harness.time_replays_us(graph, iters)
+    del captured, outs
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+
+
+def _combine(preset, routing, num_tokens, per_rank, info, hot_fraction, iters):
+    """One result row from every rank's measurements (layer time = the slowest rank)."""
+    shape = PRESETS[preset]
+    world = len(per_rank)
+    first = per_rank[0]
+    row = dict(preset=preset, routing=routing, tokens=num_tokens)
+    flops_per_gpu = shape.flops_per_pair() * first["pairs"] / world
+    for path in harness.PATHS:
+        us = max(r[f"{path}_us"] for r in per_rank)
+        row[f"{path}_us"] = us
+        row[f"{path}_tflops"] = flops_per_gpu / (us * 1e-6) / 1e12
+    row["speedup"] = row["petit_tflops"] / row["default_tflops"]
+    row.update(pairs=first["pairs"], hot_share=first["hot_share"],
+               hot_fraction=hot_fraction if routing != "uniform" else None,
+               rel_diff=max(r["rel_diff"] for r in per_rank),
+               max_abs_diff=max(r["max_abs_diff"] for r in per_rank),
+               finite=all(r["finite"] for r in per_rank),
+               petit_us_ranks=[r["petit_us"] for r in per_rank],
+               default_us_ranks=[r["default_us"] for r in per_rank],
+               hidden=shape.hidden, moe_intermediate=shape.intermediate,
+               num_experts=shape.num_experts, top_k=shape.top_k, iters=iters,
+               vllm_backend=info["vllm_backend"])
+    return row
+
+
+HEADER = (f"{'preset':14} {'routing':8} {'tokens':>6} {'default_us':>10} {'petit_us':>9} "
+          f"{'default_TF':>10} {'petit_TF':>9} {'speedup':>7} {'hot':>5} {'rel_diff':>8}")
+
+
+def _print_row(r):
+    flag = "" if r["finite"] and r["rel_diff"] < 2e-2 else "   <-- outputs differ"
+    print(f"{r['preset']:14} {r['routing']:8} {r['tokens']:>6} {r['default_us']:10.1f} "
+          f"{r['petit_us']:9.1f} {r['default_tflops']:10.1f} {r['petit_tflops']:9.1f} "
+          f"{r['speedup']:7.2f} {r['hot_share']:5.2f} {r['rel_diff']:8.1e}{flag}", flush=True)
+
+
+def _plot(rows, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = sorted({r["preset"] for r in rows})
+    fig, axes = plt.subplots(len(presets), 2, figsize=(13, 4.2 * len(presets)), squeeze=False)
+    for row_axes, preset in zip(axes, presets):
+        for routing, marker in zip(ROUTINGS, ["o", "s"]):
+            sel = sorted((r for r in rows if r["preset"] == preset and r["routing"] == routing),
+                         key=lambda r: r["tokens"])
+            if not sel:
+                continue
+            toks = [r["tokens"] for r in sel]
+            row_axes[0].plot(toks, [r["petit_tflops"] for r in sel], "-" + marker,
+                             label=f"petit, {routing}")
+            row_axes[0].plot(toks, [r["default_tflops"] for r in sel], "--" + marker,
+                             alpha=0.7, label=f"vLLM default, {routing}")
+            row_axes[1].plot(toks, [r["speedup"] for r in sel], "-" + marker, label=routing)
+        row_axes[0].set(xscale="log", yscale="log", xlabel="tokens per rank",
+                        ylabel="effective TFLOPS per GPU", title=f"{preset}: TFLOPS")
+        row_axes[1].axhline(1.0, color="k", lw=0.8)
+        row_axes[1].set(xscale="log", xlabel="tokens per rank",
+                        ylabel="speedup (petit / vLLM default)", title=f"{preset}: speedup")
+        for ax in row_axes:
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _commit() -> str:
+    # The device copy of the tree has no .git: pass PETIT_COMMIT.
+    if os.environ.get("PETIT_COMMIT"):
+        return os.environ["PETIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or "unknown"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--presets", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS))
+    p.add_argument("--routings", nargs="+", default=list(ROUTINGS), choices=ROUTINGS)
+    p.add_argument("--tokens", nargs="+", type=int, default=None,
+                   help="tokens per rank (default 1, 2, 4, ..., 4096)")
+    p.add_argument("--iters", type=int, default=None, help="timed replays (default 50, quick 20)")
+    p.add_argument("--hot-fraction", type=float, default=0.5,
+                   help="skewed routing: probability that a pair lands on rank 0's experts")
+    p.add_argument("--world", type=int, default=None, help="ranks = GPUs (default: all GPUs)")
+    p.add_argument("--petit-via", choices=("hook", "direct"), default="hook",
+                   help="build petit's kernel through the plugin hook (default) or by hand")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 20 iters")
+    p.add_argument("--out-dir", default=None, help="also write the results here")
+    p.add_argument("--replot", metavar="JSONL", help="only redraw the plot of a results file")
+    args = p.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = QUICK_TOKENS if args.quick else TOKENS
+    if args.iters is None:
+        args.iters = 20 if args.quick else 50
+    if min(args.tokens) < 1:
+        p.error("--tokens must be >= 1")
+    if not 0.0 <= args.hot_fraction <= 1.0:
+        p.error("--hot-fraction must be in [0, 1]")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.replot:
+        rows = [json.loads(line) for line in open(args.replot)]
+        _plot(rows, Path(args.replot).with_suffix(".png"),
+              f"MoE layer via vLLM, {rows[0]['gpu']} x{rows[0]['world']}, {rows[0]['commit']}")
+        return 0
+
+    import torch
+
+    world = args.world or torch.cuda.device_count()
+    if world < 2 or torch.cuda.device_count() < world:
+        sys.exit(f"bench_moe_layer needs >= 2 GPUs, one per rank (have "
+                 f"{torch.cuda.device_count()}, asked for {world})")
+    commit = _commit()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    pool = harness.VllmRankPool(world)
+    rows, gpu = [], "unknown"
+    try:
+        for preset in args.presets:
+            infos = pool.run(_rank_build, preset, max(args.tokens), args.seed, args.petit_via,
+                             timeout_s=900)
+            info = infos[0]
+            gpu = info["gpu"].replace("NVIDIA ", "").replace(" ", "-")
+            print(f"# {preset}: {PRESETS[preset]}, W={world}, vLLM backend {info['vllm_backend']},"
+                  f" petit heap {info['heap_mib']:.0f} MiB/rank, weights "
+                  f"{info['weights_gib']:.1f} GiB/rank, commit {commit}", flush=True)
+            print(HEADER, flush=True)
+            for routing in args.routings:
+                for num_tokens in args.tokens:
+                    per_rank = pool.run(_rank_bench, routing, num_tokens, args.iters,
+                                        args.hot_fraction, args.seed + num_tokens,
+                                        timeout_s=600)
+                    row = _combine(preset, routing, num_tokens, per_rank, info,
+                                   args.hot_fraction, args.iters)
+                    rows.append(row)
+                    _print_row(row)
+    finally:
+        pool.close()
+
+    name = f"moe_layer_{gpu}x{world}"
+    out_dirs = [ROOT / "examples" / "results"] + ([Path(args.out_dir)] if args.out_dir else [])
+    title = f"MoE layer via vLLM's modular kernel, {gpu} x{world}, {commit}"
+    for out_dir in out_dirs:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with open(out_dir / f"{name}.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps(dict(gpu=gpu, world=world, commit=commit, date=date, **r))
+                        + "\n")
+        _plot(rows, out_dir / f"{name}.png", title)
+    print(f"wrote {out_dirs[0] / name}.jsonl and .png")
+    bad = [r for r in rows if not r["finite"] or r["rel_diff"] >= 2e-2]
+    if bad:
+        print(f"WARNING: {len(bad)} configurations where petit and vLLM's outputs differ "
+              "(rel_diff >= 2e-2 or non-finite)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

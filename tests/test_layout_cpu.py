@@ -1,0 +1,132 @@
+"""CPU tests of the symmetric-heap layout and the buffer configuration limits.
+
+`vllm_petit_moe.buffer.heap_bytes` (Python, used for sizing and messages) must agree with
+`csrc/layout.h make_heap_layout` (what the allocator and the kernels use), exposed as
+`_C.heap_layout`. The compiled extension imports without a GPU (it resolves the CUDA driver at
+run time), so these run on a CPU-only machine; they skip only when `_C` was not built.
+The region shapes below are the table of docs/architecture.md ("Symmetric heap").
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch  # noqa: F401  (loads libc10/libtorch before the extension)
+
+from vllm_petit_moe import buffer
+
+ALIGNMENT = 256
+TOKEN_GROUP_SIZE = 32
+
+# The construction order of layout.h: the layout *is* this order.
+REGION_ORDER = ["dispatch_rows", "dispatch_ids", "dispatch_weights", "combine_rows",
+                "dispatch_flags", "combine_flags"]
+
+
+def _extension():
+    # find_spec only says whether the module file exists: a built but broken extension
+    # (undefined symbol, wrong torch) must fail here, not skip.
+    if importlib.util.find_spec("vllm_petit_moe._C") is None:
+        pytest.skip("compiled extension vllm_petit_moe._C not built "
+                    "(pip install --no-build-isolation -e .)")
+    from vllm_petit_moe import _C
+    return _C
+
+
+def _region_bytes(world, max_tokens, hidden, top_k):
+    """Unaligned size of every region, from docs/architecture.md."""
+    rows = world * max_tokens
+    groups = -(-max_tokens // TOKEN_GROUP_SIZE)
+    return {
+        "dispatch_rows": rows * hidden * 2,      # [W, T_max, H] bf16
+        "dispatch_ids": rows * top_k * 4,        # [W, T_max, K_max] int32
+        "dispatch_weights": rows * top_k * 4,    # [W, T_max, K_max] f32
+        "combine_rows": rows * hidden * 2,       # [W, T_max, H] bf16
+        "dispatch_flags": world * groups * 8,    # [W, G_max] u64
+        "combine_flags": world * groups * 8,     # [W, G_max] u64
+    }
+
+
+# (world, max_tokens, hidden, top_k): odd token counts, odd world sizes, hidden sizes whose
+# rows are not 256-byte multiples, the limits, and a DeepSeek-V3-sized buffer (> 2 GiB).
+CONFIGS = [
+    (1, 1, 8, 1),
+    (2, 1, 7168, 8),
+    (2, 19, 104, 3),
+    (3, 33, 1000, 5),
+    (5, 31, 2048, 8),
+    (7, 97, 8, 16),
+    (8, 4097, 2056, 7),
+    (32, 1, 8, 16),
+    (32, 129, 4096, 16),
+    (8, 8192, 7168, 16),
+]
+
+
+@pytest.mark.parametrize("world,max_tokens,hidden,top_k", CONFIGS)
+def test_heap_layout_matches_python(world, max_tokens, hidden, top_k):
+    _C = _extension()
+    layout = _C.heap_layout(world, max_tokens, hidden, top_k)
+    assert buffer.heap_bytes(world, max_tokens, hidden, top_k) == layout["total_bytes"]
+    assert layout["max_groups"] == -(-max_tokens // TOKEN_GROUP_SIZE)
+
+    sizes = _region_bytes(world, max_tokens, hidden, top_k)
+    end = 0
+    for name in REGION_ORDER:
+        offset = layout[name]
+        assert offset % ALIGNMENT == 0, f"{name} at {offset} is not {ALIGNMENT}-byte aligned"
+        assert offset >= end, f"{name} at {offset} overlaps the previous region (ends {end})"
+        # Regions are packed: the next one starts at the aligned end of the previous one.
+        assert offset == -(-end // ALIGNMENT) * ALIGNMENT, f"gap before {name}"
+        end = offset + sizes[name]
+    assert layout["total_bytes"] == -(-end // ALIGNMENT) * ALIGNMENT
+    assert layout["total_bytes"] % ALIGNMENT == 0
+
+    # The zeroed-at-creation range is exactly the two flag regions.
+    assert layout["flags_begin"] == layout["dispatch_flags"]
+    assert layout["flags_end"] == layout["total_bytes"]
+    assert layout["combine_flags"] + sizes["combine_flags"] <= layout["flags_end"]
+
+
+def test_extension_limits_match_python():
+    _C = _extension()
+    assert _C.kMaxTopK == buffer.MAX_TOP_K
+    assert _C.kMaxWorldSize == buffer.MAX_WORLD_SIZE
+    assert _C.kMaxExperts == buffer.MAX_EXPERTS
+    assert _C.kTokenGroupSize == buffer.TOKEN_GROUP_SIZE == TOKEN_GROUP_SIZE
+
+
+# --------------------------------------------------------------------------------------------
+# validate_config: pure Python, no extension needed
+# --------------------------------------------------------------------------------------------
+
+VALID = dict(world_size=2, hidden_size=7168, num_experts=256, max_tokens_per_rank=4096,
+             max_top_k=8)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    dict(world_size=1, num_experts=1, hidden_size=8, max_tokens_per_rank=1, max_top_k=1),
+    dict(world_size=32, num_experts=512, max_top_k=16),
+    dict(world_size=3, num_experts=129, hidden_size=104, max_tokens_per_rank=19),
+])
+def test_validate_config_accepts(overrides):
+    buffer.validate_config(**{**VALID, **overrides})
+
+
+# Each bad configuration and a pattern the message must match: the parameter and its limit.
+@pytest.mark.parametrize("overrides,pattern", [
+    (dict(hidden_size=7170), r"(?i)hidden.*\b8\b"),
+    (dict(hidden_size=100), r"(?i)hidden.*\b8\b"),
+    (dict(world_size=3, num_experts=256), r"(?i)num_experts.*divisible.*\b3\b"),
+    (dict(world_size=1, num_experts=513), r"(?i)num_experts.*512"),
+    (dict(world_size=4, num_experts=1024), r"(?i)num_experts.*512"),
+    (dict(max_top_k=17), r"(?i)top_?k.*16"),
+    (dict(world_size=33, num_experts=33), r"(?i)world.*32"),
+    (dict(world_size=64, num_experts=256), r"(?i)world.*32"),
+    (dict(max_tokens_per_rank=0), r"(?i)max_tokens_per_rank.*1"),
+    (dict(max_tokens_per_rank=-5), r"(?i)max_tokens_per_rank.*1"),
+])
+def test_validate_config_rejects(overrides, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        buffer.validate_config(**{**VALID, **overrides})

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# On a GPU machine (>= 2 GPUs), with the vLLM bundle carried in .devkit (run with
+# carry [".devkit"]): install vLLM 0.24.0, build the extension, make the plugin's entry point
+# discoverable, run the vLLM integration tests and the MoE-layer benchmark; logs under $OUT,
+# a short summary last. Every step has a time limit taken from one overall budget, so the
+# summary is printed before the machine's per-command limit (600 s) even when a step hangs.
+#
+#   bash tools/vllm_gpu_check.sh                     # all steps
+#   bash tools/vllm_gpu_check.sh build test-vllm     # some steps (install + env always run)
+# Steps: build meta test-vllm test-plugin bench. On a cold machine all of them may not fit in
+# one 600 s command: run "build meta test-vllm test-plugin", then "bench" while it is warm.
+# Environment: OUT (default /tmp/petit-vllm-check), BUDGET_S (whole run, default 570),
+#   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
+#   PYTEST_ARGS (extra pytest arguments).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+REPO=$(pwd)
+OUT=${OUT:-/tmp/petit-vllm-check}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-570}
+STEPS=${*:-build meta test-vllm test-plugin bench}
+export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export VLLM_ALLREDUCE_USE_SYMM_MEM=0
+unset VLLM_USE_PETIT_MOE VLLM_PETIT_MOE_STRICT
+T0=$(date +%s)
+
+declare -A RC SECS
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+# run_step NAME LIMIT CMD...: runs CMD with a time limit (capped by the budget left, minus 25 s
+# kept for the later summary; timeout kills the whole process group, spawned ranks included),
+# output to $OUT/NAME.log (its last lines echoed); records rc and seconds.
+run_step() {
+  local name=$1 limit=$2; shift 2
+  local cap=$(( $(left) - 25 ))
+  [ "$cap" -lt "$limit" ] && limit=$cap
+  if [ "$limit" -le 5 ]; then
+    echo "--- $name: skipped, no time left in BUDGET_S=$BUDGET_S"
+    RC[$name]=skipped; SECS[$name]=0; return
+  fi
+  echo "--- $name (limit ${limit}s): $*"
+  local s0
+  s0=$(date +%s)
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  RC[$name]=$?
+  SECS[$name]=$(( $(date +%s) - s0 ))
+  [ "${RC[$name]}" = 124 ] && echo "(timed out after ${limit}s)" >> "$OUT/$name.log"
+  tail -n 25 "$OUT/$name.log"
+}
+
+# 1. vLLM 0.24.0 from the carried bundle (idempotent: ~0.1 s when already unpacked)
+s0=$(date +%s)
+bash .devkit/install_vllm_bundle.sh > "$OUT/install.log" 2>&1
+RC[install]=$?; SECS[install]=$(( $(date +%s) - s0 ))
+if [ "${RC[install]}" != 0 ] || [ ! -f /tmp/vllm-site/env.sh ]; then
+  cat "$OUT/install.log"
+  echo "install failed (rc=${RC[install]}): carry .devkit (MANIFEST.json + vllm-bundle.part*)"
+  exit 1
+fi
+# shellcheck disable=SC1091
+. /tmp/vllm-site/env.sh
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+
+# 2. the extension, in place (ninja, every core); also when a later step needs it and a fresh
+#    machine has none (a warm machine keeps the ignored .so between calls)
+if ! want build && { want test-vllm || want bench; } && ! ls vllm_petit_moe/_C*.so > /dev/null 2>&1; then
+  echo "no compiled extension here: adding the build step"
+  STEPS="build $STEPS"
+fi
+if want build; then
+  run_step build 300 env MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace
+fi
+
+# 3. package metadata, so that importlib.metadata (vLLM's load_general_plugins) finds the
+#    vllm.general_plugins entry point without a pip install: setup.py egg_info into a
+#    folder on PYTHONPATH, or a hand-written .dist-info if that fails.
+META=/tmp/petit-moe-meta
+if want meta || want test-plugin; then
+  rm -rf "$META"; mkdir -p "$META"
+  run_step meta 60 env PETIT_MOE_SKIP_EXTENSION=1 "$PY" setup.py -q egg_info --egg-base "$META"
+  if ! ls "$META"/*.egg-info/entry_points.txt > /dev/null 2>&1; then
+    echo "egg_info failed (rc=${RC[meta]}): writing a minimal .dist-info instead"
+    d="$META/vllm_petit_moe-0.1.0.dist-info"
+    mkdir -p "$d"
+    printf 'Metadata-Version: 2.1\nName: vllm-petit-moe\nVersion: 0.1.0\n' > "$d/METADATA"
+    printf '[vllm.general_plugins]\npetit_moe = vllm_petit_moe.plugin:register\n' \
+      > "$d/entry_points.txt"
+    RC[meta]=fallback
+  fi
+  export PYTHONPATH=$META:$PYTHONPATH
+  "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/meta.log"
+from importlib.metadata import entry_points
+eps = [f"{ep.name} = {ep.value}" for ep in entry_points(group="vllm.general_plugins")]
+print("vllm.general_plugins entry points:", eps or "NONE")
+EOF
+fi
+
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader \
+  > "$OUT/gpus.txt" 2>/dev/null || : > "$OUT/gpus.txt"
+num_gpus=$(grep -c . "$OUT/gpus.txt")
+
+# 4. the vLLM integration tests (real DP + EP setup, >= 2 GPUs)
+if want test-vllm; then
+  # shellcheck disable=SC2086
+  run_step test-vllm 300 "$PY" -m pytest -q -rs -x ${PYTEST_ARGS:-} tests/test_vllm_moe_gpu.py
+  # all skipped (no GPUs, extension missing) is not a pass here
+  if [ "${RC[test-vllm]}" = 0 ] && ! tail -1 "$OUT/test-vllm.log" | grep -q passed; then
+    RC[test-vllm]=all-skipped
+  fi
+fi
+
+# 5. the plugin's CPU tests (real vLLM; entry point from step 3)
+if want test-plugin; then
+  # shellcheck disable=SC2086
+  run_step test-plugin 180 "$PY" -m pytest -q -rs ${PYTEST_ARGS:-} tests/test_plugin_cpu.py
+fi
+
+# 6. the MoE-layer benchmark (results also copied to $OUT)
+if want bench; then
+  # shellcheck disable=SC2086
+  run_step bench 400 "$PY" examples/bench_moe_layer.py ${BENCH_ARGS:---quick} --out-dir "$OUT"
+fi
+
+echo
+echo "================ petit-moe vLLM GPU check ================"
+echo "gpus        : $(cut -d, -f2 "$OUT/gpus.txt" | sort | uniq -c | xargs) ($num_gpus)"
+echo "commit      : ${PETIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+echo "vllm        : $("$PY" -c 'from importlib.metadata import version; print(version("vllm"))' 2>&1 | tail -1)"
+echo "install     : rc=${RC[install]} in ${SECS[install]}s"
+ok=1
+for step in build meta test-vllm test-plugin bench; do
+  want "$step" || continue
+  rc=${RC[$step]:-not-run}
+  summary=""
+  case $step in
+    test-*) summary=$(grep -E "(passed|failed|skipped|error)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
+    bench) summary=$(grep -E "^wrote|^WARNING: " "$OUT/$step.log" 2>/dev/null | tail -2 | xargs) ;;
+    meta) summary=$(grep "entry points" "$OUT/meta.log" 2>/dev/null | tail -1) ;;
+  esac
+  printf '%-12s: rc=%s in %ss %s\n' "$step" "$rc" "${SECS[$step]:-0}" "$summary"
+  case $rc in 0|fallback) ;; *) ok=0 ;; esac
+done
+echo "logs        : $OUT ($(( $(date +%s) - T0 ))s total)"
+[ "$ok" = 1 ]
