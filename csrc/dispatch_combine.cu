@@ -198,10 +198,10 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
 // Combine: every block first pushes its share of this rank's reduced rows back to their
 // (remote) sources, group by group, then reduces own token groups as their rows land; blocks
 // that finish sending early start on groups that already arrived, so the phases overlap.
-// A token's own-rank row is read straight from expert_out (never copied). The reduction
-// gives each warp a span of one token row (the row's rank mask is warp-uniform) with
-// kReduceUnroll 16-byte loads in flight per lane.
-constexpr int kReduceUnroll = 6;  // 8 spills at the 128-register cap
+// A token's own-rank row is read straight from expert_out (never copied). The reduction is
+// one warp per token row (its rank mask is warp-uniform) with kReduceUnroll 16-byte loads
+// in flight per lane.
+constexpr int kReduceUnroll = 8;
 
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const EpContextArgs& c = a.ctx;
@@ -276,50 +276,45 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
     const int first_token = group * kTokenGroupSize;
     const int group_tokens = min(kTokenGroupSize, a.num_tokens - first_token);
-    // Work unit = (row, span of kReduceUnroll*warp-size vectors), one per warp at a time, so
-    // even a single token's row is spread over the block's warps.
-    constexpr int kSpan = kReduceUnroll * PETIT_WARP_SIZE;
-    const int spans = ceil_div(end - begin, kSpan);
-    for (int unit = warp; unit < group_tokens * spans; unit += kWarps) {
-      const int token = first_token + unit / spans;
-      const int span_begin = begin + (unit % spans) * kSpan;
-      const int span_end = min(end, span_begin + kSpan);
-      const uint32_t mask = c.token_rank_mask[token];  // warp-uniform
+    for (int row = warp; row < group_tokens; row += kWarps) {
+      const int token = first_token + row;
+      const uint32_t mask = c.token_rank_mask[token];
       const int64_t row_offset = int64_t(token) * num_vectors;
-      const int v0 = span_begin + lane;
-      float acc[kReduceUnroll][kVecElems];
+      for (int v0 = begin + lane; v0 < end; v0 += kReduceUnroll * PETIT_WARP_SIZE) {
+        float acc[kReduceUnroll][kVecElems];
 #pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u)
+        for (int u = 0; u < kReduceUnroll; ++u)
 #pragma unroll
-        for (int e = 0; e < kVecElems; ++e) acc[u][e] = 0.f;
-      for (int d = 0; d < W; ++d) {  // rank order, fp32 accumulation
-        if (!((mask >> d) & 1u)) continue;
-        uint4 packed[kReduceUnroll];
+          for (int e = 0; e < kVecElems; ++e) acc[u][e] = 0.f;
+        for (int d = 0; d < W; ++d) {  // rank order, fp32 accumulation
+          if (!((mask >> d) & 1u)) continue;  // warp-uniform
+          uint4 packed[kReduceUnroll];
+#pragma unroll
+          for (int u = 0; u < kReduceUnroll; ++u) {
+            const int v = v0 + u * PETIT_WARP_SIZE;
+            if (v < end)
+              packed[u] = d == c.rank ? own_rows[row_offset + v]
+                                      : petit_load_cg(combine_rows +
+                                                      int64_t(d) * R * num_vectors + row_offset + v);
+          }
+#pragma unroll
+          for (int u = 0; u < kReduceUnroll; ++u) {
+            if (v0 + u * PETIT_WARP_SIZE >= end) continue;
+            const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed[u]);
+#pragma unroll
+            for (int e = 0; e < kVecElems; ++e) acc[u][e] += petit_bf16_to_float(h[e]);
+          }
+        }
 #pragma unroll
         for (int u = 0; u < kReduceUnroll; ++u) {
           const int v = v0 + u * PETIT_WARP_SIZE;
-          if (v < span_end)
-            packed[u] = d == c.rank ? own_rows[row_offset + v]
-                                    : petit_load_cg(combine_rows + int64_t(d) * R * num_vectors +
-                                                    row_offset + v);
+          if (v >= end) continue;
+          uint4 result;
+          petit_bf16_bits* r = reinterpret_cast<petit_bf16_bits*>(&result);
+#pragma unroll
+          for (int e = 0; e < kVecElems; ++e) r[e] = petit_float_to_bf16(acc[u][e]);
+          reinterpret_cast<uint4*>(a.out)[row_offset + v] = result;
         }
-#pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u) {
-          if (v0 + u * PETIT_WARP_SIZE >= span_end) continue;
-          const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed[u]);
-#pragma unroll
-          for (int e = 0; e < kVecElems; ++e) acc[u][e] += petit_bf16_to_float(h[e]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        const int v = v0 + u * PETIT_WARP_SIZE;
-        if (v >= span_end) continue;
-        uint4 result;
-        petit_bf16_bits* r = reinterpret_cast<petit_bf16_bits*>(&result);
-#pragma unroll
-        for (int e = 0; e < kVecElems; ++e) r[e] = petit_float_to_bf16(acc[u][e]);
-        reinterpret_cast<uint4*>(a.out)[row_offset + v] = result;
       }
     }
     __syncthreads();
