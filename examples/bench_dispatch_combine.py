@@ -38,10 +38,6 @@ PRESETS = {
 }
 TOKENS = [1, 8, 32, 128, 512, 1024, 4096, 16384]
 QUICK_TOKENS = [1, 128, 4096]
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
-
-
 def _kernel_times_us(prof, names):
     """Median device time (us) of the kernels whose name contains each of `names`."""
     found = {n: [] for n in names}
@@ -168,7 +164,8 @@ def _bench_one(buf, rank, world, preset, routing, num_tokens, iters, group):
 
 
 def _worker(rank, world, port, args, results):
-    os.environ.update(MULTICAST_OFF)
+    from vllm_petit_moe.device_env import MULTICAST_OFF_ENV
+    os.environ.update(MULTICAST_OFF_ENV)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, device_id=torch.device("cuda", rank))

@@ -93,26 +93,17 @@ DEFAULT_RESULTS_DIR = ROOT / "examples" / "results"
 DEFAULT_LOG_DIR = Path(tempfile.gettempdir()) / "petit-bench-tpot-logs"
 MODEL_COPY_ROOT = Path(tempfile.gettempdir()) / "petit-bench-models"
 
+sys.path.insert(0, str(ROOT))
+from vllm_petit_moe.device_env import VLLM_SAFE_ENV  # noqa: E402
+
 CONCURRENCY = [8, 16, 32, 64, 128]
 QUICK = dict(num_prompts=160, concurrency=[8, 64], repeats=1, output_len=128, num_layers=4)
 BACKENDS = ("petit", "default")
 PROMPT_FORMAT = "Question: {question}\nAnswer:"
 HOST = "127.0.0.1"
 
-# Forced into the server's environment (the rest is inherited). NVLink multicast must stay off
-# on these hosts; FlashInfer's sampler is not in the devkit bundle; no network there.
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "PYTHONUNBUFFERED": "1",
-}
+# Forced into the server's environment (the rest is inherited).
+SAFE_ENV = {**VLLM_SAFE_ENV, "PYTHONUNBUFFERED": "1"}
 
 # What the plugin logs (vllm_petit_moe/plugin.py, vllm_petit_moe/vllm_glue/hook.py).
 LOG_PETIT_USED = "vllm-petit-moe: MoE layers use PetitPrepareAndFinalize"

@@ -15,8 +15,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
+from vllm_petit_moe.device_env import MULTICAST_OFF_ENV
 
 
 def _free_port() -> int:
@@ -26,7 +25,7 @@ def _free_port() -> int:
 
 
 def _worker(rank, world_size, num_gpus, port, tasks, results):
-    os.environ.update(MULTICAST_OFF)
+    os.environ.update(MULTICAST_OFF_ENV)
     import torch
     import torch.distributed as dist
     torch.cuda.set_device(rank % num_gpus)

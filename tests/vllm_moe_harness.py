@@ -68,19 +68,10 @@ from typing import Any
 
 import torch
 
-# Set in every rank process before torch/vLLM touch NCCL (KINDS.md: NVLink multicast stays
-# off on these shared hosts; vLLM's symm-mem all-reduce would use multicast ops).
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-}
+from vllm_petit_moe.device_env import VLLM_SAFE_ENV
+
+# Set in every rank process before torch/vLLM touch NCCL.
+SAFE_ENV = VLLM_SAFE_ENV
 # The plugin's flags are toggled per kernel build here; a value inherited from the caller
 # would change what "default" means.
 _PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT")
