@@ -18,7 +18,7 @@ ROOT = Path(__file__).parent.resolve()
 CSRC = ROOT / "csrc"
 
 # Sources of the extension: framework-free kernels + the one torch binding file.
-KERNEL_SOURCES = ["heap.cpp", "routing.cu", "dispatch_combine.cu"]
+KERNEL_SOURCES = ["heap.cpp", "routing.cu", "dispatch_combine.cu", "experts.cu"]
 BINDING_SOURCES = ["bindings.cpp"]
 
 

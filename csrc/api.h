@@ -25,6 +25,57 @@ PETIT_HOST_DEVICE int64_t row_list_workspace_ints(int num_entries, int num_local
 }
 petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stream);
 
+// ------------------------------------------------------------------ experts.cu
+// Expert grouped GEMMs on the row lists above (portable SIMT path; see docs/architecture.md,
+// "Expert kernels"). With pos = a position in sorted_entries order, entry = sorted_entries[pos],
+// e = the local expert of pos, row = entry / K:
+//   gate/up:  act[pos] = bf16(silu(x[row] . w13[e, :I]^T) * (x[row] . w13[e, I:]^T))
+//   down:     partial[entry] = weight[entry] * (act[pos] . w2[e]^T)              (fp32)
+//   reduce:   out[row] = bf16(sum over k = 0..K-1 with a local id of partial[row*K + k]),
+//             accumulated in fp32 in slot order (deterministic); rows with no local id get 0.
+// Only the rows [0, offsets[L]) of act and the partial rows of valid entries are written and
+// read, so neither workspace needs clearing. Limits: H, I multiples of 8, L <= kMaxExperts,
+// K <= kMaxTopK, N*K < 2^31; every pointer 16-byte aligned.
+enum ExpertTiles : int {
+  kExpertTilesAuto = 0,   // by the host-known rows per expert bound (N*K / L)
+  kExpertTilesSmall = 1,  // 16-row tiles: decode, few rows per expert (weight-bandwidth bound)
+  kExpertTilesLarge = 2,  // 128-row tiles: prefill
+};
+
+struct ExpertGemmArgs {
+  const petit_bf16_bits* x;        // [N, H] received rows (GEMM1 A, gathered by entry / K)
+  const int32_t* topk_ids;         // [N*K] local expert ids or -1 (ids outside [0, L) skipped)
+  const float* topk_weights;       // [N*K] routing weights
+  const petit_bf16_bits* w13;      // [L, 2I, H] gate rows [0, I), up rows [I, 2I)
+  const petit_bf16_bits* w2;       // [L, H, I]
+  const int32_t* expert_offsets;   // [L+1] from launch_expert_row_lists
+  const int32_t* sorted_entries;   // [N*K] from launch_expert_row_lists
+  petit_bf16_bits* act;            // [N*K, I] workspace (expert_act_workspace_elems)
+  float* partial;                  // [N*K, H] workspace (expert_partial_workspace_elems)
+  petit_bf16_bits* out;            // [N, H]
+  int num_rows;                    // N
+  int top_k;                       // K
+  int hidden;                      // H
+  int intermediate;                // I
+  int num_local_experts;           // L
+  int tiles;                       // ExpertTiles
+  int num_sms;                     // persistent grid = num_sms x blocks per SM; 0: query device
+};
+PETIT_HOST_DEVICE int64_t expert_act_workspace_elems(int num_rows, int top_k, int intermediate) {
+  return int64_t(num_rows) * top_k * intermediate;
+}
+PETIT_HOST_DEVICE int64_t expert_partial_workspace_elems(int num_rows, int top_k, int hidden) {
+  return int64_t(num_rows) * top_k * hidden;
+}
+// The three steps, in stream order (each one's inputs are the previous ones' outputs).
+petitError_t launch_expert_gate_up(const ExpertGemmArgs& args, petitStream_t stream);
+petitError_t launch_expert_down(const ExpertGemmArgs& args, petitStream_t stream);
+petitError_t launch_expert_reduce(const ExpertGemmArgs& args, petitStream_t stream);
+// All three.
+petitError_t launch_experts(const ExpertGemmArgs& args, petitStream_t stream);
+// The tile family kExpertTilesAuto resolves to for these sizes.
+int resolve_expert_tiles(const ExpertGemmArgs& args);
+
 // -------------------------------------------------------- dispatch_combine.cu
 // Device-side state of one EpBuffer (local memory, not in the heap).
 struct EpState {

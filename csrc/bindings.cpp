@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -284,6 +285,19 @@ class EpContext {
   EpDiagnostics* diag_host_ = nullptr;
 };
 
+// SM count of a device, queried once per device (no device sync; safe under graph capture).
+int num_sms_of(int device) {
+  static std::mutex mutex;
+  static std::vector<int> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device >= int(cache.size())) cache.resize(device + 1, 0);
+  if (cache[device] == 0) {
+    PETIT_CHECK_OK(petitDeviceGetAttribute(&cache[device], petitDevAttrMultiProcessorCount, device),
+                   "SM count query");
+  }
+  return cache[device];
+}
+
 std::vector<torch::Tensor> expert_row_lists(const torch::Tensor& topk_ids,
                                             int64_t num_local_experts) {
   check_cuda_tensor(topk_ids, "topk_ids", 2);
@@ -311,6 +325,152 @@ std::vector<torch::Tensor> expert_row_lists(const torch::Tensor& topk_ids,
   return {counts, offsets, sorted};
 }
 
+void check_aligned16(const torch::Tensor& t, const char* name) {
+  PETIT_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              "%s must be 16-byte aligned (vector loads/stores)", name);
+}
+
+// Local experts with the local weighted reduction (docs/architecture.md, "Expert kernels"):
+// row lists + gate/up GEMM + down GEMM + reduction, all on the current stream, no host sync.
+torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& topk_ids,
+                              const torch::Tensor& topk_weights, const torch::Tensor& w13,
+                              const torch::Tensor& w2, c10::optional<torch::Tensor> out,
+                              c10::optional<torch::Tensor> act_workspace,
+                              c10::optional<torch::Tensor> partial_workspace, int64_t tiles) {
+  check_cuda_tensor(recv_x, "recv_x", 2);
+  check_cuda_tensor(topk_ids, "recv_topk_ids", 2);
+  check_cuda_tensor(topk_weights, "recv_topk_weights", 2);
+  check_cuda_tensor(w13, "w13", 3);
+  check_cuda_tensor(w2, "w2", 3);
+  PETIT_CHECK(recv_x.scalar_type() == torch::kBFloat16, "recv_x must be bfloat16");
+  PETIT_CHECK(w13.scalar_type() == torch::kBFloat16 && w2.scalar_type() == torch::kBFloat16,
+              "w13 and w2 must be bfloat16 (quantized expert weights are not supported)");
+  PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32, "recv_topk_ids must be int32");
+  PETIT_CHECK(topk_weights.scalar_type() == torch::kFloat32, "recv_topk_weights must be float32");
+  const int64_t N = recv_x.size(0), H = recv_x.size(1), K = topk_ids.size(1);
+  const int64_t L = w13.size(0), I = w13.size(1) / 2;
+  PETIT_CHECK(H > 0 && H % 8 == 0, "hidden size %lld must be a positive multiple of 8",
+              (long long)H);
+  PETIT_CHECK(topk_ids.size(0) == N && topk_weights.size(0) == N && topk_weights.size(1) == K,
+              "recv_topk_ids [%lld, %lld] and recv_topk_weights [%lld, %lld] must be [N=%lld, K]",
+              (long long)topk_ids.size(0), (long long)K, (long long)topk_weights.size(0),
+              (long long)topk_weights.size(1), (long long)N);
+  PETIT_CHECK(K >= 1 && K <= kMaxTopK, "top-k %lld outside [1, %d]", (long long)K, kMaxTopK);
+  PETIT_CHECK(L >= 1 && L <= kMaxExperts, "%lld local experts outside [1, %d]", (long long)L,
+              kMaxExperts);
+  PETIT_CHECK(w13.size(1) % 2 == 0 && I > 0 && I % 8 == 0 && w13.size(2) == H,
+              "w13 must be [L, 2I, H=%lld] with I a positive multiple of 8, got [%lld, %lld, %lld]",
+              (long long)H, (long long)w13.size(0), (long long)w13.size(1),
+              (long long)w13.size(2));
+  PETIT_CHECK(w2.size(0) == L && w2.size(1) == H && w2.size(2) == I,
+              "w2 must be [L=%lld, H=%lld, I=%lld], got [%lld, %lld, %lld]", (long long)L,
+              (long long)H, (long long)I, (long long)w2.size(0), (long long)w2.size(1),
+              (long long)w2.size(2));
+  PETIT_CHECK(N * K < (int64_t(1) << 31), "N*K = %lld routing entries exceed 2^31 - 1",
+              (long long)(N * K));
+  PETIT_CHECK(tiles >= kExpertTilesAuto && tiles <= kExpertTilesLarge,
+              "tiles %lld must be 0 (auto), 1 (small) or 2 (large)", (long long)tiles);
+  const auto device = recv_x.device();
+  PETIT_CHECK(topk_ids.device() == device && topk_weights.device() == device &&
+                  w13.device() == device && w2.device() == device,
+              "recv_x, routing and weights must be on one device");
+  check_aligned16(recv_x, "recv_x");
+  check_aligned16(w13, "w13");
+  check_aligned16(w2, "w2");
+  c10::cuda::CUDAGuard guard(device);
+  auto opts = recv_x.options();
+
+  torch::Tensor result;
+  if (out.has_value()) {
+    result = *out;
+    check_cuda_tensor(result, "out", 2);
+    PETIT_CHECK(result.scalar_type() == torch::kBFloat16 && result.size(0) == N &&
+                    result.size(1) == H && result.device() == device,
+                "out must be a bfloat16 [N=%lld, H=%lld] tensor on recv_x's device",
+                (long long)N, (long long)H);
+  } else {
+    result = torch::empty({N, H}, opts);
+  }
+  if (N == 0) return result;
+  check_aligned16(result, "out");
+
+  const int64_t act_elems = expert_act_workspace_elems(int(N), int(K), int(I));
+  const int64_t partial_elems = expert_partial_workspace_elems(int(N), int(K), int(H));
+  torch::Tensor act, partial;
+  if (act_workspace.has_value()) {
+    act = *act_workspace;
+    PETIT_CHECK(act.is_cuda() && act.is_contiguous() && act.device() == device &&
+                    act.scalar_type() == torch::kBFloat16 && act.numel() >= act_elems,
+                "act_workspace must be a contiguous bfloat16 tensor of >= N*K*I = %lld elements "
+                "on recv_x's device",
+                (long long)act_elems);
+  } else {
+    act = torch::empty({act_elems}, opts);
+  }
+  if (partial_workspace.has_value()) {
+    partial = *partial_workspace;
+    PETIT_CHECK(partial.is_cuda() && partial.is_contiguous() && partial.device() == device &&
+                    partial.scalar_type() == torch::kFloat32 && partial.numel() >= partial_elems,
+                "partial_workspace must be a contiguous float32 tensor of >= N*K*H = %lld "
+                "elements on recv_x's device",
+                (long long)partial_elems);
+  } else {
+    partial = torch::empty({partial_elems}, opts.dtype(torch::kFloat32));
+  }
+  check_aligned16(act, "act_workspace");
+  check_aligned16(partial, "partial_workspace");
+
+  auto int_opts = opts.dtype(torch::kInt32);
+  const int num_entries = int(N * K);
+  auto offsets = torch::empty({L + 1}, int_opts);
+  auto counts = torch::empty({L}, int_opts);
+  auto sorted = torch::empty({num_entries}, int_opts);
+  auto row_list_ws = torch::empty({row_list_workspace_ints(num_entries, int(L))}, int_opts);
+  const petitStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  RowListArgs rl{};
+  rl.topk_ids = topk_ids.data_ptr<int32_t>();
+  rl.num_entries = num_entries;
+  rl.num_local_experts = int(L);
+  rl.workspace = row_list_ws.data_ptr<int32_t>();
+  rl.expert_counts = counts.data_ptr<int32_t>();
+  rl.expert_offsets = offsets.data_ptr<int32_t>();
+  rl.sorted_entries = sorted.data_ptr<int32_t>();
+  PETIT_CHECK_OK(launch_expert_row_lists(rl, stream), "row-list launch");
+
+  ExpertGemmArgs a{};
+  a.x = reinterpret_cast<const petit_bf16_bits*>(recv_x.data_ptr());
+  a.topk_ids = topk_ids.data_ptr<int32_t>();
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.w13 = reinterpret_cast<const petit_bf16_bits*>(w13.data_ptr());
+  a.w2 = reinterpret_cast<const petit_bf16_bits*>(w2.data_ptr());
+  a.expert_offsets = offsets.data_ptr<int32_t>();
+  a.sorted_entries = sorted.data_ptr<int32_t>();
+  a.act = reinterpret_cast<petit_bf16_bits*>(act.data_ptr());
+  a.partial = partial.data_ptr<float>();
+  a.out = reinterpret_cast<petit_bf16_bits*>(result.data_ptr());
+  a.num_rows = int(N);
+  a.top_k = int(K);
+  a.hidden = int(H);
+  a.intermediate = int(I);
+  a.num_local_experts = int(L);
+  a.tiles = int(tiles);
+  a.num_sms = num_sms_of(device.index());
+  PETIT_CHECK_OK(launch_experts(a, stream), "expert GEMM launch");
+  return result;
+}
+
+// The tile family experts_forward runs for these sizes (tiles = 0: the automatic choice).
+int64_t resolve_expert_tiles_for(int64_t num_rows, int64_t top_k, int64_t num_local_experts,
+                                 int64_t tiles) {
+  ExpertGemmArgs a{};
+  a.num_rows = int(num_rows);
+  a.top_k = int(top_k);
+  a.num_local_experts = int(num_local_experts);
+  a.tiles = int(tiles);
+  return resolve_expert_tiles(a);
+}
+
 py::dict heap_layout(int64_t world_size, int64_t max_tokens, int64_t hidden, int64_t max_top_k) {
   HeapLayout l = make_heap_layout(int(world_size), int(max_tokens), int(hidden), int(max_top_k));
   py::dict d;
@@ -332,7 +492,7 @@ py::dict heap_layout(int64_t world_size, int64_t max_tokens, int64_t hidden, int
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using petit::EpContext;
-  m.doc() = "vllm-petit-moe compiled kernels (symmetric heap, dispatch/combine, routing)";
+  m.doc() = "vllm-petit-moe compiled kernels (symmetric heap, dispatch/combine, routing, experts)";
   m.attr("kTokenGroupSize") = petit::kTokenGroupSize;
   m.attr("kMaxTopK") = petit::kMaxTopK;
   m.attr("kMaxWorldSize") = petit::kMaxWorldSize;
@@ -342,6 +502,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_row_lists", &petit::expert_row_lists,
         "Routing block [N,K] int32 -> (counts [L], offsets [L+1], sorted_entries [N*K])",
         py::arg("topk_ids"), py::arg("num_local_experts"));
+  m.def("experts_forward", &petit::experts_forward,
+        "Local experts with the local weighted reduction: recv_x [N,H] bf16, recv_topk_ids "
+        "[N,K] int32 local ids or -1, recv_topk_weights [N,K] f32, w13 [L,2I,H] bf16, w2 "
+        "[L,H,I] bf16 -> out [N,H] bf16",
+        py::arg("recv_x"), py::arg("recv_topk_ids"), py::arg("recv_topk_weights"),
+        py::arg("w13"), py::arg("w2"), py::arg("out") = py::none(),
+        py::arg("act_workspace") = py::none(), py::arg("partial_workspace") = py::none(),
+        py::arg("tiles") = 0);
+  m.def("resolve_expert_tiles", &petit::resolve_expert_tiles_for,
+        "Tile family (1 small, 2 large) experts_forward runs for these sizes",
+        py::arg("num_rows"), py::arg("top_k"), py::arg("num_local_experts"), py::arg("tiles") = 0);
   py::class_<EpContext>(m, "EpContext")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                     double>(),

@@ -29,6 +29,16 @@
 #define PETIT_DEVICE __device__ __forceinline__
 #define PETIT_GLOBAL __global__
 
+// Launch bounds with an occupancy target (CUDA: minimum resident blocks per SM, which caps
+// the registers per thread). HIP-Clang turns the second argument into a waves-per-EU minimum
+// that caps VGPRs hard enough to push the SIMT GEMM tiles into scratch on gfx90a, so on AMD
+// only the block size is given; AMD occupancy tuning belongs to the arch-specific paths.
+#if PETIT_HIP
+#define PETIT_LAUNCH_BOUNDS(max_threads, min_blocks) __launch_bounds__(max_threads)
+#else
+#define PETIT_LAUNCH_BOUNDS(max_threads, min_blocks) __launch_bounds__(max_threads, min_blocks)
+#endif
+
 // ---------------------------------------------------------------- runtime API
 #if PETIT_HIP
 typedef hipError_t petitError_t;

@@ -1,5 +1,7 @@
 """CPU-only tests of the vLLM plugin: entry point, flag registration, the hook's decision and
-substitution, and ``PetitPrepareAndFinalize`` inside vLLM's real modular kernel.
+substitution, ``PetitPrepareAndFinalize`` inside vLLM's real modular kernel, and
+``PetitExperts``' side of vLLM's experts interface (its GEMMs replaced by a torch emulation
+of the three kernel steps, ``emulated_experts_forward``).
 
 Runs with the real vLLM (0.24.0 tested) and no GPU. vLLM's config objects, prepare/finalize
 classes, Triton experts object, expert maps and ``FusedMoEKernel`` are the real ones. Faked,
@@ -62,6 +64,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (  # noq
 
 from vllm_petit_moe import reference  # noqa: E402
 from vllm_petit_moe.vllm_glue import buffers, compat, envs, hook  # noqa: E402
+from vllm_petit_moe.vllm_glue import experts as petit_experts  # noqa: E402
 from vllm_petit_moe.vllm_glue.prepare_finalize import (  # noqa: E402
     PetitPrepareAndFinalize,
     linear_expert_map,
@@ -339,7 +342,8 @@ def test_register_without_flag_only_registers_the_env_vars():
     out["patched"] = hasattr(FusedMoEKernel.__init__, "_petit_moe_original")
     """), VLLM_USE_PETIT_MOE="0")
     assert out == {
-        "registered": ["VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_TIMEOUT_S", "VLLM_USE_PETIT_MOE"],
+        "registered": ["VLLM_PETIT_MOE_EXPERTS", "VLLM_PETIT_MOE_STRICT",
+                       "VLLM_PETIT_MOE_TIMEOUT_S", "VLLM_USE_PETIT_MOE"],
         "flag": False,
         "mk_imported": False,
         "finders": [],
@@ -393,6 +397,9 @@ def test_malformed_flag_fails_at_registration(monkeypatch):
     monkeypatch.setenv(envs.VLLM_PETIT_MOE_TIMEOUT_S, "-1")
     with pytest.raises(ValueError, match="VLLM_PETIT_MOE_TIMEOUT_S"):
         envs.timeout_s()
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_EXPERTS, "2")
+    with pytest.raises(ValueError, match="VLLM_PETIT_MOE_EXPERTS"):
+        envs.petit_experts()
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,8 +577,9 @@ def kernel_hook(monkeypatch):
     monkeypatch.setattr(buffers, "_create_buffer", create_buffer)
     monkeypatch.setattr(hook, "_reported", set())
     monkeypatch.delenv(envs.VLLM_PETIT_MOE_STRICT, raising=False)
+    monkeypatch.delenv(envs.VLLM_PETIT_MOE_EXPERTS, raising=False)
     buffers.close_all_buffers()
-    installed = compat.install_kernel_hook(hook.maybe_substitute)
+    installed = compat.install_kernel_hook(hook.maybe_substitute, hook.maybe_substitute_experts)
     try:
         yield created
     finally:
@@ -800,3 +808,192 @@ def test_prepare_errors_are_explicit(vllm_config):
         prepare(small)
     with pytest.raises(RuntimeError, match="no DP metadata"):
         prepare(pf)
+
+
+# --------------------------------------------------------------------------------------------
+# PetitExperts: vLLM's experts interface (the kernels themselves are tested on the GPU and in
+# tests/test_experts_emu_cpu.py)
+# --------------------------------------------------------------------------------------------
+
+
+def emulated_experts_forward(recv_x, recv_topk_ids, recv_topk_weights, w13, w2, *, out,
+                             act_workspace, partial_workspace, tiles="auto"):
+    """``ops.experts_forward`` in torch, step by step on the caller's buffers like the kernels:
+    act in sorted order -> per-entry fp32 partials -> slot-order sum into ``out``. ``out`` may
+    alias ``act_workspace`` (vLLM's fused output shares workspace13)."""
+    num_rows, hidden = recv_x.shape
+    top_k = recv_topk_ids.shape[1]
+    num_local, intermediate = w13.shape[0], w13.shape[1] // 2
+    entries = num_rows * top_k
+    act = act_workspace.reshape(-1)[: entries * intermediate].view(entries, intermediate)
+    partial = partial_workspace.reshape(-1)[: entries * hidden].view(entries, hidden)
+    _, offsets, order = reference.expert_row_lists_reference(recv_topk_ids, num_local)
+    flat_weights = recv_topk_weights.reshape(-1)
+    spans = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
+    for expert, (begin, end) in enumerate(spans):
+        rows = order[begin:end].long() // top_k
+        gate_up = recv_x[rows].float() @ w13[expert].float().T
+        act[begin:end] = (torch.nn.functional.silu(gate_up[:, :intermediate])
+                          * gate_up[:, intermediate:]).to(torch.bfloat16)
+    for expert, (begin, end) in enumerate(spans):
+        entry = order[begin:end].long()
+        partial[entry] = flat_weights[entry, None] * (act[begin:end].float() @ w2[expert].float().T)
+    valid = (recv_topk_ids >= 0) & (recv_topk_ids < num_local)
+    total = torch.zeros(num_rows, hidden)
+    for k in range(top_k):
+        total = total + torch.where(valid[:, k, None], partial.view(num_rows, top_k, hidden)[:, k], 0.0)
+    out.copy_(total.to(torch.bfloat16))
+    return out
+
+
+def petit_experts_for(moe_config, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG, vllm_config=None):
+    with set_current_vllm_config(vllm_config or make_vllm_config()):
+        return petit_experts.PetitExperts(moe_config, quant_config)
+
+
+def test_petit_experts_interface():
+    moe_config = make_moe_config()
+    experts = petit_experts_for(moe_config)
+    assert isinstance(experts, mk.FusedMoEExpertsModular)
+    assert not experts.is_monolithic()
+    assert experts.activation_format() == mk.FusedMoEActivationFormat.Standard
+    assert isinstance(experts.finalize_weight_and_reduce_impl(), TopKWeightAndReduceNoOP)
+    assert experts.supports_expert_map() and not experts.supports_chunking()
+    assert not experts.supports_lora()
+    assert experts.workspace_dtype(torch.bfloat16) == torch.bfloat16
+    assert experts._supports_quant_scheme(None, None)
+    assert experts._supports_activation(MoEActivation.SILU)
+    assert not experts._supports_activation(MoEActivation.GELU)
+    assert not experts._supports_no_act_and_mul()
+    assert experts._supports_shape(1024) and not experts._supports_shape(1020)
+    assert experts._supports_batch_invariance()
+    assert experts._supports_parallel_config(moe_config.moe_parallel_config)
+    # vLLM's own selection helper (device check aside: it runs on a CPU-only machine here).
+    ok, reason = mk.FusedMoEExperts.is_supported_config(
+        _SupportedOnThisDevice, moe_config, None, None, mk.FusedMoEActivationFormat.Standard
+    )
+    assert ok, reason
+    ok, _ = mk.FusedMoEExperts.is_supported_config(
+        _SupportedOnThisDevice, moe_config, None, None, mk.FusedMoEActivationFormat.BatchedExperts
+    )
+    assert not ok
+
+
+class _SupportedOnThisDevice(petit_experts.PetitExperts):
+    @staticmethod
+    def _supports_current_device():
+        return True
+
+
+@pytest.mark.parametrize("num_rows, top_k, hidden, intermediate", [(7, 4, 1024, 512),
+                                                                    (1, 1, 136, 40)])
+def test_petit_experts_workspace_shapes(num_rows, top_k, hidden, intermediate):
+    experts = petit_experts_for(make_moe_config(hidden_dim=hidden, intermediate_size=intermediate))
+    ws13, ws2, out = experts.workspace_shapes(num_rows, 2 * intermediate, hidden, top_k, 16, 8,
+                                              None, MoEActivation.SILU)
+    assert ws13 == (num_rows, top_k, intermediate)  # the activation, bf16
+    assert ws2 == (num_rows, top_k, 2 * hidden)  # fp32 [M*K, H] as bf16 pairs
+    assert out == (num_rows, hidden)
+    # The first dimension is the token count (vLLM's convention for workspaces).
+    assert ws13[0] == ws2[0] == out[0] == num_rows
+
+
+@pytest.mark.parametrize("case, overrides, quant", [
+    ("gelu", dict(activation=MoEActivation.GELU), None),
+    ("bias", dict(has_bias=True), None),
+    ("hidden", dict(hidden_dim=1020), None),
+    ("fp8", {}, FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128])),
+])
+def test_petit_experts_rejects_what_its_kernels_cannot_run(case, overrides, quant):
+    moe_config = make_moe_config(**overrides)
+    quant = quant or FUSED_MOE_UNQUANTIZED_CONFIG
+    assert petit_experts.unsupported_reason(moe_config, quant) is not None
+    with pytest.raises(ValueError, match="PetitExperts cannot serve"):
+        petit_experts_for(moe_config, quant)
+
+
+def test_global_to_local_expert_ids():
+    _, expert_map, _ = determine_expert_map(2, 1, 8, "linear")  # rank 1 owns 4..7
+    ids = torch.tensor([[4, 7, 0, -1], [5, 3, 6, 2]], dtype=torch.int32)
+    local = petit_experts.global_to_local_expert_ids(ids, expert_map, 4)
+    assert local.dtype == torch.int32
+    assert local.tolist() == [[0, 3, -1, -1], [1, -1, 2, -1]]
+    # Without an expert map the ids are local already; out-of-range ones become -1.
+    local = petit_experts.global_to_local_expert_ids(ids, None, 4)
+    assert local.tolist() == [[-1, -1, 0, -1], [-1, 3, -1, 2]]
+
+
+def test_hook_substitutes_petit_experts_only_when_opted_in(kernel_hook, monkeypatch,
+                                                           vllm_config):
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
+    moe_config = make_moe_config()
+    kernel = build_kernel(moe_config, vllm_config)
+    assert isinstance(kernel.prepare_finalize, PetitPrepareAndFinalize)
+    assert type(kernel.fused_experts) is TritonExperts  # default: vLLM's experts stay
+
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_EXPERTS, "1")
+    kernel = build_kernel(moe_config, vllm_config)
+    assert isinstance(kernel.prepare_finalize, PetitPrepareAndFinalize)
+    assert isinstance(kernel.fused_experts, petit_experts.PetitExperts)
+    assert kernel.fused_experts.moe_config is moe_config
+    assert kernel.output_is_reduced()
+
+    # Without petit's prepare/finalize the experts opt-in does nothing.
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "0")
+    kernel = build_kernel(moe_config, vllm_config)
+    assert type(kernel.prepare_finalize) is MoEPrepareAndFinalizeNaiveDPEPModular
+    assert type(kernel.fused_experts) is TritonExperts
+
+
+def test_hook_keeps_triton_experts_for_layers_petit_experts_cannot_run(kernel_hook, monkeypatch,
+                                                                       vllm_config):
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_EXPERTS, "1")
+    moe_config = make_moe_config(activation=MoEActivation.GELU)
+    kernel = build_kernel(moe_config, vllm_config)
+    assert isinstance(kernel.prepare_finalize, PetitPrepareAndFinalize)
+    assert type(kernel.fused_experts) is TritonExperts
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_STRICT, "1")
+    with pytest.raises(RuntimeError, match="PetitExperts cannot serve"):
+        build_kernel(moe_config, vllm_config)
+
+
+@pytest.mark.parametrize(
+    "world_size, num_tokens",
+    [(2, [5, 3]), (2, [0, 4]), (4, [2, 7, 0, 3])],
+)
+def test_modular_kernel_with_petit_experts_matches_reference(world_size, num_tokens, vllm_config,
+                                                             workspace, monkeypatch):
+    from vllm_petit_moe import ops
+
+    monkeypatch.setattr(ops, "experts_forward", emulated_experts_forward)
+    call = make_call(world_size, num_tokens)
+    num_experts, top_k = call.num_experts, call.topk_ids[0].shape[1]
+    expected_kernel = reference.ep_moe_reference(
+        call.xs, call.topk_ids, call.topk_weights, call.w13, call.w2, world_size
+    )
+    expected_fp32 = reference.ep_moe_reference(
+        call.xs, call.topk_ids, call.topk_weights, call.w13, call.w2, world_size, "fp32"
+    )
+    tol = reference.tolerance(expected_kernel, expected_fp32)
+    for rank in range(world_size):
+        parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
+                                        ep_rank=rank)
+        moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
+                                     hidden_dim=call.xs[0].shape[1], intermediate_size=24)
+        buffer = FakeEpBuffer(rank, world_size, num_experts, call)
+        pf = PetitPrepareAndFinalize(buffer, num_experts=num_experts, max_tokens_per_rank=64)
+        with set_current_vllm_config(vllm_config):
+            kernel = mk.FusedMoEKernel(
+                pf, petit_experts.PetitExperts(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG)
+            )
+        _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
+        w13, w2 = call.local_weights(rank, world_size)
+        with dp_step(vllm_config, num_tokens):
+            out = kernel.apply(
+                call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
+                activation=MoEActivation.SILU, global_num_experts=num_experts,
+                expert_map=expert_map, apply_router_weight_on_input=False,
+            )
+        assert out.shape == call.xs[rank].shape and out.dtype == torch.bfloat16
+        reference.check_close(out, expected_fp32[rank], tol, name=f"rank {rank}")

@@ -6,6 +6,8 @@
 #
 #   bash tools/gpu_check.sh                 # build + tests
 #   BENCH=1 bash tools/gpu_check.sh         # + examples/bench_dispatch_combine.py (>= 2 GPUs)
+#   BENCH_EXPERTS=1 bash tools/gpu_check.sh # + examples/bench_experts.py (1 GPU;
+#                                           #   BENCH_EXPERTS_ARGS, default --quick)
 #   PYTEST_ARGS="-k graph" bash tools/gpu_check.sh
 # The device copy of the tree has no .git: pass PETIT_COMMIT=<hash> to stamp results.
 set -uo pipefail
@@ -40,6 +42,12 @@ if [ "${BENCH:-0}" = 1 ] && [ $build_rc -eq 0 ] && [ "$num_gpus" -ge 2 ]; then
   bench_rc=${PIPESTATUS[0]}
 fi
 
+experts_bench_rc=-
+if [ "${BENCH_EXPERTS:-0}" = 1 ] && [ $build_rc -eq 0 ] && [ "$num_gpus" -ge 1 ]; then
+  timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_experts.py ${BENCH_EXPERTS_ARGS:---quick} --out-dir "$OUT" 2>&1 | tee "$OUT/bench_experts.log"
+  experts_bench_rc=${PIPESTATUS[0]}
+fi
+
 echo
 echo "================ petit-moe GPU check ================"
 echo "gpus        : ${gpus:-none} ($num_gpus)"
@@ -47,4 +55,6 @@ echo "commit      : ${PETIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 echo "build       : rc=$build_rc in ${build_s}s (spilling functions: ${spills:-0})"
 echo "tests       : rc=$test_rc in ${test_s:-0}s: $(tail -1 "$OUT/pytest.log" 2>/dev/null)"
 echo "bench       : rc=$bench_rc"
-[ $build_rc -eq 0 ] && [ $test_rc -eq 0 ] && { [ "$bench_rc" = - ] || [ "$bench_rc" = 0 ]; }
+echo "experts     : rc=$experts_bench_rc"
+[ $build_rc -eq 0 ] && [ $test_rc -eq 0 ] && { [ "$bench_rc" = - ] || [ "$bench_rc" = 0 ]; } &&
+  { [ "$experts_bench_rc" = - ] || [ "$experts_bench_rc" = 0 ]; }

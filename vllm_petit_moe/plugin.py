@@ -7,7 +7,8 @@ and in every worker (``vllm.plugins.load_general_plugins``), possibly several ti
 ``register()``:
 
 - always registers our environment variables in vLLM's registry, so that vLLM's environment
-  validation accepts ``VLLM_USE_PETIT_MOE`` (and ``VLLM_PETIT_MOE_*``);
+  validation accepts ``VLLM_USE_PETIT_MOE`` (and ``VLLM_PETIT_MOE_*``), and parses them (a
+  malformed value fails here, at start-up);
 - with ``VLLM_USE_PETIT_MOE=1``: checks the vLLM version (warns outside the tested range) and
   installs the hook that substitutes our prepare/finalize in vLLM's modular MoE kernel; the
   hook itself is attached only once vLLM's fused-MoE code is imported, so processes that
@@ -38,6 +39,7 @@ def register() -> None:
     compat.register_env_vars(envs.ENV_VARS)
     enabled = envs.use_petit_moe()  # raises ValueError on a malformed value, at start-up
     envs.strict()
+    envs.petit_experts()
     envs.timeout_s()
     if not enabled:
         _registered = True

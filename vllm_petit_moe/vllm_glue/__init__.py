@@ -8,6 +8,7 @@ Modules (see docs/vllm_integration.md):
 - ``hook``: decides, per MoE layer, whether to substitute our prepare/finalize.
 - ``prepare_finalize``: ``PetitPrepareAndFinalize``, vLLM's modular prepare/finalize over an
   ``EpBuffer``.
+- ``experts``: ``PetitExperts``, vLLM's modular experts over our grouped GEMMs (opt-in).
 - ``buffers``: one communication buffer per process, shared by all MoE layers.
 
 Importing this package imports nothing from vLLM, torch or the compiled extension: the

@@ -128,7 +128,9 @@ def register_env_vars(getters: dict[str, Callable[[], Any]]) -> bool:
 # HOW   Look the classes up by (module, name) candidates, newest layout first. 0.24 layout:
 #       fused_moe/modular_kernel.py (FusedMoEKernel, FusedMoEPrepareAndFinalizeModular, ...),
 #       fused_moe/prepare_finalize/naive_dp_ep.py (MoEPrepareAndFinalizeNaiveDPEP{Modular,
-#       Monolithic}), fused_moe/topk_weight_and_reduce.py, fused_moe/experts/triton_moe.py.
+#       Monolithic}), fused_moe/topk_weight_and_reduce.py, fused_moe/experts/triton_moe.py,
+#       fused_moe/activation.py (MoEActivation). PetitExperts subclasses the modular experts
+#       base (FusedMoEExpertsModular; FusedMoEPermuteExpertsUnpermute in older builds).
 #       Older names (FusedMoEModularKernel, FusedMoEPrepareAndFinalize as the modular base,
 #       TritonExperts in fused_moe.py) are listed as fallbacks for vLLM builds near 0.24.
 # REMOVE WHEN the supported range starts at a version with one stable layout (then import
@@ -145,6 +147,8 @@ _SYMBOLS: dict[str, tuple[tuple[str, str], ...]] = {
         (_MK, "FusedMoEPrepareAndFinalize"),
     ),
     "ActivationFormat": ((_MK, "FusedMoEActivationFormat"),),
+    "ExpertsModular": ((_MK, "FusedMoEExpertsModular"), (_MK, "FusedMoEPermuteExpertsUnpermute")),
+    "MoEActivation": (("vllm.model_executor.layers.fused_moe.activation", "MoEActivation"),),
     "NaiveDPEPModular": ((_NAIVE_PF, "MoEPrepareAndFinalizeNaiveDPEPModular"),),
     "NaiveDPEPMonolithic": ((_NAIVE_PF, "MoEPrepareAndFinalizeNaiveDPEPMonolithic"),),
     "TopKWeightAndReduceNoOP": ((_TOPK_REDUCE, "TopKWeightAndReduceNoOP"),),
@@ -190,21 +194,30 @@ def fused_moe_symbol(name: str) -> Any:
 #       experts. Patching `maybe_make_prepare_finalize` instead would not work: each oracle
 #       imports it by name.
 # HOW   Wrap `FusedMoEKernel.__init__`: before the original runs, the plugin's `substitute`
-#       callback may return another prepare/finalize (ours) in place of the one passed in.
-#       Only that argument changes; the experts object, weights and everything else stay as
-#       vLLM built them. The wrapper is marked (`_petit_moe_original`) so installing twice is
-#       a no-op, and `uninstall_kernel_hook` restores the original (tests).
+#       callback may return another prepare/finalize (ours) in place of the one passed in,
+#       and then the optional `substitute_experts` callback may return another experts object
+#       (our PetitExperts in place of vLLM's TritonExperts, opt-in: VLLM_PETIT_MOE_EXPERTS=1).
+#       Nothing else changes: the weights, their layout (as loaded for the Triton experts),
+#       the quant method and the layer stay as vLLM built them. The wrapper is marked
+#       (`_petit_moe_original`) so installing twice is a no-op, and `uninstall_kernel_hook`
+#       restores the original (tests).
 #       The patch is installed when the modular-kernel module is first imported (see
 #       `call_when_imported`) so that `register()` imports no fused-MoE code in processes
 #       that never build a MoE layer.
 # REMOVE WHEN vLLM lets plugins register an all2all backend / prepare-finalize factory.
 
 
-def install_kernel_hook(substitute: Callable[[Any, Any], Any]) -> bool:
-    """Patch ``FusedMoEKernel.__init__`` to pass ``prepare_finalize`` through ``substitute``.
+def install_kernel_hook(
+    substitute: Callable[[Any, Any], Any],
+    substitute_experts: Callable[[Any, Any], Any] | None = None,
+) -> bool:
+    """Patch ``FusedMoEKernel.__init__`` to pass ``prepare_finalize`` through ``substitute``
+    (and then ``fused_experts`` through ``substitute_experts``, if given).
 
-    ``substitute(prepare_finalize, fused_experts) -> prepare_finalize``. Returns True if this
-    call installed the patch, False if it was already installed.
+    ``substitute(prepare_finalize, fused_experts) -> prepare_finalize``;
+    ``substitute_experts(prepare_finalize, fused_experts) -> fused_experts`` sees the
+    prepare/finalize ``substitute`` returned. Returns True if this call installed the patch,
+    False if it was already installed.
     """
     kernel_cls = fused_moe_symbol("FusedMoEKernel")
     current = kernel_cls.__init__
@@ -214,6 +227,8 @@ def install_kernel_hook(substitute: Callable[[Any, Any], Any]) -> bool:
 
     def __init__(self, prepare_finalize, fused_experts, *args, **kwargs):
         prepare_finalize = substitute(prepare_finalize, fused_experts)
+        if substitute_experts is not None:
+            fused_experts = substitute_experts(prepare_finalize, fused_experts)
         original(self, prepare_finalize, fused_experts, *args, **kwargs)
 
     __init__._petit_moe_original = original  # type: ignore[attr-defined]

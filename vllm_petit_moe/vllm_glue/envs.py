@@ -19,6 +19,12 @@ VLLM_PETIT_MOE_STRICT = "VLLM_PETIT_MOE_STRICT"
 a MoE layer we cannot serve. For benchmarks and CI, where a silent fallback would measure the
 wrong thing. Default off (fall back with a warning)."""
 
+VLLM_PETIT_MOE_EXPERTS = "VLLM_PETIT_MOE_EXPERTS"
+"""``1`` (opt-in, experimental): where petit's prepare/finalize is substituted and the layer
+runs vLLM's unquantized Triton experts, also substitute ``PetitExperts`` (our grouped-GEMM
+kernels, portable SIMT path, on the same weights). Only meaningful with
+``VLLM_USE_PETIT_MOE=1``. Default off: the kernels have not been validated on a GPU yet."""
+
 VLLM_PETIT_MOE_TIMEOUT_S = "VLLM_PETIT_MOE_TIMEOUT_S"
 """Bound, in seconds, of every spin-wait of the dispatch/combine kernels before they report
 the rank/flag/epoch they waited on and fail. Default 30."""
@@ -48,6 +54,11 @@ def strict() -> bool:
     return _parse_bool(VLLM_PETIT_MOE_STRICT)
 
 
+def petit_experts() -> bool:
+    """Whether ``VLLM_PETIT_MOE_EXPERTS`` is set to a true value."""
+    return _parse_bool(VLLM_PETIT_MOE_EXPERTS)
+
+
 def timeout_s() -> float:
     """``VLLM_PETIT_MOE_TIMEOUT_S`` as a positive float (default 30)."""
     raw = os.environ.get(VLLM_PETIT_MOE_TIMEOUT_S, "").strip()
@@ -62,6 +73,7 @@ def timeout_s() -> float:
 ENV_VARS: dict[str, Callable[[], Any]] = {
     VLLM_USE_PETIT_MOE: use_petit_moe,
     VLLM_PETIT_MOE_STRICT: strict,
+    VLLM_PETIT_MOE_EXPERTS: petit_experts,
     VLLM_PETIT_MOE_TIMEOUT_S: timeout_s,
 }
 """Name -> getter, in the form of vLLM's ``environment_variables`` registry."""

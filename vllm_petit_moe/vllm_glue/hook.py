@@ -16,6 +16,10 @@ Outcomes, each logged once per process and reason:
   ``--all2all-backend`` chosen explicitly).
 - **unsupported** (WARNING): a DP+EP layer we cannot serve yet; vLLM's allgather/reduce-
   scatter stays. With ``VLLM_PETIT_MOE_STRICT=1`` both non-substitute outcomes raise instead.
+
+Experts (opt-in, ``VLLM_PETIT_MOE_EXPERTS=1``; off by default until the kernels are validated
+on a GPU): where our prepare/finalize was substituted, ``maybe_substitute_experts`` also puts
+``PetitExperts`` (our grouped GEMMs) in place of vLLM's Triton experts, on the same weights.
 """
 
 from __future__ import annotations
@@ -277,11 +281,63 @@ def maybe_substitute(prepare_finalize: Any, fused_experts: Any) -> Any:
     return build_prepare_finalize(fused_experts, runtime[0])
 
 
+def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
+    """``FusedMoEKernel.__init__`` hook, second step (opt-in, ``VLLM_PETIT_MOE_EXPERTS=1``):
+    ``PetitExperts`` in place of vLLM's Triton experts where our prepare/finalize was just
+    substituted; otherwise ``fused_experts`` unchanged.
+
+    Only layers that already passed ``decide`` (bf16, unquantized activations, Triton experts
+    reducing the top-k) get here; ``experts.unsupported_reason`` adds what the kernels need
+    on top (SiLU gating, bf16 weights, no biases, sizes); such a layer keeps the Triton
+    experts with a logged reason (or fails in strict mode).
+    """
+    if not (envs.use_petit_moe() and envs.petit_experts()):
+        return fused_experts
+    from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
+
+    if not isinstance(prepare_finalize, PetitPrepareAndFinalize):
+        return fused_experts
+    if not isinstance(fused_experts, compat.fused_moe_symbol("TritonExperts")):
+        return fused_experts  # already ours, or experts we never replace
+
+    from vllm_petit_moe.vllm_glue.experts import PetitExperts, unsupported_reason
+
+    reason = unsupported_reason(fused_experts.moe_config, fused_experts.quant_config)
+    if reason is not None:
+        if envs.strict():
+            raise RuntimeError(
+                f"vllm-petit-moe: {envs.VLLM_PETIT_MOE_EXPERTS}=1 and "
+                f"{envs.VLLM_PETIT_MOE_STRICT}=1, but PetitExperts cannot serve a MoE layer: "
+                f"{reason}"
+            )
+        key = (False, "experts: " + reason)
+        if key not in _reported:
+            _reported.add(key)
+            logger.warning(
+                "vllm-petit-moe: %s=1 but PetitExperts cannot serve these MoE layers (%s); "
+                "they keep vLLM's %s.",
+                envs.VLLM_PETIT_MOE_EXPERTS,
+                reason,
+                type(fused_experts).__name__,
+            )
+        return fused_experts
+    key = (True, "experts")
+    if key not in _reported:
+        _reported.add(key)
+        logger.info(
+            "vllm-petit-moe: MoE layers use PetitExperts (petit grouped GEMMs, portable path) "
+            "instead of %s (%s=1)",
+            type(fused_experts).__name__,
+            envs.VLLM_PETIT_MOE_EXPERTS,
+        )
+    return PetitExperts(fused_experts.moe_config, fused_experts.quant_config)
+
+
 def install() -> None:
     """Install the ``FusedMoEKernel`` hook now or when vLLM's modular kernel is imported."""
 
     def _install(_module) -> None:
-        if compat.install_kernel_hook(maybe_substitute):
+        if compat.install_kernel_hook(maybe_substitute, maybe_substitute_experts):
             logger.debug("vllm-petit-moe: FusedMoEKernel hook installed")
 
     compat.call_when_imported(compat.MODULAR_KERNEL_MODULE, _install)

@@ -1,0 +1,262 @@
+// Expert grouped GEMMs at the destination rank, portable SIMT path (CUDA and HIP alike):
+// gate/up GEMM with SiLU·mul fused into its epilogue, down GEMM with the routing weight fused
+// into its epilogue, and the deterministic local weighted reduction. The pieces (tile loader,
+// main loop, epilogues, scheduler) live in csrc/gemm/ so the fused MegaMoE kernel can compose
+// them. Launch contract and formulas: api.h, "experts.cu"; design: docs/architecture.md.
+//
+// Why a separate reduction instead of accumulating in the down GEMM's epilogue: a token's
+// (up to K) local entries belong to different experts, i.e. to tiles that run in no fixed
+// order, so an in-epilogue fp32 accumulation (atomics) would round differently from run to
+// run. Writing each entry's weighted fp32 row to its own workspace row (indexed by the entry,
+// so no inverse permutation is needed) and summing them in slot order k = 0..K-1 afterwards
+// gives bit-identical results on every run, at the cost of the workspace
+// (N*K*H*4 bytes, see expert_partial_workspace_elems) and one extra pass over it.
+#include "api.h"
+#include "gemm/epilogues.h"
+#include "gemm/mainloop_simt.h"
+#include "gemm/scheduler.h"
+
+namespace petit {
+
+namespace {
+
+using gemm::SimtTileConfig;
+
+// <kBlockM, kBlockN, kBlockK, kThreadM, kThreadN, kNumBGroups, kMinBlocksPerSm>, 256 threads.
+// Small: few rows per expert (decode), the cost is streaming the weights, so tiles are short
+// in M and wide in N with a deep (32) k-stage, and more blocks per SM keep more weight bytes
+// in flight. Large: 128-row tiles with 8x(4 or 8) register tiles per thread (prefill).
+using GateUpSmall = SimtTileConfig<16, 64, 32, 2, 2, 2, 4>;    // B tile: 64 gate + 64 up rows
+using GateUpLarge = SimtTileConfig<128, 64, 16, 8, 4, 2, 2>;   // B tile: 64 gate + 64 up rows
+using DownSmall = SimtTileConfig<16, 128, 32, 2, 4, 1, 4>;
+using DownLarge = SimtTileConfig<128, 128, 16, 8, 8, 1, 2>;
+
+// Rows-per-expert bound (N*K / L) from which kExpertTilesAuto picks the large tiles. N*K / L
+// overestimates the mean rows per local expert by the EP world size (the other ranks' entries
+// are in N*K too), hence the margin over the 128-row tile. A first guess, to be tuned on GPU.
+constexpr int kLargeTileMinRowsPerExpert = 256;
+
+constexpr int kReduceThreads = 256;
+constexpr int kReduceBlocksPerSm = 8;
+
+// ------------------------------------------------------------------ gate/up (GEMM1)
+
+template <class Cfg>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
+    expert_gate_up_kernel(ExpertGemmArgs a) {
+  using Mainloop = gemm::SimtMainloop<Cfg>;
+  using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
+  __shared__ typename Mainloop::SharedStorage mainloop_smem;
+  __shared__ typename Scheduler::SharedStorage scheduler_smem;
+
+  Scheduler scheduler;
+  scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
+                 ceil_div(a.intermediate, Cfg::kBlockN), scheduler_smem);
+  const gemm::SiluMulEpilogue<Cfg> epilogue{a.act, a.intermediate};
+  const int num_tiles = scheduler.num_tiles();
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
+    const gemm::TileCoord tile = scheduler.tile(t);
+    const int n_begin = tile.n_tile * Cfg::kBlockN;
+    // A: the tile's rows gathered through the row list (entry -> received row entry / K).
+    typename Mainloop::LoaderA a_loader;
+    a_loader.init([&](int r) -> const petit_bf16_bits* {
+      if (r >= tile.num_rows) return nullptr;
+      const int entry = a.sorted_entries[tile.row_begin + r];
+      return a.x + int64_t(entry / a.top_k) * a.hidden;
+    });
+    // B: gate rows [n_begin, n_begin + kBlockN) of w13[e], then the same up rows (+ I).
+    const petit_bf16_bits* w13_e =
+        a.w13 + int64_t(tile.expert) * 2 * a.intermediate * a.hidden;
+    typename Mainloop::LoaderB b_loader;
+    b_loader.init([&](int r) -> const petit_bf16_bits* {
+      const int n = n_begin + r % Cfg::kBlockN;
+      if (n >= a.intermediate) return nullptr;
+      return w13_e + int64_t((r / Cfg::kBlockN) * a.intermediate + n) * a.hidden;
+    });
+    Mainloop mainloop;
+    mainloop.run(a_loader, b_loader, a.hidden, mainloop_smem);
+    epilogue.apply(mainloop.acc, mainloop.ty, mainloop.tx, tile.row_begin, tile.num_rows,
+                   n_begin);
+  }
+}
+
+// ------------------------------------------------------------------ down (GEMM2)
+
+template <class Cfg>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
+    expert_down_kernel(ExpertGemmArgs a) {
+  using Mainloop = gemm::SimtMainloop<Cfg>;
+  using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
+  __shared__ typename Mainloop::SharedStorage mainloop_smem;
+  __shared__ typename Scheduler::SharedStorage scheduler_smem;
+
+  Scheduler scheduler;
+  scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
+                 ceil_div(a.hidden, Cfg::kBlockN), scheduler_smem);
+  const gemm::WeightedEntryEpilogue<Cfg> epilogue{a.partial, a.sorted_entries, a.topk_weights,
+                                                  a.hidden};
+  const int num_tiles = scheduler.num_tiles();
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
+    const gemm::TileCoord tile = scheduler.tile(t);
+    const int n_begin = tile.n_tile * Cfg::kBlockN;
+    // A: the activation rows, already in sorted order (no gather).
+    typename Mainloop::LoaderA a_loader;
+    a_loader.init([&](int r) -> const petit_bf16_bits* {
+      if (r >= tile.num_rows) return nullptr;
+      return a.act + int64_t(tile.row_begin + r) * a.intermediate;
+    });
+    const petit_bf16_bits* w2_e = a.w2 + int64_t(tile.expert) * a.hidden * a.intermediate;
+    typename Mainloop::LoaderB b_loader;
+    b_loader.init([&](int r) -> const petit_bf16_bits* {
+      const int n = n_begin + r;
+      if (n >= a.hidden) return nullptr;
+      return w2_e + int64_t(n) * a.intermediate;
+    });
+    Mainloop mainloop;
+    mainloop.run(a_loader, b_loader, a.intermediate, mainloop_smem);
+    epilogue.apply(mainloop.acc, mainloop.ty, mainloop.tx, tile.row_begin, tile.num_rows,
+                   n_begin);
+  }
+}
+
+// ------------------------------------------------------------------ local reduction
+
+// One thread per (row, 8 columns): sum the row's local entries in slot order, round once.
+PETIT_GLOBAL void __launch_bounds__(kReduceThreads) expert_reduce_kernel(ExpertGemmArgs a) {
+  const int chunks_per_row = a.hidden / 8;
+  const int64_t num_chunks = int64_t(a.num_rows) * chunks_per_row;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < num_chunks;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int row = int(idx / chunks_per_row);
+    const int col = int(idx % chunks_per_row) * 8;
+    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int k = 0; k < a.top_k; ++k) {
+      const int entry = row * a.top_k + k;
+      const int e = a.topk_ids[entry];
+      if (e < 0 || e >= a.num_local_experts) continue;  // same validity rule as routing.cu
+      const float4* src =
+          reinterpret_cast<const float4*>(a.partial + int64_t(entry) * a.hidden + col);
+      const float4 lo = src[0], hi = src[1];
+      sum[0] += lo.x; sum[1] += lo.y; sum[2] += lo.z; sum[3] += lo.w;
+      sum[4] += hi.x; sum[5] += hi.y; sum[6] += hi.z; sum[7] += hi.w;
+    }
+    uint4 packed;
+    packed.x = uint32_t(petit_float_to_bf16(sum[0])) | (uint32_t(petit_float_to_bf16(sum[1])) << 16);
+    packed.y = uint32_t(petit_float_to_bf16(sum[2])) | (uint32_t(petit_float_to_bf16(sum[3])) << 16);
+    packed.z = uint32_t(petit_float_to_bf16(sum[4])) | (uint32_t(petit_float_to_bf16(sum[5])) << 16);
+    packed.w = uint32_t(petit_float_to_bf16(sum[6])) | (uint32_t(petit_float_to_bf16(sum[7])) << 16);
+    *reinterpret_cast<uint4*>(a.out + int64_t(row) * a.hidden + col) = packed;
+  }
+}
+
+// ------------------------------------------------------------------ host side
+
+bool aligned16(const void* p) { return p != nullptr && (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+petitError_t check_args(const ExpertGemmArgs& a) {
+  if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
+      a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
+      a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
+      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesLarge || a.num_sms < 0)
+    return petitErrorInvalidValue;
+  if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
+  if (a.num_rows > 0 &&
+      !(aligned16(a.x) && aligned16(a.w13) && aligned16(a.w2) && aligned16(a.act) &&
+        aligned16(a.partial) && aligned16(a.out) && a.topk_ids != nullptr &&
+        a.topk_weights != nullptr && a.expert_offsets != nullptr && a.sorted_entries != nullptr))
+    return petitErrorInvalidValue;
+  return petitSuccess;
+}
+
+petitError_t device_sm_count(const ExpertGemmArgs& a, int* num_sms) {
+  *num_sms = a.num_sms;
+  if (*num_sms > 0) return petitSuccess;
+  int device = 0;
+  petitError_t err = petitGetDevice(&device);
+  if (err != petitSuccess) return err;
+  return petitDeviceGetAttribute(num_sms, petitDevAttrMultiProcessorCount, device);
+}
+
+// Persistent grid: enough blocks to fill the GPU, never more than the most tiles any routing
+// can produce (sum over experts of ceil(rows_e / kBlockM) <= N*K / kBlockM + L). Returns 0
+// when that bound does not fit the kernels' int tile index (absurd sizes: N*K in the 10^7s
+// with H in the thousands).
+constexpr int64_t kMaxTiles = int64_t(1) << 30;
+
+template <class Cfg>
+int persistent_grid(const ExpertGemmArgs& a, int out_cols, int num_sms) {
+  const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
+  const int64_t max_m_tiles = (num_entries + Cfg::kBlockM - 1) / Cfg::kBlockM + a.num_local_experts;
+  const int64_t max_tiles = max_m_tiles * ceil_div(out_cols, Cfg::kBlockN);
+  if (max_tiles >= kMaxTiles) return 0;
+  const int64_t resident = int64_t(num_sms) * Cfg::kMinBlocksPerSm;
+  return int(max_tiles < resident ? max_tiles : resident);
+}
+
+template <class Cfg>
+petitError_t launch_gate_up_with(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
+  const int grid = persistent_grid<Cfg>(a, a.intermediate, num_sms);
+  if (grid == 0) return petitErrorInvalidValue;
+  petitLaunchKernel(expert_gate_up_kernel<Cfg>, dim3(grid), dim3(Cfg::kThreads), 0, stream, a);
+  return petitGetLastError();
+}
+
+template <class Cfg>
+petitError_t launch_down_with(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
+  const int grid = persistent_grid<Cfg>(a, a.hidden, num_sms);
+  if (grid == 0) return petitErrorInvalidValue;
+  petitLaunchKernel(expert_down_kernel<Cfg>, dim3(grid), dim3(Cfg::kThreads), 0, stream, a);
+  return petitGetLastError();
+}
+
+}  // namespace
+
+int resolve_expert_tiles(const ExpertGemmArgs& a) {
+  if (a.tiles != kExpertTilesAuto) return a.tiles;
+  const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
+  return num_entries >= int64_t(kLargeTileMinRowsPerExpert) * a.num_local_experts
+             ? kExpertTilesLarge
+             : kExpertTilesSmall;
+}
+
+petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream) {
+  petitError_t err = check_args(a);
+  if (err != petitSuccess || a.num_rows == 0) return err;
+  int num_sms = 0;
+  if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
+  return resolve_expert_tiles(a) == kExpertTilesLarge
+             ? launch_gate_up_with<GateUpLarge>(a, num_sms, stream)
+             : launch_gate_up_with<GateUpSmall>(a, num_sms, stream);
+}
+
+petitError_t launch_expert_down(const ExpertGemmArgs& a, petitStream_t stream) {
+  petitError_t err = check_args(a);
+  if (err != petitSuccess || a.num_rows == 0) return err;
+  int num_sms = 0;
+  if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
+  return resolve_expert_tiles(a) == kExpertTilesLarge
+             ? launch_down_with<DownLarge>(a, num_sms, stream)
+             : launch_down_with<DownSmall>(a, num_sms, stream);
+}
+
+petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream) {
+  petitError_t err = check_args(a);
+  if (err != petitSuccess || a.num_rows == 0) return err;
+  int num_sms = 0;
+  if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
+  const int64_t num_chunks = int64_t(a.num_rows) * (a.hidden / 8);
+  const int64_t needed = (num_chunks + kReduceThreads - 1) / kReduceThreads;
+  const int64_t resident = int64_t(num_sms) * kReduceBlocksPerSm;
+  const int grid = int(needed < resident ? needed : resident);
+  petitLaunchKernel(expert_reduce_kernel, dim3(grid), dim3(kReduceThreads), 0, stream, a);
+  return petitGetLastError();
+}
+
+petitError_t launch_experts(const ExpertGemmArgs& a, petitStream_t stream) {
+  petitError_t err = launch_expert_gate_up(a, stream);
+  if (err == petitSuccess) err = launch_expert_down(a, stream);
+  if (err == petitSuccess) err = launch_expert_reduce(a, stream);
+  return err;
+}
+
+}  // namespace petit

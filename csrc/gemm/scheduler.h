@@ -1,0 +1,105 @@
+// Tile scheduler of the grouped GEMMs over (local expert, m-tile, n-tile), driven by the
+// device-side row lists (expert_offsets of routing.cu): no host sync, so a launch sized on
+// the host stays valid for any routing and can be captured in a CUDA graph.
+//
+// Used by a persistent grid: every block builds the per-expert m-tile prefix sum once, in
+// shared memory (a block-wide scan over <= kMaxExperts counts), then strides over the linear
+// tile index t = blockIdx.x, blockIdx.x + gridDim.x, ... < num_tiles(). A block whose
+// blockIdx.x is past num_tiles() does nothing, so the grid may be sized for the worst case.
+//
+// Tile order: n-tile fastest, then the m-tiles of expert 0, of expert 1, ... Blocks running
+// at the same time thus share the A rows of one m-tile (reused from L2) and walk through one
+// expert's weights before the next.
+#pragma once
+
+#include "../layout.h"
+
+namespace petit {
+namespace gemm {
+
+struct TileCoord {
+  int expert;     // local expert
+  int n_tile;     // output column tile
+  int row_begin;  // position (in sorted_entries order) of the tile's first row
+  int num_rows;   // rows of the tile that exist, 1..kBlockM
+};
+
+template <int kThreads>
+struct ExpertTileScheduler {
+  static constexpr int kItemsPerThread = (kMaxExperts + kThreads - 1) / kThreads;
+
+  struct SharedStorage {
+    int32_t tile_prefix[kMaxExperts + 1];  // m-tiles of experts [0, e)
+    int32_t thread_sums[kThreads];
+  };
+
+  const int32_t* expert_offsets;  // [L+1] global
+  const int32_t* tile_prefix;     // [L+1] shared
+  int num_experts;
+  int num_n_tiles;
+  int block_m;
+
+  // Block-wide: every thread of the block must call it (it contains barriers).
+  PETIT_DEVICE void init(const int32_t* offsets, int num_local_experts, int tile_rows,
+                         int n_tiles, SharedStorage& smem) {
+    expert_offsets = offsets;
+    tile_prefix = smem.tile_prefix;
+    num_experts = num_local_experts;
+    num_n_tiles = n_tiles;
+    block_m = tile_rows;
+    // Each thread owns kItemsPerThread consecutive experts.
+    int tiles[kItemsPerThread];
+    int thread_sum = 0;
+#pragma unroll
+    for (int i = 0; i < kItemsPerThread; ++i) {
+      const int e = threadIdx.x * kItemsPerThread + i;
+      tiles[i] = 0;
+      if (e < num_local_experts)
+        tiles[i] = (offsets[e + 1] - offsets[e] + tile_rows - 1) / tile_rows;
+      thread_sum += tiles[i];
+    }
+    // Inclusive Hillis-Steele scan of the per-thread sums.
+    smem.thread_sums[threadIdx.x] = thread_sum;
+    __syncthreads();
+    for (int offset = 1; offset < kThreads; offset <<= 1) {
+      const int add = threadIdx.x >= offset ? smem.thread_sums[threadIdx.x - offset] : 0;
+      __syncthreads();
+      smem.thread_sums[threadIdx.x] += add;
+      __syncthreads();
+    }
+    int running = smem.thread_sums[threadIdx.x] - thread_sum;  // exclusive
+#pragma unroll
+    for (int i = 0; i < kItemsPerThread; ++i) {
+      const int e = threadIdx.x * kItemsPerThread + i;
+      if (e < num_local_experts) smem.tile_prefix[e] = running;
+      running += tiles[i];
+    }
+    if (threadIdx.x == kThreads - 1) smem.tile_prefix[num_local_experts] = running;  // total
+    __syncthreads();
+  }
+
+  PETIT_DEVICE int num_tiles() const { return tile_prefix[num_experts] * num_n_tiles; }
+
+  // Coordinates of linear tile t < num_tiles().
+  PETIT_DEVICE TileCoord tile(int t) const {
+    TileCoord c;
+    c.n_tile = t % num_n_tiles;
+    const int m_tile = t / num_n_tiles;
+    // The expert e with tile_prefix[e] <= m_tile < tile_prefix[e+1]: the largest e < L with
+    // tile_prefix[e] <= m_tile (experts without tiles share their successor's prefix).
+    int lo = 0, hi = num_experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tile_prefix[mid] <= m_tile) lo = mid; else hi = mid - 1;
+    }
+    c.expert = lo;
+    const int row_begin = expert_offsets[lo] + (m_tile - tile_prefix[lo]) * block_m;
+    const int rows_left = expert_offsets[lo + 1] - row_begin;
+    c.row_begin = row_begin;
+    c.num_rows = rows_left < block_m ? rows_left : block_m;
+    return c;
+  }
+};
+
+}  // namespace gemm
+}  // namespace petit

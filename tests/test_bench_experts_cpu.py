@@ -1,0 +1,79 @@
+"""CPU checks of examples/bench_experts.py: argument parsing, --help, its torch baseline
+against the reference, and the plot of a results file. The GPU parts (timing, petit, Triton)
+run on a GPU machine only."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_petit_moe import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_PATH = ROOT / "examples" / "bench_experts.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_experts", BENCH_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help_runs_without_a_gpu():
+    result = subprocess.run([sys.executable, str(BENCH_PATH), "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--tokens" in result.stdout and "--hot-fraction" in result.stdout
+
+
+def test_parse_args(bench):
+    args = bench.parse_args([])
+    assert args.tokens == bench.TOKENS and args.iters == 30 and args.world == 2
+    assert args.routings == ["uniform", "skewed"] and args.tiles == "auto"
+    quick = bench.parse_args(["--quick", "--presets", "qwen3-30b-a3b", "--routings",
+                              "hot_expert", "--world", "8"])
+    assert quick.tokens == bench.QUICK_TOKENS and quick.iters == 10
+    assert quick.presets == ["qwen3-30b-a3b"] and quick.world == 8
+    for bad in (["--world", "3"], ["--tokens", "0"], ["--hot-fraction", "1.5"],
+                ["--routings", "zipf"], ["--iters", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_torch_baseline_matches_reference(bench):
+    gen = torch.Generator().manual_seed(0)
+    num_rows, top_k, hidden, inter, num_local = 23, 4, 48, 16, 5
+    ids = torch.randint(-1, num_local, (num_rows, top_k), generator=gen, dtype=torch.int32)
+    weights = torch.where(ids >= 0, torch.rand(num_rows, top_k, generator=gen), 0.0)
+    recv_x = torch.randn(num_rows, hidden, generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(num_local, 2 * inter, hidden, generator=gen) / hidden**0.5).bfloat16()
+    w2 = (torch.randn(num_local, hidden, inter, generator=gen) / inter**0.5).bfloat16()
+    problem = (recv_x, ids, weights, w13, w2)
+    kernel_ref = reference.experts_reference(*problem, precision="kernel")
+    fp32_ref = reference.experts_reference(*problem, precision="fp32")
+    # bf16 matmuls round the gate/up and down outputs once more than the kernels do.
+    tol = reference.tolerance(kernel_ref, fp32_ref, factor=8.0)
+    reference.check_close(bench.torch_loop(*problem), fp32_ref, tol)
+
+
+def test_replot(bench, tmp_path):
+    rows = []
+    for preset in bench.PRESETS:
+        for routing in bench.ROUTINGS:
+            for tokens in (1, 128):
+                rows.append(dict(
+                    gpu="H200", commit="abc1234", date="2026-01-01T00:00:00Z", preset=preset,
+                    routing=routing, tokens=tokens, tflops=1.0 * tokens,
+                    triton_tflops=None if tokens == 1 else 2.0, torch_tflops=0.5,
+                    speedup_vs_triton=None, weight_gbps=3000.0, hbm_gbps=4000.0))
+    path = tmp_path / "experts_H200.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench.main(["--replot", str(path)]) == 0
+    assert path.with_suffix(".png").stat().st_size > 0

@@ -1,0 +1,164 @@
+"""CPU: the expert kernels (csrc/experts.cu) run unchanged under a thread-per-GPU-thread
+emulation (tests/emu/experts_emu.cpp), against the torch reference.
+
+This checks the kernels' index math, bounds handling, persistent tile loop, scheduler scan and
+barrier placement before (and besides) the GPU tests in test_experts_gpu.py; it says nothing
+about performance or the GPU memory model. The row lists come from the reference (the routing
+kernel has its own GPU test). Needs g++ and the CUDA headers (for uint4/float4/dim3 only).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_petit_moe import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
+TILES = {"auto": 0, "small": 1, "large": 2}
+
+
+@pytest.fixture(scope="session")
+def emu(tmp_path_factory):
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None or not (CUDA_INCLUDE / "cuda_runtime.h").exists():
+        pytest.skip(f"needs g++ and the CUDA headers ({CUDA_INCLUDE}/cuda_runtime.h)")
+    lib_path = tmp_path_factory.mktemp("emu") / "experts_emu.so"
+    cmd = [compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread",
+           f"-I{ROOT / 'csrc'}", f"-I{CUDA_INCLUDE}", str(ROOT / "tests/emu/experts_emu.cpp"),
+           "-o", str(lib_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lib = ctypes.CDLL(str(lib_path))
+    lib.petit_emu_experts.restype = ctypes.c_int
+    return lib
+
+
+def run_emulated(lib, recv_x, ids, weights, w13, w2, *, tiles="auto", num_sms=1):
+    """launch_experts on the CPU; act/partial/out poisoned with NaN first."""
+    num_rows, hidden = recv_x.shape
+    top_k = ids.shape[1]
+    num_local, intermediate = w13.shape[0], w13.shape[1] // 2
+    # The routing kernel skips ids outside [0, L) like -1; the reference rejects them.
+    local_ids = torch.where((ids >= 0) & (ids < num_local), ids, -1)
+    _, offsets, sorted_entries = reference.expert_row_lists_reference(local_ids, num_local)
+    act = torch.full((num_rows * top_k, intermediate), float("nan"), dtype=torch.bfloat16)
+    partial = torch.full((num_rows * top_k, hidden), float("nan"))
+    out = torch.full((num_rows, hidden), float("nan"), dtype=torch.bfloat16)
+    used = ctypes.c_int(-1)
+    tensors = [recv_x, ids, weights, w13, w2, offsets, sorted_entries, act, partial, out]
+    assert all(t.is_contiguous() for t in tensors)
+    rc = lib.petit_emu_experts(
+        *[ctypes.c_void_p(t.data_ptr()) for t in tensors],
+        num_rows, top_k, hidden, intermediate, num_local, TILES[tiles], num_sms,
+        ctypes.byref(used),
+    )
+    assert rc == 0, f"launch_experts returned {rc}"
+    return out, {1: "small", 2: "large"}[used.value]
+
+
+def make_problem(ids, hidden, intermediate, num_local, seed):
+    """Fresh random data for routing `ids` [N, K] int32 (never zeros)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_rows, top_k = ids.shape
+    recv_x = torch.randn(num_rows, hidden, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(num_rows, top_k, generator=gen) + 0.05
+    weights = torch.where(ids >= 0, weights, 0.0).float()
+    w13 = (torch.randn(num_local, 2 * intermediate, hidden, generator=gen) / hidden**0.5)
+    w2 = (torch.randn(num_local, hidden, intermediate, generator=gen) / intermediate**0.5)
+    return recv_x, ids.contiguous(), weights, w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+
+
+def routing_with_counts(counts, seed):
+    """ids [N, K = len(counts)] where local expert e gets exactly counts[e] entries, on
+    random rows, in random slots (the other slots -1)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_rows, top_k = max(counts), len(counts)
+    ids = torch.full((num_rows, top_k), -1, dtype=torch.int32)
+    for expert, count in enumerate(counts):
+        ids[torch.randperm(num_rows, generator=gen)[:count], expert] = expert
+    slot_order = torch.rand(num_rows, top_k, generator=gen).argsort(dim=1)
+    return ids.gather(1, slot_order).contiguous()
+
+
+def check_against_reference(out, problem):
+    kernel_ref = reference.experts_reference(*problem, precision="kernel")
+    fp32_ref = reference.experts_reference(*problem, precision="fp32")
+    reference.check_close(out, fp32_ref, reference.tolerance(kernel_ref, fp32_ref))
+    no_local = ~(problem[1] >= 0).any(dim=1)
+    assert bool((out[no_local] == 0).all()), "rows without a local id must be 0"
+
+
+@pytest.mark.parametrize("tiles", ["small", "large"])
+@pytest.mark.parametrize("hidden, intermediate", [(136, 40), (8, 8), (40, 136)])
+def test_random_routing_odd_shapes(emu, tiles, hidden, intermediate):
+    gen = torch.Generator().manual_seed(hidden * 7 + intermediate)
+    ids = torch.randint(0, 5, (37, 4), generator=gen, dtype=torch.int32)
+    ids = torch.where(torch.rand(37, 4, generator=gen) < 0.3, -1, ids)
+    ids[3] = -1  # a row with no local slot
+    problem = make_problem(ids, hidden, intermediate, 5, seed=1)
+    out, used = run_emulated(emu, *problem, tiles=tiles, num_sms=2)
+    assert used == tiles
+    check_against_reference(out, problem)
+
+
+@pytest.mark.parametrize("top_k", [1, 8])
+def test_empty_experts_and_one_expert_with_all_rows(emu, top_k):
+    ids = torch.full((300, top_k), -1, dtype=torch.int32)
+    ids[:, top_k - 1] = 4  # expert 4 of 6 gets every row, experts 0-3 and 5 none
+    problem = make_problem(ids, 24, 16, 6, seed=2)
+    for tiles in ("small", "large"):
+        out, _ = run_emulated(emu, *problem, tiles=tiles)
+        check_against_reference(out, problem)
+
+
+def test_rows_per_expert_1_to_4096(emu):
+    counts = [1, 2, 3, 15, 16, 17, 127, 128, 129, 4096]
+    ids = routing_with_counts(counts, seed=3)
+    assert torch.bincount(ids[ids >= 0].long()).tolist() == counts
+    problem = make_problem(ids, 16, 8, len(counts), seed=4)
+    for tiles in ("small", "large"):
+        out, _ = run_emulated(emu, *problem, tiles=tiles, num_sms=4)
+        check_against_reference(out, problem)
+
+
+def test_all_rows_unrouted_give_zeros(emu):
+    ids = torch.full((9, 2), -1, dtype=torch.int32)
+    ids[4, 1] = 7  # outside [0, L): not local either
+    problem = make_problem(ids, 16, 8, 3, seed=5)
+    out, _ = run_emulated(emu, *problem)
+    assert bool((out == 0).all())
+
+
+def test_deterministic_and_batch_invariant(emu):
+    """Fixed-order fp32 FMA chains and a fixed-order slot sum: bit-identical across tile
+    families, repeated runs, grid sizes and batch compositions (what PetitExperts claims)."""
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(-1, 4, (40, 3), generator=gen, dtype=torch.int32)
+    problem = make_problem(ids, 72, 24, 4, seed=7)
+    small, _ = run_emulated(emu, *problem, tiles="small", num_sms=1)
+    large, _ = run_emulated(emu, *problem, tiles="large", num_sms=3)
+    again, _ = run_emulated(emu, *problem, tiles="small", num_sms=5)
+    assert torch.equal(small, large) and torch.equal(small, again)
+    first = 11
+    x, i, w, w13, w2 = problem
+    part, _ = run_emulated(emu, x[:first].contiguous(), i[:first].contiguous(),
+                           w[:first].contiguous(), w13, w2, tiles="small")
+    assert torch.equal(part, small[:first])
+
+
+def test_auto_tiles_follow_rows_per_expert(emu):
+    # The large tiles from N*K / L >= 256 rows per expert on (experts.cu).
+    ids = torch.zeros((64, 8), dtype=torch.int32)
+    x, ids, w, w13, w2 = make_problem(ids, 8, 8, 2, seed=8)
+    _, used = run_emulated(emu, x, ids, w, w13, w2)  # 64*8 / 2 = 256
+    assert used == "large"
+    _, used = run_emulated(emu, x[:63].contiguous(), ids[:63].contiguous(),
+                           w[:63].contiguous(), w13, w2)  # 252
+    assert used == "small"

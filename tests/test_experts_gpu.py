@@ -1,0 +1,226 @@
+"""GPU: the expert grouped GEMMs (row lists + gate/up + down + local reduction) against the
+torch reference, with the tolerance derived from the reference's own bf16-vs-fp32 error.
+
+Every case draws fresh random data from a seeded generator (never zeros), poisons the
+outputs and workspaces with NaN before the call, and runs both tile families.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import requires_extension, requires_gpu
+from vllm_petit_moe import reference
+
+pytestmark = [requires_gpu, requires_extension]
+
+TILE_FAMILIES = ["small", "large"]
+
+
+def make_problem(ids, hidden, intermediate, num_local, seed, *, poison_unrouted=True):
+    """recv_x, ids, weights, w13, w2 on the GPU for routing `ids` [N, K] int32."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ids = ids.to("cuda", torch.int32).contiguous()
+    num_rows, top_k = ids.shape
+    recv_x = torch.randn(num_rows, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    if poison_unrouted:  # rows with no local slot are stale in the dispatch layout: never read
+        recv_x[~(ids >= 0).any(dim=1)] = float("nan")
+    weights = torch.rand(num_rows, top_k, generator=gen, device="cuda") + 0.05
+    weights = torch.where(ids >= 0, weights, 0.0).float()
+    w13 = torch.randn(num_local, 2 * intermediate, hidden, generator=gen, device="cuda")
+    w2 = torch.randn(num_local, hidden, intermediate, generator=gen, device="cuda")
+    return (recv_x, ids, weights, (w13 / hidden**0.5).to(torch.bfloat16),
+            (w2 / intermediate**0.5).to(torch.bfloat16))
+
+
+def random_ids(num_rows, top_k, num_local, seed, invalid_fraction=0.3):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.randint(0, num_local, (num_rows, top_k), generator=gen, device="cuda",
+                        dtype=torch.int32)
+    drop = torch.rand(num_rows, top_k, generator=gen, device="cuda") < invalid_fraction
+    return torch.where(drop, -1, ids)
+
+
+def routing_with_counts(counts, seed):
+    """ids [N, K = len(counts)]: local expert e gets exactly counts[e] entries on random rows
+    and slots; the other slots are -1."""
+    gen = torch.Generator().manual_seed(seed)
+    num_rows, top_k = max(counts), len(counts)
+    ids = torch.full((num_rows, top_k), -1, dtype=torch.int32)
+    for expert, count in enumerate(counts):
+        ids[torch.randperm(num_rows, generator=gen)[:count], expert] = expert
+    return ids.gather(1, torch.rand(num_rows, top_k, generator=gen).argsort(dim=1))
+
+
+def run_petit(problem, tiles, *, with_workspaces=True):
+    """ops.experts_forward with NaN-poisoned out (and workspaces)."""
+    from vllm_petit_moe import ops
+
+    recv_x, ids, _, w13, _ = problem
+    num_rows, hidden = recv_x.shape
+    (act_shape, act_dtype), (partial_shape, partial_dtype) = ops.experts_workspace_shapes(
+        num_rows, ids.shape[1], hidden, w13.shape[1] // 2)
+    out = torch.full((num_rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kwargs = dict(out=out, tiles=tiles)
+    if with_workspaces:
+        kwargs["act_workspace"] = torch.full(act_shape, float("nan"), dtype=act_dtype,
+                                             device="cuda")
+        kwargs["partial_workspace"] = torch.full(partial_shape, float("nan"),
+                                                 dtype=partial_dtype, device="cuda")
+    result = ops.experts_forward(*problem, **kwargs)
+    assert result.data_ptr() == out.data_ptr()
+    return out
+
+
+def check(out, problem, name="experts"):
+    recv_x, ids, weights, w13, w2 = problem
+    kernel_ref = reference.experts_reference(recv_x.nan_to_num(), ids, weights, w13, w2, "kernel")
+    fp32_ref = reference.experts_reference(recv_x.nan_to_num(), ids, weights, w13, w2, "fp32")
+    reference.check_close(out, fp32_ref, reference.tolerance(kernel_ref, fp32_ref), name=name)
+    no_local = ~(ids >= 0).any(dim=1)
+    assert bool((out[no_local] == 0).all()), "rows without a local id must be exactly 0"
+
+
+@pytest.mark.parametrize("tiles", TILE_FAMILIES)
+@pytest.mark.parametrize("num_rows, top_k, hidden, intermediate, num_local", [
+    (1, 1, 8, 8, 1),
+    (37, 4, 136, 40, 5),          # odd multiples of 8
+    (64, 8, 1024, 512, 16),
+    (200, 8, 2048, 768, 64),      # Qwen3-30B-A3B shapes, 2 ranks
+    (129, 8, 7168, 2048, 8),      # DeepSeek-V3 shapes, few experts
+    (300, 16, 264, 88, 512),      # max top-k and local experts (~9 rows per expert)
+])
+def test_random_routing_matches_reference(tiles, num_rows, top_k, hidden, intermediate,
+                                          num_local):
+    ids = random_ids(num_rows, top_k, num_local, seed=num_rows * 31 + top_k)
+    problem = make_problem(ids, hidden, intermediate, num_local, seed=num_rows + hidden)
+    check(run_petit(problem, tiles), problem)
+
+
+@pytest.mark.parametrize("tiles", TILE_FAMILIES)
+@pytest.mark.parametrize("top_k", [1, 8])
+def test_empty_experts_and_one_expert_with_all_rows(tiles, top_k):
+    ids = torch.full((1000, top_k), -1, dtype=torch.int32)
+    ids[:, top_k // 2] = 5  # local expert 5 of 8 gets every row; the others none
+    problem = make_problem(ids, 136, 40, 8, seed=11 + top_k)
+    check(run_petit(problem, tiles), problem)
+
+
+@pytest.mark.parametrize("tiles", TILE_FAMILIES)
+def test_rows_per_expert_1_to_4096(tiles):
+    counts = [1, 2, 3, 7, 15, 16, 17, 127, 128, 129, 1000, 4096]
+    ids = routing_with_counts(counts, seed=12)
+    problem = make_problem(ids, 136, 40, len(counts), seed=13)
+    check(run_petit(problem, tiles, with_workspaces=False), problem)
+
+
+@pytest.mark.parametrize("tiles", TILE_FAMILIES)
+def test_rows_without_local_ids_are_zero(tiles):
+    ids = random_ids(64, 8, 4, seed=14)
+    ids[::3] = -1
+    ids[1, 2] = 4  # ids outside [0, L) are not local either
+    problem = make_problem(ids, 136, 40, 4, seed=15)
+    out = run_petit(problem, tiles)
+    assert bool((out[::3] == 0).all())
+    masked = (problem[0], torch.where(ids < 4, ids, -1), *problem[2:])
+    check(out, masked)
+    all_unrouted = make_problem(torch.full((16, 2), -1, dtype=torch.int32), 64, 16, 2, seed=16)
+    assert bool((run_petit(all_unrouted, tiles) == 0).all())
+
+
+def test_dispatch_layout_from_the_reference():
+    """Rows as the dispatch delivers them at rank 0 of 2 (DeepSeek-like routing, padding
+    rows, stale unrouted rows)."""
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    num_experts, top_k, hidden, intermediate, world = 32, 8, 256, 96, 2
+    xs, ids, ws = [], [], []
+    for tokens in (50, 23):
+        topk_ids, topk_weights = reference.random_topk(tokens, num_experts, top_k,
+                                                       generator=gen)
+        xs.append(torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16))
+        ids.append(topk_ids)
+        ws.append(topk_weights)
+    received = reference.dispatch_reference(xs, ids, ws, num_experts, region_stride=64)[0]
+    num_local = num_experts // world
+    _, _, _, w13, w2 = make_problem(received.recv_topk_ids, hidden, intermediate, num_local, 18)
+    recv_x = torch.where(received.routed_mask[:, None], received.recv_x, float("nan"))
+    problem = (recv_x.to(torch.bfloat16), received.recv_topk_ids, received.recv_topk_weights,
+               w13, w2)
+    for tiles in TILE_FAMILIES:
+        check(run_petit(problem, tiles), problem)
+
+
+def test_deterministic_and_tile_family_invariant():
+    ids = random_ids(500, 8, 16, seed=19)
+    problem = make_problem(ids, 1024, 256, 16, seed=20)
+    small = run_petit(problem, "small")
+    assert torch.equal(small, run_petit(problem, "small"))
+    assert torch.equal(small, run_petit(problem, "large"))
+    assert torch.equal(small, run_petit(problem, "auto", with_workspaces=False))
+    # A row's result does not depend on the rest of the batch (batch invariance).
+    head = tuple(t[:100].contiguous() if t.dim() == 2 else t for t in problem[:3]) + problem[3:]
+    assert torch.equal(run_petit(head, "small"), small[:100])
+
+
+def test_cuda_graph_capture_and_replay_with_new_inputs():
+    from vllm_petit_moe import ops
+
+    num_rows, top_k, hidden, intermediate, num_local = 96, 8, 136, 40, 8
+    static = list(make_problem(random_ids(num_rows, top_k, num_local, seed=21), hidden,
+                               intermediate, num_local, seed=22, poison_unrouted=False))
+    out = torch.empty(num_rows, hidden, dtype=torch.bfloat16, device="cuda")
+    for tiles in TILE_FAMILIES:  # warm-up outside the graph
+        ops.experts_forward(*static, out=out, tiles=tiles)
+    torch.cuda.synchronize()
+    graphs = {}
+    for tiles in TILE_FAMILIES:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ops.experts_forward(*static, out=out, tiles=tiles)
+        graphs[tiles] = graph
+    for replay in range(5):  # odd count; fresh routing, rows and weights every replay
+        tiles = TILE_FAMILIES[replay % 2]
+        fresh = make_problem(random_ids(num_rows, top_k, num_local, seed=100 + replay), hidden,
+                             intermediate, num_local, seed=200 + replay, poison_unrouted=False)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graphs[tiles].replay()
+        torch.cuda.synchronize()
+        check(out, tuple(t.clone() for t in static), name=f"replay {replay} ({tiles})")
+    del graphs
+
+
+def test_errors_name_the_limit():
+    from vllm_petit_moe import _C, ops
+
+    problem = make_problem(random_ids(4, 2, 2, seed=23), 16, 8, 2, seed=24)
+    recv_x, ids, weights, w13, w2 = problem
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ops.experts_forward(recv_x[:, :12].contiguous(), ids, weights, w13[:, :, :12].contiguous(),
+                            w2[:, :12].contiguous())
+    with pytest.raises(ValueError, match="int32"):
+        ops.experts_forward(recv_x, ids.long(), weights, w13, w2)
+    with pytest.raises(ValueError, match="MAX_LOCAL_EXPERTS"):
+        big = torch.zeros(513, 16, 16, dtype=torch.bfloat16, device="cuda")
+        ops.experts_forward(recv_x, ids, weights, big, w2)
+    with pytest.raises(ValueError, match="bfloat16"):
+        ops.experts_forward(recv_x, ids, weights, w13.half(), w2)
+    with pytest.raises(ValueError, match="tiles"):
+        ops.experts_forward(*problem, tiles="huge")
+    with pytest.raises(ValueError, match="partial_workspace"):
+        ops.experts_forward(*problem, partial_workspace=torch.empty(3, device="cuda"))
+    # The binding checks on its own (snprintf-formatted messages).
+    with pytest.raises(RuntimeError, match="w2 must be"):
+        _C.experts_forward(recv_x, ids, weights, w13, w2[:, :8].contiguous())
+    with pytest.raises(RuntimeError, match="top-k"):
+        _C.experts_forward(recv_x, torch.zeros(4, 17, dtype=torch.int32, device="cuda"),
+                           torch.zeros(4, 17, device="cuda"), w13, w2)
+
+
+def test_zero_rows():
+    from vllm_petit_moe import ops
+
+    problem = make_problem(torch.zeros((0, 4), dtype=torch.int32), 16, 8, 2, seed=25)
+    out = ops.experts_forward(*problem)
+    assert out.shape == (0, 16)

@@ -1,0 +1,185 @@
+"""Python ops over the compiled kernels that are not tied to an ``EpBuffer``.
+
+``experts_forward``: this rank's local experts on the dispatch layout, with the local weighted
+reduction (docs/architecture.md, "Expert kernels"). Everything runs on the current CUDA stream
+with no host synchronization, so it can be captured in a CUDA graph; the checks below read
+only shapes, dtypes and devices.
+
+The compiled extension is imported on first use, so importing this module needs no GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_TOP_K = 16
+MAX_LOCAL_EXPERTS = 512
+SIZE_MULTIPLE = 8  # H and I: one 16-byte vector of bf16
+MAX_ENTRIES = 2**31 - 1  # N*K routing entries are indexed with int32
+
+TILES = {"auto": 0, "small": 1, "large": 2}
+"""Tile families of the portable GEMMs: ``small`` (16-row tiles, for few rows per expert, i.e.
+decode), ``large`` (128-row tiles, prefill), ``auto`` (chosen from N*K / L)."""
+
+
+def _ops():
+    from . import _C  # compiled extension; imported lazily so CPU-only code never needs it
+
+    return _C
+
+
+def experts_workspace_shapes(
+    num_rows: int, top_k: int, hidden_size: int, intermediate_size: int
+) -> tuple[tuple[tuple[int, int], torch.dtype], tuple[tuple[int, int], torch.dtype]]:
+    """Shapes and dtypes of the two workspaces of :func:`experts_forward`:
+
+    - act ``[N*K, I] bfloat16``: the SiLU·mul activation of every routing entry, in the
+      per-expert sorted order (only the first ``#valid entries`` rows are written);
+    - partial ``[N*K, H] float32``: the weighted down-projection of every routing entry,
+      indexed by the entry ``row*K + k`` (only valid entries are written).
+
+    The partial workspace is what makes the local reduction deterministic (each token's <= K
+    entries are summed afterwards in slot order); it is ``N*K*H*4`` bytes, e.g. 1.8 GiB for
+    N = 8192 rows, K = 8, H = 7168.
+    """
+    entries = num_rows * top_k
+    return ((entries, intermediate_size), torch.bfloat16), ((entries, hidden_size), torch.float32)
+
+
+def validate_experts_inputs(
+    recv_x: torch.Tensor,
+    recv_topk_ids: torch.Tensor,
+    recv_topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> None:
+    """Raise ``ValueError`` naming the limit if :func:`experts_forward` cannot take these
+    tensors. Reads shapes, dtypes and devices only (no host sync)."""
+    if recv_x.dim() != 2 or recv_x.dtype != torch.bfloat16:
+        raise ValueError(
+            f"recv_x must be a 2-D bfloat16 tensor [N, H], got {recv_x.dtype} "
+            f"{tuple(recv_x.shape)}"
+        )
+    num_rows, hidden_size = recv_x.shape
+    if hidden_size <= 0 or hidden_size % SIZE_MULTIPLE:
+        raise ValueError(
+            f"hidden size H={hidden_size} must be a positive multiple of {SIZE_MULTIPLE}"
+        )
+    if recv_topk_ids.dim() != 2 or recv_topk_ids.dtype != torch.int32:
+        raise ValueError(
+            f"recv_topk_ids must be a 2-D int32 tensor [N, K], got {recv_topk_ids.dtype} "
+            f"{tuple(recv_topk_ids.shape)}"
+        )
+    top_k = recv_topk_ids.shape[1]
+    if recv_topk_ids.shape[0] != num_rows or tuple(recv_topk_weights.shape) != (num_rows, top_k):
+        raise ValueError(
+            f"recv_topk_ids {tuple(recv_topk_ids.shape)} and recv_topk_weights "
+            f"{tuple(recv_topk_weights.shape)} must both be [N={num_rows}, K]"
+        )
+    if recv_topk_weights.dtype != torch.float32:
+        raise ValueError(f"recv_topk_weights must be float32, got {recv_topk_weights.dtype}")
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise ValueError(f"top-k K={top_k} must be in [1, {MAX_TOP_K}] (MAX_TOP_K)")
+    if num_rows * top_k > MAX_ENTRIES:
+        raise ValueError(f"N*K = {num_rows * top_k} routing entries exceed {MAX_ENTRIES}")
+    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        raise ValueError(
+            f"w13 and w2 must be bfloat16 (quantized weights are not supported), got "
+            f"{w13.dtype} and {w2.dtype}"
+        )
+    if w13.dim() != 3 or w13.shape[2] != hidden_size or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [L, 2I, H={hidden_size}], got {tuple(w13.shape)}")
+    num_local_experts, intermediate_size = w13.shape[0], w13.shape[1] // 2
+    if not 1 <= num_local_experts <= MAX_LOCAL_EXPERTS:
+        raise ValueError(
+            f"L={num_local_experts} local experts must be in [1, {MAX_LOCAL_EXPERTS}] "
+            "(MAX_LOCAL_EXPERTS)"
+        )
+    if intermediate_size <= 0 or intermediate_size % SIZE_MULTIPLE:
+        raise ValueError(
+            f"intermediate size I={intermediate_size} must be a positive multiple of "
+            f"{SIZE_MULTIPLE}"
+        )
+    if tuple(w2.shape) != (num_local_experts, hidden_size, intermediate_size):
+        raise ValueError(
+            f"w2 must be [L={num_local_experts}, H={hidden_size}, I={intermediate_size}], "
+            f"got {tuple(w2.shape)}"
+        )
+    tensors = {"recv_x": recv_x, "recv_topk_ids": recv_topk_ids,
+               "recv_topk_weights": recv_topk_weights, "w13": w13, "w2": w2}
+    for name, tensor in tensors.items():
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if tensor.device != recv_x.device:
+            raise ValueError(f"{name} is on {tensor.device}, recv_x on {recv_x.device}")
+
+
+def experts_forward(
+    recv_x: torch.Tensor,
+    recv_topk_ids: torch.Tensor,
+    recv_topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    act_workspace: torch.Tensor | None = None,
+    partial_workspace: torch.Tensor | None = None,
+    tiles: str = "auto",
+) -> torch.Tensor:
+    """This rank's local experts with the local weighted reduction.
+
+    recv_x ``[N, H] bfloat16``: received rows (rows with no local id are never read).
+    recv_topk_ids ``[N, K] int32``: local expert ids ``0..L-1``; ``-1`` (or any id outside
+        ``[0, L)``) marks a slot this rank does not serve.
+    recv_topk_weights ``[N, K] float32``: routing weights (read for valid slots only).
+    w13 ``[L, 2I, H] bfloat16``: gate rows ``[0, I)``, up rows ``[I, 2I)`` (vLLM's layout).
+    w2 ``[L, H, I] bfloat16``.
+    out ``[N, H] bfloat16`` (optional): written in full.
+    act_workspace / partial_workspace (optional): contiguous tensors of at least the sizes of
+        :func:`experts_workspace_shapes` (bfloat16 / float32, any shape); allocated when absent.
+    tiles: ``"auto"``, ``"small"`` or ``"large"`` (see ``TILES``; results do not depend on it
+        beyond fp32 rounding order).
+
+    Returns ``out [N, H] bfloat16``: ``Σ_{k: id valid} w[r,k] · expert_{id}(recv_x[r])``, with
+    bf16 GEMM operands, fp32 accumulation, the SiLU·mul activation rounded to bf16 once and
+    the sum over slots ``k = 0..K-1`` in fp32 rounded to bf16 once (deterministic); rows with
+    no valid id are 0. H, I must be multiples of 8, L <= 512, K <= 16.
+    """
+    validate_experts_inputs(recv_x, recv_topk_ids, recv_topk_weights, w13, w2)
+    if tiles not in TILES:
+        raise ValueError(f"tiles must be one of {sorted(TILES)}, got {tiles!r}")
+    num_rows, hidden_size = recv_x.shape
+    if out is not None and (
+        tuple(out.shape) != (num_rows, hidden_size) or out.dtype != torch.bfloat16
+    ):
+        raise ValueError(
+            f"out must be bfloat16 [N={num_rows}, H={hidden_size}], got {out.dtype} "
+            f"{tuple(out.shape)}"
+        )
+    (act_shape, _), (partial_shape, _) = experts_workspace_shapes(
+        num_rows, recv_topk_ids.shape[1], hidden_size, w13.shape[1] // 2
+    )
+    for name, workspace, shape, dtype in (
+        ("act_workspace", act_workspace, act_shape, torch.bfloat16),
+        ("partial_workspace", partial_workspace, partial_shape, torch.float32),
+    ):
+        if workspace is not None and (
+            workspace.dtype != dtype or workspace.numel() < shape[0] * shape[1]
+        ):
+            raise ValueError(
+                f"{name} must be {dtype} with >= {shape[0]}*{shape[1]} elements, got "
+                f"{workspace.dtype} {tuple(workspace.shape)}"
+            )
+    return _ops().experts_forward(
+        recv_x, recv_topk_ids, recv_topk_weights, w13, w2,
+        out=out, act_workspace=act_workspace, partial_workspace=partial_workspace,
+        tiles=TILES[tiles],
+    )
+
+
+def resolve_tiles(num_rows: int, top_k: int, num_local_experts: int, tiles: str = "auto") -> str:
+    """The tile family :func:`experts_forward` runs for these sizes (``"small"``/``"large"``)."""
+    if tiles not in TILES:
+        raise ValueError(f"tiles must be one of {sorted(TILES)}, got {tiles!r}")
+    code = _ops().resolve_expert_tiles(num_rows, top_k, num_local_experts, TILES[tiles])
+    return {1: "small", 2: "large"}[int(code)]

@@ -1,0 +1,250 @@
+"""``PetitExperts``: vLLM's modular experts interface over our grouped-GEMM kernels.
+
+Where it sits in vLLM's modular kernel (``FusedMoEKernelModularImpl.apply``, vLLM 0.24)::
+
+    prepare(...)            -> recv_x [M, H], recv_ids [M, K] global, recv_weights [M, K]
+    experts.apply(output [M, H], recv_x, w1 = w13 [L, 2I, H], w2 [L, H, I], recv_weights,
+                  recv_ids, ..., expert_map, workspace13, workspace2, ...)
+    finalize(output [T, H], fused_out [M, H], ..., TopKWeightAndReduceNoOP())
+
+``apply`` maps the global ids it is given back to local ids through the layer's
+``expert_map`` on the GPU (``-1`` and other ranks' experts become ``-1``; without a map the
+ids already are local) and runs ``vllm_petit_moe.ops.experts_forward``: the gate/up GEMM with
+SiLU·mul fused, the down GEMM with the routing weight fused, and the deterministic local
+weighted reduction. Its output row is the local weighted sum over the row's top-k slots,
+exactly what vLLM's Triton experts produce, so ``finalize_weight_and_reduce_impl`` is
+``TopKWeightAndReduceNoOP`` and it pairs with ``PetitPrepareAndFinalize`` (whose combine
+expects that sum) as well as with vLLM's own Standard-format prepare/finalize.
+
+Weights are taken exactly as vLLM loaded them for its Triton experts (``w13_weight`` with gate
+rows first, ``w2_weight``), bf16, unquantized, no biases, plain SiLU gating.
+
+Workspaces (vLLM's workspace manager; ``workspace_dtype`` is the activation dtype, bf16):
+
+- ``workspace13 (M, K, I)``: the activation ``[M*K, I]`` written by the gate/up GEMM and read
+  by the down GEMM. vLLM lets the fused output alias this buffer; that is safe because the
+  reduction, the only writer of the output, runs after the down GEMM has read the activation
+  (stream order).
+- ``workspace2 (M, K, 2H)`` bf16 = ``[M*K, H]`` float32: each routing entry's weighted down
+  projection, summed per row afterwards in slot order (deterministic).
+
+The compiled extension is imported on the first ``apply`` (CPU tests instantiate the class
+and query its interface without it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_petit_moe.vllm_glue import compat
+
+_ExpertsModular = compat.fused_moe_symbol("ExpertsModular")
+_ActivationFormat = compat.fused_moe_symbol("ActivationFormat")
+_TopKWeightAndReduceNoOP = compat.fused_moe_symbol("TopKWeightAndReduceNoOP")
+_MoEActivation = compat.fused_moe_symbol("MoEActivation")
+
+SIZE_MULTIPLE = 8
+MAX_TOP_K = 16
+MAX_LOCAL_EXPERTS = 512
+
+
+def global_to_local_expert_ids(
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local_experts: int
+) -> torch.Tensor:
+    """Expert ids as our kernels take them: ``[M, K] int32`` local ids, ``-1`` elsewhere.
+
+    topk_ids ``[M, K]`` int32|int64 global ids (``-1`` allowed); expert_map ``[E]`` int
+    (global -> local, ``-1`` for other ranks' experts) or None (ids are local already; ids
+    outside ``[0, L)`` become ``-1``). On the ids' device, no host sync.
+    """
+    ids = topk_ids.long()
+    if expert_map is None:
+        valid = (ids >= 0) & (ids < num_local_experts)
+        return torch.where(valid, ids, -1).to(torch.int32)
+    num_global = expert_map.numel()
+    valid = (ids >= 0) & (ids < num_global)
+    local = expert_map.to(device=ids.device, dtype=torch.long)[ids.clamp(0, num_global - 1)]
+    return torch.where(valid, local, -1).to(torch.int32)
+
+
+def unsupported_reason(moe_config: Any, quant_config: Any) -> str | None:
+    """Why ``PetitExperts`` cannot serve a layer (None if it can), from vLLM's
+    ``FusedMoEConfig`` and ``FusedMoEQuantConfig`` only."""
+    activation = getattr(moe_config, "activation", None)
+    if activation != _MoEActivation.SILU:
+        return f"activation {activation} (only SiLU gating)"
+    if not getattr(moe_config, "is_act_and_mul", True):
+        return "non-gated MLP (act_and_mul=False)"
+    if getattr(moe_config, "in_dtype", None) is not torch.bfloat16:
+        return f"activation dtype {getattr(moe_config, 'in_dtype', None)} (only bfloat16)"
+    if getattr(moe_config, "has_bias", False):
+        return "expert biases"
+    hidden = int(moe_config.hidden_dim)
+    intermediate = int(getattr(moe_config, "intermediate_size_per_partition", -1))
+    if intermediate <= 0:
+        intermediate = int(moe_config.intermediate_size)
+    if hidden % SIZE_MULTIPLE or intermediate % SIZE_MULTIPLE:
+        return f"hidden {hidden} / intermediate {intermediate} not multiples of {SIZE_MULTIPLE}"
+    if int(moe_config.experts_per_token) > MAX_TOP_K:
+        return f"top-k {moe_config.experts_per_token} > {MAX_TOP_K}"
+    if int(moe_config.num_local_experts) > MAX_LOCAL_EXPERTS:
+        return f"{moe_config.num_local_experts} local experts > {MAX_LOCAL_EXPERTS}"
+    if quant_config is not None:
+        if quant_config.quant_dtype is not None or quant_config.weight_quant_dtype is not None:
+            return (
+                f"quantization (activations {quant_config.quant_dtype}, weights "
+                f"{quant_config.weight_quant_dtype}); only bf16 weights and activations"
+            )
+        if quant_config.w1_bias is not None or quant_config.w2_bias is not None:
+            return "expert biases"
+        if quant_config.gemm1_clamp_limit is not None or quant_config.gemm1_alpha not in (
+            None, 1.0
+        ) or quant_config.gemm1_beta not in (None, 0.0):
+            return "clamped / parameterized SwiGLU"
+    return None
+
+
+class PetitExperts(_ExpertsModular):
+    """Our grouped-GEMM experts in vLLM's Standard activation format (see module docstring).
+
+    moe_config / quant_config: the layer's ``FusedMoEConfig`` and ``FusedMoEQuantConfig``
+    (as vLLM built them for its Triton experts).
+    """
+
+    def __init__(self, moe_config, quant_config):
+        super().__init__(moe_config, quant_config)
+        reason = unsupported_reason(moe_config, quant_config)
+        if reason is not None:
+            raise ValueError(f"vllm-petit-moe: PetitExperts cannot serve this layer: {reason}")
+
+    # --- vLLM's kernel-selection interface ----------------------------------------------
+
+    @staticmethod
+    def activation_format():
+        return _ActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        from vllm.platforms import current_platform
+
+        # The extension is built for CUDA (sm_90a by default); the portable kernels would also
+        # run on other CUDA architectures the build targets.
+        return current_platform.is_cuda()
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return weight_key is None and activation_key is None
+
+    @staticmethod
+    def _supports_activation(activation) -> bool:
+        return activation == _MoEActivation.SILU
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        # Same exclusion as vLLM's Triton experts: FlashInfer's NVLink all2all kernels bring
+        # their own expert layout.
+        return not (
+            getattr(moe_parallel_config, "use_fi_nvl_two_sided_kernels", False)
+            or getattr(moe_parallel_config, "use_fi_nvl_one_sided_kernels", False)
+        )
+
+    @staticmethod
+    def _supports_shape(hidden_dim: int) -> bool:
+        return hidden_dim % SIZE_MULTIPLE == 0
+
+    @staticmethod
+    def _supports_batch_invariance() -> bool:
+        # Every output element is a fixed-order fp32 FMA chain over k (both tile families
+        # step k in the same order), then a fixed-order slot sum: a row's result does not
+        # depend on the other rows of the batch.
+        return True
+
+    def supports_expert_map(self) -> bool:
+        """Global ids + ``expert_map`` are resolved in ``apply`` (asked by vLLM < 0.24 and
+        some experts classes; not part of 0.24's base interface)."""
+        return True
+
+    def supports_chunking(self) -> bool:
+        """No activation chunking: the reduction needs all of a row's slots in one call
+        (0.24 has no chunking; older vLLM versions asked)."""
+        return False
+
+    def finalize_weight_and_reduce_impl(self):
+        # apply() leaves the weighted sum over the top-k slots in `output`.
+        return _TopKWeightAndReduceNoOP()
+
+    def workspace_shapes(
+        self,
+        M: int,
+        N: int,
+        K: int,
+        topk: int,
+        global_num_experts: int,
+        local_num_experts: int,
+        expert_tokens_meta,
+        activation,
+    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """``M`` rows, ``N = 2I`` (rows of w13), ``K = H``. Returns
+        ``workspace13 (M, topk, I)`` (the activation, bf16), ``workspace2 (M, topk, 2H)``
+        (the per-entry fp32 partials, as bf16 pairs) and the output ``(M, H)``."""
+        intermediate = N // 2
+        return (M, topk, intermediate), (M, topk, 2 * K), (M, K)
+
+    # --- the computation -------------------------------------------------------------------
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        a2_scale: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta,
+        apply_router_weight_on_input: bool,
+    ) -> None:
+        """output ``[M, H] bf16`` <- Σ_k w[m,k] · expert_{local(id[m,k])}(hidden_states[m]).
+
+        hidden_states ``[M, H] bf16``; w1 ``[L, 2I, H]``, w2 ``[L, H, I]`` bf16; topk_weights
+        ``[M, K]``; topk_ids ``[M, K]`` global ids (local ids when ``expert_map`` is None).
+        With ``apply_router_weight_on_input`` the weights were already applied to the input
+        (top-1) and are not applied again.
+        """
+        from vllm_petit_moe import ops
+
+        if activation != _MoEActivation.SILU:
+            raise NotImplementedError(
+                f"vllm-petit-moe: PetitExperts supports SiLU only, got {activation}"
+            )
+        if a1q_scale is not None or hidden_states.dtype != torch.bfloat16:
+            raise NotImplementedError(
+                "vllm-petit-moe: PetitExperts takes bf16 activations only (got "
+                f"{hidden_states.dtype}, scale {'set' if a1q_scale is not None else 'none'})"
+            )
+        num_rows, top_k = topk_ids.shape
+        hidden, intermediate = hidden_states.size(1), w1.size(1) // 2
+        local_ids = global_to_local_expert_ids(topk_ids, expert_map, w1.size(0))
+        if apply_router_weight_on_input:
+            weights = torch.ones(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
+        else:
+            weights = topk_weights.to(torch.float32).contiguous()
+        num_entries = num_rows * top_k
+        act = workspace13.reshape(-1)[: num_entries * intermediate]
+        partial = workspace2.reshape(-1)[: 2 * num_entries * hidden].view(torch.float32)
+        ops.experts_forward(
+            hidden_states, local_ids, weights, w1, w2,
+            out=output, act_workspace=act, partial_workspace=partial,
+        )
