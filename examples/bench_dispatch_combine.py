@@ -21,7 +21,6 @@ import os
 import queue
 import socket
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from vllm_petit_moe.device_env import commit_stamp  # noqa: E402
 
 PRESETS = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, top_k=8),
@@ -297,9 +297,7 @@ def main():
     for proc in procs:
         proc.join()
     gpu = torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-")
-    commit = os.environ.get("PETIT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-        text=True).stdout.strip() or "unknown"  # the device copy has no .git: pass PETIT_COMMIT
+    commit = commit_stamp(ROOT)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     name = f"dispatch_combine_{gpu}x{world}"
     out_dirs = [ROOT / "examples" / "results"] + ([Path(args.out_dir)] if args.out_dir else [])

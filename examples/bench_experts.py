@@ -39,12 +39,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from vllm_petit_moe.device_env import commit_stamp  # noqa: E402
 
 PRESETS = {
     "deepseek-v3": dict(hidden=7168, intermediate=2048, num_experts=256, top_k=8),
@@ -347,18 +347,6 @@ def plot(rows, path, title):
     fig.savefig(path, dpi=110)
 
 
-def commit_id() -> str:
-    # The device copy of the tree has no .git: pass PETIT_COMMIT.
-    if os.environ.get("PETIT_COMMIT"):
-        return os.environ["PETIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    return out or "unknown"
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS))
@@ -409,7 +397,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_experts needs a CUDA GPU")
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
-    commit = commit_id()
+    commit = commit_stamp(ROOT)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     hbm_gbps = hbm_copy_gbps()
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")

@@ -34,13 +34,13 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+from vllm_petit_moe.device_env import commit_stamp  # noqa: E402
 
 import vllm_moe_harness as harness  # noqa: E402
 
@@ -190,18 +190,6 @@ def _plot(rows, path, title):
     fig.savefig(path, dpi=110)
 
 
-def _commit() -> str:
-    # The device copy of the tree has no .git: pass PETIT_COMMIT.
-    if os.environ.get("PETIT_COMMIT"):
-        return os.environ["PETIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    return out or "unknown"
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS))
@@ -244,7 +232,7 @@ def main(argv=None):
     if world < 2 or torch.cuda.device_count() < world:
         sys.exit(f"bench_moe_layer needs >= 2 GPUs, one per rank (have "
                  f"{torch.cuda.device_count()}, asked for {world})")
-    commit = _commit()
+    commit = commit_stamp(ROOT)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     pool = harness.VllmRankPool(world)
     rows, gpu = [], "unknown"

@@ -94,7 +94,7 @@ DEFAULT_LOG_DIR = Path(tempfile.gettempdir()) / "petit-bench-tpot-logs"
 MODEL_COPY_ROOT = Path(tempfile.gettempdir()) / "petit-bench-models"
 
 sys.path.insert(0, str(ROOT))
-from vllm_petit_moe.device_env import VLLM_SAFE_ENV  # noqa: E402
+from vllm_petit_moe.device_env import VLLM_SAFE_ENV, commit_stamp  # noqa: E402
 
 CONCURRENCY = [8, 16, 32, 64, 128]
 QUICK = dict(num_prompts=160, concurrency=[8, 64], repeats=1, output_len=128, num_layers=4)
@@ -401,15 +401,6 @@ def wait_gpus_idle(timeout: float = 60.0, threshold_mib: int = 4096) -> None:
             return
         time.sleep(2)
         used = gpu_memory_used_mib()
-
-
-def commit_stamp() -> str:
-    """PETIT_COMMIT, else git's short hash (the GPU machine's copy has no .git)."""
-    env = os.environ.get("PETIT_COMMIT")
-    if env:
-        return env
-    out = _run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], timeout=10)
-    return out.strip() if out and out.strip() else "unknown"
 
 
 def probe_vllm_version(python: str, env: dict) -> str:
@@ -1103,7 +1094,7 @@ class Bench:
             print(f"results: {self.jsonl}")
             return 0
 
-        self.meta = {"gpu": gpu, "world": dp, "model": self.tag, "commit": commit_stamp(),
+        self.meta = {"gpu": gpu, "world": dp, "model": self.tag, "commit": commit_stamp(ROOT),
                      "vllm_version": a.vllm_version
                      or probe_vllm_version(a.python, server_env("default", False))}
         log(f"commit {self.meta['commit']}, vLLM {self.meta['vllm_version']}, "

@@ -20,3 +20,18 @@ VLLM_SAFE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
+
+
+def commit_stamp(repo_root) -> str:
+    """The commit a result was made at: $PETIT_COMMIT (the GPU machines get a copy of the
+    tree without .git), else git's short hash of `repo_root`, else "unknown"."""
+    import os
+    import subprocess
+    if os.environ.get("PETIT_COMMIT"):
+        return os.environ["PETIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "-C", str(repo_root), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or "unknown"
