@@ -40,6 +40,11 @@ enum ExpertTiles : int {
   kExpertTilesAuto = 0,   // by the host-known rows per expert bound (N*K / L)
   kExpertTilesSmall = 1,  // 16-row tiles: decode, few rows per expert (weight-bandwidth bound)
   kExpertTilesLarge = 2,  // 128-row tiles: prefill
+  // CUDA sm_80+ only (Ampere, Hopper): 128x128x32 tiles on mma.sync bf16 tensor cores with a
+  // cp.async pipeline (gemm/sm80_mainloop_mma.h). Only when asked for explicitly (auto never
+  // picks it); petitErrorNotSupported on HIP and where the running image is older than sm_80.
+  // Not bit-identical to the SIMT families (different fp32 summation order).
+  kExpertTilesMma = 3,
 };
 
 struct ExpertGemmArgs {

@@ -368,8 +368,8 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
               (long long)w2.size(2));
   PETIT_CHECK(N * K < (int64_t(1) << 31), "N*K = %lld routing entries exceed 2^31 - 1",
               (long long)(N * K));
-  PETIT_CHECK(tiles >= kExpertTilesAuto && tiles <= kExpertTilesLarge,
-              "tiles %lld must be 0 (auto), 1 (small) or 2 (large)", (long long)tiles);
+  PETIT_CHECK(tiles >= kExpertTilesAuto && tiles <= kExpertTilesMma,
+              "tiles %lld must be 0 (auto), 1 (small), 2 (large) or 3 (mma)", (long long)tiles);
   const auto device = recv_x.device();
   PETIT_CHECK(topk_ids.device() == device && topk_weights.device() == device &&
                   w13.device() == device && w2.device() == device,
@@ -511,7 +511,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("act_workspace") = py::none(), py::arg("partial_workspace") = py::none(),
         py::arg("tiles") = 0);
   m.def("resolve_expert_tiles", &petit::resolve_expert_tiles_for,
-        "Tile family (1 small, 2 large) experts_forward runs for these sizes",
+        "Tile family (1 small, 2 large, 3 mma) experts_forward runs for these sizes",
         py::arg("num_rows"), py::arg("top_k"), py::arg("num_local_experts"), py::arg("tiles") = 0);
   py::class_<EpContext>(m, "EpContext")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,

@@ -15,6 +15,9 @@
 #include "gemm/epilogues.h"
 #include "gemm/mainloop_simt.h"
 #include "gemm/scheduler.h"
+#if PETIT_SM80_PATH
+#include "gemm/sm80_mainloop_mma.h"
+#endif
 
 namespace petit {
 
@@ -119,6 +122,109 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   }
 }
 
+// ------------------------------------------------------------------ sm_80+ tensor-core path
+// kExpertTilesMma: the same two GEMMs (same scheduler, same A-row gather, same epilogues) on
+// the mma.sync main loop of gemm/sm80_mainloop_mma.h. CUDA only; the kernels have a body only
+// in device passes for sm_80 and newer (PETIT_SM80_DEVICE), and the launchers check that the
+// image the current device runs was built from such a pass (mma_path_supported below).
+#if PETIT_SM80_PATH
+
+// <kBlockN, kNumBGroups, kStages, kMinBlocksPerSm>: 128 x 128 x 32 block tiles (B tile: 64 gate
+// + 64 up rows for gate/up, 128 w2 rows for down), 8 warps of 64 x 32, 3-stage cp.async ring
+// (48 KiB of dynamic shared memory per block, 2 blocks per SM).
+using GateUpMma = gemm::Sm80MmaTileConfig<64, 2, 3, 2>;
+using DownMma = gemm::Sm80MmaTileConfig<128, 1, 3, 2>;
+
+template <class Cfg>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
+    expert_gate_up_mma_kernel(ExpertGemmArgs a) {
+#if PETIT_SM80_DEVICE
+  using Mainloop = gemm::Sm80MmaMainloop<Cfg>;
+  using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
+  __shared__ typename Scheduler::SharedStorage scheduler_smem;
+  extern __shared__ __align__(128) unsigned char sm80_dynamic_smem[];  // Mainloop::kSmemBytes
+
+  Scheduler scheduler;
+  scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
+                 ceil_div(a.intermediate, Cfg::kBlockN), scheduler_smem);
+  const gemm::SiluMulEpilogue<Cfg> epilogue{a.act, a.intermediate};
+  const int num_tiles = scheduler.num_tiles();
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
+    const gemm::TileCoord tile = scheduler.tile(t);
+    const int n_begin = tile.n_tile * Cfg::kBlockN;
+    // A: the tile's rows gathered through the row list (entry -> received row entry / K).
+    typename Mainloop::LoaderA a_loader;
+    a_loader.init(
+        [&](int r) -> const petit_bf16_bits* {
+          if (r >= tile.num_rows) return nullptr;
+          const int entry = a.sorted_entries[tile.row_begin + r];
+          return a.x + int64_t(entry / a.top_k) * a.hidden;
+        },
+        a.x);
+    // B: gate rows [n_begin, n_begin + kBlockN) of w13[e], then the same up rows (+ I).
+    const petit_bf16_bits* w13_e =
+        a.w13 + int64_t(tile.expert) * 2 * a.intermediate * a.hidden;
+    typename Mainloop::LoaderB b_loader;
+    b_loader.init(
+        [&](int r) -> const petit_bf16_bits* {
+          const int n = n_begin + r % Cfg::kBlockN;
+          if (n >= a.intermediate) return nullptr;
+          return w13_e + int64_t((r / Cfg::kBlockN) * a.intermediate + n) * a.hidden;
+        },
+        w13_e);
+    Mainloop mainloop;
+    mainloop.run(a_loader, b_loader, a.hidden, sm80_dynamic_smem);
+    epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
+                   tile.num_rows, n_begin);
+  }
+#endif
+}
+
+template <class Cfg>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
+    expert_down_mma_kernel(ExpertGemmArgs a) {
+#if PETIT_SM80_DEVICE
+  using Mainloop = gemm::Sm80MmaMainloop<Cfg>;
+  using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
+  __shared__ typename Scheduler::SharedStorage scheduler_smem;
+  extern __shared__ __align__(128) unsigned char sm80_dynamic_smem[];  // Mainloop::kSmemBytes
+
+  Scheduler scheduler;
+  scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
+                 ceil_div(a.hidden, Cfg::kBlockN), scheduler_smem);
+  const gemm::WeightedEntryEpilogue<Cfg> epilogue{a.partial, a.sorted_entries, a.topk_weights,
+                                                  a.hidden};
+  const int num_tiles = scheduler.num_tiles();
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
+    const gemm::TileCoord tile = scheduler.tile(t);
+    const int n_begin = tile.n_tile * Cfg::kBlockN;
+    // A: the activation rows, already in sorted order (no gather).
+    typename Mainloop::LoaderA a_loader;
+    a_loader.init(
+        [&](int r) -> const petit_bf16_bits* {
+          if (r >= tile.num_rows) return nullptr;
+          return a.act + int64_t(tile.row_begin + r) * a.intermediate;
+        },
+        a.act);
+    const petit_bf16_bits* w2_e = a.w2 + int64_t(tile.expert) * a.hidden * a.intermediate;
+    typename Mainloop::LoaderB b_loader;
+    b_loader.init(
+        [&](int r) -> const petit_bf16_bits* {
+          const int n = n_begin + r;
+          if (n >= a.hidden) return nullptr;
+          return w2_e + int64_t(n) * a.intermediate;
+        },
+        w2_e);
+    Mainloop mainloop;
+    mainloop.run(a_loader, b_loader, a.intermediate, sm80_dynamic_smem);
+    epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
+                   tile.num_rows, n_begin);
+  }
+#endif
+}
+
+#endif  // PETIT_SM80_PATH
+
 // ------------------------------------------------------------------ local reduction
 
 // One thread per (row, 8 columns): sum the row's local entries in slot order, round once.
@@ -157,7 +263,7 @@ petitError_t check_args(const ExpertGemmArgs& a) {
   if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
       a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
       a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
-      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesLarge || a.num_sms < 0)
+      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesMma || a.num_sms < 0)
     return petitErrorInvalidValue;
   if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
   if (a.num_rows > 0 &&
@@ -209,6 +315,61 @@ petitError_t launch_down_with(const ExpertGemmArgs& a, int num_sms, petitStream_
   return petitGetLastError();
 }
 
+// ---- sm_80+ tensor-core launchers (kExpertTilesMma); petitErrorNotSupported where absent.
+#if PETIT_SM80_PATH
+
+// The kernel image the current device runs was compiled in a device pass for sm_80 or newer
+// (ptxVersion: the compute_XY of that pass, times 10), i.e. its body is the mma path.
+template <class Kernel>
+petitError_t mma_kernel_supported(Kernel kernel) {
+  petitFuncAttributes attr;
+  const petitError_t err = petitFuncGetAttributes(&attr, kernel);
+  if (err != petitSuccess) return err;
+  return attr.ptxVersion >= 80 ? petitSuccess : petitErrorNotSupported;
+}
+
+petitError_t mma_path_supported() {
+  petitError_t err = mma_kernel_supported(expert_gate_up_mma_kernel<GateUpMma>);
+  if (err == petitSuccess) err = mma_kernel_supported(expert_down_mma_kernel<DownMma>);
+  return err;
+}
+
+template <class Cfg, class Kernel>
+petitError_t launch_mma_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_cols, int num_sms,
+                               petitStream_t stream) {
+  const int grid = persistent_grid<Cfg>(a, out_cols, num_sms);
+  if (grid == 0) return petitErrorInvalidValue;
+  constexpr int kSmemBytes = gemm::Sm80MmaMainloop<Cfg>::kSmemBytes;
+  // Above the 48 KiB default together with the static (scheduler) shared memory: opt in.
+  petitError_t err =
+      petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != petitSuccess) return err;
+  petitLaunchKernel(kernel, dim3(grid), dim3(Cfg::kThreads), kSmemBytes, stream, a);
+  return petitGetLastError();
+}
+
+petitError_t launch_gate_up_mma(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
+  return launch_mma_kernel<GateUpMma>(expert_gate_up_mma_kernel<GateUpMma>, a, a.intermediate,
+                                      num_sms, stream);
+}
+
+petitError_t launch_down_mma(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
+  return launch_mma_kernel<DownMma>(expert_down_mma_kernel<DownMma>, a, a.hidden, num_sms,
+                                    stream);
+}
+
+#else  // no sm_80 path in this build (HIP, host-compiler emulation)
+
+petitError_t mma_path_supported() { return petitErrorNotSupported; }
+petitError_t launch_gate_up_mma(const ExpertGemmArgs&, int, petitStream_t) {
+  return petitErrorNotSupported;
+}
+petitError_t launch_down_mma(const ExpertGemmArgs&, int, petitStream_t) {
+  return petitErrorNotSupported;
+}
+
+#endif  // PETIT_SM80_PATH
+
 }  // namespace
 
 int resolve_expert_tiles(const ExpertGemmArgs& a) {
@@ -221,20 +382,28 @@ int resolve_expert_tiles(const ExpertGemmArgs& a) {
 
 petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream) {
   petitError_t err = check_args(a);
-  if (err != petitSuccess || a.num_rows == 0) return err;
+  if (err != petitSuccess) return err;
+  const int tiles = resolve_expert_tiles(a);
+  if (tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
+  if (a.num_rows == 0) return petitSuccess;
   int num_sms = 0;
   if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
-  return resolve_expert_tiles(a) == kExpertTilesLarge
+  if (tiles == kExpertTilesMma) return launch_gate_up_mma(a, num_sms, stream);
+  return tiles == kExpertTilesLarge
              ? launch_gate_up_with<GateUpLarge>(a, num_sms, stream)
              : launch_gate_up_with<GateUpSmall>(a, num_sms, stream);
 }
 
 petitError_t launch_expert_down(const ExpertGemmArgs& a, petitStream_t stream) {
   petitError_t err = check_args(a);
-  if (err != petitSuccess || a.num_rows == 0) return err;
+  if (err != petitSuccess) return err;
+  const int tiles = resolve_expert_tiles(a);
+  if (tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
+  if (a.num_rows == 0) return petitSuccess;
   int num_sms = 0;
   if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
-  return resolve_expert_tiles(a) == kExpertTilesLarge
+  if (tiles == kExpertTilesMma) return launch_down_mma(a, num_sms, stream);
+  return tiles == kExpertTilesLarge
              ? launch_down_with<DownLarge>(a, num_sms, stream)
              : launch_down_with<DownSmall>(a, num_sms, stream);
 }

@@ -25,6 +25,24 @@
 #include <cuda.h>
 #endif
 
+// Arch-specific paths. PETIT_SM80_PATH: this translation unit is an nvcc (CUDA) compile, so
+// the sm_80+ tensor-core kernels exist (csrc/gemm/sm80_*.h). PETIT_SM80_DEVICE: this is a
+// device pass for __CUDA_ARCH__ >= 800, the only pass in which those kernels have a body
+// (elsewhere they are empty and their launchers return petitErrorNotSupported).
+#if PETIT_CUDA && defined(__CUDACC__)
+#define PETIT_SM80_PATH 1
+#else
+#define PETIT_SM80_PATH 0
+#endif
+#if PETIT_CUDA && defined(__CUDA_ARCH__)
+#if __CUDA_ARCH__ >= 800
+#define PETIT_SM80_DEVICE 1
+#endif
+#endif
+#ifndef PETIT_SM80_DEVICE
+#define PETIT_SM80_DEVICE 0
+#endif
+
 #define PETIT_HOST_DEVICE __host__ __device__ __forceinline__
 #define PETIT_DEVICE __device__ __forceinline__
 #define PETIT_GLOBAL __global__
@@ -60,6 +78,9 @@ typedef hipStream_t petitStream_t;
 #define petitMemcpyDefault hipMemcpyDefault
 #define petitDeviceSynchronize hipDeviceSynchronize
 #define petitFuncSetAttribute hipFuncSetAttribute
+#define petitFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#define petitFuncGetAttributes hipFuncGetAttributes
+typedef hipFuncAttributes petitFuncAttributes;
 #define petitHostAlloc(ptr, size) hipHostMalloc(ptr, size, hipHostMallocMapped)
 #define petitHostGetDevicePointer(dptr, hptr) hipHostGetDevicePointer(dptr, hptr, 0)
 #define petitFreeHost hipHostFree
@@ -86,6 +107,9 @@ typedef cudaStream_t petitStream_t;
 #define petitMemcpyDefault cudaMemcpyDefault
 #define petitDeviceSynchronize cudaDeviceSynchronize
 #define petitFuncSetAttribute cudaFuncSetAttribute
+#define petitFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define petitFuncGetAttributes cudaFuncGetAttributes
+typedef cudaFuncAttributes petitFuncAttributes;
 #define petitHostAlloc(ptr, size) cudaHostAlloc(ptr, size, cudaHostAllocMapped)
 #define petitHostGetDevicePointer(dptr, hptr) cudaHostGetDevicePointer(dptr, hptr, 0)
 #define petitFreeHost cudaFreeHost

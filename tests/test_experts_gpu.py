@@ -2,7 +2,8 @@
 torch reference, with the tolerance derived from the reference's own bf16-vs-fp32 error.
 
 Every case draws fresh random data from a seeded generator (never zeros), poisons the
-outputs and workspaces with NaN before the call, and runs both tile families.
+outputs and workspaces with NaN before the call, and runs every tile family (the portable
+``small``/``large`` and the sm_80+ tensor-core ``mma``).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from vllm_petit_moe import reference
 
 pytestmark = [requires_gpu, requires_extension]
 
-TILE_FAMILIES = ["small", "large"]
+TILE_FAMILIES = ["small", "large", "mma"]
 
 
 def make_problem(ids, hidden, intermediate, num_local, seed, *, poison_unrouted=True):
@@ -157,6 +158,10 @@ def test_deterministic_and_tile_family_invariant():
     assert torch.equal(small, run_petit(problem, "small"))
     assert torch.equal(small, run_petit(problem, "large"))
     assert torch.equal(small, run_petit(problem, "auto", with_workspaces=False))
+    # The tensor-core family sums in another fp32 order: deterministic, not bit-equal to SIMT.
+    mma = run_petit(problem, "mma")
+    check(mma, problem)
+    assert torch.equal(mma, run_petit(problem, "mma"))
     # A row's result does not depend on the rest of the batch (batch invariance).
     head = tuple(t[:100].contiguous() if t.dim() == 2 else t for t in problem[:3]) + problem[3:]
     assert torch.equal(run_petit(head, "small"), small[:100])
@@ -179,7 +184,7 @@ def test_cuda_graph_capture_and_replay_with_new_inputs():
             ops.experts_forward(*static, out=out, tiles=tiles)
         graphs[tiles] = graph
     for replay in range(5):  # odd count; fresh routing, rows and weights every replay
-        tiles = TILE_FAMILIES[replay % 2]
+        tiles = TILE_FAMILIES[replay % len(TILE_FAMILIES)]
         fresh = make_problem(random_ids(num_rows, top_k, num_local, seed=100 + replay), hidden,
                              intermediate, num_local, seed=200 + replay, poison_unrouted=False)
         for dst, src in zip(static, fresh):
