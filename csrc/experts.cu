@@ -380,14 +380,30 @@ int resolve_expert_tiles(const ExpertGemmArgs& a) {
              : kExpertTilesSmall;
 }
 
-petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream) {
+namespace {
+
+// Preamble of both GEMM launches: validate, resolve the tile family (an unavailable mma path
+// is an error even with no rows), read the SM count. *launch is false when there are no rows.
+petitError_t prepare_gemm_launch(const ExpertGemmArgs& a, int* tiles, int* num_sms,
+                                 bool* launch) {
+  *launch = false;
   petitError_t err = check_args(a);
   if (err != petitSuccess) return err;
-  const int tiles = resolve_expert_tiles(a);
-  if (tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
+  *tiles = resolve_expert_tiles(a);
+  if (*tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
   if (a.num_rows == 0) return petitSuccess;
-  int num_sms = 0;
-  if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
+  if ((err = device_sm_count(a, num_sms)) != petitSuccess) return err;
+  *launch = true;
+  return petitSuccess;
+}
+
+}  // namespace
+
+petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream) {
+  int tiles = 0, num_sms = 0;
+  bool launch = false;
+  petitError_t err = prepare_gemm_launch(a, &tiles, &num_sms, &launch);
+  if (err != petitSuccess || !launch) return err;
   if (tiles == kExpertTilesMma) return launch_gate_up_mma(a, num_sms, stream);
   return tiles == kExpertTilesLarge
              ? launch_gate_up_with<GateUpLarge>(a, num_sms, stream)
@@ -395,13 +411,10 @@ petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream
 }
 
 petitError_t launch_expert_down(const ExpertGemmArgs& a, petitStream_t stream) {
-  petitError_t err = check_args(a);
-  if (err != petitSuccess) return err;
-  const int tiles = resolve_expert_tiles(a);
-  if (tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
-  if (a.num_rows == 0) return petitSuccess;
-  int num_sms = 0;
-  if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
+  int tiles = 0, num_sms = 0;
+  bool launch = false;
+  petitError_t err = prepare_gemm_launch(a, &tiles, &num_sms, &launch);
+  if (err != petitSuccess || !launch) return err;
   if (tiles == kExpertTilesMma) return launch_down_mma(a, num_sms, stream);
   return tiles == kExpertTilesLarge
              ? launch_down_with<DownLarge>(a, num_sms, stream)
