@@ -86,6 +86,8 @@ int resolve_expert_tiles(const ExpertGemmArgs& args);
 struct EpState {
   uint64_t epoch;         // epoch of the last completed dispatch; advanced on the GPU
   uint32_t blocks_done;   // grid-completion counter of the running dispatch
+  uint32_t reduce_next;   // combine: next reduce item to claim (reset by its last block)
+  uint32_t combine_done;  // grid-completion counter of the running combine
   uint32_t pad;
 };
 
@@ -138,6 +140,7 @@ struct CombineArgs {
   int top_k;
   int region_stride;
   int num_chunks;             // set by the launcher
+  int num_send_blocks;        // set by the launcher: blocks [0, this) push rows back
 };
 
 petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream);

@@ -6,6 +6,7 @@
 // send items, then waits for its receive items: since all blocks are co-resident and sends
 // never wait, every rank's sends complete and the waits terminate (or time out).
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "api.h"
 
@@ -78,7 +79,8 @@ PETIT_DEVICE uint64_t wait_flag(const EpContextArgs& c, const uint64_t* flag, ui
   }
 }
 
-// Called by thread 0 after the block fenced its writes of item (peer, group): the last of
+// Called by thread 0 after the block's barrier and a system fence over the block's writes of
+// item (peer, group) (the barrier makes them thread 0's to publish): the last of
 // `num_chunks` items of that (peer, group) publishes the flag. The counter is local and
 // reset by its last user, so it is zero again for the next epoch.
 PETIT_DEVICE void publish_item(uint32_t* done_counter, int num_chunks, uint64_t* remote_flag,
@@ -163,9 +165,9 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
                        (int64_t(c.rank) * R + token) * num_vectors;
       warp_copy(dst_row, src, begin, end, lane);
     }
-    petit_fence_sys();
-    __syncthreads();
+    __syncthreads();  // the block's row writes, then one system fence + release by thread 0
     if (threadIdx.x == 0) {
+      petit_fence_sys();
       uint64_t* flag = reinterpret_cast<uint64_t*>(dst_heap + l.dispatch_flags) +
                        int64_t(c.rank) * l.max_groups + group;
       publish_item(c.group_done + int64_t(dst) * l.max_groups + group, num_chunks, flag,
@@ -195,18 +197,79 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
   }
 }
 
-// Combine: every block first pushes its share of this rank's reduced rows back to their
-// (remote) sources, group by group, then reduces own token groups as their rows land; blocks
-// that finish sending early start on groups that already arrived, so the phases overlap.
-// A token's own-rank row is read straight from expert_out (never copied). The reduction is
-// one warp per token row (its rank mask is warp-uniform) with kReduceUnroll 16-byte loads
-// in flight per lane.
-constexpr int kReduceUnroll = 8;
+// Combine reduction of one item (own token group, hidden chunk) whose peer rows have landed:
+// y[i] = sum over ranks d in mask(i), in rank order, of row i of d (the peer's push into my
+// combine region, or my own expert_out for d == rank), accumulated in fp32. Work unit =
+// (row, span of kReduceUnroll * warp-size vectors), one per warp at a time, so even a single
+// token's row is spread over the block's warps; a row's rank mask is warp-uniform.
+constexpr int kReduceUnroll = 6;  // 8 spills at the 128-register cap
 
+PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
+                              const uint4* own_rows, int group, int chunk, int num_vectors) {
+  const EpContextArgs& c = a.ctx;
+  const int W = c.world_size, R = a.region_stride;
+  const int lane = petit_lane_id(), warp = petit_warp_id();
+  int begin, end;
+  chunk_range(num_vectors, chunk, a.num_chunks, &begin, &end);
+  const int first_token = group * kTokenGroupSize;
+  const int group_tokens = min(kTokenGroupSize, a.num_tokens - first_token);
+  constexpr int kSpan = kReduceUnroll * PETIT_WARP_SIZE;
+  const int spans = ceil_div(end - begin, kSpan);
+  for (int unit = warp; unit < group_tokens * spans; unit += kWarps) {
+    const int token = first_token + unit / spans;
+    const int span_begin = begin + (unit % spans) * kSpan;
+    const int span_end = min(end, span_begin + kSpan);
+    const uint32_t mask = c.token_rank_mask[token];
+    const int64_t row_offset = int64_t(token) * num_vectors;
+    const int v0 = span_begin + lane;
+    float acc[kReduceUnroll][kVecElems];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+      for (int e = 0; e < kVecElems; ++e) acc[u][e] = 0.f;
+    for (int d = 0; d < W; ++d) {  // rank order, fp32 accumulation
+      if (!((mask >> d) & 1u)) continue;
+      uint4 packed[kReduceUnroll];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        const int v = v0 + u * PETIT_WARP_SIZE;
+        if (v < span_end)
+          packed[u] = d == c.rank ? own_rows[row_offset + v]
+                                  : petit_load_cg(combine_rows + int64_t(d) * R * num_vectors +
+                                                  row_offset + v);
+      }
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        if (v0 + u * PETIT_WARP_SIZE >= span_end) continue;
+        const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed[u]);
+#pragma unroll
+        for (int e = 0; e < kVecElems; ++e) acc[u][e] += petit_bf16_to_float(h[e]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      const int v = v0 + u * PETIT_WARP_SIZE;
+      if (v >= span_end) continue;
+      uint4 result;
+      petit_bf16_bits* r = reinterpret_cast<petit_bf16_bits*>(&result);
+#pragma unroll
+      for (int e = 0; e < kVecElems; ++e) r[e] = petit_float_to_bf16(acc[u][e]);
+      reinterpret_cast<uint4*>(a.out)[row_offset + v] = result;
+    }
+  }
+}
+
+// Combine: blocks [0, num_send_blocks) push this rank's reduced rows back to their (remote)
+// sources, group by group; the other blocks, and each sender once its sends are done, claim
+// reduce items (own group, chunk) in group order from a local counter, wait for the group's
+// rows and reduce them. So the reduction runs while the transfer does, on SMs the transfer
+// does not need, and no wait can precede one of this rank's sends (a block only waits after
+// its sends). A token's own-rank row is read straight from expert_out (never copied).
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const EpContextArgs& c = a.ctx;
   const HeapLayout& l = c.layout;
   __shared__ uint32_t s_route_mask;
+  __shared__ int s_claim;
   // The epoch of the dispatch this combine answers (advanced by that dispatch).
   const uint64_t epoch = *((volatile uint64_t*)&c.state->epoch);
 
@@ -221,7 +284,8 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   // ---- send: reduced rows of remote source `src`'s tokens go back to src's combine region,
   // item = ((group * (W-1)) + peer_step) * num_chunks + chunk, so groups complete in order.
   const int num_items = num_groups * (W - 1) * num_chunks;
-  for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+  const int send_stride = a.num_send_blocks;
+  for (int item = blockIdx.x; blockIdx.x < send_stride && item < num_items; item += send_stride) {
     const int chunk = item % num_chunks;
     const int peer_step = (item / num_chunks) % (W - 1);
     const int group = item / (num_chunks * (W - 1));
@@ -250,74 +314,43 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
                        (int64_t(c.rank) * R + token) * num_vectors;
       warp_copy(dst_row, row, begin, end, lane);
     }
-    petit_fence_sys();
-    __syncthreads();
+    __syncthreads();  // the block's row writes, then one system fence + release by thread 0
     if (threadIdx.x == 0) {
+      petit_fence_sys();
       uint64_t* flag = reinterpret_cast<uint64_t*>(src_heap + l.combine_flags) +
                        int64_t(c.rank) * l.max_groups + group;
       publish_item(c.group_done + int64_t(W + src) * l.max_groups + group, num_chunks, flag,
                    make_flag(epoch, __popc(route_mask)));
     }
   }
-  // ---- reduce own tokens: y[i] = sum over ranks d in mask(i), in rank order, of row i of d
-  // (from the peer's push into my combine region, or my own expert_out for d == rank).
+
+  // ---- reduce: claim items in group order until none is left.
   const uint64_t* my_flags = reinterpret_cast<const uint64_t*>(my_heap + l.combine_flags);
   const uint4* combine_rows = reinterpret_cast<const uint4*>(my_heap + l.combine_rows);
   const uint4* own_rows =
       reinterpret_cast<const uint4*>(a.expert_out) + int64_t(c.rank) * R * num_vectors;
-  const int own_groups = ceil_div(a.num_tokens, kTokenGroupSize);
-  for (int item = blockIdx.x; item < own_groups * num_chunks; item += gridDim.x) {
-    const int chunk = item % num_chunks, group = item / num_chunks;
+  const int num_reduce = ceil_div(a.num_tokens, kTokenGroupSize) * num_chunks;
+  while (true) {
+    if (threadIdx.x == 0) s_claim = int(petit_atomic_add_gpu(&c.state->reduce_next, 1));
+    __syncthreads();
+    const int item = s_claim;
+    if (item >= num_reduce) break;  // block-uniform
+    const int group = item / num_chunks;
     if (threadIdx.x < W && int(threadIdx.x) != c.rank)
       wait_flag(c, my_flags + int64_t(threadIdx.x) * l.max_groups + group, epoch,
                 threadIdx.x, 1, group);
-    __syncthreads();
-    int begin, end;
-    chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
-    const int first_token = group * kTokenGroupSize;
-    const int group_tokens = min(kTokenGroupSize, a.num_tokens - first_token);
-    for (int row = warp; row < group_tokens; row += kWarps) {
-      const int token = first_token + row;
-      const uint32_t mask = c.token_rank_mask[token];
-      const int64_t row_offset = int64_t(token) * num_vectors;
-      for (int v0 = begin + lane; v0 < end; v0 += kReduceUnroll * PETIT_WARP_SIZE) {
-        float acc[kReduceUnroll][kVecElems];
-#pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u)
-#pragma unroll
-          for (int e = 0; e < kVecElems; ++e) acc[u][e] = 0.f;
-        for (int d = 0; d < W; ++d) {  // rank order, fp32 accumulation
-          if (!((mask >> d) & 1u)) continue;  // warp-uniform
-          uint4 packed[kReduceUnroll];
-#pragma unroll
-          for (int u = 0; u < kReduceUnroll; ++u) {
-            const int v = v0 + u * PETIT_WARP_SIZE;
-            if (v < end)
-              packed[u] = d == c.rank ? own_rows[row_offset + v]
-                                      : petit_load_cg(combine_rows +
-                                                      int64_t(d) * R * num_vectors + row_offset + v);
-          }
-#pragma unroll
-          for (int u = 0; u < kReduceUnroll; ++u) {
-            if (v0 + u * PETIT_WARP_SIZE >= end) continue;
-            const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed[u]);
-#pragma unroll
-            for (int e = 0; e < kVecElems; ++e) acc[u][e] += petit_bf16_to_float(h[e]);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u) {
-          const int v = v0 + u * PETIT_WARP_SIZE;
-          if (v >= end) continue;
-          uint4 result;
-          petit_bf16_bits* r = reinterpret_cast<petit_bf16_bits*>(&result);
-#pragma unroll
-          for (int e = 0; e < kVecElems; ++e) r[e] = petit_float_to_bf16(acc[u][e]);
-          reinterpret_cast<uint4*>(a.out)[row_offset + v] = result;
-        }
-      }
+    __syncthreads();  // the rows are visible; every thread has read s_claim
+    reduce_item(a, combine_rows, own_rows, group, item % num_chunks, num_vectors);
+  }
+
+  // ---- the last block to finish resets the claim counter for the next combine (every
+  // block's final, failed claim precedes its increment here).
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (petit_atomic_add_gpu(&c.state->combine_done, 1) == gridDim.x - 1) {
+      c.state->reduce_next = 0;
+      c.state->combine_done = 0;
     }
-    __syncthreads();
   }
 }
 
@@ -351,6 +384,20 @@ int choose_num_chunks(int region_stride, int num_peers, int num_vectors, int num
   return chunks < 1 ? 1 : (chunks > max_chunks ? (max_chunks > 1 ? max_chunks : 1) : chunks);
 }
 
+// Blocks of the combine grid that push rows (the rest only reduce, from the start): by
+// default 3/4 of the grid, since at large sizes about that many SMs already saturate the
+// peer links while the reduction needs the rest; PETIT_MOE_COMBINE_REDUCE_PCT (0..90, read
+// once per process) sets the reduce-only share for tuning.
+int combine_send_blocks(int num_blocks) {
+  static const int reduce_pct = [] {
+    const char* env = getenv("PETIT_MOE_COMBINE_REDUCE_PCT");
+    const int pct = env ? atoi(env) : 25;
+    return pct < 0 ? 0 : (pct > 90 ? 90 : pct);
+  }();
+  const int senders = num_blocks - num_blocks * reduce_pct / 100;
+  return senders < 1 ? 1 : senders;
+}
+
 petitError_t check_context(const EpContextArgs& c, int region_stride, int num_tokens,
                            int top_k) {
   if (c.num_blocks < 1 || c.world_size < 1 || c.world_size > kMaxWorldSize) return petitErrorInvalidValue;
@@ -382,8 +429,9 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
   if (err != petitSuccess) return err;
   CombineArgs a = args;
+  a.num_send_blocks = combine_send_blocks(a.ctx.num_blocks);
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size - 1,
-                                   a.ctx.layout.hidden / kVecElems, a.ctx.num_blocks);
+                                   a.ctx.layout.hidden / kVecElems, a.num_send_blocks);
   petitLaunchKernel(combine_kernel, dim3(a.ctx.num_blocks), dim3(kThreads), 0, stream, a);
   return petitGetLastError();
 }
