@@ -411,6 +411,37 @@ def probe_vllm_version(python: str, env: dict) -> str:
     return lines[-1].strip() if lines else "unknown"
 
 
+PLUGIN_PROBE = """
+import json
+from importlib.metadata import entry_points
+eps = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "petit_moe"]
+try:
+    import vllm_petit_moe.plugin  # noqa: F401
+    importable = True
+except Exception:  # noqa: BLE001
+    importable = False
+print(json.dumps(dict(entry_points=eps, importable=importable)))
+"""
+
+
+def check_plugin_visible(python: str, env: dict) -> None:
+    """BenchError unless `python`, in the servers' environment, sees the plugin's
+    vllm.general_plugins entry point and can import it. Without it a flag-on server starts
+    with vLLM's own backend and is rejected only after its whole start-up."""
+    out = _run([python, "-c", PLUGIN_PROBE], timeout=120, env=env)
+    try:
+        found = json.loads(out.strip().splitlines()[-1]) if out else None
+    except (ValueError, IndexError):
+        found = None
+    if found and found["entry_points"] and found["importable"]:
+        return
+    raise BenchError(
+        f"the servers' Python ({python}) does not see the vllm-petit-moe plugin ({found}): "
+        "install it (pip install --no-build-isolation -e .), or on a devkit GPU machine run "
+        "`bash tools/vllm_gpu_check.sh build meta`, then `. /tmp/vllm-site/env.sh` and "
+        "`export PYTHONPATH=/tmp/petit-moe-meta:$PWD:$PYTHONPATH` before this benchmark")
+
+
 # ------------------------------------------------------------------------------------------
 # Server process
 # ------------------------------------------------------------------------------------------
@@ -1094,6 +1125,8 @@ class Bench:
             print(f"results: {self.jsonl}")
             return 0
 
+        if "petit" in a.backends and not a.server_cmd:
+            check_plugin_visible(a.python, server_env("petit", a.strict))
         self.meta = {"gpu": gpu, "world": dp, "model": self.tag, "commit": commit_stamp(ROOT),
                      "vllm_version": a.vllm_version
                      or probe_vllm_version(a.python, server_env("default", False))}

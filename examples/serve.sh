@@ -59,6 +59,11 @@ say() { echo "[serve.sh $(date +%H:%M:%S)] $*"; }
 # symm-mem all-reduce, which would use multicast ops).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VLLM_ALLREDUCE_USE_SYMM_MEM=0
+# The offline vLLM bundle of the GPU machines has no FlashInfer: its sampler would make the
+# engine die at start-up (../shared/devkit/README.md, "Environment"). Same set as
+# vllm_petit_moe/device_env.py VLLM_SAFE_ENV; each can be overridden from the environment.
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+export VLLM_NO_USAGE_STATS=${VLLM_NO_USAGE_STATS:-1} DO_NOT_TRACK=${DO_NOT_TRACK:-1}
 export VLLM_USE_PETIT_MOE=${VLLM_USE_PETIT_MOE:-1}
 export PYTHONUNBUFFERED=1
 
@@ -66,6 +71,9 @@ export PYTHONUNBUFFERED=1
 if [ -d "$MODEL" ]; then
   MODEL=$(cd "$MODEL" && pwd)
   [ -f "$MODEL/config.json" ] || die "$MODEL has no config.json"
+  # A local model needs no Hugging Face hub; the GPU machines have no network, where hub
+  # look-ups would only time out.
+  export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1}
 elif [[ "$MODEL" == */* && "$MODEL" != /* && "$MODEL" != .* ]]; then
   say "$MODEL is not a directory: treating it as a Hugging Face model id"
 else
@@ -90,8 +98,10 @@ PY
 ) || die "$PYTHON could not run: $probe"
 read -r NUM_GPUS VLLM_VERSION PLUGIN <<< "$(tail -1 <<< "$probe")"
 [ "$VLLM_VERSION" != missing ] || die "vLLM is not installed for $PYTHON (pip install vllm==0.24.0)"
-[ "$PLUGIN" = yes ] || die "vllm-petit-moe is not installed for $PYTHON (from the repo root: \
-CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e .)"
+[ "$PLUGIN" = yes ] || die "vllm-petit-moe's vllm.general_plugins entry point is not visible to \
+$PYTHON (from the repo root: CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e .; \
+on a devkit GPU machine without pip install: bash tools/vllm_gpu_check.sh build meta, then \
+. /tmp/vllm-site/env.sh; PYTHONPATH=/tmp/petit-moe-meta:\$PWD:\$PYTHONPATH bash examples/serve.sh)"
 if [ "$NUM_GPUS" -lt 2 ]; then
   die "needs >= 2 GPUs on this node for data + expert parallel; found $NUM_GPUS visible to torch"
 fi

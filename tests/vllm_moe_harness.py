@@ -74,7 +74,9 @@ from vllm_petit_moe.device_env import VLLM_SAFE_ENV
 SAFE_ENV = VLLM_SAFE_ENV
 # The plugin's flags are toggled per kernel build here; a value inherited from the caller
 # would change what "default" means.
-_PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT")
+# (VLLM_PETIT_MOE_EXPERTS=1 would also swap in PetitExperts, and build_layer expects vLLM's
+# TritonExperts on both paths.)
+_PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS")
 
 PATHS = ("default", "petit")
 

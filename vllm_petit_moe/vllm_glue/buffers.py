@@ -64,6 +64,10 @@ def _create_buffer(group: Any, config: BufferConfig) -> Any:
         max_top_k=config.max_top_k,
         num_sms=config.num_sms,
         timeout_s=config.timeout_s,
+        # No host sync on vLLM's forward path (DESIGN.md): validate_ids would sync once per
+        # layer in every eager step (prefills beyond the CUDA-graph sizes, --enforce-eager).
+        # vLLM's router only emits ids in [0, E).
+        validate_ids=False,
     )
 
 
