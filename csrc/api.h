@@ -120,6 +120,15 @@ struct EpContextArgs {
   int num_blocks;             // persistent grid; must be co-resident (<= SM count)
 };
 
+// Wire format of dispatched rows. fp8 modes quantize at the source inside dispatch (fp8.h):
+// rows arrive as e4m3 bytes (row stride H bytes) plus fp32 scales (row stride H/128 floats for
+// 1x128 blocks, 1 float per token).
+enum DispatchQuant : int {
+  kQuantNone = 0,       // bf16 rows
+  kQuantFp8Block = 1,   // e4m3, one scale per 1x128 block (H % 128 == 0)
+  kQuantFp8Token = 2,   // e4m3, one scale per token
+};
+
 struct DispatchArgs {
   EpContextArgs ctx;
   const petit_bf16_bits* x;   // [T, H]
@@ -129,6 +138,7 @@ struct DispatchArgs {
   int num_tokens;             // T <= region_stride
   int top_k;                  // K <= layout.max_top_k
   int region_stride;          // R <= layout.max_tokens, equal on all ranks
+  int quant;                  // DispatchQuant, equal on all ranks
   int num_chunks;             // set by the launcher
 };
 

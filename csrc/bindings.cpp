@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "api.h"
+#include "fp8.h"
 
 namespace petit {
 namespace {
@@ -141,8 +142,12 @@ class EpContext {
                 torch::kUInt8);
   }
 
+  // Returns (recv_x, recv_ids, recv_weights, recv_scales): recv_x [W*R, H] bf16 (quant 0) or
+  // float8_e4m3fn (quant 1, 2: api.h DispatchQuant); recv_scales [W*R, H/128] (1) or
+  // [W*R, 1] (2) float32, empty for bf16.
   std::vector<torch::Tensor> dispatch(const torch::Tensor& x, const torch::Tensor& topk_ids,
-                                      const torch::Tensor& topk_weights, int64_t region_stride) {
+                                      const torch::Tensor& topk_weights, int64_t region_stride,
+                                      int64_t quant) {
     check_mapped();
     check_cuda_tensor(x, "x", 2);
     check_cuda_tensor(topk_ids, "topk_ids", 2);
@@ -161,6 +166,11 @@ class EpContext {
     PETIT_CHECK(T <= region_stride && region_stride <= args_.layout.max_tokens,
                 "need tokens (%lld) <= region stride (%lld) <= max tokens per rank (%d)",
                 (long long)T, (long long)region_stride, args_.layout.max_tokens);
+    PETIT_CHECK(quant >= kQuantNone && quant <= kQuantFp8Token, "quant %lld is not a DispatchQuant",
+                (long long)quant);
+    PETIT_CHECK(quant != kQuantFp8Block || args_.layout.hidden % kFp8ScaleBlock == 0,
+                "fp8 1x128 block dispatch needs a hidden size that is a multiple of %d, got %d",
+                kFp8ScaleBlock, args_.layout.hidden);
     PETIT_CHECK(x.get_device() == device_ && topk_ids.get_device() == device_ &&
                     topk_weights.get_device() == device_,
                 "inputs must be on the buffer's device %d", device_);
@@ -174,12 +184,19 @@ class EpContext {
     a.num_tokens = int(T);
     a.top_k = int(K);
     a.region_stride = int(region_stride);
+    a.quant = int(quant);
     PETIT_CHECK_OK(launch_dispatch(a, c10::cuda::getCurrentCUDAStream()), "dispatch launch");
     char* own = args_.heap_base + int64_t(args_.rank) * args_.heap_stride;
     const int64_t rows = int64_t(args_.world_size) * region_stride;
-    return {view(own + args_.layout.dispatch_rows, {rows, args_.layout.hidden}, torch::kBFloat16),
+    const int64_t H = args_.layout.hidden;
+    const bool fp8 = quant != kQuantNone;
+    const int64_t num_scales = quant == kQuantFp8Block ? H / kFp8ScaleBlock : 1;
+    return {view(own + args_.layout.dispatch_rows, {rows, H},
+                 fp8 ? at::ScalarType::Float8_e4m3fn : torch::kBFloat16),
             view(own + args_.layout.dispatch_ids, {rows, K}, torch::kInt32),
-            view(own + args_.layout.dispatch_weights, {rows, K}, torch::kFloat32)};
+            view(own + args_.layout.dispatch_weights, {rows, K}, torch::kFloat32),
+            view(own + args_.layout.dispatch_scales, {fp8 ? rows : 0, num_scales},
+                 torch::kFloat32)};
   }
 
   void combine(const torch::Tensor& expert_out, torch::Tensor& out, int64_t top_k,
@@ -471,6 +488,19 @@ int64_t resolve_expert_tiles_for(int64_t num_rows, int64_t top_k, int64_t num_lo
   return resolve_expert_tiles(a);
 }
 
+// The dispatch kernels' float -> e4m3 conversion (fp8.h), run on the host: lets CPU tests
+// check it bit for bit against torch's float8_e4m3fn.
+torch::Tensor float_to_e4m3(const torch::Tensor& values) {
+  PETIT_CHECK(values.device().is_cpu() && values.scalar_type() == torch::kFloat32,
+              "float_to_e4m3 takes a CPU float32 tensor");
+  torch::Tensor in = values.contiguous();
+  torch::Tensor out = torch::empty(in.sizes(), in.options().dtype(torch::kUInt8));
+  const float* src = in.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < in.numel(); ++i) dst[i] = petit_float_to_e4m3(src[i]);
+  return out;
+}
+
 py::dict heap_layout(int64_t world_size, int64_t max_tokens, int64_t hidden, int64_t max_top_k) {
   HeapLayout l = make_heap_layout(int(world_size), int(max_tokens), int(hidden), int(max_top_k));
   py::dict d;
@@ -478,6 +508,7 @@ py::dict heap_layout(int64_t world_size, int64_t max_tokens, int64_t hidden, int
   d["dispatch_rows"] = l.dispatch_rows;
   d["dispatch_ids"] = l.dispatch_ids;
   d["dispatch_weights"] = l.dispatch_weights;
+  d["dispatch_scales"] = l.dispatch_scales;
   d["combine_rows"] = l.combine_rows;
   d["dispatch_flags"] = l.dispatch_flags;
   d["combine_flags"] = l.combine_flags;
@@ -499,6 +530,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("kMaxExperts") = petit::kMaxExperts;
   m.def("heap_layout", &petit::heap_layout, "Byte offsets of the heap regions (layout.h)",
         py::arg("world_size"), py::arg("max_tokens"), py::arg("hidden"), py::arg("max_top_k"));
+  m.def("float_to_e4m3", &petit::float_to_e4m3,
+        "Host run of dispatch's float32 -> fp8 e4m3fn conversion (csrc/fp8.h): uint8 codes",
+        py::arg("values"));
   m.def("expert_row_lists", &petit::expert_row_lists,
         "Routing block [N,K] int32 -> (counts [L], offsets [L+1], sorted_entries [N*K])",
         py::arg("topk_ids"), py::arg("num_local_experts"));
@@ -524,7 +558,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("heap_view", &EpContext::heap_view, py::arg("rank"), py::arg("offset"),
            py::arg("num_bytes"))
       .def("dispatch", &EpContext::dispatch, py::arg("x"), py::arg("topk_ids"),
-           py::arg("topk_weights"), py::arg("region_stride"))
+           py::arg("topk_weights"), py::arg("region_stride"), py::arg("quant") = 0)
       .def("combine", &EpContext::combine, py::arg("expert_out"), py::arg("out"),
            py::arg("top_k"), py::arg("region_stride"))
       .def("peer_write", &EpContext::peer_write, py::arg("src"), py::arg("bytes_per_peer"),

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include "api.h"
+#include "fp8.h"
 
 namespace petit {
 
@@ -42,6 +43,92 @@ PETIT_DEVICE void warp_copy(uint4* __restrict__ dst, const uint4* __restrict__ s
     for (int u = 0; u < kCopyUnroll; ++u) dst[v + u * PETIT_WARP_SIZE] = buf[u];
   }
   for (; v < end; v += PETIT_WARP_SIZE) dst[v] = src[v];
+}
+
+// fp8 dispatch (fp8.h): a warp quantizes a bf16 row span at the source and writes e4m3
+// bytes (8 per lane and 16-byte source vector) plus fp32 scales into the peer's heap.
+constexpr int kVecPerScaleBlock = kFp8ScaleBlock / kVecElems;  // 16 vectors per 1x128 block
+constexpr int kQuantUnroll = 4;
+
+PETIT_DEVICE float bf16x8_to_float(const uint4& v, float (&f)[kVecElems]) {
+  const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&v);
+  float amax = 0.f;
+#pragma unroll
+  for (int e = 0; e < kVecElems; ++e) {
+    f[e] = petit_bf16_to_float(h[e]);
+    amax = fmaxf(amax, fabsf(f[e]));
+  }
+  return amax;
+}
+
+// q = sat(f * mul) or sat(f / div) (one of the two is used; see fp8.h), as 8 e4m3 bytes.
+template <bool kDivide>
+PETIT_DEVICE uint2 quantize_x8(const float (&f)[kVecElems], float scale_or_inverse) {
+  uint2 packed;
+  uint16_t* pairs = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+  for (int e = 0; e < kVecElems; e += 2) {
+    float q0 = kDivide ? f[e] / scale_or_inverse : f[e] * scale_or_inverse;
+    float q1 = kDivide ? f[e + 1] / scale_or_inverse : f[e + 1] * scale_or_inverse;
+    q0 = fminf(fmaxf(q0, -kFp8E4m3Max), kFp8E4m3Max);
+    q1 = fminf(fmaxf(q1, -kFp8E4m3Max), kFp8E4m3Max);
+    pairs[e / 2] = petit_float2_to_e4m3x2(q0, q1);
+  }
+  return packed;
+}
+
+// 1x128 blocks [blk_begin, blk_end) of one row: each group of 16 lanes owns one block per
+// step (amax over its 16 vectors by shuffles), kQuantUnroll steps of loads in flight.
+PETIT_DEVICE void warp_quant_blocks(uint2* __restrict__ dst, float* __restrict__ scales,
+                                    const uint4* __restrict__ src, int blk_begin, int blk_end,
+                                    int lane) {
+  constexpr int kBlocksPerStep = PETIT_WARP_SIZE / kVecPerScaleBlock;
+  const int sub = lane / kVecPerScaleBlock, sub_lane = lane % kVecPerScaleBlock;
+  for (int b0 = blk_begin; b0 < blk_end; b0 += kBlocksPerStep * kQuantUnroll) {  // warp-uniform
+    uint4 v[kQuantUnroll];
+#pragma unroll
+    for (int u = 0; u < kQuantUnroll; ++u) {
+      const int b = b0 + u * kBlocksPerStep + sub;
+      v[u] = b < blk_end ? src[int64_t(b) * kVecPerScaleBlock + sub_lane] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kQuantUnroll; ++u) {
+      const int b = b0 + u * kBlocksPerStep + sub;
+      float f[kVecElems];
+      float amax = bf16x8_to_float(v[u], f);
+#pragma unroll
+      for (int offset = kVecPerScaleBlock / 2; offset >= 1; offset /= 2)
+        amax = fmaxf(amax, petit_shfl_xor(amax, offset));
+      const float scale = fmaxf(amax, kFp8BlockMinAmax) / kFp8E4m3Max;
+      if (b < blk_end) {
+        dst[int64_t(b) * kVecPerScaleBlock + sub_lane] = quantize_x8<true>(f, scale);
+        if (sub_lane == 0) scales[b] = scale;
+      }
+    }
+  }
+}
+
+// Per-token scale: the amax of the whole row (every chunk reads it; only chunk 0 stores the
+// scale), then vectors [begin, end) quantized with the inverse scale.
+PETIT_DEVICE void warp_quant_token(uint2* __restrict__ dst, float* __restrict__ scale_out,
+                                   const uint4* __restrict__ src, int begin, int end,
+                                   int num_vectors, int lane) {
+  float amax = 0.f;
+  for (int v = lane; v < num_vectors; v += PETIT_WARP_SIZE) {
+    float f[kVecElems];
+    amax = fmaxf(amax, bf16x8_to_float(src[v], f));
+  }
+#pragma unroll
+  for (int offset = PETIT_WARP_SIZE / 2; offset >= 1; offset /= 2)
+    amax = fmaxf(amax, petit_shfl_xor(amax, offset));
+  const float scale = fmaxf(amax / kFp8E4m3Max, kFp8TokenMinScale);
+  const float inverse = 1.0f / scale;
+  if (scale_out != nullptr && lane == 0) *scale_out = scale;
+  for (int v = begin + lane; v < end; v += PETIT_WARP_SIZE) {
+    float f[kVecElems];
+    bf16x8_to_float(src[v], f);
+    dst[v] = quantize_x8<false>(f, inverse);
+  }
 }
 
 // Index of the n-th set bit of a 32-bit mask.
@@ -93,7 +180,7 @@ PETIT_DEVICE void publish_item(uint32_t* done_counter, int num_chunks, uint64_t*
   petit_store_release_sys(remote_flag, flag_value);
 }
 
-template <typename IdT>
+template <typename IdT, int kQuant>
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   const EpContextArgs& c = a.ctx;
   const HeapLayout& l = c.layout;
@@ -155,15 +242,33 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
     }
     __syncthreads();
     const uint32_t route_mask = s_route_mask;
-    int begin, end;
-    chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
+    int begin, end;  // in 16-byte source vectors; whole 1x128 blocks in block mode
+    if (kQuant == kQuantFp8Block) {
+      chunk_range(num_vectors / kVecPerScaleBlock, chunk, num_chunks, &begin, &end);
+      begin *= kVecPerScaleBlock;
+      end *= kVecPerScaleBlock;
+    } else {
+      chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
+    }
     const int num_routed = __popc(route_mask);
     for (int j = warp; j < num_routed; j += kWarps) {
       const int token = group * kTokenGroupSize + nth_set_bit(route_mask, j);
       const uint4* src = reinterpret_cast<const uint4*>(a.x) + int64_t(token) * num_vectors;
-      uint4* dst_row = reinterpret_cast<uint4*>(dst_heap + l.dispatch_rows) +
-                       (int64_t(c.rank) * R + token) * num_vectors;
-      warp_copy(dst_row, src, begin, end, lane);
+      const int64_t row = int64_t(c.rank) * R + token;
+      if (kQuant == kQuantNone) {
+        uint4* dst_row = reinterpret_cast<uint4*>(dst_heap + l.dispatch_rows) + row * num_vectors;
+        warp_copy(dst_row, src, begin, end, lane);
+      } else {
+        // e4m3 row = num_vectors 8-byte units (H bytes)
+        uint2* dst_row = reinterpret_cast<uint2*>(dst_heap + l.dispatch_rows) + row * num_vectors;
+        float* scales = reinterpret_cast<float*>(dst_heap + l.dispatch_scales);
+        if (kQuant == kQuantFp8Block)
+          warp_quant_blocks(dst_row, scales + row * (num_vectors / kVecPerScaleBlock), src,
+                            begin / kVecPerScaleBlock, end / kVecPerScaleBlock, lane);
+        else
+          warp_quant_token(dst_row, chunk == 0 ? scales + row : nullptr, src, begin, end,
+                           num_vectors, lane);
+      }
     }
     __syncthreads();  // the block's row writes, then one system fence + release by thread 0
     if (threadIdx.x == 0) {
@@ -413,15 +518,19 @@ petitError_t check_context(const EpContextArgs& c, int region_stride, int num_to
 petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
   petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
   if (err != petitSuccess) return err;
+  if (args.quant == kQuantFp8Block && args.ctx.layout.hidden % kFp8ScaleBlock != 0)
+    return petitErrorInvalidValue;
   DispatchArgs a = args;
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size,
                                    a.ctx.layout.hidden / kVecElems, a.ctx.num_blocks);
-  if (a.ids_are_int64)
-    petitLaunchKernel(dispatch_kernel<int64_t>, dim3(a.ctx.num_blocks), dim3(kThreads), 0,
-                      stream, a);
-  else
-    petitLaunchKernel(dispatch_kernel<int32_t>, dim3(a.ctx.num_blocks), dim3(kThreads), 0,
-                      stream, a);
+  using Kernel = void (*)(DispatchArgs);
+  static const Kernel kernels[3][2] = {
+      {dispatch_kernel<int32_t, kQuantNone>, dispatch_kernel<int64_t, kQuantNone>},
+      {dispatch_kernel<int32_t, kQuantFp8Block>, dispatch_kernel<int64_t, kQuantFp8Block>},
+      {dispatch_kernel<int32_t, kQuantFp8Token>, dispatch_kernel<int64_t, kQuantFp8Token>}};
+  if (a.quant < kQuantNone || a.quant > kQuantFp8Token) return petitErrorInvalidValue;
+  const Kernel kernel = kernels[a.quant][a.ids_are_int64 ? 1 : 0];
+  petitLaunchKernel(kernel, dim3(a.ctx.num_blocks), dim3(kThreads), 0, stream, a);
   return petitGetLastError();
 }
 

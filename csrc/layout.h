@@ -11,6 +11,7 @@ constexpr int kMaxTopK = 16;
 constexpr int kMaxWorldSize = 32;      // token -> rank masks are uint32
 constexpr int kMaxExperts = 512;
 constexpr int kRegionAlignment = 256;  // bytes; keeps every region 16-byte vector aligned
+constexpr int kFp8ScaleBlock = 128;   // elements per fp8 scale (1x128 block quantization)
 constexpr int kFlagCountBits = 6;      // flag = epoch << 6 | rows routed in the group (0..32)
 
 PETIT_HOST_DEVICE uint64_t make_flag(uint64_t epoch, uint32_t count) {
@@ -37,6 +38,7 @@ struct HeapLayout {
   int64_t dispatch_rows;     // [W, T_max, H] bf16
   int64_t dispatch_ids;      // [W, T_max, K_max] int32
   int64_t dispatch_weights;  // [W, T_max, K_max] f32
+  int64_t dispatch_scales;   // [W, T_max, ceil(H/128)] f32 (fp8 dispatch only)
   int64_t dispatch_flags;    // [W, G_max] u64
   int64_t combine_rows;      // [W, T_max, H] bf16
   int64_t combine_flags;     // [W, G_max] u64
@@ -65,6 +67,7 @@ PETIT_HOST_DEVICE HeapLayout make_heap_layout(int world_size, int max_tokens, in
   l.dispatch_rows = take(rows * l.row_bytes);
   l.dispatch_ids = take(rows * max_top_k * 4);
   l.dispatch_weights = take(rows * max_top_k * 4);
+  l.dispatch_scales = take(rows * ceil_div(hidden, kFp8ScaleBlock) * 4);
   l.combine_rows = take(rows * l.row_bytes);
   l.flags_begin = cursor;
   l.dispatch_flags = take(int64_t(world_size) * l.max_groups * 8);

@@ -359,8 +359,8 @@ def parse_args(argv=None):
     p.add_argument("--hot-fraction", type=float, default=0.6,
                    help="skewed routing: probability that a pair lands on rank 0's experts "
                         "(default 0.6; 1/W would be an even split)")
-    p.add_argument("--tiles", choices=("auto", "small", "large"), default="auto",
-                   help="petit tile family (default: auto)")
+    p.add_argument("--tiles", choices=("auto", "small", "large", "mma"), default="auto",
+                   help="petit tile family (default: auto; mma: sm_80+ tensor cores, opt-in)")
     p.add_argument("--no-triton", action="store_true", help="skip vLLM's Triton experts")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 10 iters")

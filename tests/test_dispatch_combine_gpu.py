@@ -78,6 +78,77 @@ def _rank_round_trip(state, cfg, seed, tokens_per_rank, top_k, skew, rounds, reg
     return rounds
 
 
+def _rank_fp8_dispatch(state, cfg, seed, tokens_per_rank, top_k, quant, rounds, graph):
+    """fp8 dispatch: e4m3 bytes and scales of routed rows bit-equal to the reference
+    quantizer; routing blocks equal; combine of the dequantized rows equal to the reference.
+    With `graph`, the dispatch + combine run as CUDA-graph replays with fresh inputs."""
+    rank, world, device = state["rank"], state["world_size"], state["device"]
+    buf = get_buffer(state, **cfg)
+    hidden, num_experts = cfg["hidden_size"], cfg["num_experts"]
+    stride = max(tokens_per_rank)
+
+    def experts(out_x, scales, ids, weights):
+        return _scaled_experts(ref.dequantize_fp8_reference(out_x, scales), ids, weights)
+
+    def round_inputs(r):
+        xs, ids, ws = _inputs(seed + r, tokens_per_rank, hidden, top_k, num_experts, world,
+                              None, device)
+        # Rows of very different magnitudes (scales must follow each block / token).
+        xs = [x * torch.logspace(-3, 3, x.shape[0], device=device)[:, None].to(x.dtype)
+              for x in xs]
+        return xs, ids, ws
+
+    static = None
+    for r in range(rounds):
+        xs, ids, ws = round_inputs(r)
+        y = torch.full_like(xs[rank], POISON)
+        if graph:
+            if static is None:
+                static = [xs[rank].clone(), ids[rank].clone(), ws[rank].clone(),
+                          torch.empty_like(xs[rank])]
+                holder = {}
+
+                def step():
+                    out = buf.dispatch(static[0], static[1], static[2], region_stride=stride,
+                                       quant=quant)
+                    buf.combine(experts(out.recv_x, out.recv_x_scales, out.recv_topk_ids,
+                                        out.recv_topk_weights), out.handle, out=static[3])
+                    holder["out"] = out
+                step()  # warm-up (collective), then capture
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    step()
+            for t, v in zip(static[:3], (xs[rank], ids[rank], ws[rank])):
+                t.copy_(v)
+            static[3].fill_(POISON)
+            g.replay()
+            out, y = holder["out"], static[3]
+        else:
+            out = buf.dispatch(xs[rank], ids[rank], ws[rank], region_stride=stride, quant=quant)
+            buf.combine(experts(out.recv_x, out.recv_x_scales, out.recv_topk_ids,
+                                out.recv_topk_weights), out.handle, out=y)
+        expected = ref.dispatch_reference(xs, ids, ws, num_experts, stride, quant=quant)
+        e = expected[rank]
+        assert out.recv_x.dtype == torch.float8_e4m3fn and out.recv_x.shape == e.recv_x.shape
+        assert out.recv_x_scales.shape == e.recv_x_scales.shape
+        assert torch.equal(out.recv_topk_ids, e.recv_topk_ids), f"round {r}: ids differ"
+        assert torch.equal(out.recv_topk_weights, e.recv_topk_weights), f"round {r}: weights"
+        mask = e.routed_mask
+        got_q = out.recv_x[mask].view(torch.uint8)
+        want_q = e.recv_x[mask].view(torch.uint8)
+        bad = (got_q != want_q).sum().item()
+        assert bad == 0, f"round {r}: {bad} fp8 bytes differ on rank {rank} ({quant})"
+        assert torch.equal(out.recv_x_scales[mask], e.recv_x_scales[mask]), \
+            f"round {r}: scales differ on rank {rank} ({quant})"
+        expert_outs = [experts(o.recv_x, o.recv_x_scales, o.recv_topk_ids, o.recv_topk_weights)
+                       for o in expected]
+        want = ref.combine_reference(expert_outs, ids, num_experts)[rank]
+        assert torch.equal(y, want), f"round {r}: combine after fp8 dispatch differs"
+    torch.cuda.synchronize()
+    return rounds
+
+
 def _rank_cuda_graph(state, cfg, seed, num_tokens, top_k, replays):
     rank, world, device = state["rank"], state["world_size"], state["device"]
     buf = get_buffer(state, **cfg)
@@ -136,7 +207,11 @@ def _rank_bad_inputs(state, cfg):
          "max_tokens_per_rank"),
         (lambda: buf.dispatch(x, ids, w, region_stride=2), "region_stride"),
         (lambda: buf.dispatch(x, ids, w.double()), "float32"),
+        (lambda: buf.dispatch(x, ids, w, quant="fp8"), "quant must be one of"),
     ]
+    if H % 128:
+        cases.append((lambda: buf.dispatch(x, ids, w, quant="fp8_block128"),
+                      "multiple of 128"))
     for fn, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             fn()
@@ -203,6 +278,21 @@ def test_200_back_to_back_rounds(rank_pools):
 def test_cuda_graph_replays(rank_pools):
     pool = rank_pools(2)
     pool.run(_rank_cuda_graph, _cfg(hidden=512), 41, 96, 8, 17)
+
+
+@pytest.mark.parametrize("quant", ["fp8_block128", "fp8_per_token"])
+@pytest.mark.parametrize("world_size,hidden,tokens", [
+    (2, 7168, [1, 130]), (2, 2048, [300, 300]), (4, 256, [33, 0, 7, 64])])
+def test_fp8_dispatch_matches_reference(rank_pools, quant, world_size, hidden, tokens):
+    pool = rank_pools(world_size)
+    pool.run(_rank_fp8_dispatch, _cfg(hidden=hidden, max_tokens=300), 51, tokens, 8, quant, 3,
+             False)
+
+
+@pytest.mark.parametrize("quant", ["fp8_block128", "fp8_per_token"])
+def test_fp8_dispatch_cuda_graph_replays(rank_pools, quant):
+    pool = rank_pools(2)
+    pool.run(_rank_fp8_dispatch, _cfg(hidden=512), 61, [96, 96], 8, quant, 17, True)
 
 
 def test_bad_inputs_raise_clear_errors(rank_pools):

@@ -19,8 +19,8 @@ ALIGNMENT = 256
 TOKEN_GROUP_SIZE = 32
 
 # The construction order of layout.h: the layout *is* this order.
-REGION_ORDER = ["dispatch_rows", "dispatch_ids", "dispatch_weights", "combine_rows",
-                "dispatch_flags", "combine_flags"]
+REGION_ORDER = ["dispatch_rows", "dispatch_ids", "dispatch_weights", "dispatch_scales",
+                "combine_rows", "dispatch_flags", "combine_flags"]
 
 
 def _extension():
@@ -41,6 +41,7 @@ def _region_bytes(world, max_tokens, hidden, top_k):
         "dispatch_rows": rows * hidden * 2,      # [W, T_max, H] bf16
         "dispatch_ids": rows * top_k * 4,        # [W, T_max, K_max] int32
         "dispatch_weights": rows * top_k * 4,    # [W, T_max, K_max] f32
+        "dispatch_scales": rows * -(-hidden // 128) * 4,  # [W, T_max, ceil(H/128)] f32
         "combine_rows": rows * hidden * 2,       # [W, T_max, H] bf16
         "dispatch_flags": world * groups * 8,    # [W, G_max] u64
         "combine_flags": world * groups * 8,     # [W, G_max] u64

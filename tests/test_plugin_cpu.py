@@ -82,6 +82,7 @@ class FakeDispatchOutput:
     recv_topk_ids: torch.Tensor
     recv_topk_weights: torch.Tensor
     handle: object
+    recv_x_scales: torch.Tensor | None = None
 
 
 @dataclass
@@ -118,20 +119,21 @@ class FakeEpBuffer:
         self.call = call
         self.region_strides: list[int] = []
 
-    def dispatch(self, x, topk_ids, topk_weights, region_stride=None):
+    def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
         call = self.call
         assert torch.equal(x, call.xs[self.rank])
         assert torch.equal(topk_ids.long(), call.topk_ids[self.rank].long())
         assert topk_weights.dtype == torch.float32
         self.region_strides.append(region_stride)
         received = reference.dispatch_reference(
-            call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride
+            call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride, quant
         )[self.rank]
         return FakeDispatchOutput(
             received.recv_x,
             received.recv_topk_ids,
             received.recv_topk_weights,
             handle=("fake-handle", self.rank, region_stride),
+            recv_x_scales=received.recv_x_scales,
         )
 
     def combine(self, expert_out, handle, out=None):
@@ -499,15 +501,45 @@ def test_decide_keeps_vllm_for_unsupported_setups(case):
     assert decision.applicable, "a DP+EP layer we cannot serve must warn, not pass silently"
 
 
-def test_decide_keeps_vllm_for_quantized_activations():
+def test_decide_substitutes_for_dynamic_fp8_activations():
     moe_config = make_moe_config()
-    for quant in (
-        FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128]),
-        FusedMoEQuantConfig.make(torch.float8_e4m3fn, per_act_token_quant=True),
+    for quant, mode in (
+        (FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128]), "fp8_block128"),
+        (FusedMoEQuantConfig.make(torch.float8_e4m3fn, per_act_token_quant=True),
+         "fp8_per_token"),
     ):
         decision = decide(moe_config=moe_config, experts=triton_experts(moe_config, quant))
-        assert not decision.substitute and decision.applicable
-        assert "quantized activations" in decision.reason
+        assert decision.substitute, decision.reason
+        assert mode in decision.reason
+
+
+def test_decide_keeps_vllm_for_other_quantized_activations():
+    moe_config = make_moe_config()
+    for quant, why in (
+        # per-tensor dynamic scales
+        (FusedMoEQuantConfig.make(torch.float8_e4m3fn), "per-tensor"),
+        # static activation scale
+        (FusedMoEQuantConfig.make(torch.float8_e4m3fn, per_act_token_quant=True,
+                                  a1_scale=torch.ones(1)), "static"),
+        # activation blocks other than 1x128
+        (FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[64, 64]), "1x128"),
+        (FusedMoEQuantConfig.make(torch.int8, per_act_token_quant=True), "only fp8"),
+    ):
+        decision = decide(moe_config=moe_config, experts=triton_experts(moe_config, quant))
+        assert not decision.substitute and decision.applicable, why
+        assert "quantized activations" in decision.reason and why in decision.reason, \
+            decision.reason
+
+
+def test_dispatch_quant_mode():
+    from vllm_petit_moe.vllm_glue.prepare_finalize import dispatch_quant_mode
+
+    assert dispatch_quant_mode(None) == (None, None)
+    assert dispatch_quant_mode(FUSED_MOE_UNQUANTIZED_CONFIG) == (None, None)
+    block = FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128])
+    assert dispatch_quant_mode(block) == ("fp8_block128", None)
+    token = FusedMoEQuantConfig.make(torch.float8_e4m3fn, per_act_token_quant=True)
+    assert dispatch_quant_mode(token) == ("fp8_per_token", None)
 
 
 def test_decide_keeps_vllm_for_non_triton_and_monolithic_experts():
@@ -636,7 +668,7 @@ def test_hook_falls_back_with_a_warning_and_strict_mode_fails(kernel_hook, monke
     logger = logging.getLogger("vllm.petit_moe.hook")
     logger.addHandler(handler)
     monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
-    fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128])
+    fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn)  # per-tensor: unsupported
     try:
         for _ in range(2):
             kernel = build_kernel(make_moe_config(), vllm_config, quant_config=fp8)
@@ -794,9 +826,12 @@ def test_prepare_errors_are_explicit(vllm_config):
     pf = PetitPrepareAndFinalize(FakeEpBuffer(0, 2, 8, call), num_experts=8,
                                  max_tokens_per_rank=64)
     with dp_step(vllm_config, [4, 2]):
-        fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128])
-        with pytest.raises(NotImplementedError, match="quantized MoE activations"):
+        fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn)  # per-tensor: unsupported
+        with pytest.raises(NotImplementedError, match="per-tensor activation scales"):
             prepare(pf, quant=fp8)
+        fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128])
+        with pytest.raises(NotImplementedError, match="multiple of 128"):
+            prepare(pf, quant=fp8)  # hidden size 40
         with pytest.raises(NotImplementedError, match="bfloat16"):
             prepare(pf, x=call.xs[0].half())
         with pytest.raises(RuntimeError, match="expert_map"):

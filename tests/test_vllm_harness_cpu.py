@@ -168,7 +168,7 @@ def _rank_main(rank, world_size, port, results):
 
         from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
 
-        fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128])
+        fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn)  # per-tensor: unsupported
         pf = PetitPrepareAndFinalize(fake_buffers[0], num_experts=shape.num_experts,
                                      max_tokens_per_rank=gpu_tests.MAX_TOKENS)
         with harness.env_override(VLLM_USE_PETIT_MOE=None):
@@ -219,4 +219,4 @@ def test_harness_wiring_on_cpu():
                 assert report["bitwise_equal_fraction"] == 1.0, (rank, counts, report)
         # region stride R = max over the DP ranks' token counts ([9, 4], then [0, 6])
         assert out["strides"] == [9, 6, 6, 6]
-        assert out["fp8"] and "quantized MoE activations" in out["fp8"], out["fp8"]
+        assert out["fp8"] and "per-tensor activation scales" in out["fp8"], out["fp8"]

@@ -30,10 +30,13 @@ torch = pytest.importorskip("torch")
 from vllm_moe_harness import (  # noqa: E402
     MoEShape,
     VllmRankPool,
+    add_fp8_paths,
     build_layer,
     capture,
+    dequantize_weights_fp8,
     env_override,
     make_inputs,
+    quantize_weights_fp8,
     random_weights,
 )
 
@@ -223,9 +226,77 @@ def _rank_direct_vs_hook(state, seed):
     return dict(equal=bool(torch.equal(a, b)), shared_buffer=shared)
 
 
+def _fp8_paths(state, mode):
+    layer, _, _ = _layer(state, SHAPE)
+    key = ("fp8", mode)
+    if key not in state.cache:
+        state.cache[key] = add_fp8_paths(layer, mode)
+    return layer, state.cache[key]
+
+
+def _fp8_expected(state, layer, mode, xs, ids, ws):
+    """fp32 reference of this rank on the dequantized fp8 weights (bf16 activations)."""
+    # Every rank quantized its own experts; quantization is per expert, so quantizing the
+    # global weights the same way gives every rank's fp8 weights.
+    _, w13, w2 = _layer(state, SHAPE)
+    w13d = dequantize_weights_fp8(*quantize_weights_fp8(w13, mode))
+    w2d = dequantize_weights_fp8(*quantize_weights_fp8(w2, mode))
+    return ref.ep_moe_reference(xs, ids, ws, w13d, w2d, state.world_size, "fp32")[state.rank]
+
+
+def _fp8_check(state, tag, mode, y_petit, y_default, fp32_ref):
+    """fp8 outputs: petit within 2% (relative Frobenius) of vLLM's own fp8 path, and no less
+    accurate than it against the fp32 reference on the same fp8 weights (both see the
+    activation quantization error, ~2-4% here)."""
+    name = f"{tag}: rank {state.rank} {mode}"
+    assert y_petit.dtype == torch.bfloat16 and bool(torch.isfinite(y_petit).all()), name
+    if y_petit.numel() == 0:
+        return {}
+    err_petit = _errors(y_petit, fp32_ref)["rel_fro"]
+    err_default = _errors(y_default, fp32_ref)["rel_fro"]
+    vs_default = _errors(y_petit, y_default.float())["rel_fro"]
+    assert vs_default <= 0.02, f"{name}: petit vs vLLM fp8 rel error {vs_default:.4f}"
+    assert err_petit <= 1.1 * err_default + 1e-3, \
+        f"{name}: petit fp8 error {err_petit:.4f} vs vLLM fp8 {err_default:.4f}"
+    assert err_petit <= 0.08, f"{name}: petit fp8 error {err_petit:.4f} vs fp32 reference"
+    return dict(err_petit=err_petit, err_default=err_default, vs_default=vs_default)
+
+
+def _rank_fp8_compare(state, mode, seed, tokens_per_rank):
+    layer, (default, petit) = _fp8_paths(state, mode)
+    xs, ids, ws = make_inputs(SHAPE, tokens_per_rank, seed=seed, device=state.device)
+    r = state.rank
+    y_default = layer.forward(default, xs[r], ids[r], ws[r], tokens_per_rank)
+    y_petit = layer.forward(petit, xs[r], ids[r], ws[r], tokens_per_rank)
+    fp32_ref = _fp8_expected(state, layer, mode, xs, ids, ws)
+    return _fp8_check(state, f"tokens {tokens_per_rank}", mode, y_petit, y_default, fp32_ref)
+
+
+def _rank_fp8_graph(state, mode, seed, num_tokens, replays):
+    layer, (default, petit) = _fp8_paths(state, mode)
+    r, counts = state.rank, [num_tokens] * state.world_size
+    xs, ids, ws = make_inputs(SHAPE, counts, seed=seed, device=state.device)
+    static = (xs[r].clone(), ids[r].clone(), ws[r].clone())
+    graph, out = capture(state.device, lambda: layer.forward(petit, *static, counts))
+    reports = []
+    for replay in range(replays):
+        xs, ids, ws = make_inputs(SHAPE, counts, seed=seed + 1 + replay, device=state.device)
+        for t, v in zip(static, (xs[r], ids[r], ws[r])):
+            t.copy_(v)
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        y_default = layer.forward(default, xs[r], ids[r], ws[r], counts)
+        fp32_ref = _fp8_expected(state, layer, mode, xs, ids, ws)
+        reports.append(_fp8_check(state, f"graph replay {replay}", mode, out.clone(),
+                                  y_default, fp32_ref))
+    del graph
+    return reports
+
+
 def _rank_fp8(state):
-    """fp8 activations: our prepare refuses with a clear NotImplementedError; the hook keeps
-    vLLM's path (and raises in strict mode)."""
+    """fp8 with per-tensor activation scales (not supported): our prepare refuses with a
+    clear NotImplementedError; the hook keeps vLLM's path (and raises in strict mode)."""
     from vllm.model_executor.layers.fused_moe import modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
@@ -240,7 +311,7 @@ def _rank_fp8(state):
     from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
 
     layer, _, _ = _layer(state, SHAPE)
-    fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128])
+    fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn)  # dynamic per-tensor
     buffer = layer.kernels["petit"].prepare_finalize.buffer
     pf = PetitPrepareAndFinalize(buffer, num_experts=SHAPE.num_experts,
                                  max_tokens_per_rank=MAX_TOKENS)
@@ -332,10 +403,22 @@ def test_direct_construction_matches_hook(pool):
         assert result["equal"], "hand-built and hook-built petit kernels differ"
 
 
-def test_fp8_is_not_implemented_yet(pool):
+@pytest.mark.parametrize("mode", ["fp8_block128", "fp8_per_token"])
+@pytest.mark.parametrize("tokens", [[1, 1], [45, 222], [1024, 1024], [3, 45]])
+def test_fp8_dispatch_matches_vllm_fp8(pool, mode, tokens):
+    counts = [tokens[r % len(tokens)] for r in range(WORLD)]
+    print(pool.run(_rank_fp8_compare, mode, 900 + sum(counts), counts))
+
+
+@pytest.mark.parametrize("mode", ["fp8_block128", "fp8_per_token"])
+def test_fp8_cuda_graph_replays(pool, mode):
+    pool.run(_rank_fp8_graph, mode, 950, 45, 3)
+
+
+def test_fp8_per_tensor_activations_fall_back(pool):
     for result in pool.run(_rank_fp8):
         message = result["message"]
-        assert "quantized MoE activations" in message and "bf16" in message, message
-        assert "float8_e4m3fn" in message and "[128, 128]" in message, message
+        assert "quantized activations" in message and "per-tensor" in message, message
+        assert "float8_e4m3fn" in message, message
         assert result["fallback"], "without strict mode the hook must keep vLLM's path"
         assert result["finite_after"]

@@ -305,6 +305,8 @@ class MoELayer:
     kernels: dict  # path -> FusedMoEKernel
     vllm_backend: str  # what vLLM's select_unquantized_moe_backend picks here
     max_num_tokens: int
+    # path -> (w13, w2) for paths whose experts take other weights (fp8 paths, add_fp8_paths)
+    weights: dict = field(default_factory=dict)
 
     def forward(self, path: str, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, num_tokens_across_dp: Sequence[int]) -> torch.Tensor:
@@ -333,8 +335,9 @@ class MoELayer:
         ):
             dp_metadata = get_forward_context().dp_metadata
             with dp_metadata.sp_local_sizes(1):  # MoERunner._sequence_parallel_context
+                w13, w2 = self.weights.get(path, (self.w13, self.w2))
                 return kernel.apply(
-                    x, self.w13, self.w2, topk_weights, topk_ids,
+                    x, w13, w2, topk_weights, topk_ids,
                     activation=MoEActivation.SILU,
                     global_num_experts=self.shape.num_experts,
                     expert_map=self.expert_map,
@@ -342,18 +345,19 @@ class MoELayer:
                 )
 
 
-def reserve_workspace(layer: MoELayer) -> int:
+def reserve_workspace(layer: MoELayer, path: str | None = None) -> int:
     """Grow vLLM's MoE workspace to what the largest call of ``layer`` needs, then lock it.
 
     Mirrors ``FusedMoEKernelModularImpl._allocate_buffers`` for ``M = W * max_num_tokens``
-    rows (petit's ``W*R``; the default path's ``sum(T_s)`` is never larger). Returns bytes.
+    rows (petit's ``W*R``; the default path's ``sum(T_s)`` is never larger) with the experts
+    of ``path`` (default: the first kernel's). Returns bytes.
     """
     from math import prod
 
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.v1.worker.workspace import current_workspace_manager
 
-    experts = layer.kernels[next(iter(layer.kernels))].fused_experts
+    experts = layer.kernels[path or next(iter(layer.kernels))].fused_experts
     num_rows = layer.state.world_size * layer.max_num_tokens
     n, k = layer.w13.shape[1], layer.shape.hidden
     ws13, ws2, out = experts.workspace_shapes(
@@ -476,6 +480,74 @@ def build_layer(state: RankState, shape: MoEShape, w13_local: torch.Tensor,
                      expert_map.to(state.device), kernels, vllm_backend, max_num_tokens)
     reserve_workspace(layer)
     return layer
+
+
+FP8_MODES = ("fp8_block128", "fp8_per_token")
+
+
+def quantize_weights_fp8(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights ``[L, N, K]`` bf16 -> (``float8_e4m3fn [L, N, K]``, float32 scales) as
+    vLLM's fp8 checkpoints hold them: ``"fp8_block128"``: one scale per 128x128 block
+    (``[L, N/128, K/128]``, N and K multiples of 128); ``"fp8_per_token"`` (per-token
+    activations pair with per-output-channel weights): ``[L, N, 1]``."""
+    num, n, k = w.shape
+    wf = w.float()
+    if mode == "fp8_block128":
+        if n % 128 or k % 128:
+            raise ValueError(f"128x128 weight blocks need N, K multiples of 128; got {n}, {k}")
+        blocks = wf.view(num, n // 128, 128, k // 128, 128)
+        scales = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+        q = (blocks / scales[:, :, None, :, None]).clamp(-448.0, 448.0)
+        return q.view(num, n, k).to(torch.float8_e4m3fn), scales
+    if mode == "fp8_per_token":
+        scales = wf.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / 448.0
+        return (wf / scales).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scales
+    raise ValueError(f"mode must be one of {FP8_MODES}, got {mode!r}")
+
+
+def dequantize_weights_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_weights_fp8` (float32)."""
+    num, n, k = q.shape
+    if scales.shape[-1] == 1:
+        return q.float() * scales
+    sn, sk = n // scales.shape[1], k // scales.shape[2]
+    return (q.float().view(num, scales.shape[1], sn, scales.shape[2], sk)
+            * scales[:, :, None, :, None]).view(num, n, k)
+
+
+def add_fp8_paths(layer: MoELayer, mode: str) -> tuple[str, str]:
+    """Add ``"default-<mode>"`` and ``"petit-<mode>"`` to ``layer``: vLLM's Triton fp8 w8a8
+    experts on fp8 copies of the layer's weights (:func:`quantize_weights_fp8`), with dynamic
+    activation quantization in 1x128 blocks or per token; the default path quantizes with vLLM
+    before its all-gather, petit inside our dispatch. Collective. Returns the two path names."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+        UnquantizedMoeBackend,
+        make_unquantized_moe_kernel,
+    )
+
+    from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
+
+    w13q, w13s = quantize_weights_fp8(layer.w13, mode)
+    w2q, w2s = quantize_weights_fp8(layer.w2, mode)
+    if mode == "fp8_block128":
+        quant = FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128],
+                                         w1_scale=w13s, w2_scale=w2s)
+    else:
+        quant = FusedMoEQuantConfig.make(torch.float8_e4m3fn, per_act_token_quant=True,
+                                         per_out_ch_quant=True, w1_scale=w13s, w2_scale=w2s)
+    default, petit = f"default-{mode}", f"petit-{mode}"
+    with env_override(VLLM_USE_PETIT_MOE=None):
+        layer.kernels[default] = make_unquantized_moe_kernel(
+            quant, layer.moe_config, UnquantizedMoeBackend.TRITON, TritonExperts)
+    layer.kernels[petit] = _petit_kernel_via_hook(layer.moe_config, quant)
+    if type(layer.kernels[petit].prepare_finalize) is not PetitPrepareAndFinalize:
+        raise RuntimeError(f"{petit}: the hook did not substitute PetitPrepareAndFinalize")
+    for path in (default, petit):
+        layer.weights[path] = (w13q, w2q)
+        reserve_workspace(layer, path)
+    return default, petit
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,10 @@ MAX_TOP_K = 16
 MAX_EXPERTS = 512
 MAX_WORLD_SIZE = 32
 TOKEN_GROUP_SIZE = 32
+FP8_SCALE_BLOCK = 128  # elements per scale of 1x128 block fp8 dispatch (layout.h)
+# Wire formats of dispatch (csrc/api.h DispatchQuant); the fp8 math is in csrc/fp8.h and
+# reference.quantize_fp8_reference.
+DISPATCH_QUANT = {None: 0, "fp8_block128": 1, "fp8_per_token": 2}
 
 
 def _ops():
@@ -46,16 +50,20 @@ class DispatchOutput:
     """Result of `EpBuffer.dispatch` at this (destination) rank; W = world size,
     R = region stride. The tensors are views of the heap, valid until the next dispatch.
 
-    recv_x:            [W*R, H] bfloat16; row s*R+i = token i of source s if routed here.
+    recv_x:            [W*R, H] bfloat16 (float8_e4m3fn with an fp8 `quant`); row s*R+i =
+                       token i of source s if routed here (other rows are stale).
     recv_topk_ids:     [W*R, K] int32 local expert ids, -1 where the expert is not local
                        (rows of tokens i >= T_s are all -1).
     recv_topk_weights: [W*R, K] float32, 0 where the id is -1.
     handle:            pass to `EpBuffer.combine`.
+    recv_x_scales:     fp8 only: [W*R, H/128] ("fp8_block128") or [W*R, 1]
+                       ("fp8_per_token") float32 dequantization scales; None for bf16.
     """
     recv_x: torch.Tensor
     recv_topk_ids: torch.Tensor
     recv_topk_weights: torch.Tensor
     handle: CombineHandle
+    recv_x_scales: torch.Tensor | None = None
 
 
 def heap_bytes(world_size: int, max_tokens_per_rank: int, hidden_size: int,
@@ -66,8 +74,10 @@ def heap_bytes(world_size: int, max_tokens_per_rank: int, hidden_size: int,
     rows = world_size * max_tokens_per_rank
     groups = -(-max_tokens_per_rank // TOKEN_GROUP_SIZE)
     total = 0
+    scales = -(-hidden_size // FP8_SCALE_BLOCK)
     for nbytes in (rows * hidden_size * 2, rows * max_top_k * 4, rows * max_top_k * 4,
-                   rows * hidden_size * 2, world_size * groups * 8, world_size * groups * 8):
+                   rows * scales * 4, rows * hidden_size * 2, world_size * groups * 8,
+                   world_size * groups * 8):
         total += align(nbytes)
     return total
 
@@ -173,7 +183,7 @@ class EpBuffer:
 
     # -------------------------------------------------------------------- hot path
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 region_stride: int | None = None) -> DispatchOutput:
+                 region_stride: int | None = None, quant: str | None = None) -> DispatchOutput:
         """Send each token once to every rank owning one of its experts.
 
         Args:
@@ -182,17 +192,29 @@ class EpBuffer:
             topk_weights: [T, K] float32.
             region_stride: R, equal on every rank and >= every rank's T
                 (default: max_tokens_per_rank). The output has W*R rows.
+            quant: None (bf16 rows), "fp8_block128" (e4m3 + one scale per 1x128 block,
+                H % 128 == 0) or "fp8_per_token" (e4m3 + one scale per token): quantized at
+                the source inside dispatch, so the wire carries half the bytes. Equal on
+                every rank. Formulas: reference.quantize_fp8_reference.
         No host synchronization (unless validate_ids and not capturing); capturable in a
         CUDA graph. Collective: every rank calls it.
         """
         self._check_open()
         region_stride = self.max_tokens_per_rank if region_stride is None else region_stride
         self._validate_dispatch(x, topk_ids, topk_weights, region_stride)
-        recv_x, recv_ids, recv_weights = self._ctx.dispatch(
-            x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), region_stride)
+        if quant not in DISPATCH_QUANT:
+            raise ValueError(f"petit_moe: quant must be one of {list(DISPATCH_QUANT)}, got "
+                             f"{quant!r}")
+        if quant == "fp8_block128" and self.hidden_size % FP8_SCALE_BLOCK:
+            raise ValueError(f"petit_moe: fp8_block128 needs a hidden size that is a multiple "
+                             f"of {FP8_SCALE_BLOCK}, got {self.hidden_size}")
+        recv_x, recv_ids, recv_weights, recv_scales = self._ctx.dispatch(
+            x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), region_stride,
+            DISPATCH_QUANT[quant])
         handle = CombineHandle(num_tokens=x.shape[0], top_k=topk_ids.shape[1],
                                region_stride=region_stride)
-        return DispatchOutput(recv_x, recv_ids, recv_weights, handle)
+        return DispatchOutput(recv_x, recv_ids, recv_weights, handle,
+                              recv_scales if quant else None)
 
     def combine(self, expert_out: torch.Tensor, handle: CombineHandle,
                 out: torch.Tensor | None = None) -> torch.Tensor:

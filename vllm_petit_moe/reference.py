@@ -272,6 +272,52 @@ class DispatchOutput:
     recv_topk_ids: torch.Tensor
     recv_topk_weights: torch.Tensor
     routed_mask: torch.Tensor
+    recv_x_scales: torch.Tensor | None = None  # fp8 dispatch: [N, H/128] or [N, 1] float32
+
+
+# --------------------------------------------------------------------------- fp8
+
+FP8_E4M3_MAX = 448.0
+FP8_SCALE_BLOCK = 128
+FP8_BLOCK_MIN_AMAX = 1e-10  # vLLM per_token_group_quant eps
+FP8_TOKEN_MIN_SCALE = 1.0 / (448.0 * 512.0)  # vLLM dynamic per-token minimum scale
+Fp8Quant = Literal["fp8_block128", "fp8_per_token"]
+FP8_QUANT_MODES = ("fp8_block128", "fp8_per_token")
+
+
+def quantize_fp8_reference(x: torch.Tensor, mode: Fp8Quant) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic fp8 e4m3 quantization of activations, exactly as dispatch does it at the source.
+
+    x: ``[T, H] bf16``. ``"fp8_block128"``: one scale per 1x128 block (``H % 128 == 0``),
+    ``s = max(amax, 1e-10) / 448``, ``q = clamp(x / s)``; scales ``[T, H/128]``.
+    ``"fp8_per_token"``: ``s = max(amax / 448, 1/(448*512))``, ``q = clamp(x * (1/s))``;
+    scales ``[T, 1]``. The clamp is to ``[-448, 448]`` in fp32, then round-to-nearest-even to
+    ``float8_e4m3fn``. Returns ``(q [T, H] float8_e4m3fn, scales float32)``;
+    ``q.float() * scales`` (broadcast per block / token) dequantizes.
+    """
+    if mode not in FP8_QUANT_MODES:
+        raise ValueError(f"fp8 mode must be one of {FP8_QUANT_MODES}, got {mode!r}")
+    num_tokens, hidden_size = x.shape
+    xf = x.float()
+    if mode == "fp8_block128":
+        if hidden_size % FP8_SCALE_BLOCK:
+            raise ValueError(f"fp8_block128 needs hidden_size % {FP8_SCALE_BLOCK} == 0, got "
+                             f"{hidden_size}")
+        blocks = xf.view(num_tokens, hidden_size // FP8_SCALE_BLOCK, FP8_SCALE_BLOCK)
+        scales = blocks.abs().amax(dim=-1).clamp(min=FP8_BLOCK_MIN_AMAX) / FP8_E4M3_MAX
+        q = (blocks / scales[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return q.view(num_tokens, hidden_size).to(torch.float8_e4m3fn), scales
+    scales = (xf.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_TOKEN_MIN_SCALE)
+    q = (xf * (1.0 / scales)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.to(torch.float8_e4m3fn), scales
+
+
+def dequantize_fp8_reference(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``[T, H]`` float32 from :func:`quantize_fp8_reference`'s output (either mode)."""
+    num_tokens, hidden_size = q.shape
+    group = hidden_size // scales.shape[1]
+    return (q.float().view(num_tokens, scales.shape[1], group) * scales[..., None]).view(
+        num_tokens, hidden_size)
 
 
 def dispatch_reference(
@@ -280,22 +326,31 @@ def dispatch_reference(
     topk_weights: Sequence[torch.Tensor],
     num_experts: int,
     region_stride: int | None = None,
+    quant: Fp8Quant | None = None,
 ) -> list[DispatchOutput]:
     """Dispatch of all ``W = len(xs)`` ranks at once.
 
     xs[s]: ``[T_s, H] bf16``; topk_ids[s]: ``[T_s, K] int32|int64`` global ids or ``-1``;
     topk_weights[s]: ``[T_s, K] float32``. ``region_stride`` (``R``) defaults to ``max T_s``
-    and must be ``>= max T_s``. Returns one :class:`DispatchOutput` per destination rank.
+    and must be ``>= max T_s``. ``quant``: ``None`` (bf16 rows) or an fp8 mode of
+    :func:`quantize_fp8_reference` (rows ``float8_e4m3fn`` + ``recv_x_scales``).
+    Returns one :class:`DispatchOutput` per destination rank.
     """
     region_stride = _validate_sources(xs, topk_ids, topk_weights, num_experts, region_stride)
     world_size = len(xs)
     hidden_size, top_k = xs[0].shape[1], topk_ids[0].shape[1]
     num_rows = world_size * region_stride
     device = xs[0].device
+    quantized = [quantize_fp8_reference(x, quant) for x in xs] if quant else None
 
     outputs = []
     for dst_rank in range(world_size):
         recv_x = torch.zeros(num_rows, hidden_size, dtype=torch.bfloat16, device=device)
+        recv_scales = None
+        if quantized:
+            recv_x = recv_x.to(torch.float8_e4m3fn)
+            recv_scales = torch.zeros(num_rows, quantized[0][1].shape[1], dtype=torch.float32,
+                                      device=device)
         recv_ids = torch.full((num_rows, top_k), -1, dtype=torch.int32, device=device)
         recv_weights = torch.zeros(num_rows, top_k, dtype=torch.float32, device=device)
         routed_mask = torch.zeros(num_rows, dtype=torch.bool, device=device)
@@ -306,9 +361,14 @@ def dispatch_reference(
             routed = is_local.any(dim=1)  # per-rank dedup: one row however many local hits
             recv_ids[rows] = local_ids
             recv_weights[rows] = torch.where(is_local, weights, 0.0)
-            recv_x[rows] = torch.where(routed[:, None], x, 0)
+            if quantized:
+                q, scales = quantized[src_rank]
+                recv_x[rows] = q  # compare only routed rows (routed_mask)
+                recv_scales[rows] = scales
+            else:
+                recv_x[rows] = torch.where(routed[:, None], x, 0)
             routed_mask[rows] = routed
-        outputs.append(DispatchOutput(recv_x, recv_ids, recv_weights, routed_mask))
+        outputs.append(DispatchOutput(recv_x, recv_ids, recv_weights, routed_mask, recv_scales))
     return outputs
 
 

@@ -95,7 +95,10 @@ def decide(
     """
     import torch
 
-    from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
+    from vllm_petit_moe.vllm_glue.prepare_finalize import (
+        PetitPrepareAndFinalize,
+        dispatch_quant_mode,
+    )
 
     if isinstance(prepare_finalize, PetitPrepareAndFinalize):
         return Decision(True, "already a PetitPrepareAndFinalize")
@@ -150,13 +153,12 @@ def decide(
         return _unsupported("LoRA on MoE layers")
     if moe.in_dtype is not torch.bfloat16:
         return _unsupported(f"activation dtype {moe.in_dtype} (only bfloat16 so far)")
-    quant_config = getattr(fused_experts, "quant_config", None)
-    quant_dtype = getattr(quant_config, "quant_dtype", None)
-    if quant_dtype is not None:
-        return _unsupported(
-            f"quantized activations (quant_dtype={quant_dtype}, block_shape="
-            f"{getattr(quant_config, 'block_shape', None)}): fp8 dispatch is not implemented yet"
-        )
+    quant_mode, quant_unsupported = dispatch_quant_mode(getattr(fused_experts, "quant_config", None))
+    if quant_unsupported is not None:
+        return _unsupported(quant_unsupported)
+    if quant_mode == "fp8_block128" and moe.hidden_dim % 128 != 0:
+        return _unsupported(f"fp8 1x128 blocks with hidden size {moe.hidden_dim} (not a "
+                            "multiple of 128)")
     if moe.hidden_dim % HIDDEN_SIZE_MULTIPLE != 0:
         return _unsupported(f"hidden size {moe.hidden_dim} is not a multiple of 8")
     if moe.experts_per_token > MAX_TOP_K:
@@ -189,7 +191,8 @@ def decide(
             f"EP group (rank {runtime.ep_rank} of {runtime.ep_world_size}) does not match the "
             f"layer's parallel config (rank {mpc.ep_rank} of {mpc.ep_size})"
         )
-    return Decision(True, f"DP={mpc.dp_size} x EP={mpc.ep_size} on one node, bf16")
+    return Decision(True, f"DP={mpc.dp_size} x EP={mpc.ep_size} on one node, "
+                          f"{quant_mode or 'bf16'} dispatch")
 
 
 # --------------------------------------------------------------------------------------------

@@ -44,8 +44,15 @@ read from vLLM's forward context (a CPU tensor: no device sync), so every call w
 padded batch has the same ``W*R`` rows, as CUDA graphs require; under graphs vLLM pads all DP
 ranks to one count anyway. Rows of a source beyond its token count carry only ``-1`` ids.
 
-Quantized activations (fp8 1x128 block, fp8 per-token) are not implemented yet:
-``prepare`` raises ``NotImplementedError`` (the hook does not substitute for them).
+Quantized activations. With vLLM's dynamic fp8 activation quantization (``quant_dtype``
+``float8_e4m3fn``, no static ``a1_scale``) in 1x128 blocks (``block_shape [*, 128]``) or per
+token (``per_act_token_quant``), ``prepare`` quantizes at the source *inside* our dispatch
+(``EpBuffer.dispatch(quant=...)``, same formulas as vLLM's ``per_token_group_quant_fp8`` /
+dynamic per-token ``scaled_fp8_quant``) and returns e4m3 rows plus their scales
+(``[W*R, H/128]`` or ``[W*R, 1]`` float32) as ``a1q_scale``, which vLLM's Triton fp8 experts
+consume as they do after its own quantization: the wire carries half the bytes. Other
+schemes (static or per-tensor scales, int8, fp4) raise ``NotImplementedError`` here, and the
+hook keeps vLLM's path for them (:func:`dispatch_quant_mode` is the one place that decides).
 """
 
 from __future__ import annotations
@@ -97,6 +104,32 @@ def linear_expert_map(
     expert_map = torch.full((num_experts,), -1, dtype=dtype)
     expert_map[rank * num_local : (rank + 1) * num_local] = torch.arange(num_local, dtype=dtype)
     return expert_map
+
+
+def dispatch_quant_mode(quant_config) -> tuple[str | None, str | None]:
+    """The ``EpBuffer.dispatch`` ``quant`` mode for a layer's activation quantization.
+
+    Returns ``(mode, None)`` with mode ``None`` (bf16 activations), ``"fp8_block128"`` or
+    ``"fp8_per_token"``; or ``(None, reason)`` when the scheme is not supported.
+    """
+    quant_dtype = getattr(quant_config, "quant_dtype", None)
+    if quant_dtype is None:
+        return None, None
+    block_shape = getattr(quant_config, "block_shape", None)
+    per_token = bool(getattr(quant_config, "per_act_token_quant", False))
+    what = (f"quantized activations (quant_dtype={quant_dtype}, block_shape={block_shape}, "
+            f"per_act_token_quant={per_token})")
+    if quant_dtype is not torch.float8_e4m3fn:
+        return None, f"{what}: only fp8 e4m3 activations (or bf16) are supported"
+    if getattr(quant_config, "a1_scale", None) is not None:
+        return None, f"{what}: static activation scales (only dynamic fp8 is supported)"
+    if block_shape is not None:
+        if per_token or len(block_shape) != 2 or int(block_shape[1]) != 128:
+            return None, f"{what}: only 1x128 activation blocks are supported"
+        return "fp8_block128", None
+    if per_token:
+        return "fp8_per_token", None
+    return None, f"{what}: per-tensor activation scales (only 1x128 blocks or per token)"
 
 
 def _is_capturing() -> bool:
@@ -224,18 +257,18 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
         """Dispatch this rank's tokens; return what this rank's experts must process.
 
         a1 ``[T, H] bf16``, topk_weights ``[T, K] float32``, topk_ids ``[T, K]`` global ids.
-        Returns ``(recv_x [W*R, H] bf16, None, None, recv_ids [W*R, K] int32 global,
-        recv_weights [W*R, K] float32)``; see the module docstring for the ids.
+        Returns ``(recv_x [W*R, H] bf16 or float8_e4m3fn, recv_scales (fp8: [W*R, H/128] or
+        [W*R, 1] float32, else None), None, recv_ids [W*R, K] int32 global,
+        recv_weights [W*R, K] float32)``; see the module docstring for ids and fp8.
         """
-        quant_dtype = getattr(quant_config, "quant_dtype", None)
-        if quant_dtype is not None and not defer_input_quant:
-            # TODO(petit-moe): fp8 e4m3 dispatch with 1x128 block scales and per-token scales,
-            # quantized at the source inside dispatch (docs/vllm_integration.md, "Not yet").
+        quant_mode, unsupported = (None, None) if defer_input_quant else \
+            dispatch_quant_mode(quant_config)
+        if unsupported is not None:
+            raise NotImplementedError(f"vllm-petit-moe: {unsupported}")
+        if quant_mode == "fp8_block128" and a1.size(1) % 128 != 0:
             raise NotImplementedError(
-                "vllm-petit-moe: quantized MoE activations "
-                f"(quant_dtype={quant_dtype}, block_shape="
-                f"{quant_config.block_shape}, per_act_token={quant_config.per_act_token_quant}) "
-                "are not supported yet; only bf16 activations are"
+                f"vllm-petit-moe: fp8 1x128 blocks need a hidden size that is a multiple of "
+                f"128, got {a1.size(1)}"
             )
         if a1.dtype != torch.bfloat16:
             raise NotImplementedError(
@@ -285,6 +318,7 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
             topk_ids.contiguous(),
             topk_weights.to(torch.float32).contiguous(),
             region_stride=stride,
+            quant=quant_mode,
         )
         _PENDING_DISPATCH[buffer_key] = self
         self._handle = out.handle
@@ -294,7 +328,7 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
             num_local_experts=self.num_local_experts,
             world_size=self.world_size,
         )
-        return out.recv_x, None, None, recv_ids, out.recv_topk_weights
+        return out.recv_x, out.recv_x_scales, None, recv_ids, out.recv_topk_weights
 
     def finalize(
         self,

@@ -1,0 +1,74 @@
+// fp8 e4m3 ("fn": no infinities, max 448, NaN = 0x7F) quantization used by dispatch, shared
+// by host and device so CPU tests can check the conversion bit for bit against torch.
+//
+// Scales follow vLLM's dynamic activation quantization:
+//   1x128 blocks : s = max(amax, 1e-10) / 448,          q = sat(x / s)
+//   per token    : s = max(amax / 448, 1 / (448 * 512)), q = sat(x * (1 / s))
+// with sat = clamp to [-448, 448] in fp32, then round to nearest even.
+#pragma once
+
+#include "layout.h"
+
+namespace petit {
+
+constexpr float kFp8E4m3Max = 448.0f;
+constexpr float kFp8BlockMinAmax = 1e-10f;         // vLLM per_token_group_quant eps
+constexpr float kFp8TokenMinScale = 1.0f / (448.0f * 512.0f);  // vLLM per-token minimum
+
+PETIT_HOST_DEVICE uint32_t petit_float_bits(float f) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+PETIT_HOST_DEVICE float petit_bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return __uint_as_float(u);
+#else
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// Round-to-nearest-even, saturating float -> e4m3fn (NaN stays NaN). Portable bit arithmetic.
+PETIT_HOST_DEVICE uint8_t petit_float_to_e4m3(float f) {
+  const uint32_t bits = petit_float_bits(f);
+  const uint8_t sign = uint8_t((bits >> 24) & 0x80u);
+  const uint32_t abs_bits = bits & 0x7fffffffu;
+  if (abs_bits > 0x7f800000u) return uint8_t(sign | 0x7f);  // NaN
+  // 464 = the midpoint between 448 (largest finite) and the next e4m3 step: from there on a
+  // non-saturating conversion would overflow; saturate everything >= 448's rounding range.
+  if (abs_bits >= 0x43e80000u) return uint8_t(sign | 0x7e);  // >= 464 (or inf): 448
+  if (abs_bits < 0x3c800000u) {  // < 2^-6: subnormal range, steps of 2^-9
+    // a * 2^9 is exact; round half to even to an integer m in [0, 8] (8 = 2^-6, the
+    // smallest normal, whose encoding 0x08 is exactly m).
+    const float scaled = petit_bits_float(abs_bits) * 512.0f;
+    uint32_t m = uint32_t(scaled);
+    const float frac = scaled - float(m);
+    if (frac > 0.5f || (frac == 0.5f && (m & 1u))) ++m;
+    return uint8_t(sign | m);
+  }
+  // Normal: keep 3 mantissa bits, round half to even on the 20 dropped bits.
+  const uint32_t rounded = abs_bits + 0x7ffffu + ((abs_bits >> 20) & 1u);
+  const uint32_t exponent = (rounded >> 23) - 127u + 7u;  // >= 1 here
+  const uint32_t code = (exponent << 3) | ((rounded >> 20) & 7u);
+  return uint8_t(sign | (code > 0x7eu ? 0x7eu : code));
+}
+
+// Two floats -> two e4m3 bytes (low byte = a). Hardware conversion on sm_89+.
+PETIT_DEVICE uint16_t petit_float2_to_e4m3x2(float a, float b) {
+#if PETIT_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t out;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(out) : "f"(a), "f"(b));
+  return out;
+#else
+  return uint16_t(petit_float_to_e4m3(a)) | uint16_t(uint16_t(petit_float_to_e4m3(b)) << 8);
+#endif
+}
+
+}  // namespace petit
