@@ -476,20 +476,35 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) peer_write_kernel(PeerWriteArgs
   }
 }
 
-// Hidden chunks per (peer, group) item, so that small calls still spread over the grid. A
-// chunk keeps >= kMinChunkVectors vectors (32 KB) of the group's rows: splitting less
-// data only adds a completion counter and a fence to the latency.
+// Hidden chunks per (peer, group) item, so that calls spread over the grid's blocks. A
+// chunk keeps >= kMinChunkVectors vectors (32 KB) of the group's rows: splitting less data
+// only adds a completion counter and a fence to the latency. Between the fewest chunks that
+// give every block an item and 3x that, take the count whose items fill the rounds of the
+// static item -> block assignment best (e.g. combine at 4096 tokens/rank on 99 sender blocks:
+// 128 items leave a last round of 29 blocks, too few to keep the links busy; 384 fill it).
 constexpr int kMinChunkVectors = 2048;
 int choose_num_chunks(int region_stride, int num_peers, int num_vectors, int num_blocks) {
   const int num_groups = ceil_div(region_stride, kTokenGroupSize);
   const int items = num_groups * (num_peers > 0 ? num_peers : 1);
   const int group_rows = region_stride < kTokenGroupSize ? region_stride : kTokenGroupSize;
-  const int max_chunks = int(int64_t(group_rows) * num_vectors / kMinChunkVectors);
-  const int chunks = ceil_div(num_blocks, items);
-  return chunks < 1 ? 1 : (chunks > max_chunks ? (max_chunks > 1 ? max_chunks : 1) : chunks);
+  int max_chunks = int(int64_t(group_rows) * num_vectors / kMinChunkVectors);
+  if (max_chunks < 1) max_chunks = 1;
+  int min_chunks = ceil_div(num_blocks, items > 0 ? items : 1);
+  if (min_chunks > max_chunks) min_chunks = max_chunks;
+  int best = min_chunks;
+  double best_fill = 0.0;
+  for (int chunks = min_chunks; chunks <= max_chunks && chunks <= 3 * min_chunks; ++chunks) {
+    const int64_t total = int64_t(items) * chunks;
+    const double fill = double(total) / double(ceil_div(int(total), num_blocks) * int64_t(num_blocks));
+    if (fill > best_fill + 0.02) {
+      best = chunks;
+      best_fill = fill;
+    }
+  }
+  return best;
 }
 
-// Blocks of the combine grid that push rows (the rest only reduce, from the start): by
+// Blocks of the combine grid that may push rows (the rest only reduce, from the start): by
 // default 3/4 of the grid, since at large sizes about that many SMs already saturate the
 // peer links while the reduction needs the rest; PETIT_MOE_COMBINE_REDUCE_PCT (0..90, read
 // once per process) sets the reduce-only share for tuning.
@@ -523,6 +538,11 @@ petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
   DispatchArgs a = args;
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size,
                                    a.ctx.layout.hidden / kVecElems, a.ctx.num_blocks);
+  // No more blocks than send items (small calls launch, fence and count less).
+  const int64_t send_items = int64_t(ceil_div(a.region_stride, kTokenGroupSize)) *
+                             a.ctx.world_size * a.num_chunks;
+  const int grid = int(send_items < a.ctx.num_blocks ? (send_items > 0 ? send_items : 1)
+                                                     : a.ctx.num_blocks);
   using Kernel = void (*)(DispatchArgs);
   static const Kernel kernels[3][2] = {
       {dispatch_kernel<int32_t, kQuantNone>, dispatch_kernel<int64_t, kQuantNone>},
@@ -530,7 +550,7 @@ petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
       {dispatch_kernel<int32_t, kQuantFp8Token>, dispatch_kernel<int64_t, kQuantFp8Token>}};
   if (a.quant < kQuantNone || a.quant > kQuantFp8Token) return petitErrorInvalidValue;
   const Kernel kernel = kernels[a.quant][a.ids_are_int64 ? 1 : 0];
-  petitLaunchKernel(kernel, dim3(a.ctx.num_blocks), dim3(kThreads), 0, stream, a);
+  petitLaunchKernel(kernel, dim3(grid), dim3(kThreads), 0, stream, a);
   return petitGetLastError();
 }
 
@@ -538,10 +558,19 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
   if (err != petitSuccess) return err;
   CombineArgs a = args;
-  a.num_send_blocks = combine_send_blocks(a.ctx.num_blocks);
+  const int max_senders = combine_send_blocks(a.ctx.num_blocks);
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size - 1,
-                                   a.ctx.layout.hidden / kVecElems, a.num_send_blocks);
-  petitLaunchKernel(combine_kernel, dim3(a.ctx.num_blocks), dim3(kThreads), 0, stream, a);
+                                   a.ctx.layout.hidden / kVecElems, max_senders);
+  // Senders: no more than send items; reduce-only blocks: the rest of the grid, but no more
+  // than reduce items (small calls launch, fence and count less).
+  const int64_t send_items = int64_t(ceil_div(a.region_stride, kTokenGroupSize)) *
+                             (a.ctx.world_size - 1) * a.num_chunks;
+  const int64_t reduce_items = int64_t(ceil_div(a.num_tokens, kTokenGroupSize)) * a.num_chunks;
+  a.num_send_blocks = int(send_items < max_senders ? send_items : max_senders);
+  const int64_t reducers_left = a.ctx.num_blocks - a.num_send_blocks;
+  const int64_t reducers = reduce_items < reducers_left ? reduce_items : reducers_left;
+  const int grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);
+  petitLaunchKernel(combine_kernel, dim3(grid), dim3(kThreads), 0, stream, a);
   return petitGetLastError();
 }
 

@@ -137,8 +137,19 @@ def _rank_fp8_dispatch(state, cfg, seed, tokens_per_rank, top_k, quant, rounds, 
         mask = e.routed_mask
         got_q = out.recv_x[mask].view(torch.uint8)
         want_q = e.recv_x[mask].view(torch.uint8)
-        bad = (got_q != want_q).sum().item()
-        assert bad == 0, f"round {r}: {bad} fp8 bytes differ on rank {rank} ({quant})"
+        bad = (got_q != want_q).nonzero()
+        if bad.numel():
+            rows = mask.nonzero().flatten()[bad[:4, 0]]
+            cols = bad[:4, 1]
+            scale_cols = cols // 128 if quant == "fp8_block128" else cols * 0
+            src = [(int(row) // stride, int(row) % stride) for row in rows]
+            inputs = [xs[s_][i, c].item() for (s_, i), c in zip(src, cols.tolist())]
+            raise AssertionError(
+                f"round {r}: {bad.shape[0]} of {got_q.numel()} fp8 bytes differ on rank {rank} "
+                f"({quant}); e.g. got {got_q[bad[:4, 0], bad[:4, 1]].tolist()} want "
+                f"{want_q[bad[:4, 0], bad[:4, 1]].tolist()} for x {inputs}, scales "
+                f"{out.recv_x_scales[rows, scale_cols].tolist()} vs "
+                f"{e.recv_x_scales[rows, scale_cols].tolist()}")
         assert torch.equal(out.recv_x_scales[mask], e.recv_x_scales[mask]), \
             f"round {r}: scales differ on rank {rank} ({quant})"
         expert_outs = [experts(o.recv_x, o.recv_x_scales, o.recv_topk_ids, o.recv_topk_weights)

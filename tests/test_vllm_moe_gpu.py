@@ -239,8 +239,9 @@ def _fp8_expected(state, layer, mode, xs, ids, ws):
     # Every rank quantized its own experts; quantization is per expert, so quantizing the
     # global weights the same way gives every rank's fp8 weights.
     _, w13, w2 = _layer(state, SHAPE)
-    w13d = dequantize_weights_fp8(*quantize_weights_fp8(w13, mode))
-    w2d = dequantize_weights_fp8(*quantize_weights_fp8(w2, mode))
+    # (the reference takes bf16 weights: a 2^-9 rounding, far below the fp8 tolerances)
+    w13d = dequantize_weights_fp8(*quantize_weights_fp8(w13, mode)).to(torch.bfloat16)
+    w2d = dequantize_weights_fp8(*quantize_weights_fp8(w2, mode)).to(torch.bfloat16)
     return ref.ep_moe_reference(xs, ids, ws, w13d, w2d, state.world_size, "fp32")[state.rank]
 
 
