@@ -127,6 +127,7 @@ enum DispatchQuant : int {
   kQuantNone = 0,       // bf16 rows
   kQuantFp8Block = 1,   // e4m3, one scale per 1x128 block (H % 128 == 0)
   kQuantFp8Token = 2,   // e4m3, one scale per token
+  kQuantFp8BlockUe8m0 = 3,  // as kQuantFp8Block with power-of-two (UE8M0) scales
 };
 
 struct DispatchArgs {

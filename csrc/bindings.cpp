@@ -143,7 +143,7 @@ class EpContext {
   }
 
   // Returns (recv_x, recv_ids, recv_weights, recv_scales): recv_x [W*R, H] bf16 (quant 0) or
-  // float8_e4m3fn (quant 1, 2: api.h DispatchQuant); recv_scales [W*R, H/128] (1) or
+  // float8_e4m3fn (quant 1, 2, 3: api.h DispatchQuant); recv_scales [W*R, H/128] (1, 3) or
   // [W*R, 1] (2) float32, empty for bf16.
   std::vector<torch::Tensor> dispatch(const torch::Tensor& x, const torch::Tensor& topk_ids,
                                       const torch::Tensor& topk_weights, int64_t region_stride,
@@ -166,9 +166,10 @@ class EpContext {
     PETIT_CHECK(T <= region_stride && region_stride <= args_.layout.max_tokens,
                 "need tokens (%lld) <= region stride (%lld) <= max tokens per rank (%d)",
                 (long long)T, (long long)region_stride, args_.layout.max_tokens);
-    PETIT_CHECK(quant >= kQuantNone && quant <= kQuantFp8Token, "quant %lld is not a DispatchQuant",
-                (long long)quant);
-    PETIT_CHECK(quant != kQuantFp8Block || args_.layout.hidden % kFp8ScaleBlock == 0,
+    const bool block_quant = quant == kQuantFp8Block || quant == kQuantFp8BlockUe8m0;
+    PETIT_CHECK(quant >= kQuantNone && quant <= kQuantFp8BlockUe8m0,
+                "quant %lld is not a DispatchQuant", (long long)quant);
+    PETIT_CHECK(!block_quant || args_.layout.hidden % kFp8ScaleBlock == 0,
                 "fp8 1x128 block dispatch needs a hidden size that is a multiple of %d, got %d",
                 kFp8ScaleBlock, args_.layout.hidden);
     PETIT_CHECK(x.get_device() == device_ && topk_ids.get_device() == device_ &&
@@ -190,7 +191,7 @@ class EpContext {
     const int64_t rows = int64_t(args_.world_size) * region_stride;
     const int64_t H = args_.layout.hidden;
     const bool fp8 = quant != kQuantNone;
-    const int64_t num_scales = quant == kQuantFp8Block ? H / kFp8ScaleBlock : 1;
+    const int64_t num_scales = block_quant ? H / kFp8ScaleBlock : 1;
     return {view(own + args_.layout.dispatch_rows, {rows, H},
                  fp8 ? at::ScalarType::Float8_e4m3fn : torch::kBFloat16),
             view(own + args_.layout.dispatch_ids, {rows, K}, torch::kInt32),

@@ -30,19 +30,19 @@ PETIT_DEVICE void chunk_range(int num_vectors, int chunk, int num_chunks, int* b
 }
 
 // One warp copies vectors [begin, end) of a row; kCopyUnroll independent 16-byte loads in
-// flight per lane before the first store.
+// flight per lane before the first store, also in a partial last step (predicated).
 constexpr int kCopyUnroll = 8;
 PETIT_DEVICE void warp_copy(uint4* __restrict__ dst, const uint4* __restrict__ src, int begin,
                             int end, int lane) {
-  int v = begin + lane;
-  for (; v + (kCopyUnroll - 1) * PETIT_WARP_SIZE < end; v += kCopyUnroll * PETIT_WARP_SIZE) {
+  for (int v0 = begin + lane; v0 < end; v0 += kCopyUnroll * PETIT_WARP_SIZE) {
     uint4 buf[kCopyUnroll];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) buf[u] = src[v + u * PETIT_WARP_SIZE];
+    for (int u = 0; u < kCopyUnroll; ++u)
+      if (v0 + u * PETIT_WARP_SIZE < end) buf[u] = src[v0 + u * PETIT_WARP_SIZE];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) dst[v + u * PETIT_WARP_SIZE] = buf[u];
+    for (int u = 0; u < kCopyUnroll; ++u)
+      if (v0 + u * PETIT_WARP_SIZE < end) dst[v0 + u * PETIT_WARP_SIZE] = buf[u];
   }
-  for (; v < end; v += PETIT_WARP_SIZE) dst[v] = src[v];
 }
 
 // fp8 dispatch (fp8.h): a warp quantizes a bf16 row span at the source and writes e4m3
@@ -79,6 +79,8 @@ PETIT_DEVICE uint2 quantize_x8(const float (&f)[kVecElems], float scale_or_inver
 
 // 1x128 blocks [blk_begin, blk_end) of one row: each group of 16 lanes owns one block per
 // step (amax over its 16 vectors by shuffles), kQuantUnroll steps of loads in flight.
+// kUe8m0: power-of-two scales (fp8.h).
+template <bool kUe8m0>
 PETIT_DEVICE void warp_quant_blocks(uint2* __restrict__ dst, float* __restrict__ scales,
                                     const uint4* __restrict__ src, int blk_begin, int blk_end,
                                     int lane) {
@@ -99,7 +101,8 @@ PETIT_DEVICE void warp_quant_blocks(uint2* __restrict__ dst, float* __restrict__
 #pragma unroll
       for (int offset = kVecPerScaleBlock / 2; offset >= 1; offset /= 2)
         amax = fmaxf(amax, petit_shfl_xor(amax, offset));
-      const float scale = fmaxf(amax, kFp8BlockMinAmax) / kFp8E4m3Max;
+      float scale = fmaxf(amax, kFp8BlockMinAmax) / kFp8E4m3Max;
+      if (kUe8m0) scale = petit_pow2_ceil(scale);
       if (b < blk_end) {
         dst[int64_t(b) * kVecPerScaleBlock + sub_lane] = quantize_x8<true>(f, scale);
         if (sub_lane == 0) scales[b] = scale;
@@ -243,7 +246,8 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
     __syncthreads();
     const uint32_t route_mask = s_route_mask;
     int begin, end;  // in 16-byte source vectors; whole 1x128 blocks in block mode
-    if (kQuant == kQuantFp8Block) {
+    constexpr bool kBlockQuant = kQuant == kQuantFp8Block || kQuant == kQuantFp8BlockUe8m0;
+    if (kBlockQuant) {
       chunk_range(num_vectors / kVecPerScaleBlock, chunk, num_chunks, &begin, &end);
       begin *= kVecPerScaleBlock;
       end *= kVecPerScaleBlock;
@@ -262,8 +266,8 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
         // e4m3 row = num_vectors 8-byte units (H bytes)
         uint2* dst_row = reinterpret_cast<uint2*>(dst_heap + l.dispatch_rows) + row * num_vectors;
         float* scales = reinterpret_cast<float*>(dst_heap + l.dispatch_scales);
-        if (kQuant == kQuantFp8Block)
-          warp_quant_blocks(dst_row, scales + row * (num_vectors / kVecPerScaleBlock), src,
+        if (kBlockQuant)
+          warp_quant_blocks<kQuant == kQuantFp8BlockUe8m0>(dst_row, scales + row * (num_vectors / kVecPerScaleBlock), src,
                             begin / kVecPerScaleBlock, end / kVecPerScaleBlock, lane);
         else
           warp_quant_token(dst_row, chunk == 0 ? scales + row : nullptr, src, begin, end,
@@ -476,32 +480,19 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) peer_write_kernel(PeerWriteArgs
   }
 }
 
-// Hidden chunks per (peer, group) item, so that calls spread over the grid's blocks. A
+// Hidden chunks per (peer, group) item, so that small calls still spread over the grid. A
 // chunk keeps >= kMinChunkVectors vectors (32 KB) of the group's rows: splitting less data
-// only adds a completion counter and a fence to the latency. Between the fewest chunks that
-// give every block an item and 3x that, take the count whose items fill the rounds of the
-// static item -> block assignment best (e.g. combine at 4096 tokens/rank on 99 sender blocks:
-// 128 items leave a last round of 29 blocks, too few to keep the links busy; 384 fill it).
+// only adds a completion counter and a fence to the latency. (More, smaller items to fill
+// the grid's last round cost more than they gained: 2x H200, commit fb2cba5, dispatch at
+// 4096 tokens/rank on 24 SMs 238 -> 414 us with 3 chunks instead of 1.)
 constexpr int kMinChunkVectors = 2048;
 int choose_num_chunks(int region_stride, int num_peers, int num_vectors, int num_blocks) {
   const int num_groups = ceil_div(region_stride, kTokenGroupSize);
   const int items = num_groups * (num_peers > 0 ? num_peers : 1);
   const int group_rows = region_stride < kTokenGroupSize ? region_stride : kTokenGroupSize;
-  int max_chunks = int(int64_t(group_rows) * num_vectors / kMinChunkVectors);
-  if (max_chunks < 1) max_chunks = 1;
-  int min_chunks = ceil_div(num_blocks, items > 0 ? items : 1);
-  if (min_chunks > max_chunks) min_chunks = max_chunks;
-  int best = min_chunks;
-  double best_fill = 0.0;
-  for (int chunks = min_chunks; chunks <= max_chunks && chunks <= 3 * min_chunks; ++chunks) {
-    const int64_t total = int64_t(items) * chunks;
-    const double fill = double(total) / double(ceil_div(int(total), num_blocks) * int64_t(num_blocks));
-    if (fill > best_fill + 0.02) {
-      best = chunks;
-      best_fill = fill;
-    }
-  }
-  return best;
+  const int max_chunks = int(int64_t(group_rows) * num_vectors / kMinChunkVectors);
+  const int chunks = ceil_div(num_blocks, items);
+  return chunks < 1 ? 1 : (chunks > max_chunks ? (max_chunks > 1 ? max_chunks : 1) : chunks);
 }
 
 // Blocks of the combine grid that may push rows (the rest only reduce, from the start): by
@@ -533,7 +524,8 @@ petitError_t check_context(const EpContextArgs& c, int region_stride, int num_to
 petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
   petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
   if (err != petitSuccess) return err;
-  if (args.quant == kQuantFp8Block && args.ctx.layout.hidden % kFp8ScaleBlock != 0)
+  if ((args.quant == kQuantFp8Block || args.quant == kQuantFp8BlockUe8m0) &&
+      args.ctx.layout.hidden % kFp8ScaleBlock != 0)
     return petitErrorInvalidValue;
   DispatchArgs a = args;
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size,
@@ -544,11 +536,13 @@ petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
   const int grid = int(send_items < a.ctx.num_blocks ? (send_items > 0 ? send_items : 1)
                                                      : a.ctx.num_blocks);
   using Kernel = void (*)(DispatchArgs);
-  static const Kernel kernels[3][2] = {
+  static const Kernel kernels[4][2] = {
       {dispatch_kernel<int32_t, kQuantNone>, dispatch_kernel<int64_t, kQuantNone>},
       {dispatch_kernel<int32_t, kQuantFp8Block>, dispatch_kernel<int64_t, kQuantFp8Block>},
-      {dispatch_kernel<int32_t, kQuantFp8Token>, dispatch_kernel<int64_t, kQuantFp8Token>}};
-  if (a.quant < kQuantNone || a.quant > kQuantFp8Token) return petitErrorInvalidValue;
+      {dispatch_kernel<int32_t, kQuantFp8Token>, dispatch_kernel<int64_t, kQuantFp8Token>},
+      {dispatch_kernel<int32_t, kQuantFp8BlockUe8m0>,
+       dispatch_kernel<int64_t, kQuantFp8BlockUe8m0>}};
+  if (a.quant < kQuantNone || a.quant > kQuantFp8BlockUe8m0) return petitErrorInvalidValue;
   const Kernel kernel = kernels[a.quant][a.ids_are_int64 ? 1 : 0];
   petitLaunchKernel(kernel, dim3(grid), dim3(kThreads), 0, stream, a);
   return petitGetLastError();
@@ -566,7 +560,11 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   const int64_t send_items = int64_t(ceil_div(a.region_stride, kTokenGroupSize)) *
                              (a.ctx.world_size - 1) * a.num_chunks;
   const int64_t reduce_items = int64_t(ceil_div(a.num_tokens, kTokenGroupSize)) * a.num_chunks;
-  a.num_send_blocks = int(send_items < max_senders ? send_items : max_senders);
+  // Equal rounds: e.g. 128 items on at most 99 senders would leave a second round of 29
+  // blocks, too few to keep the links busy; 64 senders do two full rounds and the other
+  // blocks reduce.
+  const int64_t rounds = (send_items + max_senders - 1) / max_senders;
+  a.num_send_blocks = int(rounds > 0 ? (send_items + rounds - 1) / rounds : 0);
   const int64_t reducers_left = a.ctx.num_blocks - a.num_send_blocks;
   const int64_t reducers = reduce_items < reducers_left ? reduce_items : reducers_left;
   const int grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);

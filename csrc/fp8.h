@@ -3,6 +3,8 @@
 //
 // Scales follow vLLM's dynamic activation quantization:
 //   1x128 blocks : s = max(amax, 1e-10) / 448,          q = sat(x / s)
+//                  (UE8M0 variant: s rounded up to a power of two, as vLLM does when its
+//                  DeepGEMM E8M0 scales are on)
 //   per token    : s = max(amax / 448, 1 / (448 * 512)), q = sat(x * (1 / s))
 // with sat = clamp to [-448, 448] in fp32, then round to nearest even.
 #pragma once
@@ -35,6 +37,14 @@ PETIT_HOST_DEVICE float petit_bits_float(uint32_t u) {
 #endif
 }
 
+// The smallest power of two >= y (y positive, normal): the UE8M0 scale vLLM uses with
+// DeepGEMM (2^ceil(log2 y)), computed exactly on the bits.
+PETIT_HOST_DEVICE float petit_pow2_ceil(float y) {
+  const uint32_t bits = petit_float_bits(y);
+  if ((bits & 0x7fffffu) == 0) return y;
+  return petit_bits_float((bits & 0x7f800000u) + 0x800000u);
+}
+
 // Round-to-nearest-even, saturating float -> e4m3fn (NaN stays NaN). Portable bit arithmetic.
 PETIT_HOST_DEVICE uint8_t petit_float_to_e4m3(float f) {
   const uint32_t bits = petit_float_bits(f);
@@ -60,11 +70,10 @@ PETIT_HOST_DEVICE uint8_t petit_float_to_e4m3(float f) {
   return uint8_t(sign | (code > 0x7eu ? 0x7eu : code));
 }
 
-// Two floats -> two e4m3 bytes (low byte = a). Deliberately the portable conversion also on
-// sm_89+, not cvt.rn.satfinite.e4m3x2: torch's and vLLM's quantizers use c10's software
-// conversion, and on H200 the instruction disagreed with it on about 1 in 10^4 values
-// (measured: tests/test_dispatch_combine_gpu.py fp8 cases, commit 0f52966). A few integer
-// operations per element are free in a copy loop bound by the peer links.
+// Two floats -> two e4m3 bytes (low byte = a), with the portable conversion everywhere: it is
+// bit-identical to c10's float8_e4m3fn cast (CPU test tests/test_fp8_cpu.py), which torch's
+// and vLLM's quantizers use, and a few integer operations per element cost nothing in a
+// copy loop bound by the peer links.
 PETIT_DEVICE uint16_t petit_float2_to_e4m3x2(float a, float b) {
   return uint16_t(petit_float_to_e4m3(a)) | uint16_t(uint16_t(petit_float_to_e4m3(b)) << 8);
 }

@@ -141,7 +141,7 @@ def _rank_fp8_dispatch(state, cfg, seed, tokens_per_rank, top_k, quant, rounds, 
         if bad.numel():
             rows = mask.nonzero().flatten()[bad[:4, 0]]
             cols = bad[:4, 1]
-            scale_cols = cols // 128 if quant == "fp8_block128" else cols * 0
+            scale_cols = cols // 128 if quant.startswith("fp8_block128") else cols * 0
             src = [(int(row) // stride, int(row) % stride) for row in rows]
             inputs = [xs[s_][i, c].item() for (s_, i), c in zip(src, cols.tolist())]
             raise AssertionError(
@@ -291,7 +291,7 @@ def test_cuda_graph_replays(rank_pools):
     pool.run(_rank_cuda_graph, _cfg(hidden=512), 41, 96, 8, 17)
 
 
-@pytest.mark.parametrize("quant", ["fp8_block128", "fp8_per_token"])
+@pytest.mark.parametrize("quant", ["fp8_block128", "fp8_per_token", "fp8_block128_ue8m0"])
 @pytest.mark.parametrize("world_size,hidden,tokens", [
     (2, 7168, [1, 130]), (2, 2048, [300, 300]), (4, 256, [33, 0, 7, 64])])
 def test_fp8_dispatch_matches_reference(rank_pools, quant, world_size, hidden, tokens):

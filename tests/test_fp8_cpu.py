@@ -73,22 +73,28 @@ def test_reference_quantizer_layout_and_error(mode):
     q, scales = ref.quantize_fp8_reference(x, mode)
     assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
     assert scales.dtype == torch.float32
-    assert scales.shape == ((37, 4) if mode == "fp8_block128" else (37, 1))
+    assert scales.shape == ((37, 4) if mode.startswith("fp8_block128") else (37, 1))
     assert q.float().abs().max() <= 448
     assert torch.all(q[3].float() == 0)
     back = ref.dequantize_fp8_reference(q, scales)
-    # e4m3 keeps 3 mantissa bits: error <= 2^-4 of each scale group's max, or half the
-    # smallest subnormal step (2^-10 * scale) where a minimum scale applies
+    # e4m3 keeps 3 mantissa bits: error <= 2^-4 of each scale group's max (2^-3 with
+    # power-of-two scales, up to 2x coarser), or half the smallest subnormal step
+    # (2^-10 * scale) where a minimum scale applies
     group = x.float().view(37, scales.shape[1], -1)
     amax = group.abs().amax(dim=-1, keepdim=True)
-    bound = torch.maximum(amax * 2.0 ** -4, scales[..., None] * 2.0 ** -10)
+    rel = 2.0 ** -3 if mode.endswith("ue8m0") else 2.0 ** -4
+    bound = torch.maximum(amax * rel, scales[..., None] * 2.0 ** -10)
     err = (back.view_as(group) - group).abs()
     assert torch.all(err <= bound)
     # a group's largest element maps to +-448 unless its scale is the minimum one
     unclamped = (amax[..., 0] / 448.0 > (ref.FP8_TOKEN_MIN_SCALE if mode == "fp8_per_token"
                                          else ref.FP8_BLOCK_MIN_AMAX / 448.0))
     top = q.float().view_as(group).abs().amax(dim=-1)
-    assert unclamped.sum() > 20 and torch.all(top[unclamped] == 448)
+    if mode.endswith("ue8m0"):  # a power-of-two scale >= amax/448: the top lands in [224, 448]
+        assert torch.all(top[unclamped] >= 224) and torch.all(top <= 448)
+        assert torch.all(torch.log2(scales).frac() == 0)
+    else:
+        assert unclamped.sum() > 20 and torch.all(top[unclamped] == 448)
 
 
 def test_reference_quantizer_formulas_match_vllm_conventions():
@@ -99,6 +105,13 @@ def test_reference_quantizer_formulas_match_vllm_conventions():
     assert s.item() == pytest.approx(1.0 / (448.0 * 512.0))  # vLLM's minimum per-token scale
     q, s = ref.quantize_fp8_reference(torch.zeros(1, 128, dtype=torch.bfloat16), "fp8_block128")
     assert s.item() == pytest.approx(1e-10 / 448.0)  # vLLM's per_token_group_quant eps
+
+
+def test_pow2_ceil_is_exact():
+    values = torch.tensor([1.0, 1.0000001, 0.75, 2.0 ** -30, 3.0 * 2.0 ** -20, 448.0, 1e-10 / 448])
+    got = ref.pow2_ceil(values)
+    want = torch.tensor([1.0, 2.0, 1.0, 2.0 ** -30, 2.0 ** -18, 512.0, 2.0 ** -42])
+    assert torch.equal(got, want)
 
 
 def test_reference_quantizer_rejects_bad_input():

@@ -531,13 +531,17 @@ def test_decide_keeps_vllm_for_other_quantized_activations():
             decision.reason
 
 
-def test_dispatch_quant_mode():
+def test_dispatch_quant_mode(monkeypatch):
+    from vllm_petit_moe.vllm_glue import compat
     from vllm_petit_moe.vllm_glue.prepare_finalize import dispatch_quant_mode
 
     assert dispatch_quant_mode(None) == (None, None)
     assert dispatch_quant_mode(FUSED_MOE_UNQUANTIZED_CONFIG) == (None, None)
     block = FusedMoEQuantConfig.make(torch.float8_e4m3fn, block_shape=[128, 128])
-    assert dispatch_quant_mode(block) == ("fp8_block128", None)
+    # vLLM's own choice of power-of-two block scales (DeepGEMM E8M0) is followed
+    for ue8m0, mode in ((False, "fp8_block128"), (True, "fp8_block128_ue8m0")):
+        monkeypatch.setattr(compat, "fp8_block_scales_are_ue8m0", lambda: ue8m0)
+        assert dispatch_quant_mode(block) == (mode, None)
     token = FusedMoEQuantConfig.make(torch.float8_e4m3fn, per_act_token_quant=True)
     assert dispatch_quant_mode(token) == ("fp8_per_token", None)
 

@@ -28,7 +28,7 @@ TOKEN_GROUP_SIZE = 32
 FP8_SCALE_BLOCK = 128  # elements per scale of 1x128 block fp8 dispatch (layout.h)
 # Wire formats of dispatch (csrc/api.h DispatchQuant); the fp8 math is in csrc/fp8.h and
 # reference.quantize_fp8_reference.
-DISPATCH_QUANT = {None: 0, "fp8_block128": 1, "fp8_per_token": 2}
+DISPATCH_QUANT = {None: 0, "fp8_block128": 1, "fp8_per_token": 2, "fp8_block128_ue8m0": 3}
 
 
 def _ops():
@@ -56,7 +56,7 @@ class DispatchOutput:
                        (rows of tokens i >= T_s are all -1).
     recv_topk_weights: [W*R, K] float32, 0 where the id is -1.
     handle:            pass to `EpBuffer.combine`.
-    recv_x_scales:     fp8 only: [W*R, H/128] ("fp8_block128") or [W*R, 1]
+    recv_x_scales:     fp8 only: [W*R, H/128] ("fp8_block128*") or [W*R, 1]
                        ("fp8_per_token") float32 dequantization scales; None for bf16.
     """
     recv_x: torch.Tensor
@@ -193,9 +193,11 @@ class EpBuffer:
             region_stride: R, equal on every rank and >= every rank's T
                 (default: max_tokens_per_rank). The output has W*R rows.
             quant: None (bf16 rows), "fp8_block128" (e4m3 + one scale per 1x128 block,
-                H % 128 == 0) or "fp8_per_token" (e4m3 + one scale per token): quantized at
-                the source inside dispatch, so the wire carries half the bytes. Equal on
-                every rank. Formulas: reference.quantize_fp8_reference.
+                H % 128 == 0), "fp8_block128_ue8m0" (the same with power-of-two scales, as
+                vLLM quantizes when its DeepGEMM E8M0 scales are on) or "fp8_per_token" (e4m3
+                + one scale per token): quantized at the source inside dispatch, so the wire
+                carries half the bytes. Equal on every rank. Formulas:
+                reference.quantize_fp8_reference.
         No host synchronization (unless validate_ids and not capturing); capturable in a
         CUDA graph. Collective: every rank calls it.
         """
@@ -205,8 +207,8 @@ class EpBuffer:
         if quant not in DISPATCH_QUANT:
             raise ValueError(f"petit_moe: quant must be one of {list(DISPATCH_QUANT)}, got "
                              f"{quant!r}")
-        if quant == "fp8_block128" and self.hidden_size % FP8_SCALE_BLOCK:
-            raise ValueError(f"petit_moe: fp8_block128 needs a hidden size that is a multiple "
+        if quant in ("fp8_block128", "fp8_block128_ue8m0") and self.hidden_size % FP8_SCALE_BLOCK:
+            raise ValueError(f"petit_moe: {quant} needs a hidden size that is a multiple "
                              f"of {FP8_SCALE_BLOCK}, got {self.hidden_size}")
         recv_x, recv_ids, recv_weights, recv_scales = self._ctx.dispatch(
             x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), region_stride,

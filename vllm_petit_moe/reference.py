@@ -281,8 +281,16 @@ FP8_E4M3_MAX = 448.0
 FP8_SCALE_BLOCK = 128
 FP8_BLOCK_MIN_AMAX = 1e-10  # vLLM per_token_group_quant eps
 FP8_TOKEN_MIN_SCALE = 1.0 / (448.0 * 512.0)  # vLLM dynamic per-token minimum scale
-Fp8Quant = Literal["fp8_block128", "fp8_per_token"]
-FP8_QUANT_MODES = ("fp8_block128", "fp8_per_token")
+Fp8Quant = Literal["fp8_block128", "fp8_per_token", "fp8_block128_ue8m0"]
+FP8_QUANT_MODES = ("fp8_block128", "fp8_per_token", "fp8_block128_ue8m0")
+
+
+def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= y (float32, positive normal), exact on the bits: the UE8M0
+    scale (2^ceil(log2 y)) vLLM uses when its DeepGEMM E8M0 scales are on."""
+    bits = y.float().contiguous().view(torch.int32)
+    up = (bits & 0x7F800000) + 0x800000
+    return torch.where((bits & 0x7FFFFF) == 0, bits, up).view(torch.float32)
 
 
 def quantize_fp8_reference(x: torch.Tensor, mode: Fp8Quant) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,6 +298,7 @@ def quantize_fp8_reference(x: torch.Tensor, mode: Fp8Quant) -> tuple[torch.Tenso
 
     x: ``[T, H] bf16``. ``"fp8_block128"``: one scale per 1x128 block (``H % 128 == 0``),
     ``s = max(amax, 1e-10) / 448``, ``q = clamp(x / s)``; scales ``[T, H/128]``.
+    ``"fp8_block128_ue8m0"``: the same with ``s`` rounded up to a power of two.
     ``"fp8_per_token"``: ``s = max(amax / 448, 1/(448*512))``, ``q = clamp(x * (1/s))``;
     scales ``[T, 1]``. The clamp is to ``[-448, 448]`` in fp32, then round-to-nearest-even to
     ``float8_e4m3fn``. Returns ``(q [T, H] float8_e4m3fn, scales float32)``;
@@ -299,16 +308,23 @@ def quantize_fp8_reference(x: torch.Tensor, mode: Fp8Quant) -> tuple[torch.Tenso
         raise ValueError(f"fp8 mode must be one of {FP8_QUANT_MODES}, got {mode!r}")
     num_tokens, hidden_size = x.shape
     xf = x.float()
-    if mode == "fp8_block128":
+    # Every division is tensor / tensor: torch turns division by a Python number into a
+    # multiplication by its (rounded) reciprocal, which is not the IEEE quotient the kernel
+    # computes.
+    if mode in ("fp8_block128", "fp8_block128_ue8m0"):
         if hidden_size % FP8_SCALE_BLOCK:
-            raise ValueError(f"fp8_block128 needs hidden_size % {FP8_SCALE_BLOCK} == 0, got "
+            raise ValueError(f"{mode} needs hidden_size % {FP8_SCALE_BLOCK} == 0, got "
                              f"{hidden_size}")
         blocks = xf.view(num_tokens, hidden_size // FP8_SCALE_BLOCK, FP8_SCALE_BLOCK)
-        scales = blocks.abs().amax(dim=-1).clamp(min=FP8_BLOCK_MIN_AMAX) / FP8_E4M3_MAX
+        amax = blocks.abs().amax(dim=-1).clamp(min=FP8_BLOCK_MIN_AMAX)
+        scales = amax / torch.full_like(amax, FP8_E4M3_MAX)
+        if mode == "fp8_block128_ue8m0":
+            scales = pow2_ceil(scales)
         q = (blocks / scales[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         return q.view(num_tokens, hidden_size).to(torch.float8_e4m3fn), scales
-    scales = (xf.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_TOKEN_MIN_SCALE)
-    q = (xf * (1.0 / scales)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scales = (amax / torch.full_like(amax, FP8_E4M3_MAX)).clamp(min=FP8_TOKEN_MIN_SCALE)
+    q = (xf * (torch.ones_like(scales) / scales)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return q.to(torch.float8_e4m3fn), scales
 
 

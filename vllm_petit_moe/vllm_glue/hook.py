@@ -156,7 +156,7 @@ def decide(
     quant_mode, quant_unsupported = dispatch_quant_mode(getattr(fused_experts, "quant_config", None))
     if quant_unsupported is not None:
         return _unsupported(quant_unsupported)
-    if quant_mode == "fp8_block128" and moe.hidden_dim % 128 != 0:
+    if quant_mode in ("fp8_block128", "fp8_block128_ue8m0") and moe.hidden_dim % 128 != 0:
         return _unsupported(f"fp8 1x128 blocks with hidden size {moe.hidden_dim} (not a "
                             "multiple of 128)")
     if moe.hidden_dim % HIDDEN_SIZE_MULTIPLE != 0:

@@ -109,7 +109,9 @@ def linear_expert_map(
 def dispatch_quant_mode(quant_config) -> tuple[str | None, str | None]:
     """The ``EpBuffer.dispatch`` ``quant`` mode for a layer's activation quantization.
 
-    Returns ``(mode, None)`` with mode ``None`` (bf16 activations), ``"fp8_block128"`` or
+    Returns ``(mode, None)`` with mode ``None`` (bf16 activations), ``"fp8_block128"``,
+    ``"fp8_block128_ue8m0"`` (power-of-two scales: what vLLM's own quantizer produces when its
+    DeepGEMM E8M0 scales are on, ``compat.fp8_block_scales_are_ue8m0``) or
     ``"fp8_per_token"``; or ``(None, reason)`` when the scheme is not supported.
     """
     quant_dtype = getattr(quant_config, "quant_dtype", None)
@@ -126,7 +128,8 @@ def dispatch_quant_mode(quant_config) -> tuple[str | None, str | None]:
     if block_shape is not None:
         if per_token or len(block_shape) != 2 or int(block_shape[1]) != 128:
             return None, f"{what}: only 1x128 activation blocks are supported"
-        return "fp8_block128", None
+        return ("fp8_block128_ue8m0" if compat.fp8_block_scales_are_ue8m0()
+                else "fp8_block128"), None
     if per_token:
         return "fp8_per_token", None
     return None, f"{what}: per-tensor activation scales (only 1x128 blocks or per token)"
@@ -265,7 +268,7 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
             dispatch_quant_mode(quant_config)
         if unsupported is not None:
             raise NotImplementedError(f"vllm-petit-moe: {unsupported}")
-        if quant_mode == "fp8_block128" and a1.size(1) % 128 != 0:
+        if quant_mode in ("fp8_block128", "fp8_block128_ue8m0") and a1.size(1) % 128 != 0:
             raise NotImplementedError(
                 f"vllm-petit-moe: fp8 1x128 blocks need a hidden size that is a multiple of "
                 f"128, got {a1.size(1)}"
