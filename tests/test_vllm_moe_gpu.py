@@ -256,10 +256,11 @@ def _fp8_check(state, tag, mode, y_petit, y_default, fp32_ref):
     err_petit = _errors(y_petit, fp32_ref)["rel_fro"]
     err_default = _errors(y_default, fp32_ref)["rel_fro"]
     vs_default = _errors(y_petit, y_default.float())["rel_fro"]
-    assert vs_default <= 0.02, f"{name}: petit vs vLLM fp8 rel error {vs_default:.4f}"
-    assert err_petit <= 1.1 * err_default + 1e-3, \
-        f"{name}: petit fp8 error {err_petit:.4f} vs vLLM fp8 {err_default:.4f}"
-    assert err_petit <= 0.08, f"{name}: petit fp8 error {err_petit:.4f} vs fp32 reference"
+    numbers = (f"petit vs vLLM fp8 {vs_default:.4f}, vs fp32 reference: petit {err_petit:.4f}, "
+               f"vLLM {err_default:.4f}")
+    assert vs_default <= 0.02, f"{name}: {numbers}"
+    assert err_petit <= 1.1 * err_default + 1e-3, f"{name}: {numbers}"
+    assert err_petit <= 0.08, f"{name}: {numbers}"
     return dict(err_petit=err_petit, err_default=err_default, vs_default=vs_default)
 
 
