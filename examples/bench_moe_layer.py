@@ -107,8 +107,9 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed):
     row = dict(pairs=pairs, hot_share=share[0], max_share=max(share),
                rel_diff=diff.norm().item() / norm if norm > 0 else 0.0,
                max_abs_diff=diff.abs().max().item(),
-               finite=bool(torch.isfinite(outs["petit"]).all()
-                           and torch.isfinite(outs["default"]).all()))
+               petit_finite=bool(torch.isfinite(outs["petit"]).all()),
+               default_finite=bool(torch.isfinite(outs["default"]).all()))
+    row["finite"] = row["petit_finite"] and row["default_finite"]
     for path, (graph, _) in captured.items():
         torch.cuda.synchronize()
         state.barrier()

@@ -115,7 +115,11 @@ if "$PYTHON" -c "import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKE
   die "port $PORT on $HOST is in use (set PORT=...)"
 fi
 
-if command -v vllm >/dev/null 2>&1; then VLLM=(vllm); else VLLM=("$PYTHON" -m vllm.entrypoints.cli.main); fi
+# `python -m vllm.entrypoints.cli.main`, not the `vllm` script: DP serving starts its
+# coordinator with multiprocessing "spawn", which re-runs the parent's main file, and a
+# `vllm` script without a __main__ guard (the devkit bundle's bin/vllm) then recurses into a
+# second server start ("DP Coordinator process failed during startup"; 2x H200, 89805c0).
+VLLM=("$PYTHON" -m vllm.entrypoints.cli.main)
 
 cmd=("${VLLM[@]}" serve "$MODEL"
      --load-format "$LOAD_FORMAT"

@@ -156,6 +156,9 @@ def _rank_fp8_dispatch(state, cfg, seed, tokens_per_rank, top_k, quant, rounds, 
                        for o in expected]
         want = ref.combine_reference(expert_outs, ids, num_experts)[rank]
         assert torch.equal(y, want), f"round {r}: combine after fp8 dispatch differs"
+        # The received views above are only valid until any rank's next dispatch: no rank
+        # may start round r+1 before every rank has checked round r.
+        torch.distributed.barrier(group=state["group"])
     torch.cuda.synchronize()
     return rounds
 
@@ -195,6 +198,7 @@ def _rank_cuda_graph(state, cfg, seed, num_tokens, top_k, replays):
                        for e in expected]
         want = ref.combine_reference(expert_outs, ids, num_experts)[rank]
         assert torch.equal(static_y, want), f"replay {r}: combine differs on rank {rank}"
+        torch.distributed.barrier(group=state["group"])  # views valid until the next dispatch
     torch.cuda.synchronize()
     return replays
 

@@ -154,8 +154,11 @@ def _check_outputs(state, tag, outs, x, kernel_ref, fp32_ref):
 
 
 def _rank_compare(state, shape, seed, tokens_per_rank, paths, skew):
+    """skew: None, a make_inputs skew name, or (name, hot_fraction)."""
     layer, w13, w2 = _layer(state, shape)
-    xs, ids, ws = make_inputs(shape, tokens_per_rank, seed=seed, device=state.device, skew=skew)
+    skew, hot = skew if isinstance(skew, tuple) else (skew, 0.5)
+    xs, ids, ws = make_inputs(shape, tokens_per_rank, seed=seed, device=state.device, skew=skew,
+                              hot_fraction=hot)
     r = state.rank
     outs = {p: layer.forward(p, xs[r], ids[r], ws[r], tokens_per_rank) for p in paths}
     kernel_ref, fp32_ref = _expected(state, w13, w2, xs, ids, ws)
@@ -376,6 +379,15 @@ def test_skewed_routing(pool):
     # One hot rank gets half of the token-expert pairs (more than its share when W > 2).
     counts = [222 - 50 * r for r in range(WORLD)]
     pool.run(_rank_compare, SHAPE, 300, counts, ("default", "petit"), "hot_rank")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_every_pair_on_one_rank_tiny_batch(pool, num_tokens):
+    # The other ranks' experts get nothing (bench_moe_layer, commit 0f52966: a non-finite
+    # output in qwen3 skewed routing at 1 token/rank, path not yet identified).
+    counts = [num_tokens] * WORLD
+    pool.run(_rank_compare, SHAPE, 350 + num_tokens, counts, ("default", "petit"),
+             ("hot_rank", 1.0))
 
 
 def test_odd_shape(pool):
