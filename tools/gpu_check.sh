@@ -8,10 +8,10 @@
 #   BENCH=1 bash tools/gpu_check.sh         # + examples/bench_dispatch_combine.py (>= 2 GPUs)
 #   BENCH_EXPERTS=1 bash tools/gpu_check.sh # + examples/bench_experts.py (1 GPU;
 #                                           #   BENCH_EXPERTS_ARGS, default --quick)
-#   PYTEST_ARGS="-k graph" bash tools/gpu_check.sh
+#   PYTEST_ARGS='-k "fp8 or graph"' bash tools/gpu_check.sh   # shell-quoted, like a command line
 # The device copy of the tree has no .git: pass PETIT_COMMIT=<hash> to stamp results.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/petit-gpu-check}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -31,7 +31,8 @@ spills=$(grep -c "bytes spill stores" "$OUT/build.log" 2>/dev/null || true)
 test_rc=1
 if [ $build_rc -eq 0 ]; then
   t1=$(date +%s)
-  timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -rs ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/pytest.log"
+  eval "pytest_args=(${PYTEST_ARGS:-})"  # keeps quoted words (-k "a or b") together
+  timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -rs "${pytest_args[@]}" tests 2>&1 | tee "$OUT/pytest.log"
   test_rc=${PIPESTATUS[0]}
   test_s=$(( $(date +%s) - t1 ))
 fi

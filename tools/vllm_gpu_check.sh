@@ -7,11 +7,14 @@
 #
 #   bash tools/vllm_gpu_check.sh                     # all steps
 #   bash tools/vllm_gpu_check.sh build test-vllm     # some steps (install + env always run)
-# Steps: build meta test-vllm test-plugin bench. On a cold machine all of them may not fit in
-# one 600 s command: run "build meta test-vllm test-plugin", then "bench" while it is warm.
+# Steps: build meta test-vllm test-plugin bench compare serve. On a cold machine all of them
+# do not fit in one 600 s command: run "build meta test-vllm test-plugin", then "bench" while
+# it is warm; "compare" (examples/compare_serving.py: the seeded tiny Qwen3-MoE served with and
+# without the flag, outputs compared, ~3-5 min) and "serve" (examples/serve.sh on the full
+# Qwen3-30B-A3B config, dummy weights, flag on, ~5 min cold) each take a command of their own.
 # Environment: OUT (default /tmp/petit-vllm-check), BUDGET_S (whole run, default 570),
 #   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
-#   PYTEST_ARGS (extra pytest arguments).
+#   PYTEST_ARGS (extra pytest arguments, shell-quoted: PYTEST_ARGS='-k "fp8 or graph"').
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 REPO=$(pwd)
@@ -20,6 +23,8 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-570}
 STEPS=${*:-build meta test-vllm test-plugin bench}
+eval "pytest_args=(${PYTEST_ARGS:-})"  # keeps quoted words (-k "a or b") together
+want_any() { for s in "$@"; do [[ " $STEPS " == *" $s "* ]] && return 0; done; return 1; }
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VLLM_ALLREDUCE_USE_SYMM_MEM=0
@@ -65,7 +70,7 @@ export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 
 # 2. the extension, in place (ninja, every core); also when a later step needs it and a fresh
 #    machine has none (a warm machine keeps the ignored .so between calls)
-if ! want build && { want test-vllm || want bench; } && ! ls vllm_petit_moe/_C*.so > /dev/null 2>&1; then
+if ! want build && want_any test-vllm bench compare serve && ! ls vllm_petit_moe/_C*.so > /dev/null 2>&1; then
   echo "no compiled extension here: adding the build step"
   STEPS="build $STEPS"
 fi
@@ -77,7 +82,7 @@ fi
 #    vllm.general_plugins entry point without a pip install: setup.py egg_info into a
 #    folder on PYTHONPATH, or a hand-written .dist-info if that fails.
 META=/tmp/petit-moe-meta
-if want meta || want test-plugin; then
+if want_any meta test-plugin compare serve; then
   rm -rf "$META"; mkdir -p "$META"
   run_step meta 60 env PETIT_MOE_SKIP_EXTENSION=1 "$PY" setup.py -q egg_info --egg-base "$META"
   if ! ls "$META"/*.egg-info/entry_points.txt > /dev/null 2>&1; then
@@ -104,7 +109,7 @@ num_gpus=$(grep -c . "$OUT/gpus.txt")
 # 4. the vLLM integration tests (real DP + EP setup, >= 2 GPUs)
 if want test-vllm; then
   # shellcheck disable=SC2086
-  run_step test-vllm 300 "$PY" -m pytest -q -rs ${PYTEST_ARGS:-} tests/test_vllm_moe_gpu.py
+  run_step test-vllm 300 "$PY" -m pytest -q -rs "${pytest_args[@]}" tests/test_vllm_moe_gpu.py
   # all skipped (no GPUs, extension missing) is not a pass here
   if [ "${RC[test-vllm]}" = 0 ] && ! tail -1 "$OUT/test-vllm.log" | grep -q passed; then
     RC[test-vllm]=all-skipped
@@ -114,13 +119,25 @@ fi
 # 5. the plugin's CPU tests (real vLLM; entry point from step 3)
 if want test-plugin; then
   # shellcheck disable=SC2086
-  run_step test-plugin 180 "$PY" -m pytest -q -rs ${PYTEST_ARGS:-} tests/test_plugin_cpu.py
+  run_step test-plugin 180 "$PY" -m pytest -q -rs "${pytest_args[@]}" tests/test_plugin_cpu.py
 fi
 
 # 6. the MoE-layer benchmark (results also copied to $OUT)
 if want bench; then
   # shellcheck disable=SC2086
   run_step bench 400 "$PY" examples/bench_moe_layer.py ${BENCH_ARGS:---quick} --out-dir "$OUT"
+fi
+
+# 7. serving: the same model with and without the flag, outputs compared (seeded weights)
+if want compare; then
+  run_step compare 560 "$PY" examples/compare_serving.py --log-dir "$OUT/compare" \
+    --results-dir "$OUT"
+fi
+
+# 8. serving the full Qwen3-30B-A3B config (dummy weights) with the flag: answers + backend
+if want serve; then
+  run_step serve 560 env HEALTH_TIMEOUT=480 LOG="$OUT/serve_server.log" \
+    bash examples/serve.sh examples/models/qwen3-30b-a3b
 fi
 
 echo
@@ -130,13 +147,15 @@ echo "commit      : ${PETIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 echo "vllm        : $("$PY" -c 'from importlib.metadata import version; print(version("vllm"))' 2>&1 | tail -1)"
 echo "install     : rc=${RC[install]} in ${SECS[install]}s"
 ok=1
-for step in build meta test-vllm test-plugin bench; do
+for step in build meta test-vllm test-plugin bench compare serve; do
   want "$step" || continue
   rc=${RC[$step]:-not-run}
   summary=""
   case $step in
     test-*) summary=$(grep -E "(passed|failed|skipped|error)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
-    bench) summary=$(grep -E "^wrote|^WARNING: " "$OUT/$step.log" 2>/dev/null | tail -2 | xargs) ;;
+    bench) summary=$(grep -E "^wrote|^WARNING: " "$OUT/$step.log" 2>/dev/null | tail -2 | tr -d "'\"") ;;
+    compare) summary=$(grep -E "^(AGREE|DISAGREE)|prompts identical" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
+    serve) summary=$(grep -E "MoE layers use|token ids|exit" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
     meta) summary=$(grep "entry points" "$OUT/meta.log" 2>/dev/null | tail -1) ;;
   esac
   printf '%-12s: rc=%s in %ss %s\n' "$step" "$rc" "${SECS[$step]:-0}" "$summary"

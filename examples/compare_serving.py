@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Serve one model with and without VLLM_USE_PETIT_MOE and check that the outputs agree.
+
+Starts `vllm serve` on this node's GPUs (data parallel = number of GPUs,
+`--enable-expert-parallel`, CUDA graphs on, TRITON_ATTN) twice: with the flag ("petit", strict:
+a layer that would fall back fails the start) and without it ("default": vLLM's
+allgather/reduce-scatter). Each server answers the same GSM8K prompts with greedy decoding and
+the top-5 logprobs of every generated token. The model defaults to a seeded checkpoint at a
+realistic weight scale (examples/make_seeded_checkpoint.py: the bundled tiny Qwen3-MoE with the
+Qwen3 tokenizer), because `--load-format dummy` weights give nearly uniform logits on which
+greedy tokens flip at any rounding difference.
+
+Agreement, per prompt, with tolerance --tol (nats, default 0.1):
+- on the common prefix of the two greedy sequences, the chosen tokens' logprobs differ by at
+  most --tol (the two backends sum the experts' outputs in different orders and precisions:
+  petit in fp32 in rank order, vLLM in its reduce-scatter, so bit equality is not expected);
+- where the sequences diverge, the two tokens were a near-tie in both runs: each run's
+  logprob of the other run's token is within 2 x --tol of its own choice (and among its top 5).
+The run passes when every prompt agrees. Results: compare_serving_<gpu>x<W>.json in
+--results-dir (default examples/results), server logs in --log-dir.
+
+    python3 examples/compare_serving.py                       # seeded tiny Qwen3-MoE
+    python3 examples/compare_serving.py --model-dir DIR --num-prompts 32 --max-tokens 32
+
+Needs >= 2 GPUs, vLLM 0.24 and this package visible to the servers' Python (see README.md;
+on a devkit GPU machine: `bash tools/vllm_gpu_check.sh build meta`, `. /tmp/vllm-site/env.sh`,
+`export PYTHONPATH=/tmp/petit-moe-meta:$PWD:$PYTHONPATH`). Exit status: 0 agree, 1 disagree or
+an error, 2 usage.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+import bench_tpot_gsm8k as bench  # noqa: E402  (server lifecycle, plugin checks, prompts)
+import make_seeded_checkpoint as seeded  # noqa: E402
+
+from vllm_petit_moe.device_env import commit_stamp  # noqa: E402
+
+DEFAULT_DATA = ROOT / "examples" / "data" / "gsm8k_test.jsonl"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="model to serve (default: a seeded checkpoint written to "
+                        "$TMPDIR/petit-seeded-tiny-qwen3-moe)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--tol", type=float, default=0.1, help="logprob tolerance in nats")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--python", default=sys.executable, help="interpreter of the vLLM install")
+    p.add_argument("--dp", type=int, default=0, help="data-parallel size (default: all GPUs)")
+    p.add_argument("--health-timeout", type=float, default=600.0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--results-dir", type=Path, default=ROOT / "examples" / "results")
+    p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "petit-compare")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.max_tokens < 1 or args.tol <= 0:
+        p.error("--num-prompts and --max-tokens must be >= 1, --tol > 0")
+    return args
+
+
+def complete(base_url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """Greedy completion with the top-5 logprobs of every generated token."""
+    body = json.dumps(dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                           logprobs=5, ignore_eos=True)).encode()
+    req = urllib.request.Request(base_url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=120) as r:
+        choice = json.loads(r.read())["choices"][0]
+    lp = choice["logprobs"]
+    return dict(tokens=lp["tokens"], logprobs=lp["token_logprobs"], top=lp["top_logprobs"])
+
+
+def compare(a: dict, b: dict, tol: float) -> dict:
+    """Agreement of two greedy runs of one prompt (``complete`` outputs), see the module doc."""
+    n = 0
+    while n < min(len(a["tokens"]), len(b["tokens"])) and a["tokens"][n] == b["tokens"][n]:
+        n += 1
+    diffs = [abs(x - y) for x, y in zip(a["logprobs"][:n], b["logprobs"][:n])]
+    result = dict(common_prefix=n, length=min(len(a["tokens"]), len(b["tokens"])),
+                  max_logprob_diff=max(diffs, default=0.0), divergence=None)
+    ok = result["max_logprob_diff"] <= tol
+    if n < result["length"]:
+        ta, tb = a["tokens"][n], b["tokens"][n]
+        # each run's logprob of the other run's choice (None: not in its top 5)
+        a_of_b, b_of_a = a["top"][n].get(tb), b["top"][n].get(ta)
+        gap_a = None if a_of_b is None else a["logprobs"][n] - a_of_b
+        gap_b = None if b_of_a is None else b["logprobs"][n] - b_of_a
+        near_tie = (gap_a is not None and gap_b is not None and gap_a <= 2 * tol
+                    and gap_b <= 2 * tol)
+        result["divergence"] = dict(position=n, token_a=ta, token_b=tb, gap_a=gap_a,
+                                    gap_b=gap_b, near_tie=near_tie)
+        ok = ok and near_tie
+    result["agree"] = ok
+    return result
+
+
+def run_backend(args, backend: str, model_dir: Path, prompts: list[str], dp: int) -> dict:
+    port = bench.free_port()
+    cmd = [args.python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+           "--served-model-name", "m", "--host", bench.HOST, "--port", str(port),
+           "--dtype", "bfloat16", "--seed", "0",
+           "--data-parallel-size", str(dp), "--enable-expert-parallel",
+           "--attention-backend", "TRITON_ATTN", "--max-model-len", "2048",
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+    server = bench.Server(cmd, bench.server_env(backend, strict=True),
+                          args.log_dir / f"server_{backend}.log", port)
+    bench.log(f"{backend}: starting {' '.join(cmd[2:5])} ... (log {server.log_path})")
+    server.start()
+    try:
+        healthy_s = server.wait_healthy(args.health_timeout)
+        ok, evidence = bench.check_backend(server.log_text(), backend)
+        if not ok:
+            raise bench.BenchError(f"{backend}: {evidence}")
+        bench.log(f"{backend}: healthy after {healthy_s:.0f}s; {evidence}")
+        outputs = [complete(server.base_url, "m", p, args.max_tokens) for p in prompts]
+    finally:
+        bench.log(f"{backend}: {server.stop()}")
+    return dict(healthy_s=healthy_s, evidence=evidence, outputs=outputs)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    gpus = bench.visible_gpus()
+    dp = args.dp or len(gpus)
+    if dp < 2:
+        print(f"compare_serving: needs >= 2 GPUs for DP + EP, found {len(gpus)}", file=sys.stderr)
+        return 2
+    env = dict(os.environ, **bench.SAFE_ENV)
+    try:
+        bench.check_plugin_visible(args.python, env)
+        model_dir = args.model_dir
+        if model_dir is None:
+            model_dir = Path(tempfile.gettempdir()) / "petit-seeded-tiny-qwen3-moe"
+            if not (model_dir / "model.safetensors").is_file():
+                seeded.make_checkpoint(seeded.DEFAULT_CONFIG, model_dir,
+                                       tokenizer_dir=seeded.DEFAULT_TOKENIZER, seed=0,
+                                       std=0.02, head_std=0.2)
+        prompts = bench.load_prompts(args.data, limit=args.num_prompts)
+        runs = {b: run_backend(args, b, model_dir, prompts, dp) for b in ("petit", "default")}
+    except (bench.BenchError, ValueError, OSError) as e:
+        print(f"compare_serving: {e}", file=sys.stderr)
+        return 1
+    per_prompt = [compare(a, b, args.tol) for a, b in
+                  zip(runs["petit"]["outputs"], runs["default"]["outputs"])]
+    agree = all(r["agree"] for r in per_prompt)
+    summary = dict(
+        gpu=bench.short_gpu_name(gpus[0]) if gpus else "none", world=dp,
+        model=str(model_dir), commit=commit_stamp(ROOT),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        vllm_version=bench.probe_vllm_version(args.python, env), tol=args.tol,
+        num_prompts=len(prompts), max_tokens=args.max_tokens, agree=agree,
+        identical_prompts=sum(r["common_prefix"] == r["length"] for r in per_prompt),
+        max_logprob_diff=max(r["max_logprob_diff"] for r in per_prompt),
+        divergences=[r["divergence"] for r in per_prompt if r["divergence"]],
+        evidence={b: runs[b]["evidence"] for b in runs},
+        healthy_s={b: runs[b]["healthy_s"] for b in runs}, per_prompt=per_prompt)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / f"compare_serving_{summary['gpu']}x{dp}.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"{summary['identical_prompts']}/{len(prompts)} prompts identical over "
+          f"{args.max_tokens} tokens; max logprob difference on common prefixes "
+          f"{summary['max_logprob_diff']:.4f} nats (tol {args.tol}); "
+          f"{len(summary['divergences'])} divergence(s), near-ties: "
+          f"{[d['near_tie'] for d in summary['divergences']]}")
+    print(("AGREE" if agree else "DISAGREE") + f": wrote {path}")
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    t0 = time.monotonic()
+    rc = main()
+    bench.log(f"done in {time.monotonic() - t0:.0f}s")
+    sys.exit(rc)

@@ -1,0 +1,118 @@
+"""CPU tests of the serving comparison tools: the seeded checkpoint (tensor names a real
+Qwen3-MoE loader accepts, determinism, weight scale) and the agreement rule of
+examples/compare_serving.py."""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+import compare_serving  # noqa: E402
+import make_seeded_checkpoint as seeded  # noqa: E402
+
+TINY = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [1], "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def _write_config(tmp_path: Path, config: dict) -> Path:
+    d = tmp_path / "cfg"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_seeded_checkpoint_loads_in_transformers_with_every_tensor(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    out = seeded.make_checkpoint(_write_config(tmp_path, TINY), tmp_path / "m",
+                                 tokenizer_dir=None, seed=3, std=0.02, head_std=0.2)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.bfloat16, output_loading_info=True)
+    assert not any(info.values()), info  # no missing / unexpected / mismatched tensors
+    names = set(seeded.tensor_shapes(json.loads((out / "config.json").read_text())))
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in names  # sparse layer
+    assert "model.layers.1.mlp.gate_proj.weight" in names            # mlp_only layer
+    from safetensors.torch import load_file
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == names
+    assert abs(tensors["lm_head.weight"].float().std().item() - 0.2) < 0.02
+    assert abs(tensors["model.layers.0.mlp.gate.weight"].float().std().item() - 0.02) < 0.005
+    assert torch.all(tensors["model.norm.weight"] == 1)
+
+
+def test_seeded_checkpoint_is_deterministic(tmp_path):
+    pytest.importorskip("torch")
+    cfg = _write_config(tmp_path, TINY)
+    digests = []
+    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
+        out = seeded.make_checkpoint(cfg, tmp_path / name, tokenizer_dir=None, seed=seed,
+                                     std=0.02, head_std=0.2)
+        digests.append(hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest())
+    assert digests[0] == digests[1] != digests[2]
+
+
+def test_seeded_checkpoint_takes_the_tokenizer_vocab(tmp_path):
+    pytest.importorskip("torch")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "config.json").write_text(json.dumps({"vocab_size": 300, "eos_token_id": 7}))
+    (tok / "tokenizer.json").write_text("{}")
+    out = seeded.make_checkpoint(_write_config(tmp_path, TINY), tmp_path / "m",
+                                 tokenizer_dir=tok, seed=0, std=0.02, head_std=0.2,
+                                 num_layers=1)
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == 300 and config["eos_token_id"] == 7
+    assert config["num_hidden_layers"] == 1 and (out / "tokenizer.json").is_file()
+
+
+def test_seeded_checkpoint_rejects_other_models(tmp_path):
+    with pytest.raises(ValueError, match="qwen3_moe"):
+        seeded.tensor_shapes({**TINY, "model_type": "llama"})
+    assert seeded.main(["--config", str(_write_config(tmp_path, {**TINY, "model_type": "x"})),
+                        "--tokenizer", "none", "--out", str(tmp_path / "o")]) == 2
+
+
+def _run(tokens, logprobs, tops):
+    return dict(tokens=tokens, logprobs=logprobs, top=tops)
+
+
+def test_compare_identical_and_within_tolerance():
+    a = _run(["x", "y"], [-0.1, -0.2], [{"x": -0.1}, {"y": -0.2}])
+    b = _run(["x", "y"], [-0.15, -0.25], [{"x": -0.15}, {"y": -0.25}])
+    r = compare_serving.compare(a, b, tol=0.1)
+    assert r["agree"] and r["common_prefix"] == 2 and r["divergence"] is None
+    assert r["max_logprob_diff"] == pytest.approx(0.05)
+    assert not compare_serving.compare(a, b, tol=0.01)["agree"]
+
+
+def test_compare_divergence_must_be_a_near_tie_in_both_runs():
+    a = _run(["x", "p"], [-0.1, -0.70], [{"x": -0.1}, {"p": -0.70, "q": -0.75}])
+    b = _run(["x", "q"], [-0.1, -0.68], [{"x": -0.1}, {"q": -0.68, "p": -0.72}])
+    r = compare_serving.compare(a, b, tol=0.1)
+    assert r["agree"] and r["divergence"]["position"] == 1 and r["divergence"]["near_tie"]
+    far = _run(["x", "q"], [-0.1, -0.1], [{"x": -0.1}, {"q": -0.1, "p": -2.5}])
+    assert not compare_serving.compare(a, far, tol=0.1)["agree"]
+    missing = _run(["x", "q"], [-0.1, -0.68], [{"x": -0.1}, {"q": -0.68}])  # p not in top 5
+    r = compare_serving.compare(a, missing, tol=0.1)
+    assert not r["agree"] and r["divergence"]["gap_b"] is None
+
+
+def test_compare_serving_args():
+    args = compare_serving.parse_args([])
+    assert args.num_prompts == 16 and args.tol == 0.1 and args.model_dir is None
+    with pytest.raises(SystemExit):
+        compare_serving.parse_args(["--tol", "0"])
