@@ -152,6 +152,7 @@ struct CombineArgs {
   int region_stride;
   int num_chunks;             // set by the launcher
   int num_send_blocks;        // set by the launcher: blocks [0, this) push rows back
+  int num_reduce_chunks;      // set by the launcher: hidden chunks of one reduce item
 };
 
 petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream);

@@ -319,7 +319,7 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
   const int W = c.world_size, R = a.region_stride;
   const int lane = petit_lane_id(), warp = petit_warp_id();
   int begin, end;
-  chunk_range(num_vectors, chunk, a.num_chunks, &begin, &end);
+  chunk_range(num_vectors, chunk, a.num_reduce_chunks, &begin, &end);
   const int first_token = group * kTokenGroupSize;
   const int group_tokens = min(kTokenGroupSize, a.num_tokens - first_token);
   constexpr int kSpan = kReduceUnroll * PETIT_WARP_SIZE;
@@ -438,18 +438,19 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const uint4* combine_rows = reinterpret_cast<const uint4*>(my_heap + l.combine_rows);
   const uint4* own_rows =
       reinterpret_cast<const uint4*>(a.expert_out) + int64_t(c.rank) * R * num_vectors;
-  const int num_reduce = ceil_div(a.num_tokens, kTokenGroupSize) * num_chunks;
+  const int num_reduce_chunks = a.num_reduce_chunks;
+  const int num_reduce = ceil_div(a.num_tokens, kTokenGroupSize) * num_reduce_chunks;
   while (true) {
     if (threadIdx.x == 0) s_claim = int(petit_atomic_add_gpu(&c.state->reduce_next, 1));
     __syncthreads();
     const int item = s_claim;
     if (item >= num_reduce) break;  // block-uniform
-    const int group = item / num_chunks;
+    const int group = item / num_reduce_chunks;
     if (threadIdx.x < W && int(threadIdx.x) != c.rank)
       wait_flag(c, my_flags + int64_t(threadIdx.x) * l.max_groups + group, epoch,
                 threadIdx.x, 1, group);
     __syncthreads();  // the rows are visible; every thread has read s_claim
-    reduce_item(a, combine_rows, own_rows, group, item % num_chunks, num_vectors);
+    reduce_item(a, combine_rows, own_rows, group, item % num_reduce_chunks, num_vectors);
   }
 
   // ---- the last block to finish resets the claim counter for the next combine (every
@@ -495,18 +496,34 @@ int choose_num_chunks(int region_stride, int num_peers, int num_vectors, int num
   return chunks < 1 ? 1 : (chunks > max_chunks ? (max_chunks > 1 ? max_chunks : 1) : chunks);
 }
 
+// Benchmark tuning knob: integer environment variable `name` clamped to [lo, hi], or
+// `fallback` when unset.
+int env_knob(const char* name, int fallback, int lo, int hi) {
+  const char* env = getenv(name);
+  const int value = env ? atoi(env) : fallback;
+  return value < lo ? lo : (value > hi ? hi : value);
+}
+
 // Blocks of the combine grid that may push rows (the rest only reduce, from the start): by
 // default 3/4 of the grid, since at large sizes about that many SMs already saturate the
 // peer links while the reduction needs the rest; PETIT_MOE_COMBINE_REDUCE_PCT (0..90, read
 // once per process) sets the reduce-only share for tuning.
 int combine_send_blocks(int num_blocks) {
-  static const int reduce_pct = [] {
-    const char* env = getenv("PETIT_MOE_COMBINE_REDUCE_PCT");
-    const int pct = env ? atoi(env) : 25;
-    return pct < 0 ? 0 : (pct > 90 ? 90 : pct);
-  }();
+  static const int reduce_pct = env_knob("PETIT_MOE_COMBINE_REDUCE_PCT", 25, 0, 90);
   const int senders = num_blocks - num_blocks * reduce_pct / 100;
   return senders < 1 ? 1 : senders;
+}
+
+// Hidden chunks of one reduce item (own token group), at least the send chunks;
+// PETIT_MOE_COMBINE_REDUCE_VECTORS = V > 0 (read once per process) cuts a group's
+// reduction into chunks of <= V vectors per row, so that the last groups to land are reduced
+// by many blocks instead of one (at 4096 tokens/rank a whole-group item moves ~1.4 MB).
+// Default 0: the send chunks, as measured in examples/results/dispatch_combine_H200x2.jsonl.
+int combine_reduce_chunks(int num_chunks, int num_vectors) {
+  static const int reduce_vectors = env_knob("PETIT_MOE_COMBINE_REDUCE_VECTORS", 0, 0, 1 << 20);
+  if (reduce_vectors <= 0) return num_chunks;
+  const int chunks = ceil_div(num_vectors, reduce_vectors);
+  return chunks > num_chunks ? chunks : num_chunks;
 }
 
 petitError_t check_context(const EpContextArgs& c, int region_stride, int num_tokens,
@@ -559,7 +576,9 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   // than reduce items (small calls launch, fence and count less).
   const int64_t send_items = int64_t(ceil_div(a.region_stride, kTokenGroupSize)) *
                              (a.ctx.world_size - 1) * a.num_chunks;
-  const int64_t reduce_items = int64_t(ceil_div(a.num_tokens, kTokenGroupSize)) * a.num_chunks;
+  a.num_reduce_chunks = combine_reduce_chunks(a.num_chunks, a.ctx.layout.hidden / kVecElems);
+  const int64_t reduce_items =
+      int64_t(ceil_div(a.num_tokens, kTokenGroupSize)) * a.num_reduce_chunks;
   // Equal rounds: e.g. 128 items on at most 99 senders would leave a second round of 29
   // blocks, too few to keep the links busy; 64 senders do two full rounds and the other
   // blocks reduce.

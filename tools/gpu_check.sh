@@ -8,6 +8,9 @@
 #   BENCH=1 bash tools/gpu_check.sh         # + examples/bench_dispatch_combine.py (>= 2 GPUs)
 #   BENCH_EXPERTS=1 bash tools/gpu_check.sh # + examples/bench_experts.py (1 GPU;
 #                                           #   BENCH_EXPERTS_ARGS, default --quick)
+#   BENCH_SWEEP="PETIT_MOE_COMBINE_REDUCE_PCT=40 PETIT_MOE_COMBINE_REDUCE_VECTORS=128" \
+#     bash tools/gpu_check.sh                # + the dispatch/combine bench once per setting
+#                                            #   (BENCH_SWEEP_ARGS; tables in $OUT/sweep.log)
 #   PYTEST_ARGS='-k "fp8 or graph"' bash tools/gpu_check.sh   # shell-quoted, like a command line
 # The device copy of the tree has no .git: pass PETIT_COMMIT=<hash> to stamp results.
 set -uo pipefail
@@ -31,6 +34,7 @@ spills=$(grep -c "bytes spill stores" "$OUT/build.log" 2>/dev/null || true)
 test_rc=1
 if [ $build_rc -eq 0 ]; then
   t1=$(date +%s)
+  pytest_args=()
   eval "pytest_args=(${PYTEST_ARGS:-})"  # keeps quoted words (-k "a or b") together
   timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -rs "${pytest_args[@]}" tests 2>&1 | tee "$OUT/pytest.log"
   test_rc=${PIPESTATUS[0]}
@@ -41,6 +45,19 @@ bench_rc=-
 if [ "${BENCH:-0}" = 1 ] && [ $build_rc -eq 0 ] && [ "$num_gpus" -ge 2 ]; then
   timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py ${BENCH_ARGS:-} --out-dir "$OUT" 2>&1 | tee "$OUT/bench.log"
   bench_rc=${PIPESTATUS[0]}
+fi
+
+sweep_rc=-
+if [ -n "${BENCH_SWEEP:-}" ] && [ $build_rc -eq 0 ] && [ "$num_gpus" -ge 2 ]; then
+  sweep_rc=0
+  for setting in $BENCH_SWEEP; do
+    echo "=== $setting" | tee -a "$OUT/sweep.log"
+    # shellcheck disable=SC2086
+    env "$setting" timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py \
+      ${BENCH_SWEEP_ARGS:---routings uniform --tokens 1 128 4096 16384 --num-sms 0 --iters 20} \
+      --out-dir "$OUT/sweep-${setting//[^A-Za-z0-9]/_}" 2>&1 | grep -vi "warn" | tee -a "$OUT/sweep.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || sweep_rc=1
+  done
 fi
 
 experts_bench_rc=-
@@ -57,5 +74,7 @@ echo "build       : rc=$build_rc in ${build_s}s (spilling functions: ${spills:-0
 echo "tests       : rc=$test_rc in ${test_s:-0}s: $(tail -1 "$OUT/pytest.log" 2>/dev/null)"
 echo "bench       : rc=$bench_rc"
 echo "experts     : rc=$experts_bench_rc"
+echo "sweep       : rc=$sweep_rc ${BENCH_SWEEP:-}"
 [ $build_rc -eq 0 ] && [ $test_rc -eq 0 ] && { [ "$bench_rc" = - ] || [ "$bench_rc" = 0 ]; } &&
-  { [ "$experts_bench_rc" = - ] || [ "$experts_bench_rc" = 0 ]; }
+  { [ "$experts_bench_rc" = - ] || [ "$experts_bench_rc" = 0 ]; } &&
+  { [ "$sweep_rc" = - ] || [ "$sweep_rc" = 0 ]; }

@@ -23,6 +23,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-570}
 STEPS=${*:-build meta test-vllm test-plugin bench}
+pytest_args=()
 eval "pytest_args=(${PYTEST_ARGS:-})"  # keeps quoted words (-k "a or b") together
 want_any() { for s in "$@"; do [[ " $STEPS " == *" $s "* ]] && return 0; done; return 1; }
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
