@@ -308,9 +308,13 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
             # All DP ranks have 0 tokens (equal on all ranks: nobody dispatches).
             hidden, top_k = a1.size(1), topk_ids.size(1)
             self._handle = None
+            scales = None
+            if quant_mode is not None:  # same dtypes and scale widths as a dispatch would give
+                num_scales = 1 if quant_mode == "fp8_per_token" else hidden // 128
+                scales = a1.new_empty((0, num_scales), dtype=torch.float32)
             return (
-                a1.new_empty((0, hidden)),
-                None,
+                a1.new_empty((0, hidden), dtype=torch.float8_e4m3fn if quant_mode else a1.dtype),
+                scales,
                 None,
                 topk_ids.new_empty((0, top_k), dtype=torch.int32),
                 topk_weights.new_empty((0, top_k), dtype=torch.float32),
