@@ -45,6 +45,11 @@ enum ExpertTiles : int {
   // picks it); petitErrorNotSupported on HIP and where the running image is older than sm_80.
   // Not bit-identical to the SIMT families (different fp32 summation order).
   kExpertTilesMma = 3,
+  // Decode (portable): <= 8 rows per tile, each warp streams whole weight rows (every lane
+  // 16-byte loads of 4 rows at once) and the block reduces the lanes' dot products in shared
+  // memory: built for weight streaming at a few rows per expert. Only when asked for
+  // explicitly (auto never picks it). Not bit-identical to the other families.
+  kExpertTilesDecode = 4,
 };
 
 struct ExpertGemmArgs {

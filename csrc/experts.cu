@@ -225,6 +225,155 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 
 #endif  // PETIT_SM80_PATH
 
+// ------------------------------------------------------------------ decode path
+// kExpertTilesDecode: tiles of <= kDecodeRows rows x (8 warps x kDecodeRowsPerWarp weight
+// rows). Warp w owns kDecodeRowsPerWarp weight rows (GEMM1: gate and up rows of
+// kDecodeRowsPerWarp / 2 columns; GEMM2: w2 rows of kDecodeRowsPerWarp columns); lane l
+// accumulates vectors l, l + 32, ... of the K dimension for every tile row, so each step
+// has kDecodeRowsPerWarp 16-byte weight loads in flight per lane and the tile's activation
+// rows are re-read from cache. The 32 lanes' partial dot products are summed in shared
+// memory (fixed order: deterministic), then the epilogue of the family (SiLU·mul, or the
+// routing weight into the entry's partial row) runs with the same formulas as the others.
+constexpr int kDecodeThreads = 256;
+constexpr int kDecodeWarps = kDecodeThreads / 32;  // 32-thread groups (warp-size agnostic)
+constexpr int kDecodeRows = 8;
+constexpr int kDecodeRowsPerWarp = 4;
+constexpr int kDecodeMinBlocksPerSm = 2;  // 3 (85 registers) spills
+
+struct DecodeShared {
+  float partial[kDecodeWarps][kDecodeRowsPerWarp][kDecodeRows][32];
+  float sums[kDecodeWarps][kDecodeRowsPerWarp][kDecodeRows];
+};
+
+// dot products of the tile rows with this warp's weight rows over K (lane-strided vectors),
+// left in smem.sums[warp][wr][r]. a_row(r) / b_row(wr): row pointers (nullptr: absent).
+template <class ARow, class BRow>
+PETIT_DEVICE void decode_dots(ARow a_row, BRow b_row, int k_len, int num_rows,
+                              DecodeShared& smem) {
+  const int group = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int num_vectors = k_len / 8;
+  const petit_bf16_bits* b[kDecodeRowsPerWarp];
+#pragma unroll
+  for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr) b[wr] = b_row(wr);
+  float acc[kDecodeRows][kDecodeRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kDecodeRows; ++r)
+#pragma unroll
+    for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr) acc[r][wr] = 0.f;
+  for (int v = lane; v < num_vectors; v += 32) {
+    uint4 w[kDecodeRowsPerWarp];  // kept packed (bf16 -> fp32 is a shift): fewer registers
+#pragma unroll
+    for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr)
+      w[wr] = b[wr] != nullptr ? reinterpret_cast<const uint4*>(b[wr])[v] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int r = 0; r < kDecodeRows; ++r) {
+      if (r >= num_rows) break;
+      const uint4 packed = reinterpret_cast<const uint4*>(a_row(r))[v];
+      const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float x = petit_bf16_to_float(h[e]);
+#pragma unroll
+        for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr)
+          acc[r][wr] += x * petit_bf16_to_float(reinterpret_cast<const petit_bf16_bits*>(&w[wr])[e]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kDecodeRows; ++r)
+#pragma unroll
+    for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr) smem.partial[group][wr][r][lane] = acc[r][wr];
+  __syncthreads();
+  // One thread per (group, weight row, tile row): the 32 lanes in order.
+  static_assert(kDecodeWarps * kDecodeRowsPerWarp * kDecodeRows == kDecodeThreads, "1:1");
+  const int g = threadIdx.x / (kDecodeRowsPerWarp * kDecodeRows);
+  const int wr = (threadIdx.x / kDecodeRows) % kDecodeRowsPerWarp;
+  const int r = threadIdx.x % kDecodeRows;
+  float sum = 0.f;
+  for (int l = 0; l < 32; ++l) sum += smem.partial[g][wr][r][l];
+  smem.sums[g][wr][r] = sum;
+  __syncthreads();
+}
+
+// GEMM1: tile columns [n_begin, n_begin + kDecodeWarps * kDecodeRowsPerWarp / 2); group g owns
+// columns n_begin + g*2 + {0, 1}: weight rows gate(c0), gate(c1), up(c0), up(c1).
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
+    expert_gate_up_decode_kernel(ExpertGemmArgs a) {
+  constexpr int kColsPerGroup = kDecodeRowsPerWarp / 2;
+  constexpr int kBlockN = kDecodeWarps * kColsPerGroup;
+  using Scheduler = gemm::ExpertTileScheduler<kDecodeThreads>;
+  __shared__ DecodeShared smem;
+  __shared__ typename Scheduler::SharedStorage scheduler_smem;
+  Scheduler scheduler;
+  scheduler.init(a.expert_offsets, a.num_local_experts, kDecodeRows,
+                 ceil_div(a.intermediate, kBlockN), scheduler_smem);
+  const int group = threadIdx.x / 32;
+  const int num_tiles = scheduler.num_tiles();
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
+    const gemm::TileCoord tile = scheduler.tile(t);
+    const int n_begin = tile.n_tile * kBlockN;
+    const petit_bf16_bits* w13_e = a.w13 + int64_t(tile.expert) * 2 * a.intermediate * a.hidden;
+    decode_dots(
+        [&](int r) {
+          return a.x + int64_t(a.sorted_entries[tile.row_begin + r] / a.top_k) * a.hidden;
+        },
+        [&](int wr) -> const petit_bf16_bits* {
+          const int n = n_begin + group * kColsPerGroup + wr % kColsPerGroup;
+          if (n >= a.intermediate) return nullptr;
+          return w13_e + int64_t((wr / kColsPerGroup) * a.intermediate + n) * a.hidden;
+        },
+        a.hidden, tile.num_rows, smem);
+    if (threadIdx.x < kBlockN * kDecodeRows) {
+      const int c = threadIdx.x / kDecodeRows, r = threadIdx.x % kDecodeRows;
+      const int g = c / kColsPerGroup, j = c % kColsPerGroup;
+      const int n = n_begin + c;
+      if (r < tile.num_rows && n < a.intermediate) {
+        const float gate = smem.sums[g][j][r], up = smem.sums[g][kColsPerGroup + j][r];
+        a.act[int64_t(tile.row_begin + r) * a.intermediate + n] =
+            petit_float_to_bf16(gemm::silu(gate) * up);
+      }
+    }
+    __syncthreads();  // smem.sums is rewritten by the next tile
+  }
+}
+
+// GEMM2: tile columns [n_begin, n_begin + kDecodeWarps * kDecodeRowsPerWarp); group g owns
+// columns n_begin + g*4 + {0..3}: w2 rows.
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
+    expert_down_decode_kernel(ExpertGemmArgs a) {
+  constexpr int kBlockN = kDecodeWarps * kDecodeRowsPerWarp;
+  using Scheduler = gemm::ExpertTileScheduler<kDecodeThreads>;
+  __shared__ DecodeShared smem;
+  __shared__ typename Scheduler::SharedStorage scheduler_smem;
+  Scheduler scheduler;
+  scheduler.init(a.expert_offsets, a.num_local_experts, kDecodeRows,
+                 ceil_div(a.hidden, kBlockN), scheduler_smem);
+  const int group = threadIdx.x / 32;
+  const int num_tiles = scheduler.num_tiles();
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
+    const gemm::TileCoord tile = scheduler.tile(t);
+    const int n_begin = tile.n_tile * kBlockN;
+    const petit_bf16_bits* w2_e = a.w2 + int64_t(tile.expert) * a.hidden * a.intermediate;
+    decode_dots(
+        [&](int r) { return a.act + int64_t(tile.row_begin + r) * a.intermediate; },
+        [&](int wr) -> const petit_bf16_bits* {
+          const int n = n_begin + group * kDecodeRowsPerWarp + wr;
+          return n < a.hidden ? w2_e + int64_t(n) * a.intermediate : nullptr;
+        },
+        a.intermediate, tile.num_rows, smem);
+    {
+      const int c = threadIdx.x / kDecodeRows, r = threadIdx.x % kDecodeRows;
+      const int n = n_begin + c;  // c < kBlockN: one thread per (column, row)
+      if (r < tile.num_rows && n < a.hidden) {
+        const int entry = a.sorted_entries[tile.row_begin + r];
+        a.partial[int64_t(entry) * a.hidden + n] =
+            a.topk_weights[entry] * smem.sums[c / kDecodeRowsPerWarp][c % kDecodeRowsPerWarp][r];
+      }
+    }
+    __syncthreads();  // smem.sums is rewritten by the next tile
+  }
+}
+
 // ------------------------------------------------------------------ local reduction
 
 // One thread per (row, 8 columns): sum the row's local entries in slot order, round once.
@@ -263,7 +412,7 @@ petitError_t check_args(const ExpertGemmArgs& a) {
   if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
       a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
       a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
-      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesMma || a.num_sms < 0)
+      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesDecode || a.num_sms < 0)
     return petitErrorInvalidValue;
   if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
   if (a.num_rows > 0 &&
@@ -312,6 +461,20 @@ petitError_t launch_down_with(const ExpertGemmArgs& a, int num_sms, petitStream_
   const int grid = persistent_grid<Cfg>(a, a.hidden, num_sms);
   if (grid == 0) return petitErrorInvalidValue;
   petitLaunchKernel(expert_down_kernel<Cfg>, dim3(grid), dim3(Cfg::kThreads), 0, stream, a);
+  return petitGetLastError();
+}
+
+// ---- decode launchers (kExpertTilesDecode)
+template <class Kernel>
+petitError_t launch_decode_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_cols,
+                                  int cols_per_tile, int num_sms, petitStream_t stream) {
+  const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
+  const int64_t max_tiles = ((num_entries + kDecodeRows - 1) / kDecodeRows + a.num_local_experts) *
+                            ceil_div(out_cols, cols_per_tile);
+  if (max_tiles >= kMaxTiles) return petitErrorInvalidValue;
+  const int64_t resident = int64_t(num_sms) * kDecodeMinBlocksPerSm;
+  const int grid = int(max_tiles < resident ? max_tiles : resident);
+  petitLaunchKernel(kernel, dim3(grid), dim3(kDecodeThreads), 0, stream, a);
   return petitGetLastError();
 }
 
@@ -405,6 +568,9 @@ petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream
   petitError_t err = prepare_gemm_launch(a, &tiles, &num_sms, &launch);
   if (err != petitSuccess || !launch) return err;
   if (tiles == kExpertTilesMma) return launch_gate_up_mma(a, num_sms, stream);
+  if (tiles == kExpertTilesDecode)
+    return launch_decode_kernel(expert_gate_up_decode_kernel, a, a.intermediate,
+                                kDecodeWarps * kDecodeRowsPerWarp / 2, num_sms, stream);
   return tiles == kExpertTilesLarge
              ? launch_gate_up_with<GateUpLarge>(a, num_sms, stream)
              : launch_gate_up_with<GateUpSmall>(a, num_sms, stream);
@@ -416,6 +582,9 @@ petitError_t launch_expert_down(const ExpertGemmArgs& a, petitStream_t stream) {
   petitError_t err = prepare_gemm_launch(a, &tiles, &num_sms, &launch);
   if (err != petitSuccess || !launch) return err;
   if (tiles == kExpertTilesMma) return launch_down_mma(a, num_sms, stream);
+  if (tiles == kExpertTilesDecode)
+    return launch_decode_kernel(expert_down_decode_kernel, a, a.hidden,
+                                kDecodeWarps * kDecodeRowsPerWarp, num_sms, stream);
   return tiles == kExpertTilesLarge
              ? launch_down_with<DownLarge>(a, num_sms, stream)
              : launch_down_with<DownSmall>(a, num_sms, stream);

@@ -359,7 +359,7 @@ def parse_args(argv=None):
     p.add_argument("--hot-fraction", type=float, default=0.6,
                    help="skewed routing: probability that a pair lands on rank 0's experts "
                         "(default 0.6; 1/W would be an even split)")
-    p.add_argument("--tiles", choices=("auto", "small", "large", "mma"), default="auto",
+    p.add_argument("--tiles", choices=("auto", "small", "large", "mma", "decode"), default="auto",
                    help="petit tile family (default: auto; mma: sm_80+ tensor cores, opt-in)")
     p.add_argument("--no-triton", action="store_true", help="skip vLLM's Triton experts")
     p.add_argument("--seed", type=int, default=1234)

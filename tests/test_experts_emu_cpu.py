@@ -21,7 +21,7 @@ from vllm_petit_moe import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
-TILES = {"auto": 0, "small": 1, "large": 2}
+TILES = {"auto": 0, "small": 1, "large": 2, "decode": 4}
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +60,7 @@ def run_emulated(lib, recv_x, ids, weights, w13, w2, *, tiles="auto", num_sms=1)
         ctypes.byref(used),
     )
     assert rc == 0, f"launch_experts returned {rc}"
-    return out, {1: "small", 2: "large"}[used.value]
+    return out, {1: "small", 2: "large", 4: "decode"}[used.value]
 
 
 def make_problem(ids, hidden, intermediate, num_local, seed):
@@ -95,7 +95,7 @@ def check_against_reference(out, problem):
     assert bool((out[no_local] == 0).all()), "rows without a local id must be 0"
 
 
-@pytest.mark.parametrize("tiles", ["small", "large"])
+@pytest.mark.parametrize("tiles", ["small", "large", "decode"])
 @pytest.mark.parametrize("hidden, intermediate", [(136, 40), (8, 8), (40, 136)])
 def test_random_routing_odd_shapes(emu, tiles, hidden, intermediate):
     gen = torch.Generator().manual_seed(hidden * 7 + intermediate)
@@ -113,7 +113,7 @@ def test_empty_experts_and_one_expert_with_all_rows(emu, top_k):
     ids = torch.full((300, top_k), -1, dtype=torch.int32)
     ids[:, top_k - 1] = 4  # expert 4 of 6 gets every row, experts 0-3 and 5 none
     problem = make_problem(ids, 24, 16, 6, seed=2)
-    for tiles in ("small", "large"):
+    for tiles in ("small", "large", "decode"):
         out, _ = run_emulated(emu, *problem, tiles=tiles)
         check_against_reference(out, problem)
 
@@ -123,7 +123,7 @@ def test_rows_per_expert_1_to_4096(emu):
     ids = routing_with_counts(counts, seed=3)
     assert torch.bincount(ids[ids >= 0].long()).tolist() == counts
     problem = make_problem(ids, 16, 8, len(counts), seed=4)
-    for tiles in ("small", "large"):
+    for tiles in ("small", "large", "decode"):
         out, _ = run_emulated(emu, *problem, tiles=tiles, num_sms=4)
         check_against_reference(out, problem)
 
@@ -151,6 +151,25 @@ def test_deterministic_and_batch_invariant(emu):
     part, _ = run_emulated(emu, x[:first].contiguous(), i[:first].contiguous(),
                            w[:first].contiguous(), w13, w2, tiles="small")
     assert torch.equal(part, small[:first])
+
+
+def test_decode_tiles_are_deterministic_and_batch_invariant(emu):
+    """The decode family sums each dot product in a fixed order (lane-strided fp32 chains, then
+    the 32 lanes in order): repeatable over grid sizes and batch compositions. (Its order
+    differs from the SIMT families', so it is compared with them only through the
+    reference.)"""
+    gen = torch.Generator().manual_seed(16)
+    ids = torch.randint(-1, 4, (40, 3), generator=gen, dtype=torch.int32)
+    problem = make_problem(ids, 264, 72, 4, seed=17)  # K spans several lane strides
+    one, _ = run_emulated(emu, *problem, tiles="decode", num_sms=1)
+    three, _ = run_emulated(emu, *problem, tiles="decode", num_sms=3)
+    assert torch.equal(one, three)
+    check_against_reference(one, problem)
+    first = 11
+    x, i, w, w13, w2 = problem
+    part, _ = run_emulated(emu, x[:first].contiguous(), i[:first].contiguous(),
+                           w[:first].contiguous(), w13, w2, tiles="decode")
+    assert torch.equal(part, one[:first])
 
 
 def test_auto_tiles_follow_rows_per_expert(emu):

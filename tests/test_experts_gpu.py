@@ -15,7 +15,7 @@ from vllm_petit_moe import reference
 
 pytestmark = [requires_gpu, requires_extension]
 
-TILE_FAMILIES = ["small", "large", "mma"]
+TILE_FAMILIES = ["small", "large", "mma", "decode"]
 
 
 def make_problem(ids, hidden, intermediate, num_local, seed, *, poison_unrouted=True):
