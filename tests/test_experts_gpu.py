@@ -162,6 +162,9 @@ def test_deterministic_and_tile_family_invariant():
     mma = run_petit(problem, "mma")
     check(mma, problem)
     assert torch.equal(mma, run_petit(problem, "mma"))
+    decode = run_petit(problem, "decode")  # its own fixed order too
+    check(decode, problem)
+    assert torch.equal(decode, run_petit(problem, "decode"))
     # A row's result does not depend on the rest of the batch (batch invariance).
     head = tuple(t[:100].contiguous() if t.dim() == 2 else t for t in problem[:3]) + problem[3:]
     assert torch.equal(run_petit(head, "small"), small[:100])
