@@ -344,8 +344,9 @@ def test_register_without_flag_only_registers_the_env_vars():
     out["patched"] = hasattr(FusedMoEKernel.__init__, "_petit_moe_original")
     """), VLLM_USE_PETIT_MOE="0")
     assert out == {
-        "registered": ["VLLM_PETIT_MOE_EXPERTS", "VLLM_PETIT_MOE_STRICT",
-                       "VLLM_PETIT_MOE_TIMEOUT_S", "VLLM_USE_PETIT_MOE"],
+        "registered": ["VLLM_PETIT_MOE_EXPERTS", "VLLM_PETIT_MOE_EXPERTS_TILES",
+                       "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_TIMEOUT_S",
+                       "VLLM_USE_PETIT_MOE"],
         "flag": False,
         "mk_imported": False,
         "finders": [],
@@ -402,6 +403,12 @@ def test_malformed_flag_fails_at_registration(monkeypatch):
     monkeypatch.setenv(envs.VLLM_PETIT_MOE_EXPERTS, "2")
     with pytest.raises(ValueError, match="VLLM_PETIT_MOE_EXPERTS"):
         envs.petit_experts()
+    assert envs.petit_experts_tiles() == "auto"
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_EXPERTS_TILES, "Decode")
+    assert envs.petit_experts_tiles() == "decode"
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_EXPERTS_TILES, "huge")
+    with pytest.raises(ValueError, match="VLLM_PETIT_MOE_EXPERTS_TILES.*decode"):
+        envs.petit_experts_tiles()
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,12 @@ VLLM_PETIT_MOE_EXPERTS = "VLLM_PETIT_MOE_EXPERTS"
 """``1`` (opt-in, experimental): where petit's prepare/finalize is substituted and the layer
 runs vLLM's unquantized Triton experts, also substitute ``PetitExperts`` (our grouped-GEMM
 kernels, portable SIMT path, on the same weights). Only meaningful with
-``VLLM_USE_PETIT_MOE=1``. Default off: the kernels have not been validated on a GPU yet."""
+``VLLM_USE_PETIT_MOE=1``. Default off: correct on a GPU, but slower than vLLM's Triton experts
+so far."""
+
+VLLM_PETIT_MOE_EXPERTS_TILES = "VLLM_PETIT_MOE_EXPERTS_TILES"
+"""Tile family of ``PetitExperts``' GEMMs: ``auto`` (default), ``small``, ``large``, ``mma``
+or ``decode`` (``vllm_petit_moe.ops.TILES``)."""
 
 VLLM_PETIT_MOE_TIMEOUT_S = "VLLM_PETIT_MOE_TIMEOUT_S"
 """Bound, in seconds, of every spin-wait of the dispatch/combine kernels before they report
@@ -59,6 +64,17 @@ def petit_experts() -> bool:
     return _parse_bool(VLLM_PETIT_MOE_EXPERTS)
 
 
+def petit_experts_tiles() -> str:
+    """``VLLM_PETIT_MOE_EXPERTS_TILES`` (default ``auto``), validated."""
+    from vllm_petit_moe.ops import TILES
+
+    value = os.environ.get(VLLM_PETIT_MOE_EXPERTS_TILES, "").strip().lower() or "auto"
+    if value not in TILES:
+        raise ValueError(f"{VLLM_PETIT_MOE_EXPERTS_TILES}={value!r}: expected one of "
+                         f"{', '.join(TILES)}")
+    return value
+
+
 def timeout_s() -> float:
     """``VLLM_PETIT_MOE_TIMEOUT_S`` as a positive float (default 30)."""
     raw = os.environ.get(VLLM_PETIT_MOE_TIMEOUT_S, "").strip()
@@ -74,6 +90,7 @@ ENV_VARS: dict[str, Callable[[], Any]] = {
     VLLM_USE_PETIT_MOE: use_petit_moe,
     VLLM_PETIT_MOE_STRICT: strict,
     VLLM_PETIT_MOE_EXPERTS: petit_experts,
+    VLLM_PETIT_MOE_EXPERTS_TILES: petit_experts_tiles,
     VLLM_PETIT_MOE_TIMEOUT_S: timeout_s,
 }
 """Name -> getter, in the form of vLLM's ``environment_variables`` registry."""

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from vllm_petit_moe.vllm_glue import compat
+from vllm_petit_moe.vllm_glue import compat, envs
 
 _ExpertsModular = compat.fused_moe_symbol("ExpertsModular")
 _ActivationFormat = compat.fused_moe_symbol("ActivationFormat")
@@ -118,6 +118,7 @@ class PetitExperts(_ExpertsModular):
         reason = unsupported_reason(moe_config, quant_config)
         if reason is not None:
             raise ValueError(f"vllm-petit-moe: PetitExperts cannot serve this layer: {reason}")
+        self.tiles = envs.petit_experts_tiles()  # the GEMMs' tile family (ops.TILES)
 
     # --- vLLM's kernel-selection interface ----------------------------------------------
 
@@ -246,5 +247,5 @@ class PetitExperts(_ExpertsModular):
         partial = workspace2.reshape(-1)[: 2 * num_entries * hidden].view(torch.float32)
         ops.experts_forward(
             hidden_states, local_ids, weights, w1, w2,
-            out=output, act_workspace=act, partial_workspace=partial,
+            out=output, act_workspace=act, partial_workspace=partial, tiles=self.tiles,
         )
