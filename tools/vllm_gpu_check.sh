@@ -7,7 +7,7 @@
 #
 #   bash tools/vllm_gpu_check.sh                     # all steps
 #   bash tools/vllm_gpu_check.sh build test-vllm     # some steps (install + env always run)
-# Steps: build meta test-vllm test-plugin bench compare serve. On a cold machine all of them
+# Steps: build meta test-vllm test-plugin bench bench-experts compare serve. On a cold machine all of them
 # do not fit in one 600 s command: run "build meta test-vllm test-plugin", then "bench" while
 # it is warm; "compare" (examples/compare_serving.py: the seeded tiny Qwen3-MoE served with and
 # without the flag, outputs compared, ~3-5 min) and "serve" (examples/serve.sh on the full
@@ -71,7 +71,7 @@ export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 
 # 2. the extension, in place (ninja, every core); also when a later step needs it and a fresh
 #    machine has none (a warm machine keeps the ignored .so between calls)
-if ! want build && want_any test-vllm bench compare serve && ! ls vllm_petit_moe/_C*.so > /dev/null 2>&1; then
+if ! want build && want_any test-vllm bench bench-experts compare serve && ! ls vllm_petit_moe/_C*.so > /dev/null 2>&1; then
   echo "no compiled extension here: adding the build step"
   STEPS="build $STEPS"
 fi
@@ -129,6 +129,16 @@ if want bench; then
   run_step bench 400 "$PY" examples/bench_moe_layer.py ${BENCH_ARGS:---quick} --out-dir "$OUT"
 fi
 
+# 6b. the expert GEMMs against vLLM's Triton experts (needs vLLM, hence here); one run per
+#     tile family in EXPERTS_TILES (default "auto decode")
+if want bench-experts; then
+  for tiles in ${EXPERTS_TILES:-auto decode}; do
+    # shellcheck disable=SC2086
+    run_step "bench-experts-$tiles" 200 "$PY" examples/bench_experts.py ${BENCH_EXPERTS_ARGS:---quick} \
+      --tiles "$tiles" --out-dir "$OUT/experts-$tiles"
+  done
+fi
+
 # 7. serving: the same model with and without the flag, outputs compared (seeded weights)
 if want compare; then
   run_step compare 560 "$PY" examples/compare_serving.py --log-dir "$OUT/compare" \
@@ -148,12 +158,15 @@ echo "commit      : ${PETIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 echo "vllm        : $("$PY" -c 'from importlib.metadata import version; print(version("vllm"))' 2>&1 | tail -1)"
 echo "install     : rc=${RC[install]} in ${SECS[install]}s"
 ok=1
-for step in build meta test-vllm test-plugin bench compare serve; do
-  want "$step" || continue
+experts_steps=""
+want bench-experts && for tiles in ${EXPERTS_TILES:-auto decode}; do experts_steps+=" bench-experts-$tiles"; done
+for step in build meta test-vllm test-plugin bench $experts_steps compare serve; do
+  [[ $step == bench-experts-* ]] || want "$step" || continue
   rc=${RC[$step]:-not-run}
   summary=""
   case $step in
     test-*) summary=$(grep -E "(passed|failed|skipped|error)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
+    bench-experts-*) summary=$(grep -E "^wrote|NOTE" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
     bench) summary=$(grep -E "^wrote|^WARNING: " "$OUT/$step.log" 2>/dev/null | tail -2 | tr -d "'\"") ;;
     compare) summary=$(grep -E "^(AGREE|DISAGREE)|prompts identical" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
     serve) summary=$(grep -E "MoE layers use|token ids|exit" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
