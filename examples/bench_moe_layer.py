@@ -7,7 +7,10 @@ Both kernels come from vLLM's unquantized oracle on the same weights and routing
 - default: ``MoEPrepareAndFinalizeNaiveDPEPModular`` (all-gather / reduce-scatter over NCCL)
   + ``TritonExperts``;
 - petit: the same call with ``VLLM_USE_PETIT_MOE=1``, our hook substituting
-  ``PetitPrepareAndFinalize`` (symmetric-heap dispatch/combine) + the same ``TritonExperts``.
+  ``PetitPrepareAndFinalize`` (symmetric-heap dispatch/combine) + the same ``TritonExperts``;
+- with ``--petit-experts-tiles T``, also petit-experts: ``PetitPrepareAndFinalize`` +
+  ``PetitExperts`` (our grouped GEMMs, tile family T; ``VLLM_PETIT_MOE_EXPERTS=1``), reported as
+  ``petit_experts_us``, ``petit_experts_tflops``, ``petit_experts_speedup`` (vs default).
 
 For each (preset, routing, tokens per rank): both paths are captured in CUDA graphs (all
 ranks with the same token count, as vLLM pads them under graphs) and timed as the median
@@ -55,7 +58,7 @@ ROUTINGS = ("uniform", "skewed")
 # --------------------------------------------------------------------------------------------
 
 
-def _rank_build(state, preset, max_tokens, seed, petit_via):
+def _rank_build(state, preset, max_tokens, seed, petit_via, paths=harness.PATHS):
     """Free the previous preset's layer and build this one (local random weights)."""
     import torch
 
@@ -70,7 +73,7 @@ def _rank_build(state, preset, max_tokens, seed, petit_via):
     w13, w2 = harness.random_weights(shape, num_local, seed=seed + 1000 * state.rank,
                                      device=state.device)
     layer = harness.build_layer(state, shape, w13, w2, max_num_tokens=max_tokens,
-                                petit_via=petit_via)
+                                petit_via=petit_via, paths=paths)
     state.cache["layer"] = layer
     buffer = layer.kernels["petit"].prepare_finalize.buffer
     return dict(gpu=torch.cuda.get_device_name(state.device), vllm_backend=layer.vllm_backend,
@@ -93,7 +96,7 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed):
              for d in range(world)]
 
     captured = {}
-    for path in harness.PATHS:
+    for path in layer.kernels:
         static = (xs[rank].clone(), ids[rank].clone(), ws[rank].clone())
         captured[path] = harness.capture(
             state.device, lambda path=path, static=static: layer.forward(path, *static, counts))
@@ -107,6 +110,9 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed):
     row = dict(pairs=pairs, hot_share=share[0], max_share=max(share),
                rel_diff=diff.norm().item() / norm if norm > 0 else 0.0,
                max_abs_diff=diff.abs().max().item(),
+               petit_experts_rel_diff=(
+                   (outs[harness.PETIT_EXPERTS_PATH] - outs["default"]).norm().item() / norm
+                   if harness.PETIT_EXPERTS_PATH in outs and norm > 0 else None),
                petit_finite=bool(torch.isfinite(outs["petit"]).all()),
                default_finite=bool(torch.isfinite(outs["default"]).all()))
     row["finite"] = row["petit_finite"] and row["default_finite"]
@@ -130,11 +136,18 @@ def _combine(preset, routing, num_tokens, per_rank, info, hot_fraction, iters):
     first = per_rank[0]
     row = dict(preset=preset, routing=routing, tokens=num_tokens)
     flops_per_gpu = shape.flops_per_pair() * first["pairs"] / world
-    for path in harness.PATHS:
+    for path in harness.PATHS + (harness.PETIT_EXPERTS_PATH,):
+        if f"{path}_us" not in first:
+            continue
+        key = path.replace("-", "_")
         us = max(r[f"{path}_us"] for r in per_rank)
-        row[f"{path}_us"] = us
-        row[f"{path}_tflops"] = flops_per_gpu / (us * 1e-6) / 1e12
+        row[f"{key}_us"] = us
+        row[f"{key}_tflops"] = flops_per_gpu / (us * 1e-6) / 1e12
     row["speedup"] = row["petit_tflops"] / row["default_tflops"]
+    if "petit_experts_tflops" in row:
+        row["petit_experts_speedup"] = row["petit_experts_tflops"] / row["default_tflops"]
+        diffs = [r["petit_experts_rel_diff"] for r in per_rank]
+        row["petit_experts_rel_diff"] = None if None in diffs else max(diffs)
     row.update(pairs=first["pairs"], hot_share=first["hot_share"],
                hot_fraction=hot_fraction if routing != "uniform" else None,
                rel_diff=max(r["rel_diff"] for r in per_rank),
@@ -154,9 +167,14 @@ HEADER = (f"{'preset':14} {'routing':8} {'tokens':>6} {'default_us':>10} {'petit
 
 def _print_row(r):
     flag = "" if r["finite"] and r["rel_diff"] < 2e-2 else "   <-- outputs differ"
+    extra = ""
+    if "petit_experts_us" in r:
+        extra = (f"   petit-experts {r['petit_experts_us']:.1f} us, speedup "
+                 f"{r['petit_experts_speedup']:.2f}, rel_diff {r['petit_experts_rel_diff']:.1e}")
     print(f"{r['preset']:14} {r['routing']:8} {r['tokens']:>6} {r['default_us']:10.1f} "
           f"{r['petit_us']:9.1f} {r['default_tflops']:10.1f} {r['petit_tflops']:9.1f} "
-          f"{r['speedup']:7.2f} {r['hot_share']:5.2f} {r['rel_diff']:8.1e}{flag}", flush=True)
+          f"{r['speedup']:7.2f} {r['hot_share']:5.2f} {r['rel_diff']:8.1e}{flag}{extra}",
+          flush=True)
 
 
 def _plot(rows, path, title):
@@ -203,6 +221,9 @@ def parse_args(argv=None):
     p.add_argument("--world", type=int, default=None, help="ranks = GPUs (default: all GPUs)")
     p.add_argument("--petit-via", choices=("hook", "direct"), default="hook",
                    help="build petit's kernel through the plugin hook (default) or by hand")
+    p.add_argument("--petit-experts-tiles", default=None,
+                   choices=("auto", "small", "large", "mma", "decode"),
+                   help="also time petit's prepare/finalize + PetitExperts with this tile family")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 20 iters")
     p.add_argument("--out-dir", default=None, help="also write the results here")
@@ -235,12 +256,16 @@ def main(argv=None):
                  f"{torch.cuda.device_count()}, asked for {world})")
     commit = commit_stamp(ROOT)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    paths = harness.PATHS
+    if args.petit_experts_tiles:
+        paths += (harness.PETIT_EXPERTS_PATH,)
+        os.environ["VLLM_PETIT_MOE_EXPERTS_TILES"] = args.petit_experts_tiles  # rank processes
     pool = harness.VllmRankPool(world)
     rows, gpu = [], "unknown"
     try:
         for preset in args.presets:
             infos = pool.run(_rank_build, preset, max(args.tokens), args.seed, args.petit_via,
-                             timeout_s=900)
+                             paths, timeout_s=900)
             info = infos[0]
             gpu = info["gpu"].replace("NVIDIA ", "").replace(" ", "-")
             print(f"# {preset}: {PRESETS[preset]}, W={world}, vLLM backend {info['vllm_backend']},"

@@ -79,6 +79,9 @@ SAFE_ENV = VLLM_SAFE_ENV
 _PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS")
 
 PATHS = ("default", "petit")
+# Optional third path: petit's prepare/finalize + PetitExperts (our grouped GEMMs, tile family
+# from VLLM_PETIT_MOE_EXPERTS_TILES), built through the hook with VLLM_PETIT_MOE_EXPERTS=1.
+PETIT_EXPERTS_PATH = "petit-experts"
 
 
 @dataclass(frozen=True)
@@ -371,8 +374,9 @@ def reserve_workspace(layer: MoELayer, path: str | None = None) -> int:
     return sum(v.numel() * v.element_size() for v in views)
 
 
-def _petit_kernel_via_hook(moe_config, quant_config):
-    """The oracle's kernel with the plugin flag on: our hook substitutes the prepare/finalize.
+def _petit_kernel_via_hook(moe_config, quant_config, petit_experts: bool = False):
+    """The oracle's kernel with the plugin flag on: our hook substitutes the prepare/finalize
+    (and, with ``petit_experts``, the experts by ``PetitExperts``).
 
     Strict mode: a fallback to vLLM's path would raise instead of silently measuring vLLM.
     """
@@ -385,7 +389,8 @@ def _petit_kernel_via_hook(moe_config, quant_config):
     from vllm_petit_moe.vllm_glue import hook
 
     hook.install()  # wraps FusedMoEKernel.__init__ (idempotent; inert while the flag is off)
-    with env_override(VLLM_USE_PETIT_MOE="1", VLLM_PETIT_MOE_STRICT="1"):
+    with env_override(VLLM_USE_PETIT_MOE="1", VLLM_PETIT_MOE_STRICT="1",
+                      VLLM_PETIT_MOE_EXPERTS="1" if petit_experts else None):
         return make_unquantized_moe_kernel(quant_config, moe_config,
                                            UnquantizedMoeBackend.TRITON, TritonExperts)
 
@@ -417,7 +422,7 @@ def build_layer(state: RankState, shape: MoEShape, w13_local: torch.Tensor,
     """Build this rank's layer on the given local weights (collective: all ranks, same order).
 
     w13_local ``[L, 2I, H]``, w2_local ``[L, H, I]`` (bf16, this rank's experts
-    ``[rank*L, (rank+1)*L)``). ``paths``: subset of ``("default", "petit")``.
+    ``[rank*L, (rank+1)*L)``). ``paths``: subset of ``("default", "petit", "petit-experts")``.
     """
     from vllm.model_executor.layers.fused_moe import modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
@@ -432,6 +437,7 @@ def build_layer(state: RankState, shape: MoEShape, w13_local: torch.Tensor,
         MoEPrepareAndFinalizeNaiveDPEPModular,
     )
 
+    from vllm_petit_moe.vllm_glue.experts import PetitExperts
     from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
 
     moe_config = make_moe_config(state, shape, max_num_tokens)
@@ -452,7 +458,11 @@ def build_layer(state: RankState, shape: MoEShape, w13_local: torch.Tensor,
     quant = FUSED_MOE_UNQUANTIZED_CONFIG
     kernels = {}
     for path in paths:
-        if path == "default":
+        expected_experts = TritonExperts
+        if path == PETIT_EXPERTS_PATH:
+            kernel = _petit_kernel_via_hook(moe_config, quant, petit_experts=True)
+            expected, expected_experts = PetitPrepareAndFinalize, PetitExperts
+        elif path == "default":
             with env_override(VLLM_USE_PETIT_MOE=None):
                 kernel = make_unquantized_moe_kernel(quant, moe_config,
                                                      UnquantizedMoeBackend.TRITON, TritonExperts)
@@ -467,18 +477,20 @@ def build_layer(state: RankState, shape: MoEShape, w13_local: torch.Tensor,
                 raise ValueError(f"petit_via must be 'hook' or 'direct', got {petit_via!r}")
             expected = PetitPrepareAndFinalize
         else:
-            raise ValueError(f"unknown path {path!r}; expected one of {PATHS}")
+            raise ValueError(f"unknown path {path!r}; expected one of "
+                             f"{PATHS + (PETIT_EXPERTS_PATH,)}")
         if not isinstance(kernel, mk.FusedMoEKernel) or \
                 type(kernel.prepare_finalize) is not expected or \
-                not isinstance(kernel.fused_experts, TritonExperts):
+                not isinstance(kernel.fused_experts, expected_experts):
             raise RuntimeError(f"{path}: built {type(kernel.prepare_finalize).__name__} + "
                                f"{type(kernel.fused_experts).__name__}, expected "
-                               f"{expected.__name__} + TritonExperts")
+                               f"{expected.__name__} + {expected_experts.__name__}")
         kernels[path] = kernel
 
     layer = MoELayer(state, shape, moe_config, w13_local.contiguous(), w2_local.contiguous(),
                      expert_map.to(state.device), kernels, vllm_backend, max_num_tokens)
-    reserve_workspace(layer)
+    for path in kernels:  # the largest workspace any path's experts need
+        reserve_workspace(layer, path)
     return layer
 
 
