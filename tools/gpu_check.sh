@@ -11,10 +11,13 @@
 #   BENCH_SWEEP="PETIT_MOE_COMBINE_REDUCE_PCT=40 PETIT_MOE_COMBINE_REDUCE_VECTORS=128" \
 #     bash tools/gpu_check.sh                # + the dispatch/combine bench once per setting
 #                                            #   (BENCH_SWEEP_ARGS; tables in $OUT/sweep.log)
+#   PACK=1 bash tools/gpu_check.sh       # logs and results packed into $OUT/gpu_check.tgz
 #   PYTEST_ARGS='-k "fp8 or graph"' bash tools/gpu_check.sh   # shell-quoted, like a command line
 # The device copy of the tree has no .git: pass PETIT_COMMIT=<hash> to stamp results.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+# shellcheck source=tools/common.sh
+. tools/common.sh
 OUT=${OUT:-/tmp/petit-gpu-check}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -75,6 +78,7 @@ echo "tests       : rc=$test_rc in ${test_s:-0}s: $(tail -1 "$OUT/pytest.log" 2>
 echo "bench       : rc=$bench_rc"
 echo "experts     : rc=$experts_bench_rc"
 echo "sweep       : rc=$sweep_rc ${BENCH_SWEEP:-}"
+pack_out gpu_check
 [ $build_rc -eq 0 ] && [ $test_rc -eq 0 ] && { [ "$bench_rc" = - ] || [ "$bench_rc" = 0 ]; } &&
   { [ "$experts_bench_rc" = - ] || [ "$experts_bench_rc" = 0 ]; } &&
   { [ "$sweep_rc" = - ] || [ "$sweep_rc" = 0 ]; }

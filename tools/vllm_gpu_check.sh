@@ -14,9 +14,12 @@
 # Qwen3-30B-A3B config, dummy weights, flag on, ~5 min cold) each take a command of their own.
 # Environment: OUT (default /tmp/petit-vllm-check), BUDGET_S (whole run, default 570),
 #   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
+#   PACK=1 (pack $OUT into $OUT/vllm_gpu_check.tgz: the device returns <= 8 files),
 #   PYTEST_ARGS (extra pytest arguments, shell-quoted: PYTEST_ARGS='-k "fp8 or graph"').
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+# shellcheck source=tools/common.sh
+. tools/common.sh
 REPO=$(pwd)
 OUT=${OUT:-/tmp/petit-vllm-check}
 mkdir -p "$OUT"
@@ -176,4 +179,5 @@ for step in build meta test-vllm test-plugin bench $experts_steps compare serve;
   case $rc in 0|fallback) ;; *) ok=0 ;; esac
 done
 echo "logs        : $OUT ($(( $(date +%s) - T0 ))s total)"
+pack_out vllm_gpu_check
 [ "$ok" = 1 ]
