@@ -255,6 +255,9 @@ PETIT_DEVICE void decode_dots(ARow a_row, BRow b_row, int k_len, int num_rows,
   const petit_bf16_bits* b[kDecodeRowsPerWarp];
 #pragma unroll
   for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr) b[wr] = b_row(wr);
+  const petit_bf16_bits* a_rows[kDecodeRows];  // resolved once, not per K step
+#pragma unroll
+  for (int r = 0; r < kDecodeRows; ++r) a_rows[r] = r < num_rows ? a_row(r) : nullptr;
   float acc[kDecodeRows][kDecodeRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kDecodeRows; ++r)
@@ -268,7 +271,7 @@ PETIT_DEVICE void decode_dots(ARow a_row, BRow b_row, int k_len, int num_rows,
 #pragma unroll
     for (int r = 0; r < kDecodeRows; ++r) {
       if (r >= num_rows) break;
-      const uint4 packed = reinterpret_cast<const uint4*>(a_row(r))[v];
+      const uint4 packed = reinterpret_cast<const uint4*>(a_rows[r])[v];
       const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
