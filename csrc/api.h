@@ -135,6 +135,11 @@ enum DispatchQuant : int {
   kQuantFp8BlockUe8m0 = 3,  // as kQuantFp8Block with power-of-two (UE8M0) scales
 };
 
+// The modes with one scale per 1x128 block (H % 128 == 0; H/128 scales per row).
+PETIT_HOST_DEVICE constexpr bool is_block_quant(int quant) {
+  return quant == kQuantFp8Block || quant == kQuantFp8BlockUe8m0;
+}
+
 struct DispatchArgs {
   EpContextArgs ctx;
   const petit_bf16_bits* x;   // [T, H]

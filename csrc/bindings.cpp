@@ -166,7 +166,7 @@ class EpContext {
     PETIT_CHECK(T <= region_stride && region_stride <= args_.layout.max_tokens,
                 "need tokens (%lld) <= region stride (%lld) <= max tokens per rank (%d)",
                 (long long)T, (long long)region_stride, args_.layout.max_tokens);
-    const bool block_quant = quant == kQuantFp8Block || quant == kQuantFp8BlockUe8m0;
+    const bool block_quant = is_block_quant(int(quant));
     PETIT_CHECK(quant >= kQuantNone && quant <= kQuantFp8BlockUe8m0,
                 "quant %lld is not a DispatchQuant", (long long)quant);
     PETIT_CHECK(!block_quant || args_.layout.hidden % kFp8ScaleBlock == 0,

@@ -246,7 +246,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
     __syncthreads();
     const uint32_t route_mask = s_route_mask;
     int begin, end;  // in 16-byte source vectors; whole 1x128 blocks in block mode
-    constexpr bool kBlockQuant = kQuant == kQuantFp8Block || kQuant == kQuantFp8BlockUe8m0;
+    constexpr bool kBlockQuant = is_block_quant(kQuant);
     if (kBlockQuant) {
       chunk_range(num_vectors / kVecPerScaleBlock, chunk, num_chunks, &begin, &end);
       begin *= kVecPerScaleBlock;
@@ -541,8 +541,7 @@ petitError_t check_context(const EpContextArgs& c, int region_stride, int num_to
 petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
   petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
   if (err != petitSuccess) return err;
-  if ((args.quant == kQuantFp8Block || args.quant == kQuantFp8BlockUe8m0) &&
-      args.ctx.layout.hidden % kFp8ScaleBlock != 0)
+  if (is_block_quant(args.quant) && args.ctx.layout.hidden % kFp8ScaleBlock != 0)
     return petitErrorInvalidValue;
   DispatchArgs a = args;
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size,

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .heap import check_single_node, exchange_fds
+from .reference import FP8_BLOCK_MODES, FP8_SCALE_BLOCK
 
 logger = logging.getLogger("vllm.petit_moe.buffer")  # inside vLLM's logger tree
 
@@ -25,7 +26,6 @@ MAX_TOP_K = 16
 MAX_EXPERTS = 512
 MAX_WORLD_SIZE = 32
 TOKEN_GROUP_SIZE = 32
-FP8_SCALE_BLOCK = 128  # elements per scale of 1x128 block fp8 dispatch (layout.h)
 # Wire formats of dispatch (csrc/api.h DispatchQuant); the fp8 math is in csrc/fp8.h and
 # reference.quantize_fp8_reference.
 DISPATCH_QUANT = {None: 0, "fp8_block128": 1, "fp8_per_token": 2, "fp8_block128_ue8m0": 3}
@@ -207,7 +207,7 @@ class EpBuffer:
         if quant not in DISPATCH_QUANT:
             raise ValueError(f"petit_moe: quant must be one of {list(DISPATCH_QUANT)}, got "
                              f"{quant!r}")
-        if quant in ("fp8_block128", "fp8_block128_ue8m0") and self.hidden_size % FP8_SCALE_BLOCK:
+        if quant in FP8_BLOCK_MODES and self.hidden_size % FP8_SCALE_BLOCK:
             raise ValueError(f"petit_moe: {quant} needs a hidden size that is a multiple "
                              f"of {FP8_SCALE_BLOCK}, got {self.hidden_size}")
         recv_x, recv_ids, recv_weights, recv_scales = self._ctx.dispatch(

@@ -283,6 +283,7 @@ FP8_BLOCK_MIN_AMAX = 1e-10  # vLLM per_token_group_quant eps
 FP8_TOKEN_MIN_SCALE = 1.0 / (448.0 * 512.0)  # vLLM dynamic per-token minimum scale
 Fp8Quant = Literal["fp8_block128", "fp8_per_token", "fp8_block128_ue8m0"]
 FP8_QUANT_MODES = ("fp8_block128", "fp8_per_token", "fp8_block128_ue8m0")
+FP8_BLOCK_MODES = ("fp8_block128", "fp8_block128_ue8m0")  # one scale per 1x128 block
 
 
 def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
@@ -311,7 +312,7 @@ def quantize_fp8_reference(x: torch.Tensor, mode: Fp8Quant) -> tuple[torch.Tenso
     # Every division is tensor / tensor: torch turns division by a Python number into a
     # multiplication by its (rounded) reciprocal, which is not the IEEE quotient the kernel
     # computes.
-    if mode in ("fp8_block128", "fp8_block128_ue8m0"):
+    if mode in FP8_BLOCK_MODES:
         if hidden_size % FP8_SCALE_BLOCK:
             raise ValueError(f"{mode} needs hidden_size % {FP8_SCALE_BLOCK} == 0, got "
                              f"{hidden_size}")

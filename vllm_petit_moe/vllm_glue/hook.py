@@ -153,12 +153,10 @@ def decide(
         return _unsupported("LoRA on MoE layers")
     if moe.in_dtype is not torch.bfloat16:
         return _unsupported(f"activation dtype {moe.in_dtype} (only bfloat16 so far)")
-    quant_mode, quant_unsupported = dispatch_quant_mode(getattr(fused_experts, "quant_config", None))
+    quant_mode, quant_unsupported = dispatch_quant_mode(
+        getattr(fused_experts, "quant_config", None), moe.hidden_dim)
     if quant_unsupported is not None:
         return _unsupported(quant_unsupported)
-    if quant_mode in ("fp8_block128", "fp8_block128_ue8m0") and moe.hidden_dim % 128 != 0:
-        return _unsupported(f"fp8 1x128 blocks with hidden size {moe.hidden_dim} (not a "
-                            "multiple of 128)")
     if moe.hidden_dim % HIDDEN_SIZE_MULTIPLE != 0:
         return _unsupported(f"hidden size {moe.hidden_dim} is not a multiple of 8")
     if moe.experts_per_token > MAX_TOP_K:

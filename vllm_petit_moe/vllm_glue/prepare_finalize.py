@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_petit_moe.reference import FP8_BLOCK_MODES, FP8_SCALE_BLOCK
 from vllm_petit_moe.vllm_glue import compat
 
 _PrepareAndFinalizeModular = compat.fused_moe_symbol("PrepareAndFinalizeModular")
@@ -106,8 +107,10 @@ def linear_expert_map(
     return expert_map
 
 
-def dispatch_quant_mode(quant_config) -> tuple[str | None, str | None]:
-    """The ``EpBuffer.dispatch`` ``quant`` mode for a layer's activation quantization.
+def dispatch_quant_mode(quant_config, hidden_size: int | None = None
+                        ) -> tuple[str | None, str | None]:
+    """The ``EpBuffer.dispatch`` ``quant`` mode for a layer's activation quantization
+    (``hidden_size``, when given, is checked against the mode's limits).
 
     Returns ``(mode, None)`` with mode ``None`` (bf16 activations), ``"fp8_block128"``,
     ``"fp8_block128_ue8m0"`` (power-of-two scales: what vLLM's own quantizer produces when its
@@ -126,8 +129,11 @@ def dispatch_quant_mode(quant_config) -> tuple[str | None, str | None]:
     if getattr(quant_config, "a1_scale", None) is not None:
         return None, f"{what}: static activation scales (only dynamic fp8 is supported)"
     if block_shape is not None:
-        if per_token or len(block_shape) != 2 or int(block_shape[1]) != 128:
+        if per_token or len(block_shape) != 2 or int(block_shape[1]) != FP8_SCALE_BLOCK:
             return None, f"{what}: only 1x128 activation blocks are supported"
+        if hidden_size is not None and hidden_size % FP8_SCALE_BLOCK:
+            return None, (f"{what}: 1x128 blocks need a hidden size that is a multiple of "
+                          f"{FP8_SCALE_BLOCK}, got {hidden_size}")
         return ("fp8_block128_ue8m0" if compat.fp8_block_scales_are_ue8m0()
                 else "fp8_block128"), None
     if per_token:
@@ -265,14 +271,9 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
         recv_weights [W*R, K] float32)``; see the module docstring for ids and fp8.
         """
         quant_mode, unsupported = (None, None) if defer_input_quant else \
-            dispatch_quant_mode(quant_config)
+            dispatch_quant_mode(quant_config, a1.size(1))
         if unsupported is not None:
             raise NotImplementedError(f"vllm-petit-moe: {unsupported}")
-        if quant_mode in ("fp8_block128", "fp8_block128_ue8m0") and a1.size(1) % 128 != 0:
-            raise NotImplementedError(
-                f"vllm-petit-moe: fp8 1x128 blocks need a hidden size that is a multiple of "
-                f"128, got {a1.size(1)}"
-            )
         if a1.dtype != torch.bfloat16:
             raise NotImplementedError(
                 f"vllm-petit-moe: MoE activations must be bfloat16, got {a1.dtype}"
@@ -310,7 +311,7 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
             self._handle = None
             scales = None
             if quant_mode is not None:  # same dtypes and scale widths as a dispatch would give
-                num_scales = 1 if quant_mode == "fp8_per_token" else hidden // 128
+                num_scales = hidden // FP8_SCALE_BLOCK if quant_mode in FP8_BLOCK_MODES else 1
                 scales = a1.new_empty((0, num_scales), dtype=torch.float32)
             return (
                 a1.new_empty((0, hidden), dtype=torch.float8_e4m3fn if quant_mode else a1.dtype),
