@@ -15,7 +15,6 @@ Writes examples/results/dispatch_combine_<gpu>x<W>.jsonl and a PNG plot next to 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import queue
@@ -30,7 +29,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from vllm_petit_moe.device_env import commit_stamp  # noqa: E402
+from vllm_petit_moe.device_env import commit_stamp, utc_date, write_results  # noqa: E402
 
 PRESETS = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, top_k=8),
@@ -298,16 +297,9 @@ def main():
         proc.join()
     gpu = torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-")
     commit = commit_stamp(ROOT)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    name = f"dispatch_combine_{gpu}x{world}"
-    out_dirs = [ROOT / "examples" / "results"] + ([Path(args.out_dir)] if args.out_dir else [])
-    for out_dir in out_dirs:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with open(out_dir / f"{name}.jsonl", "w") as f:
-            for r in rows:
-                f.write(json.dumps(dict(gpu=gpu, world=world, commit=commit, date=date, **r)) + "\n")
-        _plot(rows, out_dir / f"{name}.png", f"EpBuffer dispatch/combine, {gpu} x{world}, {commit}")
-    print(f"wrote {out_dirs[0] / name}.jsonl and .png")
+    write_results(ROOT, f"dispatch_combine_{gpu}x{world}", rows,
+                  dict(gpu=gpu, world=world, commit=commit, date=utc_date()), _plot,
+                  f"EpBuffer dispatch/combine, {gpu} x{world}, {commit}", args.out_dir)
 
 
 if __name__ == "__main__":

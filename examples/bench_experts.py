@@ -35,16 +35,14 @@ more) and a PNG next to it, and prints a table. The commit comes from $PETIT_COM
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from vllm_petit_moe.device_env import commit_stamp  # noqa: E402
+from vllm_petit_moe.device_env import commit_stamp, utc_date, write_results  # noqa: E402
 
 PRESETS = {
     "deepseek-v3": dict(hidden=7168, intermediate=2048, num_experts=256, top_k=8),
@@ -398,7 +396,7 @@ def main(argv=None):
         sys.exit("bench_experts needs a CUDA GPU")
     gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     commit = commit_stamp(ROOT)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    date = utc_date()
     hbm_gbps = hbm_copy_gbps()
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     print(f"# {gpu}, commit {commit}, HBM copy {hbm_gbps:.0f} GB/s (read+write), W={args.world}",
@@ -417,16 +415,8 @@ def main(argv=None):
         del w13, w2
         torch.cuda.empty_cache()
 
-    name = f"experts_{gpu}"
-    out_dirs = [ROOT / "examples" / "results"] + ([Path(args.out_dir)] if args.out_dir else [])
-    title = f"expert GEMMs at rank 0 of W={args.world}, {gpu}, {commit}"
-    for out_dir in out_dirs:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with open(out_dir / f"{name}.jsonl", "w") as f:
-            for r in rows:
-                f.write(json.dumps(dict(gpu=gpu, commit=commit, date=date, **r)) + "\n")
-        plot(rows, out_dir / f"{name}.png", title)
-    print(f"wrote {out_dirs[0] / name}.jsonl and .png")
+    write_results(ROOT, f"experts_{gpu}", rows, dict(gpu=gpu, commit=commit, date=date), plot,
+                  f"expert GEMMs at rank 0 of W={args.world}, {gpu}, {commit}", args.out_dir)
     bad = [r for r in rows if not r["finite"] or r["rel_diff"] >= 2e-2]
     if bad:
         print(f"WARNING: {len(bad)} configurations where petit's output differs from the torch "

@@ -34,7 +34,6 @@ next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -43,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from vllm_petit_moe.device_env import commit_stamp  # noqa: E402
+from vllm_petit_moe.device_env import commit_stamp, utc_date, write_results  # noqa: E402
 
 import vllm_moe_harness as harness  # noqa: E402
 
@@ -255,7 +254,7 @@ def main(argv=None):
         sys.exit(f"bench_moe_layer needs >= 2 GPUs, one per rank (have "
                  f"{torch.cuda.device_count()}, asked for {world})")
     commit = commit_stamp(ROOT)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    date = utc_date()
     paths = harness.PATHS
     if args.petit_experts_tiles:
         paths += (harness.PETIT_EXPERTS_PATH,)
@@ -284,17 +283,9 @@ def main(argv=None):
     finally:
         pool.close()
 
-    name = f"moe_layer_{gpu}x{world}"
-    out_dirs = [ROOT / "examples" / "results"] + ([Path(args.out_dir)] if args.out_dir else [])
-    title = f"MoE layer via vLLM's modular kernel, {gpu} x{world}, {commit}"
-    for out_dir in out_dirs:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with open(out_dir / f"{name}.jsonl", "w") as f:
-            for r in rows:
-                f.write(json.dumps(dict(gpu=gpu, world=world, commit=commit, date=date, **r))
-                        + "\n")
-        _plot(rows, out_dir / f"{name}.png", title)
-    print(f"wrote {out_dirs[0] / name}.jsonl and .png")
+    write_results(ROOT, f"moe_layer_{gpu}x{world}", rows,
+                  dict(gpu=gpu, world=world, commit=commit, date=date), _plot,
+                  f"MoE layer via vLLM's modular kernel, {gpu} x{world}, {commit}", args.out_dir)
     bad = [r for r in rows if not r["finite"] or r["rel_diff"] >= 2e-2]
     if bad:
         print(f"WARNING: {len(bad)} configurations where petit and vLLM's outputs differ "

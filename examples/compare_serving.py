@@ -30,7 +30,6 @@ an error, 2 usage.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -45,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 import bench_tpot_gsm8k as bench  # noqa: E402  (server lifecycle, plugin checks, prompts)
 import make_seeded_checkpoint as seeded  # noqa: E402
 
-from vllm_petit_moe.device_env import commit_stamp  # noqa: E402
+from vllm_petit_moe.device_env import commit_stamp, utc_date  # noqa: E402
 
 DEFAULT_DATA = ROOT / "examples" / "data" / "gsm8k_test.jsonl"
 
@@ -161,7 +160,7 @@ def main(argv=None) -> int:
     summary = dict(
         gpu=bench.short_gpu_name(gpus[0]) if gpus else "none", world=dp,
         model=str(model_dir), commit=commit_stamp(ROOT),
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        date=utc_date(),
         vllm_version=bench.probe_vllm_version(args.python, env), tol=args.tol,
         num_prompts=len(prompts), max_tokens=args.max_tokens, agree=agree,
         identical_prompts=sum(r["common_prefix"] == r["length"] for r in per_prompt),

@@ -3,6 +3,8 @@
 NVLink multicast must stay off on the shared GPU hosts: a program using it can take the
 host's GPUs out of service. vLLM's symmetric-memory all-reduce uses multicast operations, its
 FlashInfer sampler is not in the offline vLLM bundle, and the GPU machines have no network.
+
+Also how the benchmark drivers stamp (commit, date) and write their results.
 """
 
 MULTICAST_OFF_ENV = {
@@ -35,3 +37,26 @@ def commit_stamp(repo_root) -> str:
     except (OSError, subprocess.SubprocessError):
         out = ""
     return out or "unknown"
+
+
+def utc_date() -> str:
+    """Now, as the results files' `date` field (UTC, ISO 8601, seconds)."""
+    import datetime
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def write_results(repo_root, name, rows, stamp, plot, title, out_dir=None):
+    """Write `rows` to <repo_root>/examples/results/<name>.jsonl (and to `out_dir` when given),
+    one line per row led by the fields of `stamp` (gpu, world, commit, date, ...), and
+    `plot(rows, <same folder>/<name>.png, title)` next to each. Returns the repo's .jsonl."""
+    import json
+    from pathlib import Path
+    out_dirs = [Path(repo_root) / "examples" / "results"] + ([Path(out_dir)] if out_dir else [])
+    for folder in out_dirs:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{name}.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps(dict(**stamp, **r)) + "\n")  # a clash is an error
+        plot(rows, folder / f"{name}.png", title)
+    print(f"wrote {out_dirs[0] / name}.jsonl and .png")
+    return out_dirs[0] / f"{name}.jsonl"
