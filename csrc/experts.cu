@@ -42,6 +42,43 @@ constexpr int kLargeTileMinRowsPerExpert = 256;
 constexpr int kReduceThreads = 256;
 constexpr int kReduceBlocksPerSm = 8;
 
+// ------------------------------------------------------------------ operand rows
+// The rows every tile family reads (nullptr: a row past the tile or the output width, which the
+// loaders treat as zeros and the epilogues skip).
+
+// GEMM1 A: tile row r, gathered through the row list (entry -> received row entry / K).
+PETIT_DEVICE const petit_bf16_bits* gate_up_a_row(const ExpertGemmArgs& a,
+                                                  const gemm::TileCoord& tile, int r) {
+  if (r >= tile.num_rows) return nullptr;
+  return a.x + int64_t(a.sorted_entries[tile.row_begin + r] / a.top_k) * a.hidden;
+}
+
+// GEMM1 B: w13 of the tile's expert; row n of the gate (group 0) or up (group 1) half.
+PETIT_DEVICE const petit_bf16_bits* w13_of(const ExpertGemmArgs& a, const gemm::TileCoord& tile) {
+  return a.w13 + int64_t(tile.expert) * 2 * a.intermediate * a.hidden;
+}
+PETIT_DEVICE const petit_bf16_bits* w13_row(const ExpertGemmArgs& a, const petit_bf16_bits* w13_e,
+                                            int group, int n) {
+  if (n >= a.intermediate) return nullptr;
+  return w13_e + int64_t(group * a.intermediate + n) * a.hidden;
+}
+
+// GEMM2 A: tile row r of the activation, already in sorted order (no gather).
+PETIT_DEVICE const petit_bf16_bits* down_a_row(const ExpertGemmArgs& a,
+                                               const gemm::TileCoord& tile, int r) {
+  if (r >= tile.num_rows) return nullptr;
+  return a.act + int64_t(tile.row_begin + r) * a.intermediate;
+}
+
+// GEMM2 B: w2 of the tile's expert; row n (output column n).
+PETIT_DEVICE const petit_bf16_bits* w2_of(const ExpertGemmArgs& a, const gemm::TileCoord& tile) {
+  return a.w2 + int64_t(tile.expert) * a.hidden * a.intermediate;
+}
+PETIT_DEVICE const petit_bf16_bits* w2_row(const ExpertGemmArgs& a, const petit_bf16_bits* w2_e,
+                                           int n) {
+  return n < a.hidden ? w2_e + int64_t(n) * a.intermediate : nullptr;
+}
+
 // ------------------------------------------------------------------ gate/up (GEMM1)
 
 template <class Cfg>
@@ -62,19 +99,12 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     const int n_begin = tile.n_tile * Cfg::kBlockN;
     // A: the tile's rows gathered through the row list (entry -> received row entry / K).
     typename Mainloop::LoaderA a_loader;
-    a_loader.init([&](int r) -> const petit_bf16_bits* {
-      if (r >= tile.num_rows) return nullptr;
-      const int entry = a.sorted_entries[tile.row_begin + r];
-      return a.x + int64_t(entry / a.top_k) * a.hidden;
-    });
+    a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); });
     // B: gate rows [n_begin, n_begin + kBlockN) of w13[e], then the same up rows (+ I).
-    const petit_bf16_bits* w13_e =
-        a.w13 + int64_t(tile.expert) * 2 * a.intermediate * a.hidden;
+    const petit_bf16_bits* w13_e = w13_of(a, tile);
     typename Mainloop::LoaderB b_loader;
-    b_loader.init([&](int r) -> const petit_bf16_bits* {
-      const int n = n_begin + r % Cfg::kBlockN;
-      if (n >= a.intermediate) return nullptr;
-      return w13_e + int64_t((r / Cfg::kBlockN) * a.intermediate + n) * a.hidden;
+    b_loader.init([&](int r) {
+      return w13_row(a, w13_e, r / Cfg::kBlockN, n_begin + r % Cfg::kBlockN);
     });
     Mainloop mainloop;
     mainloop.run(a_loader, b_loader, a.hidden, mainloop_smem);
@@ -104,17 +134,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     const int n_begin = tile.n_tile * Cfg::kBlockN;
     // A: the activation rows, already in sorted order (no gather).
     typename Mainloop::LoaderA a_loader;
-    a_loader.init([&](int r) -> const petit_bf16_bits* {
-      if (r >= tile.num_rows) return nullptr;
-      return a.act + int64_t(tile.row_begin + r) * a.intermediate;
-    });
-    const petit_bf16_bits* w2_e = a.w2 + int64_t(tile.expert) * a.hidden * a.intermediate;
+    a_loader.init([&](int r) { return down_a_row(a, tile, r); });
+    const petit_bf16_bits* w2_e = w2_of(a, tile);
     typename Mainloop::LoaderB b_loader;
-    b_loader.init([&](int r) -> const petit_bf16_bits* {
-      const int n = n_begin + r;
-      if (n >= a.hidden) return nullptr;
-      return w2_e + int64_t(n) * a.intermediate;
-    });
+    b_loader.init([&](int r) { return w2_row(a, w2_e, n_begin + r); });
     Mainloop mainloop;
     mainloop.run(a_loader, b_loader, a.intermediate, mainloop_smem);
     epilogue.apply(mainloop.acc, mainloop.ty, mainloop.tx, tile.row_begin, tile.num_rows,
@@ -154,23 +177,12 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     const int n_begin = tile.n_tile * Cfg::kBlockN;
     // A: the tile's rows gathered through the row list (entry -> received row entry / K).
     typename Mainloop::LoaderA a_loader;
-    a_loader.init(
-        [&](int r) -> const petit_bf16_bits* {
-          if (r >= tile.num_rows) return nullptr;
-          const int entry = a.sorted_entries[tile.row_begin + r];
-          return a.x + int64_t(entry / a.top_k) * a.hidden;
-        },
-        a.x);
+    a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
     // B: gate rows [n_begin, n_begin + kBlockN) of w13[e], then the same up rows (+ I).
-    const petit_bf16_bits* w13_e =
-        a.w13 + int64_t(tile.expert) * 2 * a.intermediate * a.hidden;
+    const petit_bf16_bits* w13_e = w13_of(a, tile);
     typename Mainloop::LoaderB b_loader;
     b_loader.init(
-        [&](int r) -> const petit_bf16_bits* {
-          const int n = n_begin + r % Cfg::kBlockN;
-          if (n >= a.intermediate) return nullptr;
-          return w13_e + int64_t((r / Cfg::kBlockN) * a.intermediate + n) * a.hidden;
-        },
+        [&](int r) { return w13_row(a, w13_e, r / Cfg::kBlockN, n_begin + r % Cfg::kBlockN); },
         w13_e);
     Mainloop mainloop;
     mainloop.run(a_loader, b_loader, a.hidden, sm80_dynamic_smem);
@@ -200,21 +212,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     const int n_begin = tile.n_tile * Cfg::kBlockN;
     // A: the activation rows, already in sorted order (no gather).
     typename Mainloop::LoaderA a_loader;
-    a_loader.init(
-        [&](int r) -> const petit_bf16_bits* {
-          if (r >= tile.num_rows) return nullptr;
-          return a.act + int64_t(tile.row_begin + r) * a.intermediate;
-        },
-        a.act);
-    const petit_bf16_bits* w2_e = a.w2 + int64_t(tile.expert) * a.hidden * a.intermediate;
+    a_loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
+    const petit_bf16_bits* w2_e = w2_of(a, tile);
     typename Mainloop::LoaderB b_loader;
-    b_loader.init(
-        [&](int r) -> const petit_bf16_bits* {
-          const int n = n_begin + r;
-          if (n >= a.hidden) return nullptr;
-          return w2_e + int64_t(n) * a.intermediate;
-        },
-        w2_e);
+    b_loader.init([&](int r) { return w2_row(a, w2_e, n_begin + r); }, w2_e);
     Mainloop mainloop;
     mainloop.run(a_loader, b_loader, a.intermediate, sm80_dynamic_smem);
     epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
@@ -257,7 +258,7 @@ PETIT_DEVICE void decode_dots(ARow a_row, BRow b_row, int k_len, int num_rows,
   for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr) b[wr] = b_row(wr);
   const petit_bf16_bits* a_rows[kDecodeRows];  // resolved once, not per K step
 #pragma unroll
-  for (int r = 0; r < kDecodeRows; ++r) a_rows[r] = r < num_rows ? a_row(r) : nullptr;
+  for (int r = 0; r < kDecodeRows; ++r) a_rows[r] = a_row(r);  // nullptr past num_rows
   float acc[kDecodeRows][kDecodeRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kDecodeRows; ++r)
@@ -315,15 +316,12 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
     const gemm::TileCoord tile = scheduler.tile(t);
     const int n_begin = tile.n_tile * kBlockN;
-    const petit_bf16_bits* w13_e = a.w13 + int64_t(tile.expert) * 2 * a.intermediate * a.hidden;
+    const petit_bf16_bits* w13_e = w13_of(a, tile);
     decode_dots(
-        [&](int r) {
-          return a.x + int64_t(a.sorted_entries[tile.row_begin + r] / a.top_k) * a.hidden;
-        },
-        [&](int wr) -> const petit_bf16_bits* {
-          const int n = n_begin + group * kColsPerGroup + wr % kColsPerGroup;
-          if (n >= a.intermediate) return nullptr;
-          return w13_e + int64_t((wr / kColsPerGroup) * a.intermediate + n) * a.hidden;
+        [&](int r) { return gate_up_a_row(a, tile, r); },
+        [&](int wr) {
+          return w13_row(a, w13_e, wr / kColsPerGroup,
+                         n_begin + group * kColsPerGroup + wr % kColsPerGroup);
         },
         a.hidden, tile.num_rows, smem);
     if (threadIdx.x < kBlockN * kDecodeRows) {
@@ -356,13 +354,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
     const gemm::TileCoord tile = scheduler.tile(t);
     const int n_begin = tile.n_tile * kBlockN;
-    const petit_bf16_bits* w2_e = a.w2 + int64_t(tile.expert) * a.hidden * a.intermediate;
+    const petit_bf16_bits* w2_e = w2_of(a, tile);
     decode_dots(
-        [&](int r) { return a.act + int64_t(tile.row_begin + r) * a.intermediate; },
-        [&](int wr) -> const petit_bf16_bits* {
-          const int n = n_begin + group * kDecodeRowsPerWarp + wr;
-          return n < a.hidden ? w2_e + int64_t(n) * a.intermediate : nullptr;
-        },
+        [&](int r) { return down_a_row(a, tile, r); },
+        [&](int wr) { return w2_row(a, w2_e, n_begin + group * kDecodeRowsPerWarp + wr); },
         a.intermediate, tile.num_rows, smem);
     {
       const int c = threadIdx.x / kDecodeRows, r = threadIdx.x % kDecodeRows;
