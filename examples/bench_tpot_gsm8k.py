@@ -609,23 +609,37 @@ def _stop_all_servers() -> None:
 atexit.register(_stop_all_servers)
 
 
+def vllm_serve_command(python: str, model_dir: Path, served_name: str, port: int, dp: int,
+                       attention_backend: str, *, max_model_len: int,
+                       gpu_memory_utilization: float, load_format: str | None = None,
+                       max_num_seqs: int | None = None) -> list[str]:
+    """`vllm serve` on 127.0.0.1 with DP = `dp` + expert parallelism, bf16, seed 0, CUDA graphs
+    on, no prefix caching (python -m: the DP coordinator is spawned, and a `vllm` script
+    without a __main__ guard would be re-run by it)."""
+    return ([python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+             "--served-model-name", served_name,
+             "--host", HOST, "--port", str(port)]
+            + (["--load-format", load_format] if load_format else [])
+            + ["--dtype", "bfloat16", "--seed", "0",
+               "--data-parallel-size", str(dp), "--enable-expert-parallel",
+               "--attention-backend", attention_backend,
+               "--max-model-len", str(max_model_len)]
+            + (["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else [])
+            + ["--gpu-memory-utilization", str(gpu_memory_utilization),
+               "--no-enable-prefix-caching",
+               "--disable-uvicorn-access-log"])
+
+
 def serve_command(args, model_dir: Path, served_name: str, port: int, dp: int,
                   attention_backend: str) -> list[str]:
     if args.server_cmd:
         fields = dict(python=args.python, port=port, host=HOST, model_dir=str(model_dir),
                       served_name=served_name, dp=dp)
         return [tok.format(**fields) for tok in shlex.split(args.server_cmd)]
-    cmd = [args.python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-           "--served-model-name", served_name,
-           "--host", HOST, "--port", str(port),
-           "--load-format", "dummy", "--dtype", "bfloat16", "--seed", "0",
-           "--data-parallel-size", str(dp), "--enable-expert-parallel",
-           "--attention-backend", attention_backend,
-           "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", str(args.max_num_seqs),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--no-enable-prefix-caching",
-           "--disable-uvicorn-access-log"]
+    cmd = vllm_serve_command(args.python, model_dir, served_name, port, dp, attention_backend,
+                             max_model_len=args.max_model_len,
+                             gpu_memory_utilization=args.gpu_memory_utilization,
+                             load_format="dummy", max_num_seqs=args.max_num_seqs)
     if not has_tokenizer(model_dir):
         raise ValueError(f"{model_dir} has no tokenizer files: text prompts need them")
     return cmd + shlex.split(args.serve_args)

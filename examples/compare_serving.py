@@ -109,13 +109,9 @@ def compare(a: dict, b: dict, tol: float) -> dict:
 
 def run_backend(args, backend: str, model_dir: Path, prompts: list[str], dp: int) -> dict:
     port = bench.free_port()
-    cmd = [args.python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-           "--served-model-name", "m", "--host", bench.HOST, "--port", str(port),
-           "--dtype", "bfloat16", "--seed", "0",
-           "--data-parallel-size", str(dp), "--enable-expert-parallel",
-           "--attention-backend", "TRITON_ATTN", "--max-model-len", "2048",
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+    cmd = bench.vllm_serve_command(args.python, model_dir, "m", port, dp, "TRITON_ATTN",
+                                   max_model_len=2048,
+                                   gpu_memory_utilization=args.gpu_memory_utilization)
     server = bench.Server(cmd, bench.server_env(backend, strict=True),
                           args.log_dir / f"server_{backend}.log", port)
     bench.log(f"{backend}: starting {' '.join(cmd[2:5])} ... (log {server.log_path})")
