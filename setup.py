@@ -33,6 +33,11 @@ def _extension_modules():
         os.environ["CUDA_HOME"] = "/usr/local/cuda"  # torch otherwise may guess /usr/local
     nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
                   "-Xptxas=-warn-spills"]
+    # The wgmma expert kernels exist only in an sm_90a image; the host code must know whether
+    # this build made one (the kernel attributes do not tell sm_90a from sm_90).
+    archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
+    if "9.0a" in (a.strip().removesuffix("+PTX") for a in archs):
+        nvcc_flags.append("-DPETIT_SM90A_BUILT=1")
     ext = CUDAExtension(
         name="vllm_petit_moe._C",
         sources=[str(Path("csrc") / s) for s in KERNEL_SOURCES + BINDING_SOURCES],

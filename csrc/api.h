@@ -37,19 +37,26 @@ petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stre
 // read, so neither workspace needs clearing. Limits: H, I multiples of 8, L <= kMaxExperts,
 // K <= kMaxTopK, N*K < 2^31; every pointer 16-byte aligned.
 enum ExpertTiles : int {
-  kExpertTilesAuto = 0,   // by the host-known rows per expert bound (N*K / L)
+  // Auto: kExpertTilesSmall below the host-known rows-per-expert bound (N*K / L), above it
+  // the fastest 128-row family the current device runs (wgmma, else mma, else large).
+  kExpertTilesAuto = 0,
   kExpertTilesSmall = 1,  // 16-row tiles: decode, few rows per expert (weight-bandwidth bound)
   kExpertTilesLarge = 2,  // 128-row tiles: prefill
   // CUDA sm_80+ only (Ampere, Hopper): 128x128x32 tiles on mma.sync bf16 tensor cores with a
-  // cp.async pipeline (gemm/sm80_mainloop_mma.h). Only when asked for explicitly (auto never
-  // picks it); petitErrorNotSupported on HIP and where the running image is older than sm_80.
-  // Not bit-identical to the SIMT families (different fp32 summation order).
+  // cp.async pipeline (gemm/sm80_mainloop_mma.h). petitErrorNotSupported on HIP and where the
+  // running image is older than sm_80. Not bit-identical to the SIMT families (different
+  // fp32 summation order).
   kExpertTilesMma = 3,
   // Decode (portable): <= 8 rows per tile, each warp streams whole weight rows (every lane
   // 16-byte loads of 4 rows at once) and the block reduces the lanes' dot products in shared
   // memory: built for weight streaming at a few rows per expert. Only when asked for
   // explicitly (auto never picks it). Not bit-identical to the other families.
   kExpertTilesDecode = 4,
+  // CUDA sm_90a only (Hopper, built with TORCH_CUDA_ARCH_LIST naming 9.0a, the default):
+  // 128x256x64 tiles on wgmma (m64n256k16, operands from 128-byte swizzled shared memory) with
+  // a 4-stage cp.async ring (gemm/sm90_mainloop_wgmma.h). petitErrorNotSupported elsewhere.
+  // Not bit-identical to the other families.
+  kExpertTilesWgmma = 5,
 };
 
 struct ExpertGemmArgs {

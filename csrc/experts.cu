@@ -17,6 +17,7 @@
 #include "gemm/scheduler.h"
 #if PETIT_SM80_PATH
 #include "gemm/sm80_mainloop_mma.h"
+#include "gemm/sm90_mainloop_wgmma.h"
 #endif
 
 namespace petit {
@@ -145,83 +146,90 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   }
 }
 
-// ------------------------------------------------------------------ sm_80+ tensor-core path
-// kExpertTilesMma: the same two GEMMs (same scheduler, same A-row gather, same epilogues) on
-// the mma.sync main loop of gemm/sm80_mainloop_mma.h. CUDA only; the kernels have a body only
-// in device passes for sm_80 and newer (PETIT_SM80_DEVICE), and the launchers check that the
-// image the current device runs was built from such a pass (mma_path_supported below).
+// ------------------------------------------------------------------ tensor-core paths
+// kExpertTilesMma (sm_80+: mma.sync main loop of gemm/sm80_mainloop_mma.h) and
+// kExpertTilesWgmma (sm_90a: wgmma main loop of gemm/sm90_mainloop_wgmma.h): the same two
+// GEMMs (same scheduler, same A-row gather, same epilogues) on a tensor-core main loop with a
+// cp.async ring in dynamic shared memory. CUDA only; a kernel has a body only in the device
+// passes that can run its main loop (Mainloop::kCompiled), and the launchers check that the
+// current device runs such an image (mma_path_supported, wgmma_path_supported below).
 #if PETIT_SM80_PATH
 
 // <kBlockN, kNumBGroups, kStages, kMinBlocksPerSm>: 128 x 128 x 32 block tiles (B tile: 64 gate
 // + 64 up rows for gate/up, 128 w2 rows for down), 8 warps of 64 x 32, 3-stage cp.async ring
 // (48 KiB of dynamic shared memory per block, 2 blocks per SM).
-using GateUpMma = gemm::Sm80MmaTileConfig<64, 2, 3, 2>;
-using DownMma = gemm::Sm80MmaTileConfig<128, 1, 3, 2>;
+using GateUpMma = gemm::Sm80MmaMainloop<gemm::Sm80MmaTileConfig<64, 2, 3, 2>>;
+using DownMma = gemm::Sm80MmaMainloop<gemm::Sm80MmaTileConfig<128, 1, 3, 2>>;
+// <kBlockN, kNumBGroups, kStages>: 128 x 256 x 64 block tiles (B tile: 128 gate + 128 up rows
+// for gate/up, 256 w2 rows for down), 2 warpgroups of 64 x 256, 4-stage ring (192 KiB of
+// dynamic shared memory, 1 block per SM).
+using GateUpWgmma = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<128, 2, 4>>;
+using DownWgmma = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<256, 1, 4>>;
 
-template <class Cfg>
-PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
-    expert_gate_up_mma_kernel(ExpertGemmArgs a) {
-#if PETIT_SM80_DEVICE
-  using Mainloop = gemm::Sm80MmaMainloop<Cfg>;
-  using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
-  __shared__ typename Scheduler::SharedStorage scheduler_smem;
-  extern __shared__ __align__(128) unsigned char sm80_dynamic_smem[];  // Mainloop::kSmemBytes
+template <class Mainloop>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
+    expert_gate_up_tc_kernel(ExpertGemmArgs a) {
+  if constexpr (Mainloop::kCompiled) {
+    using Cfg = typename Mainloop::Cfg;
+    using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
+    __shared__ typename Scheduler::SharedStorage scheduler_smem;
+    extern __shared__ __align__(128) unsigned char tc_dynamic_smem[];  // Mainloop::kSmemBytes
 
-  Scheduler scheduler;
-  scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
-                 ceil_div(a.intermediate, Cfg::kBlockN), scheduler_smem);
-  const gemm::SiluMulEpilogue<Cfg> epilogue{a.act, a.intermediate};
-  const int num_tiles = scheduler.num_tiles();
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
-    const gemm::TileCoord tile = scheduler.tile(t);
-    const int n_begin = tile.n_tile * Cfg::kBlockN;
-    // A: the tile's rows gathered through the row list (entry -> received row entry / K).
-    typename Mainloop::LoaderA a_loader;
-    a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
-    // B: gate rows [n_begin, n_begin + kBlockN) of w13[e], then the same up rows (+ I).
-    const petit_bf16_bits* w13_e = w13_of(a, tile);
-    typename Mainloop::LoaderB b_loader;
-    b_loader.init(
-        [&](int r) { return w13_row(a, w13_e, r / Cfg::kBlockN, n_begin + r % Cfg::kBlockN); },
-        w13_e);
-    Mainloop mainloop;
-    mainloop.run(a_loader, b_loader, a.hidden, sm80_dynamic_smem);
-    epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
-                   tile.num_rows, n_begin);
+    Scheduler scheduler;
+    scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
+                   ceil_div(a.intermediate, Cfg::kBlockN), scheduler_smem);
+    const gemm::SiluMulEpilogue<Cfg> epilogue{a.act, a.intermediate};
+    const int num_tiles = scheduler.num_tiles();
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
+      const gemm::TileCoord tile = scheduler.tile(t);
+      const int n_begin = tile.n_tile * Cfg::kBlockN;
+      // A: the tile's rows gathered through the row list (entry -> received row entry / K).
+      typename Mainloop::LoaderA a_loader;
+      a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
+      // B: gate rows [n_begin, n_begin + kBlockN) of w13[e], then the same up rows (+ I).
+      const petit_bf16_bits* w13_e = w13_of(a, tile);
+      typename Mainloop::LoaderB b_loader;
+      b_loader.init(
+          [&](int r) { return w13_row(a, w13_e, r / Cfg::kBlockN, n_begin + r % Cfg::kBlockN); },
+          w13_e);
+      Mainloop mainloop;
+      mainloop.run(a_loader, b_loader, a.hidden, tc_dynamic_smem);
+      epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
+                     tile.num_rows, n_begin);
+    }
   }
-#endif
 }
 
-template <class Cfg>
-PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
-    expert_down_mma_kernel(ExpertGemmArgs a) {
-#if PETIT_SM80_DEVICE
-  using Mainloop = gemm::Sm80MmaMainloop<Cfg>;
-  using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
-  __shared__ typename Scheduler::SharedStorage scheduler_smem;
-  extern __shared__ __align__(128) unsigned char sm80_dynamic_smem[];  // Mainloop::kSmemBytes
+template <class Mainloop>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
+    expert_down_tc_kernel(ExpertGemmArgs a) {
+  if constexpr (Mainloop::kCompiled) {
+    using Cfg = typename Mainloop::Cfg;
+    using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
+    __shared__ typename Scheduler::SharedStorage scheduler_smem;
+    extern __shared__ __align__(128) unsigned char tc_dynamic_smem[];  // Mainloop::kSmemBytes
 
-  Scheduler scheduler;
-  scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
-                 ceil_div(a.hidden, Cfg::kBlockN), scheduler_smem);
-  const gemm::WeightedEntryEpilogue<Cfg> epilogue{a.partial, a.sorted_entries, a.topk_weights,
-                                                  a.hidden};
-  const int num_tiles = scheduler.num_tiles();
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
-    const gemm::TileCoord tile = scheduler.tile(t);
-    const int n_begin = tile.n_tile * Cfg::kBlockN;
-    // A: the activation rows, already in sorted order (no gather).
-    typename Mainloop::LoaderA a_loader;
-    a_loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
-    const petit_bf16_bits* w2_e = w2_of(a, tile);
-    typename Mainloop::LoaderB b_loader;
-    b_loader.init([&](int r) { return w2_row(a, w2_e, n_begin + r); }, w2_e);
-    Mainloop mainloop;
-    mainloop.run(a_loader, b_loader, a.intermediate, sm80_dynamic_smem);
-    epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
-                   tile.num_rows, n_begin);
+    Scheduler scheduler;
+    scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
+                   ceil_div(a.hidden, Cfg::kBlockN), scheduler_smem);
+    const gemm::WeightedEntryEpilogue<Cfg> epilogue{a.partial, a.sorted_entries, a.topk_weights,
+                                                    a.hidden};
+    const int num_tiles = scheduler.num_tiles();
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
+      const gemm::TileCoord tile = scheduler.tile(t);
+      const int n_begin = tile.n_tile * Cfg::kBlockN;
+      // A: the activation rows, already in sorted order (no gather).
+      typename Mainloop::LoaderA a_loader;
+      a_loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
+      const petit_bf16_bits* w2_e = w2_of(a, tile);
+      typename Mainloop::LoaderB b_loader;
+      b_loader.init([&](int r) { return w2_row(a, w2_e, n_begin + r); }, w2_e);
+      Mainloop mainloop;
+      mainloop.run(a_loader, b_loader, a.intermediate, tc_dynamic_smem);
+      epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
+                     tile.num_rows, n_begin);
+    }
   }
-#endif
 }
 
 #endif  // PETIT_SM80_PATH
@@ -410,7 +418,7 @@ petitError_t check_args(const ExpertGemmArgs& a) {
   if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
       a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
       a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
-      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesDecode || a.num_sms < 0)
+      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmma || a.num_sms < 0)
     return petitErrorInvalidValue;
   if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
   if (a.num_rows > 0 &&
@@ -476,7 +484,8 @@ petitError_t launch_decode_kernel(Kernel kernel, const ExpertGemmArgs& a, int ou
   return petitGetLastError();
 }
 
-// ---- sm_80+ tensor-core launchers (kExpertTilesMma); petitErrorNotSupported where absent.
+// ---- tensor-core launchers (kExpertTilesMma, kExpertTilesWgmma); petitErrorNotSupported
+// where the current device cannot run them.
 #if PETIT_SM80_PATH
 
 // The kernel image the current device runs was compiled in a device pass for sm_80 or newer
@@ -490,17 +499,33 @@ petitError_t mma_kernel_supported(Kernel kernel) {
 }
 
 petitError_t mma_path_supported() {
-  petitError_t err = mma_kernel_supported(expert_gate_up_mma_kernel<GateUpMma>);
-  if (err == petitSuccess) err = mma_kernel_supported(expert_down_mma_kernel<DownMma>);
+  petitError_t err = mma_kernel_supported(expert_gate_up_tc_kernel<GateUpMma>);
+  if (err == petitSuccess) err = mma_kernel_supported(expert_down_tc_kernel<DownMma>);
   return err;
 }
 
-template <class Cfg, class Kernel>
-petitError_t launch_mma_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_cols, int num_sms,
-                               petitStream_t stream) {
+// sm_90a images exist only on devices of compute capability exactly 9.0, and the kernel
+// attributes do not tell an sm_90a image from an sm_90 one: the build says whether it made
+// one (PETIT_SM90A_BUILT), the device whether it runs it.
+petitError_t wgmma_path_supported() {
+  if (!PETIT_SM90A_BUILT) return petitErrorNotSupported;
+  int device = 0, major = 0, minor = 0;
+  petitError_t err = petitGetDevice(&device);
+  if (err == petitSuccess)
+    err = petitDeviceGetAttribute(&major, petitDevAttrComputeCapabilityMajor, device);
+  if (err == petitSuccess)
+    err = petitDeviceGetAttribute(&minor, petitDevAttrComputeCapabilityMinor, device);
+  if (err != petitSuccess) return err;
+  return major == 9 && minor == 0 ? petitSuccess : petitErrorNotSupported;
+}
+
+template <class Mainloop, class Kernel>
+petitError_t launch_tc_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_cols, int num_sms,
+                              petitStream_t stream) {
+  using Cfg = typename Mainloop::Cfg;
   const int grid = persistent_grid<Cfg>(a, out_cols, num_sms);
   if (grid == 0) return petitErrorInvalidValue;
-  constexpr int kSmemBytes = gemm::Sm80MmaMainloop<Cfg>::kSmemBytes;
+  constexpr int kSmemBytes = Mainloop::kSmemBytes;
   // Above the 48 KiB default together with the static (scheduler) shared memory: opt in.
   petitError_t err =
       petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
@@ -509,23 +534,33 @@ petitError_t launch_mma_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_c
   return petitGetLastError();
 }
 
-petitError_t launch_gate_up_mma(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
-  return launch_mma_kernel<GateUpMma>(expert_gate_up_mma_kernel<GateUpMma>, a, a.intermediate,
-                                      num_sms, stream);
+template <class GateUp, class Down>
+petitError_t launch_tc_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
+                            petitStream_t stream) {
+  return gate_up ? launch_tc_kernel<GateUp>(expert_gate_up_tc_kernel<GateUp>, a, a.intermediate,
+                                            num_sms, stream)
+                 : launch_tc_kernel<Down>(expert_down_tc_kernel<Down>, a, a.hidden, num_sms,
+                                          stream);
 }
 
-petitError_t launch_down_mma(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
-  return launch_mma_kernel<DownMma>(expert_down_mma_kernel<DownMma>, a, a.hidden, num_sms,
-                                    stream);
+petitError_t launch_mma_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
+                             petitStream_t stream) {
+  return launch_tc_gemm<GateUpMma, DownMma>(gate_up, a, num_sms, stream);
 }
 
-#else  // no sm_80 path in this build (HIP, host-compiler emulation)
+petitError_t launch_wgmma_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
+                               petitStream_t stream) {
+  return launch_tc_gemm<GateUpWgmma, DownWgmma>(gate_up, a, num_sms, stream);
+}
+
+#else  // no tensor-core path in this build (HIP, host-compiler emulation)
 
 petitError_t mma_path_supported() { return petitErrorNotSupported; }
-petitError_t launch_gate_up_mma(const ExpertGemmArgs&, int, petitStream_t) {
+petitError_t wgmma_path_supported() { return petitErrorNotSupported; }
+petitError_t launch_mma_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
   return petitErrorNotSupported;
 }
-petitError_t launch_down_mma(const ExpertGemmArgs&, int, petitStream_t) {
+petitError_t launch_wgmma_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
   return petitErrorNotSupported;
 }
 
@@ -533,18 +568,23 @@ petitError_t launch_down_mma(const ExpertGemmArgs&, int, petitStream_t) {
 
 }  // namespace
 
+// Auto: the small SIMT tiles below the rows-per-expert bound; above it the fastest 128-row
+// family the current device runs (wgmma on sm_90a, else mma.sync on sm_80+, else SIMT large).
 int resolve_expert_tiles(const ExpertGemmArgs& a) {
   if (a.tiles != kExpertTilesAuto) return a.tiles;
   const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
-  return num_entries >= int64_t(kLargeTileMinRowsPerExpert) * a.num_local_experts
-             ? kExpertTilesLarge
-             : kExpertTilesSmall;
+  if (num_entries < int64_t(kLargeTileMinRowsPerExpert) * a.num_local_experts)
+    return kExpertTilesSmall;
+  if (wgmma_path_supported() == petitSuccess) return kExpertTilesWgmma;
+  if (mma_path_supported() == petitSuccess) return kExpertTilesMma;
+  return kExpertTilesLarge;
 }
 
 namespace {
 
-// Preamble of both GEMM launches: validate, resolve the tile family (an unavailable mma path
-// is an error even with no rows), read the SM count. *launch is false when there are no rows.
+// Preamble of both GEMM launches: validate, resolve the tile family (an unavailable
+// tensor-core path is an error even with no rows), read the SM count. *launch is false when
+// there are no rows.
 petitError_t prepare_gemm_launch(const ExpertGemmArgs& a, int* tiles, int* num_sms,
                                  bool* launch) {
   *launch = false;
@@ -552,6 +592,7 @@ petitError_t prepare_gemm_launch(const ExpertGemmArgs& a, int* tiles, int* num_s
   if (err != petitSuccess) return err;
   *tiles = resolve_expert_tiles(a);
   if (*tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
+  if (*tiles == kExpertTilesWgmma && (err = wgmma_path_supported()) != petitSuccess) return err;
   if (a.num_rows == 0) return petitSuccess;
   if ((err = device_sm_count(a, num_sms)) != petitSuccess) return err;
   *launch = true;
@@ -565,13 +606,15 @@ petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream
   bool launch = false;
   petitError_t err = prepare_gemm_launch(a, &tiles, &num_sms, &launch);
   if (err != petitSuccess || !launch) return err;
-  if (tiles == kExpertTilesMma) return launch_gate_up_mma(a, num_sms, stream);
-  if (tiles == kExpertTilesDecode)
-    return launch_decode_kernel(expert_gate_up_decode_kernel, a, a.intermediate,
-                                kDecodeWarps * kDecodeRowsPerWarp / 2, num_sms, stream);
-  return tiles == kExpertTilesLarge
-             ? launch_gate_up_with<GateUpLarge>(a, num_sms, stream)
-             : launch_gate_up_with<GateUpSmall>(a, num_sms, stream);
+  switch (tiles) {
+    case kExpertTilesWgmma: return launch_wgmma_gemm(true, a, num_sms, stream);
+    case kExpertTilesMma: return launch_mma_gemm(true, a, num_sms, stream);
+    case kExpertTilesDecode:
+      return launch_decode_kernel(expert_gate_up_decode_kernel, a, a.intermediate,
+                                  kDecodeWarps * kDecodeRowsPerWarp / 2, num_sms, stream);
+    case kExpertTilesLarge: return launch_gate_up_with<GateUpLarge>(a, num_sms, stream);
+    default: return launch_gate_up_with<GateUpSmall>(a, num_sms, stream);
+  }
 }
 
 petitError_t launch_expert_down(const ExpertGemmArgs& a, petitStream_t stream) {
@@ -579,13 +622,15 @@ petitError_t launch_expert_down(const ExpertGemmArgs& a, petitStream_t stream) {
   bool launch = false;
   petitError_t err = prepare_gemm_launch(a, &tiles, &num_sms, &launch);
   if (err != petitSuccess || !launch) return err;
-  if (tiles == kExpertTilesMma) return launch_down_mma(a, num_sms, stream);
-  if (tiles == kExpertTilesDecode)
-    return launch_decode_kernel(expert_down_decode_kernel, a, a.hidden,
-                                kDecodeWarps * kDecodeRowsPerWarp, num_sms, stream);
-  return tiles == kExpertTilesLarge
-             ? launch_down_with<DownLarge>(a, num_sms, stream)
-             : launch_down_with<DownSmall>(a, num_sms, stream);
+  switch (tiles) {
+    case kExpertTilesWgmma: return launch_wgmma_gemm(false, a, num_sms, stream);
+    case kExpertTilesMma: return launch_mma_gemm(false, a, num_sms, stream);
+    case kExpertTilesDecode:
+      return launch_decode_kernel(expert_down_decode_kernel, a, a.hidden,
+                                  kDecodeWarps * kDecodeRowsPerWarp, num_sms, stream);
+    case kExpertTilesLarge: return launch_down_with<DownLarge>(a, num_sms, stream);
+    default: return launch_down_with<DownSmall>(a, num_sms, stream);
+  }
 }
 
 petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream) {

@@ -42,6 +42,18 @@
 #ifndef PETIT_SM80_DEVICE
 #define PETIT_SM80_DEVICE 0
 #endif
+// PETIT_SM90A_DEVICE: a device pass for sm_90a (Hopper with its arch-specific features: wgmma),
+// the only pass in which the wgmma kernels (csrc/gemm/sm90_*.h) have a body. PETIT_SM90A_BUILT
+// (set by setup.py when TORCH_CUDA_ARCH_LIST names 9.0a): the host code may launch them on a
+// compute-capability 9.0 device, which then runs the sm_90a image.
+#if PETIT_CUDA && defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PETIT_SM90A_DEVICE 1
+#else
+#define PETIT_SM90A_DEVICE 0
+#endif
+#ifndef PETIT_SM90A_BUILT
+#define PETIT_SM90A_BUILT 0
+#endif
 
 #define PETIT_HOST_DEVICE __host__ __device__ __forceinline__
 #define PETIT_DEVICE __device__ __forceinline__
@@ -70,6 +82,8 @@ typedef hipStream_t petitStream_t;
 #define petitSetDevice hipSetDevice
 #define petitDeviceGetAttribute hipDeviceGetAttribute
 #define petitDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define petitDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
+#define petitDevAttrComputeCapabilityMinor hipDeviceAttributeComputeCapabilityMinor
 #define petitDeviceCanAccessPeer hipDeviceCanAccessPeer
 #define petitDeviceGetPCIBusId hipDeviceGetPCIBusId
 #define petitDeviceGetByPCIBusId hipDeviceGetByPCIBusId
@@ -99,6 +113,8 @@ typedef cudaStream_t petitStream_t;
 #define petitSetDevice cudaSetDevice
 #define petitDeviceGetAttribute cudaDeviceGetAttribute
 #define petitDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define petitDevAttrComputeCapabilityMajor cudaDevAttrComputeCapabilityMajor
+#define petitDevAttrComputeCapabilityMinor cudaDevAttrComputeCapabilityMinor
 #define petitDeviceCanAccessPeer cudaDeviceCanAccessPeer
 #define petitDeviceGetPCIBusId cudaDeviceGetPCIBusId
 #define petitDeviceGetByPCIBusId cudaDeviceGetByPCIBusId

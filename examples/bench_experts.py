@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from vllm_petit_moe.device_env import commit_stamp, utc_date, write_results  # noqa: E402
+from vllm_petit_moe.ops import TILES  # noqa: E402
 
 PRESETS = {
     "deepseek-v3": dict(hidden=7168, intermediate=2048, num_experts=256, top_k=8),
@@ -357,7 +358,7 @@ def parse_args(argv=None):
     p.add_argument("--hot-fraction", type=float, default=0.6,
                    help="skewed routing: probability that a pair lands on rank 0's experts "
                         "(default 0.6; 1/W would be an even split)")
-    p.add_argument("--tiles", choices=("auto", "small", "large", "mma", "decode"), default="auto",
+    p.add_argument("--tiles", choices=tuple(TILES), default="auto",
                    help="petit tile family (default: auto; mma: sm_80+ tensor cores, opt-in)")
     p.add_argument("--no-triton", action="store_true", help="skip vLLM's Triton experts")
     p.add_argument("--seed", type=int, default=1234)

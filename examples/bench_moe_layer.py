@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 from vllm_petit_moe.device_env import commit_stamp, utc_date, write_results  # noqa: E402
+from vllm_petit_moe.ops import TILES  # noqa: E402
 
 import vllm_moe_harness as harness  # noqa: E402
 
@@ -221,7 +222,7 @@ def parse_args(argv=None):
     p.add_argument("--petit-via", choices=("hook", "direct"), default="hook",
                    help="build petit's kernel through the plugin hook (default) or by hand")
     p.add_argument("--petit-experts-tiles", default=None,
-                   choices=("auto", "small", "large", "mma", "decode"),
+                   choices=tuple(TILES),
                    help="also time petit's prepare/finalize + PetitExperts with this tile family")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 20 iters")

@@ -2,8 +2,9 @@
 torch reference, with the tolerance derived from the reference's own bf16-vs-fp32 error.
 
 Every case draws fresh random data from a seeded generator (never zeros), poisons the
-outputs and workspaces with NaN before the call, and runs every tile family (the portable
-``small``/``large`` and the sm_80+ tensor-core ``mma``).
+outputs and workspaces with NaN before the call, and runs every tile family the GPU has (the
+portable ``small``/``large``/``decode``, the sm_80+ tensor-core ``mma`` and, on compute
+capability 9.0, the sm_90a ``wgmma``).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from vllm_petit_moe import reference
 
 pytestmark = [requires_gpu, requires_extension]
 
-TILE_FAMILIES = ["small", "large", "mma", "decode"]
+HAS_WGMMA = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+TILE_FAMILIES = ["small", "large", "mma", "decode"] + (["wgmma"] if HAS_WGMMA else [])
 
 
 def make_problem(ids, hidden, intermediate, num_local, seed, *, poison_unrouted=True):
@@ -165,6 +167,10 @@ def test_deterministic_and_tile_family_invariant():
     decode = run_petit(problem, "decode")  # its own fixed order too
     check(decode, problem)
     assert torch.equal(decode, run_petit(problem, "decode"))
+    if HAS_WGMMA:
+        wgmma = run_petit(problem, "wgmma")
+        check(wgmma, problem)
+        assert torch.equal(wgmma, run_petit(problem, "wgmma"))
     # A row's result does not depend on the rest of the batch (batch invariance).
     head = tuple(t[:100].contiguous() if t.dim() == 2 else t for t in problem[:3]) + problem[3:]
     assert torch.equal(run_petit(head, "small"), small[:100])
@@ -232,3 +238,12 @@ def test_zero_rows():
     problem = make_problem(torch.zeros((0, 4), dtype=torch.int32), 16, 8, 2, seed=25)
     out = ops.experts_forward(*problem)
     assert out.shape == (0, 16)
+
+
+def test_auto_picks_the_fastest_128_row_family_this_gpu_runs():
+    from vllm_petit_moe import ops
+
+    assert ops.resolve_tiles(100, 8, 16) == "small"  # 50 entries per expert: below the bound
+    sm80 = torch.cuda.get_device_capability() >= (8, 0)
+    expected = "wgmma" if HAS_WGMMA else "mma" if sm80 else "large"
+    assert ops.resolve_tiles(4096, 8, 16) == expected

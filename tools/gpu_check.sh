@@ -34,6 +34,17 @@ build_s=$(( $(date +%s) - t0 ))
 spills=$(grep -c "bytes spill stores" "$OUT/build.log" 2>/dev/null || true)
 [ $build_rc -eq 0 ] || tail -40 "$OUT/build.log"
 
+# SASS of the built image: the wgmma kernels must contain HGMMA, and no kernel may use local
+# memory (LDL/STL: register spills or stack arrays).
+hgmma=- local_mem=-
+CUOBJDUMP=$CUDA_HOME/bin/cuobjdump
+so=$(ls vllm_petit_moe/_C*.so 2>/dev/null | head -1)
+if [ $build_rc -eq 0 ] && [ -x "$CUOBJDUMP" ] && [ -n "$so" ]; then
+  "$CUOBJDUMP" -sass "$so" > /tmp/petit_sass.txt 2>/dev/null
+  hgmma=$(grep -c "HGMMA" /tmp/petit_sass.txt)
+  local_mem=$(grep -cE "\b(LDL|STL)(\.|\s)" /tmp/petit_sass.txt)
+fi
+
 test_rc=1
 if [ $build_rc -eq 0 ]; then
   t1=$(date +%s)
@@ -74,6 +85,7 @@ echo "================ petit-moe GPU check ================"
 echo "gpus        : ${gpus:-none} ($num_gpus)"
 echo "commit      : ${PETIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 echo "build       : rc=$build_rc in ${build_s}s (spilling functions: ${spills:-0})"
+echo "sass        : HGMMA instructions: $hgmma, local-memory instructions: $local_mem"
 echo "tests       : rc=$test_rc in ${test_s:-0}s: $(tail -1 "$OUT/pytest.log" 2>/dev/null)"
 echo "bench       : rc=$bench_rc"
 echo "experts     : rc=$experts_bench_rc"

@@ -17,13 +17,16 @@ MAX_LOCAL_EXPERTS = 512
 SIZE_MULTIPLE = 8  # H and I: one 16-byte vector of bf16
 MAX_ENTRIES = 2**31 - 1  # N*K routing entries are indexed with int32
 
-TILES = {"auto": 0, "small": 1, "large": 2, "mma": 3, "decode": 4}
-"""Tile families of the GEMMs: ``small`` (16-row tiles, for few rows per expert, i.e.
-decode), ``large`` (128-row tiles, prefill), ``auto`` (chosen from N*K / L between those two
-portable SIMT families), ``mma`` (CUDA sm_80+ tensor cores, 128x128x32 tiles; only when asked
-for explicitly, the launch fails with "not supported" on HIP and older GPUs), ``decode``
-(portable, <= 8-row tiles, each warp streaming whole weight rows; only when asked for
-explicitly)."""
+TILES = {"auto": 0, "small": 1, "large": 2, "mma": 3, "decode": 4, "wgmma": 5}
+"""Tile families of the GEMMs: ``small`` (16-row SIMT tiles, for few rows per expert, i.e.
+decode), ``large`` (128-row SIMT tiles, prefill), ``mma`` (CUDA sm_80+ tensor cores, mma.sync,
+128x128x32 tiles), ``wgmma`` (Hopper sm_90a tensor cores, wgmma, 128x256x64 tiles),
+``decode`` (portable, <= 8-row tiles, each warp streaming whole weight rows; only when asked
+for explicitly) and ``auto``: ``small`` below 256 routing entries per local expert, above it
+the fastest 128-row family the GPU runs (``wgmma``, else ``mma``, else ``large``). ``mma`` and
+``wgmma`` fail with "operation not supported" where the GPU or the build lacks them (HIP,
+older GPUs, a build without 9.0a in TORCH_CUDA_ARCH_LIST)."""
+TILE_NAMES = {code: name for name, code in TILES.items()}
 
 
 def _ops():
@@ -141,8 +144,8 @@ def experts_forward(
     out ``[N, H] bfloat16`` (optional): written in full.
     act_workspace / partial_workspace (optional): contiguous tensors of at least the sizes of
         :func:`experts_workspace_shapes` (bfloat16 / float32, any shape); allocated when absent.
-    tiles: ``"auto"``, ``"small"``, ``"large"``, ``"mma"`` or ``"decode"`` (see ``TILES``; results do not
-        depend on it beyond fp32 rounding order).
+    tiles: a name of ``TILES`` (``"auto"``, ``"small"``, ``"large"``, ``"mma"``, ``"decode"``,
+        ``"wgmma"``; results do not depend on it beyond fp32 rounding order).
 
     Returns ``out [N, H] bfloat16``: ``Σ_{k: id valid} w[r,k] · expert_{id}(recv_x[r])``, with
     bf16 GEMM operands, fp32 accumulation, the SiLU·mul activation rounded to bf16 once and
@@ -182,9 +185,9 @@ def experts_forward(
 
 
 def resolve_tiles(num_rows: int, top_k: int, num_local_experts: int, tiles: str = "auto") -> str:
-    """The tile family :func:`experts_forward` runs for these sizes (``"small"``/``"large"``/
-    ``"mma"``/``"decode"``)."""
+    """The tile family (a name of ``TILES``, never ``"auto"``) :func:`experts_forward` runs for
+    these sizes on the current device."""
     if tiles not in TILES:
         raise ValueError(f"tiles must be one of {sorted(TILES)}, got {tiles!r}")
     code = _ops().resolve_expert_tiles(num_rows, top_k, num_local_experts, TILES[tiles])
-    return {1: "small", 2: "large", 3: "mma", 4: "decode"}[int(code)]
+    return TILE_NAMES[int(code)]

@@ -25,39 +25,12 @@
 #pragma once
 
 #include "../platform.h"
+#include "cp_async.h"
 
 namespace petit {
 namespace gemm {
 
 // ------------------------------------------------------------------ PTX wrappers
-
-PETIT_DEVICE uint32_t sm80_smem_addr(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-// 16 bytes global -> shared, L1 bypassed; src_bytes = 0 writes 16 zero bytes and reads nothing
-// (src must still be a valid address: callers pass a real row).
-PETIT_DEVICE void sm80_cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-#if PETIT_SM80_DEVICE
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-#endif
-}
-
-PETIT_DEVICE void sm80_cp_async_commit() {
-#if PETIT_SM80_DEVICE
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Wait until at most kPending of this thread's committed groups are still in flight.
-template <int kPending>
-PETIT_DEVICE void sm80_cp_async_wait() {
-#if PETIT_SM80_DEVICE
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-#endif
-}
 
 // Four 8x8 b16 matrices; lanes 8j..8j+7 give the row addresses of matrix j, and register j of
 // lane t receives row t/4, elements 2(t%4), 2(t%4)+1 of matrix j (lower element in the low half).
@@ -127,66 +100,15 @@ struct Sm80MmaTileConfig {
   }
 };
 
-// ------------------------------------------------------------------ cp.async tile loader
-
-// kRows rows x 32 bf16 (64 bytes = 4 chunks of 16 bytes) per stage, row-major in smem, chunk c
-// of row r stored at chunk position c ^ ((r >> 1) & 3): the 8 rows an ldmatrix phase reads
-// (same logical chunk, 8 consecutive rows from a multiple of 8) then hit 8 distinct 16-byte
-// bank groups, as do the 8 chunks (2 rows x 4) of a quarter-warp's cp.async stores.
-PETIT_HOST_DEVICE constexpr int sm80_swizzled_offset(int row, int chunk) {
-  return row * 64 + ((chunk ^ ((row >> 1) & 3)) * 16);
-}
-
-template <int kRows_, int kThreads_>
-struct Sm80CpAsyncLoader {
-  static constexpr int kRows = kRows_;
-  static constexpr int kThreads = kThreads_;
-  static constexpr int kChunksPerRow = 4;  // kBlockK = 32
-  static constexpr int kChunks = kRows * kChunksPerRow;
-  static constexpr int kChunksPerThread = kChunks / kThreads;
-  static constexpr int kStageBytes = kRows * kChunksPerRow * 16;
-  static_assert(kChunks % kThreads == 0, "every thread copies the same number of chunks");
-
-  const petit_bf16_bits* chunk_ptr[kChunksPerThread];  // row start + chunk offset, or fallback
-  uint32_t valid_mask;                                 // bit i: chunk i's row exists
-
-  // row_fn(row) -> const petit_bf16_bits*: start of tile row `row` in global memory, or nullptr
-  // when the tile has no such row; `fallback`: any valid 16-byte aligned global address (the
-  // source operand of the zero-filling copies of missing rows). Called once per tile.
-  template <class RowFn>
-  PETIT_DEVICE void init(RowFn row_fn, const petit_bf16_bits* fallback) {
-    valid_mask = 0;
-#pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-      const int chunk = threadIdx.x + i * kThreads;
-      const petit_bf16_bits* row = row_fn(chunk / kChunksPerRow);
-      chunk_ptr[i] = fallback;
-      if (row != nullptr) {
-        chunk_ptr[i] = row + (chunk % kChunksPerRow) * 8;
-        valid_mask |= 1u << i;
-      }
-    }
-  }
-
-  // Issue the copies of the k-tile starting at column k0 into the stage at smem address `dst`.
-  PETIT_DEVICE void issue(uint32_t dst, int k0, int k_dim) const {
-#pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-      const int chunk = threadIdx.x + i * kThreads;
-      const int row = chunk / kChunksPerRow, c = chunk % kChunksPerRow;
-      const bool in = ((valid_mask >> i) & 1u) && k0 + c * 8 < k_dim;
-      sm80_cp_async_16(dst + sm80_swizzled_offset(row, c), in ? chunk_ptr[i] + k0 : chunk_ptr[i],
-                       in ? 16 : 0);
-    }
-  }
-};
-
 // ------------------------------------------------------------------ main loop
 
-template <class Cfg>
+template <class Cfg_>
 struct Sm80MmaMainloop {
-  using LoaderA = Sm80CpAsyncLoader<Cfg::kBlockM, Cfg::kThreads>;
-  using LoaderB = Sm80CpAsyncLoader<Cfg::kBRows, Cfg::kThreads>;
+  using Cfg = Cfg_;
+  // The kernels have a body only in the device passes that can run this main loop.
+  static constexpr bool kCompiled = PETIT_SM80_DEVICE;
+  using LoaderA = CpAsyncLoader<Cfg::kBlockM, Cfg::kThreads, Sm80Swizzle>;
+  using LoaderB = CpAsyncLoader<Cfg::kBRows, Cfg::kThreads, Sm80Swizzle>;
   static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
   static constexpr int kStageBytes = LoaderA::kStageBytes + LoaderB::kStageBytes;
   // Dynamic shared memory of the kernel (kStages stages of A then B), 128-byte aligned base.
@@ -206,7 +128,7 @@ struct Sm80MmaMainloop {
 #pragma unroll
       for (int j = 0; j < kAccCols; ++j) acc[i][j] = 0.0f;
 
-    const uint32_t smem_base = sm80_smem_addr(smem);
+    const uint32_t smem_base = smem_addr_u32(smem);
     const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
 
     // Prologue: stages 0 .. kStages-2 (one commit group each, empty past the last k-tile, so
@@ -219,7 +141,7 @@ struct Sm80MmaMainloop {
         a_loader.issue(stage, s * Cfg::kBlockK, k_dim);
         b_loader.issue(stage + LoaderA::kStageBytes, s * Cfg::kBlockK, k_dim);
       }
-      sm80_cp_async_commit();
+      cp_async_commit();
     }
 
     // Per-lane parts of the ldmatrix addresses (stage- and tile-independent).
@@ -237,7 +159,7 @@ struct Sm80MmaMainloop {
     int read_stage = 0;
     int write_stage = Cfg::kStages - 1;
     for (int kt = 0; kt < num_k_tiles; ++kt) {
-      sm80_cp_async_wait<Cfg::kStages - 2>();
+      cp_async_wait<Cfg::kStages - 2>();
       // Makes k-tile kt visible to every thread and tells that every thread is done with the
       // stage read in iteration kt-1, which the prefetch below overwrites.
       __syncthreads();
@@ -247,7 +169,7 @@ struct Sm80MmaMainloop {
         a_loader.issue(stage, next * Cfg::kBlockK, k_dim);
         b_loader.issue(stage + LoaderA::kStageBytes, next * Cfg::kBlockK, k_dim);
       }
-      sm80_cp_async_commit();
+      cp_async_commit();
       write_stage = write_stage + 1 == Cfg::kStages ? 0 : write_stage + 1;
 
       const uint32_t a_stage = smem_base + read_stage * kStageBytes;
@@ -283,7 +205,7 @@ struct Sm80MmaMainloop {
     }
     // Only empty groups can still be pending; drain them and let every thread finish reading
     // before the next tile's prologue overwrites the stages.
-    sm80_cp_async_wait<0>();
+    cp_async_wait<0>();
     __syncthreads();
   }
 };
