@@ -568,14 +568,16 @@ petitError_t launch_wgmma_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) 
 
 }  // namespace
 
-// Auto: the small SIMT tiles below the rows-per-expert bound; above it the fastest 128-row
-// family the current device runs (wgmma on sm_90a, else mma.sync on sm_80+, else SIMT large).
+// Auto: wgmma wherever the device runs it (on H200 it beats every other family at every
+// size measured, 1 to 2048 tokens per rank: examples/results/experts_H200.jsonl); elsewhere
+// the small SIMT tiles below the rows-per-expert bound and above it mma.sync (sm_80+) or the
+// large SIMT tiles.
 int resolve_expert_tiles(const ExpertGemmArgs& a) {
   if (a.tiles != kExpertTilesAuto) return a.tiles;
+  if (wgmma_path_supported() == petitSuccess) return kExpertTilesWgmma;
   const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
   if (num_entries < int64_t(kLargeTileMinRowsPerExpert) * a.num_local_experts)
     return kExpertTilesSmall;
-  if (wgmma_path_supported() == petitSuccess) return kExpertTilesWgmma;
   if (mma_path_supported() == petitSuccess) return kExpertTilesMma;
   return kExpertTilesLarge;
 }
