@@ -95,6 +95,12 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed):
     share = [sum(int(((i >= 0) & (i // num_local == d)).sum()) for i in ids) / max(pairs, 1)
              for d in range(world)]
 
+    # Every path once, eagerly, before any capture: the paths share vLLM's workspace manager,
+    # which grows its buffers on demand, so a path captured before another one grew them would
+    # replay on freed memory (seen as garbage at the first, smallest size of a preset).
+    for path in layer.kernels:
+        layer.forward(path, xs[rank].clone(), ids[rank].clone(), ws[rank].clone(), counts)
+    torch.cuda.synchronize()
     captured = {}
     for path in layer.kernels:
         static = (xs[rank].clone(), ids[rank].clone(), ws[rank].clone())
@@ -169,8 +175,10 @@ def _print_row(r):
     flag = "" if r["finite"] and r["rel_diff"] < 2e-2 else "   <-- outputs differ"
     extra = ""
     if "petit_experts_us" in r:
+        diff = r["petit_experts_rel_diff"]
         extra = (f"   petit-experts {r['petit_experts_us']:.1f} us, speedup "
-                 f"{r['petit_experts_speedup']:.2f}, rel_diff {r['petit_experts_rel_diff']:.1e}")
+                 f"{r['petit_experts_speedup']:.2f}, rel_diff "
+                 f"{'-' if diff is None else format(diff, '.1e')}")
     print(f"{r['preset']:14} {r['routing']:8} {r['tokens']:>6} {r['default_us']:10.1f} "
           f"{r['petit_us']:9.1f} {r['default_tflops']:10.1f} {r['petit_tflops']:9.1f} "
           f"{r['speedup']:7.2f} {r['hot_share']:5.2f} {r['rel_diff']:8.1e}{flag}{extra}",
@@ -283,7 +291,8 @@ def main(argv=None):
                     _print_row(row)
     finally:
         pool.close()
-
+    if not rows:
+        return 1
     write_results(ROOT, f"moe_layer_{gpu}x{world}", rows,
                   dict(gpu=gpu, world=world, commit=commit, date=date), _plot,
                   f"MoE layer via vLLM's modular kernel, {gpu} x{world}, {commit}", args.out_dir)
