@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -95,15 +96,12 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed):
     share = [sum(int(((i >= 0) & (i // num_local == d)).sum()) for i in ids) / max(pairs, 1)
              for d in range(world)]
 
-    # Every path once, eagerly, before any capture: the paths share vLLM's workspace manager,
-    # which grows its buffers on demand, so a path captured before another one grew them would
-    # replay on freed memory (seen as garbage at the first, smallest size of a preset).
+    # The graphs read their inputs from the static tensors' addresses: keep them alive next to
+    # the graph (a tensor freed after the capture is reused by the next allocation, and the
+    # replays then read whatever that holds).
+    captured, statics = {}, {}
     for path in layer.kernels:
-        layer.forward(path, xs[rank].clone(), ids[rank].clone(), ws[rank].clone(), counts)
-    torch.cuda.synchronize()
-    captured = {}
-    for path in layer.kernels:
-        static = (xs[rank].clone(), ids[rank].clone(), ws[rank].clone())
+        statics[path] = static = (xs[rank].clone(), ids[rank].clone(), ws[rank].clone())
         captured[path] = harness.capture(
             state.device, lambda path=path, static=static: layer.forward(path, *static, counts))
     outs = {}
@@ -111,14 +109,18 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed):
         graph.replay()
         torch.cuda.synchronize()
         outs[path] = out.float().clone()
-    diff = outs["petit"] - outs["default"]
-    norm = outs["default"].norm().item()
+    def rel_diff(path):  # vs the default path; inf where either output is not finite
+        diff = (outs[path] - outs["default"]).norm().item()
+        norm = outs["default"].norm().item()
+        if not (math.isfinite(diff) and math.isfinite(norm)):
+            return math.inf
+        return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+
     row = dict(pairs=pairs, hot_share=share[0], max_share=max(share),
-               rel_diff=diff.norm().item() / norm if norm > 0 else 0.0,
-               max_abs_diff=diff.abs().max().item(),
-               petit_experts_rel_diff=(
-                   (outs[harness.PETIT_EXPERTS_PATH] - outs["default"]).norm().item() / norm
-                   if harness.PETIT_EXPERTS_PATH in outs and norm > 0 else None),
+               rel_diff=rel_diff("petit"),
+               max_abs_diff=(outs["petit"] - outs["default"]).abs().max().item(),
+               petit_experts_rel_diff=(rel_diff(harness.PETIT_EXPERTS_PATH)
+                                       if harness.PETIT_EXPERTS_PATH in outs else None),
                petit_finite=bool(torch.isfinite(outs["petit"]).all()),
                default_finite=bool(torch.isfinite(outs["default"]).all()))
     row["finite"] = row["petit_finite"] and row["default_finite"]
@@ -126,7 +128,7 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed):
         torch.cuda.synchronize()
         state.barrier()
         row[f"{path}_us"] = harness.time_replays_us(graph, iters)
-    del captured, outs
+    del captured, statics, outs
     return row
 
 

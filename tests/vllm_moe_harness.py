@@ -617,7 +617,9 @@ def capture(device: torch.device, fn: Callable[[], Any], warmup: int = 2):
 
     Inside vLLM's ``graph_capture(device)`` (a side stream): ``warmup`` eager calls first
     (Triton JIT, the expert-map check, buffer growth), then the capture. Returns
-    ``(graph, outputs of the captured call)``; replay with ``graph.replay()``.
+    ``(graph, outputs of the captured call)``; replay with ``graph.replay()``. The graph reads
+    and writes the addresses ``fn`` used: the caller keeps every input tensor of ``fn`` alive
+    as long as it replays the graph (a freed input's memory is handed to the next allocation).
     """
     from vllm.distributed.parallel_state import graph_capture
 
