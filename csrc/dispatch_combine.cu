@@ -517,12 +517,12 @@ int combine_send_blocks(int num_blocks) {
 // Hidden chunks of one reduce item (own token group), at least the send chunks: a group's
 // reduction is cut into chunks of <= PETIT_MOE_COMBINE_REDUCE_VECTORS vectors per row (read
 // once per process; 0 = the send chunks), so that the last groups to land are reduced by
-// many blocks instead of one (at 4096 tokens/rank a whole-group item moves ~1.4 MB). 128
-// measured on 2x H200, DeepSeek-V3 shapes, 132 SMs: combine at 4096 tokens 191 us vs 202 us
-// with 0 or 256, 1, 128 and 16384 tokens unchanged. Default 0 until the MoE-layer benchmark
-// with it is understood (docs/status: the 1-token anomaly of 2026-11-30).
+// many blocks instead of one (at 4096 tokens/rank a whole-group item moves ~1.4 MB). Default
+// 128, measured on 2x H200, DeepSeek-V3 shapes, 132 SMs: combine at 4096 tokens 191.0 us vs
+// 202.1 us with 0 (201.4 with 256), 1, 128 and 16384 tokens unchanged. The chunking does not
+// change any output bit (every element is summed in the same fixed order).
 int combine_reduce_chunks(int num_chunks, int num_vectors) {
-  static const int reduce_vectors = env_knob("PETIT_MOE_COMBINE_REDUCE_VECTORS", 0, 0, 1 << 20);
+  static const int reduce_vectors = env_knob("PETIT_MOE_COMBINE_REDUCE_VECTORS", 128, 0, 1 << 20);
   if (reduce_vectors <= 0) return num_chunks;
   const int chunks = ceil_div(num_vectors, reduce_vectors);
   return chunks > num_chunks ? chunks : num_chunks;
