@@ -34,15 +34,25 @@ build_s=$(( $(date +%s) - t0 ))
 spills=$(grep -c "bytes spill stores" "$OUT/build.log" 2>/dev/null || true)
 [ $build_rc -eq 0 ] || tail -40 "$OUT/build.log"
 
-# SASS of the built image: the wgmma kernels must contain HGMMA, and no kernel may use local
-# memory (LDL/STL: register spills or stack arrays).
-hgmma=- local_mem=-
+# SASS of the built image, per kernel: which contain HGMMA (the wgmma expert GEMMs must) and
+# which touch local memory (LDL/STL: spills or stack arrays; the dispatch/combine kernels'
+# 48-byte frame is the printf argument buffer of their timeout report, off the hot path).
+sass_summary=-
 CUOBJDUMP=$CUDA_HOME/bin/cuobjdump
 so=$(ls vllm_petit_moe/_C*.so 2>/dev/null | head -1)
 if [ $build_rc -eq 0 ] && [ -x "$CUOBJDUMP" ] && [ -n "$so" ]; then
   "$CUOBJDUMP" -sass "$so" > /tmp/petit_sass.txt 2>/dev/null
-  hgmma=$(grep -c "HGMMA" /tmp/petit_sass.txt)
-  local_mem=$(grep -cE "\b(LDL|STL)(\.|\s)" /tmp/petit_sass.txt)
+  # kernel names shortened to the identifier before the template arguments
+  sass_summary=$(awk '
+    /Function :/ { fn = $3; sub(/^.*_cu_[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]/, "", fn)  # namespace, file hash
+                   sub(/^[0-9]+/, "", fn); match(fn, /^[a-z0-9_]+/); fn = substr(fn, 1, RLENGTH)
+                   if (fn ~ /_tc_kernel$/) fn = fn ($3 ~ /Sm90Wgmma/ ? "<wgmma>" : "<mma>") }
+    /HGMMA/ { h[fn]++ }
+    /[[:space:]](LDL|STL)[.[:space:]]/ { l[fn]++ }
+    END { printf "HGMMA in:"; n = 0; for (f in h) { printf " %s(%d)", f, h[f]; n++ }
+          if (n == 0) printf " none"
+          printf "; local memory in:"; n = 0; for (f in l) { printf " %s(%d)", f, l[f]; n++ }
+          if (n == 0) printf " none" }' /tmp/petit_sass.txt)
 fi
 
 test_rc=1
@@ -85,7 +95,7 @@ echo "================ petit-moe GPU check ================"
 echo "gpus        : ${gpus:-none} ($num_gpus)"
 echo "commit      : ${PETIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 echo "build       : rc=$build_rc in ${build_s}s (spilling functions: ${spills:-0})"
-echo "sass        : HGMMA instructions: $hgmma, local-memory instructions: $local_mem"
+echo "sass        : $sass_summary"
 echo "tests       : rc=$test_rc in ${test_s:-0}s: $(tail -1 "$OUT/pytest.log" 2>/dev/null)"
 echo "bench       : rc=$bench_rc"
 echo "experts     : rc=$experts_bench_rc"
