@@ -15,7 +15,6 @@ Writes examples/results/dispatch_combine_<gpu>x<W>.jsonl and a PNG plot next to 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import socket
@@ -29,7 +28,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from vllm_petit_moe.device_env import commit_stamp, utc_date, write_results  # noqa: E402
+from vllm_petit_moe.device_env import commit_stamp, replot, utc_date, write_results  # noqa: E402
 
 PRESETS = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, top_k=8),
@@ -263,10 +262,8 @@ def main():
     p.add_argument("--replot", metavar="JSONL", help="only redraw the plot of a results file")
     args = p.parse_args()
     if args.replot:
-        rows = [json.loads(line) for line in open(args.replot)]
-        _plot(rows, Path(args.replot).with_suffix(".png"),
-              f"EpBuffer dispatch/combine, {rows[0]['gpu']} x{rows[0]['world']}, {rows[0]['commit']}")
-        return
+        return replot(args.replot, _plot, lambda r: f"EpBuffer dispatch/combine, {r['gpu']} "
+                                                    f"x{r['world']}, {r['commit']}")
     if args.tokens is None:
         args.tokens = QUICK_TOKENS if args.quick else TOKENS
     if args.quick:

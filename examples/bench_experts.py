@@ -35,14 +35,13 @@ more) and a PNG next to it, and prints a table. The commit comes from $PETIT_COM
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from vllm_petit_moe.device_env import commit_stamp, utc_date, write_results  # noqa: E402
+from vllm_petit_moe.device_env import commit_stamp, replot, utc_date, write_results  # noqa: E402
 from vllm_petit_moe.ops import TILES  # noqa: E402
 
 PRESETS = {
@@ -386,10 +385,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.replot:
-        rows = [json.loads(line) for line in open(args.replot)]
-        plot(rows, Path(args.replot).with_suffix(".png"),
-             f"expert GEMMs, {rows[0]['gpu']}, {rows[0]['commit']}")
-        return 0
+        return replot(args.replot, plot, lambda r: f"expert GEMMs, {r['gpu']}, {r['commit']}")
 
     import torch
 

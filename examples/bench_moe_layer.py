@@ -34,7 +34,6 @@ next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -43,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from vllm_petit_moe.device_env import commit_stamp, utc_date, write_results  # noqa: E402
+from vllm_petit_moe.device_env import commit_stamp, replot, utc_date, write_results  # noqa: E402
 from vllm_petit_moe.ops import TILES  # noqa: E402
 
 import vllm_moe_harness as harness  # noqa: E402
@@ -253,10 +252,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.replot:
-        rows = [json.loads(line) for line in open(args.replot)]
-        _plot(rows, Path(args.replot).with_suffix(".png"),
-              f"MoE layer via vLLM, {rows[0]['gpu']} x{rows[0]['world']}, {rows[0]['commit']}")
-        return 0
+        return replot(args.replot, _plot, lambda r: f"MoE layer via vLLM, {r['gpu']} "
+                                                    f"x{r['world']}, {r['commit']}")
 
     import torch
 

@@ -60,3 +60,16 @@ def write_results(repo_root, name, rows, stamp, plot, title, out_dir=None):
         plot(rows, folder / f"{name}.png", title)
     print(f"wrote {out_dirs[0] / name}.jsonl and .png")
     return out_dirs[0] / f"{name}.jsonl"
+
+
+def replot(jsonl, plot, title):
+    """Redraw the PNG next to a results file written by `write_results`:
+    `plot(rows, <jsonl without suffix>.png, title(first row))`. Returns 0 (an exit status)."""
+    import json
+    from pathlib import Path
+    rows = [json.loads(line) for line in open(jsonl) if line.strip()]
+    if not rows:
+        raise SystemExit(f"{jsonl}: no results to plot")
+    plot(rows, Path(jsonl).with_suffix(".png"), title(rows[0]))
+    return 0
+
