@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from rank_pool import RankPool
+from rank_pool import RankPool, ep_rank_pool
 
 
 def num_gpus() -> int:
@@ -47,7 +47,7 @@ def rank_pools():
             pytest.skip(f"{world_size} ranks need >= {world_size // max_ranks_per_gpu} GPUs")
         pool = _pools.get(world_size)
         if pool is None or not pool.healthy:
-            pool = _pools[world_size] = RankPool(world_size, num_gpus())
+            pool = _pools[world_size] = ep_rank_pool(world_size, num_gpus())
         return pool
     yield get
     for pool in _pools.values():

@@ -57,17 +57,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import socket
 import statistics
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from rank_pool import RankPool, RankPoolError, free_port  # noqa: F401 (re-exported)
 from vllm_petit_moe.device_env import VLLM_SAFE_ENV
 
 # Set in every rank process before torch/vLLM touch NCCL.
@@ -127,12 +124,6 @@ def env_override(**overrides: str | None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -653,108 +644,27 @@ def time_replays_us(graph, iters: int, warmup: int = 3) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-class RankPoolError(RuntimeError):
-    pass
-
-
-def _pool_worker(rank, world_size, port, tasks, results):
+def _vllm_setup(rank, world_size, port):
     apply_safe_env()
-    try:
-        state = init_vllm_dp_ep(rank, world_size, port)
-    except BaseException:
-        results.put((rank, False, "init: " + traceback.format_exc()))
-        return
-    results.put((rank, True, "ready"))
-    try:
-        while True:
-            task = tasks.get()
-            if task is None:
-                break
-            fn, args = task
-            try:
-                results.put((rank, True, fn(state, *args)))
-            except BaseException:  # report everything, the parent decides
-                results.put((rank, False, traceback.format_exc()))
-    finally:
-        try:
-            shutdown_vllm(state)
-        except BaseException:
-            pass
+    return init_vllm_dp_ep(rank, world_size, port)
 
 
-class VllmRankPool:
-    """W spawned processes, rank r on GPU r, each with vLLM's DP=W + EP setup.
+class VllmRankPool(RankPool):
+    """W spawned processes, rank r on GPU r, each with vLLM's DP=W + EP setup
+    (``init_vllm_dp_ep``; ``shutdown_vllm`` when the pool closes).
 
     ``run(fn, *args)`` calls the module-level ``fn(state: RankState, *args)`` on every rank
-    and returns the per-rank results; an error or a timeout on any rank raises
-    ``RankPoolError`` (with every failing rank's traceback) and closes the pool.
+    and returns the per-rank results; an error, a dead rank or a timeout on any rank raises
+    ``RankPoolError`` (with every failing rank's traceback) and closes the pool
+    (``tests/rank_pool.py``).
     """
 
     def __init__(self, world_size: int, init_timeout_s: float = 600.0):
-        import torch.multiprocessing as mp
-
         if torch.cuda.device_count() < world_size:
             raise RankPoolError(f"{world_size} ranks need {world_size} GPUs, have "
                                 f"{torch.cuda.device_count()}")
-        self.world_size = world_size
-        ctx = mp.get_context("spawn")
-        self._tasks = [ctx.Queue() for _ in range(world_size)]
-        self._results = ctx.Queue()
-        port = free_port()
-        self._procs = [ctx.Process(target=_pool_worker, daemon=True,
-                                   args=(r, world_size, port, self._tasks[r], self._results))
-                       for r in range(world_size)]
-        for p in self._procs:
-            p.start()
-        self.healthy = True
-        self._collect("vLLM distributed init", init_timeout_s)
-
-    def _collect(self, what: str, timeout_s: float) -> list:
-
-        results, errors, answered = [None] * self.world_size, [], 0
-        deadline = time.monotonic() + timeout_s
-        while answered < self.world_size:
-            try:
-                rank, ok, value = self._results.get(timeout=5.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    self.healthy = False
-                    self.close()
-                    why = (f"ranks {dead} died" if dead
-                           else f"no answer within {timeout_s:.0f} s")
-                    raise RankPoolError(f"{what}: {why} ({answered} of {self.world_size} "
-                                        "answered)" + ("\n" + "\n".join(errors) if errors
-                                                       else "")) from None
-                continue
-            answered += 1
-            if ok:
-                results[rank] = value
-            else:
-                errors.append(f"--- rank {rank} ---\n{value}")
-                # The other ranks may now wait in a collective that will never complete
-                # (our kernels trap after VLLM_PETIT_MOE_TIMEOUT_S, NCCL never does).
-                deadline = min(deadline, time.monotonic() + 45.0)
-        if errors:
-            self.healthy = False
-            self.close()
-            raise RankPoolError(f"{what} failed:\n" + "\n".join(errors))
-        return results
+        super().__init__(world_size, _vllm_setup, (free_port(),), shutdown_vllm,
+                         init_timeout_s=init_timeout_s, what="vLLM distributed init")
 
     def run(self, fn: Callable, *args, timeout_s: float = 600.0) -> list:
-        if not self.healthy:
-            raise RankPoolError("rank pool is broken by an earlier failure")
-        for q in self._tasks:
-            q.put((fn, args))
-        return self._collect(getattr(fn, "__name__", str(fn)), timeout_s)
-
-    def close(self) -> None:
-        for q, p in zip(self._tasks, self._procs):
-            if p.is_alive():
-                q.put(None)
-        for p in self._procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        self.healthy = False
+        return super().run(fn, *args, timeout_s=timeout_s)
