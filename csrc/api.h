@@ -57,6 +57,10 @@ enum ExpertTiles : int {
   // a 4-stage cp.async ring (gemm/sm90_mainloop_wgmma.h). petitErrorNotSupported elsewhere.
   // Not bit-identical to the other families.
   kExpertTilesWgmma = 5,
+  // CUDA sm_90a only, for few rows per expert: 64x256x64 tiles, the two warpgroups side by side
+  // (m64n128k16 each: half of kExpertTilesWgmma's tensor-core work per weight byte), 5-stage
+  // ring. Only when asked for explicitly (auto never picks it; not yet measured).
+  kExpertTilesWgmmaM64 = 6,
 };
 
 struct ExpertGemmArgs {

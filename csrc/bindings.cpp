@@ -386,8 +386,9 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
               (long long)w2.size(2));
   PETIT_CHECK(N * K < (int64_t(1) << 31), "N*K = %lld routing entries exceed 2^31 - 1",
               (long long)(N * K));
-  PETIT_CHECK(tiles >= kExpertTilesAuto && tiles <= kExpertTilesWgmma,
-              "tiles %lld must be 0 (auto), 1 (small), 2 (large), 3 (mma), 4 (decode) or 5 (wgmma)",
+  PETIT_CHECK(tiles >= kExpertTilesAuto && tiles <= kExpertTilesWgmmaM64,
+              "tiles %lld must be 0 (auto), 1 (small), 2 (large), 3 (mma), 4 (decode), 5 (wgmma) "
+              "or 6 (wgmma_m64)",
               (long long)tiles);
   const auto device = recv_x.device();
   PETIT_CHECK(topk_ids.device() == device && topk_weights.device() == device &&

@@ -160,11 +160,16 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 // (48 KiB of dynamic shared memory per block, 2 blocks per SM).
 using GateUpMma = gemm::Sm80MmaMainloop<gemm::Sm80MmaTileConfig<64, 2, 3, 2>>;
 using DownMma = gemm::Sm80MmaMainloop<gemm::Sm80MmaTileConfig<128, 1, 3, 2>>;
-// <kBlockN, kNumBGroups, kStages>: 128 x 256 x 64 block tiles (B tile: 128 gate + 128 up rows
-// for gate/up, 256 w2 rows for down), 2 warpgroups of 64 x 256, 4-stage ring (192 KiB of
-// dynamic shared memory, 1 block per SM).
-using GateUpWgmma = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<128, 2, 4>>;
-using DownWgmma = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<256, 1, 4>>;
+// <kBlockM, kBlockN, kNumBGroups, kStages, kWgN>, 1 block per SM:
+// wgmma: 128 x 256 x 64 block tiles (B tile: 128 gate + 128 up rows for gate/up, 256 w2 rows
+//   for down), 2 warpgroups of 64 x 256 (one above the other), 4-stage ring (193 KiB of
+//   dynamic shared memory).
+// wgmma_m64: 64 x 256 x 64 block tiles, 2 warpgroups of 64 x 128 (side by side: half the
+//   tensor-core work per weight byte of wgmma, for few rows per expert), 5-stage ring (201 KiB).
+using GateUpWgmma = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
+using DownWgmma = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
+using GateUpWgmmaM64 = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>;
+using DownWgmmaM64 = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
@@ -186,11 +191,12 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
       // A: the tile's rows gathered through the row list (entry -> received row entry / K).
       typename Mainloop::LoaderA a_loader;
       a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
-      // B: gate rows [n_begin, n_begin + kBlockN) of w13[e], then the same up rows (+ I).
+      // B: gate rows [n_begin, n_begin + kBlockN) of w13[e] and the same up rows (+ I), in
+      // the order of the config (b_group_of / b_col_of).
       const petit_bf16_bits* w13_e = w13_of(a, tile);
       typename Mainloop::LoaderB b_loader;
       b_loader.init(
-          [&](int r) { return w13_row(a, w13_e, r / Cfg::kBlockN, n_begin + r % Cfg::kBlockN); },
+          [&](int r) { return w13_row(a, w13_e, Cfg::b_group_of(r), n_begin + Cfg::b_col_of(r)); },
           w13_e);
       Mainloop mainloop;
       mainloop.run(a_loader, b_loader, a.hidden, tc_dynamic_smem);
@@ -418,7 +424,7 @@ petitError_t check_args(const ExpertGemmArgs& a) {
   if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
       a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
       a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
-      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmma || a.num_sms < 0)
+      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaM64 || a.num_sms < 0)
     return petitErrorInvalidValue;
   if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
   if (a.num_rows > 0 &&
@@ -553,6 +559,11 @@ petitError_t launch_wgmma_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sm
   return launch_tc_gemm<GateUpWgmma, DownWgmma>(gate_up, a, num_sms, stream);
 }
 
+petitError_t launch_wgmma_m64_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
+                                   petitStream_t stream) {
+  return launch_tc_gemm<GateUpWgmmaM64, DownWgmmaM64>(gate_up, a, num_sms, stream);
+}
+
 #else  // no tensor-core path in this build (HIP, host-compiler emulation)
 
 petitError_t mma_path_supported() { return petitErrorNotSupported; }
@@ -561,6 +572,9 @@ petitError_t launch_mma_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
   return petitErrorNotSupported;
 }
 petitError_t launch_wgmma_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
+  return petitErrorNotSupported;
+}
+petitError_t launch_wgmma_m64_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
   return petitErrorNotSupported;
 }
 
@@ -594,7 +608,9 @@ petitError_t prepare_gemm_launch(const ExpertGemmArgs& a, int* tiles, int* num_s
   if (err != petitSuccess) return err;
   *tiles = resolve_expert_tiles(a);
   if (*tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
-  if (*tiles == kExpertTilesWgmma && (err = wgmma_path_supported()) != petitSuccess) return err;
+  if ((*tiles == kExpertTilesWgmma || *tiles == kExpertTilesWgmmaM64) &&
+      (err = wgmma_path_supported()) != petitSuccess)
+    return err;
   if (a.num_rows == 0) return petitSuccess;
   if ((err = device_sm_count(a, num_sms)) != petitSuccess) return err;
   *launch = true;
@@ -610,6 +626,7 @@ petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream
   if (err != petitSuccess || !launch) return err;
   switch (tiles) {
     case kExpertTilesWgmma: return launch_wgmma_gemm(true, a, num_sms, stream);
+    case kExpertTilesWgmmaM64: return launch_wgmma_m64_gemm(true, a, num_sms, stream);
     case kExpertTilesMma: return launch_mma_gemm(true, a, num_sms, stream);
     case kExpertTilesDecode:
       return launch_decode_kernel(expert_gate_up_decode_kernel, a, a.intermediate,
@@ -626,6 +643,7 @@ petitError_t launch_expert_down(const ExpertGemmArgs& a, petitStream_t stream) {
   if (err != petitSuccess || !launch) return err;
   switch (tiles) {
     case kExpertTilesWgmma: return launch_wgmma_gemm(false, a, num_sms, stream);
+    case kExpertTilesWgmmaM64: return launch_wgmma_m64_gemm(false, a, num_sms, stream);
     case kExpertTilesMma: return launch_mma_gemm(false, a, num_sms, stream);
     case kExpertTilesDecode:
       return launch_decode_kernel(expert_down_decode_kernel, a, a.hidden,

@@ -4,7 +4,7 @@ torch reference, with the tolerance derived from the reference's own bf16-vs-fp3
 Every case draws fresh random data from a seeded generator (never zeros), poisons the
 outputs and workspaces with NaN before the call, and runs every tile family the GPU has (the
 portable ``small``/``large``/``decode``, the sm_80+ tensor-core ``mma`` and, on compute
-capability 9.0, the sm_90a ``wgmma``).
+capability 9.0, the sm_90a ``wgmma`` and ``wgmma_m64``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from vllm_petit_moe import reference
 pytestmark = [requires_gpu, requires_extension]
 
 HAS_WGMMA = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-TILE_FAMILIES = ["small", "large", "mma", "decode"] + (["wgmma"] if HAS_WGMMA else [])
+TILE_FAMILIES = ["small", "large", "mma", "decode"] + (["wgmma", "wgmma_m64"] if HAS_WGMMA else [])
 
 
 def make_problem(ids, hidden, intermediate, num_local, seed, *, poison_unrouted=True):
@@ -171,10 +171,10 @@ def test_deterministic_and_tile_family_invariant():
     decode = run_petit(problem, "decode")  # its own fixed order too
     check(decode, problem)
     assert torch.equal(decode, run_petit(problem, "decode"))
-    if HAS_WGMMA:
-        wgmma = run_petit(problem, "wgmma")
-        check(wgmma, problem)
-        assert torch.equal(wgmma, run_petit(problem, "wgmma"))
+    for family in ("wgmma", "wgmma_m64") if HAS_WGMMA else ():
+        out = run_petit(problem, family)
+        check(out, problem)
+        assert torch.equal(out, run_petit(problem, family))
     # A row's result does not depend on the rest of the batch (batch invariance).
     head = tuple(t[:100].contiguous() if t.dim() == 2 else t for t in problem[:3]) + problem[3:]
     assert torch.equal(run_petit(head, "small"), small[:100])

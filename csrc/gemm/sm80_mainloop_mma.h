@@ -98,6 +98,10 @@ struct Sm80MmaTileConfig {
     const int warp_n = (tx / 32) % kWarpsN, lane = tx % 32;
     return warp_n * kWarpN + (j / 2) * 8 + (lane % 4) * 2 + j % 2;
   }
+  // smem B row r: B group and tile column of the weight row it holds (all gate rows, then all
+  // up rows).
+  PETIT_HOST_DEVICE static int b_group_of(int r) { return r / kBlockN; }
+  PETIT_HOST_DEVICE static int b_col_of(int r) { return r % kBlockN; }
 };
 
 // ------------------------------------------------------------------ main loop

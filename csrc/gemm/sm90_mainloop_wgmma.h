@@ -1,8 +1,9 @@
 // Tensor-core main loop of the grouped GEMM for Hopper (sm_90a): C[m, n] = sum_k A[m, k] *
-// B[n, k] for one 128 x 256 output tile (per wgmma: kNumBGroups * kBlockN = 256 columns), bf16
-// operands, fp32 accumulators, with
-//   - wgmma.mma_async m64n256k16 (two consumer warpgroups, 64 rows each), both operands read
-//     by the tensor cores straight from shared memory through 64-bit matrix descriptors,
+// B[n, k] for one kBlockM x (kNumBGroups * kBlockN) output tile, bf16 operands, fp32
+// accumulators, with
+//   - wgmma.mma_async m64n256k16 or m64n128k16 (one or more consumer warpgroups, each 64 rows
+//     by kWgmmaN B rows), both operands read by the tensor cores straight from shared memory
+//     through 64-bit matrix descriptors,
 //   - the 128-byte swizzled K-major layout (8-row x 128-byte atoms, 1024-byte aligned), filled
 //     by cp.async 16-byte copies (cp_async.h: one pointer per row, so the A rows are gathered
 //     through the row list with no permute copy, missing rows / chunks zero-filled),
@@ -10,8 +11,8 @@
 //     copies of k-tile kt + kStages - 2 issued while the tensor cores work on kt and kt - 1.
 // Same operand contract and the same epilogue view as the other main loops (acc[i][g *
 // kThreadN + j] is tile row Cfg::row_of(threadIdx.x, i), column Cfg::col_of(threadIdx.x, j) of
-// B group g, runs of kVecN = 2 columns), so epilogues.h applies unchanged; gated tiles hold
-// kBlockN gate rows then kBlockN up rows, and thread t holds gate[n] and up[n] of the same n.
+// B group g, runs of kVecN = 2 columns), so epilogues.h applies unchanged; in gated tiles
+// thread t holds gate[n] and up[n] of the same n (see Sm90WgmmaTileConfig).
 //
 // CUDA only (included where PETIT_SM80_PATH is set); the asm is emitted only in sm_90a device
 // passes (PETIT_SM90A_DEVICE), elsewhere the kernels built on it have no body and the
@@ -68,7 +69,7 @@ PETIT_DEVICE void sm90_wgmma_wait() {
 // wgmma region (the register is "modified" here).
 PETIT_DEVICE void sm90_fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// d[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, both from shared memory (K-major), fp32
+// d[64 x N] (+)= A[64 x 16] * B[N x 16]^T, both from shared memory (K-major), fp32
 // accumulators: d = 0 * d + A*B when scale_d is 0. Accumulator layout (warp w of the
 // warpgroup, lane l): d[4c + 2h + e] is row 16w + l/4 + 8h, column 8c + 2(l%4) + e.
 PETIT_DEVICE void sm90_wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
@@ -115,37 +116,98 @@ PETIT_DEVICE void sm90_wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, u
 #endif
 }
 
+PETIT_DEVICE void sm90_wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                             int scale_d) {
+#if PETIT_SM90A_DEVICE
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7,"
+      " %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23,"
+      " %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39,"
+      " %40, %41, %42, %43, %44, %45, %46, %47,"
+      " %48, %49, %50, %51, %52, %53, %54, %55,"
+      " %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+#endif
+}
+
+template <int kN>
+PETIT_DEVICE void sm90_wgmma_bf16(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
+                                  int scale_d) {
+  static_assert(kN == 128 || kN == 256, "wrapped wgmma shapes: m64n128k16, m64n256k16");
+  if constexpr (kN == 256) {
+    sm90_wgmma_m64n256k16_bf16(d, desc_a, desc_b, scale_d);
+  } else {
+    sm90_wgmma_m64n128k16_bf16(d, desc_a, desc_b, scale_d);
+  }
+}
+
 // ------------------------------------------------------------------ tile configuration
 
-// 128 x kBlockN output tile per B group, k-stage 64 (one 128-byte swizzle row), 2 consumer
-// warpgroups (rows 0-63, 64-127) each issuing one m64n256 wgmma per k16 step over all
-// kNumBGroups * kBlockN = 256 B rows.
-template <int kBlockN_, int kNumBGroups_, int kStages_>
+// kBlockM x kBlockN output tile per B group, k-stage 64 (one 128-byte swizzle row), consumer
+// warpgroups laid out kBlockM / 64 (M) x kWgN (N): warpgroup (wm, wn) owns tile rows
+// [64 wm, 64 wm + 64) and the B rows [wn * kWgmmaN, (wn + 1) * kWgmmaN) of the smem tile, one
+// m64 x kWgmmaN wgmma per k16 step. kWgN = 2 halves the tensor-core work per weight byte
+// (small M, where the cost is streaming the weights). In a gated tile (kNumBGroups = 2) the B
+// rows of every warpgroup are its kGroupCols gate rows followed by the same columns' up rows,
+// so each thread holds gate[n] and up[n] of the same n (b_group_of / b_col_of: smem B row ->
+// group and tile column).
+template <int kBlockM_, int kBlockN_, int kNumBGroups_, int kStages_, int kWgN_>
 struct Sm90WgmmaTileConfig {
-  static constexpr int kBlockM = 128;
+  static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;          // output columns per tile (per group)
   static constexpr int kBlockK = 64;                // reduction columns per pipeline stage
   static constexpr int kNumBGroups = kNumBGroups_;  // 1: plain; 2: gate rows then up rows
   static constexpr int kStages = kStages_;
+  static constexpr int kWgN = kWgN_;
   static constexpr int kMinBlocksPerSm = 1;
-  static constexpr int kWarpGroups = 2;
+  static constexpr int kWarpGroups = (kBlockM / 64) * kWgN;
   static constexpr int kThreads = kWarpGroups * 128;
   static constexpr int kBRows = kNumBGroups * kBlockN;
-  static constexpr int kWgmmaN = 256;
+  static constexpr int kWgmmaN = kBRows / kWgN;          // B rows (wgmma N) per warpgroup
+  static constexpr int kGroupCols = kBlockN / kWgN;      // output columns per group and warpgroup
   // Epilogue view (see epilogues.h): 2 rows x kThreadN columns per group and thread.
   static constexpr int kThreadM = 2;
-  static constexpr int kThreadN = kBlockN / 4;
+  static constexpr int kThreadN = kGroupCols / 4;
   static constexpr int kVecN = 2;
 
-  static_assert(kBRows == kWgmmaN, "one m64n256 wgmma covers the tile's B rows");
+  static_assert(kBlockM % 64 == 0 && kBlockM >= 64, "m64 warpgroup tiles");
+  static_assert(kWgmmaN == 128 || kWgmmaN == 256, "wrapped wgmma shapes: n128, n256");
+  static_assert(kGroupCols % 8 == 0, "whole n8 chunks per group");
   static_assert(kNumBGroups == 1 || kNumBGroups == 2, "plain or gated");
   static_assert(kStages >= 3, "kStages - 2 k-tiles of copies in flight");
 
-  // ty = tx = threadIdx.x: warpgroup ty / 128, warp (ty / 32) % 4 of it, lane ty % 32.
+  // ty = tx = threadIdx.x: warpgroup w = ty / 128 = wm * kWgN + wn, warp (ty / 32) % 4 of it,
+  // lane ty % 32.
   PETIT_HOST_DEVICE static int row_of(int ty, int i) {
-    return (ty / 128) * 64 + ((ty / 32) % 4) * 16 + (ty % 32) / 4 + 8 * i;
+    return (ty / 128 / kWgN) * 64 + ((ty / 32) % 4) * 16 + (ty % 32) / 4 + 8 * i;
   }
-  PETIT_HOST_DEVICE static int col_of(int tx, int j) { return (j / 2) * 8 + (tx % 4) * 2 + j % 2; }
+  PETIT_HOST_DEVICE static int col_of(int tx, int j) {
+    return ((tx / 128) % kWgN) * kGroupCols + (j / 2) * 8 + (tx % 4) * 2 + j % 2;
+  }
+  // smem B row r: B group and tile column of the weight row it holds (kWgN = 1: all gate rows,
+  // then all up rows).
+  PETIT_HOST_DEVICE static int b_group_of(int r) {
+    if constexpr (kWgN == 1) return r / kGroupCols;
+    return (r % kWgmmaN) / kGroupCols;
+  }
+  PETIT_HOST_DEVICE static int b_col_of(int r) {
+    if constexpr (kWgN == 1) return r % kGroupCols;
+    return (r / kWgmmaN) * kGroupCols + r % kGroupCols;
+  }
 };
 
 // ------------------------------------------------------------------ main loop
@@ -195,7 +257,10 @@ struct Sm90WgmmaMainloop {
       cp_async_commit();
     }
 
-    const uint32_t a_wg_offset = uint32_t((threadIdx.x / 128) * 64 * 128);  // this warpgroup's rows
+    // This warpgroup's A rows (64 x 128 bytes each) and B rows (kWgmmaN x 128 bytes).
+    const int warpgroup = threadIdx.x / 128;
+    const uint32_t a_wg_offset = uint32_t((warpgroup / Cfg::kWgN) * 64 * 128);
+    const uint32_t b_wg_offset = uint32_t((warpgroup % Cfg::kWgN) * Cfg::kWgmmaN * 128);
     int read_stage = 0;
     int write_stage = kAhead;
     for (int kt = 0; kt < num_k_tiles; ++kt) {
@@ -215,14 +280,15 @@ struct Sm90WgmmaMainloop {
       write_stage = write_stage + 1 == Cfg::kStages ? 0 : write_stage + 1;
 
       const uint32_t a_stage = smem_base + read_stage * kStageBytes + a_wg_offset;
-      const uint32_t b_stage = smem_base + read_stage * kStageBytes + LoaderA::kStageBytes;
+      const uint32_t b_stage =
+          smem_base + read_stage * kStageBytes + LoaderA::kStageBytes + b_wg_offset;
 #pragma unroll
       for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
       sm90_wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < Cfg::kBlockK / 16; ++ks)
-        sm90_wgmma_m64n256k16_bf16(d, sm90_desc_sw128(a_stage + ks * 32),
-                                   sm90_desc_sw128(b_stage + ks * 32), kt > 0 || ks > 0);
+        sm90_wgmma_bf16<Cfg::kWgmmaN>(d, sm90_desc_sw128(a_stage + ks * 32),
+                                      sm90_desc_sw128(b_stage + ks * 32), kt > 0 || ks > 0);
       sm90_wgmma_commit();
       sm90_wgmma_wait<1>();
 #pragma unroll
@@ -237,8 +303,9 @@ struct Sm90WgmmaMainloop {
     cp_async_wait<0>();
     __syncthreads();
 
-    // Epilogue view: group g, n8 chunk c of the group, half h, element e.
-    constexpr int kChunksPerGroup = Cfg::kBlockN / 8;
+    // Epilogue view: group g, n8 chunk c of the group (in this warpgroup's B rows), half h,
+    // element e.
+    constexpr int kChunksPerGroup = Cfg::kGroupCols / 8;
 #pragma unroll
     for (int g = 0; g < Cfg::kNumBGroups; ++g)
 #pragma unroll
