@@ -133,9 +133,9 @@ if want bench; then
 fi
 
 # 6b. the expert GEMMs against vLLM's Triton experts (needs vLLM, hence here); one run per
-#     tile family in EXPERTS_TILES (default "auto decode")
+#     tile family in EXPERTS_TILES (default "auto wgmma_m64")
 if want bench-experts; then
-  for tiles in ${EXPERTS_TILES:-auto decode}; do
+  for tiles in ${EXPERTS_TILES:-auto wgmma_m64}; do
     # shellcheck disable=SC2086
     run_step "bench-experts-$tiles" 200 "$PY" examples/bench_experts.py ${BENCH_EXPERTS_ARGS:---quick} \
       --tiles "$tiles" --out-dir "$OUT/experts-$tiles"
@@ -162,7 +162,7 @@ echo "vllm        : $("$PY" -c 'from importlib.metadata import version; print(ve
 echo "install     : rc=${RC[install]} in ${SECS[install]}s"
 ok=1
 experts_steps=""
-want bench-experts && for tiles in ${EXPERTS_TILES:-auto decode}; do experts_steps+=" bench-experts-$tiles"; done
+want bench-experts && for tiles in ${EXPERTS_TILES:-auto wgmma_m64}; do experts_steps+=" bench-experts-$tiles"; done
 for step in build meta test-vllm test-plugin bench $experts_steps compare serve; do
   [[ $step == bench-experts-* ]] || want "$step" || continue
   rc=${RC[$step]:-not-run}
