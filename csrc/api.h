@@ -11,7 +11,10 @@ namespace petit {
 // Per-local-expert row lists from a routing block (a stable counting sort, device-side
 // counts only, no host sync). See docs/architecture.md, "Per-local-expert row lists".
 struct RowListArgs {
-  const int32_t* topk_ids;   // [num_entries] local expert ids or -1 (entry = row*K + k)
+  const int32_t* topk_ids;   // [num_entries] expert ids (entry = row*K + k): local ids or -1,
+                             // or global ids when expert_map is set (expert_ids.h)
+  const int32_t* expert_map; // [num_global_experts] global -> local id or -1; nullptr: none
+  int num_global_experts;    // E (with expert_map)
   int num_entries;           // N*K
   int num_local_experts;     // L <= kMaxExperts
   int32_t* workspace;        // [row_list_workspace_ints(num_entries, L)]
@@ -65,7 +68,10 @@ enum ExpertTiles : int {
 
 struct ExpertGemmArgs {
   const petit_bf16_bits* x;        // [N, H] received rows (GEMM1 A, gathered by entry / K)
-  const int32_t* topk_ids;         // [N*K] local expert ids or -1 (ids outside [0, L) skipped)
+  const int32_t* topk_ids;         // [N*K] local expert ids or -1 (ids outside [0, L) skipped),
+                                   // or global ids when expert_map is set (expert_ids.h)
+  const int32_t* expert_map;       // [num_global_experts] global -> local id or -1; or nullptr
+  int num_global_experts;          // E (with expert_map)
   const float* topk_weights;       // [N*K] routing weights
   const petit_bf16_bits* w13;      // [L, 2I, H] gate rows [0, I), up rows [I, 2I)
   const petit_bf16_bits* w2;       // [L, H, I]

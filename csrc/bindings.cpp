@@ -316,8 +316,25 @@ int num_sms_of(int device) {
   return cache[device];
 }
 
+// vLLM's EP expert_map (global -> local expert id, -1 for other ranks' experts), optional:
+// with it the routing ids are global ids and the kernels map them (expert_ids.h). Returns the
+// map's pointer (nullptr without one) and sets *num_global to its length.
+const int32_t* expert_map_arg(const c10::optional<torch::Tensor>& expert_map,
+                              const torch::Device& device, int* num_global) {
+  *num_global = 0;
+  if (!expert_map.has_value()) return nullptr;
+  const torch::Tensor& m = *expert_map;
+  check_cuda_tensor(m, "expert_map", 1);
+  PETIT_CHECK(m.scalar_type() == torch::kInt32 && m.device() == device && m.numel() >= 1 &&
+                  m.numel() < (int64_t(1) << 31),
+              "expert_map must be a non-empty int32 [E] tensor on the routing ids' device");
+  *num_global = int(m.numel());
+  return m.data_ptr<int32_t>();
+}
+
 std::vector<torch::Tensor> expert_row_lists(const torch::Tensor& topk_ids,
-                                            int64_t num_local_experts) {
+                                            int64_t num_local_experts,
+                                            c10::optional<torch::Tensor> expert_map) {
   check_cuda_tensor(topk_ids, "topk_ids", 2);
   PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32, "topk_ids must be int32");
   PETIT_CHECK(num_local_experts >= 1 && num_local_experts <= kMaxExperts,
@@ -332,6 +349,7 @@ std::vector<torch::Tensor> expert_row_lists(const torch::Tensor& topk_ids,
   auto workspace = torch::empty({row_list_workspace_ints(num_entries, int(num_local_experts))}, opts);
   RowListArgs a{};
   a.topk_ids = topk_ids.data_ptr<int32_t>();
+  a.expert_map = expert_map_arg(expert_map, topk_ids.device(), &a.num_global_experts);
   a.num_entries = num_entries;
   a.num_local_experts = int(num_local_experts);
   a.workspace = workspace.data_ptr<int32_t>();
@@ -354,7 +372,8 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
                               const torch::Tensor& topk_weights, const torch::Tensor& w13,
                               const torch::Tensor& w2, c10::optional<torch::Tensor> out,
                               c10::optional<torch::Tensor> act_workspace,
-                              c10::optional<torch::Tensor> partial_workspace, int64_t tiles) {
+                              c10::optional<torch::Tensor> partial_workspace, int64_t tiles,
+                              c10::optional<torch::Tensor> expert_map) {
   check_cuda_tensor(recv_x, "recv_x", 2);
   check_cuda_tensor(topk_ids, "recv_topk_ids", 2);
   check_cuda_tensor(topk_weights, "recv_topk_weights", 2);
@@ -448,8 +467,12 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
   auto row_list_ws = torch::empty({row_list_workspace_ints(num_entries, int(L))}, int_opts);
   const petitStream_t stream = c10::cuda::getCurrentCUDAStream();
 
+  int num_global = 0;
+  const int32_t* map = expert_map_arg(expert_map, device, &num_global);
   RowListArgs rl{};
   rl.topk_ids = topk_ids.data_ptr<int32_t>();
+  rl.expert_map = map;
+  rl.num_global_experts = num_global;
   rl.num_entries = num_entries;
   rl.num_local_experts = int(L);
   rl.workspace = row_list_ws.data_ptr<int32_t>();
@@ -461,6 +484,8 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
   ExpertGemmArgs a{};
   a.x = reinterpret_cast<const petit_bf16_bits*>(recv_x.data_ptr());
   a.topk_ids = topk_ids.data_ptr<int32_t>();
+  a.expert_map = map;
+  a.num_global_experts = num_global;
   a.topk_weights = topk_weights.data_ptr<float>();
   a.w13 = reinterpret_cast<const petit_bf16_bits*>(w13.data_ptr());
   a.w2 = reinterpret_cast<const petit_bf16_bits*>(w2.data_ptr());
@@ -537,18 +562,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Host run of dispatch's float32 -> fp8 e4m3fn conversion (csrc/fp8.h): uint8 codes",
         py::arg("values"));
   m.def("expert_row_lists", &petit::expert_row_lists,
-        "Routing block [N,K] int32 -> (counts [L], offsets [L+1], sorted_entries [N*K])",
-        py::arg("topk_ids"), py::arg("num_local_experts"));
+        "Routing block [N,K] int32 (local ids, or global ids with expert_map [E] int32) -> "
+        "(counts [L], offsets [L+1], sorted_entries [N*K])",
+        py::arg("topk_ids"), py::arg("num_local_experts"), py::arg("expert_map") = py::none());
   m.def("experts_forward", &petit::experts_forward,
         "Local experts with the local weighted reduction: recv_x [N,H] bf16, recv_topk_ids "
-        "[N,K] int32 local ids or -1, recv_topk_weights [N,K] f32, w13 [L,2I,H] bf16, w2 "
-        "[L,H,I] bf16 -> out [N,H] bf16",
+        "[N,K] int32 local ids or -1 (global ids with expert_map [E] int32), recv_topk_weights "
+        "[N,K] f32, w13 [L,2I,H] bf16, w2 [L,H,I] bf16 -> out [N,H] bf16",
         py::arg("recv_x"), py::arg("recv_topk_ids"), py::arg("recv_topk_weights"),
         py::arg("w13"), py::arg("w2"), py::arg("out") = py::none(),
         py::arg("act_workspace") = py::none(), py::arg("partial_workspace") = py::none(),
-        py::arg("tiles") = 0);
+        py::arg("tiles") = 0, py::arg("expert_map") = py::none());
   m.def("resolve_expert_tiles", &petit::resolve_expert_tiles_for,
-        "Tile family (1 small, 2 large, 3 mma) experts_forward runs for these sizes",
+        "Tile family (1 small, 2 large, 3 mma, 4 decode, 5 wgmma, 6 wgmma_m64) experts_forward "
+        "runs for these sizes on the current device",
         py::arg("num_rows"), py::arg("top_k"), py::arg("num_local_experts"), py::arg("tiles") = 0);
   py::class_<EpContext>(m, "EpContext")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,

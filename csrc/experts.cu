@@ -12,6 +12,7 @@
 // gives bit-identical results on every run, at the cost of the workspace
 // (N*K*H*4 bytes, see expert_partial_workspace_elems) and one extra pass over it.
 #include "api.h"
+#include "expert_ids.h"
 #include "gemm/epilogues.h"
 #include "gemm/mainloop_simt.h"
 #include "gemm/scheduler.h"
@@ -399,8 +400,10 @@ PETIT_GLOBAL void __launch_bounds__(kReduceThreads) expert_reduce_kernel(ExpertG
     float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int k = 0; k < a.top_k; ++k) {
       const int entry = row * a.top_k + k;
-      const int e = a.topk_ids[entry];
-      if (e < 0 || e >= a.num_local_experts) continue;  // same validity rule as routing.cu
+      // the validity rule of the row lists (expert_ids.h)
+      if (local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, a.num_local_experts,
+                          entry) < 0)
+        continue;
       const float4* src =
           reinterpret_cast<const float4*>(a.partial + int64_t(entry) * a.hidden + col);
       const float4 lo = src[0], hi = src[1];
@@ -424,7 +427,8 @@ petitError_t check_args(const ExpertGemmArgs& a) {
   if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
       a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
       a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
-      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaM64 || a.num_sms < 0)
+      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaM64 || a.num_sms < 0 ||
+      (a.expert_map != nullptr && a.num_global_experts < 1))
     return petitErrorInvalidValue;
   if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
   if (a.num_rows > 0 &&

@@ -1,6 +1,7 @@
 // Destination-side routing block -> per-local-expert row lists: a stable counting sort in
 // three launches (chunk histograms, one scan block, chunk scatter), device-side counts only.
 #include "api.h"
+#include "expert_ids.h"
 
 namespace petit {
 
@@ -10,10 +11,10 @@ constexpr int kRowListThreads = 256;
 constexpr int kRowListWarps = kRowListThreads / PETIT_WARP_SIZE;
 constexpr int kRowListRounds = kRowListChunk / kRowListThreads;
 
-PETIT_DEVICE int valid_expert(const int32_t* ids, int entry, int num_entries, int num_local) {
-  if (entry >= num_entries) return -1;
-  int e = ids[entry];
-  return (e >= 0 && e < num_local) ? e : -1;  // ids outside [0, L) are not local: skipped
+PETIT_DEVICE int valid_expert(const RowListArgs& a, int entry) {
+  if (entry >= a.num_entries) return -1;
+  return local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, a.num_local_experts,
+                         entry);
 }
 
 // Histogram of one chunk of entries -> workspace[chunk][expert].
@@ -23,7 +24,7 @@ PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_histogram_kernel(R
   __syncthreads();
   const int chunk_begin = blockIdx.x * kRowListChunk;
   for (int j = threadIdx.x; j < kRowListChunk; j += blockDim.x) {
-    int e = valid_expert(a.topk_ids, chunk_begin + j, a.num_entries, a.num_local_experts);
+    int e = valid_expert(a, chunk_begin + j);
     if (e >= 0) atomicAdd(&hist[e], 1);
   }
   __syncthreads();
@@ -76,7 +77,7 @@ PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_scatter_kernel(Row
   const int total = a.expert_offsets[a.num_local_experts];
   for (int round = 0; round < kRowListRounds; ++round) {
     const int entry = chunk_begin + round * kRowListThreads + threadIdx.x;
-    const int e = valid_expert(a.topk_ids, entry, a.num_entries, a.num_local_experts);
+    const int e = valid_expert(a, entry);
     const petit_lanemask_t same = petit_match_any(e);
     const int rank_in_warp = petit_popc(same & petit_lanemask_lt());
     const bool leader = (rank_in_warp == 0);
@@ -104,7 +105,8 @@ PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_scatter_kernel(Row
 }  // namespace
 
 petitError_t launch_expert_row_lists(const RowListArgs& a, petitStream_t stream) {
-  if (a.num_local_experts < 1 || a.num_local_experts > kMaxExperts || a.num_entries < 0)
+  if (a.num_local_experts < 1 || a.num_local_experts > kMaxExperts || a.num_entries < 0 ||
+      (a.expert_map != nullptr && a.num_global_experts < 1))
     return petitErrorInvalidValue;
   const int num_chunks = ceil_div(a.num_entries > 0 ? a.num_entries : 1, kRowListChunk);
   petitLaunchKernel(row_list_histogram_kernel, dim3(num_chunks), dim3(kRowListThreads), 0,

@@ -40,13 +40,20 @@ def emu(tmp_path_factory):
     return lib
 
 
-def run_emulated(lib, recv_x, ids, weights, w13, w2, *, tiles="auto", num_sms=1):
-    """launch_experts on the CPU; act/partial/out poisoned with NaN first."""
+def run_emulated(lib, recv_x, ids, weights, w13, w2, *, tiles="auto", num_sms=1,
+                 expert_map=None):
+    """launch_experts on the CPU; act/partial/out poisoned with NaN first. With `expert_map`
+    ([E] int32), `ids` are global ids that the kernels map."""
     num_rows, hidden = recv_x.shape
     top_k = ids.shape[1]
     num_local, intermediate = w13.shape[0], w13.shape[1] // 2
+    local_ids = ids
+    if expert_map is not None:
+        num_global = expert_map.numel()
+        in_range = (ids >= 0) & (ids < num_global)
+        local_ids = torch.where(in_range, expert_map[ids.clamp(0, num_global - 1).long()], -1)
     # The routing kernel skips ids outside [0, L) like -1; the reference rejects them.
-    local_ids = torch.where((ids >= 0) & (ids < num_local), ids, -1)
+    local_ids = torch.where((local_ids >= 0) & (local_ids < num_local), local_ids, -1)
     _, offsets, sorted_entries = reference.expert_row_lists_reference(local_ids, num_local)
     act = torch.full((num_rows * top_k, intermediate), float("nan"), dtype=torch.bfloat16)
     partial = torch.full((num_rows * top_k, hidden), float("nan"))
@@ -57,6 +64,8 @@ def run_emulated(lib, recv_x, ids, weights, w13, w2, *, tiles="auto", num_sms=1)
     rc = lib.petit_emu_experts(
         *[ctypes.c_void_p(t.data_ptr()) for t in tensors],
         num_rows, top_k, hidden, intermediate, num_local, TILES[tiles], num_sms,
+        ctypes.c_void_p(expert_map.data_ptr() if expert_map is not None else None),
+        expert_map.numel() if expert_map is not None else 0,
         ctypes.byref(used),
     )
     assert rc == 0, f"launch_experts returned {rc}"
@@ -181,3 +190,23 @@ def test_auto_tiles_follow_rows_per_expert(emu):
     _, used = run_emulated(emu, x[:63].contiguous(), ids[:63].contiguous(),
                            w[:63].contiguous(), w13, w2)  # 252
     assert used == "small"
+
+
+def test_reduction_maps_global_ids_through_the_expert_map(emu):
+    """With vLLM's expert_map the local reduction applies the same validity rule to global ids
+    as the row lists (csrc/expert_ids.h): bit-equal to the run on the mapped local ids."""
+    num_local, num_global = 6, 20
+    gen = torch.Generator().manual_seed(5)
+    owned = torch.randperm(num_global, generator=gen)[:num_local]
+    expert_map = torch.full((num_global,), -1, dtype=torch.int32)
+    expert_map[owned] = torch.randperm(num_local, generator=gen).int()
+    global_ids = torch.randint(-1, num_global + 2, (40, 4), generator=gen, dtype=torch.int32)
+    in_range = (global_ids >= 0) & (global_ids < num_global)
+    local_ids = torch.where(in_range, expert_map[global_ids.clamp(0, num_global - 1).long()],
+                            -1).int()
+    assert int((local_ids >= 0).sum()) > 20 and int((local_ids < 0).sum()) > 20
+    recv_x, _, weights, w13, w2 = make_problem(local_ids, 48, 24, num_local, seed=6)
+    want, _ = run_emulated(emu, recv_x, local_ids, weights, w13, w2, tiles="small")
+    got, _ = run_emulated(emu, recv_x, global_ids, weights, w13, w2, tiles="small",
+                          expert_map=expert_map)
+    assert torch.equal(got, want)

@@ -251,3 +251,29 @@ def test_auto_picks_the_fastest_128_row_family_this_gpu_runs():
     # 50 entries per expert: below the bound of the 128-row families
     assert ops.resolve_tiles(100, 8, 16) == ("wgmma" if HAS_WGMMA else "small")
     assert ops.resolve_tiles(4096, 8, 16) == ("wgmma" if HAS_WGMMA else "mma" if sm80 else "large")
+
+
+@pytest.mark.parametrize("tiles", TILE_FAMILIES)
+def test_global_ids_with_expert_map_equal_local_ids(tiles):
+    """vLLM's expert_map applied inside the kernels: global ids + map give exactly the output
+    of the mapped local ids (bit for bit: same row lists, same order), ids outside [0, E)
+    skipped."""
+    from vllm_petit_moe import ops
+
+    num_rows, top_k, num_local, num_global = 300, 8, 16, 48
+    ids = random_ids(num_rows, top_k, num_local, seed=41)
+    problem = make_problem(ids, 264, 88, num_local, seed=42)
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    owned = torch.randperm(num_global, generator=gen, device="cuda")[:num_local]
+    expert_map = torch.full((num_global,), -1, dtype=torch.int32, device="cuda")
+    expert_map[owned] = torch.arange(num_local, dtype=torch.int32, device="cuda")
+    local = problem[1]
+    foreign = torch.randint(0, num_global, local.shape, generator=gen, device="cuda")
+    foreign = torch.where(expert_map[foreign] >= 0, num_global + 5, foreign)  # not ours
+    global_ids = torch.where(local >= 0, owned[local.clamp(min=0).long()], foreign).int()
+    want = run_petit(problem, tiles)
+    got = ops.experts_forward(problem[0], global_ids.contiguous(), *problem[2:], tiles=tiles,
+                              expert_map=expert_map)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="expert_map must be"):
+        ops.experts_forward(problem[0], global_ids, *problem[2:], expert_map=expert_map.long())

@@ -863,13 +863,22 @@ def test_prepare_errors_are_explicit(vllm_config):
 
 
 def emulated_experts_forward(recv_x, recv_topk_ids, recv_topk_weights, w13, w2, *, out,
-                             act_workspace, partial_workspace, tiles="auto"):
+                             act_workspace, partial_workspace, tiles="auto", expert_map=None):
     """``ops.experts_forward`` in torch, step by step on the caller's buffers like the kernels:
     act in sorted order -> per-entry fp32 partials -> slot-order sum into ``out``. ``out`` may
-    alias ``act_workspace`` (vLLM's fused output shares workspace13)."""
+    alias ``act_workspace`` (vLLM's fused output shares workspace13). Ids follow the kernels'
+    rule (csrc/expert_ids.h): global ids through ``expert_map`` when given, then anything
+    outside ``[0, L)`` is a slot this rank does not serve."""
     num_rows, hidden = recv_x.shape
     top_k = recv_topk_ids.shape[1]
     num_local, intermediate = w13.shape[0], w13.shape[1] // 2
+    if expert_map is not None:
+        num_global = expert_map.numel()
+        in_range = (recv_topk_ids >= 0) & (recv_topk_ids < num_global)
+        recv_topk_ids = torch.where(
+            in_range, expert_map[recv_topk_ids.clamp(0, num_global - 1).long()], -1)
+    recv_topk_ids = torch.where((recv_topk_ids >= 0) & (recv_topk_ids < num_local),
+                                recv_topk_ids, -1).int()
     entries = num_rows * top_k
     act = act_workspace.reshape(-1)[: entries * intermediate].view(entries, intermediate)
     partial = partial_workspace.reshape(-1)[: entries * hidden].view(entries, hidden)
@@ -958,15 +967,20 @@ def test_petit_experts_rejects_what_its_kernels_cannot_run(case, overrides, quan
         petit_experts_for(moe_config, quant)
 
 
-def test_global_to_local_expert_ids():
+def test_kernel_expert_ids_pass_vllms_ids_and_map_through():
+    """PetitExperts hands vLLM's global ids and EP map to the kernels, which map them
+    (tests/test_experts_emu_cpu.py, test_routing_gpu.py, test_experts_gpu.py): with vLLM's
+    int32 tensors nothing is copied (no kernel launches), other dtypes are converted."""
     _, expert_map, _ = determine_expert_map(2, 1, 8, "linear")  # rank 1 owns 4..7
     ids = torch.tensor([[4, 7, 0, -1], [5, 3, 6, 2]], dtype=torch.int32)
-    local = petit_experts.global_to_local_expert_ids(ids, expert_map, 4)
-    assert local.dtype == torch.int32
-    assert local.tolist() == [[0, 3, -1, -1], [1, -1, 2, -1]]
-    # Without an expert map the ids are local already; out-of-range ones become -1.
-    local = petit_experts.global_to_local_expert_ids(ids, None, 4)
-    assert local.tolist() == [[-1, -1, 0, -1], [-1, 3, -1, 2]]
+    assert expert_map.dtype == torch.int32
+    got_ids, got_map = petit_experts.kernel_expert_ids(ids, expert_map)
+    assert got_ids is ids and got_map is expert_map
+    got_ids, got_map = petit_experts.kernel_expert_ids(ids.long(), expert_map.long())
+    assert got_ids.dtype == got_map.dtype == torch.int32
+    assert torch.equal(got_ids, ids) and torch.equal(got_map, expert_map)
+    got_ids, got_map = petit_experts.kernel_expert_ids(ids.t(), None)  # local ids, no map
+    assert got_map is None and got_ids.is_contiguous() and torch.equal(got_ids, ids.t())
 
 
 def test_hook_substitutes_petit_experts_only_when_opted_in(kernel_hook, monkeypatch,

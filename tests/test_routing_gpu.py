@@ -74,3 +74,31 @@ def test_row_lists_poisoned_outputs_fully_written_under_graph():
     del graph, outs
 
 
+
+
+def _ep_expert_map(num_global, num_local, rank, gen):
+    """vLLM's linear EP map for `rank`, then shuffled entries so ids are not just offsets."""
+    expert_map = torch.full((num_global,), -1, dtype=torch.int32, device="cuda")
+    owned = torch.randperm(num_global, generator=gen, device="cuda")[:num_local]
+    expert_map[owned] = torch.randperm(num_local, generator=gen, device="cuda").int()
+    return expert_map
+
+
+@pytest.mark.parametrize("num_rows,top_k,num_global,num_local", [
+    (1, 1, 2, 1), (37, 8, 256, 128), (4096, 8, 128, 64), (300, 16, 1024, 512)])
+def test_row_lists_with_expert_map_equal_local_ids(num_rows, top_k, num_global, num_local):
+    """Global ids + vLLM's expert_map give the row lists of the mapped local ids; global ids
+    outside [0, E) (and -1) are skipped like -1."""
+    from vllm_petit_moe import _C
+    gen = torch.Generator(device="cuda").manual_seed(num_rows * 7 + num_global)
+    expert_map = _ep_expert_map(num_global, num_local, rank=1, gen=gen)
+    ids = torch.randint(-2, num_global + 3, (num_rows, top_k), generator=gen, device="cuda",
+                        dtype=torch.int32)
+    in_range = (ids >= 0) & (ids < num_global)
+    local = torch.where(in_range, expert_map[ids.clamp(0, num_global - 1).long()], -1)
+    got = _C.expert_row_lists(ids, num_local, expert_map=expert_map)
+    want = expert_row_lists_reference(local.cpu(), num_local)
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w)
+    with pytest.raises(RuntimeError, match="expert_map must be"):
+        _C.expert_row_lists(ids, num_local, expert_map=expert_map.long())

@@ -134,12 +134,16 @@ def experts_forward(
     act_workspace: torch.Tensor | None = None,
     partial_workspace: torch.Tensor | None = None,
     tiles: str = "auto",
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's local experts with the local weighted reduction.
 
     recv_x ``[N, H] bfloat16``: received rows (rows with no local id are never read).
     recv_topk_ids ``[N, K] int32``: local expert ids ``0..L-1``; ``-1`` (or any id outside
-        ``[0, L)``) marks a slot this rank does not serve.
+        ``[0, L)``) marks a slot this rank does not serve. With ``expert_map``: global ids.
+    expert_map ``[E] int32`` (optional): vLLM's EP map, global id -> local id or ``-1``; the
+        kernels apply it to ``recv_topk_ids`` (ids outside ``[0, E)`` and map values outside
+        ``[0, L)`` mark slots this rank does not serve), so no id conversion runs before them.
     recv_topk_weights ``[N, K] float32``: routing weights (read for valid slots only).
     w13 ``[L, 2I, H] bfloat16``: gate rows ``[0, I)``, up rows ``[I, 2I)`` (vLLM's layout).
     w2 ``[L, H, I] bfloat16``.
@@ -155,6 +159,14 @@ def experts_forward(
     no valid id are 0. H, I must be multiples of 8, L <= 512, K <= 16.
     """
     validate_experts_inputs(recv_x, recv_topk_ids, recv_topk_weights, w13, w2)
+    if expert_map is not None and (
+        expert_map.dim() != 1 or expert_map.dtype != torch.int32 or expert_map.numel() == 0
+        or not expert_map.is_contiguous() or expert_map.device != recv_x.device
+    ):
+        raise ValueError(
+            f"expert_map must be a contiguous non-empty int32 [E] tensor on {recv_x.device}, "
+            f"got {expert_map.dtype} {tuple(expert_map.shape)} on {expert_map.device}"
+        )
     if tiles not in TILES:
         raise ValueError(f"tiles must be one of {sorted(TILES)}, got {tiles!r}")
     num_rows, hidden_size = recv_x.shape
@@ -182,7 +194,7 @@ def experts_forward(
     return _ops().experts_forward(
         recv_x, recv_topk_ids, recv_topk_weights, w13, w2,
         out=out, act_workspace=act_workspace, partial_workspace=partial_workspace,
-        tiles=TILES[tiles],
+        tiles=TILES[tiles], expert_map=expert_map,
     )
 
 

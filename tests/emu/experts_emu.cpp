@@ -110,11 +110,14 @@ extern "C" int petit_emu_experts(const uint16_t* x, const int32_t* topk_ids,
                                  const int32_t* sorted_entries, uint16_t* act, float* partial,
                                  uint16_t* out, int num_rows, int top_k, int hidden,
                                  int intermediate, int num_local_experts, int tiles, int num_sms,
+                                 const int32_t* expert_map, int num_global_experts,
                                  int* tiles_used) {
   emu::last_error = 0;
   petit::ExpertGemmArgs a{};
   a.x = x;
   a.topk_ids = topk_ids;
+  a.expert_map = expert_map;  // nullptr: topk_ids are local ids
+  a.num_global_experts = num_global_experts;
   a.topk_weights = topk_weights;
   a.w13 = w13;
   a.w2 = w2;

@@ -50,23 +50,22 @@ MAX_TOP_K = 16
 MAX_LOCAL_EXPERTS = 512
 
 
-def global_to_local_expert_ids(
-    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local_experts: int
-) -> torch.Tensor:
-    """Expert ids as our kernels take them: ``[M, K] int32`` local ids, ``-1`` elsewhere.
+def kernel_expert_ids(
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(ids, expert_map)`` as ``ops.experts_forward`` takes them: ``[M, K] int32``
+    contiguous ids, and vLLM's EP map (global -> local id, ``-1`` for other ranks' experts)
+    as a contiguous ``[E] int32`` tensor on the ids' device, or None (the ids are local ids).
 
-    topk_ids ``[M, K]`` int32|int64 global ids (``-1`` allowed); expert_map ``[E]`` int
-    (global -> local, ``-1`` for other ranks' experts) or None (ids are local already; ids
-    outside ``[0, L)`` become ``-1``). On the ids' device, no host sync.
+    The kernels apply the map themselves (``csrc/expert_ids.h``; ids outside ``[0, E)`` and map
+    values outside ``[0, L)`` are slots this rank does not serve), so with vLLM's usual int32
+    ids and map this returns its inputs and launches nothing.
     """
-    ids = topk_ids.long()
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    ids = ids.contiguous()
     if expert_map is None:
-        valid = (ids >= 0) & (ids < num_local_experts)
-        return torch.where(valid, ids, -1).to(torch.int32)
-    num_global = expert_map.numel()
-    valid = (ids >= 0) & (ids < num_global)
-    local = expert_map.to(device=ids.device, dtype=torch.long)[ids.clamp(0, num_global - 1)]
-    return torch.where(valid, local, -1).to(torch.int32)
+        return ids, None
+    return ids, expert_map.to(device=ids.device, dtype=torch.int32).contiguous()
 
 
 def unsupported_reason(moe_config: Any, quant_config: Any) -> str | None:
@@ -237,7 +236,7 @@ class PetitExperts(_ExpertsModular):
             )
         num_rows, top_k = topk_ids.shape
         hidden, intermediate = hidden_states.size(1), w1.size(1) // 2
-        local_ids = global_to_local_expert_ids(topk_ids, expert_map, w1.size(0))
+        ids, kernel_map = kernel_expert_ids(topk_ids, expert_map)
         if apply_router_weight_on_input:
             weights = torch.ones(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
         else:
@@ -246,6 +245,7 @@ class PetitExperts(_ExpertsModular):
         act = workspace13.reshape(-1)[: num_entries * intermediate]
         partial = workspace2.reshape(-1)[: 2 * num_entries * hidden].view(torch.float32)
         ops.experts_forward(
-            hidden_states, local_ids, weights, w1, w2,
+            hidden_states, ids, weights, w1, w2,
             out=output, act_workspace=act, partial_workspace=partial, tiles=self.tiles,
+            expert_map=kernel_map,
         )
