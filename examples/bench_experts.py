@@ -358,7 +358,8 @@ def parse_args(argv=None):
                    help="skewed routing: probability that a pair lands on rank 0's experts "
                         "(default 0.6; 1/W would be an even split)")
     p.add_argument("--tiles", choices=tuple(TILES), default="auto",
-                   help="petit tile family (default: auto; mma: sm_80+ tensor cores, opt-in)")
+                   help="petit tile family (default: auto, i.e. wgmma on H100/H200; see "
+                        "vllm_petit_moe.ops.TILES)")
     p.add_argument("--no-triton", action="store_true", help="skip vLLM's Triton experts")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 10 iters")

@@ -108,6 +108,7 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed):
         graph.replay()
         torch.cuda.synchronize()
         outs[path] = out.float().clone()
+
     def rel_diff(path):  # vs the default path; inf where either output is not finite
         diff = (outs[path] - outs["default"]).norm().item()
         norm = outs["default"].norm().item()
