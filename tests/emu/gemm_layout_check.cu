@@ -1,0 +1,93 @@
+// Host-side check of the tensor-core tile configurations (csrc/gemm/sm80_mainloop_mma.h,
+// csrc/gemm/sm90_mainloop_wgmma.h): the epilogue view (row_of / col_of) covers every output
+// of a tile exactly once, and, for the wgmma configs, the shared-memory B row that the PTX
+// accumulator layout of wgmma.m64nNk16 assigns to each accumulator holds the weight row of the
+// same B group and tile column (b_group_of / b_col_of). Built with nvcc and run by
+// tests/test_gemm_layouts_cpu.py; prints one line per config, exits non-zero on a mismatch.
+#include <cstdio>
+#include <vector>
+
+#include "gemm/sm80_mainloop_mma.h"
+#include "gemm/sm90_mainloop_wgmma.h"
+
+namespace {
+
+int failures = 0;
+
+void expect(bool ok, const char* config, const char* what, int t, int i, int j) {
+  if (!ok && failures++ < 20)
+    std::printf("FAIL %s: %s (thread %d, row %d, col %d)\n", config, what, t, i, j);
+}
+
+// Every (row, group, column) of the tile is produced by exactly one (thread, i, g, j).
+template <class Cfg>
+void check_coverage(const char* name) {
+  const int groups = Cfg::kNumBGroups;
+  std::vector<int> seen(Cfg::kBlockM * groups * Cfg::kBlockN, 0);
+  for (int t = 0; t < Cfg::kThreads; ++t)
+    for (int i = 0; i < Cfg::kThreadM; ++i)
+      for (int g = 0; g < groups; ++g)
+        for (int j = 0; j < Cfg::kThreadN; ++j) {
+          const int row = Cfg::row_of(t, i), col = Cfg::col_of(t, j);
+          const bool in = row >= 0 && row < Cfg::kBlockM && col >= 0 && col < Cfg::kBlockN;
+          expect(in, name, "output outside the tile", t, i, j);
+          if (in) ++seen[(row * groups + g) * Cfg::kBlockN + col];
+        }
+  for (size_t k = 0; k < seen.size(); ++k)
+    expect(seen[k] == 1, name, "output not produced exactly once", -1, int(k), seen[k]);
+}
+
+// wgmma.m64nNk16 accumulators (PTX ISA, "Register fragments"): in warp w of a warpgroup, lane
+// l, register 4c + 2h + e is row 16w + l/4 + 8h of the warpgroup's 64 rows and column
+// 8c + 2(l%4) + e of its N = kWgmmaN B rows. The main loop hands register
+// (g * kGroupCols/8 + c) * 4 + 2h + e to acc[h][g * kThreadN + 2c + e].
+template <class Cfg>
+void check_wgmma(const char* name) {
+  check_coverage<Cfg>(name);
+  for (int t = 0; t < Cfg::kThreads; ++t) {
+    const int wg = t / 128, wm = wg / Cfg::kWgN, wn = wg % Cfg::kWgN;
+    const int warp = (t / 32) % 4, lane = t % 32;
+    for (int h = 0; h < 2; ++h)
+      for (int g = 0; g < Cfg::kNumBGroups; ++g)
+        for (int j = 0; j < Cfg::kThreadN; ++j) {
+          const int c = g * (Cfg::kGroupCols / 8) + j / 2, e = j % 2;
+          const int row = wm * 64 + 16 * warp + lane / 4 + 8 * h;
+          const int b_row = wn * Cfg::kWgmmaN + 8 * c + 2 * (lane % 4) + e;
+          expect(Cfg::row_of(t, h) == row, name, "row_of disagrees with the wgmma layout", t, h, j);
+          expect(b_row < Cfg::kBRows && Cfg::b_group_of(b_row) == g, name,
+                 "B row of another group", t, h, j);
+          expect(Cfg::b_col_of(b_row) == Cfg::col_of(t, j), name,
+                 "B row of another column", t, h, j);
+        }
+  }
+  std::printf("%s: %d threads, %dx%d tile x %d group(s), wgmma m64n%d\n", name, Cfg::kThreads,
+              Cfg::kBlockM, Cfg::kBlockN, Cfg::kNumBGroups, Cfg::kWgmmaN);
+}
+
+template <class Cfg>
+void check_mma(const char* name) {
+  check_coverage<Cfg>(name);
+  for (int r = 0; r < Cfg::kBRows; ++r)
+    expect(Cfg::b_group_of(r) == r / Cfg::kBlockN && Cfg::b_col_of(r) == r % Cfg::kBlockN, name,
+           "B rows are not gate rows then up rows", -1, r, 0);
+  std::printf("%s: %d threads, %dx%d tile x %d group(s), mma.sync\n", name, Cfg::kThreads,
+              Cfg::kBlockM, Cfg::kBlockN, Cfg::kNumBGroups);
+}
+
+}  // namespace
+
+int main() {
+  using petit::gemm::Sm80MmaTileConfig;
+  using petit::gemm::Sm90WgmmaTileConfig;
+  // The configurations csrc/experts.cu instantiates (keep in sync), plus variants.
+  check_mma<Sm80MmaTileConfig<64, 2, 3, 2>>("mma gate/up");
+  check_mma<Sm80MmaTileConfig<128, 1, 3, 2>>("mma down");
+  check_wgmma<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>("wgmma gate/up");
+  check_wgmma<Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>("wgmma down");
+  check_wgmma<Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>("wgmma_m64 gate/up");
+  check_wgmma<Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>("wgmma_m64 down");
+  check_wgmma<Sm90WgmmaTileConfig<128, 128, 2, 4, 2>>("wgmma 128 rows, 2x2 warpgroups, gated");
+  check_wgmma<Sm90WgmmaTileConfig<192, 128, 1, 3, 1>>("wgmma 192 rows, n128");
+  std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "OK", failures);
+  return failures ? 1 : 0;
+}
