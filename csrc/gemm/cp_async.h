@@ -117,5 +117,19 @@ struct CpAsyncLoader {
   }
 };
 
+// One pipeline stage's copies as one commit group: k-tile k_tile (columns k_tile * block_k ..)
+// of A at smem address `stage` and of B right after A's bytes; past the last k-tile only the
+// (empty) commit, so every thread's group count stays uniform and wait_group<n> keeps meaning
+// "all but the last n k-tiles have landed".
+template <class LoaderA, class LoaderB>
+PETIT_DEVICE void issue_stage(const LoaderA& a_loader, const LoaderB& b_loader, uint32_t stage,
+                              int k_tile, int block_k, int num_k_tiles, int k_dim) {
+  if (k_tile < num_k_tiles) {
+    a_loader.issue(stage, k_tile * block_k, k_dim);
+    b_loader.issue(stage + LoaderA::kStageBytes, k_tile * block_k, k_dim);
+  }
+  cp_async_commit();
+}
+
 }  // namespace gemm
 }  // namespace petit

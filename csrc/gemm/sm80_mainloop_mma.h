@@ -139,14 +139,9 @@ struct Sm80MmaMainloop {
     // the group count stays uniform and wait_group<kStages-2> below always means "k-tile kt
     // has landed").
 #pragma unroll
-    for (int s = 0; s < Cfg::kStages - 1; ++s) {
-      if (s < num_k_tiles) {
-        const uint32_t stage = smem_base + s * kStageBytes;
-        a_loader.issue(stage, s * Cfg::kBlockK, k_dim);
-        b_loader.issue(stage + LoaderA::kStageBytes, s * Cfg::kBlockK, k_dim);
-      }
-      cp_async_commit();
-    }
+    for (int s = 0; s < Cfg::kStages - 1; ++s)
+      issue_stage(a_loader, b_loader, smem_base + s * kStageBytes, s, Cfg::kBlockK, num_k_tiles,
+                  k_dim);
 
     // Per-lane parts of the ldmatrix addresses (stage- and tile-independent).
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -167,13 +162,8 @@ struct Sm80MmaMainloop {
       // Makes k-tile kt visible to every thread and tells that every thread is done with the
       // stage read in iteration kt-1, which the prefetch below overwrites.
       __syncthreads();
-      const int next = kt + Cfg::kStages - 1;
-      if (next < num_k_tiles) {
-        const uint32_t stage = smem_base + write_stage * kStageBytes;
-        a_loader.issue(stage, next * Cfg::kBlockK, k_dim);
-        b_loader.issue(stage + LoaderA::kStageBytes, next * Cfg::kBlockK, k_dim);
-      }
-      cp_async_commit();
+      issue_stage(a_loader, b_loader, smem_base + write_stage * kStageBytes, kt + Cfg::kStages - 1,
+                  Cfg::kBlockK, num_k_tiles, k_dim);
       write_stage = write_stage + 1 == Cfg::kStages ? 0 : write_stage + 1;
 
       const uint32_t a_stage = smem_base + read_stage * kStageBytes;

@@ -248,14 +248,9 @@ struct Sm90WgmmaMainloop {
     // the group count stays uniform and wait_group<kAhead-1> below always means "k-tile kt
     // has landed").
 #pragma unroll
-    for (int s = 0; s < kAhead; ++s) {
-      if (s < num_k_tiles) {
-        const uint32_t stage = smem_base + s * kStageBytes;
-        a_loader.issue(stage, s * Cfg::kBlockK, k_dim);
-        b_loader.issue(stage + LoaderA::kStageBytes, s * Cfg::kBlockK, k_dim);
-      }
-      cp_async_commit();
-    }
+    for (int s = 0; s < kAhead; ++s)
+      issue_stage(a_loader, b_loader, smem_base + s * kStageBytes, s, Cfg::kBlockK, num_k_tiles,
+                  k_dim);
 
     // This warpgroup's A rows (64 x 128 bytes each) and B rows (kWgmmaN x 128 bytes).
     const int warpgroup = threadIdx.x / 128;
@@ -270,13 +265,8 @@ struct Sm90WgmmaMainloop {
       // retired the wgmma group of k-tile kt - 2 (wait_group 1 at the end of iteration kt - 1),
       // whose stage the prefetch below overwrites.
       __syncthreads();
-      const int next = kt + kAhead;
-      if (next < num_k_tiles) {
-        const uint32_t stage = smem_base + write_stage * kStageBytes;
-        a_loader.issue(stage, next * Cfg::kBlockK, k_dim);
-        b_loader.issue(stage + LoaderA::kStageBytes, next * Cfg::kBlockK, k_dim);
-      }
-      cp_async_commit();
+      issue_stage(a_loader, b_loader, smem_base + write_stage * kStageBytes, kt + kAhead,
+                  Cfg::kBlockK, num_k_tiles, k_dim);
       write_stage = write_stage + 1 == Cfg::kStages ? 0 : write_stage + 1;
 
       const uint32_t a_stage = smem_base + read_stage * kStageBytes + a_wg_offset;
