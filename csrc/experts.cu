@@ -91,14 +91,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   __shared__ typename Mainloop::SharedStorage mainloop_smem;
   __shared__ typename Scheduler::SharedStorage scheduler_smem;
 
-  Scheduler scheduler;
-  scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
-                 ceil_div(a.intermediate, Cfg::kBlockN), scheduler_smem);
   const gemm::SiluMulEpilogue<Cfg> epilogue{a.act, a.intermediate};
-  const int num_tiles = scheduler.num_tiles();
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
-    const gemm::TileCoord tile = scheduler.tile(t);
-    const int n_begin = tile.n_tile * Cfg::kBlockN;
+  Scheduler::for_each_tile(a.expert_offsets, a.num_local_experts, Cfg::kBlockM, Cfg::kBlockN,
+                           a.intermediate, scheduler_smem,
+                           [&](const gemm::TileCoord& tile, int n_begin) {
     // A: the tile's rows gathered through the row list (entry -> received row entry / K).
     typename Mainloop::LoaderA a_loader;
     a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); });
@@ -112,7 +108,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     mainloop.run(a_loader, b_loader, a.hidden, mainloop_smem);
     epilogue.apply(mainloop.acc, mainloop.ty, mainloop.tx, tile.row_begin, tile.num_rows,
                    n_begin);
-  }
+  });
 }
 
 // ------------------------------------------------------------------ down (GEMM2)
@@ -125,15 +121,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   __shared__ typename Mainloop::SharedStorage mainloop_smem;
   __shared__ typename Scheduler::SharedStorage scheduler_smem;
 
-  Scheduler scheduler;
-  scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
-                 ceil_div(a.hidden, Cfg::kBlockN), scheduler_smem);
   const gemm::WeightedEntryEpilogue<Cfg> epilogue{a.partial, a.sorted_entries, a.topk_weights,
                                                   a.hidden};
-  const int num_tiles = scheduler.num_tiles();
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
-    const gemm::TileCoord tile = scheduler.tile(t);
-    const int n_begin = tile.n_tile * Cfg::kBlockN;
+  Scheduler::for_each_tile(a.expert_offsets, a.num_local_experts, Cfg::kBlockM, Cfg::kBlockN,
+                           a.hidden, scheduler_smem,
+                           [&](const gemm::TileCoord& tile, int n_begin) {
     // A: the activation rows, already in sorted order (no gather).
     typename Mainloop::LoaderA a_loader;
     a_loader.init([&](int r) { return down_a_row(a, tile, r); });
@@ -144,7 +136,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     mainloop.run(a_loader, b_loader, a.intermediate, mainloop_smem);
     epilogue.apply(mainloop.acc, mainloop.ty, mainloop.tx, tile.row_begin, tile.num_rows,
                    n_begin);
-  }
+  });
 }
 
 // ------------------------------------------------------------------ tensor-core paths
@@ -181,14 +173,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
     __shared__ typename Scheduler::SharedStorage scheduler_smem;
     extern __shared__ __align__(128) unsigned char tc_dynamic_smem[];  // Mainloop::kSmemBytes
 
-    Scheduler scheduler;
-    scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
-                   ceil_div(a.intermediate, Cfg::kBlockN), scheduler_smem);
     const gemm::SiluMulEpilogue<Cfg> epilogue{a.act, a.intermediate};
-    const int num_tiles = scheduler.num_tiles();
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
-      const gemm::TileCoord tile = scheduler.tile(t);
-      const int n_begin = tile.n_tile * Cfg::kBlockN;
+    Scheduler::for_each_tile(a.expert_offsets, a.num_local_experts, Cfg::kBlockM, Cfg::kBlockN,
+                             a.intermediate, scheduler_smem,
+                             [&](const gemm::TileCoord& tile, int n_begin) {
       // A: the tile's rows gathered through the row list (entry -> received row entry / K).
       typename Mainloop::LoaderA a_loader;
       a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
@@ -203,7 +191,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
       mainloop.run(a_loader, b_loader, a.hidden, tc_dynamic_smem);
       epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                      tile.num_rows, n_begin);
-    }
+    });
   }
 }
 
@@ -216,15 +204,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
     __shared__ typename Scheduler::SharedStorage scheduler_smem;
     extern __shared__ __align__(128) unsigned char tc_dynamic_smem[];  // Mainloop::kSmemBytes
 
-    Scheduler scheduler;
-    scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
-                   ceil_div(a.hidden, Cfg::kBlockN), scheduler_smem);
     const gemm::WeightedEntryEpilogue<Cfg> epilogue{a.partial, a.sorted_entries, a.topk_weights,
                                                     a.hidden};
-    const int num_tiles = scheduler.num_tiles();
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
-      const gemm::TileCoord tile = scheduler.tile(t);
-      const int n_begin = tile.n_tile * Cfg::kBlockN;
+    Scheduler::for_each_tile(a.expert_offsets, a.num_local_experts, Cfg::kBlockM, Cfg::kBlockN,
+                             a.hidden, scheduler_smem,
+                             [&](const gemm::TileCoord& tile, int n_begin) {
       // A: the activation rows, already in sorted order (no gather).
       typename Mainloop::LoaderA a_loader;
       a_loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
@@ -235,7 +219,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
       mainloop.run(a_loader, b_loader, a.intermediate, tc_dynamic_smem);
       epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                      tile.num_rows, n_begin);
-    }
+    });
   }
 }
 
@@ -323,14 +307,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
   using Scheduler = gemm::ExpertTileScheduler<kDecodeThreads>;
   __shared__ DecodeShared smem;
   __shared__ typename Scheduler::SharedStorage scheduler_smem;
-  Scheduler scheduler;
-  scheduler.init(a.expert_offsets, a.num_local_experts, kDecodeRows,
-                 ceil_div(a.intermediate, kBlockN), scheduler_smem);
   const int group = threadIdx.x / 32;
-  const int num_tiles = scheduler.num_tiles();
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
-    const gemm::TileCoord tile = scheduler.tile(t);
-    const int n_begin = tile.n_tile * kBlockN;
+  Scheduler::for_each_tile(a.expert_offsets, a.num_local_experts, kDecodeRows, kBlockN,
+                           a.intermediate, scheduler_smem,
+                           [&](const gemm::TileCoord& tile, int n_begin) {
     const petit_bf16_bits* w13_e = w13_of(a, tile);
     decode_dots(
         [&](int r) { return gate_up_a_row(a, tile, r); },
@@ -350,7 +330,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
       }
     }
     __syncthreads();  // smem.sums is rewritten by the next tile
-  }
+  });
 }
 
 // GEMM2: tile columns [n_begin, n_begin + kDecodeWarps * kDecodeRowsPerWarp); group g owns
@@ -361,14 +341,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
   using Scheduler = gemm::ExpertTileScheduler<kDecodeThreads>;
   __shared__ DecodeShared smem;
   __shared__ typename Scheduler::SharedStorage scheduler_smem;
-  Scheduler scheduler;
-  scheduler.init(a.expert_offsets, a.num_local_experts, kDecodeRows,
-                 ceil_div(a.hidden, kBlockN), scheduler_smem);
   const int group = threadIdx.x / 32;
-  const int num_tiles = scheduler.num_tiles();
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
-    const gemm::TileCoord tile = scheduler.tile(t);
-    const int n_begin = tile.n_tile * kBlockN;
+  Scheduler::for_each_tile(a.expert_offsets, a.num_local_experts, kDecodeRows, kBlockN,
+                           a.hidden, scheduler_smem,
+                           [&](const gemm::TileCoord& tile, int n_begin) {
     const petit_bf16_bits* w2_e = w2_of(a, tile);
     decode_dots(
         [&](int r) { return down_a_row(a, tile, r); },
@@ -384,7 +360,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
       }
     }
     __syncthreads();  // smem.sums is rewritten by the next tile
-  }
+  });
 }
 
 // ------------------------------------------------------------------ local reduction
@@ -448,50 +424,54 @@ petitError_t device_sm_count(const ExpertGemmArgs& a, int* num_sms) {
   return petitDeviceGetAttribute(num_sms, petitDevAttrMultiProcessorCount, device);
 }
 
-// Persistent grid: enough blocks to fill the GPU, never more than the most tiles any routing
-// can produce (sum over experts of ceil(rows_e / kBlockM) <= N*K / kBlockM + L). Returns 0
-// when that bound does not fit the kernels' int tile index (absurd sizes: N*K in the 10^7s
-// with H in the thousands).
+// Persistent grid of block_m x block_n tiles over out_cols output columns: enough blocks to fill
+// the GPU, never more than the most tiles any routing can produce (sum over experts of
+// ceil(rows_e / block_m) <= N*K / block_m + L). Returns 0 when that bound does not fit the
+// kernels' int tile index (absurd sizes: N*K in the 10^7s with H in the thousands).
 constexpr int64_t kMaxTiles = int64_t(1) << 30;
 
-template <class Cfg>
-int persistent_grid(const ExpertGemmArgs& a, int out_cols, int num_sms) {
+int persistent_grid(const ExpertGemmArgs& a, int out_cols, int block_m, int block_n,
+                    int blocks_per_sm, int num_sms) {
   const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
-  const int64_t max_m_tiles = (num_entries + Cfg::kBlockM - 1) / Cfg::kBlockM + a.num_local_experts;
-  const int64_t max_tiles = max_m_tiles * ceil_div(out_cols, Cfg::kBlockN);
+  const int64_t max_m_tiles = (num_entries + block_m - 1) / block_m + a.num_local_experts;
+  const int64_t max_tiles = max_m_tiles * ceil_div(out_cols, block_n);
   if (max_tiles >= kMaxTiles) return 0;
-  const int64_t resident = int64_t(num_sms) * Cfg::kMinBlocksPerSm;
+  const int64_t resident = int64_t(num_sms) * blocks_per_sm;
   return int(max_tiles < resident ? max_tiles : resident);
 }
 
-template <class Cfg>
-petitError_t launch_gate_up_with(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
-  const int grid = persistent_grid<Cfg>(a, a.intermediate, num_sms);
+// One launch of an expert GEMM kernel on its persistent grid.
+template <class Kernel>
+petitError_t launch_persistent(Kernel kernel, const ExpertGemmArgs& a, int out_cols, int block_m,
+                               int block_n, int blocks_per_sm, int threads, int smem_bytes,
+                               int num_sms, petitStream_t stream) {
+  const int grid = persistent_grid(a, out_cols, block_m, block_n, blocks_per_sm, num_sms);
   if (grid == 0) return petitErrorInvalidValue;
-  petitLaunchKernel(expert_gate_up_kernel<Cfg>, dim3(grid), dim3(Cfg::kThreads), 0, stream, a);
+  petitLaunchKernel(kernel, dim3(grid), dim3(threads), smem_bytes, stream, a);
   return petitGetLastError();
 }
 
-template <class Cfg>
-petitError_t launch_down_with(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
-  const int grid = persistent_grid<Cfg>(a, a.hidden, num_sms);
-  if (grid == 0) return petitErrorInvalidValue;
-  petitLaunchKernel(expert_down_kernel<Cfg>, dim3(grid), dim3(Cfg::kThreads), 0, stream, a);
-  return petitGetLastError();
+// ---- SIMT launchers (kExpertTilesSmall, kExpertTilesLarge)
+template <class GateUp, class Down>
+petitError_t launch_simt_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
+                              petitStream_t stream) {
+  return gate_up ? launch_persistent(expert_gate_up_kernel<GateUp>, a, a.intermediate,
+                                     GateUp::kBlockM, GateUp::kBlockN, GateUp::kMinBlocksPerSm,
+                                     GateUp::kThreads, 0, num_sms, stream)
+                 : launch_persistent(expert_down_kernel<Down>, a, a.hidden, Down::kBlockM,
+                                     Down::kBlockN, Down::kMinBlocksPerSm, Down::kThreads, 0,
+                                     num_sms, stream);
 }
 
 // ---- decode launchers (kExpertTilesDecode)
-template <class Kernel>
-petitError_t launch_decode_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_cols,
-                                  int cols_per_tile, int num_sms, petitStream_t stream) {
-  const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
-  const int64_t max_tiles = ((num_entries + kDecodeRows - 1) / kDecodeRows + a.num_local_experts) *
-                            ceil_div(out_cols, cols_per_tile);
-  if (max_tiles >= kMaxTiles) return petitErrorInvalidValue;
-  const int64_t resident = int64_t(num_sms) * kDecodeMinBlocksPerSm;
-  const int grid = int(max_tiles < resident ? max_tiles : resident);
-  petitLaunchKernel(kernel, dim3(grid), dim3(kDecodeThreads), 0, stream, a);
-  return petitGetLastError();
+petitError_t launch_decode_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
+                                petitStream_t stream) {
+  return gate_up ? launch_persistent(expert_gate_up_decode_kernel, a, a.intermediate,
+                                     kDecodeRows, kDecodeWarps * kDecodeRowsPerWarp / 2,
+                                     kDecodeMinBlocksPerSm, kDecodeThreads, 0, num_sms, stream)
+                 : launch_persistent(expert_down_decode_kernel, a, a.hidden, kDecodeRows,
+                                     kDecodeWarps * kDecodeRowsPerWarp, kDecodeMinBlocksPerSm,
+                                     kDecodeThreads, 0, num_sms, stream);
 }
 
 // ---- tensor-core launchers (kExpertTilesMma, kExpertTilesWgmma); petitErrorNotSupported
@@ -533,15 +513,13 @@ template <class Mainloop, class Kernel>
 petitError_t launch_tc_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_cols, int num_sms,
                               petitStream_t stream) {
   using Cfg = typename Mainloop::Cfg;
-  const int grid = persistent_grid<Cfg>(a, out_cols, num_sms);
-  if (grid == 0) return petitErrorInvalidValue;
   constexpr int kSmemBytes = Mainloop::kSmemBytes;
   // Above the 48 KiB default together with the static (scheduler) shared memory: opt in.
-  petitError_t err =
+  const petitError_t err =
       petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != petitSuccess) return err;
-  petitLaunchKernel(kernel, dim3(grid), dim3(Cfg::kThreads), kSmemBytes, stream, a);
-  return petitGetLastError();
+  return launch_persistent(kernel, a, out_cols, Cfg::kBlockM, Cfg::kBlockN, Cfg::kMinBlocksPerSm,
+                           Cfg::kThreads, kSmemBytes, num_sms, stream);
 }
 
 template <class GateUp, class Down>
@@ -602,59 +580,38 @@ int resolve_expert_tiles(const ExpertGemmArgs& a) {
 
 namespace {
 
-// Preamble of both GEMM launches: validate, resolve the tile family (an unavailable
-// tensor-core path is an error even with no rows), read the SM count. *launch is false when
-// there are no rows.
-petitError_t prepare_gemm_launch(const ExpertGemmArgs& a, int* tiles, int* num_sms,
-                                 bool* launch) {
-  *launch = false;
+// GEMM1 (gate_up) or GEMM2 of the resolved tile family: validate, resolve the family (an
+// unavailable tensor-core path is an error even with no rows), read the SM count, launch.
+petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStream_t stream) {
   petitError_t err = check_args(a);
   if (err != petitSuccess) return err;
-  *tiles = resolve_expert_tiles(a);
-  if (*tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
-  if ((*tiles == kExpertTilesWgmma || *tiles == kExpertTilesWgmmaM64) &&
+  const int tiles = resolve_expert_tiles(a);
+  if (tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
+  if ((tiles == kExpertTilesWgmma || tiles == kExpertTilesWgmmaM64) &&
       (err = wgmma_path_supported()) != petitSuccess)
     return err;
   if (a.num_rows == 0) return petitSuccess;
-  if ((err = device_sm_count(a, num_sms)) != petitSuccess) return err;
-  *launch = true;
-  return petitSuccess;
+  int num_sms = 0;
+  if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
+  switch (tiles) {
+    case kExpertTilesWgmma: return launch_wgmma_gemm(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmmaM64: return launch_wgmma_m64_gemm(gate_up, a, num_sms, stream);
+    case kExpertTilesMma: return launch_mma_gemm(gate_up, a, num_sms, stream);
+    case kExpertTilesDecode: return launch_decode_gemm(gate_up, a, num_sms, stream);
+    case kExpertTilesLarge:
+      return launch_simt_gemm<GateUpLarge, DownLarge>(gate_up, a, num_sms, stream);
+    default: return launch_simt_gemm<GateUpSmall, DownSmall>(gate_up, a, num_sms, stream);
+  }
 }
 
 }  // namespace
 
 petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream) {
-  int tiles = 0, num_sms = 0;
-  bool launch = false;
-  petitError_t err = prepare_gemm_launch(a, &tiles, &num_sms, &launch);
-  if (err != petitSuccess || !launch) return err;
-  switch (tiles) {
-    case kExpertTilesWgmma: return launch_wgmma_gemm(true, a, num_sms, stream);
-    case kExpertTilesWgmmaM64: return launch_wgmma_m64_gemm(true, a, num_sms, stream);
-    case kExpertTilesMma: return launch_mma_gemm(true, a, num_sms, stream);
-    case kExpertTilesDecode:
-      return launch_decode_kernel(expert_gate_up_decode_kernel, a, a.intermediate,
-                                  kDecodeWarps * kDecodeRowsPerWarp / 2, num_sms, stream);
-    case kExpertTilesLarge: return launch_gate_up_with<GateUpLarge>(a, num_sms, stream);
-    default: return launch_gate_up_with<GateUpSmall>(a, num_sms, stream);
-  }
+  return launch_expert_gemm(true, a, stream);
 }
 
 petitError_t launch_expert_down(const ExpertGemmArgs& a, petitStream_t stream) {
-  int tiles = 0, num_sms = 0;
-  bool launch = false;
-  petitError_t err = prepare_gemm_launch(a, &tiles, &num_sms, &launch);
-  if (err != petitSuccess || !launch) return err;
-  switch (tiles) {
-    case kExpertTilesWgmma: return launch_wgmma_gemm(false, a, num_sms, stream);
-    case kExpertTilesWgmmaM64: return launch_wgmma_m64_gemm(false, a, num_sms, stream);
-    case kExpertTilesMma: return launch_mma_gemm(false, a, num_sms, stream);
-    case kExpertTilesDecode:
-      return launch_decode_kernel(expert_down_decode_kernel, a, a.hidden,
-                                  kDecodeWarps * kDecodeRowsPerWarp, num_sms, stream);
-    case kExpertTilesLarge: return launch_down_with<DownLarge>(a, num_sms, stream);
-    default: return launch_down_with<DownSmall>(a, num_sms, stream);
-  }
+  return launch_expert_gemm(false, a, stream);
 }
 
 petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream) {

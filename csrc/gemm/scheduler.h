@@ -80,6 +80,23 @@ struct ExpertTileScheduler {
 
   PETIT_DEVICE int num_tiles() const { return tile_prefix[num_experts] * num_n_tiles; }
 
+  // The persistent tile loop of an expert GEMM kernel (block-wide, like init): the tiles
+  // blockIdx.x, blockIdx.x + gridDim.x, ... of the (expert, m-tile, n-tile) grid of tile_rows x
+  // block_n tiles over out_cols output columns, body(tile, first output column of the tile).
+  template <class Body>
+  PETIT_DEVICE static void for_each_tile(const int32_t* offsets, int num_local_experts,
+                                         int tile_rows, int block_n, int out_cols,
+                                         SharedStorage& smem, Body&& body) {
+    ExpertTileScheduler scheduler;
+    scheduler.init(offsets, num_local_experts, tile_rows, (out_cols + block_n - 1) / block_n,
+                   smem);
+    const int num_tiles = scheduler.num_tiles();
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
+      const TileCoord tile = scheduler.tile(t);
+      body(tile, tile.n_tile * block_n);
+    }
+  }
+
   // Coordinates of linear tile t < num_tiles().
   PETIT_DEVICE TileCoord tile(int t) const {
     TileCoord c;
