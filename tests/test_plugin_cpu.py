@@ -774,35 +774,43 @@ def workspace():
         vllm_workspace.init_workspace_manager(torch.device("cpu"))
 
 
+def run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config, experts_class):
+    """Rank `rank`'s forward of `call` through vLLM's FusedMoEKernel with our prepare/finalize
+    (over a FakeEpBuffer) and `experts_class`, with vLLM's linear expert_map. Returns the
+    output and the buffer."""
+    world_size = len(num_tokens)
+    num_experts, top_k = call.num_experts, call.topk_ids[0].shape[1]
+    parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
+                                    ep_rank=rank)
+    moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
+                                 hidden_dim=call.xs[0].shape[1], intermediate_size=24)
+    buffer = FakeEpBuffer(rank, world_size, num_experts, call)
+    pf = PetitPrepareAndFinalize(buffer, num_experts=num_experts, max_tokens_per_rank=64)
+    with set_current_vllm_config(vllm_config):
+        kernel = mk.FusedMoEKernel(pf, experts_class(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG))
+    _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
+    w13, w2 = call.local_weights(rank, world_size)
+    with dp_step(vllm_config, num_tokens):
+        out = kernel.apply(
+            call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
+            activation=MoEActivation.SILU, global_num_experts=num_experts,
+            expert_map=expert_map, apply_router_weight_on_input=False,
+        )
+    return out, buffer
+
+
 @pytest.mark.parametrize(
     "world_size, num_tokens",
     [(2, [5, 3]), (2, [1, 1]), (2, [0, 4]), (4, [2, 7, 0, 3])],
 )
 def test_modular_kernel_matches_reference(world_size, num_tokens, vllm_config, workspace):
     call = make_call(world_size, num_tokens)
-    num_experts, top_k = call.num_experts, call.topk_ids[0].shape[1]
     expected = reference.ep_moe_reference(
         call.xs, call.topk_ids, call.topk_weights, call.w13, call.w2, world_size
     )
     for rank in range(world_size):
-        parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
-                                        ep_rank=rank)
-        moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
-                                     hidden_dim=call.xs[0].shape[1], intermediate_size=24)
-        buffer = FakeEpBuffer(rank, world_size, num_experts, call)
-        pf = PetitPrepareAndFinalize(buffer, num_experts=num_experts, max_tokens_per_rank=64)
-        with set_current_vllm_config(vllm_config):
-            kernel = mk.FusedMoEKernel(
-                pf, ReferenceExperts(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG)
-            )
-        _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
-        w13, w2 = call.local_weights(rank, world_size)
-        with dp_step(vllm_config, num_tokens):
-            out = kernel.apply(
-                call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
-                activation=MoEActivation.SILU, global_num_experts=num_experts,
-                expert_map=expert_map, apply_router_weight_on_input=False,
-            )
+        out, buffer = run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config,
+                                                      ReferenceExperts)
         assert buffer.region_strides == [max(num_tokens)]
         assert out.shape == call.xs[rank].shape
         assert torch.equal(out, expected[rank]), f"rank {rank}"
@@ -1028,7 +1036,6 @@ def test_modular_kernel_with_petit_experts_matches_reference(world_size, num_tok
 
     monkeypatch.setattr(ops, "experts_forward", emulated_experts_forward)
     call = make_call(world_size, num_tokens)
-    num_experts, top_k = call.num_experts, call.topk_ids[0].shape[1]
     expected_kernel = reference.ep_moe_reference(
         call.xs, call.topk_ids, call.topk_weights, call.w13, call.w2, world_size
     )
@@ -1037,23 +1044,7 @@ def test_modular_kernel_with_petit_experts_matches_reference(world_size, num_tok
     )
     tol = reference.tolerance(expected_kernel, expected_fp32)
     for rank in range(world_size):
-        parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
-                                        ep_rank=rank)
-        moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
-                                     hidden_dim=call.xs[0].shape[1], intermediate_size=24)
-        buffer = FakeEpBuffer(rank, world_size, num_experts, call)
-        pf = PetitPrepareAndFinalize(buffer, num_experts=num_experts, max_tokens_per_rank=64)
-        with set_current_vllm_config(vllm_config):
-            kernel = mk.FusedMoEKernel(
-                pf, petit_experts.PetitExperts(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG)
-            )
-        _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
-        w13, w2 = call.local_weights(rank, world_size)
-        with dp_step(vllm_config, num_tokens):
-            out = kernel.apply(
-                call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
-                activation=MoEActivation.SILU, global_num_experts=num_experts,
-                expert_map=expert_map, apply_router_weight_on_input=False,
-            )
+        out, _ = run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config,
+                                                 petit_experts.PetitExperts)
         assert out.shape == call.xs[rank].shape and out.dtype == torch.bfloat16
         reference.check_close(out, expected_fp32[rank], tol, name=f"rank {rank}")
