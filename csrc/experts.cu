@@ -40,6 +40,11 @@ using DownLarge = SimtTileConfig<128, 128, 16, 8, 8, 1, 2>;
 // overestimates the mean rows per local expert by the EP world size (the other ranks' entries
 // are in N*K too), hence the margin over the 128-row tile. A first guess, to be tuned on GPU.
 constexpr int kLargeTileMinRowsPerExpert = 256;
+// The same estimate (N*K / L) below which kExpertTilesAuto picks wgmma_m64 over wgmma: on H200
+// (examples/results/experts_H200.jsonl, c9f960e) wgmma_m64 streams the weights faster at every
+// size from 1 to 512 tokens/rank of DeepSeek-V3 (N*K / L <= 64: 0.77-0.99 of HBM against
+// 0.60-0.92) and ties at Qwen3-30B-A3B's 512 tokens/rank (N*K / L = 128: 168 vs 170 TFLOPS).
+constexpr int kWgmmaM64MaxRowsPerExpert = 128;
 
 constexpr int kReduceThreads = 256;
 constexpr int kReduceBlocksPerSm = 8;
@@ -564,14 +569,17 @@ petitError_t launch_wgmma_m64_gemm(bool, const ExpertGemmArgs&, int, petitStream
 
 }  // namespace
 
-// Auto: wgmma wherever the device runs it (on H200 it beats every other family at every
-// size measured, 1 to 2048 tokens per rank: examples/results/experts_H200.jsonl); elsewhere
-// the small SIMT tiles below the rows-per-expert bound and above it mma.sync (sm_80+) or the
-// large SIMT tiles.
+// Auto: wgmma wherever the device runs it (on H200 it beats every other 128-row family at
+// every size measured, 1 to 8192 tokens per rank: examples/results/experts_H200.jsonl), its
+// 64-row variant below kWgmmaM64MaxRowsPerExpert; elsewhere the small SIMT tiles below the
+// rows-per-expert bound and above it mma.sync (sm_80+) or the large SIMT tiles.
 int resolve_expert_tiles(const ExpertGemmArgs& a) {
   if (a.tiles != kExpertTilesAuto) return a.tiles;
-  if (wgmma_path_supported() == petitSuccess) return kExpertTilesWgmma;
   const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
+  if (wgmma_path_supported() == petitSuccess)
+    return num_entries < int64_t(kWgmmaM64MaxRowsPerExpert) * a.num_local_experts
+               ? kExpertTilesWgmmaM64
+               : kExpertTilesWgmma;
   if (num_entries < int64_t(kLargeTileMinRowsPerExpert) * a.num_local_experts)
     return kExpertTilesSmall;
   if (mma_path_supported() == petitSuccess) return kExpertTilesMma;

@@ -3,9 +3,11 @@
 
 Starts `vllm serve <model dir>` on this node's GPUs (data parallel = number of GPUs,
 `--enable-expert-parallel`, `--load-format dummy`, CUDA graphs on), alternately with
-VLLM_USE_PETIT_MOE=1 ("petit") and without it ("default": vLLM's allgather/reduce-scatter),
-e.g. on, off, on, off for --repeats 2, and sends the GSM8K test questions through the
-OpenAI-compatible API at each concurrency level.
+VLLM_USE_PETIT_MOE=1 ("petit": our dispatch/combine, vLLM's Triton experts) and without it
+("default": vLLM's allgather/reduce-scatter), e.g. on, off, on, off for --repeats 2, and sends
+the GSM8K test questions through the OpenAI-compatible API at each concurrency level.
+`--backends petit petit-experts default` adds a third server per repeat, "petit-experts":
+VLLM_USE_PETIT_MOE=1 VLLM_PETIT_MOE_EXPERTS=1 (our expert GEMMs too).
 
 Requests: POST /v1/completions, streaming, prompt text "Question: <question>\\nAnswer:" (no
 chat template), max_tokens=--output-len, ignore_eos=true, temperature 0, prefix caching off
@@ -16,14 +18,14 @@ chat template), max_tokens=--output-len, ignore_eos=true, temperature 0, prefix 
   output_tok_s, req_s = completed tokens / requests over the level's wall time
 Each level starts with one untimed wave of `concurrency` short requests (warm-up).
 
-Noise control: the servers of the two backends alternate (--repeats), and the table gives,
-next to every petit/default ratio, its min..max over the repeats (ratio of the same repeat).
+Noise control: the servers of the backends alternate (--repeats), and the table gives, next
+to every <backend>/default ratio, its min..max over the repeats (ratio of the same repeat).
 
 Outputs, in --results-dir (default examples/results):
   tpot_gsm8k_<gpu>x<W>[_<model>][_quick].jsonl  one line per (backend, concurrency, repeat);
         the _<model> part only for a model other than the full qwen3-30b-a3b
   the same name .png                            TPOT and throughput vs concurrency
-  a printed table with petit/default ratios and their spread
+  a printed table with <backend>/default ratios and their spread
 and the server logs in --log-dir. --out-dir also copies the results and this run's logs there.
 
 Model: --model-dir (default examples/models/qwen3-30b-a3b: config.json + tokenizer files
@@ -98,7 +100,10 @@ from vllm_petit_moe.device_env import VLLM_SAFE_ENV, commit_stamp  # noqa: E402
 
 CONCURRENCY = [8, 16, 32, 64, 128]
 QUICK = dict(num_prompts=160, concurrency=[8, 64], repeats=1, output_len=128, num_layers=4)
-BACKENDS = ("petit", "default")
+# petit: our prepare/finalize + vLLM's Triton experts; petit-experts: also our expert GEMMs
+# (VLLM_PETIT_MOE_EXPERTS=1); default: vLLM's allgather/reduce-scatter + Triton experts.
+BACKENDS = ("petit", "petit-experts", "default")
+DEFAULT_BACKENDS = ("petit", "default")
 PROMPT_FORMAT = "Question: {question}\nAnswer:"
 HOST = "127.0.0.1"
 
@@ -108,6 +113,8 @@ SAFE_ENV = {**VLLM_SAFE_ENV, "PYTHONUNBUFFERED": "1"}
 # What the plugin logs (vllm_petit_moe/plugin.py, vllm_petit_moe/vllm_glue/hook.py).
 LOG_PETIT_USED = "vllm-petit-moe: MoE layers use PetitPrepareAndFinalize"
 LOG_PETIT_UNSUPPORTED = "vllm-petit-moe: VLLM_USE_PETIT_MOE=1 but unsupported here"
+LOG_PETIT_EXPERTS_USED = "vllm-petit-moe: MoE layers use PetitExperts"
+LOG_PETIT_EXPERTS_NOT_USED = "but PetitExperts cannot serve these MoE layers"
 LOG_PETIT_NOT_USED = "vllm-petit-moe: not used for these MoE layers"
 LOG_PLUGIN_DISABLED = "vllm-petit-moe: installed, not enabled"
 # vLLM's own MoE kernel choice, e.g. "Using TRITON Unquantized MoE backend".
@@ -162,7 +169,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "same number of full waves at every level")
     p.add_argument("--output-len", type=int, default=None, help="max_tokens (default 256)")
     p.add_argument("--repeats", type=int, default=None, help="server runs per backend (default 2)")
-    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(DEFAULT_BACKENDS),
                    help="order within each repeat (default: petit default)")
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (default: all GPUs)")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -650,10 +657,13 @@ def server_env(backend: str, strict: bool) -> dict:
     env.update(SAFE_ENV)
     env.pop("VLLM_PETIT_MOE_STRICT", None)
     env.pop("VLLM_USE_PETIT_MOE", None)  # default: vLLM's stock environment
-    if backend == "petit":
+    env.pop("VLLM_PETIT_MOE_EXPERTS", None)
+    if backend != "default":
         env["VLLM_USE_PETIT_MOE"] = "1"
         if strict:
             env["VLLM_PETIT_MOE_STRICT"] = "1"
+    if backend == "petit-experts":
+        env["VLLM_PETIT_MOE_EXPERTS"] = "1"
     return env
 
 
@@ -666,9 +676,19 @@ def check_backend(log_text: str, backend: str) -> tuple[bool, str]:
 
     used = grab(LOG_PETIT_USED)
     fallback = grab(LOG_PETIT_UNSUPPORTED) + grab(LOG_PETIT_NOT_USED)
+    experts = grab(LOG_PETIT_EXPERTS_USED)
     vllm_moe = [m.group(0)[:120] for ln in lines if (m := LOG_VLLM_MOE_RE.search(ln))]
     moe = f"; vLLM: {vllm_moe[0]}" if vllm_moe else ""
-    if backend == "petit":
+    if backend in ("petit", "petit-experts"):
+        if backend == "petit" and experts:
+            return False, f"petit asked for without PetitExperts, but the log has: {experts[0]}"
+        if backend == "petit-experts":
+            no_experts = [ln.strip()[:300] for ln in lines if LOG_PETIT_EXPERTS_NOT_USED in ln]
+            if no_experts or not experts:
+                return False, ("PetitExperts asked for, but " + (
+                    no_experts[0] if no_experts else
+                    "the log has no '" + LOG_PETIT_EXPERTS_USED + "' line"))
+            moe = f"; {experts[0]} [logged by {len(experts)} process(es)]"
         if used and not fallback:
             return True, f"{used[0]} [logged by {len(used)} process(es)]{moe}"
         if fallback:
@@ -918,45 +938,48 @@ def _spread(values, nd=2) -> str:
 
 
 def ratio_table(rows: list[dict]) -> str:
-    """Per (model, output_len) group and concurrency: both backends, petit/default ratios.
+    """Per (model, output_len) group and concurrency: every backend, <backend>/default ratios.
 
-    A ratio's spread is min..max over repeats of petit(repeat r) / default(repeat r) (the
-    interleaved pairs); with no common repeat, of every petit/default pair.
+    A ratio's spread is min..max over repeats of b(repeat r) / default(repeat r) (the
+    interleaved pairs); with no common repeat, of every b/default pair.
     """
     out = []
     groups = sorted({(r["model"], r["output_len"]) for r in rows})
     for model, output_len in groups:
         sel = [r for r in rows if (r["model"], r["output_len"]) == (model, output_len)]
+        others = [b for b in BACKENDS if b != "default" and any(r["backend"] == b for r in sel)]
         first = sel[0]
         out.append(f"{model}, {first.get('gpu')} x{first.get('world')}, output {output_len} "
                    f"tokens, commit {first.get('commit')}, vLLM {first.get('vllm_version')}; "
                    f"mean [min..max over repeats]")
-        out.append(f"{'conc':>4} {'prompts':>7} | {'TPOT ms default':>22} {'TPOT ms petit':>22} "
-                   f"{'petit/default':>21} | {'tok/s petit/default':>21} | "
-                   f"{'TTFT ms def / petit':>19}")
+        head = f"{'conc':>4} {'prompts':>7} | {'TPOT ms default':>22} |"
+        for b in others:
+            head += (f" {'TPOT ms ' + b:>22} {'TPOT ' + b + '/def':>21} "
+                     f"{'tok/s ' + b + '/def':>21} |")
+        out.append(head + " TTFT ms " + " / ".join(["default"] + others))
         for conc in sorted({int(r["concurrency"]) for r in sel}):
             by = {b: {int(r["repeat"]): r for r in sel
                       if r["backend"] == b and int(r["concurrency"]) == conc} for b in BACKENDS}
-            d, p = by["default"], by["petit"]
+            d = by["default"]
 
-            def ratios(field):
+            def ratios(p, field):
                 common = sorted(set(d) & set(p))
                 pairs = ([(p[k], d[k]) for k in common] if common
-                         else [(a, b) for a in p.values() for b in d.values()])
-                return [a[field] / b[field] for a, b in pairs
-                        if a.get(field) and b.get(field)]
+                         else [(x, y) for x in p.values() for y in d.values()])
+                return [x[field] / y[field] for x, y in pairs if x.get(field) and y.get(field)]
 
-            prompts = sorted({r["num_prompts"] for r in list(d.values()) + list(p.values())})
-            ttft_d = [r["ttft_ms_mean"] for r in d.values()]
-            ttft_p = [r["ttft_ms_mean"] for r in p.values()]
-            ttft = (f"{_fmt(statistics.fmean(ttft_d), 1) if ttft_d else '-'} / "
-                    f"{_fmt(statistics.fmean(ttft_p), 1) if ttft_p else '-'}")
-            out.append(
-                f"{conc:>4} {'/'.join(map(str, prompts)):>7} | "
-                f"{_spread([r['tpot_ms_mean'] for r in d.values()]):>22} "
-                f"{_spread([r['tpot_ms_mean'] for r in p.values()]):>22} "
-                f"{_spread(ratios('tpot_ms_mean'), 3):>21} | "
-                f"{_spread(ratios('output_tok_s'), 3):>21} | {ttft:>19}")
+            prompts = sorted({r["num_prompts"] for b in ["default"] + others
+                              for r in by[b].values()})
+            line = (f"{conc:>4} {'/'.join(map(str, prompts)):>7} | "
+                    f"{_spread([r['tpot_ms_mean'] for r in d.values()]):>22} |")
+            for b in others:
+                p = by[b]
+                line += (f" {_spread([r['tpot_ms_mean'] for r in p.values()]):>22} "
+                         f"{_spread(ratios(p, 'tpot_ms_mean'), 3):>21} "
+                         f"{_spread(ratios(p, 'output_tok_s'), 3):>21} |")
+            ttft = [[r["ttft_ms_mean"] for r in by[b].values()] for b in ["default"] + others]
+            out.append(line + " " + " / ".join(_fmt(statistics.fmean(v), 1) if v else "-"
+                                                for v in ttft))
     return "\n".join(out)
 
 
@@ -971,7 +994,8 @@ def plot(rows: list[dict], path, title: str) -> Path | None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     groups = sorted({(r["model"], r["output_len"]) for r in rows})
-    styles = {"default": ("tab:blue", "o"), "petit": ("tab:red", "s")}
+    styles = {"default": ("tab:blue", "o"), "petit": ("tab:red", "s"),
+              "petit-experts": ("tab:green", "^")}
     for gi, (model, output_len) in enumerate(groups):
         for backend in BACKENDS:
             sel = [r for r in rows if (r["model"], r["output_len"], r["backend"]) ==
@@ -1139,7 +1163,7 @@ class Bench:
             print(f"results: {self.jsonl}")
             return 0
 
-        if "petit" in a.backends and not a.server_cmd:
+        if any(b != "default" for b in a.backends) and not a.server_cmd:
             check_plugin_visible(a.python, server_env("petit", a.strict))
         self.meta = {"gpu": gpu, "world": dp, "model": self.tag, "commit": commit_stamp(ROOT),
                      "vllm_version": a.vllm_version
@@ -1218,7 +1242,7 @@ class Bench:
             if not ok:
                 raise BenchError(f"wrong MoE backend for '{backend}': {evidence}; log {log_path}")
             procs = server.log_text().count(LOG_PETIT_USED)
-            if backend == "petit" and procs < self.dp:
+            if backend != "default" and procs < self.dp:
                 log(f"WARNING: {procs} process(es) logged petit, expected one per DP rank "
                     f"({self.dp})")
             for conc in levels:

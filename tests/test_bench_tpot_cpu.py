@@ -64,6 +64,10 @@ def fake_server_main(argv) -> int:
             print(prefix + "vllm-petit-moe: MoE layers use PetitPrepareAndFinalize (petit "
                   "dispatch/combine) instead of MoEPrepareAndFinalizeNaiveDPEPModular: DP=2 x "
                   "EP=2 on one node, bf16", flush=True)
+            if os.environ.get("VLLM_PETIT_MOE_EXPERTS") == "1":
+                print(prefix + "vllm-petit-moe: MoE layers use PetitExperts (petit grouped "
+                      "GEMMs, tile family auto) instead of TritonExperts "
+                      "(VLLM_PETIT_MOE_EXPERTS=1)", flush=True)
         elif not petit:
             print(prefix + "vllm-petit-moe: installed, not enabled (set VLLM_USE_PETIT_MOE=1); "
                   "MoE layers use vLLM's own backends", flush=True)
@@ -288,6 +292,9 @@ def test_serve_command_and_env(model_dir, monkeypatch):
     assert on["VLLM_USE_PETIT_MOE"] == "1" and on["VLLM_PETIT_MOE_STRICT"] == "1"
     assert "VLLM_USE_PETIT_MOE" not in off and "VLLM_PETIT_MOE_STRICT" not in off
     assert "VLLM_PETIT_MOE_STRICT" not in bench.server_env("petit", False)
+    assert "VLLM_PETIT_MOE_EXPERTS" not in on and "VLLM_PETIT_MOE_EXPERTS" not in off
+    both = bench.server_env("petit-experts", True)
+    assert both["VLLM_USE_PETIT_MOE"] == both["VLLM_PETIT_MOE_EXPERTS"] == "1"
     (model_dir / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="tokenizer"):
         bench.serve_command(a, model_dir, "tiny", 8123, 2, "TRITON_ATTN")
@@ -312,6 +319,22 @@ def test_check_backend_from_log():
     assert bench.check_backend("", "default") == (
         True, "vLLM default allgather/reduce-scatter (plugin not loaded)")
     assert not bench.check_backend(petit_line, "default")[0]
+    experts_line = ("(EngineCore_DP1 pid=8) INFO [hook.py:327] vllm-petit-moe: MoE layers use "
+                    "PetitExperts (petit grouped GEMMs, tile family auto) instead of "
+                    "TritonExperts (VLLM_PETIT_MOE_EXPERTS=1)")
+    ok, ev = bench.check_backend(f"{petit_line}\n{experts_line}\n{moe}\n", "petit-experts")
+    assert ok and "PetitPrepareAndFinalize" in ev and "PetitExperts" in ev
+    assert "TRITON Unquantized" not in ev  # vLLM's choice is replaced, not in use
+    ok, ev = bench.check_backend(f"{petit_line}\n{moe}\n", "petit-experts")
+    assert not ok and "no 'vllm-petit-moe: MoE layers use PetitExperts'" in ev
+    no_experts = ("WARNING vllm-petit-moe: VLLM_PETIT_MOE_EXPERTS=1 but PetitExperts cannot "
+                  "serve these MoE layers (fp8); they keep vLLM's TritonExperts.")
+    ok, ev = bench.check_backend(f"{petit_line}\n{experts_line}\n{no_experts}\n",
+                                 "petit-experts")
+    assert not ok and "(fp8)" in ev
+    ok, ev = bench.check_backend(f"{petit_line}\n{experts_line}\n", "petit")
+    assert not ok and "without PetitExperts" in ev
+    assert not bench.check_backend(experts_line, "petit-experts")[0]  # no prepare/finalize
 
 
 # --- metrics ---------------------------------------------------------------------------------
@@ -369,6 +392,17 @@ def test_table_and_plot_and_report(tmp_path):
     assert "8.50 [8.00..9.00]" in line8 and "1.188 [1.125..1.250]" in line8
     line64 = next(ln for ln in table.splitlines() if ln.strip().startswith("64 "))
     assert "0.750" in line64 and "[" not in line64.split("|")[1].split()[-1]
+    assert "petit-experts" not in table  # a backend only gets columns when it has rows
+    # a third backend: its own columns, ratios against the default of the same repeat
+    rows += [row("petit-experts", 8, 0, 5.0, 1600), row("petit-experts", 8, 1, 6.0, 1200)]
+    table = bench.ratio_table(rows)
+    assert "TPOT petit-experts/def" in table.splitlines()[1]
+    line8 = next(ln for ln in table.splitlines() if ln.strip().startswith("8 "))
+    parts = line8.split("|")
+    assert "0.850 [0.800..0.900]" in parts[2] and "0.550 [0.500..0.600]" in parts[3]
+    assert "1.750 [1.500..2.000]" in parts[3]
+    line64 = next(ln for ln in table.splitlines() if ln.strip().startswith("64 "))
+    assert line64.split("|")[3].split() == ["-", "-", "-"]
     path = tmp_path / "r.jsonl"
     bench.write_rows(path, rows)
     assert bench.read_rows(path) == rows
@@ -476,7 +510,7 @@ def test_end_to_end_interleaved_runs_files_and_resume(tmp_path, model_dir, fake_
     # the fake is 4x faster per token with the flag: the ratio must show it
     by = {(r["backend"], r["concurrency"], r["repeat"]): r["tpot_ms_mean"] for r in rows}
     assert all(by["petit", c, k] < by["default", c, k] for c in (2, 4) for k in (0, 1))
-    assert "petit/default" in text and "COMPLETE: 8 rows" in text
+    assert "TPOT petit/def" in text and "COMPLETE: 8 rows" in text
     # out-dir: results + the 4 server logs (the device brings back at most 8 files)
     files = sorted(p.name for p in out.iterdir())
     assert f"{name}.jsonl" in files and f"{name}.png" in files and len(files) == 6

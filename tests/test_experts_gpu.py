@@ -244,12 +244,15 @@ def test_zero_rows():
     assert out.shape == (0, 16)
 
 
-def test_auto_picks_the_fastest_128_row_family_this_gpu_runs():
+def test_auto_picks_the_fastest_family_this_gpu_runs():
     from vllm_petit_moe import ops
 
     sm80 = torch.cuda.get_device_capability() >= (8, 0)
-    # 50 entries per expert: below the bound of the 128-row families
-    assert ops.resolve_tiles(100, 8, 16) == ("wgmma" if HAS_WGMMA else "small")
+    # 50 entries per expert: below the bounds of wgmma (128) and of the 128-row families (256)
+    assert ops.resolve_tiles(100, 8, 16) == ("wgmma_m64" if HAS_WGMMA else "small")
+    # 127 and 128 entries per expert: either side of the wgmma_m64 bound
+    assert ops.resolve_tiles(254, 8, 16) == ("wgmma_m64" if HAS_WGMMA else "small")
+    assert ops.resolve_tiles(256, 8, 16) == ("wgmma" if HAS_WGMMA else "small")
     assert ops.resolve_tiles(4096, 8, 16) == ("wgmma" if HAS_WGMMA else "mma" if sm80 else "large")
 
 

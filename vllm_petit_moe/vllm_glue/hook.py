@@ -326,8 +326,9 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
     if key not in _reported:
         _reported.add(key)
         logger.info(
-            "vllm-petit-moe: MoE layers use PetitExperts (petit grouped GEMMs, portable path) "
-            "instead of %s (%s=1)",
+            "vllm-petit-moe: MoE layers use PetitExperts (petit grouped GEMMs, tile family "
+            "%s) instead of %s (%s=1)",
+            envs.petit_experts_tiles(),
             type(fused_experts).__name__,
             envs.VLLM_PETIT_MOE_EXPERTS,
         )
