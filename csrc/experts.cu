@@ -40,11 +40,12 @@ using DownLarge = SimtTileConfig<128, 128, 16, 8, 8, 1, 2>;
 // overestimates the mean rows per local expert by the EP world size (the other ranks' entries
 // are in N*K too), hence the margin over the 128-row tile. A first guess, to be tuned on GPU.
 constexpr int kLargeTileMinRowsPerExpert = 256;
-// The same estimate (N*K / L) below which kExpertTilesAuto picks wgmma_m64 over wgmma: on H200
-// (examples/results/experts_H200.jsonl, c9f960e) wgmma_m64 streams the weights faster at every
-// size from 1 to 512 tokens/rank of DeepSeek-V3 (N*K / L <= 64: 0.77-0.99 of HBM against
-// 0.60-0.92) and ties at Qwen3-30B-A3B's 512 tokens/rank (N*K / L = 128: 168 vs 170 TFLOPS).
-constexpr int kWgmmaM64MaxRowsPerExpert = 128;
+// The same estimate (N*K / L) below which kExpertTilesAuto picks wgmma_m64 over wgmma. On H200
+// (examples/results/experts_H200.jsonl, c9f960e and 2ec5a32) wgmma_m64 streams the weights
+// faster at every size from 1 to 512 tokens/rank of DeepSeek-V3 (N*K / L <= 64: 0.77-0.99 of
+// HBM against 0.60-0.92), ties at Qwen3-30B-A3B's 512 tokens/rank (N*K / L = 128: 168 vs 170
+// TFLOPS) and loses at DeepSeek-V3's 1024 (N*K / L = 128: 191 vs 225 TFLOPS).
+constexpr int kWgmmaM64MaxRowsPerExpert = 96;
 
 constexpr int kReduceThreads = 256;
 constexpr int kReduceBlocksPerSm = 8;

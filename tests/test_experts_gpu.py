@@ -250,9 +250,9 @@ def test_auto_picks_the_fastest_family_this_gpu_runs():
     sm80 = torch.cuda.get_device_capability() >= (8, 0)
     # 50 entries per expert: below the bounds of wgmma (128) and of the 128-row families (256)
     assert ops.resolve_tiles(100, 8, 16) == ("wgmma_m64" if HAS_WGMMA else "small")
-    # 127 and 128 entries per expert: either side of the wgmma_m64 bound
-    assert ops.resolve_tiles(254, 8, 16) == ("wgmma_m64" if HAS_WGMMA else "small")
-    assert ops.resolve_tiles(256, 8, 16) == ("wgmma" if HAS_WGMMA else "small")
+    # 95.5 and 96 entries per expert: either side of the wgmma_m64 bound
+    assert ops.resolve_tiles(191, 8, 16) == ("wgmma_m64" if HAS_WGMMA else "small")
+    assert ops.resolve_tiles(192, 8, 16) == ("wgmma" if HAS_WGMMA else "small")
     assert ops.resolve_tiles(4096, 8, 16) == ("wgmma" if HAS_WGMMA else "mma" if sm80 else "large")
 
 

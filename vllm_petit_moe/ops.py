@@ -23,7 +23,7 @@ decode), ``large`` (128-row SIMT tiles, prefill), ``mma`` (CUDA sm_80+ tensor co
 128x128x32 tiles), ``wgmma`` (Hopper sm_90a tensor cores, wgmma, 128x256x64 tiles),
 ``wgmma_m64`` (sm_90a, 64x256x64 tiles with half the tensor-core work per weight byte, for few
 rows per expert), ``decode`` (portable, <= 8-row tiles, each warp streaming whole weight rows;
-only when asked for explicitly) and ``auto``: where the GPU runs wgmma, ``wgmma_m64`` below 128
+only when asked for explicitly) and ``auto``: where the GPU runs wgmma, ``wgmma_m64`` below 96
 routing entries (rows x top_k) per local expert and ``wgmma`` from there; elsewhere ``small``
 below 256 entries per local expert and above it ``mma`` (sm_80+) or ``large``. ``mma``, ``wgmma`` and ``wgmma_m64`` fail with
 "operation not supported" where the GPU or the build lacks them (HIP, older GPUs, a build
