@@ -205,12 +205,20 @@ def _plot(rows, path, title):
                              label=f"petit, {routing}")
             row_axes[0].plot(toks, [r["default_tflops"] for r in sel], "--" + marker,
                              alpha=0.7, label=f"vLLM default, {routing}")
-            row_axes[1].plot(toks, [r["speedup"] for r in sel], "-" + marker, label=routing)
+            row_axes[1].plot(toks, [r["speedup"] for r in sel], "-" + marker,
+                             label=f"petit prepare/finalize + Triton experts, {routing}")
+            pe = [r for r in sel if r.get("petit_experts_tflops")]
+            if pe:  # --petit-experts-tiles: petit prepare/finalize + PetitExperts
+                ptoks = [r["tokens"] for r in pe]
+                row_axes[0].plot(ptoks, [r["petit_experts_tflops"] for r in pe], ":" + marker,
+                                 label=f"petit + PetitExperts, {routing}")
+                row_axes[1].plot(ptoks, [r["petit_experts_speedup"] for r in pe], ":" + marker,
+                                 label=f"petit + PetitExperts, {routing}")
         row_axes[0].set(xscale="log", yscale="log", xlabel="tokens per rank",
                         ylabel="effective TFLOPS per GPU", title=f"{preset}: TFLOPS")
         row_axes[1].axhline(1.0, color="k", lw=0.8)
         row_axes[1].set(xscale="log", xlabel="tokens per rank",
-                        ylabel="speedup (petit / vLLM default)", title=f"{preset}: speedup")
+                        ylabel="speedup (vs vLLM default)", title=f"{preset}: speedup")
         for ax in row_axes:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
