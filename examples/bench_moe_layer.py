@@ -27,6 +27,14 @@ default 0.5 equals an even split of pairs, so pass a larger one for skew there).
     python examples/bench_moe_layer.py                  # both presets, tokens 1..4096
     python examples/bench_moe_layer.py --quick          # tokens 1, 8, 64, 512, 4096
     python examples/bench_moe_layer.py --replot examples/results/moe_layer_H200x2.jsonl
+    python examples/bench_moe_layer.py --profile --tokens 64 1024   # + where the time goes
+
+--profile: after timing, each rank replays each path's graph --profile-replays times under
+torch.profiler (CUDA activity only) and sums the device time of its kernels by category
+(``PROFILE_CATEGORIES``: dispatch, combine, nccl, petit GEMMs / reduce / row lists, Triton
+GEMM, Triton align/sum/activation, other); per replay, in us, stored per rank as
+``<path>_breakdown`` and printed for the slowest rank. ``kernels_total`` below the replay time
+is time with no kernel running (gaps between graph nodes).
 Writes examples/results/moe_layer_<gpu>x<W>.jsonl (fields gpu, world, commit, date, preset,
 routing, tokens, petit_tflops, default_tflops, speedup, petit_us, default_us, ...) and a PNG
 next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
@@ -51,6 +59,40 @@ PRESETS = harness.PRESETS
 TOKENS = [2**i for i in range(13)]  # 1, 2, 4, ..., 4096 tokens per rank
 QUICK_TOKENS = [1, 8, 64, 512, 4096]
 ROUTINGS = ("uniform", "skewed")
+
+# --profile: kernel-name categories, first match wins (case-insensitive substrings).
+PROFILE_CATEGORIES = (
+    ("dispatch", ("dispatch_kernel",)),
+    ("combine", ("combine_kernel",)),
+    ("nccl", ("nccl",)),
+    ("petit_gemm", ("expert_gate_up", "expert_down")),
+    ("petit_reduce", ("expert_reduce",)),
+    ("petit_row_lists", ("row_list_",)),
+    ("triton_gemm", ("fused_moe_kernel",)),
+    ("triton_align_sum_act", ("moe_align", "moe_sum", "act_and_mul", "silu", "count_and_sort")),
+)
+
+
+def kernel_breakdown(kernels, replays: int) -> dict[str, float]:
+    """Device time per replay (us) by ``PROFILE_CATEGORIES`` (+ ``other``) and their sum
+    ``kernels_total``, from ``(kernel name, total device us)`` pairs over ``replays`` replays.
+    Categories with no kernel are left out."""
+    if replays < 1:
+        raise ValueError(f"replays must be >= 1, got {replays}")
+    totals: dict[str, float] = {}
+    for name, us in kernels:
+        low = name.lower()
+        cat = next((c for c, keys in PROFILE_CATEGORIES if any(k in low for k in keys)), "other")
+        totals[cat] = totals.get(cat, 0.0) + us
+    order = [c for c, _ in PROFILE_CATEGORIES] + ["other"]
+    out = {c: totals[c] / replays for c in order if totals.get(c, 0.0) > 0}
+    out["kernels_total"] = sum(out.values())
+    return out
+
+
+def format_breakdown(breakdown: dict[str, float]) -> str:
+    parts = [f"{k} {v:.1f}" for k, v in breakdown.items() if k != "kernels_total"]
+    return ", ".join(parts) + f" (kernels {breakdown.get('kernels_total', 0.0):.1f} us)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,7 +123,29 @@ def _rank_build(state, preset, max_tokens, seed, petit_via, paths=harness.PATHS)
                 weights_gib=(w13.numel() + w2.numel()) * 2 / 2**30)
 
 
-def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed):
+def _profile_replays(graph, replays: int) -> dict[str, float]:
+    """``kernel_breakdown`` of ``replays`` replays of ``graph`` (kernels inside graph replays
+    are traced by CUPTI like launched ones)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:  # older torch
+            us = getattr(evt, "self_cuda_time_total", 0.0)
+        if us > 0:
+            kernels.append((evt.key, float(us)))
+    return kernel_breakdown(kernels, replays)
+
+
+def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed, profile_replays=0):
     import torch
 
     layer = state.cache["layer"]
@@ -128,6 +192,11 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed):
         torch.cuda.synchronize()
         state.barrier()
         row[f"{path}_us"] = harness.time_replays_us(graph, iters)
+    if profile_replays:
+        for path, (graph, _) in captured.items():
+            torch.cuda.synchronize()
+            state.barrier()
+            row[f"{path}_breakdown"] = _profile_replays(graph, profile_replays)
     del captured, statics, outs
     return row
 
@@ -151,6 +220,8 @@ def _combine(preset, routing, num_tokens, per_rank, info, hot_fraction, iters):
         us = max(r[f"{path}_us"] for r in per_rank)
         row[f"{key}_us"] = us
         row[f"{key}_tflops"] = flops_per_gpu / (us * 1e-6) / 1e12
+        if f"{path}_breakdown" in first:  # per rank
+            row[f"{key}_breakdown"] = [r[f"{path}_breakdown"] for r in per_rank]
     row["speedup"] = row["petit_tflops"] / row["default_tflops"]
     if "petit_experts_tflops" in row:
         row["petit_experts_speedup"] = row["petit_experts_tflops"] / row["default_tflops"]
@@ -163,6 +234,8 @@ def _combine(preset, routing, num_tokens, per_rank, info, hot_fraction, iters):
                finite=all(r["finite"] for r in per_rank),
                petit_us_ranks=[r["petit_us"] for r in per_rank],
                default_us_ranks=[r["default_us"] for r in per_rank],
+               petit_experts_us_ranks=([r[f"{harness.PETIT_EXPERTS_PATH}_us"] for r in per_rank]
+                                       if f"{harness.PETIT_EXPERTS_PATH}_us" in first else None),
                hidden=shape.hidden, moe_intermediate=shape.intermediate,
                num_experts=shape.num_experts, top_k=shape.top_k, iters=iters,
                vllm_backend=info["vllm_backend"])
@@ -185,6 +258,12 @@ def _print_row(r):
           f"{r['petit_us']:9.1f} {r['default_tflops']:10.1f} {r['petit_tflops']:9.1f} "
           f"{r['speedup']:7.2f} {r['hot_share']:5.2f} {r['rel_diff']:8.1e}{flag}{extra}",
           flush=True)
+    for key in ("default", "petit", "petit_experts"):
+        if f"{key}_breakdown" in r:  # the slowest rank's
+            ranks = r[f"{key}_us_ranks"]
+            slowest = max(range(len(ranks)), key=ranks.__getitem__)
+            print(f"    {key} rank {slowest}: {format_breakdown(r[f'{key}_breakdown'][slowest])}",
+                  flush=True)
 
 
 def _plot(rows, path, title):
@@ -243,6 +322,10 @@ def parse_args(argv=None):
                    choices=tuple(TILES),
                    help="also time petit's prepare/finalize + PetitExperts with this tile family")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--profile", action="store_true",
+                   help="also sum each path's kernel time by category (torch.profiler)")
+    p.add_argument("--profile-replays", type=int, default=10,
+                   help="replays profiled per path with --profile (default 10)")
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 20 iters")
     p.add_argument("--out-dir", default=None, help="also write the results here")
     p.add_argument("--replot", metavar="JSONL", help="only redraw the plot of a results file")
@@ -253,6 +336,8 @@ def parse_args(argv=None):
         args.iters = 20 if args.quick else 50
     if min(args.tokens) < 1:
         p.error("--tokens must be >= 1")
+    if args.profile_replays < 1:
+        p.error("--profile-replays must be >= 1")
     if not 0.0 <= args.hot_fraction <= 1.0:
         p.error("--hot-fraction must be in [0, 1]")
     return args
@@ -292,6 +377,7 @@ def main(argv=None):
                 for num_tokens in args.tokens:
                     per_rank = pool.run(_rank_bench, routing, num_tokens, args.iters,
                                         args.hot_fraction, args.seed + num_tokens,
+                                        args.profile_replays if args.profile else 0,
                                         timeout_s=600)
                     row = _combine(preset, routing, num_tokens, per_rank, info,
                                    args.hot_fraction, args.iters)

@@ -17,6 +17,10 @@ chat template), max_tokens=--output-len, ignore_eos=true, temperature 0, prefix 
          chunk (vLLM's own `vllm bench serve` definition); mean, p50, p99 over requests
   output_tok_s, req_s = completed tokens / requests over the level's wall time
 Each level starts with one untimed wave of `concurrency` short requests (warm-up).
+Server side, per level and per engine (DP rank), from vLLM's Prometheus /metrics read before
+and after the timed requests (`server_counters` in each row): engine steps and steps/s, mean
+tokens per step, preemptions and vLLM's own mean inter-token latency; they tell a slower step
+from more steps or different batching when two backends' TPOT differ.
 
 Noise control: the servers of the backends alternate (--repeats), and the table gives, next
 to every <backend>/default ratio, its min..max over the repeats (ratio of the same repeat).
@@ -861,6 +865,78 @@ def request_tpot(r: RequestResult) -> float | None:
     return (r.latency - r.ttft) / (r.output_tokens - 1)
 
 
+# Server-side counters read from vLLM's Prometheus endpoint before and after each level (per
+# engine = DP rank): engine steps and their tokens, preemptions, server-side inter-token latency.
+PROM_NAMES = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
+              "vllm:num_preemptions_total", "vllm:inter_token_latency_seconds_count",
+              "vllm:inter_token_latency_seconds_sum")
+_PROM_LINE_RE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_PROM_ENGINE_RE = re.compile(r'engine="([^"]*)"')
+
+
+def parse_prometheus(text: str, names=PROM_NAMES) -> dict[tuple[str, str], float]:
+    """``{(metric name, engine label or ""): value}`` of the wanted names, summed over the
+    other labels (model name, ...)."""
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        m = _PROM_LINE_RE.match(line)
+        if not m or m.group(1) not in names:
+            continue
+        engine = _PROM_ENGINE_RE.search(m.group(2) or "")
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        key = (m.group(1), engine.group(1) if engine else "")
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def fetch_metrics(base_url: str, timeout: float = 10.0) -> dict | None:
+    """The wanted counters of ``GET /metrics``, or None where the server has no such endpoint
+    (the level is still measured)."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as resp:
+            return parse_prometheus(resp.read().decode("utf-8", "replace"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def server_counters(before: dict | None, after: dict | None,
+                    duration_s: float) -> dict[str, dict] | None:
+    """Per engine, what happened between two ``fetch_metrics``: ``steps`` (engine steps),
+    ``steps_per_s``, ``tokens_per_step`` (mean scheduled tokens per step), ``preemptions``,
+    ``itl_ms`` (server-side mean inter-token latency)."""
+    if before is None or after is None:
+        return None
+
+    def delta(name, engine):
+        return after.get((name, engine), 0.0) - before.get((name, engine), 0.0)
+
+    out = {}
+    for engine in sorted({e for _, e in after}):
+        steps = delta("vllm:iteration_tokens_total_count", engine)
+        itl_n = delta("vllm:inter_token_latency_seconds_count", engine)
+        out[engine or "all"] = dict(
+            steps=int(steps),
+            steps_per_s=steps / duration_s if duration_s > 0 else None,
+            tokens_per_step=(delta("vllm:iteration_tokens_total_sum", engine) / steps
+                             if steps else None),
+            preemptions=int(delta("vllm:num_preemptions_total", engine)),
+            itl_ms=(delta("vllm:inter_token_latency_seconds_sum", engine) / itl_n * 1e3
+                    if itl_n else None))
+    return out
+
+
+def format_counters(counters: dict[str, dict] | None) -> str:
+    if not counters:
+        return "no /metrics"
+    return "; ".join(
+        f"engine {e}: {c['steps']} steps ({_fmt(c['steps_per_s'], 0)}/s), "
+        f"{_fmt(c['tokens_per_step'], 1)} tok/step, ITL {_fmt(c['itl_ms'])} ms, "
+        f"{c['preemptions']} preempted" for e, c in counters.items())
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict:
     """Metrics of one level (times in ms)."""
     ok = [r for r in results if r.ok]
@@ -1272,12 +1348,14 @@ class Bench:
                              f"{bad[0].error if bad else 'requests not sent'}\n"
                              f"{server.log_tail(20)}")
         progress = _Progress(n, f"{backend}#{rep} c={conc}", not a.no_progress)
+        before = fetch_metrics(server.base_url)
         try:
             results, duration = asyncio.run(run_level(
                 server.base_url, self.tag, prompts, conc, a.output_len, a.request_timeout,
                 a.read_timeout, progress))
         finally:
             progress.close()
+        counters = server_counters(before, fetch_metrics(server.base_url), duration)
         metrics = summarize(results, duration)
         failed = [r for r in results if not r.ok]
         if failed or len(results) != n:
@@ -1296,7 +1374,8 @@ class Bench:
                    attention_backend=self.attention, max_model_len=a.max_model_len,
                    max_num_seqs=a.max_num_seqs, api="/v1/completions stream",
                    prompt_format=PROMPT_FORMAT, server_start_s=round(start_s, 1),
-                   backend_evidence=evidence, server_log=log_path.name)
+                   backend_evidence=evidence, server_log=log_path.name,
+                   server_counters=counters)
         self.rows = [r for r in self.rows if row_key(r) != row_key(row)] + [row]
         self.rows.sort(key=lambda r: (r["repeat"], BACKENDS.index(r["backend"]),
                                       r["concurrency"]))
@@ -1306,7 +1385,8 @@ class Bench:
         log(f"{backend}#{rep} c={conc}: {n} req in {duration:.1f}s, TPOT mean "
             f"{_fmt(metrics['tpot_ms_mean'])} p50 {_fmt(metrics['tpot_ms_p50'])} p99 "
             f"{_fmt(metrics['tpot_ms_p99'])} ms, TTFT {_fmt(metrics['ttft_ms_mean'], 1)} ms, "
-            f"{_fmt(metrics['output_tok_s'], 0)} tok/s, {_fmt(metrics['req_s'])} req/s")
+            f"{_fmt(metrics['output_tok_s'], 0)} tok/s, {_fmt(metrics['req_s'])} req/s; "
+            f"server: {format_counters(counters)}")
 
     def finish(self, todo) -> int:
         a = self.args

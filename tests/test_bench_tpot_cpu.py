@@ -73,12 +73,27 @@ def fake_server_main(argv) -> int:
                   "MoE layers use vLLM's own backends", flush=True)
         print(prefix + "Using TRITON Unquantized MoE backend out of potential backends", flush=True)
     ready_at = time.monotonic() + 0.2
+    import threading
+    lock, counters = threading.Lock(), {"steps": 0, "tokens": 0}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, *a):  # like --disable-uvicorn-access-log
             pass
 
         def do_GET(self):
+            if self.path == "/metrics":  # vLLM's Prometheus text, two engines (DP ranks)
+                with lock:
+                    steps, tokens = counters["steps"], counters["tokens"]
+                body = "".join(
+                    f'vllm:iteration_tokens_total_count{{engine="{e}",model_name="m"}} '
+                    f'{steps}\nvllm:iteration_tokens_total_sum{{engine="{e}",model_name="m"}} '
+                    f'{tokens}\nvllm:num_preemptions_total{{engine="{e}",model_name="m"}} '
+                    f'0.0\n' for e in range(args.dp)).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             healthy = mode != "never-healthy" and time.monotonic() > ready_at
             code = 200 if (self.path != "/health" or healthy) else 503
             self.send_response(code)
@@ -109,6 +124,9 @@ def fake_server_main(argv) -> int:
                                       "finish_reason": "length" if i == n - 1 else None}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
+            with lock:  # one "engine step" per generated token of a request
+                counters["steps"] += n
+                counters["tokens"] += n
             usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"].split()),
                                               "completion_tokens": n}}
             self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
@@ -339,6 +357,43 @@ def test_check_backend_from_log():
 
 # --- metrics ---------------------------------------------------------------------------------
 
+PROM_TEXT = """\
+# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="q"} 3.0
+vllm:iteration_tokens_total_count{engine="0",model_name="q"} 100.0
+vllm:iteration_tokens_total_sum{engine="0",model_name="q"} 6400.0
+vllm:iteration_tokens_total_count{engine="1",model_name="q"} 90.0
+vllm:iteration_tokens_total_sum{engine="1",model_name="q"} 5000.0
+vllm:num_preemptions_total{engine="0",model_name="q"} 1.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="q"} 1000.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="q"} 8.0
+vllm:num_requests_running{engine="0",model_name="q"} 64.0
+"""
+
+
+def test_server_counters_from_prometheus_text():
+    before = bench.parse_prometheus(PROM_TEXT)
+    assert before[("vllm:iteration_tokens_total_count", "0")] == 100.0
+    assert ("vllm:num_requests_running", "0") not in before  # only the wanted names
+    after = dict(before)
+    after.update({("vllm:iteration_tokens_total_count", "0"): 300.0,
+                  ("vllm:iteration_tokens_total_sum", "0"): 19200.0,
+                  ("vllm:num_preemptions_total", "0"): 3.0,
+                  ("vllm:inter_token_latency_seconds_count", "0"): 3000.0,
+                  ("vllm:inter_token_latency_seconds_sum", "0"): 26.0})
+    c = bench.server_counters(before, after, duration_s=2.0)
+    assert c["0"] == {"steps": 200, "steps_per_s": 100.0, "tokens_per_step": 64.0,
+                      "preemptions": 2, "itl_ms": pytest.approx(9.0)}
+    assert c["1"] == {"steps": 0, "steps_per_s": 0.0, "tokens_per_step": None,
+                      "preemptions": 0, "itl_ms": None}
+    assert bench.server_counters(None, after, 2.0) is None
+    text = bench.format_counters(c)
+    assert "engine 0: 200 steps (100/s), 64.0 tok/step, ITL 9.00 ms, 2 preempted" in text
+    assert bench.format_counters(None) == "no /metrics"
+    # a server without the endpoint: None, not an error
+    assert bench.fetch_metrics(f"http://127.0.0.1:{bench.free_port()}", timeout=2) is None
+
 def test_metrics_math():
     R = bench.RequestResult
     results = [R(ok=True, ttft=0.100, latency=1.120, output_tokens=256, prompt_tokens=60),
@@ -503,6 +558,10 @@ def test_end_to_end_interleaved_runs_files_and_resume(tmp_path, model_dir, fake_
         assert r["tpot_ms_p99"] >= r["tpot_ms_p50"] > 0 and r["output_tok_s"] > 0
         assert r["req_s"] > 0 and r["ttft_ms_mean"] > 0
         evidence = r["backend_evidence"]
+        counters = r["server_counters"]  # from the fake's /metrics, warm-up excluded
+        assert sorted(counters) == ["0", "1"]
+        assert counters["1"]["steps"] == r["num_prompts"] * r["output_len"]
+        assert counters["1"]["tokens_per_step"] == 1.0 and counters["1"]["preemptions"] == 0
         if r["backend"] == "petit":
             assert "PetitPrepareAndFinalize" in evidence and "2 process(es)" in evidence
         else:

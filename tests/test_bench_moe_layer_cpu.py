@@ -1,0 +1,59 @@
+"""CPU tests of examples/bench_moe_layer.py: arguments and the --profile kernel breakdown."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH_PATH = Path(__file__).resolve().parent.parent / "examples" / "bench_moe_layer.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    pytest.importorskip("vllm")  # the harness it imports builds on vLLM
+    spec = importlib.util.spec_from_file_location("bench_moe_layer", BENCH_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_breakdown_categories(bench):
+    kernels = [
+        ("void petit::(anonymous namespace)::dispatch_kernel(petit::DispatchArgs)", 300.0),
+        ("void petit::(anonymous namespace)::combine_kernel(petit::CombineArgs)", 500.0),
+        ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 70.0),
+        ("void petit::expert_gate_up_tc_kernel<petit::Sm90WgmmaMainloop<...>>(...)", 900.0),
+        ("void petit::expert_down_tc_kernel<petit::Sm90WgmmaMainloop<...>>(...)", 600.0),
+        ("void petit::expert_reduce_kernel(petit::ExpertGemmArgs)", 40.0),
+        ("void petit::row_list_histogram_kernel(petit::RowListArgs)", 10.0),
+        ("void petit::row_list_scatter_kernel(petit::RowListArgs)", 10.0),
+        ("fused_moe_kernel", 2000.0),
+        ("void vllm::moe::moe_align_block_size_kernel<int>(...)", 30.0),
+        ("void vllm::act_and_mul_kernel<c10::BFloat16, &vllm::silu_kernel>(...)", 20.0),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", 8.0),
+        ("Memset (Device)", 2.0),
+    ]
+    out = bench.kernel_breakdown(kernels, replays=10)
+    assert out == pytest.approx({
+        "dispatch": 30.0, "combine": 50.0, "nccl": 7.0, "petit_gemm": 150.0,
+        "petit_reduce": 4.0, "petit_row_lists": 2.0, "triton_gemm": 200.0,
+        "triton_align_sum_act": 5.0, "other": 1.0, "kernels_total": 449.0})
+    assert list(out)[:2] == ["dispatch", "combine"] and list(out)[-1] == "kernels_total"
+    # empty categories are left out; nothing traced gives a zero total
+    assert bench.kernel_breakdown([("combine_kernel", 4.0)], 2) == {
+        "combine": 2.0, "kernels_total": 2.0}
+    assert bench.kernel_breakdown([], 3) == {"kernels_total": 0.0}
+    with pytest.raises(ValueError, match="replays"):
+        bench.kernel_breakdown(kernels, 0)
+    text = bench.format_breakdown(out)
+    assert text.startswith("dispatch 30.0, combine 50.0") and text.endswith("(kernels 449.0 us)")
+
+
+def test_parse_args(bench):
+    a = bench.parse_args(["--quick", "--profile"])
+    assert a.tokens == bench.QUICK_TOKENS and a.iters == 20 and a.profile
+    assert a.profile_replays == 10
+    for bad in (["--tokens", "0"], ["--profile-replays", "0"], ["--hot-fraction", "2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
