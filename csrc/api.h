@@ -40,8 +40,9 @@ petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stre
 // read, so neither workspace needs clearing. Limits: H, I multiples of 8, L <= kMaxExperts,
 // K <= kMaxTopK, N*K < 2^31; every pointer 16-byte aligned.
 enum ExpertTiles : int {
-  // Auto: kExpertTilesSmall below the host-known rows-per-expert bound (N*K / L), above it
-  // the fastest 128-row family the current device runs (wgmma, else mma, else large).
+  // Auto, from the host-known rows-per-expert estimate N*K / L: where the device runs wgmma,
+  // kExpertTilesWgmmaM64 below 96 and kExpertTilesWgmma from there; elsewhere
+  // kExpertTilesSmall below 256 and above it mma (sm_80+) or large.
   kExpertTilesAuto = 0,
   kExpertTilesSmall = 1,  // 16-row tiles: decode, few rows per expert (weight-bandwidth bound)
   kExpertTilesLarge = 2,  // 128-row tiles: prefill
@@ -62,8 +63,12 @@ enum ExpertTiles : int {
   kExpertTilesWgmma = 5,
   // CUDA sm_90a only, for few rows per expert: 64x256x64 tiles, the two warpgroups side by side
   // (m64n128k16 each: half of kExpertTilesWgmma's tensor-core work per weight byte), 5-stage
-  // ring. Only when asked for explicitly (auto never picks it; not yet measured).
+  // ring. Auto picks it below 96 routing entries per local expert.
   kExpertTilesWgmmaM64 = 6,
+  // CUDA sm_90a only, for very few rows per expert: 64x128x64 tiles (gate/up: 64 gate + 64 up
+  // columns), two warpgroups of m64n64k16 side by side, 4-stage ring, 2 blocks per SM: twice
+  // the tiles of kExpertTilesWgmmaM64. Only when asked for explicitly (not yet measured).
+  kExpertTilesWgmmaNarrow = 7,
 };
 
 struct ExpertGemmArgs {

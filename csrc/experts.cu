@@ -165,10 +165,17 @@ using DownMma = gemm::Sm80MmaMainloop<gemm::Sm80MmaTileConfig<128, 1, 3, 2>>;
 //   dynamic shared memory).
 // wgmma_m64: 64 x 256 x 64 block tiles, 2 warpgroups of 64 x 128 (side by side: half the
 //   tensor-core work per weight byte of wgmma, for few rows per expert), 5-stage ring (201 KiB).
+// wgmma_narrow: 64 x 128 x 64 block tiles (B tile: 64 gate + 64 up rows for gate/up, 128 w2
+//   rows for down), 2 warpgroups of 64 x 64 side by side, 4-stage ring (97 KiB) and 2 blocks
+//   per SM: twice the tiles of wgmma_m64 for the same rows (more SMs busy when few experts
+//   have rows), and one block's pipeline fill and epilogue overlap the other's copies.
 using GateUpWgmma = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
 using DownWgmma = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
 using GateUpWgmmaM64 = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>;
 using DownWgmmaM64 = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
+using GateUpWgmmaNarrow =
+    gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 64, 2, 4, 2, 2>>;
+using DownWgmmaNarrow = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 4, 2, 2>>;
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
@@ -409,7 +416,7 @@ petitError_t check_args(const ExpertGemmArgs& a) {
   if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
       a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
       a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
-      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaM64 || a.num_sms < 0 ||
+      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaNarrow || a.num_sms < 0 ||
       (a.expert_map != nullptr && a.num_global_experts < 1))
     return petitErrorInvalidValue;
   if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
@@ -552,6 +559,11 @@ petitError_t launch_wgmma_m64_gemm(bool gate_up, const ExpertGemmArgs& a, int nu
   return launch_tc_gemm<GateUpWgmmaM64, DownWgmmaM64>(gate_up, a, num_sms, stream);
 }
 
+petitError_t launch_wgmma_narrow_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
+                                      petitStream_t stream) {
+  return launch_tc_gemm<GateUpWgmmaNarrow, DownWgmmaNarrow>(gate_up, a, num_sms, stream);
+}
+
 #else  // no tensor-core path in this build (HIP, host-compiler emulation)
 
 petitError_t mma_path_supported() { return petitErrorNotSupported; }
@@ -563,6 +575,9 @@ petitError_t launch_wgmma_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) 
   return petitErrorNotSupported;
 }
 petitError_t launch_wgmma_m64_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
+  return petitErrorNotSupported;
+}
+petitError_t launch_wgmma_narrow_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
   return petitErrorNotSupported;
 }
 
@@ -596,7 +611,8 @@ petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStre
   if (err != petitSuccess) return err;
   const int tiles = resolve_expert_tiles(a);
   if (tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
-  if ((tiles == kExpertTilesWgmma || tiles == kExpertTilesWgmmaM64) &&
+  if ((tiles == kExpertTilesWgmma || tiles == kExpertTilesWgmmaM64 ||
+       tiles == kExpertTilesWgmmaNarrow) &&
       (err = wgmma_path_supported()) != petitSuccess)
     return err;
   if (a.num_rows == 0) return petitSuccess;
@@ -605,6 +621,7 @@ petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStre
   switch (tiles) {
     case kExpertTilesWgmma: return launch_wgmma_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaM64: return launch_wgmma_m64_gemm(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmmaNarrow: return launch_wgmma_narrow_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesMma: return launch_mma_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesDecode: return launch_decode_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesLarge:

@@ -4,7 +4,7 @@ torch reference, with the tolerance derived from the reference's own bf16-vs-fp3
 Every case draws fresh random data from a seeded generator (never zeros), poisons the
 outputs and workspaces with NaN before the call, and runs every tile family the GPU has (the
 portable ``small``/``large``/``decode``, the sm_80+ tensor-core ``mma`` and, on compute
-capability 9.0, the sm_90a ``wgmma`` and ``wgmma_m64``).
+capability 9.0, the sm_90a ``wgmma*`` families).
 """
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import torch
 
 from conftest import requires_extension, requires_gpu
 from vllm_petit_moe import reference
+from vllm_petit_moe.ops import TILES
 
 pytestmark = [requires_gpu, requires_extension]
 
 HAS_WGMMA = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-TILE_FAMILIES = ["small", "large", "mma", "decode"] + (["wgmma", "wgmma_m64"] if HAS_WGMMA else [])
+WGMMA_FAMILIES = [t for t in TILES if t.startswith("wgmma")] if HAS_WGMMA else []
+TILE_FAMILIES = ["small", "large", "mma", "decode"] + WGMMA_FAMILIES
 
 
 def make_problem(ids, hidden, intermediate, num_local, seed, *, poison_unrouted=True):
@@ -171,7 +173,7 @@ def test_deterministic_and_tile_family_invariant():
     decode = run_petit(problem, "decode")  # its own fixed order too
     check(decode, problem)
     assert torch.equal(decode, run_petit(problem, "decode"))
-    for family in ("wgmma", "wgmma_m64") if HAS_WGMMA else ():
+    for family in WGMMA_FAMILIES:
         out = run_petit(problem, family)
         check(out, problem)
         assert torch.equal(out, run_petit(problem, family))

@@ -133,9 +133,9 @@ if want bench; then
 fi
 
 # 6b. the expert GEMMs against vLLM's Triton experts (needs vLLM, hence here); one run per
-#     tile family in EXPERTS_TILES (default "auto wgmma_m64")
+#     tile family in EXPERTS_TILES (default "auto wgmma_narrow")
 if want bench-experts; then
-  for tiles in ${EXPERTS_TILES:-auto wgmma_m64}; do
+  for tiles in ${EXPERTS_TILES:-auto wgmma_narrow}; do
     # shellcheck disable=SC2086
     run_step "bench-experts-$tiles" 200 "$PY" examples/bench_experts.py ${BENCH_EXPERTS_ARGS:---quick} \
       --tiles "$tiles" --out-dir "$OUT/experts-$tiles"

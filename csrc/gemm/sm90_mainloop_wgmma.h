@@ -1,8 +1,8 @@
 // Tensor-core main loop of the grouped GEMM for Hopper (sm_90a): C[m, n] = sum_k A[m, k] *
 // B[n, k] for one kBlockM x (kNumBGroups * kBlockN) output tile, bf16 operands, fp32
 // accumulators, with
-//   - wgmma.mma_async m64n256k16 or m64n128k16 (one or more consumer warpgroups, each 64 rows
-//     by kWgmmaN B rows), both operands read by the tensor cores straight from shared memory
+//   - wgmma.mma_async m64n256k16, m64n128k16 or m64n64k16 (one or more consumer warpgroups,
+//     each 64 rows by kWgmmaN B rows), both operands read by the tensor cores straight from shared memory
 //     through 64-bit matrix descriptors,
 //   - the 128-byte swizzled K-major layout (8-row x 128-byte atoms, 1024-byte aligned), filled
 //     by cp.async 16-byte copies (cp_async.h: one pointer per row, so the A rows are gathered
@@ -144,14 +144,38 @@ PETIT_DEVICE void sm90_wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a, ui
 #endif
 }
 
+
+PETIT_DEVICE void sm90_wgmma_m64n64k16_bf16(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
+                                            int scale_d) {
+#if PETIT_SM90A_DEVICE
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7,"
+      " %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23,"
+      " %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+#endif
+}
+
 template <int kN>
 PETIT_DEVICE void sm90_wgmma_bf16(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
                                   int scale_d) {
-  static_assert(kN == 128 || kN == 256, "wrapped wgmma shapes: m64n128k16, m64n256k16");
+  static_assert(kN == 64 || kN == 128 || kN == 256,
+                "wrapped wgmma shapes: m64n64k16, m64n128k16, m64n256k16");
   if constexpr (kN == 256) {
     sm90_wgmma_m64n256k16_bf16(d, desc_a, desc_b, scale_d);
-  } else {
+  } else if constexpr (kN == 128) {
     sm90_wgmma_m64n128k16_bf16(d, desc_a, desc_b, scale_d);
+  } else {
+    sm90_wgmma_m64n64k16_bf16(d, desc_a, desc_b, scale_d);
   }
 }
 
@@ -164,8 +188,11 @@ PETIT_DEVICE void sm90_wgmma_bf16(float (&d)[kN / 2], uint64_t desc_a, uint64_t 
 // (small M, where the cost is streaming the weights). In a gated tile (kNumBGroups = 2) the B
 // rows of every warpgroup are its kGroupCols gate rows followed by the same columns' up rows,
 // so each thread holds gate[n] and up[n] of the same n (b_group_of / b_col_of: smem B row ->
-// group and tile column).
-template <int kBlockM_, int kBlockN_, int kNumBGroups_, int kStages_, int kWgN_>
+// group and tile column). kMinBlocksPerSm > 1: that many blocks share an SM (shared memory
+// and registers sized for it), so one block's pipeline fill and epilogue overlap another's
+// copies.
+template <int kBlockM_, int kBlockN_, int kNumBGroups_, int kStages_, int kWgN_,
+          int kMinBlocksPerSm_ = 1>
 struct Sm90WgmmaTileConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;          // output columns per tile (per group)
@@ -173,7 +200,7 @@ struct Sm90WgmmaTileConfig {
   static constexpr int kNumBGroups = kNumBGroups_;  // 1: plain; 2: gate rows then up rows
   static constexpr int kStages = kStages_;
   static constexpr int kWgN = kWgN_;
-  static constexpr int kMinBlocksPerSm = 1;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
   static constexpr int kWarpGroups = (kBlockM / 64) * kWgN;
   static constexpr int kThreads = kWarpGroups * 128;
   static constexpr int kBRows = kNumBGroups * kBlockN;
@@ -185,7 +212,8 @@ struct Sm90WgmmaTileConfig {
   static constexpr int kVecN = 2;
 
   static_assert(kBlockM % 64 == 0 && kBlockM >= 64, "m64 warpgroup tiles");
-  static_assert(kWgmmaN == 128 || kWgmmaN == 256, "wrapped wgmma shapes: n128, n256");
+  static_assert(kWgmmaN == 64 || kWgmmaN == 128 || kWgmmaN == 256,
+                "wrapped wgmma shapes: n64, n128, n256");
   static_assert(kGroupCols % 8 == 0, "whole n8 chunks per group");
   static_assert(kNumBGroups == 1 || kNumBGroups == 2, "plain or gated");
   static_assert(kStages >= 3, "kStages - 2 k-tiles of copies in flight");
@@ -226,6 +254,11 @@ struct Sm90WgmmaMainloop {
   // Dynamic shared memory of the kernel: kStages stages of A then B, plus the slack that lets
   // run() align the ring to 1024 bytes whatever the base.
   static constexpr int kSmemBytes = Cfg::kStages * kStageBytes + 1024;
+  // kMinBlocksPerSm blocks per SM must fit its 228 KiB of shared memory, each with the
+  // kernel's static shared memory (the tile scheduler's, ~3 KiB) and the 1 KiB the hardware
+  // reserves per block: 4 KiB of margin per block.
+  static_assert(Cfg::kMinBlocksPerSm * (kSmemBytes + 4096) <= 228 * 1024,
+                "the ring does not fit kMinBlocksPerSm blocks per SM");
 
   // acc[i][g * kThreadN + j]: row Cfg::row_of(threadIdx.x, i), column Cfg::col_of(threadIdx.x,
   // j) of group g.

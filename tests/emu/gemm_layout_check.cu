@@ -86,6 +86,8 @@ int main() {
   check_wgmma<Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>("wgmma down");
   check_wgmma<Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>("wgmma_m64 gate/up");
   check_wgmma<Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>("wgmma_m64 down");
+  check_wgmma<Sm90WgmmaTileConfig<64, 64, 2, 4, 2, 2>>("wgmma_narrow gate/up");
+  check_wgmma<Sm90WgmmaTileConfig<64, 128, 1, 4, 2, 2>>("wgmma_narrow down");
   check_wgmma<Sm90WgmmaTileConfig<128, 128, 2, 4, 2>>("wgmma 128 rows, 2x2 warpgroups, gated");
   check_wgmma<Sm90WgmmaTileConfig<192, 128, 1, 3, 1>>("wgmma 192 rows, n128");
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "OK", failures);
