@@ -528,9 +528,15 @@ petitError_t launch_tc_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_co
   using Cfg = typename Mainloop::Cfg;
   constexpr int kSmemBytes = Mainloop::kSmemBytes;
   // Above the 48 KiB default together with the static (scheduler) shared memory: opt in.
-  const petitError_t err =
+  petitError_t err =
       petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != petitSuccess) return err;
+  // Several blocks per SM: ask for the largest shared-memory carveout (100%), so that the
+  // driver does not pick a smaller one that fits fewer of them.
+  if (Cfg::kMinBlocksPerSm > 1 &&
+      (err = petitFuncSetAttribute(kernel, petitFuncAttributePreferredSharedMemoryCarveout,
+                                   100)) != petitSuccess)
+    return err;
   return launch_persistent(kernel, a, out_cols, Cfg::kBlockM, Cfg::kBlockN, Cfg::kMinBlocksPerSm,
                            Cfg::kThreads, kSmemBytes, num_sms, stream);
 }

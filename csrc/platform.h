@@ -93,6 +93,8 @@ typedef hipStream_t petitStream_t;
 #define petitDeviceSynchronize hipDeviceSynchronize
 #define petitFuncSetAttribute hipFuncSetAttribute
 #define petitFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#define petitFuncAttributePreferredSharedMemoryCarveout \
+  hipFuncAttributePreferredSharedMemoryCarveout
 #define petitFuncGetAttributes hipFuncGetAttributes
 typedef hipFuncAttributes petitFuncAttributes;
 #define petitHostAlloc(ptr, size) hipHostMalloc(ptr, size, hipHostMallocMapped)
@@ -124,6 +126,8 @@ typedef cudaStream_t petitStream_t;
 #define petitDeviceSynchronize cudaDeviceSynchronize
 #define petitFuncSetAttribute cudaFuncSetAttribute
 #define petitFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define petitFuncAttributePreferredSharedMemoryCarveout \
+  cudaFuncAttributePreferredSharedMemoryCarveout
 #define petitFuncGetAttributes cudaFuncGetAttributes
 typedef cudaFuncAttributes petitFuncAttributes;
 #define petitHostAlloc(ptr, size) cudaHostAlloc(ptr, size, cudaHostAllocMapped)
