@@ -7,13 +7,20 @@
 #
 #   bash tools/vllm_gpu_check.sh                     # all steps
 #   bash tools/vllm_gpu_check.sh build test-vllm     # some steps (install + env always run)
-# Steps: build meta test-vllm test-plugin bench bench-experts compare serve. On a cold machine all of them
-# do not fit in one 600 s command: run "build meta test-vllm test-plugin", then "bench" while
-# it is warm; "compare" (examples/compare_serving.py: the seeded tiny Qwen3-MoE served with and
-# without the flag, outputs compared, ~3-5 min) and "serve" (examples/serve.sh on the full
-# Qwen3-30B-A3B config, dummy weights, flag on, ~5 min cold) each take a command of their own.
+# Steps: build meta test-vllm test-plugin bench bench-experts profile compare serve tpot. On a
+# cold machine all of them do not fit in one 600 s command: run "build meta test-vllm
+# test-plugin", then "bench" while it is warm; "compare" (examples/compare_serving.py: the
+# seeded tiny Qwen3-MoE served with and without the flag, outputs compared, ~3-5 min) and
+# "serve" (examples/serve.sh on the full Qwen3-30B-A3B config, dummy weights, flag on, ~5 min
+# cold) each take a command of their own. "profile": examples/bench_moe_layer.py --profile
+# (kernel time by category; PROFILE_ARGS, default --tokens 1 64 1024 --petit-experts-tiles
+# auto --iters 20). "tpot": examples/bench_tpot_gsm8k.py with TPOT_ARGS (default: the three
+# backends, concurrency 8 64 128, 2 waves, 2 repeats), --resume from /tmp/petit-tpot and
+# --max-runtime = the budget left: repeat the command on the warm machine until its summary
+# says COMPLETE (rc 3 = work left).
 # Environment: OUT (default /tmp/petit-vllm-check), BUDGET_S (whole run, default 570),
 #   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
+#   EXPERTS_TILES (bench-experts: tile families, default "auto wgmma_narrow"),
 #   PACK=1 (pack $OUT into $OUT/vllm_gpu_check.tgz: the device returns <= 8 files),
 #   PYTEST_ARGS (extra pytest arguments, shell-quoted: PYTEST_ARGS='-k "fp8 or graph"').
 set -uo pipefail
@@ -26,6 +33,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-570}
 STEPS=${*:-build meta test-vllm test-plugin bench}
+EXPERTS_TILES=${EXPERTS_TILES:-auto wgmma_narrow}
 pytest_args=()
 eval "pytest_args=(${PYTEST_ARGS:-})"  # keeps quoted words (-k "a or b") together
 want_any() { for s in "$@"; do [[ " $STEPS " == *" $s "* ]] && return 0; done; return 1; }
@@ -74,7 +82,7 @@ export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 
 # 2. the extension, in place (ninja, every core); also when a later step needs it and a fresh
 #    machine has none (a warm machine keeps the ignored .so between calls)
-if ! want build && want_any test-vllm bench bench-experts compare serve && ! ls vllm_petit_moe/_C*.so > /dev/null 2>&1; then
+if ! want build && want_any test-vllm bench bench-experts profile compare serve tpot && ! ls vllm_petit_moe/_C*.so > /dev/null 2>&1; then
   echo "no compiled extension here: adding the build step"
   STEPS="build $STEPS"
 fi
@@ -86,7 +94,7 @@ fi
 #    vllm.general_plugins entry point without a pip install: setup.py egg_info into a
 #    folder on PYTHONPATH, or a hand-written .dist-info if that fails.
 META=/tmp/petit-moe-meta
-if want_any meta test-plugin compare serve; then
+if want_any meta test-plugin compare serve tpot; then
   rm -rf "$META"; mkdir -p "$META"
   run_step meta 60 env PETIT_MOE_SKIP_EXTENSION=1 "$PY" setup.py -q egg_info --egg-base "$META"
   if ! ls "$META"/*.egg-info/entry_points.txt > /dev/null 2>&1; then
@@ -133,13 +141,20 @@ if want bench; then
 fi
 
 # 6b. the expert GEMMs against vLLM's Triton experts (needs vLLM, hence here); one run per
-#     tile family in EXPERTS_TILES (default "auto wgmma_narrow")
+#     tile family in EXPERTS_TILES
 if want bench-experts; then
-  for tiles in ${EXPERTS_TILES:-auto wgmma_narrow}; do
+  for tiles in $EXPERTS_TILES; do
     # shellcheck disable=SC2086
     run_step "bench-experts-$tiles" 200 "$PY" examples/bench_experts.py ${BENCH_EXPERTS_ARGS:---quick} \
       --tiles "$tiles" --out-dir "$OUT/experts-$tiles"
   done
+fi
+
+# 6c. where the MoE layer's time goes: kernel time per category for each path
+if want profile; then
+  # shellcheck disable=SC2086
+  run_step profile 300 "$PY" examples/bench_moe_layer.py --profile \
+    ${PROFILE_ARGS:---tokens 1 64 1024 --petit-experts-tiles auto --iters 20} --out-dir "$OUT/profile"
 fi
 
 # 7. serving: the same model with and without the flag, outputs compared (seeded weights)
@@ -154,6 +169,19 @@ if want serve; then
     bash examples/serve.sh examples/models/qwen3-30b-a3b
 fi
 
+# 9. TPOT through vllm serve (examples/bench_tpot_gsm8k.py), resumable across commands: it
+#    starts only the servers that fit in the budget left (rc 3: work left, run again)
+if want tpot; then
+  # the benchmark stops starting work at its --max-runtime and then stops its server (<= 30 s);
+  # the step's own limit (the budget left - 25 s) comes after that
+  tpot_budget=$(( $(left) - 70 ))
+  # shellcheck disable=SC2086
+  run_step tpot $(( tpot_budget + 45 )) "$PY" examples/bench_tpot_gsm8k.py \
+    ${TPOT_ARGS:---backends petit petit-experts default --waves 2 --concurrency 8 64 128 --repeats 2} \
+    --resume --results-dir /tmp/petit-tpot --max-runtime "$tpot_budget" --no-progress \
+    --out-dir "$OUT/tpot"
+fi
+
 echo
 echo "================ petit-moe vLLM GPU check ================"
 echo "gpus        : $(cut -d, -f2 "$OUT/gpus.txt" | sort | uniq -c | xargs) ($num_gpus)"
@@ -162,21 +190,22 @@ echo "vllm        : $("$PY" -c 'from importlib.metadata import version; print(ve
 echo "install     : rc=${RC[install]} in ${SECS[install]}s"
 ok=1
 experts_steps=""
-want bench-experts && for tiles in ${EXPERTS_TILES:-auto wgmma_m64}; do experts_steps+=" bench-experts-$tiles"; done
-for step in build meta test-vllm test-plugin bench $experts_steps compare serve; do
+want bench-experts && for tiles in $EXPERTS_TILES; do experts_steps+=" bench-experts-$tiles"; done
+for step in build meta test-vllm test-plugin bench $experts_steps profile compare serve tpot; do
   [[ $step == bench-experts-* ]] || want "$step" || continue
   rc=${RC[$step]:-not-run}
   summary=""
   case $step in
     test-*) summary=$(grep -E "(passed|failed|skipped|error)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
     bench-experts-*) summary=$(grep -E "^wrote|NOTE" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
-    bench) summary=$(grep -E "^wrote|^WARNING: " "$OUT/$step.log" 2>/dev/null | tail -2 | tr -d "'\"") ;;
+    bench|profile) summary=$(grep -E "^wrote|^WARNING: " "$OUT/$step.log" 2>/dev/null | tail -2 | tr -d "'\"") ;;
+    tpot) summary=$(grep -E "^(COMPLETE|INCOMPLETE|FAILED)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
     compare) summary=$(grep -E "^(AGREE|DISAGREE)|prompts identical" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
     serve) summary=$(grep -E "MoE layers use|token ids|exit" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
     meta) summary=$(grep "entry points" "$OUT/meta.log" 2>/dev/null | tail -1) ;;
   esac
   printf '%-12s: rc=%s in %ss %s\n' "$step" "$rc" "${SECS[$step]:-0}" "$summary"
-  case $rc in 0|fallback) ;; *) ok=0 ;; esac
+  case $step:$rc in *:0|*:fallback|tpot:3) ;; *) ok=0 ;; esac
 done
 echo "logs        : $OUT ($(( $(date +%s) - T0 ))s total)"
 pack_out vllm_gpu_check
