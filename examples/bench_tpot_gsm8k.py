@@ -35,9 +35,11 @@ and the server logs in --log-dir. --out-dir also copies the results and this run
 Model: --model-dir (default examples/models/qwen3-30b-a3b: config.json + tokenizer files
 copied from ../shared/models, which does not travel to the GPU machine). --num-layers N serves
 a copy with num_hidden_layers=N (written under $TMPDIR/petit-bench-models/, same path every
-time so vLLM's compile cache is reused). A DeepSeek-V3 copy works the same way: copy
-../shared/models/deepseek-v3 into the repo, pass --model-dir and --num-layers >= 4 (its first
-3 layers are dense); MLA models get --attention-backend TRITON_MLA (untested on the devkit).
+time so vLLM's compile cache is reused). DeepSeek-V3 (config + tokenizer in
+examples/models/deepseek-v3, copied from ../shared/models; bf16, no quantization config) works
+the same way: --model-dir examples/models/deepseek-v3 --num-layers N with N >= 4 (its first 3
+layers are dense; 8 layers = 5 MoE layers, ~57 GB of expert weights per GPU at DP=2); MLA
+models get --attention-backend TRITON_MLA (not yet run on the devkit).
 
 --quick: 160 prompts, concurrency 8 and 64, 1 repeat, 128 output tokens, and by default a
 4-layer copy of the model (--num-layers 4; --num-layers 0 keeps all 48): two cold starts of
