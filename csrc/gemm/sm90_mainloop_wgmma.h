@@ -2,8 +2,8 @@
 // B[n, k] for one kBlockM x (kNumBGroups * kBlockN) output tile, bf16 operands, fp32
 // accumulators, with
 //   - wgmma.mma_async m64n256k16, m64n128k16 or m64n64k16 (one or more consumer warpgroups,
-//     each 64 rows by kWgmmaN B rows), both operands read by the tensor cores straight from shared memory
-//     through 64-bit matrix descriptors,
+//     each 64 rows by kWgmmaN B rows), both operands read by the tensor cores straight from
+//     shared memory through 64-bit matrix descriptors,
 //   - the 128-byte swizzled K-major layout (8-row x 128-byte atoms, 1024-byte aligned), filled
 //     by cp.async 16-byte copies (cp_async.h: one pointer per row, so the A rows are gathered
 //     through the row list with no permute copy, missing rows / chunks zero-filled),
@@ -143,7 +143,6 @@ PETIT_DEVICE void sm90_wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a, ui
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 #endif
 }
-
 
 PETIT_DEVICE void sm90_wgmma_m64n64k16_bf16(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
                                             int scale_d) {
