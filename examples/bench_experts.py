@@ -28,6 +28,11 @@ difference of petit's output to the torch loop's.
     python examples/bench_experts.py                        # both presets, W=2, T 1..8192
     python examples/bench_experts.py --quick                # T 1, 128, 2048
     python examples/bench_experts.py --replot examples/results/experts_H200.jsonl
+    python examples/bench_experts.py --profile --tokens 1 8 32 --tiles wgmma_narrow
+--profile: after timing, 10 more calls of petit's and of Triton's path run under torch.profiler
+(CUDA activity only); their kernel time per call by category (``device_env.PROFILE_CATEGORIES``:
+petit row lists / GEMMs / reduce, Triton GEMM / align+sum+activation, other) is printed under
+each row and stored as ``breakdown`` / ``triton_breakdown``.
 Writes examples/results/experts_<gpu>.jsonl (fields gpu, commit, date, preset, routing,
 tokens, tflops, triton_tflops, torch_tflops, speedup_vs_triton, weight_gbps, hbm_gbps, and
 more) and a PNG next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
@@ -41,7 +46,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from vllm_petit_moe.device_env import commit_stamp, replot, utc_date, write_results  # noqa: E402
+from vllm_petit_moe.device_env import (  # noqa: E402
+    commit_stamp, format_breakdown, profile_kernels, replot, utc_date, write_results)
 from vllm_petit_moe.ops import TILES  # noqa: E402
 
 PRESETS = {
@@ -53,6 +59,7 @@ SKEWS = {"uniform": None, "skewed": "hot_rank", "hot_expert": "one_expert"}
 TOKENS = [1, 2, 8, 32, 128, 512, 2048, 8192]
 QUICK_TOKENS = [1, 128, 2048]
 L2_FLUSH_BYTES = 256 << 20
+PROFILE_CALLS = 10  # calls per path under --profile
 HBM_COPY_BYTES = 2 << 30
 
 
@@ -259,6 +266,12 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
     if run_triton is not None:
         triton_us, _ = time_us(run_triton, args.iters, flush)
 
+    breakdown = triton_breakdown = None
+    if args.profile:  # eager calls, warmed up by the timing above
+        breakdown = profile_kernels(run_petit, PROFILE_CALLS)
+        if run_triton is not None:
+            triton_breakdown = profile_kernels(run_triton, PROFILE_CALLS)
+
     torch_out = torch_loop(recv_x, local_ids, weights, w13, w2)
     torch_us, _ = time_us(lambda: torch_loop(recv_x, local_ids, weights, w13, w2),
                           max(3, args.iters // 5), flush, graph=False)
@@ -282,6 +295,8 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
         hbm_gbps=hbm_gbps,
         rel_diff=rel_diff, finite=bool(torch.isfinite(petit_out).all()),
     )
+    if args.profile:
+        row.update(breakdown=breakdown, triton_breakdown=triton_breakdown)
     del run_petit, run_triton, recv_x, local_ids, weights, petit_out, torch_out
     torch.cuda.empty_cache()
     return row
@@ -303,6 +318,9 @@ def print_row(r):
           f"{r['tflops']:8.2f} {_fmt(r['triton_tflops'], '9.2f')} "
           f"{_fmt(r['speedup_vs_triton'], '7.2f')} {r['weight_gbps']:11.0f} "
           f"{r['hbm_gbps']:8.0f} {r['rel_diff']:8.1e}{flag}", flush=True)
+    for key, name in (("breakdown", "petit"), ("triton_breakdown", "triton")):
+        if r.get(key):
+            print(f"    {name}: {format_breakdown(r[key])}", flush=True)
 
 
 def plot(rows, path, title):
@@ -361,6 +379,8 @@ def parse_args(argv=None):
                    help="petit tile family (default: auto, i.e. wgmma on H100/H200; see "
                         "vllm_petit_moe.ops.TILES)")
     p.add_argument("--no-triton", action="store_true", help="skip vLLM's Triton experts")
+    p.add_argument("--profile", action="store_true",
+                   help="also sum each path's kernel time by category (torch.profiler)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 10 iters")
     p.add_argument("--out-dir", default=None, help="also write the results here")

@@ -31,8 +31,8 @@ default 0.5 equals an even split of pairs, so pass a larger one for skew there).
 
 --profile: after timing, each rank replays each path's graph --profile-replays times under
 torch.profiler (CUDA activity only) and sums the device time of its kernels by category
-(``PROFILE_CATEGORIES``: dispatch, combine, nccl, petit GEMMs / reduce / row lists, Triton
-GEMM, Triton align/sum/activation, other); per replay, in us, stored per rank as
+(``device_env.PROFILE_CATEGORIES``: dispatch, combine, nccl, petit GEMMs / reduce / row
+lists, Triton GEMM, Triton align/sum/activation, other); per replay, in us, stored per rank as
 ``<path>_breakdown`` and printed for the slowest rank. ``kernels_total`` below the replay time
 is time with no kernel running (gaps between graph nodes).
 Writes examples/results/moe_layer_<gpu>x<W>.jsonl (fields gpu, world, commit, date, preset,
@@ -50,7 +50,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from vllm_petit_moe.device_env import commit_stamp, replot, utc_date, write_results  # noqa: E402
+from vllm_petit_moe.device_env import (  # noqa: E402
+    commit_stamp, format_breakdown, profile_kernels, replot, utc_date, write_results)
 from vllm_petit_moe.ops import TILES  # noqa: E402
 
 import vllm_moe_harness as harness  # noqa: E402
@@ -59,41 +60,6 @@ PRESETS = harness.PRESETS
 TOKENS = [2**i for i in range(13)]  # 1, 2, 4, ..., 4096 tokens per rank
 QUICK_TOKENS = [1, 8, 64, 512, 4096]
 ROUTINGS = ("uniform", "skewed")
-
-# --profile: kernel-name categories, first match wins (case-insensitive substrings).
-PROFILE_CATEGORIES = (
-    ("dispatch", ("dispatch_kernel",)),
-    ("combine", ("combine_kernel",)),
-    ("nccl", ("nccl",)),
-    ("petit_gemm", ("expert_gate_up", "expert_down")),
-    ("petit_reduce", ("expert_reduce",)),
-    ("petit_row_lists", ("row_list_",)),
-    ("triton_gemm", ("fused_moe_kernel",)),
-    ("triton_align_sum_act", ("moe_align", "moe_sum", "act_and_mul", "silu", "count_and_sort")),
-)
-
-
-def kernel_breakdown(kernels, replays: int) -> dict[str, float]:
-    """Device time per replay (us) by ``PROFILE_CATEGORIES`` (+ ``other``) and their sum
-    ``kernels_total``, from ``(kernel name, total device us)`` pairs over ``replays`` replays.
-    Categories with no kernel are left out."""
-    if replays < 1:
-        raise ValueError(f"replays must be >= 1, got {replays}")
-    totals: dict[str, float] = {}
-    for name, us in kernels:
-        low = name.lower()
-        cat = next((c for c, keys in PROFILE_CATEGORIES if any(k in low for k in keys)), "other")
-        totals[cat] = totals.get(cat, 0.0) + us
-    order = [c for c, _ in PROFILE_CATEGORIES] + ["other"]
-    out = {c: totals[c] / replays for c in order if totals.get(c, 0.0) > 0}
-    out["kernels_total"] = sum(out.values())
-    return out
-
-
-def format_breakdown(breakdown: dict[str, float]) -> str:
-    parts = [f"{k} {v:.1f}" for k, v in breakdown.items() if k != "kernels_total"]
-    return ", ".join(parts) + f" (kernels {breakdown.get('kernels_total', 0.0):.1f} us)"
-
 
 # --------------------------------------------------------------------------------------------
 # Rank side
@@ -121,28 +87,6 @@ def _rank_build(state, preset, max_tokens, seed, petit_via, paths=harness.PATHS)
     return dict(gpu=torch.cuda.get_device_name(state.device), vllm_backend=layer.vllm_backend,
                 heap_mib=buffer.footprint_bytes / 2**20,
                 weights_gib=(w13.numel() + w2.numel()) * 2 / 2**30)
-
-
-def _profile_replays(graph, replays: int) -> dict[str, float]:
-    """``kernel_breakdown`` of ``replays`` replays of ``graph`` (kernels inside graph replays
-    are traced by CUPTI like launched ones)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    kernels = []
-    for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", None)
-        if us is None:  # older torch
-            us = getattr(evt, "self_cuda_time_total", 0.0)
-        if us > 0:
-            kernels.append((evt.key, float(us)))
-    return kernel_breakdown(kernels, replays)
 
 
 def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed, profile_replays=0):
@@ -196,7 +140,9 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed, profile_r
         for path, (graph, _) in captured.items():
             torch.cuda.synchronize()
             state.barrier()
-            row[f"{path}_breakdown"] = _profile_replays(graph, profile_replays)
+            graph.replay()
+            torch.cuda.synchronize()
+            row[f"{path}_breakdown"] = profile_kernels(graph.replay, profile_replays)
     del captured, statics, outs
     return row
 

@@ -37,6 +37,7 @@ def test_parse_args(bench):
     args = bench.parse_args([])
     assert args.tokens == bench.TOKENS and args.iters == 30 and args.world == 2
     assert args.routings == ["uniform", "skewed"] and args.tiles == "auto"
+    assert not args.profile and bench.parse_args(["--profile", "--tiles", "wgmma_narrow"]).profile
     quick = bench.parse_args(["--quick", "--presets", "qwen3-30b-a3b", "--routings",
                               "hot_expert", "--world", "8"])
     assert quick.tokens == bench.QUICK_TOKENS and quick.iters == 10

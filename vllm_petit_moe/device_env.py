@@ -4,7 +4,8 @@ NVLink multicast must stay off on the shared GPU hosts: a program using it can t
 host's GPUs out of service. vLLM's symmetric-memory all-reduce uses multicast operations, its
 FlashInfer sampler is not in the offline vLLM bundle, and the GPU machines have no network.
 
-Also how the benchmark drivers stamp (commit, date) and write their results.
+Also how the benchmark drivers stamp (commit, date), write their results and sum profiled
+kernel time by category (their --profile).
 """
 
 MULTICAST_OFF_ENV = {
@@ -73,3 +74,61 @@ def replot(jsonl, plot, title):
     plot(rows, Path(jsonl).with_suffix(".png"), title(rows[0]))
     return 0
 
+
+
+# Kernel-name categories of the benchmarks' --profile, first match wins (case-insensitive
+# substrings): our kernels (csrc/*.cu), NCCL, and vLLM's Triton fused-MoE path.
+PROFILE_CATEGORIES = (
+    ("dispatch", ("dispatch_kernel",)),
+    ("combine", ("combine_kernel",)),
+    ("nccl", ("nccl",)),
+    ("petit_gemm", ("expert_gate_up", "expert_down")),
+    ("petit_reduce", ("expert_reduce",)),
+    ("petit_row_lists", ("row_list_",)),
+    ("triton_gemm", ("fused_moe_kernel",)),
+    ("triton_align_sum_act", ("moe_align", "moe_sum", "act_and_mul", "silu", "count_and_sort")),
+)
+
+
+def kernel_breakdown(kernels, replays: int) -> dict[str, float]:
+    """Device time per call (us) by ``PROFILE_CATEGORIES`` (+ ``other``) and their sum
+    ``kernels_total``, from ``(kernel name, total device us)`` pairs over ``replays`` calls.
+    Categories with no kernel are left out."""
+    if replays < 1:
+        raise ValueError(f"replays must be >= 1, got {replays}")
+    totals: dict[str, float] = {}
+    for name, us in kernels:
+        low = name.lower()
+        cat = next((c for c, keys in PROFILE_CATEGORIES if any(k in low for k in keys)), "other")
+        totals[cat] = totals.get(cat, 0.0) + us
+    order = [c for c, _ in PROFILE_CATEGORIES] + ["other"]
+    out = {c: totals[c] / replays for c in order if totals.get(c, 0.0) > 0}
+    out["kernels_total"] = sum(out.values())
+    return out
+
+
+def format_breakdown(breakdown: dict[str, float]) -> str:
+    parts = [f"{k} {v:.1f}" for k, v in breakdown.items() if k != "kernels_total"]
+    return ", ".join(parts) + f" (kernels {breakdown.get('kernels_total', 0.0):.1f} us)"
+
+
+def profile_kernels(call, replays: int) -> dict[str, float]:
+    """``kernel_breakdown`` of ``replays`` calls of ``call()`` (e.g. a CUDA graph's replay:
+    CUPTI traces the kernels inside graph replays like launched ones), under torch.profiler
+    with CUDA activity only. The caller warms ``call`` up first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            call()
+        torch.cuda.synchronize()
+    kernels = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:  # older torch
+            us = getattr(evt, "self_cuda_time_total", 0.0)
+        if us > 0:
+            kernels.append((evt.key, float(us)))
+    return kernel_breakdown(kernels, replays)
