@@ -1,5 +1,6 @@
-// Destination-side routing block -> per-local-expert row lists: a stable counting sort in
-// three launches (chunk histograms, one scan block, chunk scatter), device-side counts only.
+// Destination-side routing block -> per-local-expert row lists: a stable counting sort with
+// device-side counts only. Up to kRowListChunk entries (decode sizes) one block does it all in
+// one launch; beyond, three launches (chunk histograms, one scan block, chunk scatter).
 #include "api.h"
 #include "expert_ids.h"
 
@@ -60,21 +61,14 @@ PETIT_GLOBAL void __launch_bounds__(kMaxExperts) row_list_scan_kernel(RowListArg
   if (e == 0) a.expert_offsets[0] = 0;
 }
 
-// Scatter one chunk in entry order. Within a round of kRowListThreads entries, an entry's
-// rank among equal experts = (equal lanes below it in its warp) + (equal entries of the
-// warps before it) + (equal entries of earlier rounds and chunks).
-PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_scatter_kernel(RowListArgs a) {
-  __shared__ int32_t running[kMaxExperts];
-  __shared__ int32_t warp_hist[kRowListWarps][kMaxExperts];
+// Scatter one chunk in entry order (block-wide). Within a round of kRowListThreads entries, an
+// entry's rank among equal experts = (equal lanes below it in its warp) + (equal entries of
+// the warps before it) + (equal entries of earlier rounds and chunks). running[e]: position of
+// the chunk's first entry of expert e (advanced here); warp_hist: zeros (left zeroed); total:
+// offsets[L]. Positions of the chunk past the total get -1 (no scatter writes them).
+PETIT_DEVICE void scatter_chunk(const RowListArgs& a, int chunk_begin, int total,
+                                int32_t* running, int32_t (*warp_hist)[kMaxExperts]) {
   const int warp = petit_warp_id();
-  const int32_t* chunk_base = a.workspace + int64_t(blockIdx.x) * a.num_local_experts;
-  for (int e = threadIdx.x; e < a.num_local_experts; e += blockDim.x) {
-    running[e] = a.expert_offsets[e] + chunk_base[e];
-    for (int w = 0; w < kRowListWarps; ++w) warp_hist[w][e] = 0;
-  }
-  __syncthreads();
-  const int chunk_begin = blockIdx.x * kRowListChunk;
-  const int total = a.expert_offsets[a.num_local_experts];
   for (int round = 0; round < kRowListRounds; ++round) {
     const int entry = chunk_begin + round * kRowListThreads + threadIdx.x;
     const int e = valid_expert(a, entry);
@@ -95,11 +89,77 @@ PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_scatter_kernel(Row
     }
     __syncthreads();
   }
-  // Positions past the total are not written by any scatter: mark them -1.
   for (int j = threadIdx.x; j < kRowListChunk; j += blockDim.x) {
     int position = chunk_begin + j;
     if (position >= total && position < a.num_entries) a.sorted_entries[position] = -1;
   }
+}
+
+PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_scatter_kernel(RowListArgs a) {
+  __shared__ int32_t running[kMaxExperts];
+  __shared__ int32_t warp_hist[kRowListWarps][kMaxExperts];
+  const int32_t* chunk_base = a.workspace + int64_t(blockIdx.x) * a.num_local_experts;
+  for (int e = threadIdx.x; e < a.num_local_experts; e += blockDim.x) {
+    running[e] = a.expert_offsets[e] + chunk_base[e];
+    for (int w = 0; w < kRowListWarps; ++w) warp_hist[w][e] = 0;
+  }
+  __syncthreads();
+  scatter_chunk(a, blockIdx.x * kRowListChunk, a.expert_offsets[a.num_local_experts], running,
+                warp_hist);
+}
+
+// All of it for <= kRowListChunk entries, in one block: histogram in shared memory, counts
+// and offsets (an exclusive scan over the experts, kExpertsPerThread consecutive experts per
+// thread), then the scatter of the one chunk. Same results as the three launches.
+constexpr int kExpertsPerThread = kMaxExperts / kRowListThreads;
+static_assert(kExpertsPerThread * kRowListThreads == kMaxExperts, "whole experts per thread");
+
+PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_one_block_kernel(RowListArgs a) {
+  __shared__ int32_t running[kMaxExperts];  // counts, then first positions
+  __shared__ int32_t warp_hist[kRowListWarps][kMaxExperts];
+  __shared__ int32_t thread_sums[kRowListThreads];
+  for (int e = threadIdx.x; e < kMaxExperts; e += blockDim.x) {
+    running[e] = 0;
+    for (int w = 0; w < kRowListWarps; ++w) warp_hist[w][e] = 0;
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < a.num_entries; j += blockDim.x) {
+    const int e = valid_expert(a, j);
+    if (e >= 0) atomicAdd(&running[e], 1);
+  }
+  __syncthreads();
+  // Inclusive Hillis-Steele scan of the per-thread sums (experts past L count 0).
+  const int first = threadIdx.x * kExpertsPerThread;
+  int32_t counts[kExpertsPerThread];
+  int32_t thread_sum = 0;
+#pragma unroll
+  for (int i = 0; i < kExpertsPerThread; ++i) {
+    counts[i] = running[first + i];
+    thread_sum += counts[i];
+  }
+  thread_sums[threadIdx.x] = thread_sum;
+  __syncthreads();
+  for (int offset = 1; offset < kRowListThreads; offset <<= 1) {
+    const int32_t add = threadIdx.x >= offset ? thread_sums[threadIdx.x - offset] : 0;
+    __syncthreads();
+    thread_sums[threadIdx.x] += add;
+    __syncthreads();
+  }
+  int32_t position = thread_sums[threadIdx.x] - thread_sum;  // exclusive
+#pragma unroll
+  for (int i = 0; i < kExpertsPerThread; ++i) {
+    const int e = first + i;
+    if (e < a.num_local_experts) {
+      a.expert_counts[e] = counts[i];
+      a.expert_offsets[e] = position;
+      running[e] = position;  // only this thread reads / writes experts [first, first + n)
+    }
+    position += counts[i];
+  }
+  const int total = thread_sums[kRowListThreads - 1];
+  if (threadIdx.x == 0) a.expert_offsets[a.num_local_experts] = total;
+  __syncthreads();
+  scatter_chunk(a, 0, total, running, warp_hist);
 }
 
 }  // namespace
@@ -109,6 +169,10 @@ petitError_t launch_expert_row_lists(const RowListArgs& a, petitStream_t stream)
       (a.expert_map != nullptr && a.num_global_experts < 1))
     return petitErrorInvalidValue;
   const int num_chunks = ceil_div(a.num_entries > 0 ? a.num_entries : 1, kRowListChunk);
+  if (num_chunks == 1) {  // decode sizes: one launch instead of three
+    petitLaunchKernel(row_list_one_block_kernel, dim3(1), dim3(kRowListThreads), 0, stream, a);
+    return petitGetLastError();
+  }
   petitLaunchKernel(row_list_histogram_kernel, dim3(num_chunks), dim3(kRowListThreads), 0,
                     stream, a);
   petitLaunchKernel(row_list_scan_kernel, dim3(1), dim3(kMaxExperts), 0, stream, a,

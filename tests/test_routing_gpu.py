@@ -26,7 +26,7 @@ def test_row_lists_bad_input():
 
 @pytest.mark.parametrize("num_rows,top_k,num_local", [
     (1, 1, 1), (7, 3, 5), (64, 8, 128), (1000, 8, 32), (4096, 8, 128), (8192, 16, 512),
-    (16384, 8, 8), (3, 2, 512)])
+    (16384, 8, 8), (3, 2, 512), (128, 8, 64), (129, 8, 64)])  # the one-block bound
 def test_row_lists_match_reference(num_rows, top_k, num_local):
     from vllm_petit_moe import _C
     gen = torch.Generator(device="cuda").manual_seed(num_rows * 131 + top_k)

@@ -1,0 +1,148 @@
+// Thread-per-GPU-thread runtime for running kernel sources on the CPU (tests without a GPU).
+//
+// The kernel source is compiled unchanged by the host compiler: every GPU thread of a block
+// is a std::thread, __syncthreads() is a barrier across them, __shared__ variables are
+// function-local statics (blocks run one after another, so one instance per kernel suffices),
+// and petitLaunchKernel runs the grid block by block. The warp primitives of platform.h
+// (lane / warp ids, ballot, match_any, lane masks; 32-lane warps) exchange values through a
+// per-warp barrier, so every lane of a warp must reach them together, as on the GPU; atomicAdd
+// on int is a host atomic. Index math, bounds, barrier placement and warp-level logic execute
+// as written; what this cannot show is performance or anything about the GPU memory model.
+//
+// Include this, then the kernel source (e.g. "experts.cu"); compile with
+//   g++ -std=c++17 -O1 -shared -fPIC -pthread -I csrc -I $CUDA_HOME/include <file>.cpp
+// (the CUDA headers only provide uint4/float4/dim3 and friends; nothing links against CUDA).
+#pragma once
+
+#include <condition_variable>
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#define __shared__ static            // before cuda_runtime.h, which keeps a prior definition
+#define __launch_bounds__(...)
+#include <cuda_runtime.h>
+
+namespace emu {
+
+thread_local uint3 thread_idx;
+thread_local uint3 block_idx;
+dim3 block_dim, grid_dim;
+
+class Barrier {
+ public:
+  explicit Barrier(int count) : count_(count) {}
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const long generation = generation_;
+    if (++arrived_ == count_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return generation != generation_; });
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int count_;
+  int arrived_ = 0;
+  long generation_ = 0;
+};
+
+Barrier* block_barrier = nullptr;
+int last_error = 0;
+
+constexpr int kWarpSize = 32;
+struct Warp {
+  Barrier barrier{kWarpSize};
+  int values[kWarpSize];
+};
+thread_local Warp* warp = nullptr;  // this thread's warp (blocks of whole warps only)
+
+template <class Kernel, class... Args>
+void launch(Kernel kernel, dim3 grid, dim3 block, const Args&... args) {
+  if (grid.x == 0 || block.x == 0 || grid.y != 1 || grid.z != 1 || block.y != 1 || block.z != 1) {
+    last_error = 1;
+    return;
+  }
+  block_dim = block;
+  grid_dim = grid;
+  for (unsigned b = 0; b < grid.x; ++b) {
+    Barrier barrier(int(block.x));
+    block_barrier = &barrier;
+    std::vector<Warp> warps(block.x % kWarpSize == 0 ? block.x / kWarpSize : 0);
+    std::vector<std::thread> threads;
+    threads.reserve(block.x);
+    for (unsigned t = 0; t < block.x; ++t) {
+      threads.emplace_back([&, t, b] {
+        thread_idx = make_uint3(t, 0, 0);
+        block_idx = make_uint3(b, 0, 0);
+        warp = warps.empty() ? nullptr : &warps[t / kWarpSize];
+        kernel(args...);
+      });
+    }
+    for (auto& th : threads) th.join();
+    block_barrier = nullptr;
+  }
+}
+
+}  // namespace emu
+
+#define threadIdx emu::thread_idx
+#define blockIdx emu::block_idx
+#define blockDim emu::block_dim
+#define gridDim emu::grid_dim
+inline void __syncthreads() { emu::block_barrier->wait(); }
+
+#include "platform.h"
+
+// ---- warp primitives and atomics (platform.h defines them for nvcc / hipcc only)
+inline int petit_lane_id() { return int(threadIdx.x) % emu::kWarpSize; }
+inline int petit_warp_id() { return int(threadIdx.x) / emu::kWarpSize; }
+inline petit_lanemask_t petit_lanemask_lt() {
+  return (petit_lanemask_t(1) << petit_lane_id()) - 1;
+}
+inline int petit_popc(petit_lanemask_t m) { return __builtin_popcount(m); }
+namespace emu {
+// Mask of the lanes whose value satisfies pred(their value): every lane of the warp publishes
+// its value, then reads all of them; the second wait keeps the slots until everyone has read.
+template <class Pred>
+petit_lanemask_t warp_mask(int value, Pred pred) {
+  if (warp == nullptr) {  // a block that is not whole warps cannot use warp primitives
+    last_error = 1;
+    return 0;
+  }
+  warp->values[petit_lane_id()] = value;
+  warp->barrier.wait();
+  petit_lanemask_t mask = 0;
+  for (int lane = 0; lane < kWarpSize; ++lane)
+    if (pred(warp->values[lane])) mask |= petit_lanemask_t(1) << lane;
+  warp->barrier.wait();
+  return mask;
+}
+}  // namespace emu
+inline petit_lanemask_t petit_ballot(bool pred) {
+  return emu::warp_mask(int(pred), [](int v) { return v != 0; });
+}
+inline petit_lanemask_t petit_match_any(int value) {
+  return emu::warp_mask(value, [value](int v) { return v == value; });
+}
+inline int atomicAdd(int* address, int value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
+
+#undef petitLaunchKernel
+#define petitLaunchKernel(kernel, grid, block, smem, stream, ...) \
+  emu::launch(kernel, dim3(grid), dim3(block), __VA_ARGS__)
+#undef petitGetLastError
+#define petitGetLastError() (emu::last_error ? petitErrorInvalidValue : petitSuccess)
+#undef petitGetDevice
+#define petitGetDevice(device) (*(device) = 0, petitSuccess)
+#undef petitDeviceGetAttribute
+#define petitDeviceGetAttribute(value, attr, device) (*(value) = 2, petitSuccess)
+
