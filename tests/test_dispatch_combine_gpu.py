@@ -263,6 +263,14 @@ def test_dispatch_combine_matches_reference(rank_pools, world_size, tokens, top_
     pool.run(_rank_round_trip, _cfg(), 1000 + top_k, per_rank, top_k, skew, 3, None, False)
 
 
+@pytest.mark.parametrize("tokens,top_k,skew", [("unequal", 8, None), ("equal:96", 6, "hot_rank"),
+                                               ("zero_one", 2, None)])
+def test_dispatch_combine_eight_ranks(rank_pools, tokens, top_k, skew):
+    # EP8's flag and region logic (W-1 = 7 peers, 8 regions) on whatever GPUs there are: with
+    # fewer than 8, ranks share a GPU (PETIT_TEST_MAX_RANKS_PER_GPU, default 4).
+    test_dispatch_combine_matches_reference(rank_pools, 8, tokens, top_k, skew)
+
+
 @pytest.mark.parametrize("hidden", [8, 7168, 8200])
 def test_hidden_sizes_and_identity_round_trip(rank_pools, hidden):
     pool = rank_pools(2)
