@@ -376,8 +376,8 @@ def parse_args(argv=None):
                    help="skewed routing: probability that a pair lands on rank 0's experts "
                         "(default 0.6; 1/W would be an even split)")
     p.add_argument("--tiles", choices=tuple(TILES), default="auto",
-                   help="petit tile family (default: auto, i.e. wgmma on H100/H200; see "
-                        "vllm_petit_moe.ops.TILES)")
+                   help="petit tile family (default: auto, i.e. wgmma_m64 / wgmma on "
+                        "H100/H200 by rows per expert; see vllm_petit_moe.ops.TILES)")
     p.add_argument("--no-triton", action="store_true", help="skip vLLM's Triton experts")
     p.add_argument("--profile", action="store_true",
                    help="also sum each path's kernel time by category (torch.profiler)")
