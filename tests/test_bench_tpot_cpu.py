@@ -46,7 +46,8 @@ def fake_server_main(argv) -> int:
                                              "NVSHMEM_DISABLE_NVLS", "VLLM_ALLREDUCE_USE_SYMM_MEM",
                                              "VLLM_USE_FLASHINFER_SAMPLER", "HF_HUB_OFFLINE",
                                              "TRANSFORMERS_OFFLINE", "VLLM_USE_PETIT_MOE",
-                                             "VLLM_PETIT_MOE_STRICT")), flush=True)
+                                             "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS")),
+          flush=True)
     if mode == "crash":
         print("Traceback (most recent call last):\nRuntimeError: fake engine failed", flush=True)
         return 3
@@ -595,6 +596,27 @@ def test_end_to_end_interleaved_runs_files_and_resume(tmp_path, model_dir, fake_
     assert len(list((tmp_path / "logs").iterdir())) == 5
     # --resume refuses rows of another configuration
     assert bench.main(args + ["--resume", "--output-len", "8"]) == 1
+
+
+def test_petit_experts_backend_end_to_end(tmp_path, model_dir, fake_env, capsys):
+    """The third backend: its server gets both flags, its log must name PetitExperts, and the
+    table gets its own columns next to petit's."""
+    rc = bench.main(_fake_args(tmp_path, model_dir, "--backends", "petit", "petit-experts",
+                               "default", "--concurrency", "2", "--num-prompts", "4",
+                               "--output-len", "4", "--repeats", "1"))
+    assert rc == 0
+    text = capsys.readouterr().out
+    rows = bench.read_rows(tmp_path / "results" / "tpot_gsm8k_TESTx2_tiny-model.jsonl")
+    assert [r["backend"] for r in rows] == ["petit", "petit-experts", "default"]
+    experts = rows[1]["backend_evidence"]
+    assert "PetitPrepareAndFinalize" in experts and "PetitExperts" in experts
+    assert "PetitExperts" not in rows[0]["backend_evidence"]
+    assert "TPOT petit/def" in text and "TPOT petit-experts/def" in text
+    (experts_log,) = (tmp_path / "logs").glob("server_*_petit-experts_*.log")
+    (petit_log,) = (tmp_path / "logs").glob("server_*_petit_r0_*.log")
+    assert "VLLM_PETIT_MOE_EXPERTS=1" in experts_log.read_text()
+    assert "VLLM_PETIT_MOE_EXPERTS=None" in petit_log.read_text()
+    assert not any(_alive(p) for p in _pids(fake_env))
 
 
 def test_flag_on_server_without_petit_log_is_an_error(tmp_path, model_dir, fake_env, capsys,
