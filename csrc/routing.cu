@@ -2,6 +2,7 @@
 // device-side counts only. Up to kRowListChunk entries (decode sizes) one block does it all in
 // one launch; beyond, three launches (chunk histograms, one scan block, chunk scatter).
 #include "api.h"
+#include "block_scan.h"
 #include "expert_ids.h"
 
 namespace petit {
@@ -36,7 +37,7 @@ PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_histogram_kernel(R
 // One block: per expert, exclusive scan over chunks (in place), then over experts.
 PETIT_GLOBAL void __launch_bounds__(kMaxExperts) row_list_scan_kernel(RowListArgs a,
                                                                       int num_chunks) {
-  __shared__ int32_t totals[kMaxExperts];
+  __shared__ int32_t thread_sums[kMaxExperts];
   const int e = threadIdx.x;
   int32_t running = 0;
   if (e < a.num_local_experts) {
@@ -48,16 +49,10 @@ PETIT_GLOBAL void __launch_bounds__(kMaxExperts) row_list_scan_kernel(RowListArg
     }
     a.expert_counts[e] = running;
   }
-  totals[e] = (e < a.num_local_experts) ? running : 0;
-  __syncthreads();
-  // Hillis-Steele inclusive scan over <= 512 experts.
-  for (int offset = 1; offset < kMaxExperts; offset <<= 1) {
-    int32_t add = (e >= offset) ? totals[e - offset] : 0;
-    __syncthreads();
-    totals[e] += add;
-    __syncthreads();
-  }
-  if (e < a.num_local_experts) a.expert_offsets[e + 1] = totals[e];
+  const int32_t count[1] = {e < a.num_local_experts ? running : 0};
+  int32_t total;
+  const int32_t before = block_exclusive_scan<kMaxExperts, 1>(count, thread_sums, &total);
+  if (e < a.num_local_experts) a.expert_offsets[e + 1] = before + count[0];
   if (e == 0) a.expert_offsets[0] = 0;
 }
 
@@ -128,24 +123,14 @@ PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_one_block_kernel(R
     if (e >= 0) atomicAdd(&running[e], 1);
   }
   __syncthreads();
-  // Inclusive Hillis-Steele scan of the per-thread sums (experts past L count 0).
+  // Exclusive scan of the counts over the experts (experts past L count 0).
   const int first = threadIdx.x * kExpertsPerThread;
   int32_t counts[kExpertsPerThread];
-  int32_t thread_sum = 0;
 #pragma unroll
-  for (int i = 0; i < kExpertsPerThread; ++i) {
-    counts[i] = running[first + i];
-    thread_sum += counts[i];
-  }
-  thread_sums[threadIdx.x] = thread_sum;
-  __syncthreads();
-  for (int offset = 1; offset < kRowListThreads; offset <<= 1) {
-    const int32_t add = threadIdx.x >= offset ? thread_sums[threadIdx.x - offset] : 0;
-    __syncthreads();
-    thread_sums[threadIdx.x] += add;
-    __syncthreads();
-  }
-  int32_t position = thread_sums[threadIdx.x] - thread_sum;  // exclusive
+  for (int i = 0; i < kExpertsPerThread; ++i) counts[i] = running[first + i];
+  int32_t total;
+  int32_t position =
+      block_exclusive_scan<kRowListThreads, kExpertsPerThread>(counts, thread_sums, &total);
 #pragma unroll
   for (int i = 0; i < kExpertsPerThread; ++i) {
     const int e = first + i;
@@ -156,7 +141,6 @@ PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_one_block_kernel(R
     }
     position += counts[i];
   }
-  const int total = thread_sums[kRowListThreads - 1];
   if (threadIdx.x == 0) a.expert_offsets[a.num_local_experts] = total;
   __syncthreads();
   scatter_chunk(a, 0, total, running, warp_hist);

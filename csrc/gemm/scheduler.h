@@ -12,6 +12,7 @@
 // expert's weights before the next.
 #pragma once
 
+#include "../block_scan.h"
 #include "../layout.h"
 
 namespace petit {
@@ -48,33 +49,24 @@ struct ExpertTileScheduler {
     num_n_tiles = n_tiles;
     block_m = tile_rows;
     // Each thread owns kItemsPerThread consecutive experts.
-    int tiles[kItemsPerThread];
-    int thread_sum = 0;
+    int32_t tiles[kItemsPerThread];
 #pragma unroll
     for (int i = 0; i < kItemsPerThread; ++i) {
       const int e = threadIdx.x * kItemsPerThread + i;
       tiles[i] = 0;
       if (e < num_local_experts)
         tiles[i] = (offsets[e + 1] - offsets[e] + tile_rows - 1) / tile_rows;
-      thread_sum += tiles[i];
     }
-    // Inclusive Hillis-Steele scan of the per-thread sums.
-    smem.thread_sums[threadIdx.x] = thread_sum;
-    __syncthreads();
-    for (int offset = 1; offset < kThreads; offset <<= 1) {
-      const int add = threadIdx.x >= offset ? smem.thread_sums[threadIdx.x - offset] : 0;
-      __syncthreads();
-      smem.thread_sums[threadIdx.x] += add;
-      __syncthreads();
-    }
-    int running = smem.thread_sums[threadIdx.x] - thread_sum;  // exclusive
+    int32_t total;
+    int32_t running =
+        block_exclusive_scan<kThreads, kItemsPerThread>(tiles, smem.thread_sums, &total);
 #pragma unroll
     for (int i = 0; i < kItemsPerThread; ++i) {
       const int e = threadIdx.x * kItemsPerThread + i;
       if (e < num_local_experts) smem.tile_prefix[e] = running;
       running += tiles[i];
     }
-    if (threadIdx.x == kThreads - 1) smem.tile_prefix[num_local_experts] = running;  // total
+    if (threadIdx.x == 0) smem.tile_prefix[num_local_experts] = total;
     __syncthreads();
   }
 
