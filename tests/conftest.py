@@ -2,7 +2,11 @@
 multi-rank pool runs W ranks on however many GPUs there are (ranks share GPUs if needed)."""
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,23 @@ def extension_available() -> bool:
         return True
     except ImportError:
         return False
+
+
+def build_emu_library(tmp_path_factory, source: str) -> ctypes.CDLL:
+    """tests/emu/<source>.cpp (kernel sources on the CPU emulation runtime) built with g++ into
+    a shared library and loaded; skips without g++ or the CUDA headers (uint4/dim3 only)."""
+    root = Path(__file__).resolve().parent.parent
+    cuda_include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None or not (cuda_include / "cuda_runtime.h").exists():
+        pytest.skip(f"needs g++ and the CUDA headers ({cuda_include}/cuda_runtime.h)")
+    lib_path = tmp_path_factory.mktemp("emu") / f"{source}.so"
+    cmd = [compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread",
+           f"-I{root / 'csrc'}", f"-I{cuda_include}", str(root / "tests" / "emu" / f"{source}.cpp"),
+           "-o", str(lib_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return ctypes.CDLL(str(lib_path))
 
 
 requires_gpu = pytest.mark.skipif(num_gpus() == 0, reason="needs a CUDA GPU")

@@ -9,33 +9,19 @@ kernel has its own GPU test). Needs g++ and the CUDA headers (for uint4/float4/d
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import build_emu_library
 from vllm_petit_moe import reference
 
-ROOT = Path(__file__).resolve().parent.parent
-CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
 TILES = {"auto": 0, "small": 1, "large": 2, "decode": 4}
 
 
 @pytest.fixture(scope="session")
 def emu(tmp_path_factory):
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None or not (CUDA_INCLUDE / "cuda_runtime.h").exists():
-        pytest.skip(f"needs g++ and the CUDA headers ({CUDA_INCLUDE}/cuda_runtime.h)")
-    lib_path = tmp_path_factory.mktemp("emu") / "experts_emu.so"
-    cmd = [compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread",
-           f"-I{ROOT / 'csrc'}", f"-I{CUDA_INCLUDE}", str(ROOT / "tests/emu/experts_emu.cpp"),
-           "-o", str(lib_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build_emu_library(tmp_path_factory, "experts_emu")
     lib.petit_emu_experts.restype = ctypes.c_int
     return lib
 

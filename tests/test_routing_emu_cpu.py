@@ -10,33 +10,19 @@ CUDA headers (for uint4/dim3 only).
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import build_emu_library
 from vllm_petit_moe.reference import expert_row_lists_reference
 
-ROOT = Path(__file__).resolve().parent.parent
-CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
 POISON = -7
 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None or not (CUDA_INCLUDE / "cuda_runtime.h").exists():
-        pytest.skip(f"needs g++ and the CUDA headers ({CUDA_INCLUDE}/cuda_runtime.h)")
-    lib_path = tmp_path_factory.mktemp("emu") / "routing_emu.so"
-    cmd = [compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread",
-           f"-I{ROOT / 'csrc'}", f"-I{CUDA_INCLUDE}", str(ROOT / "tests/emu/routing_emu.cpp"),
-           "-o", str(lib_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build_emu_library(tmp_path_factory, "routing_emu")
     lib.petit_emu_row_list_workspace_ints.restype = ctypes.c_longlong
     return lib
 
