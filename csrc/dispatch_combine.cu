@@ -134,6 +134,27 @@ PETIT_DEVICE void warp_quant_token(uint2* __restrict__ dst, float* __restrict__ 
   }
 }
 
+// Send work of one item: its num_routed rows, each cut into `parts` spans of whole
+// granules (1 vector, or a 1x128 scale block) when the block has fewer rows than warps, so
+// that a decode step's few rows still keep every warp busy instead of one warp walking a
+// whole row in dependent load/store steps. A span keeps >= kMinPartVectors vectors (two
+// per lane) and at least one granule.
+constexpr int kMinPartVectors = 2 * PETIT_WARP_SIZE;
+PETIT_DEVICE int row_parts(int num_routed, int num_vectors, int granule) {
+  if (num_routed <= 0 || num_routed >= kWarps) return 1;
+  const int by_warps = kWarps / num_routed;
+  const int by_size = min(num_vectors / kMinPartVectors, num_vectors / granule);
+  return max(1, min(by_warps, by_size));
+}
+// [begin, end) of span `part` of `parts` within [begin, end), on granule boundaries
+// (end - begin is a multiple of `granule`).
+PETIT_DEVICE void part_range(int begin, int end, int granule, int part, int parts, int* part_begin,
+                             int* part_end) {
+  const int64_t granules = (end - begin) / granule;
+  *part_begin = begin + int(granules * part / parts) * granule;
+  *part_end = begin + int(granules * (part + 1) / parts) * granule;
+}
+
 // Index of the n-th set bit of a 32-bit mask.
 PETIT_DEVICE int nth_set_bit(uint32_t mask, int n) {
   for (int i = 0; i < n; ++i) mask &= mask - 1;
@@ -255,23 +276,29 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
       chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
     }
     const int num_routed = __popc(route_mask);
-    for (int j = warp; j < num_routed; j += kWarps) {
-      const int token = group * kTokenGroupSize + nth_set_bit(route_mask, j);
+    constexpr int kGranule = kBlockQuant ? kVecPerScaleBlock : 1;
+    const int parts = row_parts(num_routed, end - begin, kGranule);
+    for (int unit = warp; unit < num_routed * parts; unit += kWarps) {
+      const int part = unit % parts;
+      const int token = group * kTokenGroupSize + nth_set_bit(route_mask, unit / parts);
+      int part_begin, part_end;
+      part_range(begin, end, kGranule, part, parts, &part_begin, &part_end);
       const uint4* src = reinterpret_cast<const uint4*>(a.x) + int64_t(token) * num_vectors;
       const int64_t row = int64_t(c.rank) * R + token;
       if (kQuant == kQuantNone) {
         uint4* dst_row = reinterpret_cast<uint4*>(dst_heap + l.dispatch_rows) + row * num_vectors;
-        warp_copy(dst_row, src, begin, end, lane);
+        warp_copy(dst_row, src, part_begin, part_end, lane);
       } else {
         // e4m3 row = num_vectors 8-byte units (H bytes)
         uint2* dst_row = reinterpret_cast<uint2*>(dst_heap + l.dispatch_rows) + row * num_vectors;
         float* scales = reinterpret_cast<float*>(dst_heap + l.dispatch_scales);
         if (kBlockQuant)
-          warp_quant_blocks<kQuant == kQuantFp8BlockUe8m0>(dst_row, scales + row * (num_vectors / kVecPerScaleBlock), src,
-                            begin / kVecPerScaleBlock, end / kVecPerScaleBlock, lane);
-        else
-          warp_quant_token(dst_row, chunk == 0 ? scales + row : nullptr, src, begin, end,
-                           num_vectors, lane);
+          warp_quant_blocks<kQuant == kQuantFp8BlockUe8m0>(
+              dst_row, scales + row * (num_vectors / kVecPerScaleBlock), src,
+              part_begin / kVecPerScaleBlock, part_end / kVecPerScaleBlock, lane);
+        else  // the span starting at vector 0 stores the row's scale
+          warp_quant_token(dst_row, part_begin == 0 ? scales + row : nullptr, src, part_begin,
+                           part_end, num_vectors, lane);
       }
     }
     __syncthreads();  // the block's row writes, then one system fence + release by thread 0
@@ -415,13 +442,16 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     int begin, end;
     chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
     const int num_routed = __popc(route_mask);
-    for (int j = warp; j < num_routed; j += kWarps) {
-      const int token = group * kTokenGroupSize + nth_set_bit(route_mask, j);
+    const int parts = row_parts(num_routed, end - begin, 1);
+    for (int unit = warp; unit < num_routed * parts; unit += kWarps) {
+      const int token = group * kTokenGroupSize + nth_set_bit(route_mask, unit / parts);
+      int part_begin, part_end;
+      part_range(begin, end, 1, unit % parts, parts, &part_begin, &part_end);
       const uint4* row = reinterpret_cast<const uint4*>(a.expert_out) +
                          (int64_t(src) * R + token) * num_vectors;
       uint4* dst_row = reinterpret_cast<uint4*>(src_heap + l.combine_rows) +
                        (int64_t(c.rank) * R + token) * num_vectors;
-      warp_copy(dst_row, row, begin, end, lane);
+      warp_copy(dst_row, row, part_begin, part_end, lane);
     }
     __syncthreads();  // the block's row writes, then one system fence + release by thread 0
     if (threadIdx.x == 0) {

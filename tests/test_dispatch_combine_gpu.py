@@ -278,6 +278,15 @@ def test_hidden_sizes_and_identity_round_trip(rank_pools, hidden):
              None, True)
 
 
+@pytest.mark.parametrize("hidden,tokens", [(7168, [1, 2]), (2048, [5, 8]), (7168, [8, 1])])
+def test_decode_rows_split_over_warps(rank_pools, hidden, tokens):
+    # Fewer routed rows per token group than warps: each row's copy is cut into spans over
+    # the block's warps (row_parts in dispatch_combine.cu); rows must still arrive exact.
+    pool = rank_pools(2)
+    pool.run(_rank_round_trip, _cfg(hidden=hidden, max_tokens=64), 71, tokens, 8, None, 3,
+             None, True)
+
+
 def test_max_tokens_4096_and_region_stride(rank_pools):
     pool = rank_pools(2)
     pool.run(_rank_round_trip, _cfg(hidden=2048, max_tokens=4096), 11, [4096, 4096], 8, None,
