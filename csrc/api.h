@@ -67,8 +67,13 @@ enum ExpertTiles : int {
   kExpertTilesWgmmaM64 = 6,
   // CUDA sm_90a only, for very few rows per expert: 64x128x64 tiles (gate/up: 64 gate + 64 up
   // columns), two warpgroups of m64n64k16 side by side, 4-stage ring, 2 blocks per SM: twice
-  // the tiles of kExpertTilesWgmmaM64. Only when asked for explicitly (not yet measured).
+  // the tiles of kExpertTilesWgmmaM64. Only when asked for explicitly (measured no faster).
   kExpertTilesWgmmaNarrow = 7,
+  // CUDA sm_90a only, for many rows per expert: kExpertTilesWgmma's tiles on a warp-specialized
+  // main loop (gemm/sm90_mainloop_wgmma_ws.h: a producer warpgroup copies, two consumer
+  // warpgroups multiply, mbarrier-handed 4-stage ring running on across tiles). Only when
+  // asked for explicitly (not yet measured on a GPU).
+  kExpertTilesWgmmaWs = 8,
 };
 
 struct ExpertGemmArgs {

@@ -19,6 +19,7 @@
 #if PETIT_SM80_PATH
 #include "gemm/sm80_mainloop_mma.h"
 #include "gemm/sm90_mainloop_wgmma.h"
+#include "gemm/sm90_mainloop_wgmma_ws.h"
 #endif
 
 namespace petit {
@@ -176,6 +177,12 @@ using DownWgmmaM64 = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 
 using GateUpWgmmaNarrow =
     gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 64, 2, 4, 2, 2>>;
 using DownWgmmaNarrow = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 4, 2, 2>>;
+// wgmma_ws: the wgmma tiles (128 x 256 x 64, 2 consumer warpgroups of 64 x 256, 4-stage ring)
+//   on the warp-specialized main loop (gemm/sm90_mainloop_wgmma_ws.h): a third warpgroup
+//   copies, the ring is handed over through mbarriers, and the copies run on into the next
+//   tile during the epilogue.
+using GateUpWgmmaWs = gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
+using DownWgmmaWs = gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
@@ -233,6 +240,84 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
       epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                      tile.num_rows, n_begin);
     });
+  }
+}
+
+// Warp-specialized kernels (Mainloop = Sm90WgmmaWsMainloop): the same tiles, loaders and
+// epilogues as the two kernels above. The scheduler and the ring are set up by the whole
+// block; then the producer warpgroup walks the block's tiles issuing copies and the consumer
+// warpgroups walk the same tiles multiplying and storing.
+// b_init(b_loader, tile, n_begin): the tile's weight rows (CpAsyncWeightLoader::init).
+template <class Mainloop, class Epilogue, class ARow, class BInit>
+PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const Epilogue& epilogue,
+                                 const petit_bf16_bits* a_fallback, int k_dim, int out_cols,
+                                 ARow a_row, BInit b_init) {
+  using Cfg = typename Mainloop::Cfg;
+  using Scheduler = gemm::ExpertTileScheduler<Mainloop::kThreads>;
+  __shared__ typename Scheduler::SharedStorage scheduler_smem;
+  extern __shared__ __align__(128) unsigned char tc_dynamic_smem[];  // Mainloop::kSmemBytes
+  Scheduler scheduler;
+  scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
+                 (out_cols + Cfg::kBlockN - 1) / Cfg::kBlockN, scheduler_smem);
+  Mainloop mainloop;
+  mainloop.init(tc_dynamic_smem);
+  const int num_tiles = scheduler.num_tiles();
+  if (Mainloop::is_producer()) {
+    gemm::sm90_setmaxnreg_dec<Mainloop::kProducerRegs>();
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const gemm::TileCoord tile = scheduler.tile(t);
+      const int n_begin = tile.n_tile * Cfg::kBlockN;
+      typename Mainloop::LoaderA a_loader;
+      a_loader.init([&](int r) { return a_row(tile, r); }, a_fallback);
+      typename Mainloop::LoaderB b_loader;
+      b_init(b_loader, tile, n_begin);
+      mainloop.produce(a_loader, b_loader, k_dim);
+    }
+    gemm::cp_async_wait_all();  // no copy outlives its thread
+  } else {
+    gemm::sm90_setmaxnreg_inc<Mainloop::kConsumerRegs>();
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const gemm::TileCoord tile = scheduler.tile(t);
+      mainloop.consume(k_dim);
+      epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
+                     tile.num_rows, tile.n_tile * Cfg::kBlockN);
+    }
+  }
+}
+
+template <class Mainloop>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
+    expert_gate_up_ws_kernel(ExpertGemmArgs a) {
+  if constexpr (Mainloop::kCompiled) {
+    using Cfg = typename Mainloop::Cfg;
+    expert_ws_gemm<Mainloop>(
+        a, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.x, a.hidden, a.intermediate,
+        [&](const gemm::TileCoord& tile, int r) { return gate_up_a_row(a, tile, r); },
+        [&](typename Mainloop::LoaderB& b, const gemm::TileCoord& tile, int n_begin) {
+          // gate rows n_begin.. of w13[e], then the same up rows (+ I): w13_row's rows
+          const petit_bf16_bits* w13_e = w13_of(a, tile);
+          b.init(w13_e + int64_t(n_begin) * a.hidden,
+                 w13_e + int64_t(a.intermediate + n_begin) * a.hidden, a.hidden,
+                 a.intermediate - n_begin);
+        });
+  }
+}
+
+template <class Mainloop>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
+    expert_down_ws_kernel(ExpertGemmArgs a) {
+  if constexpr (Mainloop::kCompiled) {
+    using Cfg = typename Mainloop::Cfg;
+    expert_ws_gemm<Mainloop>(
+        a,
+        gemm::WeightedEntryEpilogue<Cfg>{a.partial, a.sorted_entries, a.topk_weights, a.hidden},
+        a.act, a.intermediate, a.hidden,
+        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); },
+        [&](typename Mainloop::LoaderB& b, const gemm::TileCoord& tile, int n_begin) {
+          // w2 rows n_begin.. of the tile's expert: w2_row's rows
+          b.init(w2_of(a, tile) + int64_t(n_begin) * a.intermediate, nullptr, a.intermediate,
+                 a.hidden - n_begin);
+        });
   }
 }
 
@@ -416,7 +501,7 @@ petitError_t check_args(const ExpertGemmArgs& a) {
   if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
       a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
       a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
-      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaNarrow || a.num_sms < 0 ||
+      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaWs || a.num_sms < 0 ||
       (a.expert_map != nullptr && a.num_global_experts < 1))
     return petitErrorInvalidValue;
   if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
@@ -538,7 +623,7 @@ petitError_t launch_tc_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_co
                                    100)) != petitSuccess)
     return err;
   return launch_persistent(kernel, a, out_cols, Cfg::kBlockM, Cfg::kBlockN, Cfg::kMinBlocksPerSm,
-                           Cfg::kThreads, kSmemBytes, num_sms, stream);
+                           Mainloop::kThreads, kSmemBytes, num_sms, stream);
 }
 
 template <class GateUp, class Down>
@@ -570,6 +655,14 @@ petitError_t launch_wgmma_narrow_gemm(bool gate_up, const ExpertGemmArgs& a, int
   return launch_tc_gemm<GateUpWgmmaNarrow, DownWgmmaNarrow>(gate_up, a, num_sms, stream);
 }
 
+petitError_t launch_wgmma_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
+                                  petitStream_t stream) {
+  return gate_up ? launch_tc_kernel<GateUpWgmmaWs>(expert_gate_up_ws_kernel<GateUpWgmmaWs>, a,
+                                                   a.intermediate, num_sms, stream)
+                 : launch_tc_kernel<DownWgmmaWs>(expert_down_ws_kernel<DownWgmmaWs>, a, a.hidden,
+                                                 num_sms, stream);
+}
+
 #else  // no tensor-core path in this build (HIP, host-compiler emulation)
 
 petitError_t mma_path_supported() { return petitErrorNotSupported; }
@@ -584,6 +677,9 @@ petitError_t launch_wgmma_m64_gemm(bool, const ExpertGemmArgs&, int, petitStream
   return petitErrorNotSupported;
 }
 petitError_t launch_wgmma_narrow_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
+  return petitErrorNotSupported;
+}
+petitError_t launch_wgmma_ws_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
   return petitErrorNotSupported;
 }
 
@@ -618,7 +714,7 @@ petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStre
   const int tiles = resolve_expert_tiles(a);
   if (tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
   if ((tiles == kExpertTilesWgmma || tiles == kExpertTilesWgmmaM64 ||
-       tiles == kExpertTilesWgmmaNarrow) &&
+       tiles == kExpertTilesWgmmaNarrow || tiles == kExpertTilesWgmmaWs) &&
       (err = wgmma_path_supported()) != petitSuccess)
     return err;
   if (a.num_rows == 0) return petitSuccess;
@@ -628,6 +724,7 @@ petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStre
     case kExpertTilesWgmma: return launch_wgmma_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaM64: return launch_wgmma_m64_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaNarrow: return launch_wgmma_narrow_gemm(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmmaWs: return launch_wgmma_ws_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesMma: return launch_mma_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesDecode: return launch_decode_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesLarge:

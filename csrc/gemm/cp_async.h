@@ -45,6 +45,13 @@ PETIT_DEVICE void cp_async_wait() {
 #endif
 }
 
+// Wait until every cp.async this thread issued has completed (committed to a group or not).
+PETIT_DEVICE void cp_async_wait_all() {
+#if PETIT_SM80_DEVICE
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // ------------------------------------------------------------------ smem layouts of a stage
 
 // mma.sync path: rows of 32 bf16 (64 bytes = 4 chunks), chunk c of row r at chunk position
@@ -71,8 +78,9 @@ struct Sw128Swizzle {
 // ------------------------------------------------------------------ row-gathering loader
 
 // kRows rows x Swizzle::kChunksPerRow 16-byte chunks per stage; thread t copies chunks
-// t, t + kThreads, ... of the stage.
-template <int kRows_, int kThreads_, class Swizzle>
+// t, t + kThreads, ... of the stage, t = threadIdx.x - kThreadOffset (a warp-specialized main
+// loop's producer threads follow its consumers').
+template <int kRows_, int kThreads_, class Swizzle, int kThreadOffset = 0>
 struct CpAsyncLoader {
   static constexpr int kRows = kRows_;
   static constexpr int kThreads = kThreads_;
@@ -94,7 +102,7 @@ struct CpAsyncLoader {
     valid_mask = 0;
 #pragma unroll
     for (int i = 0; i < kChunksPerThread; ++i) {
-      const int chunk = threadIdx.x + i * kThreads;
+      const int chunk = int(threadIdx.x) - kThreadOffset + i * kThreads;
       const petit_bf16_bits* row = row_fn(chunk / kChunksPerRow);
       chunk_ptr[i] = fallback;
       if (row != nullptr) {
@@ -108,11 +116,70 @@ struct CpAsyncLoader {
   PETIT_DEVICE void issue(uint32_t dst, int k0, int k_dim) const {
 #pragma unroll
     for (int i = 0; i < kChunksPerThread; ++i) {
-      const int chunk = threadIdx.x + i * kThreads;
+      const int chunk = int(threadIdx.x) - kThreadOffset + i * kThreads;
       const int row = chunk / kChunksPerRow, c = chunk % kChunksPerRow;
       const bool in = ((valid_mask >> i) & 1u) && k0 + c * 8 < k_dim;
       sm80_cp_async_16(dst + Swizzle::offset(row, c), in ? chunk_ptr[i] + k0 : chunk_ptr[i],
                        in ? 16 : 0);
+    }
+  }
+};
+
+// Weight-row loader for a warp-specialized producer: stage row r holds row n = r % kGroupRows
+// of group g = r / kGroupRows (gate and up halves of w13, or one group of w2 rows), i.e. the
+// global row base[g] + n * ld, present while n < valid_rows. Same chunk assignment as
+// CpAsyncLoader, but the row addresses are computed per copy from kGroups bases instead of
+// being held (CpAsyncLoader would keep kChunksPerThread pointers, too many registers for a
+// producer). Stage row of chunk t + i * kThreads: t / kChunksPerRow + i * kRowsPerStep, so its
+// group and row offset are known at compile time per i.
+template <int kRows_, int kThreads_, class Swizzle, int kThreadOffset, int kGroupRows>
+struct CpAsyncWeightLoader {
+  static constexpr int kRows = kRows_;
+  static constexpr int kThreads = kThreads_;
+  static constexpr int kChunksPerRow = Swizzle::kChunksPerRow;
+  static constexpr int kChunksPerThread = kRows * kChunksPerRow / kThreads;
+  static constexpr int kStageBytes = kRows * kChunksPerRow * 16;
+  static constexpr int kGroups = kRows / kGroupRows;
+  static constexpr int kRowsPerStep = kThreads / kChunksPerRow;
+  static_assert(kRows % kGroupRows == 0 && kGroups >= 1 && kGroups <= 2, "one or two groups");
+  static_assert((kRows * kChunksPerRow) % kThreads == 0 && kThreads % kChunksPerRow == 0 &&
+                    kGroupRows % kRowsPerStep == 0,
+                "a thread's rows step by kRowsPerStep and never straddle a group");
+
+  const petit_bf16_bits* base[kGroups];  // row 0 of each group
+  int64_t ld;                            // elements between consecutive rows
+  int valid_rows;                        // rows n < valid_rows exist (per group)
+
+  PETIT_DEVICE void init(const petit_bf16_bits* base0, const petit_bf16_bits* base1,
+                         int64_t row_stride, int rows) {
+    base[0] = base0;
+    if constexpr (kGroups == 2) base[1] = base1;
+    ld = row_stride;
+    valid_rows = rows;
+  }
+
+  // Copy i of loader thread t: its stage row and chunk, and the group and group row it reads
+  // (host-checked against the tile configs' B row order by tests/emu/gemm_layout_check.cu).
+  struct Copy {
+    int stage_row, chunk, group, n;
+  };
+  PETIT_HOST_DEVICE static Copy copy_of(int t, int i) {
+    const int row = t / kChunksPerRow + i * kRowsPerStep;
+    return Copy{row, t % kChunksPerRow, (i * kRowsPerStep) / kGroupRows,  // group: per i
+                t / kChunksPerRow + (i * kRowsPerStep) % kGroupRows};
+  }
+
+  PETIT_DEVICE void issue(uint32_t dst, int k0, int k_dim) const {
+    const int t = int(threadIdx.x) - kThreadOffset;
+    const bool k_in = k0 + (t % kChunksPerRow) * 8 < k_dim;
+    const int64_t col = k0 + (t % kChunksPerRow) * 8;
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const Copy copy = copy_of(t, i);
+      const bool in = k_in && copy.n < valid_rows;
+      const petit_bf16_bits* group_base = copy.group == 0 ? base[0] : base[kGroups - 1];
+      const petit_bf16_bits* src = in ? group_base + int64_t(copy.n) * ld + col : base[0];
+      sm80_cp_async_16(dst + Swizzle::offset(copy.stage_row, copy.chunk), src, in ? 16 : 0);
     }
   }
 };

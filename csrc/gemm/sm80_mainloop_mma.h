@@ -109,6 +109,7 @@ struct Sm80MmaTileConfig {
 template <class Cfg_>
 struct Sm80MmaMainloop {
   using Cfg = Cfg_;
+  static constexpr int kThreads = Cfg::kThreads;  // block size
   // The kernels have a body only in the device passes that can run this main loop.
   static constexpr bool kCompiled = PETIT_SM80_DEVICE;
   using LoaderA = CpAsyncLoader<Cfg::kBlockM, Cfg::kThreads, Sm80Swizzle>;

@@ -242,6 +242,7 @@ struct Sm90WgmmaTileConfig {
 template <class Cfg_>
 struct Sm90WgmmaMainloop {
   using Cfg = Cfg_;
+  static constexpr int kThreads = Cfg::kThreads;  // block size
   // The kernels have a body only in the device passes that can run this main loop.
   static constexpr bool kCompiled = PETIT_SM90A_DEVICE;
   using LoaderA = CpAsyncLoader<Cfg::kBlockM, Cfg::kThreads, Sw128Swizzle>;

@@ -9,6 +9,7 @@
 
 #include "gemm/sm80_mainloop_mma.h"
 #include "gemm/sm90_mainloop_wgmma.h"
+#include "gemm/sm90_mainloop_wgmma_ws.h"
 
 namespace {
 
@@ -64,6 +65,40 @@ void check_wgmma(const char* name) {
               Cfg::kBlockM, Cfg::kBlockN, Cfg::kNumBGroups, Cfg::kWgmmaN);
 }
 
+// Warp-specialized main loop (sm90_mainloop_wgmma_ws.h): its producer's weight loader computes
+// each copy's stage row and source row itself instead of holding row pointers; the copies of
+// all producer threads must fill every (stage row, chunk) of a stage exactly once, the same
+// chunk assignment as CpAsyncLoader, with the weight row b_group_of / b_col_of name.
+template <class Mainloop>
+void check_wgmma_ws(const char* name) {
+  using Cfg = typename Mainloop::Cfg;
+  using Loader = typename Mainloop::LoaderB;
+  check_wgmma<Cfg>(name);
+  std::vector<int> seen(Cfg::kBRows * Loader::kChunksPerRow, 0);
+  for (int t = 0; t < Loader::kThreads; ++t)
+    for (int i = 0; i < Loader::kChunksPerThread; ++i) {
+      const auto copy = Loader::copy_of(t, i);
+      const int chunk = t + i * Loader::kThreads;  // CpAsyncLoader's assignment
+      expect(copy.stage_row == chunk / Loader::kChunksPerRow &&
+                 copy.chunk == chunk % Loader::kChunksPerRow,
+             name, "weight copy in another smem slot than CpAsyncLoader's", t, i, copy.stage_row);
+      const bool in = copy.stage_row >= 0 && copy.stage_row < Cfg::kBRows;
+      expect(in, name, "weight copy outside the stage", t, i, copy.stage_row);
+      if (!in) continue;
+      ++seen[copy.stage_row * Loader::kChunksPerRow + copy.chunk];
+      expect(copy.group == Cfg::b_group_of(copy.stage_row) &&
+                 copy.n == Cfg::b_col_of(copy.stage_row),
+             name, "weight copy reads another B row than the tile config names", t, i,
+             copy.stage_row);
+    }
+  for (size_t k = 0; k < seen.size(); ++k)
+    expect(seen[k] == 1, name, "stage chunk not copied exactly once", -1, int(k), seen[k]);
+  std::printf("%s: %d producer + %d consumer threads, consumers at %d registers (setmaxnreg), "
+              "%d-stage ring %d bytes\n",
+              name, Mainloop::kProducerThreads, Mainloop::kConsumerThreads,
+              Mainloop::kConsumerRegs, Cfg::kStages, Mainloop::kSmemBytes);
+}
+
 template <class Cfg>
 void check_mma(const char* name) {
   check_coverage<Cfg>(name);
@@ -88,6 +123,9 @@ int main() {
   check_wgmma<Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>("wgmma_m64 down");
   check_wgmma<Sm90WgmmaTileConfig<64, 64, 2, 4, 2, 2>>("wgmma_narrow gate/up");
   check_wgmma<Sm90WgmmaTileConfig<64, 128, 1, 4, 2, 2>>("wgmma_narrow down");
+  using petit::gemm::Sm90WgmmaWsMainloop;
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>>("wgmma_ws gate/up");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>>("wgmma_ws down");
   check_wgmma<Sm90WgmmaTileConfig<128, 128, 2, 4, 2>>("wgmma 128 rows, 2x2 warpgroups, gated");
   check_wgmma<Sm90WgmmaTileConfig<192, 128, 1, 3, 1>>("wgmma 192 rows, n128");
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "OK", failures);

@@ -28,7 +28,8 @@ on H200 from ~512 tokens/rank but not below."""
 
 VLLM_PETIT_MOE_EXPERTS_TILES = "VLLM_PETIT_MOE_EXPERTS_TILES"
 """Tile family of ``PetitExperts``' GEMMs: ``auto`` (default), ``small``, ``large``, ``mma``,
-``decode``, ``wgmma``, ``wgmma_m64`` or ``wgmma_narrow`` (``vllm_petit_moe.ops.TILES``)."""
+``decode``, ``wgmma``, ``wgmma_m64``, ``wgmma_narrow`` or ``wgmma_ws``
+(``vllm_petit_moe.ops.TILES``)."""
 
 VLLM_PETIT_MOE_TIMEOUT_S = "VLLM_PETIT_MOE_TIMEOUT_S"
 """Bound, in seconds, of every spin-wait of the dispatch/combine kernels before they report

@@ -1,0 +1,247 @@
+// Warp-specialized variant of the Hopper wgmma main loop (sm90_mainloop_wgmma.h), for large M:
+// one producer warpgroup only copies, the consumer warpgroups of the tile config only multiply,
+// and a ring of kStages stages is handed between them through shared-memory mbarriers instead
+// of one block barrier per k-tile:
+//   - full[s]: the producer's 128 threads each arrive once per fill of stage s, when their
+//     cp.async copies into it have landed (cp.async.mbarrier.arrive.noinc);
+//   - empty[s]: each consumer warp arrives once per use of stage s, after the wgmma group
+//     that read it has retired (wgmma.wait_group).
+// Stage s of the block's i-th k-tile (counted over all its tiles, so the ring runs on across
+// tile boundaries) is i % kStages, in phase (i / kStages) & 1. The producer therefore copies
+// up to kStages k-tiles ahead and runs on into the block's next tile while the consumers are
+// still in the epilogue of the current one. Registers move from the producer (kProducerRegs)
+// to the consumers (kConsumerRegs) with setmaxnreg, since the consumers hold the
+// accumulators of 64 x kWgmmaN tiles.
+//
+// Same tile configs (Sm90WgmmaTileConfig: the consumers keep threadIdx.x < Cfg::kThreads and
+// its row_of / col_of maps, so epilogues.h applies unchanged), same operand contract and
+// loaders (cp_async.h, rows gathered through the row list) and the same smem layout
+// (128-byte swizzled K-major stages) as the non-specialized main loop. Every mbarrier wait is
+// bounded (kMbarrierTimeoutNs): on expiry the thread traps, so a broken pipeline fails the
+// launch (and the CUDA context) with an error instead of hanging.
+//
+// CUDA only; the asm is emitted only in sm_90a device passes (PETIT_SM90A_DEVICE).
+#pragma once
+
+#include "sm90_mainloop_wgmma.h"
+
+namespace petit {
+namespace gemm {
+
+// ------------------------------------------------------------------ mbarrier wrappers
+
+PETIT_DEVICE void sm90_mbarrier_init(uint32_t bar, int count) {
+#if PETIT_SM90A_DEVICE
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+
+// Makes the initialized barriers visible to the whole block (with a barrier after it).
+PETIT_DEVICE void sm90_fence_mbarrier_init() {
+#if PETIT_SM90A_DEVICE
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+PETIT_DEVICE void sm90_mbarrier_arrive(uint32_t bar) {
+#if PETIT_SM90A_DEVICE
+  asm volatile(
+      "{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar)
+      : "memory");
+#endif
+}
+
+// Arrives on `bar` once every cp.async this thread issued before has completed; the arrival
+// counts against the barrier's expected count (noinc).
+PETIT_DEVICE void sm90_cp_async_mbarrier_arrive_noinc(uint32_t bar) {
+#if PETIT_SM90A_DEVICE
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+
+PETIT_DEVICE bool sm90_mbarrier_try_wait_parity(uint32_t bar, uint32_t parity) {
+#if PETIT_SM90A_DEVICE
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+#else
+  return true;
+#endif
+}
+
+PETIT_DEVICE uint64_t sm90_globaltimer_ns() {
+  uint64_t t = 0;
+#if PETIT_SM90A_DEVICE
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+#endif
+  return t;
+}
+
+// No pipeline wait of a healthy kernel comes near this; a stuck one traps after it.
+constexpr uint64_t kMbarrierTimeoutNs = 10ull * 1000 * 1000 * 1000;
+
+// Until the phase of `bar` with parity `parity` has completed (bounded, see above). No printf
+// on expiry: any call inside the consumers' loop would make ptxas serialize their wgmma.
+PETIT_DEVICE void sm90_mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
+  if (sm90_mbarrier_try_wait_parity(bar, parity)) return;
+  const uint64_t start = sm90_globaltimer_ns();
+  while (!sm90_mbarrier_try_wait_parity(bar, parity))
+    if (sm90_globaltimer_ns() - start > kMbarrierTimeoutNs) __trap();
+}
+
+// Register budget of a warpgroup from here on (all its warps execute it).
+template <int kRegs>
+PETIT_DEVICE void sm90_setmaxnreg_dec() {
+#if PETIT_SM90A_DEVICE
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
+template <int kRegs>
+PETIT_DEVICE void sm90_setmaxnreg_inc() {
+#if PETIT_SM90A_DEVICE
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
+// ------------------------------------------------------------------ main loop
+
+template <class Cfg_>
+struct Sm90WgmmaWsMainloop {
+  using Cfg = Cfg_;
+  static constexpr bool kCompiled = PETIT_SM90A_DEVICE;
+  static constexpr int kConsumerThreads = Cfg::kThreads;
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kThreads = kConsumerThreads + kProducerThreads;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  // The block is launched with kThreads threads of at most 65536 / kThreads registers each;
+  // setmaxnreg moves the producer's share to the consumers (multiples of 8, within the pool).
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs =
+      (kLaunchRegs * kThreads - kProducerRegs * kProducerThreads) / kConsumerThreads / 8 * 8 > 240
+          ? 240
+          : (kLaunchRegs * kThreads - kProducerRegs * kProducerThreads) / kConsumerThreads / 8 *
+                8;
+  static_assert(Cfg::kMinBlocksPerSm == 1, "one warp-specialized block per SM");
+  static_assert(Cfg::kNumBGroups * Cfg::kBlockN / Cfg::kWgN / 2 + 32 <= kConsumerRegs,
+                "the consumers' accumulators do not fit their registers");
+
+  using LoaderA = CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle, kConsumerThreads>;
+  // B rows in the order of a kWgN = 1 config: the kBlockN rows of each B group in turn.
+  static_assert(Cfg::kWgN == 1, "B groups one after the other in the stage");
+  using LoaderB = CpAsyncWeightLoader<Cfg::kBRows, kProducerThreads, Sw128Swizzle,
+                                      kConsumerThreads, Cfg::kBlockN>;
+  static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
+  static constexpr int kStageBytes = LoaderA::kStageBytes + LoaderB::kStageBytes;
+  static_assert(LoaderA::kStageBytes % 1024 == 0 && kStageBytes % 1024 == 0,
+                "every operand tile starts on a 1024-byte swizzle atom");
+  // Dynamic shared memory: the ring (1024-byte aligned by the slack), then full[kStages] and
+  // empty[kStages] (8 bytes each).
+  static constexpr int kBarrierBytes = 2 * Cfg::kStages * 8;
+  static constexpr int kSmemBytes = Cfg::kStages * kStageBytes + 1024 + kBarrierBytes;
+  static_assert(kSmemBytes + 4096 <= 228 * 1024, "the ring does not fit one block per SM");
+
+  uint32_t ring;   // smem address of stage 0
+  uint32_t full;   // smem address of full[0]
+  uint32_t empty;  // smem address of empty[0]
+  uint32_t it;     // this thread's k-tiles so far (the ring position)
+
+  // acc[i][g * kThreadN + j] (consumers): row Cfg::row_of(threadIdx.x, i), column
+  // Cfg::col_of(threadIdx.x, j) of group g.
+  float acc[Cfg::kThreadM][kAccCols];
+
+  PETIT_DEVICE static bool is_producer() { return threadIdx.x >= kConsumerThreads; }
+
+  // Block-wide (contains a barrier): carve the ring and the barriers out of `smem` and
+  // initialize the barriers.
+  PETIT_DEVICE void init(unsigned char* smem) {
+    ring = (smem_addr_u32(smem) + 1023u) & ~1023u;
+    full = ring + Cfg::kStages * kStageBytes;
+    empty = full + Cfg::kStages * 8;
+    it = 0;
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < Cfg::kStages; ++s) {
+        sm90_mbarrier_init(full + 8 * s, kProducerThreads);
+        sm90_mbarrier_init(empty + 8 * s, kConsumerWarps);
+      }
+      sm90_fence_mbarrier_init();
+    }
+    __syncthreads();
+  }
+
+  // Producer threads: the k-tiles of one output tile into the ring.
+  PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim) {
+    const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
+    for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
+      const uint32_t s = it % Cfg::kStages;
+      // A fresh barrier counts as having completed the phase before its first (parity 1), so
+      // the first kStages fills do not wait.
+      sm90_mbarrier_wait_parity(empty + 8 * s, ((it / Cfg::kStages) & 1u) ^ 1u);
+      const uint32_t stage = ring + s * kStageBytes;
+      a_loader.issue(stage, kt * Cfg::kBlockK, k_dim);
+      b_loader.issue(stage + LoaderA::kStageBytes, kt * Cfg::kBlockK, k_dim);
+      sm90_cp_async_mbarrier_arrive_noinc(full + 8 * s);
+    }
+  }
+
+  // Consumer threads: the whole reduction over k_dim (> 0, a multiple of 8) of one output
+  // tile, into acc; every stage it read is released again when it returns.
+  PETIT_DEVICE void consume(int k_dim) {
+    float d[Cfg::kWgmmaN / 2];
+#pragma unroll
+    for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) d[i] = 0.0f;
+    const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
+    const int warpgroup = threadIdx.x / 128;
+    const uint32_t a_wg_offset = uint32_t((warpgroup / Cfg::kWgN) * 64 * 128);
+    const uint32_t b_wg_offset = uint32_t((warpgroup % Cfg::kWgN) * Cfg::kWgmmaN * 128);
+    const bool warp_leader = threadIdx.x % 32 == 0;
+    for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
+      const uint32_t s = it % Cfg::kStages;
+      sm90_mbarrier_wait_parity(full + 8 * s, (it / Cfg::kStages) & 1u);
+      // The producers' cp.async writes (generic proxy) before this warpgroup's wgmma reads
+      // (async proxy) of the stage.
+      sm90_fence_proxy_async_smem();
+      const uint32_t a_stage = ring + s * kStageBytes + a_wg_offset;
+      const uint32_t b_stage = ring + s * kStageBytes + LoaderA::kStageBytes + b_wg_offset;
+#pragma unroll
+      for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
+      sm90_wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kBlockK / 16; ++ks)
+        sm90_wgmma_bf16<Cfg::kWgmmaN>(d, sm90_desc_sw128(a_stage + ks * 32),
+                                      sm90_desc_sw128(b_stage + ks * 32), kt > 0 || ks > 0);
+      sm90_wgmma_commit();
+      // The group of k-tile kt - 1 has retired: its stage goes back to the producer.
+      sm90_wgmma_wait<1>();
+#pragma unroll
+      for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
+      if (kt > 0 && warp_leader) sm90_mbarrier_arrive(empty + 8 * ((it - 1) % Cfg::kStages));
+    }
+    sm90_wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
+    if (num_k_tiles > 0 && warp_leader)
+      sm90_mbarrier_arrive(empty + 8 * ((it - 1) % Cfg::kStages));
+
+    // Epilogue view, as in Sm90WgmmaMainloop::run.
+    constexpr int kChunksPerGroup = Cfg::kGroupCols / 8;
+#pragma unroll
+    for (int g = 0; g < Cfg::kNumBGroups; ++g)
+#pragma unroll
+      for (int c = 0; c < kChunksPerGroup; ++c)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            acc[h][g * Cfg::kThreadN + 2 * c + e] = d[(g * kChunksPerGroup + c) * 4 + 2 * h + e];
+  }
+};
+
+}  // namespace gemm
+}  // namespace petit
