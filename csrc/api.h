@@ -74,6 +74,10 @@ enum ExpertTiles : int {
   // warpgroups multiply, mbarrier-handed 4-stage ring running on across tiles). Only when
   // asked for explicitly (not yet measured on a GPU).
   kExpertTilesWgmmaWs = 8,
+  // CUDA sm_90a only, for few rows per expert: kExpertTilesWgmmaM64's tiles on the same
+  // warp-specialized main loop (5-stage ring). Only when asked for explicitly (not yet
+  // measured on a GPU).
+  kExpertTilesWgmmaM64Ws = 9,
 };
 
 struct ExpertGemmArgs {

@@ -183,6 +183,12 @@ using DownWgmmaNarrow = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 12
 //   tile during the epilogue.
 using GateUpWgmmaWs = gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
 using DownWgmmaWs = gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
+// wgmma_m64_ws: the wgmma_m64 tiles (64 x 256 x 64, 5-stage ring) on the same main loop: for
+//   few rows per expert, where the producer's copies running on into the next tile replace
+//   the per-tile ring restart of wgmma_m64.
+using GateUpWgmmaM64Ws =
+    gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>;
+using DownWgmmaM64Ws = gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
@@ -501,7 +507,7 @@ petitError_t check_args(const ExpertGemmArgs& a) {
   if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
       a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
       a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
-      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaWs || a.num_sms < 0 ||
+      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaM64Ws || a.num_sms < 0 ||
       (a.expert_map != nullptr && a.num_global_experts < 1))
     return petitErrorInvalidValue;
   if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
@@ -655,12 +661,23 @@ petitError_t launch_wgmma_narrow_gemm(bool gate_up, const ExpertGemmArgs& a, int
   return launch_tc_gemm<GateUpWgmmaNarrow, DownWgmmaNarrow>(gate_up, a, num_sms, stream);
 }
 
+template <class GateUp, class Down>
+petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
+                            petitStream_t stream) {
+  return gate_up ? launch_tc_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate,
+                                            num_sms, stream)
+                 : launch_tc_kernel<Down>(expert_down_ws_kernel<Down>, a, a.hidden, num_sms,
+                                          stream);
+}
+
 petitError_t launch_wgmma_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                   petitStream_t stream) {
-  return gate_up ? launch_tc_kernel<GateUpWgmmaWs>(expert_gate_up_ws_kernel<GateUpWgmmaWs>, a,
-                                                   a.intermediate, num_sms, stream)
-                 : launch_tc_kernel<DownWgmmaWs>(expert_down_ws_kernel<DownWgmmaWs>, a, a.hidden,
-                                                 num_sms, stream);
+  return launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWs>(gate_up, a, num_sms, stream);
+}
+
+petitError_t launch_wgmma_m64_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
+                                      petitStream_t stream) {
+  return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
 }
 
 #else  // no tensor-core path in this build (HIP, host-compiler emulation)
@@ -680,6 +697,9 @@ petitError_t launch_wgmma_narrow_gemm(bool, const ExpertGemmArgs&, int, petitStr
   return petitErrorNotSupported;
 }
 petitError_t launch_wgmma_ws_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
+  return petitErrorNotSupported;
+}
+petitError_t launch_wgmma_m64_ws_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
   return petitErrorNotSupported;
 }
 
@@ -714,7 +734,8 @@ petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStre
   const int tiles = resolve_expert_tiles(a);
   if (tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
   if ((tiles == kExpertTilesWgmma || tiles == kExpertTilesWgmmaM64 ||
-       tiles == kExpertTilesWgmmaNarrow || tiles == kExpertTilesWgmmaWs) &&
+       tiles == kExpertTilesWgmmaNarrow || tiles == kExpertTilesWgmmaWs ||
+       tiles == kExpertTilesWgmmaM64Ws) &&
       (err = wgmma_path_supported()) != petitSuccess)
     return err;
   if (a.num_rows == 0) return petitSuccess;
@@ -725,6 +746,7 @@ petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStre
     case kExpertTilesWgmmaM64: return launch_wgmma_m64_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaNarrow: return launch_wgmma_narrow_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWs: return launch_wgmma_ws_gemm(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmmaM64Ws: return launch_wgmma_m64_ws_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesMma: return launch_mma_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesDecode: return launch_decode_gemm(gate_up, a, num_sms, stream);
     case kExpertTilesLarge:

@@ -125,26 +125,28 @@ struct CpAsyncLoader {
   }
 };
 
-// Weight-row loader for a warp-specialized producer: stage row r holds row n = r % kGroupRows
-// of group g = r / kGroupRows (gate and up halves of w13, or one group of w2 rows), i.e. the
-// global row base[g] + n * ld, present while n < valid_rows. Same chunk assignment as
-// CpAsyncLoader, but the row addresses are computed per copy from kGroups bases instead of
-// being held (CpAsyncLoader would keep kChunksPerThread pointers, too many registers for a
-// producer). Stage row of chunk t + i * kThreads: t / kChunksPerRow + i * kRowsPerStep, so its
-// group and row offset are known at compile time per i.
-template <int kRows_, int kThreads_, class Swizzle, int kThreadOffset, int kGroupRows>
+// Weight-row loader for a warp-specialized producer. Stage row r holds row n of B group g
+// (gate and up halves of w13, or the one group of w2 rows) as RowMap (a tile config) orders
+// them: g = RowMap::b_group_of(r), n = RowMap::b_col_of(r), i.e. the global row
+// base[g] + n * ld, present while n < valid_rows. Same chunk assignment as CpAsyncLoader,
+// but the row addresses are computed per copy from the group bases instead of being held
+// (CpAsyncLoader keeps kChunksPerThread pointers, too many registers for a producer). The
+// stage row of chunk t + i * kThreads is t / kChunksPerRow + i * kRowsPerStep; the row maps
+// keep runs of kRowsPerStep rows in one group with consecutive columns, so group and column
+// offset are compile-time constants per i.
+template <class RowMap, int kRows_, int kThreads_, class Swizzle, int kThreadOffset>
 struct CpAsyncWeightLoader {
   static constexpr int kRows = kRows_;
   static constexpr int kThreads = kThreads_;
   static constexpr int kChunksPerRow = Swizzle::kChunksPerRow;
   static constexpr int kChunksPerThread = kRows * kChunksPerRow / kThreads;
   static constexpr int kStageBytes = kRows * kChunksPerRow * 16;
-  static constexpr int kGroups = kRows / kGroupRows;
+  static constexpr int kGroups = RowMap::kNumBGroups;
   static constexpr int kRowsPerStep = kThreads / kChunksPerRow;
-  static_assert(kRows % kGroupRows == 0 && kGroups >= 1 && kGroups <= 2, "one or two groups");
+  static_assert(kGroups >= 1 && kGroups <= 2, "one or two groups");
   static_assert((kRows * kChunksPerRow) % kThreads == 0 && kThreads % kChunksPerRow == 0 &&
-                    kGroupRows % kRowsPerStep == 0,
-                "a thread's rows step by kRowsPerStep and never straddle a group");
+                    RowMap::kGroupCols % kRowsPerStep == 0,
+                "a thread's rows step by kRowsPerStep inside runs of one group's columns");
 
   const petit_bf16_bits* base[kGroups];  // row 0 of each group
   int64_t ld;                            // elements between consecutive rows
@@ -159,14 +161,14 @@ struct CpAsyncWeightLoader {
   }
 
   // Copy i of loader thread t: its stage row and chunk, and the group and group row it reads
-  // (host-checked against the tile configs' B row order by tests/emu/gemm_layout_check.cu).
+  // (host-checked against the tile configs by tests/emu/gemm_layout_check.cu).
   struct Copy {
     int stage_row, chunk, group, n;
   };
   PETIT_HOST_DEVICE static Copy copy_of(int t, int i) {
-    const int row = t / kChunksPerRow + i * kRowsPerStep;
-    return Copy{row, t % kChunksPerRow, (i * kRowsPerStep) / kGroupRows,  // group: per i
-                t / kChunksPerRow + (i * kRowsPerStep) % kGroupRows};
+    const int step_row = i * kRowsPerStep, row0 = t / kChunksPerRow;
+    return Copy{step_row + row0, t % kChunksPerRow, RowMap::b_group_of(step_row),
+                RowMap::b_col_of(step_row) + row0};
   }
 
   PETIT_DEVICE void issue(uint32_t dst, int k0, int k_dim) const {

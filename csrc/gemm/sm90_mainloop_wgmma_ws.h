@@ -133,10 +133,8 @@ struct Sm90WgmmaWsMainloop {
                 "the consumers' accumulators do not fit their registers");
 
   using LoaderA = CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle, kConsumerThreads>;
-  // B rows in the order of a kWgN = 1 config: the kBlockN rows of each B group in turn.
-  static_assert(Cfg::kWgN == 1, "B groups one after the other in the stage");
-  using LoaderB = CpAsyncWeightLoader<Cfg::kBRows, kProducerThreads, Sw128Swizzle,
-                                      kConsumerThreads, Cfg::kBlockN>;
+  using LoaderB =
+      CpAsyncWeightLoader<Cfg, Cfg::kBRows, kProducerThreads, Sw128Swizzle, kConsumerThreads>;
   static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
   static constexpr int kStageBytes = LoaderA::kStageBytes + LoaderB::kStageBytes;
   static_assert(LoaderA::kStageBytes % 1024 == 0 && kStageBytes % 1024 == 0,

@@ -126,6 +126,9 @@ int main() {
   using petit::gemm::Sm90WgmmaWsMainloop;
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>>("wgmma_ws gate/up");
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>>("wgmma_ws down");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>>(
+      "wgmma_m64_ws gate/up");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>>("wgmma_m64_ws down");
   check_wgmma<Sm90WgmmaTileConfig<128, 128, 2, 4, 2>>("wgmma 128 rows, 2x2 warpgroups, gated");
   check_wgmma<Sm90WgmmaTileConfig<192, 128, 1, 3, 1>>("wgmma 192 rows, n128");
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "OK", failures);

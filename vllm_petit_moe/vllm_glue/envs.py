@@ -28,7 +28,7 @@ on H200 from ~512 tokens/rank but not below."""
 
 VLLM_PETIT_MOE_EXPERTS_TILES = "VLLM_PETIT_MOE_EXPERTS_TILES"
 """Tile family of ``PetitExperts``' GEMMs: ``auto`` (default), ``small``, ``large``, ``mma``,
-``decode``, ``wgmma``, ``wgmma_m64``, ``wgmma_narrow`` or ``wgmma_ws``
+``decode``, ``wgmma``, ``wgmma_m64``, ``wgmma_narrow``, ``wgmma_ws`` or ``wgmma_m64_ws``
 (``vllm_petit_moe.ops.TILES``)."""
 
 VLLM_PETIT_MOE_TIMEOUT_S = "VLLM_PETIT_MOE_TIMEOUT_S"
