@@ -197,7 +197,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
     using Cfg = typename Mainloop::Cfg;
     using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
     __shared__ typename Scheduler::SharedStorage scheduler_smem;
-    extern __shared__ __align__(128) unsigned char tc_dynamic_smem[];  // Mainloop::kSmemBytes
+    PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // Mainloop::kSmemBytes
 
     const gemm::SiluMulEpilogue<Cfg> epilogue{a.act, a.intermediate};
     Scheduler::for_each_tile(a.expert_offsets, a.num_local_experts, Cfg::kBlockM, Cfg::kBlockN,
@@ -228,7 +228,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
     using Cfg = typename Mainloop::Cfg;
     using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
     __shared__ typename Scheduler::SharedStorage scheduler_smem;
-    extern __shared__ __align__(128) unsigned char tc_dynamic_smem[];  // Mainloop::kSmemBytes
+    PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // Mainloop::kSmemBytes
 
     const gemm::WeightedEntryEpilogue<Cfg> epilogue{a.partial, a.sorted_entries, a.topk_weights,
                                                     a.hidden};
@@ -261,7 +261,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const Epilogue& epilog
   using Cfg = typename Mainloop::Cfg;
   using Scheduler = gemm::ExpertTileScheduler<Mainloop::kThreads>;
   __shared__ typename Scheduler::SharedStorage scheduler_smem;
-  extern __shared__ __align__(128) unsigned char tc_dynamic_smem[];  // Mainloop::kSmemBytes
+  PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // Mainloop::kSmemBytes
   Scheduler scheduler;
   scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
                  (out_cols + Cfg::kBlockN - 1) / Cfg::kBlockN, scheduler_smem);

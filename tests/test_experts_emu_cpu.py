@@ -3,7 +3,9 @@ emulation (tests/emu/experts_emu.cpp), against the torch reference.
 
 This checks the kernels' index math, bounds handling, persistent tile loop, scheduler scan and
 barrier placement before (and besides) the GPU tests in test_experts_gpu.py; it says nothing
-about performance or the GPU memory model. The row lists come from the reference (the routing
+about performance or the GPU memory model. The sm_90a wgmma families, the warp-specialized ones
+included, run too, on an emulation of their PTX (tests/emu/emu_sm90.h: synchronous cp.async
+and wgmma, mbarriers), with the emulated device reporting compute capability 9.0. The row lists come from the reference (the routing
 kernel has its own GPU test). Needs g++ and the CUDA headers (for uint4/float4/dim3 only).
 """
 from __future__ import annotations
@@ -16,14 +18,26 @@ import torch
 from conftest import build_emu_library
 from vllm_petit_moe import reference
 
-TILES = {"auto": 0, "small": 1, "large": 2, "decode": 4}
+from vllm_petit_moe.ops import TILES, TILE_NAMES  # noqa: E402
+
+PORTABLE = ("small", "large", "decode")
+WGMMA = tuple(t for t in TILES if t.startswith("wgmma"))
 
 
 @pytest.fixture(scope="session")
 def emu(tmp_path_factory):
     lib = build_emu_library(tmp_path_factory, "experts_emu")
     lib.petit_emu_experts.restype = ctypes.c_int
+    lib.petit_emu_set_compute_capability.restype = None
     return lib
+
+
+@pytest.fixture
+def sm90(emu):
+    """The emulated device reports compute capability 9.0 (the wgmma families run), then 2.0."""
+    emu.petit_emu_set_compute_capability(9, 0)
+    yield emu
+    emu.petit_emu_set_compute_capability(2, 0)
 
 
 def run_emulated(lib, recv_x, ids, weights, w13, w2, *, tiles="auto", num_sms=1,
@@ -55,7 +69,7 @@ def run_emulated(lib, recv_x, ids, weights, w13, w2, *, tiles="auto", num_sms=1,
         ctypes.byref(used),
     )
     assert rc == 0, f"launch_experts returned {rc}"
-    return out, {1: "small", 2: "large", 4: "decode"}[used.value]
+    return out, TILE_NAMES[used.value]
 
 
 def make_problem(ids, hidden, intermediate, num_local, seed):
@@ -176,6 +190,30 @@ def test_auto_tiles_follow_rows_per_expert(emu):
     _, used = run_emulated(emu, x[:63].contiguous(), ids[:63].contiguous(),
                            w[:63].contiguous(), w13, w2)  # 252
     assert used == "small"
+
+
+@pytest.mark.parametrize("tiles", WGMMA)
+def test_wgmma_families_on_emulated_ptx(sm90, tiles):
+    """The sm_90a families' data path on the CPU: cp.async tile loads into the 128-byte
+    swizzled ring, wgmma descriptors and accumulator layout, the epilogues, and for the *_ws
+    families the producer/consumer ring over mbarriers. Odd K (3 and 4 k-tiles, the last
+    partial), several tiles per block (the ring wraps around its stages and, warp-specialized,
+    runs on across tiles), an expert with no rows, a row with no local slot."""
+    gen = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, 4, (45, 3), generator=gen, dtype=torch.int32)
+    ids = torch.where(ids == 3, -1, ids)  # expert 3 of 5 never, expert 4 never either
+    ids[7] = -1
+    problem = make_problem(ids, 136, 200, 5, seed=22)
+    out, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=2)
+    assert used == tiles
+    check_against_reference(out, problem)
+
+
+def test_wgmma_families_need_an_sm90_device(emu):
+    # Compute capability 2.0 (the emulator's default): asked-for wgmma families fail cleanly.
+    problem = make_problem(torch.zeros((4, 1), dtype=torch.int32), 16, 8, 1, seed=23)
+    with pytest.raises(AssertionError, match="returned"):
+        run_emulated(emu, *problem, tiles="wgmma_ws")
 
 
 def test_reduction_maps_global_ids_through_the_expert_map(emu):

@@ -9,7 +9,8 @@
 // kChunksPerRow chunks lands in shared memory is the main loop's choice (Swizzle policy).
 //
 // CUDA only (included where platform.h's PETIT_SM80_PATH is set); the asm is emitted only in
-// device passes for sm_80 and newer (PETIT_SM80_DEVICE), elsewhere the wrappers are empty.
+// device passes for sm_80 and newer (PETIT_SM80_DEVICE), elsewhere the wrappers are empty;
+// under the CPU emulation (PETIT_EMU_SM90) the copies are tests/emu/emu_sm90.h's.
 #pragma once
 
 #include "../platform.h"
@@ -18,7 +19,11 @@ namespace petit {
 namespace gemm {
 
 PETIT_DEVICE uint32_t smem_addr_u32(const void* ptr) {
+#if PETIT_EMU_SM90
+  return emu_sm90::smem_addr(ptr);
+#else
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+#endif
 }
 
 // 16 bytes global -> shared, L1 bypassed; src_bytes = 0 writes 16 zero bytes and reads nothing
@@ -28,6 +33,8 @@ PETIT_DEVICE void sm80_cp_async_16(uint32_t dst, const void* src, int src_bytes)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes)
                : "memory");
+#elif PETIT_EMU_SM90
+  emu_sm90::cp_async_16(dst, src, src_bytes);
 #endif
 }
 

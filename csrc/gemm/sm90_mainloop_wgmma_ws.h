@@ -20,7 +20,8 @@
 // bounded (kMbarrierTimeoutNs): on expiry the thread traps, so a broken pipeline fails the
 // launch (and the CUDA context) with an error instead of hanging.
 //
-// CUDA only; the asm is emitted only in sm_90a device passes (PETIT_SM90A_DEVICE).
+// CUDA only; the asm is emitted only in sm_90a device passes (PETIT_SM90A_DEVICE). Under the
+// CPU emulation (PETIT_EMU_SM90) the mbarriers are tests/emu/emu_sm90.h's.
 #pragma once
 
 #include "sm90_mainloop_wgmma.h"
@@ -33,6 +34,8 @@ namespace gemm {
 PETIT_DEVICE void sm90_mbarrier_init(uint32_t bar, int count) {
 #if PETIT_SM90A_DEVICE
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#elif PETIT_EMU_SM90
+  emu_sm90::mbarrier_init(bar, count);
 #endif
 }
 
@@ -48,6 +51,8 @@ PETIT_DEVICE void sm90_mbarrier_arrive(uint32_t bar) {
   asm volatile(
       "{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar)
       : "memory");
+#elif PETIT_EMU_SM90
+  emu_sm90::mbarrier_arrive(bar);
 #endif
 }
 
@@ -56,6 +61,8 @@ PETIT_DEVICE void sm90_mbarrier_arrive(uint32_t bar) {
 PETIT_DEVICE void sm90_cp_async_mbarrier_arrive_noinc(uint32_t bar) {
 #if PETIT_SM90A_DEVICE
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+#elif PETIT_EMU_SM90
+  emu_sm90::mbarrier_arrive(bar);  // the emulated copies have completed already
 #endif
 }
 
@@ -69,6 +76,8 @@ PETIT_DEVICE bool sm90_mbarrier_try_wait_parity(uint32_t bar, uint32_t parity) {
       : "r"(bar), "r"(parity)
       : "memory");
   return done != 0;
+#elif PETIT_EMU_SM90
+  return emu_sm90::mbarrier_try_wait_parity(bar, parity);
 #else
   return true;
 #endif
@@ -78,6 +87,8 @@ PETIT_DEVICE uint64_t sm90_globaltimer_ns() {
   uint64_t t = 0;
 #if PETIT_SM90A_DEVICE
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+#elif PETIT_EMU_SM90
+  t = emu_sm90::globaltimer_ns();
 #endif
   return t;
 }
@@ -91,7 +102,13 @@ PETIT_DEVICE void sm90_mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
   if (sm90_mbarrier_try_wait_parity(bar, parity)) return;
   const uint64_t start = sm90_globaltimer_ns();
   while (!sm90_mbarrier_try_wait_parity(bar, parity))
-    if (sm90_globaltimer_ns() - start > kMbarrierTimeoutNs) __trap();
+    if (sm90_globaltimer_ns() - start > kMbarrierTimeoutNs) {
+#if PETIT_EMU_SM90
+      emu_sm90::trap("expert GEMM pipeline wait timed out");
+#else
+      __trap();
+#endif
+    }
 }
 
 // Register budget of a warpgroup from here on (all its warps execute it).
@@ -114,7 +131,7 @@ PETIT_DEVICE void sm90_setmaxnreg_inc() {
 template <class Cfg_>
 struct Sm90WgmmaWsMainloop {
   using Cfg = Cfg_;
-  static constexpr bool kCompiled = PETIT_SM90A_DEVICE;
+  static constexpr bool kCompiled = PETIT_SM90A_BODY;
   static constexpr int kConsumerThreads = Cfg::kThreads;
   static constexpr int kProducerThreads = 128;
   static constexpr int kThreads = kConsumerThreads + kProducerThreads;

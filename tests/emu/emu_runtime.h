@@ -9,6 +9,12 @@
 // on int is a host atomic. Index math, bounds, barrier placement and warp-level logic execute
 // as written; what this cannot show is performance or anything about the GPU memory model.
 //
+// The sm_90a tensor-core sources compile too (PETIT_EMU_SM90): their PTX wrappers run the
+// emulation of emu_sm90.h, petitLaunchKernel gives each block its dynamic shared memory
+// (1024-byte aligned, poisoned with 0xFF bytes), and the device reports compute capability
+// emu::cc_major.emu::cc_minor (default 2.0: no tensor-core family is taken; 9.0 with the
+// sm_90a build flag set below makes the wgmma families run).
+//
 // Include this, then the kernel source (e.g. "experts.cu"); compile with
 //   g++ -std=c++17 -O1 -shared -fPIC -pthread -I csrc -I $CUDA_HOME/include <file>.cpp
 // (the CUDA headers only provide uint4/float4/dim3 and friends; nothing links against CUDA).
@@ -17,9 +23,14 @@
 #include <condition_variable>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#define PETIT_EMU_SM90 1
+#define PETIT_SM90A_BUILT 1
 
 #define __shared__ static            // before cuda_runtime.h, which keeps a prior definition
 #define __launch_bounds__(...)
@@ -56,6 +67,8 @@ class Barrier {
 
 Barrier* block_barrier = nullptr;
 int last_error = 0;
+unsigned char* dynamic_smem = nullptr;
+int cc_major = 2, cc_minor = 0, sm_count = 2;
 
 constexpr int kWarpSize = 32;
 struct Warp {
@@ -65,14 +78,19 @@ struct Warp {
 thread_local Warp* warp = nullptr;  // this thread's warp (blocks of whole warps only)
 
 template <class Kernel, class... Args>
-void launch(Kernel kernel, dim3 grid, dim3 block, const Args&... args) {
+void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, const Args&... args) {
   if (grid.x == 0 || block.x == 0 || grid.y != 1 || grid.z != 1 || block.y != 1 || block.z != 1) {
     last_error = 1;
     return;
   }
   block_dim = block;
   grid_dim = grid;
+  const size_t smem_alloc = (smem_bytes + 1023) / 1024 * 1024;
+  unsigned char* smem =
+      smem_alloc ? static_cast<unsigned char*>(std::aligned_alloc(1024, smem_alloc)) : nullptr;
+  dynamic_smem = smem;
   for (unsigned b = 0; b < grid.x; ++b) {
+    if (smem) std::memset(smem, 0xFF, smem_alloc);
     Barrier barrier(int(block.x));
     block_barrier = &barrier;
     std::vector<Warp> warps(block.x % kWarpSize == 0 ? block.x / kWarpSize : 0);
@@ -89,6 +107,14 @@ void launch(Kernel kernel, dim3 grid, dim3 block, const Args&... args) {
     for (auto& th : threads) th.join();
     block_barrier = nullptr;
   }
+  std::free(smem);
+  dynamic_smem = nullptr;
+}
+
+inline int device_attribute(int attr) {
+  if (attr == int(cudaDevAttrComputeCapabilityMajor)) return cc_major;
+  if (attr == int(cudaDevAttrComputeCapabilityMinor)) return cc_minor;
+  return sm_count;
 }
 
 }  // namespace emu
@@ -100,6 +126,7 @@ void launch(Kernel kernel, dim3 grid, dim3 block, const Args&... args) {
 inline void __syncthreads() { emu::block_barrier->wait(); }
 
 #include "platform.h"
+#include "emu_sm90.h"
 
 // ---- warp primitives and atomics (platform.h defines them for nvcc / hipcc only)
 inline int petit_lane_id() { return int(threadIdx.x) % emu::kWarpSize; }
@@ -138,11 +165,18 @@ inline int atomicAdd(int* address, int value) {
 
 #undef petitLaunchKernel
 #define petitLaunchKernel(kernel, grid, block, smem, stream, ...) \
-  emu::launch(kernel, dim3(grid), dim3(block), __VA_ARGS__)
+  emu::launch(kernel, dim3(grid), dim3(block), size_t(smem), __VA_ARGS__)
+#undef PETIT_DYNAMIC_SMEM
+#define PETIT_DYNAMIC_SMEM(name) unsigned char* name = emu::dynamic_smem
+#undef petitFuncSetAttribute
+#define petitFuncSetAttribute(kernel, attr, value) petitSuccess
+#undef petitFuncGetAttributes
+#define petitFuncGetAttributes(attr, kernel) ((attr)->ptxVersion = 0, petitSuccess)  // no mma
 #undef petitGetLastError
 #define petitGetLastError() (emu::last_error ? petitErrorInvalidValue : petitSuccess)
 #undef petitGetDevice
 #define petitGetDevice(device) (*(device) = 0, petitSuccess)
 #undef petitDeviceGetAttribute
-#define petitDeviceGetAttribute(value, attr, device) (*(value) = 2, petitSuccess)
+#define petitDeviceGetAttribute(value, attr, device) \
+  (*(value) = emu::device_attribute(int(attr)), petitSuccess)
 

@@ -1,0 +1,137 @@
+// CPU emulation of the PTX that csrc/gemm/ wraps for the sm_90a tensor-core kernels (cp.async,
+// wgmma on shared-memory descriptors, mbarriers), so that the wgmma families, the
+// warp-specialized ones included, run on the thread-per-GPU-thread runtime of emu_runtime.h
+// (which includes this; platform.h routes the wrappers here when PETIT_EMU_SM90 is 1).
+//
+// What is emulated, and how:
+//   - shared memory addresses (cvta to .shared): byte offsets into the block's dynamic shared
+//     memory, which emu::launch allocates 1024-byte aligned and poisons;
+//   - cp.async 16 bytes: a synchronous copy (or 16 zero bytes), so commit / wait are no-ops and
+//     the cp.async-based mbarrier arrive is a plain arrive;
+//   - wgmma.mma_async m64nNk16 bf16 -> fp32, both operands K-major with the 128-byte swizzle:
+//     each thread computes its own accumulators from shared memory at issue time, with the
+//     PTX register layout (warp w, lane l, register 4c + 2h + e: row 16w + l/4 + 8h, column
+//     8c + 2(l%4) + e) and the swizzle as an address transform (16-byte chunk bits 4-6 XOR
+//     row-in-atom bits 7-9), reading the descriptor's start address and stride byte offset;
+//     fences and commit are no-ops, wait_group (.sync.aligned) is a barrier of the warp's
+//     lanes, so no lane passes it while another is still computing from the stage;
+//   - mbarrier init / arrive / try_wait.parity: a phase counter and pending count under one
+//     mutex, in the barrier's 8 bytes of shared memory; a failed try_wait yields;
+//   - %globaltimer: the host's steady clock; trap: a message and abort().
+// Synchronous copies and MMAs are one legal execution of the asynchronous ones, so what this
+// checks is the data path (loaders, swizzle, descriptors, stage and phase indexing, epilogues)
+// and that the pipeline protocol neither deadlocks nor hands out a stage early in program
+// order; it cannot show asynchronous races or anything about performance.
+#pragma once
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+namespace emu {
+extern unsigned char* dynamic_smem;  // the running block's dynamic shared memory
+}
+
+namespace emu_sm90 {
+
+inline uint32_t smem_addr(const void* ptr) {
+  return uint32_t(static_cast<const unsigned char*>(ptr) - emu::dynamic_smem);
+}
+inline unsigned char* smem_ptr(uint32_t addr) { return emu::dynamic_smem + addr; }
+
+inline void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  if (src_bytes == 16)
+    std::memcpy(smem_ptr(dst), src, 16);
+  else
+    std::memset(smem_ptr(dst), 0, 16);
+}
+
+[[noreturn]] inline void trap(const char* what) {
+  std::fprintf(stderr, "emu_sm90: trap: %s (block %u, thread %u)\n", what,
+               unsigned(emu::block_idx.x), unsigned(emu::thread_idx.x));
+  std::abort();
+}
+
+// The lanes of this thread's warp meet (blocks of whole warps only).
+inline void warp_sync() {
+  if (emu::warp == nullptr) trap("warp-synchronous instruction in a block of partial warps");
+  emu::warp->barrier.wait();
+}
+
+// One bf16 element (row, k) of a K-major operand with the 128-byte swizzle whose 64-bit
+// shared-memory descriptor is `desc` (start address bits 0-13, stride byte offset bits 32-45,
+// both in 16-byte units; layout type bits 62-63 = 1).
+inline float swizzled_element(uint64_t desc, int row, int k) {
+  if ((desc >> 62) != 1) trap("wgmma descriptor without the 128-byte swizzle");
+  const uint32_t start = uint32_t(desc & 0x3FFF) << 4;
+  const uint32_t stride = uint32_t((desc >> 32) & 0x3FFF) << 4;
+  uint32_t addr = start + uint32_t(row / 8) * stride + uint32_t(row % 8) * 128 + uint32_t(k) * 2;
+  addr ^= ((addr >> 7) & 7u) << 4;
+  uint16_t bits;
+  std::memcpy(&bits, smem_ptr(addr), 2);
+  return petit_bf16_to_float(bits);
+}
+
+// d[64 x N] (+)= A[64 x 16] * B[N x 16]^T for this thread's accumulators.
+template <int kN>
+void wgmma(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  const int t = int(emu::thread_idx.x) % 128, w = t / 32, l = t % 32;
+  for (int c = 0; c < kN / 8; ++c)
+    for (int h = 0; h < 2; ++h)
+      for (int e = 0; e < 2; ++e) {
+        const int row = 16 * w + l / 4 + 8 * h, col = 8 * c + 2 * (l % 4) + e;
+        float acc = scale_d ? d[4 * c + 2 * h + e] : 0.0f;
+        for (int k = 0; k < 16; ++k)
+          acc += swizzled_element(desc_a, row, k) * swizzled_element(desc_b, col, k);
+        d[4 * c + 2 * h + e] = acc;
+      }
+}
+
+struct Mbarrier {
+  int32_t pending;   // arrivals still missing in the current phase
+  int16_t expected;  // arrivals per phase
+  uint16_t phase;    // phases completed
+};
+static_assert(sizeof(Mbarrier) == 8, "an mbarrier is 8 bytes of shared memory");
+inline std::mutex mbarrier_mutex;
+inline Mbarrier* mbarrier_at(uint32_t bar) {
+  if (bar % 8 != 0) trap("mbarrier not 8-byte aligned");
+  return reinterpret_cast<Mbarrier*>(smem_ptr(bar));
+}
+
+inline void mbarrier_init(uint32_t bar, int count) {
+  std::lock_guard<std::mutex> lock(mbarrier_mutex);
+  *mbarrier_at(bar) = Mbarrier{count, int16_t(count), 0};
+}
+
+inline void mbarrier_arrive(uint32_t bar) {
+  std::lock_guard<std::mutex> lock(mbarrier_mutex);
+  Mbarrier* m = mbarrier_at(bar);
+  if (m->pending <= 0) trap("mbarrier arrival beyond its expected count");
+  if (--m->pending == 0) {
+    ++m->phase;
+    m->pending = m->expected;
+  }
+}
+
+// The phase with parity `parity` has completed: the current phase has the other parity.
+inline bool mbarrier_try_wait_parity(uint32_t bar, uint32_t parity) {
+  bool done;
+  {
+    std::lock_guard<std::mutex> lock(mbarrier_mutex);
+    done = (mbarrier_at(bar)->phase & 1u) != parity;
+  }
+  if (!done) std::this_thread::yield();
+  return done;
+}
+
+inline uint64_t globaltimer_ns() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch())
+                      .count());
+}
+
+}  // namespace emu_sm90
