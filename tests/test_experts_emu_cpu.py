@@ -209,6 +209,16 @@ def test_wgmma_families_on_emulated_ptx(sm90, tiles):
     check_against_reference(out, problem)
 
 
+@pytest.mark.parametrize("ws,plain", [("wgmma_ws", "wgmma"), ("wgmma_m64_ws", "wgmma_m64")])
+def test_warp_specialized_families_equal_their_tiles(sm90, ws, plain):
+    gen = torch.Generator().manual_seed(24)
+    ids = torch.randint(-1, 3, (60, 2), generator=gen, dtype=torch.int32)
+    problem = make_problem(ids, 200, 136, 3, seed=25)  # 4 and 3 k-tiles, the ring wraps
+    got, _ = run_emulated(sm90, *problem, tiles=ws, num_sms=1)
+    want, _ = run_emulated(sm90, *problem, tiles=plain, num_sms=1)
+    assert torch.equal(got, want)
+
+
 def test_wgmma_families_need_an_sm90_device(emu):
     # Compute capability 2.0 (the emulator's default): asked-for wgmma families fail cleanly.
     problem = make_problem(torch.zeros((4, 1), dtype=torch.int32), 16, 8, 1, seed=23)

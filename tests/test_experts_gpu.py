@@ -258,6 +258,19 @@ def test_auto_picks_the_fastest_family_this_gpu_runs():
     assert ops.resolve_tiles(4096, 8, 16) == ("wgmma" if HAS_WGMMA else "mma" if sm80 else "large")
 
 
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
+@pytest.mark.parametrize("ws,plain", [("wgmma_ws", "wgmma"), ("wgmma_m64_ws", "wgmma_m64")])
+@pytest.mark.parametrize("rows_per_expert", [3, 200])
+def test_warp_specialized_families_equal_their_tiles(ws, plain, rows_per_expert):
+    """Same tiles, same k order, same epilogues: the warp-specialized main loop must give the
+    non-specialized one's output bit for bit. 17 k-tiles per tile (the ring wraps); at 200
+    rows per expert more tiles than SMs (blocks run on into a second and third tile)."""
+    num_local, top_k = 8, 4
+    ids = random_ids(rows_per_expert * num_local // top_k * 2, top_k, num_local, seed=51)
+    problem = make_problem(ids, 1032, 1032, num_local, seed=52)
+    assert torch.equal(run_petit(problem, ws), run_petit(problem, plain))
+
+
 @pytest.mark.parametrize("tiles", TILE_FAMILIES)
 def test_global_ids_with_expert_map_equal_local_ids(tiles):
     """vLLM's expert_map applied inside the kernels: global ids + map give exactly the output
