@@ -28,8 +28,9 @@ tiles of ``wgmma_m64`` for very few rows per expert; only when asked for explici
 no faster than ``wgmma_m64``), ``wgmma_ws`` (sm_90a, the ``wgmma`` tiles on a warp-specialized
 main loop: a producer warpgroup copies while two consumer warpgroups multiply, for many rows
 per expert), ``wgmma_m64_ws`` (the ``wgmma_m64`` tiles on that main loop, for few rows per
-expert; both ``*_ws`` only when asked for explicitly, not yet run on a GPU), ``decode`` (portable, <= 8-row tiles, each warp streaming whole weight rows;
-only when asked for explicitly) and ``auto``: where the GPU runs wgmma, ``wgmma_m64`` below 96
+expert; both ``*_ws`` only when asked for explicitly, not yet run on a GPU), ``decode``
+(portable, <= 8-row tiles, each warp streaming whole weight rows; only when asked for
+explicitly) and ``auto``: where the GPU runs wgmma, ``wgmma_m64`` below 96
 routing entries (rows x top_k) per local expert and ``wgmma`` from there; elsewhere ``small``
 below 256 entries per local expert and above it ``mma`` (sm_80+) or ``large``. ``mma`` and the
 ``wgmma*`` families fail with
