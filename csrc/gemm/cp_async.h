@@ -41,6 +41,8 @@ PETIT_DEVICE void sm80_cp_async_16(uint32_t dst, const void* src, int src_bytes)
 PETIT_DEVICE void cp_async_commit() {
 #if PETIT_SM80_DEVICE
   asm volatile("cp.async.commit_group;\n" ::: "memory");
+#elif PETIT_EMU_SM90
+  emu_sm90::cp_async_commit();
 #endif
 }
 
@@ -49,6 +51,8 @@ template <int kPending>
 PETIT_DEVICE void cp_async_wait() {
 #if PETIT_SM80_DEVICE
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#elif PETIT_EMU_SM90
+  emu_sm90::cp_async_wait(kPending);
 #endif
 }
 
@@ -56,6 +60,8 @@ PETIT_DEVICE void cp_async_wait() {
 PETIT_DEVICE void cp_async_wait_all() {
 #if PETIT_SM80_DEVICE
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+#elif PETIT_EMU_SM90
+  emu_sm90::cp_async_wait_all();
 #endif
 }
 

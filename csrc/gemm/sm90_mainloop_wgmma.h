@@ -55,6 +55,8 @@ PETIT_DEVICE void sm90_wgmma_fence() {
 PETIT_DEVICE void sm90_wgmma_commit() {
 #if PETIT_SM90A_DEVICE
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#elif PETIT_EMU_SM90
+  emu_sm90::wgmma_commit();
 #endif
 }
 
@@ -64,7 +66,7 @@ PETIT_DEVICE void sm90_wgmma_wait() {
 #if PETIT_SM90A_DEVICE
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #elif PETIT_EMU_SM90
-  emu_sm90::warp_sync();  // .sync.aligned: the warp's lanes leave it together
+  emu_sm90::wgmma_wait(kPending);
 #endif
 }
 

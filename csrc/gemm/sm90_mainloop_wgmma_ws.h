@@ -62,7 +62,7 @@ PETIT_DEVICE void sm90_cp_async_mbarrier_arrive_noinc(uint32_t bar) {
 #if PETIT_SM90A_DEVICE
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 #elif PETIT_EMU_SM90
-  emu_sm90::mbarrier_arrive(bar);  // the emulated copies have completed already
+  emu_sm90::cp_async_mbarrier_arrive(bar);
 #endif
 }
 

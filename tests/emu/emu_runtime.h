@@ -36,6 +36,10 @@
 #define __launch_bounds__(...)
 #include <cuda_runtime.h>
 
+namespace emu_sm90 {
+inline void check_drained();  // emu_sm90.h: no asynchronous copy or MMA left unwaited
+}
+
 namespace emu {
 
 thread_local uint3 thread_idx;
@@ -102,6 +106,7 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, const Args&
         block_idx = make_uint3(b, 0, 0);
         warp = warps.empty() ? nullptr : &warps[t / kWarpSize];
         kernel(args...);
+        emu_sm90::check_drained();
       });
     }
     for (auto& th : threads) th.join();

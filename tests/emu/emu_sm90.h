@@ -3,33 +3,38 @@
 // warp-specialized ones included, run on the thread-per-GPU-thread runtime of emu_runtime.h
 // (which includes this; platform.h routes the wrappers here when PETIT_EMU_SM90 is 1).
 //
-// What is emulated, and how:
+// The asynchronous operations complete as LATE as the PTX allows, so that a missing wait or a
+// stage handed back too early reads stale or overwritten shared memory and the result is wrong:
+//   - cp.async 16 bytes: queued per thread; commit_group closes a group; wait_group N performs
+//     all but the newest N groups, wait_all everything, and cp.async.mbarrier.arrive performs
+//     all of the thread's queued copies and then arrives (the arrival can come no sooner);
+//   - wgmma.mma_async m64nNk16 bf16 -> fp32, both operands K-major with the 128-byte swizzle:
+//     queued per thread; commit_group closes a group; wait_group N performs all but the newest
+//     N groups, reading shared memory then, and is a barrier of the warp's lanes
+//     (.sync.aligned). A performed MMA computes the thread's own accumulators with the PTX
+//     register layout (warp w, lane l, register 4c + 2h + e: row 16w + l/4 + 8h, column
+//     8c + 2(l%4) + e) and the swizzle as an address transform (16-byte chunk bits 4-6 XOR
+//     row-in-atom bits 7-9), from the descriptor's start address and stride byte offset;
 //   - shared memory addresses (cvta to .shared): byte offsets into the block's dynamic shared
 //     memory, which emu::launch allocates 1024-byte aligned and poisons;
-//   - cp.async 16 bytes: a synchronous copy (or 16 zero bytes), so commit / wait are no-ops and
-//     the cp.async-based mbarrier arrive is a plain arrive;
-//   - wgmma.mma_async m64nNk16 bf16 -> fp32, both operands K-major with the 128-byte swizzle:
-//     each thread computes its own accumulators from shared memory at issue time, with the
-//     PTX register layout (warp w, lane l, register 4c + 2h + e: row 16w + l/4 + 8h, column
-//     8c + 2(l%4) + e) and the swizzle as an address transform (16-byte chunk bits 4-6 XOR
-//     row-in-atom bits 7-9), reading the descriptor's start address and stride byte offset;
-//     fences and commit are no-ops, wait_group (.sync.aligned) is a barrier of the warp's
-//     lanes, so no lane passes it while another is still computing from the stage;
 //   - mbarrier init / arrive / try_wait.parity: a phase counter and pending count under one
 //     mutex, in the barrier's 8 bytes of shared memory; a failed try_wait yields;
 //   - %globaltimer: the host's steady clock; trap: a message and abort().
-// Synchronous copies and MMAs are one legal execution of the asynchronous ones, so what this
-// checks is the data path (loaders, swizzle, descriptors, stage and phase indexing, epilogues)
-// and that the pipeline protocol neither deadlocks nor hands out a stage early in program
-// order; it cannot show asynchronous races or anything about performance.
+// What it checks: the data path (loaders, swizzle, descriptors, stage and phase indexing,
+// epilogues) and the ordering the kernels rely on (copies waited for before use, a stage not
+// refilled before the MMAs that read it retired, no deadlock). What it cannot show: the
+// memory model beyond that order, anything of the proxies, or performance.
 #pragma once
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace emu {
 extern unsigned char* dynamic_smem;  // the running block's dynamic shared memory
@@ -42,13 +47,6 @@ inline uint32_t smem_addr(const void* ptr) {
 }
 inline unsigned char* smem_ptr(uint32_t addr) { return emu::dynamic_smem + addr; }
 
-inline void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  if (src_bytes == 16)
-    std::memcpy(smem_ptr(dst), src, 16);
-  else
-    std::memset(smem_ptr(dst), 0, 16);
-}
-
 [[noreturn]] inline void trap(const char* what) {
   std::fprintf(stderr, "emu_sm90: trap: %s (block %u, thread %u)\n", what,
                unsigned(emu::block_idx.x), unsigned(emu::thread_idx.x));
@@ -59,6 +57,58 @@ inline void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
 inline void warp_sync() {
   if (emu::warp == nullptr) trap("warp-synchronous instruction in a block of partial warps");
   emu::warp->barrier.wait();
+}
+
+// ---- cp.async: per-thread queue of copies, in commit groups
+struct Copy {
+  uint32_t dst;
+  const void* src;
+  int src_bytes;
+};
+inline thread_local std::vector<Copy> open_copies;                // not committed yet
+inline thread_local std::deque<std::vector<Copy>> copy_groups;  // committed, oldest first
+
+inline void perform(const std::vector<Copy>& copies) {
+  for (const Copy& c : copies) {
+    if (c.src_bytes == 16)
+      std::memcpy(smem_ptr(c.dst), c.src, 16);
+    else
+      std::memset(smem_ptr(c.dst), 0, 16);
+  }
+}
+inline void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  open_copies.push_back(Copy{dst, src, src_bytes});
+}
+inline void cp_async_commit() {
+  copy_groups.push_back(std::move(open_copies));
+  open_copies.clear();
+}
+inline void cp_async_wait(int pending) {
+  while (int(copy_groups.size()) > pending) {
+    perform(copy_groups.front());
+    copy_groups.pop_front();
+  }
+}
+inline void cp_async_wait_all() {
+  cp_async_wait(0);
+  perform(open_copies);
+  open_copies.clear();
+}
+
+// ---- wgmma: per-thread queue of MMAs, in commit groups
+inline thread_local std::vector<std::function<void()>> open_mmas;
+inline thread_local std::deque<std::vector<std::function<void()>>> mma_groups;
+
+inline void wgmma_commit() {
+  mma_groups.push_back(std::move(open_mmas));
+  open_mmas.clear();
+}
+inline void wgmma_wait(int pending) {
+  while (int(mma_groups.size()) > pending) {
+    for (auto& mma : mma_groups.front()) mma();
+    mma_groups.pop_front();
+  }
+  warp_sync();  // .sync.aligned: the warp's lanes leave it together
 }
 
 // One bf16 element (row, k) of a K-major operand with the 128-byte swizzle whose 64-bit
@@ -75,19 +125,23 @@ inline float swizzled_element(uint64_t desc, int row, int k) {
   return petit_bf16_to_float(bits);
 }
 
-// d[64 x N] (+)= A[64 x 16] * B[N x 16]^T for this thread's accumulators.
+// d[64 x N] (+)= A[64 x 16] * B[N x 16]^T for this thread's accumulators, performed at the
+// wait_group that retires it (d must stay untouched until then, as on the GPU).
 template <int kN>
 void wgmma(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   const int t = int(emu::thread_idx.x) % 128, w = t / 32, l = t % 32;
-  for (int c = 0; c < kN / 8; ++c)
-    for (int h = 0; h < 2; ++h)
-      for (int e = 0; e < 2; ++e) {
-        const int row = 16 * w + l / 4 + 8 * h, col = 8 * c + 2 * (l % 4) + e;
-        float acc = scale_d ? d[4 * c + 2 * h + e] : 0.0f;
-        for (int k = 0; k < 16; ++k)
-          acc += swizzled_element(desc_a, row, k) * swizzled_element(desc_b, col, k);
-        d[4 * c + 2 * h + e] = acc;
-      }
+  float* acc_regs = d;
+  open_mmas.push_back([=] {
+    for (int c = 0; c < kN / 8; ++c)
+      for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < 2; ++e) {
+          const int row = 16 * w + l / 4 + 8 * h, col = 8 * c + 2 * (l % 4) + e;
+          float acc = scale_d ? acc_regs[4 * c + 2 * h + e] : 0.0f;
+          for (int k = 0; k < 16; ++k)
+            acc += swizzled_element(desc_a, row, k) * swizzled_element(desc_b, col, k);
+          acc_regs[4 * c + 2 * h + e] = acc;
+        }
+  });
 }
 
 struct Mbarrier {
@@ -126,6 +180,21 @@ inline bool mbarrier_try_wait_parity(uint32_t bar, uint32_t parity) {
   }
   if (!done) std::this_thread::yield();
   return done;
+}
+
+// A thread that ends with copies or MMAs it never waited for: the GPU would have completed
+// them at some point, which the kernel cannot have relied on.
+inline void check_drained() {
+  if (!open_copies.empty() || !copy_groups.empty())
+    trap("thread exits with cp.async copies it never waited for");
+  if (!open_mmas.empty() || !mma_groups.empty())
+    trap("thread exits with wgmma operations it never waited for");
+}
+
+// cp.async.mbarrier.arrive(.noinc): arrives once the thread's earlier copies have completed.
+inline void cp_async_mbarrier_arrive(uint32_t bar) {
+  cp_async_wait_all();
+  mbarrier_arrive(bar);
 }
 
 inline uint64_t globaltimer_ns() {
