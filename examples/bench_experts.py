@@ -28,7 +28,7 @@ difference of petit's output to the torch loop's.
     python examples/bench_experts.py                        # both presets, W=2, T 1..8192
     python examples/bench_experts.py --quick                # T 1, 128, 2048
     python examples/bench_experts.py --replot examples/results/experts_H200.jsonl
-    python examples/bench_experts.py --profile --tokens 1 8 32 --tiles wgmma_narrow
+    python examples/bench_experts.py --profile --tokens 1 8 32 --tiles wgmma_m64 wgmma_m64_ws
 --profile: after timing, 10 more calls of petit's and of Triton's path run under torch.profiler
 (CUDA activity only); their kernel time per call by category (``device_env.PROFILE_CATEGORIES``:
 petit row lists / GEMMs / reduce, Triton GEMM / align+sum+activation, other) is printed under
@@ -240,6 +240,8 @@ def hbm_copy_gbps(iters=10):
 
 
 def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
+    """One configuration: every family of --tiles on the same rows, against vLLM's Triton
+    experts and the torch loop (each measured once). Returns one row per family."""
     import torch
 
     from vllm_petit_moe import ops
@@ -255,54 +257,60 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
     flops = 2 * 3 * hidden * inter * pairs
     weight_bytes = experts_touched * 3 * hidden * inter * 2
 
-    run_petit = petit_fn(recv_x, local_ids, weights, w13, w2, args.tiles)
-    petit_out = run_petit().clone()
-    petit_us, _ = time_us(run_petit, args.iters, flush)
-    tiles = ops.resolve_tiles(recv_x.shape[0], local_ids.shape[1], w13.shape[0], args.tiles)
+    petit = []  # (requested family, resolved family, us, output, breakdown)
+    for family in args.tiles:
+        run_petit = petit_fn(recv_x, local_ids, weights, w13, w2, family)
+        out = run_petit().clone()
+        us, _ = time_us(run_petit, args.iters, flush)
+        breakdown = None
+        if args.profile:  # eager calls, warmed up by the timing above
+            breakdown = profile_kernels(run_petit, PROFILE_CALLS)
+        resolved = ops.resolve_tiles(recv_x.shape[0], local_ids.shape[1], w13.shape[0], family)
+        petit.append((family, resolved, us, out, breakdown))
+        del run_petit
 
-    triton_us = None
+    triton_us = triton_breakdown = None
     run_triton = None if args.no_triton else triton_fn(recv_x, local_ids, weights, w13, w2,
                                                        p["num_experts"], args.world)
     if run_triton is not None:
         triton_us, _ = time_us(run_triton, args.iters, flush)
-
-    breakdown = triton_breakdown = None
-    if args.profile:  # eager calls, warmed up by the timing above
-        breakdown = profile_kernels(run_petit, PROFILE_CALLS)
-        if run_triton is not None:
+        if args.profile:
             triton_breakdown = profile_kernels(run_triton, PROFILE_CALLS)
 
     torch_out = torch_loop(recv_x, local_ids, weights, w13, w2)
     torch_us, _ = time_us(lambda: torch_loop(recv_x, local_ids, weights, w13, w2),
                           max(3, args.iters // 5), flush, graph=False)
-    diff = (petit_out.float() - torch_out.float()).norm()
-    rel_diff = float(diff / torch_out.float().norm().clamp_min(1e-30))
 
     def tflops(us):
         return flops / (us * 1e-6) / 1e12 if us and pairs else 0.0
 
-    row = dict(
-        preset=preset, routing=routing, tokens=tokens, world=args.world,
-        local_experts=w13.shape[0], pairs=pairs, experts_touched=experts_touched,
-        hot_share=hot_share, tiles=tiles,
-        us=petit_us, triton_us=triton_us, torch_us=torch_us,
-        tflops=tflops(petit_us),
-        triton_tflops=tflops(triton_us) if triton_us else None,
-        torch_tflops=tflops(torch_us),
-        speedup_vs_triton=(triton_us / petit_us) if triton_us else None,
-        weight_bytes=weight_bytes,
-        weight_gbps=weight_bytes / (petit_us * 1e-6) / 1e9,
-        hbm_gbps=hbm_gbps,
-        rel_diff=rel_diff, finite=bool(torch.isfinite(petit_out).all()),
-    )
-    if args.profile:
-        row.update(breakdown=breakdown, triton_breakdown=triton_breakdown)
-    del run_petit, run_triton, recv_x, local_ids, weights, petit_out, torch_out
+    rows = []
+    for family, resolved, petit_us, petit_out, breakdown in petit:
+        diff = (petit_out.float() - torch_out.float()).norm()
+        row = dict(
+            preset=preset, routing=routing, tokens=tokens, world=args.world,
+            local_experts=w13.shape[0], pairs=pairs, experts_touched=experts_touched,
+            hot_share=hot_share, tiles=resolved, tiles_requested=family,
+            us=petit_us, triton_us=triton_us, torch_us=torch_us,
+            tflops=tflops(petit_us),
+            triton_tflops=tflops(triton_us) if triton_us else None,
+            torch_tflops=tflops(torch_us),
+            speedup_vs_triton=(triton_us / petit_us) if triton_us else None,
+            weight_bytes=weight_bytes,
+            weight_gbps=weight_bytes / (petit_us * 1e-6) / 1e9,
+            hbm_gbps=hbm_gbps,
+            rel_diff=float(diff / torch_out.float().norm().clamp_min(1e-30)),
+            finite=bool(torch.isfinite(petit_out).all()),
+        )
+        if args.profile:
+            row.update(breakdown=breakdown, triton_breakdown=triton_breakdown)
+        rows.append(row)
+    del run_triton, recv_x, local_ids, weights, petit, torch_out
     torch.cuda.empty_cache()
-    return row
+    return rows
 
 
-HEADER = (f"{'preset':14} {'routing':8} {'tokens':>6} {'tiles':>5} {'petit_us':>9} "
+HEADER = (f"{'preset':14} {'routing':8} {'tokens':>6} {'tiles':>12} {'petit_us':>9} "
           f"{'triton_us':>9} {'torch_us':>9} {'petit_TF':>8} {'triton_TF':>9} {'speedup':>7} "
           f"{'weight_GB/s':>11} {'hbm_GB/s':>8} {'rel_diff':>8}")
 
@@ -313,7 +321,7 @@ def _fmt(value, spec):
 
 def print_row(r):
     flag = "" if r["finite"] and r["rel_diff"] < 2e-2 else "   <-- differs from torch loop"
-    print(f"{r['preset']:14} {r['routing']:8} {r['tokens']:>6} {r['tiles']:>5} "
+    print(f"{r['preset']:14} {r['routing']:8} {r['tokens']:>6} {r['tiles']:>12} "
           f"{r['us']:9.1f} {_fmt(r['triton_us'], '9.1f')} {r['torch_us']:9.1f} "
           f"{r['tflops']:8.2f} {_fmt(r['triton_tflops'], '9.2f')} "
           f"{_fmt(r['speedup_vs_triton'], '7.2f')} {r['weight_gbps']:11.0f} "
@@ -333,22 +341,29 @@ def plot(rows, path, title):
     fig, axes = plt.subplots(len(presets), 2, figsize=(13, 4.2 * len(presets)), squeeze=False)
     for row_axes, preset in zip(axes, presets):
         hbm = None
+        # one petit line per requested family (files from before --tiles took several: one)
+        families = list(dict.fromkeys(r.get("tiles_requested", "") for r in rows))
         for routing, marker in zip(SKEWS, ["o", "s", "^"]):
-            sel = sorted((r for r in rows if r["preset"] == preset and r["routing"] == routing),
-                         key=lambda r: r["tokens"])
-            if not sel:
-                continue
-            toks = [r["tokens"] for r in sel]
-            row_axes[0].plot(toks, [r["tflops"] for r in sel], "-" + marker,
-                             label=f"petit, {routing}")
-            if any(r["triton_tflops"] for r in sel):
-                row_axes[0].plot(toks, [r["triton_tflops"] or float("nan") for r in sel],
-                                 "--" + marker, alpha=0.7, label=f"vLLM Triton, {routing}")
-            row_axes[0].plot(toks, [r["torch_tflops"] for r in sel], ":" + marker, alpha=0.6,
-                             label=f"torch loop, {routing}")
-            row_axes[1].plot(toks, [r["weight_gbps"] for r in sel], "-" + marker,
-                             label=f"petit weight bytes/s, {routing}")
-            hbm = sel[0]["hbm_gbps"]
+            for index, family in enumerate(families):
+                sel = sorted((r for r in rows if r["preset"] == preset and r["routing"] == routing
+                              and r.get("tiles_requested", "") == family),
+                             key=lambda r: r["tokens"])
+                if not sel:
+                    continue
+                toks = [r["tokens"] for r in sel]
+                name = f"petit {family}" if len(families) > 1 else "petit"
+                row_axes[0].plot(toks, [r["tflops"] for r in sel], "-" + marker,
+                                 label=f"{name}, {routing}")
+                row_axes[1].plot(toks, [r["weight_gbps"] for r in sel], "-" + marker,
+                                 label=f"{name} weight bytes/s, {routing}")
+                hbm = sel[0]["hbm_gbps"]
+                if index:
+                    continue  # the baselines were measured once per configuration
+                if any(r["triton_tflops"] for r in sel):
+                    row_axes[0].plot(toks, [r["triton_tflops"] or float("nan") for r in sel],
+                                     "--" + marker, alpha=0.7, label=f"vLLM Triton, {routing}")
+                row_axes[0].plot(toks, [r["torch_tflops"] for r in sel], ":" + marker,
+                                 alpha=0.6, label=f"torch loop, {routing}")
         row_axes[0].set(xscale="log", yscale="log", xlabel="tokens per rank",
                         ylabel="effective TFLOPS", title=f"{preset}: TFLOPS")
         if hbm:
@@ -375,9 +390,10 @@ def parse_args(argv=None):
     p.add_argument("--hot-fraction", type=float, default=0.6,
                    help="skewed routing: probability that a pair lands on rank 0's experts "
                         "(default 0.6; 1/W would be an even split)")
-    p.add_argument("--tiles", choices=tuple(TILES), default="auto",
-                   help="petit tile family (default: auto, i.e. wgmma_m64 / wgmma on "
-                        "H100/H200 by rows per expert; see vllm_petit_moe.ops.TILES)")
+    p.add_argument("--tiles", nargs="+", choices=tuple(TILES), default=["auto"],
+                   help="petit tile families, each run on the same rows against the same "
+                        "baselines (default: auto, i.e. wgmma_m64 / wgmma on H100/H200 by rows "
+                        "per expert; see vllm_petit_moe.ops.TILES)")
     p.add_argument("--no-triton", action="store_true", help="skip vLLM's Triton experts")
     p.add_argument("--profile", action="store_true",
                    help="also sum each path's kernel time by category (torch.profiler)")
@@ -427,9 +443,9 @@ def main(argv=None):
         print(HEADER, flush=True)
         for routing in args.routings:
             for tokens in args.tokens:
-                row = bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps)
-                rows.append(row)
-                print_row(row)
+                for row in bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
+                    rows.append(row)
+                    print_row(row)
         del w13, w2
         torch.cuda.empty_cache()
 

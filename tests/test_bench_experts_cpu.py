@@ -36,8 +36,9 @@ def test_help_runs_without_a_gpu():
 def test_parse_args(bench):
     args = bench.parse_args([])
     assert args.tokens == bench.TOKENS and args.iters == 30 and args.world == 2
-    assert args.routings == ["uniform", "skewed"] and args.tiles == "auto"
+    assert args.routings == ["uniform", "skewed"] and args.tiles == ["auto"]
     assert not args.profile and bench.parse_args(["--profile", "--tiles", "wgmma_narrow"]).profile
+    assert bench.parse_args(["--tiles", "wgmma", "wgmma_ws"]).tiles == ["wgmma", "wgmma_ws"]
     quick = bench.parse_args(["--quick", "--presets", "qwen3-30b-a3b", "--routings",
                               "hot_expert", "--world", "8"])
     assert quick.tokens == bench.QUICK_TOKENS and quick.iters == 10
@@ -76,5 +77,11 @@ def test_replot(bench, tmp_path):
                     speedup_vs_triton=None, weight_gbps=3000.0, hbm_gbps=4000.0))
     path = tmp_path / "experts_H200.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench.main(["--replot", str(path)]) == 0
+    assert path.with_suffix(".png").stat().st_size > 0
+    # Several families per configuration (--tiles a b): one petit line each.
+    several = [dict(r, tiles_requested=family) for r in rows for family in ("wgmma", "wgmma_ws")]
+    path = tmp_path / "experts_H200_families.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in several))
     assert bench.main(["--replot", str(path)]) == 0
     assert path.with_suffix(".png").stat().st_size > 0

@@ -140,14 +140,12 @@ if want bench; then
   run_step bench 400 "$PY" examples/bench_moe_layer.py ${BENCH_ARGS:---quick} --out-dir "$OUT"
 fi
 
-# 6b. the expert GEMMs against vLLM's Triton experts (needs vLLM, hence here); one run per
-#     tile family in EXPERTS_TILES
+# 6b. the expert GEMMs against vLLM's Triton experts (needs vLLM, hence here): every tile
+#     family in EXPERTS_TILES on the same rows, one run
 if want bench-experts; then
-  for tiles in $EXPERTS_TILES; do
-    # shellcheck disable=SC2086
-    run_step "bench-experts-$tiles" 200 "$PY" examples/bench_experts.py ${BENCH_EXPERTS_ARGS:---quick} \
-      --tiles "$tiles" --out-dir "$OUT/experts-$tiles"
-  done
+  # shellcheck disable=SC2086
+  run_step bench-experts 300 "$PY" examples/bench_experts.py ${BENCH_EXPERTS_ARGS:---quick} \
+    --tiles $EXPERTS_TILES --out-dir "$OUT/experts"
 fi
 
 # 6c. where the MoE layer's time goes: kernel time per category for each path
@@ -189,15 +187,13 @@ echo "commit      : ${PETIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 echo "vllm        : $("$PY" -c 'from importlib.metadata import version; print(version("vllm"))' 2>&1 | tail -1)"
 echo "install     : rc=${RC[install]} in ${SECS[install]}s"
 ok=1
-experts_steps=""
-want bench-experts && for tiles in $EXPERTS_TILES; do experts_steps+=" bench-experts-$tiles"; done
-for step in build meta test-vllm test-plugin bench $experts_steps profile compare serve tpot; do
-  [[ $step == bench-experts-* ]] || want "$step" || continue
+for step in build meta test-vllm test-plugin bench bench-experts profile compare serve tpot; do
+  want "$step" || continue
   rc=${RC[$step]:-not-run}
   summary=""
   case $step in
     test-*) summary=$(grep -E "(passed|failed|skipped|error)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
-    bench-experts-*) summary=$(grep -E "^wrote|NOTE" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
+    bench-experts) summary=$(grep -E "^wrote|NOTE" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
     bench|profile) summary=$(grep -E "^wrote|^WARNING: " "$OUT/$step.log" 2>/dev/null | tail -2 | tr -d "'\"") ;;
     tpot) summary=$(grep -E "^(COMPLETE|INCOMPLETE|FAILED)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
     compare) summary=$(grep -E "^(AGREE|DISAGREE)|prompts identical" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
