@@ -29,13 +29,13 @@
 // the sm_80+ tensor-core kernels exist (csrc/gemm/sm80_*.h). PETIT_SM80_DEVICE: this is a
 // device pass for __CUDA_ARCH__ >= 800, the only pass in which those kernels have a body
 // (elsewhere they are empty and their launchers return petitErrorNotSupported).
-// PETIT_EMU_SM90: set (to 1) by the CPU emulation of tests/emu (emu_runtime.h), which compiles
-// the sm_90a tensor-core sources as host code and routes every PTX wrapper of csrc/gemm/ to an
-// emulation (tests/emu/emu_sm90.h); 0 in every real build.
-#ifndef PETIT_EMU_SM90
-#define PETIT_EMU_SM90 0
+// PETIT_EMU_PTX: set (to 1) by the CPU emulation of tests/emu (emu_runtime.h), which compiles
+// the tensor-core sources (sm_80 mma.sync, sm_90a wgmma) as host code and routes every PTX
+// wrapper of csrc/gemm/ to an emulation (tests/emu/emu_ptx.h); 0 in every real build.
+#ifndef PETIT_EMU_PTX
+#define PETIT_EMU_PTX 0
 #endif
-#if (PETIT_CUDA && defined(__CUDACC__)) || PETIT_EMU_SM90
+#if (PETIT_CUDA && defined(__CUDACC__)) || PETIT_EMU_PTX
 #define PETIT_SM80_PATH 1
 #else
 #define PETIT_SM80_PATH 0
@@ -60,8 +60,10 @@
 #ifndef PETIT_SM90A_BUILT
 #define PETIT_SM90A_BUILT 0
 #endif
-// The wgmma kernels have a body: in the sm_90a device pass, and under the CPU emulation.
-#define PETIT_SM90A_BODY (PETIT_SM90A_DEVICE || PETIT_EMU_SM90)
+// The tensor-core kernels have a body: in the device passes that can run them, and under the
+// CPU emulation.
+#define PETIT_SM80_BODY (PETIT_SM80_DEVICE || PETIT_EMU_PTX)
+#define PETIT_SM90A_BODY (PETIT_SM90A_DEVICE || PETIT_EMU_PTX)
 
 // A kernel's dynamic shared memory (the bytes given at launch), 128-byte aligned.
 #define PETIT_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]

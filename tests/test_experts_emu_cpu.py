@@ -3,9 +3,10 @@ emulation (tests/emu/experts_emu.cpp), against the torch reference.
 
 This checks the kernels' index math, bounds handling, persistent tile loop, scheduler scan and
 barrier placement before (and besides) the GPU tests in test_experts_gpu.py; it says nothing
-about performance or the GPU memory model. The sm_90a wgmma families, the warp-specialized ones
-included, run too, on an emulation of their PTX (tests/emu/emu_sm90.h: synchronous cp.async
-and wgmma, mbarriers), with the emulated device reporting compute capability 9.0. The row lists come from the reference (the routing
+about performance or the GPU memory model. The tensor-core families (sm_80 mma, the sm_90a wgmma
+ones, the warp-specialized ones included) run too, on an emulation of their PTX
+(tests/emu/emu_ptx.h: cp.async and wgmma completing as late as allowed, ldmatrix / mma.sync
+across the warp's lanes, mbarriers), with the emulated device reporting compute capability 9.0. The row lists come from the reference (the routing
 kernel has its own GPU test). Needs g++ and the CUDA headers (for uint4/float4/dim3 only).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vllm_petit_moe import reference
 from vllm_petit_moe.ops import TILES, TILE_NAMES  # noqa: E402
 
 PORTABLE = ("small", "large", "decode")
-WGMMA = tuple(t for t in TILES if t.startswith("wgmma"))
+TENSOR_CORE = ("mma",) + tuple(t for t in TILES if t.startswith("wgmma"))
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +35,8 @@ def emu(tmp_path_factory):
 
 @pytest.fixture
 def sm90(emu):
-    """The emulated device reports compute capability 9.0 (the wgmma families run), then 2.0."""
+    """The emulated device reports compute capability 9.0 (the tensor-core families run), then
+    2.0."""
     emu.petit_emu_set_compute_capability(9, 0)
     yield emu
     emu.petit_emu_set_compute_capability(2, 0)
@@ -192,11 +194,11 @@ def test_auto_tiles_follow_rows_per_expert(emu):
     assert used == "small"
 
 
-@pytest.mark.parametrize("tiles", WGMMA)
-def test_wgmma_families_on_emulated_ptx(sm90, tiles):
-    """The sm_90a families' data path on the CPU: cp.async tile loads into the 128-byte
-    swizzled ring, wgmma descriptors and accumulator layout, the epilogues, and for the *_ws
-    families the producer/consumer ring over mbarriers. Odd K (3 and 4 k-tiles, the last
+@pytest.mark.parametrize("tiles", TENSOR_CORE)
+def test_tensor_core_families_on_emulated_ptx(sm90, tiles):
+    """The tensor-core families' data path on the CPU: cp.async tile loads into the swizzled
+    ring, ldmatrix / mma.sync fragments or wgmma descriptors and accumulator layout, the
+    epilogues, and for the *_ws families the producer/consumer ring over mbarriers. Odd K (3 and 4 k-tiles, the last
     partial), several tiles per block (the ring wraps around its stages and, warp-specialized,
     runs on across tiles), an expert with no rows, a row with no local slot."""
     gen = torch.Generator().manual_seed(21)
@@ -219,11 +221,13 @@ def test_warp_specialized_families_equal_their_tiles(sm90, ws, plain):
     assert torch.equal(got, want)
 
 
-def test_wgmma_families_need_an_sm90_device(emu):
-    # Compute capability 2.0 (the emulator's default): asked-for wgmma families fail cleanly.
+@pytest.mark.parametrize("tiles", ["mma", "wgmma_ws"])
+def test_tensor_core_families_need_their_device(emu, tiles):
+    # Compute capability 2.0 (the emulator's default): asked-for tensor-core families fail
+    # cleanly (launch_experts returns an error, nothing runs).
     problem = make_problem(torch.zeros((4, 1), dtype=torch.int32), 16, 8, 1, seed=23)
     with pytest.raises(AssertionError, match="returned"):
-        run_emulated(emu, *problem, tiles="wgmma_ws")
+        run_emulated(emu, *problem, tiles=tiles)
 
 
 def test_reduction_maps_global_ids_through_the_expert_map(emu):

@@ -10,7 +10,7 @@
 //
 // CUDA only (included where platform.h's PETIT_SM80_PATH is set); the asm is emitted only in
 // device passes for sm_80 and newer (PETIT_SM80_DEVICE), elsewhere the wrappers are empty;
-// under the CPU emulation (PETIT_EMU_SM90) the copies are tests/emu/emu_sm90.h's.
+// under the CPU emulation (PETIT_EMU_PTX) the copies are tests/emu/emu_ptx.h's.
 #pragma once
 
 #include "../platform.h"
@@ -19,8 +19,8 @@ namespace petit {
 namespace gemm {
 
 PETIT_DEVICE uint32_t smem_addr_u32(const void* ptr) {
-#if PETIT_EMU_SM90
-  return emu_sm90::smem_addr(ptr);
+#if PETIT_EMU_PTX
+  return emu_ptx::smem_addr(ptr);
 #else
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 #endif
@@ -33,16 +33,16 @@ PETIT_DEVICE void sm80_cp_async_16(uint32_t dst, const void* src, int src_bytes)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes)
                : "memory");
-#elif PETIT_EMU_SM90
-  emu_sm90::cp_async_16(dst, src, src_bytes);
+#elif PETIT_EMU_PTX
+  emu_ptx::cp_async_16(dst, src, src_bytes);
 #endif
 }
 
 PETIT_DEVICE void cp_async_commit() {
 #if PETIT_SM80_DEVICE
   asm volatile("cp.async.commit_group;\n" ::: "memory");
-#elif PETIT_EMU_SM90
-  emu_sm90::cp_async_commit();
+#elif PETIT_EMU_PTX
+  emu_ptx::cp_async_commit();
 #endif
 }
 
@@ -51,8 +51,8 @@ template <int kPending>
 PETIT_DEVICE void cp_async_wait() {
 #if PETIT_SM80_DEVICE
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-#elif PETIT_EMU_SM90
-  emu_sm90::cp_async_wait(kPending);
+#elif PETIT_EMU_PTX
+  emu_ptx::cp_async_wait(kPending);
 #endif
 }
 
@@ -60,8 +60,8 @@ PETIT_DEVICE void cp_async_wait() {
 PETIT_DEVICE void cp_async_wait_all() {
 #if PETIT_SM80_DEVICE
   asm volatile("cp.async.wait_all;\n" ::: "memory");
-#elif PETIT_EMU_SM90
-  emu_sm90::cp_async_wait_all();
+#elif PETIT_EMU_PTX
+  emu_ptx::cp_async_wait_all();
 #endif
 }
 

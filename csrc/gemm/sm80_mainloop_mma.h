@@ -40,6 +40,8 @@ PETIT_DEVICE void sm80_ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr)
                : "memory");
+#elif PETIT_EMU_PTX
+  emu_ptx::ldmatrix_x4(r, addr);
 #else
   r[0] = r[1] = r[2] = r[3] = 0u;
 #endif
@@ -56,6 +58,8 @@ PETIT_DEVICE void sm80_mma_bf16_16816(float& d0, float& d1, float& d2, float& d3
       "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif PETIT_EMU_PTX
+  emu_ptx::mma_bf16_16816(d0, d1, d2, d3, a, b0, b1);
 #endif
 }
 
@@ -111,7 +115,7 @@ struct Sm80MmaMainloop {
   using Cfg = Cfg_;
   static constexpr int kThreads = Cfg::kThreads;  // block size
   // The kernels have a body only in the device passes that can run this main loop.
-  static constexpr bool kCompiled = PETIT_SM80_DEVICE;
+  static constexpr bool kCompiled = PETIT_SM80_BODY;
   using LoaderA = CpAsyncLoader<Cfg::kBlockM, Cfg::kThreads, Sm80Swizzle>;
   using LoaderB = CpAsyncLoader<Cfg::kBRows, Cfg::kThreads, Sm80Swizzle>;
   static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;

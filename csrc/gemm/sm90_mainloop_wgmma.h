@@ -17,7 +17,7 @@
 // CUDA only (included where PETIT_SM80_PATH is set); the asm is emitted only in sm_90a device
 // passes (PETIT_SM90A_DEVICE), elsewhere the kernels built on it have no body and the
 // launchers refuse the family (experts.cu, wgmma_path_supported). Under the CPU emulation
-// (PETIT_EMU_SM90) the kernels have a body and the wgmma is tests/emu/emu_sm90.h's.
+// (PETIT_EMU_PTX) the kernels have a body and the wgmma is tests/emu/emu_ptx.h's.
 #pragma once
 
 #include "../platform.h"
@@ -55,8 +55,8 @@ PETIT_DEVICE void sm90_wgmma_fence() {
 PETIT_DEVICE void sm90_wgmma_commit() {
 #if PETIT_SM90A_DEVICE
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#elif PETIT_EMU_SM90
-  emu_sm90::wgmma_commit();
+#elif PETIT_EMU_PTX
+  emu_ptx::wgmma_commit();
 #endif
 }
 
@@ -65,15 +65,15 @@ template <int kPending>
 PETIT_DEVICE void sm90_wgmma_wait() {
 #if PETIT_SM90A_DEVICE
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-#elif PETIT_EMU_SM90
-  emu_sm90::wgmma_wait(kPending);
+#elif PETIT_EMU_PTX
+  emu_ptx::wgmma_wait(kPending);
 #endif
 }
 
 // Keeps the compiler from moving accesses of an accumulator register across the asynchronous
 // wgmma region (the register is "modified" here).
 PETIT_DEVICE void sm90_fence_operand(float& r) {
-#if !PETIT_EMU_SM90
+#if !PETIT_EMU_PTX
   asm volatile("" : "+f"(r)::"memory");
 #endif
 }
@@ -122,8 +122,8 @@ PETIT_DEVICE void sm90_wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, u
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-#elif PETIT_EMU_SM90
-  emu_sm90::wgmma<256>(d, desc_a, desc_b, scale_d);
+#elif PETIT_EMU_PTX
+  emu_ptx::wgmma<256>(d, desc_a, desc_b, scale_d);
 #endif
 }
 
@@ -152,8 +152,8 @@ PETIT_DEVICE void sm90_wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a, ui
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-#elif PETIT_EMU_SM90
-  emu_sm90::wgmma<128>(d, desc_a, desc_b, scale_d);
+#elif PETIT_EMU_PTX
+  emu_ptx::wgmma<128>(d, desc_a, desc_b, scale_d);
 #endif
 }
 
@@ -174,8 +174,8 @@ PETIT_DEVICE void sm90_wgmma_m64n64k16_bf16(float (&d)[32], uint64_t desc_a, uin
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-#elif PETIT_EMU_SM90
-  emu_sm90::wgmma<64>(d, desc_a, desc_b, scale_d);
+#elif PETIT_EMU_PTX
+  emu_ptx::wgmma<64>(d, desc_a, desc_b, scale_d);
 #endif
 }
 

@@ -21,7 +21,7 @@
 // launch (and the CUDA context) with an error instead of hanging.
 //
 // CUDA only; the asm is emitted only in sm_90a device passes (PETIT_SM90A_DEVICE). Under the
-// CPU emulation (PETIT_EMU_SM90) the mbarriers are tests/emu/emu_sm90.h's.
+// CPU emulation (PETIT_EMU_PTX) the mbarriers are tests/emu/emu_ptx.h's.
 #pragma once
 
 #include "sm90_mainloop_wgmma.h"
@@ -34,8 +34,8 @@ namespace gemm {
 PETIT_DEVICE void sm90_mbarrier_init(uint32_t bar, int count) {
 #if PETIT_SM90A_DEVICE
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-#elif PETIT_EMU_SM90
-  emu_sm90::mbarrier_init(bar, count);
+#elif PETIT_EMU_PTX
+  emu_ptx::mbarrier_init(bar, count);
 #endif
 }
 
@@ -51,8 +51,8 @@ PETIT_DEVICE void sm90_mbarrier_arrive(uint32_t bar) {
   asm volatile(
       "{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar)
       : "memory");
-#elif PETIT_EMU_SM90
-  emu_sm90::mbarrier_arrive(bar);
+#elif PETIT_EMU_PTX
+  emu_ptx::mbarrier_arrive(bar);
 #endif
 }
 
@@ -61,8 +61,8 @@ PETIT_DEVICE void sm90_mbarrier_arrive(uint32_t bar) {
 PETIT_DEVICE void sm90_cp_async_mbarrier_arrive_noinc(uint32_t bar) {
 #if PETIT_SM90A_DEVICE
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-#elif PETIT_EMU_SM90
-  emu_sm90::cp_async_mbarrier_arrive(bar);
+#elif PETIT_EMU_PTX
+  emu_ptx::cp_async_mbarrier_arrive(bar);
 #endif
 }
 
@@ -76,8 +76,8 @@ PETIT_DEVICE bool sm90_mbarrier_try_wait_parity(uint32_t bar, uint32_t parity) {
       : "r"(bar), "r"(parity)
       : "memory");
   return done != 0;
-#elif PETIT_EMU_SM90
-  return emu_sm90::mbarrier_try_wait_parity(bar, parity);
+#elif PETIT_EMU_PTX
+  return emu_ptx::mbarrier_try_wait_parity(bar, parity);
 #else
   return true;
 #endif
@@ -87,8 +87,8 @@ PETIT_DEVICE uint64_t sm90_globaltimer_ns() {
   uint64_t t = 0;
 #if PETIT_SM90A_DEVICE
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-#elif PETIT_EMU_SM90
-  t = emu_sm90::globaltimer_ns();
+#elif PETIT_EMU_PTX
+  t = emu_ptx::globaltimer_ns();
 #endif
   return t;
 }
@@ -103,8 +103,8 @@ PETIT_DEVICE void sm90_mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
   const uint64_t start = sm90_globaltimer_ns();
   while (!sm90_mbarrier_try_wait_parity(bar, parity))
     if (sm90_globaltimer_ns() - start > kMbarrierTimeoutNs) {
-#if PETIT_EMU_SM90
-      emu_sm90::trap("expert GEMM pipeline wait timed out");
+#if PETIT_EMU_PTX
+      emu_ptx::trap("expert GEMM pipeline wait timed out");
 #else
       __trap();
 #endif

@@ -9,8 +9,8 @@
 // on int is a host atomic. Index math, bounds, barrier placement and warp-level logic execute
 // as written; what this cannot show is performance or anything about the GPU memory model.
 //
-// The sm_90a tensor-core sources compile too (PETIT_EMU_SM90): their PTX wrappers run the
-// emulation of emu_sm90.h, petitLaunchKernel gives each block its dynamic shared memory
+// The sm_90a tensor-core sources compile too (PETIT_EMU_PTX): their PTX wrappers run the
+// emulation of emu_ptx.h, petitLaunchKernel gives each block its dynamic shared memory
 // (1024-byte aligned, poisoned with 0xFF bytes), and the device reports compute capability
 // emu::cc_major.emu::cc_minor (default 2.0: no tensor-core family is taken; 9.0 with the
 // sm_90a build flag set below makes the wgmma families run).
@@ -29,15 +29,15 @@
 #include <thread>
 #include <vector>
 
-#define PETIT_EMU_SM90 1
+#define PETIT_EMU_PTX 1
 #define PETIT_SM90A_BUILT 1
 
 #define __shared__ static            // before cuda_runtime.h, which keeps a prior definition
 #define __launch_bounds__(...)
 #include <cuda_runtime.h>
 
-namespace emu_sm90 {
-inline void check_drained();  // emu_sm90.h: no asynchronous copy or MMA left unwaited
+namespace emu_ptx {
+inline void check_drained();  // emu_ptx.h: no asynchronous copy or MMA left unwaited
 }
 
 namespace emu {
@@ -78,6 +78,7 @@ constexpr int kWarpSize = 32;
 struct Warp {
   Barrier barrier{kWarpSize};
   int values[kWarpSize];
+  uint32_t words[kWarpSize][8];  // multi-word exchange of the PTX emulation (emu_ptx.h)
 };
 thread_local Warp* warp = nullptr;  // this thread's warp (blocks of whole warps only)
 
@@ -106,7 +107,7 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, const Args&
         block_idx = make_uint3(b, 0, 0);
         warp = warps.empty() ? nullptr : &warps[t / kWarpSize];
         kernel(args...);
-        emu_sm90::check_drained();
+        emu_ptx::check_drained();
       });
     }
     for (auto& th : threads) th.join();
@@ -131,7 +132,7 @@ inline int device_attribute(int attr) {
 inline void __syncthreads() { emu::block_barrier->wait(); }
 
 #include "platform.h"
-#include "emu_sm90.h"
+#include "emu_ptx.h"
 
 // ---- warp primitives and atomics (platform.h defines them for nvcc / hipcc only)
 inline int petit_lane_id() { return int(threadIdx.x) % emu::kWarpSize; }
@@ -176,7 +177,8 @@ inline int atomicAdd(int* address, int value) {
 #undef petitFuncSetAttribute
 #define petitFuncSetAttribute(kernel, attr, value) petitSuccess
 #undef petitFuncGetAttributes
-#define petitFuncGetAttributes(attr, kernel) ((attr)->ptxVersion = 0, petitSuccess)  // no mma
+#define petitFuncGetAttributes(attr, kernel) \
+  ((attr)->ptxVersion = emu::cc_major * 10 + emu::cc_minor, petitSuccess)  // mma from 8.0
 #undef petitGetLastError
 #define petitGetLastError() (emu::last_error ? petitErrorInvalidValue : petitSuccess)
 #undef petitGetDevice

@@ -44,7 +44,7 @@ extern "C" int petit_emu_experts(const uint16_t* x, const int32_t* topk_ids,
 }
 
 // The compute capability the emulated device reports: 9.0 lets the wgmma families (run on the
-// PTX emulation of emu_sm90.h) be taken, the default 2.0 leaves only the portable ones.
+// PTX emulation of emu_ptx.h) be taken, the default 2.0 leaves only the portable ones.
 extern "C" void petit_emu_set_compute_capability(int major, int minor) {
   emu::cc_major = major;
   emu::cc_minor = minor;

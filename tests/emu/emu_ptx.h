@@ -1,7 +1,8 @@
-// CPU emulation of the PTX that csrc/gemm/ wraps for the sm_90a tensor-core kernels (cp.async,
-// wgmma on shared-memory descriptors, mbarriers), so that the wgmma families, the
-// warp-specialized ones included, run on the thread-per-GPU-thread runtime of emu_runtime.h
-// (which includes this; platform.h routes the wrappers here when PETIT_EMU_SM90 is 1).
+// CPU emulation of the PTX that csrc/gemm/ wraps for the tensor-core kernels (cp.async,
+// ldmatrix and mma.sync of the sm_80 family, wgmma on shared-memory descriptors and mbarriers
+// of the sm_90a ones), so that every tensor-core family, the warp-specialized ones included,
+// runs on the thread-per-GPU-thread runtime of emu_runtime.h (which includes this; platform.h
+// routes the wrappers here when PETIT_EMU_PTX is 1).
 //
 // The asynchronous operations complete as LATE as the PTX allows, so that a missing wait or a
 // stage handed back too early reads stale or overwritten shared memory and the result is wrong:
@@ -15,6 +16,9 @@
 //     register layout (warp w, lane l, register 4c + 2h + e: row 16w + l/4 + 8h, column
 //     8c + 2(l%4) + e) and the swizzle as an address transform (16-byte chunk bits 4-6 XOR
 //     row-in-atom bits 7-9), from the descriptor's start address and stride byte offset;
+//   - ldmatrix.x4 and mma.sync.m16n8k16 (bf16 -> fp32): warp-collective, so the lanes exchange
+//     their row addresses / fragments through the warp's exchange slots and each computes its
+//     own registers with the PTX fragment layouts (see sm80_mainloop_mma.h);
 //   - shared memory addresses (cvta to .shared): byte offsets into the block's dynamic shared
 //     memory, which emu::launch allocates 1024-byte aligned and poisons;
 //   - mbarrier init / arrive / try_wait.parity: a phase counter and pending count under one
@@ -40,7 +44,7 @@ namespace emu {
 extern unsigned char* dynamic_smem;  // the running block's dynamic shared memory
 }
 
-namespace emu_sm90 {
+namespace emu_ptx {
 
 inline uint32_t smem_addr(const void* ptr) {
   return uint32_t(static_cast<const unsigned char*>(ptr) - emu::dynamic_smem);
@@ -48,7 +52,7 @@ inline uint32_t smem_addr(const void* ptr) {
 inline unsigned char* smem_ptr(uint32_t addr) { return emu::dynamic_smem + addr; }
 
 [[noreturn]] inline void trap(const char* what) {
-  std::fprintf(stderr, "emu_sm90: trap: %s (block %u, thread %u)\n", what,
+  std::fprintf(stderr, "emu_ptx: trap: %s (block %u, thread %u)\n", what,
                unsigned(emu::block_idx.x), unsigned(emu::thread_idx.x));
   std::abort();
 }
@@ -57,6 +61,59 @@ inline unsigned char* smem_ptr(uint32_t addr) { return emu::dynamic_smem + addr;
 inline void warp_sync() {
   if (emu::warp == nullptr) trap("warp-synchronous instruction in a block of partial warps");
   emu::warp->barrier.wait();
+}
+
+// The kWords 32-bit values of every lane of this thread's warp: all[w][lane] (warp-collective:
+// all lanes call it).
+template <int kWords>
+inline void warp_gather(const uint32_t (&mine)[kWords], uint32_t (&all)[kWords][32]) {
+  static_assert(kWords <= 8, "Warp::words holds 8 words per lane");
+  if (emu::warp == nullptr) trap("warp-collective instruction in a block of partial warps");
+  const int t = int(emu::thread_idx.x) % 32;
+  for (int w = 0; w < kWords; ++w) emu::warp->words[t][w] = mine[w];
+  emu::warp->barrier.wait();
+  for (int lane = 0; lane < 32; ++lane)
+    for (int w = 0; w < kWords; ++w) all[w][lane] = emu::warp->words[lane][w];
+  emu::warp->barrier.wait();
+}
+
+// ---- ldmatrix.sync.aligned.m8n8.x4.b16: lanes 8j..8j+7 give the row addresses of matrix j;
+// register j of lane t is row t/4, elements 2(t%4), 2(t%4)+1 of matrix j.
+inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  const uint32_t mine[1] = {addr};
+  uint32_t addrs[1][32];
+  warp_gather(mine, addrs);
+  const int t = int(emu::thread_idx.x) % 32;
+  for (int j = 0; j < 4; ++j)
+    std::memcpy(&r[j], smem_ptr(addrs[0][8 * j + t / 4] + 4 * (t % 4)), 4);
+}
+
+// ---- mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (g = lane / 4, q = lane % 4):
+// a = {A[g][2q..], A[g+8][2q..], A[g][2q+8..], A[g+8][2q+8..]}, b = {B[2q..][g], B[2q+8..][g]},
+// d = {D[g][2q], D[g][2q+1], D[g+8][2q], D[g+8][2q+1]}.
+inline float bf16_half(uint32_t word, int hi) {
+  return petit_bf16_to_float(petit_bf16_bits(hi ? word >> 16 : word & 0xFFFFu));
+}
+inline void mma_bf16_16816(float& d0, float& d1, float& d2, float& d3, const uint32_t (&a)[4],
+                           uint32_t b0, uint32_t b1) {
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  uint32_t frag[6][32];  // [register][lane]: a0..a3, b0, b1
+  warp_gather(mine, frag);
+  auto A = [&](int row, int k) {  // A[row][k], 16 x 16
+    const int reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+    return bf16_half(frag[reg][(row % 8) * 4 + (k % 8) / 2], k % 2);
+  };
+  auto B = [&](int k, int n) {  // B[k][n], 16 x 8
+    return bf16_half(frag[4 + (k >= 8 ? 1 : 0)][n * 4 + (k % 8) / 2], k % 2);
+  };
+  const int t = int(emu::thread_idx.x) % 32, g = t / 4, q = t % 4;
+  float* d[4] = {&d0, &d1, &d2, &d3};
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0), col = 2 * q + i % 2;
+    float acc = *d[i];
+    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+    *d[i] = acc;
+  }
 }
 
 // ---- cp.async: per-thread queue of copies, in commit groups
@@ -203,4 +260,4 @@ inline uint64_t globaltimer_ns() {
                       .count());
 }
 
-}  // namespace emu_sm90
+}  // namespace emu_ptx
