@@ -33,7 +33,7 @@ petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stre
 // "Expert kernels"). With pos = a position in sorted_entries order, entry = sorted_entries[pos],
 // e = the local expert of pos, row = entry / K:
 //   gate/up:  act[pos] = bf16(silu(x[row] . w13[e, :I]^T) * (x[row] . w13[e, I:]^T))
-//   down:     partial[entry] = weight[entry] * (act[pos] . w2[e]^T)              (fp32)
+//   down:     partial[entry] = bf16(weight[entry] * (act[pos] . w2[e]^T))
 //   reduce:   out[row] = bf16(sum over k = 0..K-1 with a local id of partial[row*K + k]),
 //             accumulated in fp32 in slot order (deterministic); rows with no local id get 0.
 // Only the rows [0, offsets[L]) of act and the partial rows of valid entries are written and
@@ -92,7 +92,7 @@ struct ExpertGemmArgs {
   const int32_t* expert_offsets;   // [L+1] from launch_expert_row_lists
   const int32_t* sorted_entries;   // [N*K] from launch_expert_row_lists
   petit_bf16_bits* act;            // [N*K, I] workspace (expert_act_workspace_elems)
-  float* partial;                  // [N*K, H] workspace (expert_partial_workspace_elems)
+  petit_bf16_bits* partial;        // [N*K, H] bf16 workspace (expert_partial_workspace_elems)
   petit_bf16_bits* out;            // [N, H]
   int num_rows;                    // N
   int top_k;                       // K

@@ -449,12 +449,12 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
   if (partial_workspace.has_value()) {
     partial = *partial_workspace;
     PETIT_CHECK(partial.is_cuda() && partial.is_contiguous() && partial.device() == device &&
-                    partial.scalar_type() == torch::kFloat32 && partial.numel() >= partial_elems,
-                "partial_workspace must be a contiguous float32 tensor of >= N*K*H = %lld "
+                    partial.scalar_type() == torch::kBFloat16 && partial.numel() >= partial_elems,
+                "partial_workspace must be a contiguous bfloat16 tensor of >= N*K*H = %lld "
                 "elements on recv_x's device",
                 (long long)partial_elems);
   } else {
-    partial = torch::empty({partial_elems}, opts.dtype(torch::kFloat32));
+    partial = torch::empty({partial_elems}, opts);
   }
   check_aligned16(act, "act_workspace");
   check_aligned16(partial, "partial_workspace");
@@ -492,7 +492,7 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
   a.expert_offsets = offsets.data_ptr<int32_t>();
   a.sorted_entries = sorted.data_ptr<int32_t>();
   a.act = reinterpret_cast<petit_bf16_bits*>(act.data_ptr());
-  a.partial = partial.data_ptr<float>();
+  a.partial = reinterpret_cast<petit_bf16_bits*>(partial.data_ptr());
   a.out = reinterpret_cast<petit_bf16_bits*>(result.data_ptr());
   a.num_rows = int(N);
   a.top_k = int(K);

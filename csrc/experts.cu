@@ -7,10 +7,11 @@
 // Why a separate reduction instead of accumulating in the down GEMM's epilogue: a token's
 // (up to K) local entries belong to different experts, i.e. to tiles that run in no fixed
 // order, so an in-epilogue fp32 accumulation (atomics) would round differently from run to
-// run. Writing each entry's weighted fp32 row to its own workspace row (indexed by the entry,
-// so no inverse permutation is needed) and summing them in slot order k = 0..K-1 afterwards
-// gives bit-identical results on every run, at the cost of the workspace
-// (N*K*H*4 bytes, see expert_partial_workspace_elems) and one extra pass over it.
+// run. Writing each entry's weighted row, rounded to bf16 (as vLLM's own experts do before
+// their sum), to its own workspace row (indexed by the entry, so no inverse permutation is
+// needed) and summing them in fp32 in slot order k = 0..K-1 afterwards gives bit-identical
+// results on every run, at the cost of the workspace (N*K*H*2 bytes, see
+// expert_partial_workspace_elems) and one extra pass over it.
 #include "api.h"
 #include "expert_ids.h"
 #include "gemm/epilogues.h"
@@ -459,8 +460,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
       const int n = n_begin + c;  // c < kBlockN: one thread per (column, row)
       if (r < tile.num_rows && n < a.hidden) {
         const int entry = a.sorted_entries[tile.row_begin + r];
-        a.partial[int64_t(entry) * a.hidden + n] =
-            a.topk_weights[entry] * smem.sums[c / kDecodeRowsPerWarp][c % kDecodeRowsPerWarp][r];
+        a.partial[int64_t(entry) * a.hidden + n] = petit_float_to_bf16(
+            a.topk_weights[entry] * smem.sums[c / kDecodeRowsPerWarp][c % kDecodeRowsPerWarp][r]);
       }
     }
     __syncthreads();  // smem.sums is rewritten by the next tile
@@ -469,7 +470,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
 
 // ------------------------------------------------------------------ local reduction
 
-// One thread per (row, 8 columns): sum the row's local entries in slot order, round once.
+// One thread per (row, 8 columns): sum the row's local entries (bf16) in fp32 in slot order,
+// round once.
 PETIT_GLOBAL void __launch_bounds__(kReduceThreads) expert_reduce_kernel(ExpertGemmArgs a) {
   const int chunks_per_row = a.hidden / 8;
   const int64_t num_chunks = int64_t(a.num_rows) * chunks_per_row;
@@ -484,11 +486,11 @@ PETIT_GLOBAL void __launch_bounds__(kReduceThreads) expert_reduce_kernel(ExpertG
       if (local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, a.num_local_experts,
                           entry) < 0)
         continue;
-      const float4* src =
-          reinterpret_cast<const float4*>(a.partial + int64_t(entry) * a.hidden + col);
-      const float4 lo = src[0], hi = src[1];
-      sum[0] += lo.x; sum[1] += lo.y; sum[2] += lo.z; sum[3] += lo.w;
-      sum[4] += hi.x; sum[5] += hi.y; sum[6] += hi.z; sum[7] += hi.w;
+      const uint4 bits =
+          *reinterpret_cast<const uint4*>(a.partial + int64_t(entry) * a.hidden + col);
+      const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
     }
     uint4 packed;
     packed.x = uint32_t(petit_float_to_bf16(sum[0])) | (uint32_t(petit_float_to_bf16(sum[1])) << 16);

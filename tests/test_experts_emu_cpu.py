@@ -58,7 +58,7 @@ def run_emulated(lib, recv_x, ids, weights, w13, w2, *, tiles="auto", num_sms=1,
     local_ids = torch.where((local_ids >= 0) & (local_ids < num_local), local_ids, -1)
     _, offsets, sorted_entries = reference.expert_row_lists_reference(local_ids, num_local)
     act = torch.full((num_rows * top_k, intermediate), float("nan"), dtype=torch.bfloat16)
-    partial = torch.full((num_rows * top_k, hidden), float("nan"))
+    partial = torch.full((num_rows * top_k, hidden), float("nan"), dtype=torch.bfloat16)
     out = torch.full((num_rows, hidden), float("nan"), dtype=torch.bfloat16)
     used = ctypes.c_int(-1)
     tensors = [recv_x, ids, weights, w13, w2, offsets, sorted_entries, act, partial, out]

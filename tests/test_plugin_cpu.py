@@ -873,7 +873,8 @@ def test_prepare_errors_are_explicit(vllm_config):
 def emulated_experts_forward(recv_x, recv_topk_ids, recv_topk_weights, w13, w2, *, out,
                              act_workspace, partial_workspace, tiles="auto", expert_map=None):
     """``ops.experts_forward`` in torch, step by step on the caller's buffers like the kernels:
-    act in sorted order -> per-entry fp32 partials -> slot-order sum into ``out``. ``out`` may
+    act in sorted order -> per-entry bf16 partials -> slot-order fp32 sum into ``out``. ``out``
+    may
     alias ``act_workspace`` (vLLM's fused output shares workspace13). Ids follow the kernels'
     rule (csrc/expert_ids.h): global ids through ``expert_map`` when given, then anything
     outside ``[0, L)`` is a slot this rank does not serve."""
@@ -900,11 +901,13 @@ def emulated_experts_forward(recv_x, recv_topk_ids, recv_topk_weights, w13, w2, 
                           * gate_up[:, intermediate:]).to(torch.bfloat16)
     for expert, (begin, end) in enumerate(spans):
         entry = order[begin:end].long()
-        partial[entry] = flat_weights[entry, None] * (act[begin:end].float() @ w2[expert].float().T)
+        partial[entry] = (flat_weights[entry, None]
+                          * (act[begin:end].float() @ w2[expert].float().T)).to(partial.dtype)
     valid = (recv_topk_ids >= 0) & (recv_topk_ids < num_local)
     total = torch.zeros(num_rows, hidden)
     for k in range(top_k):
-        total = total + torch.where(valid[:, k, None], partial.view(num_rows, top_k, hidden)[:, k], 0.0)
+        total = total + torch.where(valid[:, k, None],
+                                    partial.view(num_rows, top_k, hidden)[:, k].float(), 0.0)
     out.copy_(total.to(torch.bfloat16))
     return out
 
@@ -955,7 +958,7 @@ def test_petit_experts_workspace_shapes(num_rows, top_k, hidden, intermediate):
     ws13, ws2, out = experts.workspace_shapes(num_rows, 2 * intermediate, hidden, top_k, 16, 8,
                                               None, MoEActivation.SILU)
     assert ws13 == (num_rows, top_k, intermediate)  # the activation, bf16
-    assert ws2 == (num_rows, top_k, 2 * hidden)  # fp32 [M*K, H] as bf16 pairs
+    assert ws2 == (num_rows, top_k, hidden)  # the weighted partials, bf16 [M*K, H]
     assert out == (num_rows, hidden)
     # The first dimension is the token count (vLLM's convention for workspaces).
     assert ws13[0] == ws2[0] == out[0] == num_rows

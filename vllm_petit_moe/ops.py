@@ -52,15 +52,16 @@ def experts_workspace_shapes(
 
     - act ``[N*K, I] bfloat16``: the SiLU·mul activation of every routing entry, in the
       per-expert sorted order (only the first ``#valid entries`` rows are written);
-    - partial ``[N*K, H] float32``: the weighted down-projection of every routing entry,
-      indexed by the entry ``row*K + k`` (only valid entries are written).
+    - partial ``[N*K, H] bfloat16``: the weighted down-projection of every routing entry,
+      rounded to bf16 (as vLLM's Triton experts round theirs before the sum), indexed by the
+      entry ``row*K + k`` (only valid entries are written).
 
     The partial workspace is what makes the local reduction deterministic (each token's <= K
-    entries are summed afterwards in slot order); it is ``N*K*H*4`` bytes, e.g. 1.8 GiB for
-    N = 8192 rows, K = 8, H = 7168.
+    entries are summed afterwards in fp32, in slot order); it is ``N*K*H*2`` bytes, e.g.
+    0.9 GiB for N = 8192 rows, K = 8, H = 7168.
     """
     entries = num_rows * top_k
-    return ((entries, intermediate_size), torch.bfloat16), ((entries, hidden_size), torch.float32)
+    return ((entries, intermediate_size), torch.bfloat16), ((entries, hidden_size), torch.bfloat16)
 
 
 def validate_experts_inputs(
@@ -191,7 +192,7 @@ def experts_forward(
     )
     for name, workspace, shape, dtype in (
         ("act_workspace", act_workspace, act_shape, torch.bfloat16),
-        ("partial_workspace", partial_workspace, partial_shape, torch.float32),
+        ("partial_workspace", partial_workspace, partial_shape, torch.bfloat16),
     ):
         if workspace is not None and (
             workspace.dtype != dtype or workspace.numel() < shape[0] * shape[1]

@@ -473,8 +473,9 @@ def experts_reference(
     ``Σ_{k: id >= 0} w[r,k] · expert_{id}(recv_x[r])``; rows whose ids are all ``-1`` are 0.
 
     ``"kernel"`` precision: both GEMMs on bf16 values with fp32 accumulation, the activation
-    ``silu(gate)*up`` in fp32 rounded to bf16 once, the weighted sum over a row's local
-    experts in fp32 (ascending local expert order) rounded to bf16 once; returns bf16.
+    ``silu(gate)*up`` in fp32 rounded to bf16 once, each entry's weighted down-projection
+    rounded to bf16, their sum over a row's local experts in fp32 (ascending local expert
+    order) rounded to bf16 once; returns bf16.
     ``"fp32"``: the same in float64 without intermediate rounding; returns float32.
 
     Works expert by expert on the row lists of :func:`expert_row_lists_reference`, gathering
@@ -504,7 +505,10 @@ def experts_reference(
         if precision == "kernel":
             activation = activation.to(torch.bfloat16).to(compute_dtype)
         down = activation @ w2[expert_idx].to(compute_dtype).T
-        out.index_add_(0, row_idx, down * flat_weights[entries, None])
+        weighted = down * flat_weights[entries, None]
+        if precision == "kernel":  # each entry's weighted row is stored in bf16
+            weighted = weighted.to(torch.bfloat16).to(compute_dtype)
+        out.index_add_(0, row_idx, weighted)
     return out.to(torch.bfloat16 if precision == "kernel" else torch.float32)
 
 

@@ -3,7 +3,7 @@
 // tile column Cfg::col_of(tx, j) of B group g) once a tile's reduction is done.
 //
 //   SiluMulEpilogue        GEMM1: act[pos][n] = bf16(silu(gate) * up), fp32 math, one rounding
-//   WeightedEntryEpilogue  GEMM2: partial[entry][n] = weight[entry] * acc, fp32
+//   WeightedEntryEpilogue  GEMM2: partial[entry][n] = bf16(weight[entry] * acc)
 //
 // Column runs of kVecN (<= 4) start at multiples of kVecN and every output width is a
 // multiple of 8, so a run is entirely inside or entirely outside the output: one bounds
@@ -79,7 +79,7 @@ struct SiluMulEpilogue {
 template <class Cfg>
 struct WeightedEntryEpilogue {
   static_assert(Cfg::kNumBGroups == 1, "plain tile");
-  float* partial;                 // [N*K, out_cols]
+  petit_bf16_bits* partial;       // [N*K, out_cols]
   const int32_t* sorted_entries;  // [N*K]
   const float* entry_weights;     // [N*K]
   int out_cols;                   // H
@@ -93,7 +93,7 @@ struct WeightedEntryEpilogue {
       if (r >= num_rows) continue;
       const int entry = sorted_entries[row_begin + r];
       const float weight = entry_weights[entry];
-      float* out_row = partial + int64_t(entry) * out_cols;
+      petit_bf16_bits* out_row = partial + int64_t(entry) * out_cols;
 #pragma unroll
       for (int j = 0; j < Cfg::kThreadN; j += Cfg::kVecN) {
         const int n = col_begin + Cfg::col_of(tx, j);
@@ -101,7 +101,7 @@ struct WeightedEntryEpilogue {
         float v[Cfg::kVecN];
 #pragma unroll
         for (int u = 0; u < Cfg::kVecN; ++u) v[u] = weight * acc[i][j + u];
-        store_f32_vec<Cfg::kVecN>(out_row + n, v);
+        store_bf16_vec<Cfg::kVecN>(out_row + n, v);
       }
     }
   }

@@ -13,7 +13,7 @@
 extern "C" int petit_emu_experts(const uint16_t* x, const int32_t* topk_ids,
                                  const float* topk_weights, const uint16_t* w13,
                                  const uint16_t* w2, const int32_t* expert_offsets,
-                                 const int32_t* sorted_entries, uint16_t* act, float* partial,
+                                 const int32_t* sorted_entries, uint16_t* act, uint16_t* partial,
                                  uint16_t* out, int num_rows, int top_k, int hidden,
                                  int intermediate, int num_local_experts, int tiles, int num_sms,
                                  const int32_t* expert_map, int num_global_experts,

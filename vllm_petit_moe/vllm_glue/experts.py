@@ -191,10 +191,10 @@ class PetitExperts(_ExpertsModular):
         activation,
     ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """``M`` rows, ``N = 2I`` (rows of w13), ``K = H``. Returns
-        ``workspace13 (M, topk, I)`` (the activation, bf16), ``workspace2 (M, topk, 2H)``
-        (the per-entry fp32 partials, as bf16 pairs) and the output ``(M, H)``."""
+        ``workspace13 (M, topk, I)`` (the activation, bf16), ``workspace2 (M, topk, H)`` (the
+        per-entry weighted partials, bf16) and the output ``(M, H)``."""
         intermediate = N // 2
-        return (M, topk, intermediate), (M, topk, 2 * K), (M, K)
+        return (M, topk, intermediate), (M, topk, K), (M, K)
 
     # --- the computation -------------------------------------------------------------------
 
@@ -243,7 +243,7 @@ class PetitExperts(_ExpertsModular):
             weights = topk_weights.to(torch.float32).contiguous()
         num_entries = num_rows * top_k
         act = workspace13.reshape(-1)[: num_entries * intermediate]
-        partial = workspace2.reshape(-1)[: 2 * num_entries * hidden].view(torch.float32)
+        partial = workspace2.reshape(-1)[: num_entries * hidden]
         ops.experts_forward(
             hidden_states, ids, weights, w1, w2,
             out=output, act_workspace=act, partial_workspace=partial, tiles=self.tiles,
