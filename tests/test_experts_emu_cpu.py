@@ -6,8 +6,9 @@ barrier placement before (and besides) the GPU tests in test_experts_gpu.py; it 
 about performance or the GPU memory model. The tensor-core families (sm_80 mma, the sm_90a wgmma
 ones, the warp-specialized ones included) run too, on an emulation of their PTX
 (tests/emu/emu_ptx.h: cp.async and wgmma completing as late as allowed, ldmatrix / mma.sync
-across the warp's lanes, mbarriers), with the emulated device reporting compute capability 9.0. The row lists come from the reference (the routing
-kernel has its own GPU test). Needs g++ and the CUDA headers (for uint4/float4/dim3 only).
+across the warp's lanes, mbarriers), with the emulated device reporting compute capability 9.0.
+The row lists come from the reference (the routing kernel has its own GPU test). Needs g++ and
+the CUDA headers (for uint4/float4/dim3 only).
 """
 from __future__ import annotations
 
@@ -18,10 +19,8 @@ import torch
 
 from conftest import build_emu_library
 from vllm_petit_moe import reference
+from vllm_petit_moe.ops import TILE_NAMES, TILES
 
-from vllm_petit_moe.ops import TILES, TILE_NAMES  # noqa: E402
-
-PORTABLE = ("small", "large", "decode")
 TENSOR_CORE = ("mma",) + tuple(t for t in TILES if t.startswith("wgmma"))
 
 
@@ -198,9 +197,10 @@ def test_auto_tiles_follow_rows_per_expert(emu):
 def test_tensor_core_families_on_emulated_ptx(sm90, tiles):
     """The tensor-core families' data path on the CPU: cp.async tile loads into the swizzled
     ring, ldmatrix / mma.sync fragments or wgmma descriptors and accumulator layout, the
-    epilogues, and for the *_ws families the producer/consumer ring over mbarriers. Odd K (3 and 4 k-tiles, the last
-    partial), several tiles per block (the ring wraps around its stages and, warp-specialized,
-    runs on across tiles), an expert with no rows, a row with no local slot."""
+    epilogues, and for the *_ws families the producer/consumer ring over mbarriers. Odd K
+    (3 and 4 k-tiles, the last partial), several tiles per block (the ring wraps around its
+    stages and, warp-specialized, runs on across tiles), an expert with no rows, a row with no
+    local slot."""
     gen = torch.Generator().manual_seed(21)
     ids = torch.randint(0, 4, (45, 3), generator=gen, dtype=torch.int32)
     ids = torch.where(ids == 3, -1, ids)  # expert 3 of 5 never, expert 4 never either
