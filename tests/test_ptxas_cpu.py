@@ -1,0 +1,100 @@
+"""CPU (needs nvcc): what ptxas says about the sm_90a kernels, checked on every CI run.
+
+The kernel sources are compiled for sm_90a as the extension build does (setup.py's flags),
+with ``-Xptxas -v``:
+  - no kernel spills registers to local memory (stack frames are allowed: the dispatch/combine
+    kernels keep their timeout report's printf buffer there);
+  - the warp-specialized expert kernels are launched with the register count their setmaxnreg
+    budget assumes (Sm90WgmmaWsMainloop::kLaunchRegs = 168 for 384 threads: the producer gives
+    up 168 - 56 per thread and the consumers take 224), since setmaxnreg.inc would otherwise
+    wait for registers that never come free;
+  - their PTX has the instructions the design relies on (wgmma, mbarrier waits, setmaxnreg),
+    and ptxas does not serialize any kernel's wgmma (warning C7510).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DPETIT_SM90A_BUILT=1",
+         "-gencode", "arch=compute_90a,code=sm_90a", f"-I{ROOT / 'csrc'}"]
+
+
+def _nvcc() -> str | None:
+    import os
+
+    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    candidate = cuda_home / "bin" / "nvcc"
+    return str(candidate) if candidate.exists() else shutil.which("nvcc")
+
+
+def _ptxas_report(nvcc: str, source: str, tmp_path: Path) -> dict[str, dict]:
+    """Per kernel (mangled name): registers, spill store / load bytes; plus the raw log."""
+    result = subprocess.run(
+        [nvcc, *FLAGS, "-Xptxas", "-v", "-c", str(ROOT / "csrc" / source),
+         "-o", str(tmp_path / (source + ".o"))],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    kernels: dict[str, dict] = {}
+    current = None
+    for line in result.stderr.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            current = kernels.setdefault(m.group(1), {})
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current is not None:
+            current["spill_stores"], current["spill_loads"] = int(m.group(1)), int(m.group(2))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current is not None:
+            current["registers"] = int(m.group(1))
+    return {"kernels": kernels, "log": result.stderr}
+
+
+@pytest.fixture(scope="module")
+def nvcc():
+    path = _nvcc()
+    if path is None:
+        pytest.skip("needs nvcc (CUDA_HOME/bin/nvcc)")
+    return path
+
+
+@pytest.mark.parametrize("source", ["experts.cu", "dispatch_combine.cu", "routing.cu"])
+def test_no_kernel_spills_and_no_serialized_wgmma(nvcc, source, tmp_path):
+    report = _ptxas_report(nvcc, source, tmp_path)
+    kernels = report["kernels"]
+    assert kernels, report["log"][-2000:]
+    spilling = {name: k for name, k in kernels.items()
+                if k.get("spill_stores", 0) or k.get("spill_loads", 0)}
+    assert not spilling, spilling
+    assert "C7510" not in report["log"], report["log"][-4000:]  # wgmma serialized
+
+
+def test_warp_specialized_kernels_launch_with_their_register_budget(nvcc, tmp_path):
+    kernels = _ptxas_report(nvcc, "experts.cu", tmp_path)["kernels"]
+    ws = {name: k for name, k in kernels.items() if "_ws_kernel" in name}
+    assert len(ws) == 4, sorted(kernels)  # gate/up and down of wgmma_ws and wgmma_m64_ws
+    for name, k in ws.items():
+        assert k["registers"] == 168, (name, k)
+
+
+def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
+    ptx_path = tmp_path / "experts.ptx"
+    result = subprocess.run([nvcc, *FLAGS, "-ptx", str(ROOT / "csrc" / "experts.cu"),
+                             "-o", str(ptx_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ptx = ptx_path.read_text()
+    # The body of each .entry, up to the next one.
+    entries = re.split(r"\n(?=\.(?:visible )?\.?entry )", ptx)
+    ws_bodies = [e for e in entries if re.match(r"\.(?:visible )?\.?entry \w+_ws_kernel", e)]
+    assert len(ws_bodies) == 4
+    for body in ws_bodies:
+        for instruction in ("wgmma.mma_async", "mbarrier.try_wait.parity",
+                            "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
+                            "setmaxnreg.dec", "fence.proxy.async"):
+            assert instruction in body, instruction
