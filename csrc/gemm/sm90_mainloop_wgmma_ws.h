@@ -97,7 +97,8 @@ PETIT_DEVICE uint64_t sm90_globaltimer_ns() {
 constexpr uint64_t kMbarrierTimeoutNs = 10ull * 1000 * 1000 * 1000;
 
 // Until the phase of `bar` with parity `parity` has completed (bounded, see above). No printf
-// on expiry: any call inside the consumers' loop would make ptxas serialize their wgmma.
+// on expiry: a call anywhere in the kernel, even on the producer's side, makes ptxas serialize
+// the consumers' wgmma (warning C7510, which tests/test_ptxas_cpu.py rejects).
 PETIT_DEVICE void sm90_mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
   if (sm90_mbarrier_try_wait_parity(bar, parity)) return;
   const uint64_t start = sm90_globaltimer_ns();
