@@ -643,26 +643,6 @@ petitError_t launch_tc_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                           stream);
 }
 
-petitError_t launch_mma_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
-                             petitStream_t stream) {
-  return launch_tc_gemm<GateUpMma, DownMma>(gate_up, a, num_sms, stream);
-}
-
-petitError_t launch_wgmma_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
-                               petitStream_t stream) {
-  return launch_tc_gemm<GateUpWgmma, DownWgmma>(gate_up, a, num_sms, stream);
-}
-
-petitError_t launch_wgmma_m64_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
-                                   petitStream_t stream) {
-  return launch_tc_gemm<GateUpWgmmaM64, DownWgmmaM64>(gate_up, a, num_sms, stream);
-}
-
-petitError_t launch_wgmma_narrow_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
-                                      petitStream_t stream) {
-  return launch_tc_gemm<GateUpWgmmaNarrow, DownWgmmaNarrow>(gate_up, a, num_sms, stream);
-}
-
 template <class GateUp, class Down>
 petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                             petitStream_t stream) {
@@ -672,36 +652,31 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                           stream);
 }
 
-petitError_t launch_wgmma_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
-                                  petitStream_t stream) {
-  return launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWs>(gate_up, a, num_sms, stream);
+// GEMM1 or GEMM2 of a tensor-core family (kExpertTilesMma, kExpertTilesWgmma*), whose path
+// the caller has checked (mma_path_supported, wgmma_path_supported).
+petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, int num_sms,
+                              petitStream_t stream) {
+  switch (tiles) {
+    case kExpertTilesMma: return launch_tc_gemm<GateUpMma, DownMma>(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmma:
+      return launch_tc_gemm<GateUpWgmma, DownWgmma>(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmmaM64:
+      return launch_tc_gemm<GateUpWgmmaM64, DownWgmmaM64>(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmmaNarrow:
+      return launch_tc_gemm<GateUpWgmmaNarrow, DownWgmmaNarrow>(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmmaWs:
+      return launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWs>(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmmaM64Ws:
+      return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
+    default: return petitErrorInvalidValue;
+  }
 }
 
-petitError_t launch_wgmma_m64_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
-                                      petitStream_t stream) {
-  return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
-}
-
-#else  // no tensor-core path in this build (HIP, host-compiler emulation)
+#else  // no tensor-core path in this build (HIP)
 
 petitError_t mma_path_supported() { return petitErrorNotSupported; }
 petitError_t wgmma_path_supported() { return petitErrorNotSupported; }
-petitError_t launch_mma_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
-  return petitErrorNotSupported;
-}
-petitError_t launch_wgmma_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
-  return petitErrorNotSupported;
-}
-petitError_t launch_wgmma_m64_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
-  return petitErrorNotSupported;
-}
-petitError_t launch_wgmma_narrow_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
-  return petitErrorNotSupported;
-}
-petitError_t launch_wgmma_ws_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
-  return petitErrorNotSupported;
-}
-petitError_t launch_wgmma_m64_ws_gemm(bool, const ExpertGemmArgs&, int, petitStream_t) {
+petitError_t launch_tc_family(int, bool, const ExpertGemmArgs&, int, petitStream_t) {
   return petitErrorNotSupported;
 }
 
@@ -744,16 +719,12 @@ petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStre
   int num_sms = 0;
   if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
   switch (tiles) {
-    case kExpertTilesWgmma: return launch_wgmma_gemm(gate_up, a, num_sms, stream);
-    case kExpertTilesWgmmaM64: return launch_wgmma_m64_gemm(gate_up, a, num_sms, stream);
-    case kExpertTilesWgmmaNarrow: return launch_wgmma_narrow_gemm(gate_up, a, num_sms, stream);
-    case kExpertTilesWgmmaWs: return launch_wgmma_ws_gemm(gate_up, a, num_sms, stream);
-    case kExpertTilesWgmmaM64Ws: return launch_wgmma_m64_ws_gemm(gate_up, a, num_sms, stream);
-    case kExpertTilesMma: return launch_mma_gemm(gate_up, a, num_sms, stream);
-    case kExpertTilesDecode: return launch_decode_gemm(gate_up, a, num_sms, stream);
+    case kExpertTilesSmall:
+      return launch_simt_gemm<GateUpSmall, DownSmall>(gate_up, a, num_sms, stream);
     case kExpertTilesLarge:
       return launch_simt_gemm<GateUpLarge, DownLarge>(gate_up, a, num_sms, stream);
-    default: return launch_simt_gemm<GateUpSmall, DownSmall>(gate_up, a, num_sms, stream);
+    case kExpertTilesDecode: return launch_decode_gemm(gate_up, a, num_sms, stream);
+    default: return launch_tc_family(tiles, gate_up, a, num_sms, stream);
   }
 }
 

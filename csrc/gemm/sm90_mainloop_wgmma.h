@@ -122,8 +122,6 @@ PETIT_DEVICE void sm90_wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, u
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-#elif PETIT_EMU_PTX
-  emu_ptx::wgmma<256>(d, desc_a, desc_b, scale_d);
 #endif
 }
 
@@ -152,8 +150,6 @@ PETIT_DEVICE void sm90_wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a, ui
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-#elif PETIT_EMU_PTX
-  emu_ptx::wgmma<128>(d, desc_a, desc_b, scale_d);
 #endif
 }
 
@@ -174,8 +170,6 @@ PETIT_DEVICE void sm90_wgmma_m64n64k16_bf16(float (&d)[32], uint64_t desc_a, uin
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-#elif PETIT_EMU_PTX
-  emu_ptx::wgmma<64>(d, desc_a, desc_b, scale_d);
 #endif
 }
 
@@ -184,6 +178,9 @@ PETIT_DEVICE void sm90_wgmma_bf16(float (&d)[kN / 2], uint64_t desc_a, uint64_t 
                                   int scale_d) {
   static_assert(kN == 64 || kN == 128 || kN == 256,
                 "wrapped wgmma shapes: m64n64k16, m64n128k16, m64n256k16");
+#if PETIT_EMU_PTX
+  emu_ptx::wgmma<kN>(d, desc_a, desc_b, scale_d);
+#else
   if constexpr (kN == 256) {
     sm90_wgmma_m64n256k16_bf16(d, desc_a, desc_b, scale_d);
   } else if constexpr (kN == 128) {
@@ -191,6 +188,7 @@ PETIT_DEVICE void sm90_wgmma_bf16(float (&d)[kN / 2], uint64_t desc_a, uint64_t 
   } else {
     sm90_wgmma_m64n64k16_bf16(d, desc_a, desc_b, scale_d);
   }
+#endif
 }
 
 // ------------------------------------------------------------------ tile configuration
@@ -253,6 +251,25 @@ struct Sm90WgmmaTileConfig {
 };
 
 // ------------------------------------------------------------------ main loop
+
+// The wgmma accumulators d of a warpgroup in the epilogue view acc (see the config): group g,
+// n8 chunk c of the group (in this warpgroup's B rows), half h, element e.
+template <class Cfg>
+PETIT_DEVICE void sm90_epilogue_view(
+    const float (&d)[Cfg::kWgmmaN / 2],
+    float (&acc)[Cfg::kThreadM][Cfg::kNumBGroups * Cfg::kThreadN]) {
+  constexpr int kChunksPerGroup = Cfg::kGroupCols / 8;
+#pragma unroll
+  for (int g = 0; g < Cfg::kNumBGroups; ++g)
+#pragma unroll
+    for (int c = 0; c < kChunksPerGroup; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          acc[h][g * Cfg::kThreadN + 2 * c + e] = d[(g * kChunksPerGroup + c) * 4 + 2 * h + e];
+}
+
 
 template <class Cfg_>
 struct Sm90WgmmaMainloop {
@@ -341,18 +358,7 @@ struct Sm90WgmmaMainloop {
     cp_async_wait<0>();
     __syncthreads();
 
-    // Epilogue view: group g, n8 chunk c of the group (in this warpgroup's B rows), half h,
-    // element e.
-    constexpr int kChunksPerGroup = Cfg::kGroupCols / 8;
-#pragma unroll
-    for (int g = 0; g < Cfg::kNumBGroups; ++g)
-#pragma unroll
-      for (int c = 0; c < kChunksPerGroup; ++c)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            acc[h][g * Cfg::kThreadN + 2 * c + e] = d[(g * kChunksPerGroup + c) * 4 + 2 * h + e];
+    sm90_epilogue_view<Cfg>(d, acc);
   }
 };
 

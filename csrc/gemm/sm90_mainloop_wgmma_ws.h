@@ -245,17 +245,7 @@ struct Sm90WgmmaWsMainloop {
     if (num_k_tiles > 0 && warp_leader)
       sm90_mbarrier_arrive(empty + 8 * ((it - 1) % Cfg::kStages));
 
-    // Epilogue view, as in Sm90WgmmaMainloop::run.
-    constexpr int kChunksPerGroup = Cfg::kGroupCols / 8;
-#pragma unroll
-    for (int g = 0; g < Cfg::kNumBGroups; ++g)
-#pragma unroll
-      for (int c = 0; c < kChunksPerGroup; ++c)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            acc[h][g * Cfg::kThreadN + 2 * c + e] = d[(g * kChunksPerGroup + c) * 4 + 2 * h + e];
+    sm90_epilogue_view<Cfg>(d, acc);
   }
 };
 
