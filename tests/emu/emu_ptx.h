@@ -63,18 +63,10 @@ inline void warp_sync() {
   emu::warp->barrier.wait();
 }
 
-// The kWords 32-bit values of every lane of this thread's warp: all[w][lane] (warp-collective:
-// all lanes call it).
+// emu::warp_gather for a warp-collective instruction (a block of whole warps only).
 template <int kWords>
 inline void warp_gather(const uint32_t (&mine)[kWords], uint32_t (&all)[kWords][32]) {
-  static_assert(kWords <= 8, "Warp::words holds 8 words per lane");
-  if (emu::warp == nullptr) trap("warp-collective instruction in a block of partial warps");
-  const int t = int(emu::thread_idx.x) % 32;
-  for (int w = 0; w < kWords; ++w) emu::warp->words[t][w] = mine[w];
-  emu::warp->barrier.wait();
-  for (int lane = 0; lane < 32; ++lane)
-    for (int w = 0; w < kWords; ++w) all[w][lane] = emu::warp->words[lane][w];
-  emu::warp->barrier.wait();
+  if (!emu::warp_gather(mine, all)) trap("warp-collective instruction in a block of partial warps");
 }
 
 // ---- ldmatrix.sync.aligned.m8n8.x4.b16: lanes 8j..8j+7 give the row addresses of matrix j;

@@ -77,10 +77,26 @@ int cc_major = 2, cc_minor = 0, sm_count = 2;
 constexpr int kWarpSize = 32;
 struct Warp {
   Barrier barrier{kWarpSize};
-  int values[kWarpSize];
-  uint32_t words[kWarpSize][8];  // multi-word exchange of the PTX emulation (emu_ptx.h)
+  uint32_t words[kWarpSize][8];  // each lane's published values (warp_gather)
 };
 thread_local Warp* warp = nullptr;  // this thread's warp (blocks of whole warps only)
+
+// The kWords 32-bit values of every lane of this thread's warp, all[w][lane]: every lane
+// publishes its values, then reads all of them; the second wait keeps the slots until everyone
+// has read. All lanes of the warp must call it, as on the GPU. False (nothing exchanged) in a
+// block that is not whole warps, which cannot use warp primitives.
+template <int kWords>
+bool warp_gather(const uint32_t (&mine)[kWords], uint32_t (&all)[kWords][kWarpSize]) {
+  static_assert(kWords <= 8, "Warp::words holds 8 words per lane");
+  if (warp == nullptr) return false;
+  const int t = int(thread_idx.x) % kWarpSize;
+  for (int w = 0; w < kWords; ++w) warp->words[t][w] = mine[w];
+  warp->barrier.wait();
+  for (int lane = 0; lane < kWarpSize; ++lane)
+    for (int w = 0; w < kWords; ++w) all[w][lane] = warp->words[lane][w];
+  warp->barrier.wait();
+  return true;
+}
 
 template <class Kernel, class... Args>
 void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, const Args&... args) {
@@ -142,20 +158,18 @@ inline petit_lanemask_t petit_lanemask_lt() {
 }
 inline int petit_popc(petit_lanemask_t m) { return __builtin_popcount(m); }
 namespace emu {
-// Mask of the lanes whose value satisfies pred(their value): every lane of the warp publishes
-// its value, then reads all of them; the second wait keeps the slots until everyone has read.
+// Mask of the lanes whose value satisfies pred(their value).
 template <class Pred>
 petit_lanemask_t warp_mask(int value, Pred pred) {
-  if (warp == nullptr) {  // a block that is not whole warps cannot use warp primitives
+  const uint32_t mine[1] = {uint32_t(value)};
+  uint32_t all[1][kWarpSize];
+  if (!warp_gather(mine, all)) {
     last_error = 1;
     return 0;
   }
-  warp->values[petit_lane_id()] = value;
-  warp->barrier.wait();
   petit_lanemask_t mask = 0;
   for (int lane = 0; lane < kWarpSize; ++lane)
-    if (pred(warp->values[lane])) mask |= petit_lanemask_t(1) << lane;
-  warp->barrier.wait();
+    if (pred(int(all[0][lane]))) mask |= petit_lanemask_t(1) << lane;
   return mask;
 }
 }  // namespace emu
