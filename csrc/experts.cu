@@ -180,12 +180,12 @@ using GateUpWgmmaNarrow =
 using DownWgmmaNarrow = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 4, 2, 2>>;
 // wgmma_ws: the wgmma tiles (128 x 256 x 64, 2 consumer warpgroups of 64 x 256, 4-stage ring)
 //   on the warp-specialized main loop (gemm/sm90_mainloop_wgmma_ws.h): a third warpgroup
-//   copies, the ring is handed over through mbarriers, and the copies run on into the next
-//   tile during the epilogue.
+//   loads (the gathered A rows by cp.async, the weight rows as TMA boxes), the ring is handed
+//   over through mbarriers, and the loads run on into the next tile during the epilogue.
 using GateUpWgmmaWs = gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
 using DownWgmmaWs = gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
 // wgmma_m64_ws: the wgmma_m64 tiles (64 x 256 x 64, 5-stage ring) on the same main loop: for
-//   few rows per expert, where the producer's copies running on into the next tile replace
+//   few rows per expert, where the producer's loads running on into the next tile replace
 //   the per-tile ring restart of wgmma_m64.
 using GateUpWgmmaM64Ws =
     gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>;
@@ -250,15 +250,15 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
   }
 }
 
-// Warp-specialized kernels (Mainloop = Sm90WgmmaWsMainloop): the same tiles, loaders and
-// epilogues as the two kernels above. The scheduler and the ring are set up by the whole
-// block; then the producer warpgroup walks the block's tiles issuing copies and the consumer
-// warpgroups walk the same tiles multiplying and storing.
-// b_init(b_loader, tile, n_begin): the tile's weight rows (CpAsyncWeightLoader::init).
-template <class Mainloop, class Epilogue, class ARow, class BInit>
-PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const Epilogue& epilogue,
-                                 const petit_bf16_bits* a_fallback, int k_dim, int out_cols,
-                                 ARow a_row, BInit b_init) {
+// Warp-specialized kernels (Mainloop = Sm90WgmmaWsMainloop): the same tiles, A rows and
+// epilogues as the two kernels above; the weight rows come through `b_map`, the tensor map of
+// w13 (dims {H, I, 2, L}) or w2 ({I, H, 1, L}) that launch_ws_gemm encodes. The scheduler and
+// the ring are set up by the whole block; then the producer warpgroup walks the block's tiles
+// issuing copies and the consumer warpgroups walk the same tiles multiplying and storing.
+template <class Mainloop, class Epilogue, class ARow>
+PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
+                                 const Epilogue& epilogue, const petit_bf16_bits* a_fallback,
+                                 int k_dim, int out_cols, ARow a_row) {
   using Cfg = typename Mainloop::Cfg;
   using Scheduler = gemm::ExpertTileScheduler<Mainloop::kThreads>;
   __shared__ typename Scheduler::SharedStorage scheduler_smem;
@@ -271,13 +271,13 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const Epilogue& epilog
   const int num_tiles = scheduler.num_tiles();
   if (Mainloop::is_producer()) {
     gemm::sm90_setmaxnreg_dec<Mainloop::kProducerRegs>();
+    if (Mainloop::is_tma_issuer()) gemm::sm90_prefetch_tensor_map(b_map);
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const gemm::TileCoord tile = scheduler.tile(t);
-      const int n_begin = tile.n_tile * Cfg::kBlockN;
       typename Mainloop::LoaderA a_loader;
       a_loader.init([&](int r) { return a_row(tile, r); }, a_fallback);
       typename Mainloop::LoaderB b_loader;
-      b_init(b_loader, tile, n_begin);
+      b_loader.init(b_map, tile.expert, tile.n_tile * Cfg::kBlockN);
       mainloop.produce(a_loader, b_loader, k_dim);
     }
     gemm::cp_async_wait_all();  // no copy outlives its thread
@@ -294,37 +294,26 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const Epilogue& epilog
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
-    expert_gate_up_ws_kernel(ExpertGemmArgs a) {
+    expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map) {
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     expert_ws_gemm<Mainloop>(
-        a, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.x, a.hidden, a.intermediate,
-        [&](const gemm::TileCoord& tile, int r) { return gate_up_a_row(a, tile, r); },
-        [&](typename Mainloop::LoaderB& b, const gemm::TileCoord& tile, int n_begin) {
-          // gate rows n_begin.. of w13[e], then the same up rows (+ I): w13_row's rows
-          const petit_bf16_bits* w13_e = w13_of(a, tile);
-          b.init(w13_e + int64_t(n_begin) * a.hidden,
-                 w13_e + int64_t(a.intermediate + n_begin) * a.hidden, a.hidden,
-                 a.intermediate - n_begin);
-        });
+        a, &w13_map, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.x, a.hidden,
+        a.intermediate,
+        [&](const gemm::TileCoord& tile, int r) { return gate_up_a_row(a, tile, r); });
   }
 }
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
-    expert_down_ws_kernel(ExpertGemmArgs a) {
+    expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map) {
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     expert_ws_gemm<Mainloop>(
-        a,
+        a, &w2_map,
         gemm::WeightedEntryEpilogue<Cfg>{a.partial, a.sorted_entries, a.topk_weights, a.hidden},
         a.act, a.intermediate, a.hidden,
-        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); },
-        [&](typename Mainloop::LoaderB& b, const gemm::TileCoord& tile, int n_begin) {
-          // w2 rows n_begin.. of the tile's expert: w2_row's rows
-          b.init(w2_of(a, tile) + int64_t(n_begin) * a.intermediate, nullptr, a.intermediate,
-                 a.hidden - n_begin);
-        });
+        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); });
   }
 }
 
@@ -547,13 +536,14 @@ int persistent_grid(const ExpertGemmArgs& a, int out_cols, int block_m, int bloc
 }
 
 // One launch of an expert GEMM kernel on its persistent grid.
-template <class Kernel>
+// `extra`: kernel parameters after the ExpertGemmArgs (the warp-specialized kernels' tensor map).
+template <class Kernel, class... Extra>
 petitError_t launch_persistent(Kernel kernel, const ExpertGemmArgs& a, int out_cols, int block_m,
                                int block_n, int blocks_per_sm, int threads, int smem_bytes,
-                               int num_sms, petitStream_t stream) {
+                               int num_sms, petitStream_t stream, const Extra&... extra) {
   const int grid = persistent_grid(a, out_cols, block_m, block_n, blocks_per_sm, num_sms);
   if (grid == 0) return petitErrorInvalidValue;
-  petitLaunchKernel(kernel, dim3(grid), dim3(threads), smem_bytes, stream, a);
+  petitLaunchKernel(kernel, dim3(grid), dim3(threads), smem_bytes, stream, a, extra...);
   return petitGetLastError();
 }
 
@@ -615,9 +605,9 @@ petitError_t wgmma_path_supported() {
   return major == 9 && minor == 0 ? petitSuccess : petitErrorNotSupported;
 }
 
-template <class Mainloop, class Kernel>
+template <class Mainloop, class Kernel, class... Extra>
 petitError_t launch_tc_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_cols, int num_sms,
-                              petitStream_t stream) {
+                              petitStream_t stream, const Extra&... extra) {
   using Cfg = typename Mainloop::Cfg;
   constexpr int kSmemBytes = Mainloop::kSmemBytes;
   // Above the 48 KiB default together with the static (scheduler) shared memory: opt in.
@@ -631,7 +621,7 @@ petitError_t launch_tc_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_co
                                    100)) != petitSuccess)
     return err;
   return launch_persistent(kernel, a, out_cols, Cfg::kBlockM, Cfg::kBlockN, Cfg::kMinBlocksPerSm,
-                           Mainloop::kThreads, kSmemBytes, num_sms, stream);
+                           Mainloop::kThreads, kSmemBytes, num_sms, stream, extra...);
 }
 
 template <class GateUp, class Down>
@@ -643,13 +633,26 @@ petitError_t launch_tc_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                           stream);
 }
 
+// The weight tensor's map is encoded per launch (host only, ~microseconds; a CUDA graph keeps
+// the parameter it captured, valid while the weights stay where they are).
 template <class GateUp, class Down>
 petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                             petitStream_t stream) {
-  return gate_up ? launch_tc_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate,
-                                            num_sms, stream)
-                 : launch_tc_kernel<Down>(expert_down_ws_kernel<Down>, a, a.hidden, num_sms,
-                                          stream);
+  CUtensorMap map;
+  petitError_t err;
+  if (gate_up) {
+    if ((err = gemm::sm90_encode_weight_map(&map, a.w13, a.hidden, a.intermediate, 2,
+                                            a.num_local_experts, GateUp::Cfg::kGroupCols)) !=
+        petitSuccess)
+      return err;
+    return launch_tc_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate, num_sms,
+                                    stream, map);
+  }
+  if ((err = gemm::sm90_encode_weight_map(&map, a.w2, a.intermediate, a.hidden, 1,
+                                          a.num_local_experts, Down::Cfg::kGroupCols)) !=
+      petitSuccess)
+    return err;
+  return launch_tc_kernel<Down>(expert_down_ws_kernel<Down>, a, a.hidden, num_sms, stream, map);
 }
 
 // GEMM1 or GEMM2 of a tensor-core family (kExpertTilesMma, kExpertTilesWgmma*), whose path

@@ -152,7 +152,8 @@ typedef cudaFuncAttributes petitFuncAttributes;
 #endif
 
 // ------------------------------------------------- virtual-memory (heap) API
-// petit_vmm_* : one signature on both platforms, 0 = success. HIP has these calls in its
+// petit_vmm_* : one signature on both platforms, 0 = success (petit_vmm_load also resolves the
+// CUDA driver's cuTensorMapEncodeTiled for gemm/sm90_tma.h). HIP has these calls in its
 // runtime; on CUDA they are driver entry points resolved at run time through
 // cudaGetDriverEntryPointByVersion, so the extension imports without libcuda (CPU-only CI).
 #if PETIT_HIP
@@ -224,6 +225,12 @@ struct PetitDriverApi {
   CUresult (*granularity)(size_t*, const CUmemAllocationProp*,
                           CUmemAllocationGranularity_flags);
   CUresult (*error_string)(CUresult, const char**);
+  // Not a heap call: the expert GEMMs' TMA weight maps (gemm/sm90_tma.h).
+  CUresult (*tensor_map_encode_tiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                      const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                      const cuuint32_t*, CUtensorMapInterleave,
+                                      CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                      CUtensorMapFloatOOBfill);
   bool loaded;
 };
 
@@ -248,6 +255,7 @@ inline petitVmmResult petit_vmm_load() {
       {"cuMemSetAccess", (void**)&api.set_access},
       {"cuMemGetAllocationGranularity", (void**)&api.granularity},
       {"cuGetErrorString", (void**)&api.error_string},
+      {"cuTensorMapEncodeTiled", (void**)&api.tensor_map_encode_tiled},
   };
   for (const Entry& e : entries) {
     cudaDriverEntryPointQueryResult status;

@@ -96,5 +96,7 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
     for body in ws_bodies:
         for instruction in ("wgmma.mma_async", "mbarrier.try_wait.parity",
                             "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
-                            "setmaxnreg.dec", "fence.proxy.async"):
+                            "setmaxnreg.dec", "fence.proxy.async",
+                            "mbarrier.arrive.expect_tx", "cp.async.bulk.tensor.4d",
+                            "prefetch.tensormap"):
             assert instruction in body, instruction

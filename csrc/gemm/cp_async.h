@@ -138,67 +138,6 @@ struct CpAsyncLoader {
   }
 };
 
-// Weight-row loader for a warp-specialized producer. Stage row r holds row n of B group g
-// (gate and up halves of w13, or the one group of w2 rows) as RowMap (a tile config) orders
-// them: g = RowMap::b_group_of(r), n = RowMap::b_col_of(r), i.e. the global row
-// base[g] + n * ld, present while n < valid_rows. Same chunk assignment as CpAsyncLoader,
-// but the row addresses are computed per copy from the group bases instead of being held
-// (CpAsyncLoader keeps kChunksPerThread pointers, too many registers for a producer). The
-// stage row of chunk t + i * kThreads is t / kChunksPerRow + i * kRowsPerStep; the row maps
-// keep runs of kRowsPerStep rows in one group with consecutive columns, so group and column
-// offset are compile-time constants per i.
-template <class RowMap, int kRows_, int kThreads_, class Swizzle, int kThreadOffset>
-struct CpAsyncWeightLoader {
-  static constexpr int kRows = kRows_;
-  static constexpr int kThreads = kThreads_;
-  static constexpr int kChunksPerRow = Swizzle::kChunksPerRow;
-  static constexpr int kChunksPerThread = kRows * kChunksPerRow / kThreads;
-  static constexpr int kStageBytes = kRows * kChunksPerRow * 16;
-  static constexpr int kGroups = RowMap::kNumBGroups;
-  static constexpr int kRowsPerStep = kThreads / kChunksPerRow;
-  static_assert(kGroups >= 1 && kGroups <= 2, "one or two groups");
-  static_assert((kRows * kChunksPerRow) % kThreads == 0 && kThreads % kChunksPerRow == 0 &&
-                    RowMap::kGroupCols % kRowsPerStep == 0,
-                "a thread's rows step by kRowsPerStep inside runs of one group's columns");
-
-  const petit_bf16_bits* base[kGroups];  // row 0 of each group
-  int64_t ld;                            // elements between consecutive rows
-  int valid_rows;                        // rows n < valid_rows exist (per group)
-
-  PETIT_DEVICE void init(const petit_bf16_bits* base0, const petit_bf16_bits* base1,
-                         int64_t row_stride, int rows) {
-    base[0] = base0;
-    if constexpr (kGroups == 2) base[1] = base1;
-    ld = row_stride;
-    valid_rows = rows;
-  }
-
-  // Copy i of loader thread t: its stage row and chunk, and the group and group row it reads
-  // (host-checked against the tile configs by tests/emu/gemm_layout_check.cu).
-  struct Copy {
-    int stage_row, chunk, group, n;
-  };
-  PETIT_HOST_DEVICE static Copy copy_of(int t, int i) {
-    const int step_row = i * kRowsPerStep, row0 = t / kChunksPerRow;
-    return Copy{step_row + row0, t % kChunksPerRow, RowMap::b_group_of(step_row),
-                RowMap::b_col_of(step_row) + row0};
-  }
-
-  PETIT_DEVICE void issue(uint32_t dst, int k0, int k_dim) const {
-    const int t = int(threadIdx.x) - kThreadOffset;
-    const bool k_in = k0 + (t % kChunksPerRow) * 8 < k_dim;
-    const int64_t col = k0 + (t % kChunksPerRow) * 8;
-#pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-      const Copy copy = copy_of(t, i);
-      const bool in = k_in && copy.n < valid_rows;
-      const petit_bf16_bits* group_base = copy.group == 0 ? base[0] : base[kGroups - 1];
-      const petit_bf16_bits* src = in ? group_base + int64_t(copy.n) * ld + col : base[0];
-      sm80_cp_async_16(dst + Swizzle::offset(copy.stage_row, copy.chunk), src, in ? 16 : 0);
-    }
-  }
-};
-
 // One pipeline stage's copies as one commit group: k-tile k_tile (columns k_tile * block_k ..)
 // of A at smem address `stage` and of B right after A's bytes; past the last k-tile only the
 // (empty) commit, so every thread's group count stays uniform and wait_group<n> keeps meaning

@@ -1,30 +1,35 @@
-// Warp-specialized variant of the Hopper wgmma main loop (sm90_mainloop_wgmma.h), for large M:
-// one producer warpgroup only copies, the consumer warpgroups of the tile config only multiply,
-// and a ring of kStages stages is handed between them through shared-memory mbarriers instead
-// of one block barrier per k-tile:
-//   - full[s]: the producer's 128 threads each arrive once per fill of stage s, when their
-//     cp.async copies into it have landed (cp.async.mbarrier.arrive.noinc);
+// Warp-specialized variant of the Hopper wgmma main loop (sm90_mainloop_wgmma.h): one producer
+// warpgroup only loads, the consumer warpgroups of the tile config only multiply, and a ring of
+// kStages stages is handed between them through shared-memory mbarriers instead of one block
+// barrier per k-tile:
+//   - full[s] (kProducerThreads + 1 arrivals and the weight bytes): each producer thread
+//     arrives once per fill of stage s when its cp.async copies of the A rows into it have
+//     landed (cp.async.mbarrier.arrive.noinc); the first producer thread also arrives with
+//     the stage's weight bytes as expected transactions (arrive.expect_tx) and issues the
+//     weight rows as TMA boxes (sm90_tma.h), which complete those bytes as they land;
 //   - empty[s]: each consumer warp arrives once per use of stage s, after the wgmma group
 //     that read it has retired (wgmma.wait_group).
 // Stage s of the block's i-th k-tile (counted over all its tiles, so the ring runs on across
-// tile boundaries) is i % kStages, in phase (i / kStages) & 1. The producer therefore copies
+// tile boundaries) is i % kStages, in phase (i / kStages) & 1. The producer therefore loads
 // up to kStages k-tiles ahead and runs on into the block's next tile while the consumers are
 // still in the epilogue of the current one. Registers move from the producer (kProducerRegs)
 // to the consumers (kConsumerRegs) with setmaxnreg, since the consumers hold the
 // accumulators of 64 x kWgmmaN tiles.
 //
 // Same tile configs (Sm90WgmmaTileConfig: the consumers keep threadIdx.x < Cfg::kThreads and
-// its row_of / col_of maps, so epilogues.h applies unchanged), same operand contract and
-// loaders (cp_async.h, rows gathered through the row list) and the same smem layout
-// (128-byte swizzled K-major stages) as the non-specialized main loop. Every mbarrier wait is
-// bounded (kMbarrierTimeoutNs): on expiry the thread traps, so a broken pipeline fails the
-// launch (and the CUDA context) with an error instead of hanging.
+// its row_of / col_of maps, so epilogues.h applies unchanged), the same A loader (cp_async.h,
+// rows gathered through the row list) and the same smem layout (128-byte swizzled K-major
+// stages) as the non-specialized main loop; the weights come through a tensor map (a kernel
+// parameter) instead of row pointers. Every mbarrier wait is bounded (kMbarrierTimeoutNs): on
+// expiry the thread traps, so a broken pipeline fails the launch (and the CUDA context) with
+// an error instead of hanging.
 //
 // CUDA only; the asm is emitted only in sm_90a device passes (PETIT_SM90A_DEVICE). Under the
-// CPU emulation (PETIT_EMU_PTX) the mbarriers are tests/emu/emu_ptx.h's.
+// CPU emulation (PETIT_EMU_PTX) the mbarriers and TMA copies are tests/emu/emu_ptx.h's.
 #pragma once
 
 #include "sm90_mainloop_wgmma.h"
+#include "sm90_tma.h"
 
 namespace petit {
 namespace gemm {
@@ -53,6 +58,17 @@ PETIT_DEVICE void sm90_mbarrier_arrive(uint32_t bar) {
       : "memory");
 #elif PETIT_EMU_PTX
   emu_ptx::mbarrier_arrive(bar);
+#endif
+}
+
+// Arrives on `bar` and adds `bytes` to the transactions its current phase waits for (the TMA
+// copies that complete them may land before or after).
+PETIT_DEVICE void sm90_mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if PETIT_SM90A_DEVICE
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+#elif PETIT_EMU_PTX
+  emu_ptx::mbarrier_arrive_expect_tx(bar, bytes);
 #endif
 }
 
@@ -151,8 +167,7 @@ struct Sm90WgmmaWsMainloop {
                 "the consumers' accumulators do not fit their registers");
 
   using LoaderA = CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle, kConsumerThreads>;
-  using LoaderB =
-      CpAsyncWeightLoader<Cfg, Cfg::kBRows, kProducerThreads, Sw128Swizzle, kConsumerThreads>;
+  using LoaderB = Sm90WeightTmaLoader<Cfg>;
   static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
   static constexpr int kStageBytes = LoaderA::kStageBytes + LoaderB::kStageBytes;
   static_assert(LoaderA::kStageBytes % 1024 == 0 && kStageBytes % 1024 == 0,
@@ -183,7 +198,7 @@ struct Sm90WgmmaWsMainloop {
     it = 0;
     if (threadIdx.x == 0) {
       for (int s = 0; s < Cfg::kStages; ++s) {
-        sm90_mbarrier_init(full + 8 * s, kProducerThreads);
+        sm90_mbarrier_init(full + 8 * s, kProducerThreads + 1);
         sm90_mbarrier_init(empty + 8 * s, kConsumerWarps);
       }
       sm90_fence_mbarrier_init();
@@ -191,17 +206,25 @@ struct Sm90WgmmaWsMainloop {
     __syncthreads();
   }
 
+  // The producer thread that issues the weight boxes.
+  PETIT_DEVICE static bool is_tma_issuer() { return threadIdx.x == kConsumerThreads; }
+
   // Producer threads: the k-tiles of one output tile into the ring.
   PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim) {
     const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
+    const bool tma_issuer = is_tma_issuer();
     for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
       const uint32_t s = it % Cfg::kStages;
       // A fresh barrier counts as having completed the phase before its first (parity 1), so
       // the first kStages fills do not wait.
       sm90_mbarrier_wait_parity(empty + 8 * s, ((it / Cfg::kStages) & 1u) ^ 1u);
       const uint32_t stage = ring + s * kStageBytes;
+      if (tma_issuer) {
+        // The expected bytes before the copies that complete them.
+        sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes);
+        b_loader.issue(stage + LoaderA::kStageBytes, kt * Cfg::kBlockK, full + 8 * s);
+      }
       a_loader.issue(stage, kt * Cfg::kBlockK, k_dim);
-      b_loader.issue(stage + LoaderA::kStageBytes, kt * Cfg::kBlockK, k_dim);
       sm90_cp_async_mbarrier_arrive_noinc(full + 8 * s);
     }
   }
@@ -220,8 +243,8 @@ struct Sm90WgmmaWsMainloop {
     for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
       const uint32_t s = it % Cfg::kStages;
       sm90_mbarrier_wait_parity(full + 8 * s, (it / Cfg::kStages) & 1u);
-      // The producers' cp.async writes (generic proxy) before this warpgroup's wgmma reads
-      // (async proxy) of the stage.
+      // The producers' cp.async writes of the A rows (generic proxy) before this warpgroup's
+      // wgmma reads (async proxy) of the stage; the TMA's weight rows are async-proxy writes.
       sm90_fence_proxy_async_smem();
       const uint32_t a_stage = ring + s * kStageBytes + a_wg_offset;
       const uint32_t b_stage = ring + s * kStageBytes + LoaderA::kStageBytes + b_wg_offset;

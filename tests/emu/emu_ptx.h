@@ -21,8 +21,14 @@
 //     own registers with the PTX fragment layouts (see sm80_mainloop_mma.h);
 //   - shared memory addresses (cvta to .shared): byte offsets into the block's dynamic shared
 //     memory, which emu::launch allocates 1024-byte aligned and poisons;
-//   - mbarrier init / arrive / try_wait.parity: a phase counter and pending count under one
-//     mutex, in the barrier's 8 bytes of shared memory; a failed try_wait yields;
+//   - mbarrier init / arrive / arrive.expect_tx / try_wait.parity: a phase counter and pending
+//     count under one mutex, in the barrier's 8 bytes of shared memory, plus the barrier's
+//     expected transaction bytes and queued TMA copies in a table beside it; a phase completes
+//     when its arrivals and its transaction bytes are both done; a failed try_wait yields;
+//   - TMA tile loads (cp.async.bulk.tensor, 4-D, 128-byte swizzle, zero fill out of bounds)
+//     through a tensor map that tensor_map_encode writes in its own format into the 128 bytes
+//     of a CUtensorMap: queued on their mbarrier, performed (and their bytes completed) when
+//     a thread waits on that barrier, i.e. no earlier than someone needs them;
 //   - %globaltimer: the host's steady clock; trap: a message and abort().
 // What it checks: the data path (loaders, swizzle, descriptors, stage and phase indexing,
 // epilogues) and the ordering the kernels rely on (copies waited for before use, a stage not
@@ -36,6 +42,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -199,36 +206,140 @@ struct Mbarrier {
   uint16_t phase;    // phases completed
 };
 static_assert(sizeof(Mbarrier) == 8, "an mbarrier is 8 bytes of shared memory");
+
+// ---- TMA: tensor maps in the emulation's own format, copies queued on their mbarrier
+struct TensorMap {
+  const unsigned char* base;
+  uint64_t dims[4];     // elements, innermost first
+  uint64_t strides[4];  // bytes; strides[0] = the element size (bf16)
+  uint32_t box[4];      // elements per box, innermost first
+};
+static_assert(sizeof(TensorMap) <= sizeof(CUtensorMap), "fits a CUtensorMap's bytes");
+struct TmaCopy {
+  uint32_t dst;
+  TensorMap map;
+  int coord[4];
+};
+struct MbarrierTx {
+  int64_t bytes = 0;             // expected transaction bytes not completed yet
+  std::vector<TmaCopy> copies;   // issued, not performed yet
+};
 inline std::mutex mbarrier_mutex;
+inline std::map<uint32_t, MbarrierTx> mbarrier_tx;  // by barrier address (blocks run one by one)
+
 inline Mbarrier* mbarrier_at(uint32_t bar) {
   if (bar % 8 != 0) trap("mbarrier not 8-byte aligned");
   return reinterpret_cast<Mbarrier*>(smem_ptr(bar));
 }
 
+inline void tensor_map_encode(CUtensorMap* map, const void* base, const cuuint64_t (&dims)[4],
+                              const cuuint64_t (&strides)[3], const cuuint32_t (&box)[4]) {
+  TensorMap m{static_cast<const unsigned char*>(base), {}, {2, 0, 0, 0}, {}};
+  for (int d = 0; d < 4; ++d) {
+    m.dims[d] = dims[d];
+    m.box[d] = box[d];
+    if (d > 0) m.strides[d] = strides[d - 1];
+  }
+  std::memset(map, 0, sizeof(CUtensorMap));
+  std::memcpy(map, &m, sizeof(m));
+}
+
+// The box at `coord` into shared memory at `dst`, elements in box order (innermost first),
+// each 16-byte chunk placed by the 128-byte swizzle of its address (chunk bits 4-6 XOR bits
+// 7-9); elements outside the tensor are zeros. Returns the bytes written.
+inline int64_t perform(const TmaCopy& c) {
+  const TensorMap& m = c.map;
+  int64_t n = 0;
+  for (uint32_t i3 = 0; i3 < m.box[3]; ++i3)
+    for (uint32_t i2 = 0; i2 < m.box[2]; ++i2)
+      for (uint32_t i1 = 0; i1 < m.box[1]; ++i1)
+        for (uint32_t i0 = 0; i0 < m.box[0]; ++i0, ++n) {
+          const int64_t g[4] = {int64_t(c.coord[0]) + i0, int64_t(c.coord[1]) + i1,
+                                int64_t(c.coord[2]) + i2, int64_t(c.coord[3]) + i3};
+          bool in = true;
+          int64_t offset = 0;
+          for (int d = 0; d < 4; ++d) {
+            in = in && g[d] >= 0 && uint64_t(g[d]) < m.dims[d];
+            offset += g[d] * int64_t(m.strides[d]);
+          }
+          uint32_t addr = c.dst + uint32_t(n) * 2;
+          addr ^= ((addr >> 7) & 7u) << 4;
+          uint16_t bits = 0;
+          if (in) std::memcpy(&bits, m.base + offset, 2);
+          std::memcpy(smem_ptr(addr), &bits, 2);
+        }
+  return n * 2;
+}
+
+inline void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                        uint32_t bar) {
+  if (dst % 1024 != 0) trap("TMA box with the 128-byte swizzle not 1024-byte aligned");
+  TmaCopy copy{dst, {}, {c0, c1, c2, c3}};
+  std::memcpy(&copy.map, map, sizeof(TensorMap));
+  if (copy.map.box[0] * 2 != 128) trap("128-byte swizzle needs 128-byte box rows");
+  std::lock_guard<std::mutex> lock(mbarrier_mutex);
+  mbarrier_tx[bar].copies.push_back(copy);
+}
+
 inline void mbarrier_init(uint32_t bar, int count) {
   std::lock_guard<std::mutex> lock(mbarrier_mutex);
   *mbarrier_at(bar) = Mbarrier{count, int16_t(count), 0};
+  mbarrier_tx.erase(bar);
 }
 
-inline void mbarrier_arrive(uint32_t bar) {
-  std::lock_guard<std::mutex> lock(mbarrier_mutex);
-  Mbarrier* m = mbarrier_at(bar);
-  if (m->pending <= 0) trap("mbarrier arrival beyond its expected count");
-  if (--m->pending == 0) {
+// Under mbarrier_mutex: the current phase completes once its arrivals and bytes are done.
+inline void mbarrier_complete_if_done(uint32_t bar, Mbarrier* m) {
+  auto tx = mbarrier_tx.find(bar);
+  if (m->pending == 0 && (tx == mbarrier_tx.end() || tx->second.bytes == 0)) {
     ++m->phase;
     m->pending = m->expected;
   }
 }
 
-// The phase with parity `parity` has completed: the current phase has the other parity.
+inline void mbarrier_arrive_locked(uint32_t bar) {
+  Mbarrier* m = mbarrier_at(bar);
+  if (m->pending <= 0) trap("mbarrier arrival beyond its expected count");
+  --m->pending;
+  mbarrier_complete_if_done(bar, m);
+}
+
+inline void mbarrier_arrive(uint32_t bar) {
+  std::lock_guard<std::mutex> lock(mbarrier_mutex);
+  mbarrier_arrive_locked(bar);
+}
+
+inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  std::lock_guard<std::mutex> lock(mbarrier_mutex);
+  mbarrier_tx[bar].bytes += bytes;
+  mbarrier_arrive_locked(bar);
+}
+
+// The phase with parity `parity` has completed: the current phase has the other parity. The
+// barrier's queued TMA copies land first (a waiter is the latest they can be needed by).
 inline bool mbarrier_try_wait_parity(uint32_t bar, uint32_t parity) {
   bool done;
   {
     std::lock_guard<std::mutex> lock(mbarrier_mutex);
-    done = (mbarrier_at(bar)->phase & 1u) != parity;
+    Mbarrier* m = mbarrier_at(bar);
+    auto tx = mbarrier_tx.find(bar);
+    if (tx != mbarrier_tx.end() && !tx->second.copies.empty()) {
+      for (const TmaCopy& c : tx->second.copies) tx->second.bytes -= perform(c);
+      tx->second.copies.clear();
+      if (tx->second.bytes < 0) trap("TMA bytes beyond the mbarrier's expected transactions");
+      if (m->pending == 0) mbarrier_complete_if_done(bar, m);
+    }
+    done = (m->phase & 1u) != parity;
   }
   if (!done) std::this_thread::yield();
   return done;
+}
+
+// A block that ends with TMA copies nobody waited for, or expected bytes that never came.
+inline void check_block_drained() {
+  for (const auto& [bar, tx] : mbarrier_tx)
+    if (!tx.copies.empty() || tx.bytes != 0)
+      trap("block exits with TMA copies or expected bytes its mbarrier never completed");
+  mbarrier_tx.clear();
 }
 
 // A thread that ends with copies or MMAs it never waited for: the GPU would have completed

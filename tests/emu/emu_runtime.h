@@ -34,10 +34,12 @@
 
 #define __shared__ static            // before cuda_runtime.h, which keeps a prior definition
 #define __launch_bounds__(...)
+#define __grid_constant__            // likewise (a kernel parameter held in constant memory)
 #include <cuda_runtime.h>
 
 namespace emu_ptx {
-inline void check_drained();  // emu_ptx.h: no asynchronous copy or MMA left unwaited
+inline void check_drained();        // emu_ptx.h: no asynchronous copy or MMA left unwaited
+inline void check_block_drained();  // ... and no TMA copy or transaction byte left pending
 }
 
 namespace emu {
@@ -127,6 +129,7 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, const Args&
       });
     }
     for (auto& th : threads) th.join();
+    emu_ptx::check_block_drained();
     block_barrier = nullptr;
   }
   std::free(smem);

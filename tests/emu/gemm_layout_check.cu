@@ -65,38 +65,31 @@ void check_wgmma(const char* name) {
               Cfg::kBlockM, Cfg::kBlockN, Cfg::kNumBGroups, Cfg::kWgmmaN);
 }
 
-// Warp-specialized main loop (sm90_mainloop_wgmma_ws.h): its producer's weight loader computes
-// each copy's stage row and source row itself instead of holding row pointers; the copies of
-// all producer threads must fill every (stage row, chunk) of a stage exactly once, the same
-// chunk assignment as CpAsyncLoader, with the weight row b_group_of / b_col_of name.
+// Warp-specialized main loop (sm90_mainloop_wgmma_ws.h): its producer loads a stage's weight
+// rows as TMA boxes (sm90_tma.h), box `run` = stage rows [run * kRunRows, (run + 1) *
+// kRunRows) from rows b_col_of(run * kRunRows).. of group b_group_of(run * kRunRows). That is
+// right only if every stage row of a box is the next column of the same group, as b_group_of /
+// b_col_of name it, and the boxes tile the stage.
 template <class Mainloop>
 void check_wgmma_ws(const char* name) {
   using Cfg = typename Mainloop::Cfg;
   using Loader = typename Mainloop::LoaderB;
   check_wgmma<Cfg>(name);
-  std::vector<int> seen(Cfg::kBRows * Loader::kChunksPerRow, 0);
-  for (int t = 0; t < Loader::kThreads; ++t)
-    for (int i = 0; i < Loader::kChunksPerThread; ++i) {
-      const auto copy = Loader::copy_of(t, i);
-      const int chunk = t + i * Loader::kThreads;  // CpAsyncLoader's assignment
-      expect(copy.stage_row == chunk / Loader::kChunksPerRow &&
-                 copy.chunk == chunk % Loader::kChunksPerRow,
-             name, "weight copy in another smem slot than CpAsyncLoader's", t, i, copy.stage_row);
-      const bool in = copy.stage_row >= 0 && copy.stage_row < Cfg::kBRows;
-      expect(in, name, "weight copy outside the stage", t, i, copy.stage_row);
-      if (!in) continue;
-      ++seen[copy.stage_row * Loader::kChunksPerRow + copy.chunk];
-      expect(copy.group == Cfg::b_group_of(copy.stage_row) &&
-                 copy.n == Cfg::b_col_of(copy.stage_row),
-             name, "weight copy reads another B row than the tile config names", t, i,
-             copy.stage_row);
-    }
-  for (size_t k = 0; k < seen.size(); ++k)
-    expect(seen[k] == 1, name, "stage chunk not copied exactly once", -1, int(k), seen[k]);
+  expect(Loader::kRuns * Loader::kRunRows == Cfg::kBRows, name, "boxes do not tile the stage",
+         -1, Loader::kRuns, Loader::kRunRows);
+  for (int run = 0; run < Loader::kRuns; ++run) {
+    const int r0 = run * Loader::kRunRows;
+    for (int i = 0; i < Loader::kRunRows; ++i)
+      expect(Cfg::b_group_of(r0 + i) == Cfg::b_group_of(r0) &&
+                 Cfg::b_col_of(r0 + i) == Cfg::b_col_of(r0) + i,
+             name, "weight box row is not the next column of the box's group", -1, r0 + i,
+             Cfg::b_col_of(r0 + i));
+  }
   std::printf("%s: %d producer + %d consumer threads, consumers at %d registers (setmaxnreg), "
-              "%d-stage ring %d bytes\n",
+              "%d-stage ring %d bytes, %d weight box(es) of %d rows\n",
               name, Mainloop::kProducerThreads, Mainloop::kConsumerThreads,
-              Mainloop::kConsumerRegs, Cfg::kStages, Mainloop::kSmemBytes);
+              Mainloop::kConsumerRegs, Cfg::kStages, Mainloop::kSmemBytes, Loader::kRuns,
+              Loader::kRunRows);
 }
 
 template <class Cfg>
