@@ -41,7 +41,7 @@ petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stre
 // K <= kMaxTopK, N*K < 2^31; every pointer 16-byte aligned.
 enum ExpertTiles : int {
   // Auto, from the host-known rows-per-expert estimate N*K / L: where the device runs wgmma,
-  // kExpertTilesWgmmaM64 below 96 and kExpertTilesWgmma from there; elsewhere
+  // kExpertTilesWgmmaM64Ws below 96 and kExpertTilesWgmmaWs from there; elsewhere
   // kExpertTilesSmall below 256 and above it mma (sm_80+) or large.
   kExpertTilesAuto = 0,
   kExpertTilesSmall = 1,  // 16-row tiles: decode, few rows per expert (weight-bandwidth bound)
@@ -63,20 +63,21 @@ enum ExpertTiles : int {
   kExpertTilesWgmma = 5,
   // CUDA sm_90a only, for few rows per expert: 64x256x64 tiles, the two warpgroups side by side
   // (m64n128k16 each: half of kExpertTilesWgmma's tensor-core work per weight byte), 5-stage
-  // ring. Auto picks it below 96 routing entries per local expert.
+  // ring.
   kExpertTilesWgmmaM64 = 6,
   // CUDA sm_90a only, for very few rows per expert: 64x128x64 tiles (gate/up: 64 gate + 64 up
   // columns), two warpgroups of m64n64k16 side by side, 4-stage ring, 2 blocks per SM: twice
   // the tiles of kExpertTilesWgmmaM64. Only when asked for explicitly (measured no faster).
   kExpertTilesWgmmaNarrow = 7,
   // CUDA sm_90a only, for many rows per expert: kExpertTilesWgmma's tiles on a warp-specialized
-  // main loop (gemm/sm90_mainloop_wgmma_ws.h: a producer warpgroup copies, two consumer
-  // warpgroups multiply, mbarrier-handed 4-stage ring running on across tiles). Only when
-  // asked for explicitly (not yet measured on a GPU).
+  // main loop (gemm/sm90_mainloop_wgmma_ws.h: a producer warpgroup loads, the gathered A rows
+  // by cp.async and the weights by TMA, two consumer warpgroups multiply, mbarrier-handed
+  // 4-stage ring running on across tiles). Auto picks it from 96 routing entries per local
+  // expert. Bit-identical to kExpertTilesWgmma.
   kExpertTilesWgmmaWs = 8,
   // CUDA sm_90a only, for few rows per expert: kExpertTilesWgmmaM64's tiles on the same
-  // warp-specialized main loop (5-stage ring). Only when asked for explicitly (not yet
-  // measured on a GPU).
+  // warp-specialized main loop (5-stage ring). Auto picks it below 96 routing entries per
+  // local expert. Bit-identical to kExpertTilesWgmmaM64.
   kExpertTilesWgmmaM64Ws = 9,
 };
 

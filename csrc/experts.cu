@@ -12,6 +12,8 @@
 // needed) and summing them in fp32 in slot order k = 0..K-1 afterwards gives bit-identical
 // results on every run, at the cost of the workspace (N*K*H*2 bytes, see
 // expert_partial_workspace_elems) and one extra pass over it.
+#include <stdlib.h>
+
 #include "api.h"
 #include "expert_ids.h"
 #include "gemm/epilogues.h"
@@ -94,6 +96,7 @@ PETIT_DEVICE const petit_bf16_bits* w2_row(const ExpertGemmArgs& a, const petit_
 template <class Cfg>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     expert_gate_up_kernel(ExpertGemmArgs a) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   using Mainloop = gemm::SimtMainloop<Cfg>;
   using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
   __shared__ typename Mainloop::SharedStorage mainloop_smem;
@@ -124,6 +127,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 template <class Cfg>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
     expert_down_kernel(ExpertGemmArgs a) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   using Mainloop = gemm::SimtMainloop<Cfg>;
   using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
   __shared__ typename Mainloop::SharedStorage mainloop_smem;
@@ -194,6 +198,7 @@ using DownWgmmaM64Ws = gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<64, 2
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
     expert_gate_up_tc_kernel(ExpertGemmArgs a) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
@@ -225,6 +230,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
     expert_down_tc_kernel(ExpertGemmArgs a) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
@@ -295,6 +301,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     expert_ws_gemm<Mainloop>(
@@ -307,6 +314,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     expert_ws_gemm<Mainloop>(
@@ -396,6 +404,7 @@ PETIT_DEVICE void decode_dots(ARow a_row, BRow b_row, int k_len, int num_rows,
 // columns n_begin + g*2 + {0, 1}: weight rows gate(c0), gate(c1), up(c0), up(c1).
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
     expert_gate_up_decode_kernel(ExpertGemmArgs a) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   constexpr int kColsPerGroup = kDecodeRowsPerWarp / 2;
   constexpr int kBlockN = kDecodeWarps * kColsPerGroup;
   using Scheduler = gemm::ExpertTileScheduler<kDecodeThreads>;
@@ -431,6 +440,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
 // columns n_begin + g*4 + {0..3}: w2 rows.
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
     expert_down_decode_kernel(ExpertGemmArgs a) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   constexpr int kBlockN = kDecodeWarps * kDecodeRowsPerWarp;
   using Scheduler = gemm::ExpertTileScheduler<kDecodeThreads>;
   __shared__ DecodeShared smem;
@@ -462,6 +472,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
 // One thread per (row, 8 columns): sum the row's local entries (bf16) in fp32 in slot order,
 // round once.
 PETIT_GLOBAL void __launch_bounds__(kReduceThreads) expert_reduce_kernel(ExpertGemmArgs a) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   const int chunks_per_row = a.hidden / 8;
   const int64_t num_chunks = int64_t(a.num_rows) * chunks_per_row;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < num_chunks;
@@ -535,6 +546,52 @@ int persistent_grid(const ExpertGemmArgs& a, int out_cols, int block_m, int bloc
   return int(max_tiles < resident ? max_tiles : resident);
 }
 
+// Launches of the expert kernels: on CUDA devices of compute capability 9.0 and newer with
+// programmatic stream serialization (programmatic dependent launch), so that a kernel's blocks
+// are scheduled onto SMs as the previous kernel's blocks exit instead of after its whole grid
+// has drained and the next launch has been processed: every expert kernel starts with
+// petit_grid_dependency_sync (platform.h), which waits for the previous kernel's completion
+// and memory before touching global memory. The row lists, gate/up, down and reduce kernels
+// of one call thus follow each other with shorter gaps (most visible at decode sizes, where a
+// call is a few tens of microseconds). PETIT_MOE_PDL=0 in the environment turns it off (read
+// at every launch, for A/B measurements).
+bool programmatic_launch_enabled() {
+#if PETIT_CUDA && !PETIT_EMU_PTX
+  const char* env = getenv("PETIT_MOE_PDL");
+  if (env != nullptr && env[0] == '0') return false;
+  int device = 0, major = 0;
+  if (petitGetDevice(&device) != petitSuccess ||
+      petitDeviceGetAttribute(&major, petitDevAttrComputeCapabilityMajor, device) != petitSuccess)
+    return false;
+  return major >= 9;
+#else
+  return false;
+#endif
+}
+
+template <class Kernel, class... Args>
+petitError_t launch_kernel(Kernel kernel, int grid, int threads, int smem_bytes,
+                           petitStream_t stream, const Args&... args) {
+#if PETIT_CUDA && !PETIT_EMU_PTX
+  if (programmatic_launch_enabled()) {
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = size_t(smem_bytes);
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    const petitError_t err = cudaLaunchKernelEx(&config, kernel, args...);
+    return err != petitSuccess ? err : petitGetLastError();
+  }
+#endif
+  petitLaunchKernel(kernel, dim3(grid), dim3(threads), smem_bytes, stream, args...);
+  return petitGetLastError();
+}
+
 // One launch of an expert GEMM kernel on its persistent grid.
 // `extra`: kernel parameters after the ExpertGemmArgs (the warp-specialized kernels' tensor map).
 template <class Kernel, class... Extra>
@@ -543,8 +600,7 @@ petitError_t launch_persistent(Kernel kernel, const ExpertGemmArgs& a, int out_c
                                int num_sms, petitStream_t stream, const Extra&... extra) {
   const int grid = persistent_grid(a, out_cols, block_m, block_n, blocks_per_sm, num_sms);
   if (grid == 0) return petitErrorInvalidValue;
-  petitLaunchKernel(kernel, dim3(grid), dim3(threads), smem_bytes, stream, a, extra...);
-  return petitGetLastError();
+  return launch_kernel(kernel, grid, threads, smem_bytes, stream, a, extra...);
 }
 
 // ---- SIMT launchers (kExpertTilesSmall, kExpertTilesLarge)
@@ -687,17 +743,18 @@ petitError_t launch_tc_family(int, bool, const ExpertGemmArgs&, int, petitStream
 
 }  // namespace
 
-// Auto: wgmma wherever the device runs it (on H200 it beats every other 128-row family at
-// every size measured, 1 to 8192 tokens per rank: examples/results/experts_H200.jsonl), its
-// 64-row variant below kWgmmaM64MaxRowsPerExpert; elsewhere the small SIMT tiles below the
-// rows-per-expert bound and above it mma.sync (sm_80+) or the large SIMT tiles.
+// Auto: the warp-specialized wgmma tiles wherever the device runs them (on H200, with their
+// weights loaded by TMA, wgmma_ws beats wgmma at every size measured from 1 to 8192 tokens per
+// rank and wgmma_m64_ws matches or beats wgmma_m64: examples/results/experts_H200.jsonl,
+// fc692be), the 64-row ones below kWgmmaM64MaxRowsPerExpert; elsewhere the small SIMT tiles
+// below the rows-per-expert bound and above it mma.sync (sm_80+) or the large SIMT tiles.
 int resolve_expert_tiles(const ExpertGemmArgs& a) {
   if (a.tiles != kExpertTilesAuto) return a.tiles;
   const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
   if (wgmma_path_supported() == petitSuccess)
     return num_entries < int64_t(kWgmmaM64MaxRowsPerExpert) * a.num_local_experts
-               ? kExpertTilesWgmmaM64
-               : kExpertTilesWgmma;
+               ? kExpertTilesWgmmaM64Ws
+               : kExpertTilesWgmmaWs;
   if (num_entries < int64_t(kLargeTileMinRowsPerExpert) * a.num_local_experts)
     return kExpertTilesSmall;
   if (mma_path_supported() == petitSuccess) return kExpertTilesMma;
@@ -750,8 +807,7 @@ petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream)
   const int64_t needed = (num_chunks + kReduceThreads - 1) / kReduceThreads;
   const int64_t resident = int64_t(num_sms) * kReduceBlocksPerSm;
   const int grid = int(needed < resident ? needed : resident);
-  petitLaunchKernel(expert_reduce_kernel, dim3(grid), dim3(kReduceThreads), 0, stream, a);
-  return petitGetLastError();
+  return launch_kernel(expert_reduce_kernel, grid, kReduceThreads, 0, stream, a);
 }
 
 petitError_t launch_experts(const ExpertGemmArgs& a, petitStream_t stream) {

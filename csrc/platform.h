@@ -444,6 +444,18 @@ PETIT_DEVICE uint64_t petit_timer() {
 #endif
 }
 
+// Programmatic dependent launch (CUDA, sm_90+): a kernel launched with the programmatic
+// stream-serialization attribute may start while the previous kernel of its stream is still
+// running. Called first thing in such a kernel: waits until that kernel has completed and its
+// memory operations are visible, then lets the next kernel of the stream be scheduled (which
+// waits likewise). A no-op without the attribute, before sm_90 and on HIP.
+PETIT_DEVICE void petit_grid_dependency_sync() {
+#if PETIT_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 PETIT_DEVICE void petit_trap() {
 #if PETIT_HIP
   abort();

@@ -16,7 +16,12 @@ local expert gets all rows).
 - triton: vLLM's ``fused_experts`` (the Triton experts vLLM runs on the same layout), on the
   same rows with global ids and rank 0's expert_map, captured in a CUDA graph; skipped (with a
   note) when vLLM or its kernels are unavailable;
-- torch: a per-expert loop of bf16 matmuls (eager: it syncs to read the expert counts).
+- torch: a per-expert loop of bf16 matmuls (eager: it syncs to read the expert counts);
+- dense: the ceiling of the shapes without the MoE parts, cuBLAS batched matmuls (torch.bmm)
+  of the touched experts' weights with the same rows per expert for every expert (the mean,
+  rounded up), contiguous A rows, no activation, weighting or reduction, captured in a CUDA
+  graph: what the GPU's vendor GEMM reaches on equal groups of these sizes (``dense_tflops``,
+  counting its own FLOPs).
 
 Timing: median over --iters of one call (graph replay) between CUDA events, the L2 flushed
 before each. Effective TFLOPS = 2*3*H*I * (valid local token-expert pairs) / time. For small T
@@ -29,17 +34,20 @@ difference of petit's output to the torch loop's.
     python examples/bench_experts.py --quick                # T 1, 128, 2048
     python examples/bench_experts.py --replot examples/results/experts_H200.jsonl
     python examples/bench_experts.py --profile --tokens 1 8 32 --tiles wgmma_m64 wgmma_m64_ws
+PETIT_MOE_PDL=0 in the environment: petit's kernels launched without programmatic dependent
+launch (field ``pdl``), for an A/B of the gaps between its kernels.
 --profile: after timing, 10 more calls of petit's and of Triton's path run under torch.profiler
 (CUDA activity only); their kernel time per call by category (``device_env.PROFILE_CATEGORIES``:
 petit row lists / GEMMs / reduce, Triton GEMM / align+sum+activation, other) is printed under
 each row and stored as ``breakdown`` / ``triton_breakdown``.
 Writes examples/results/experts_<gpu>.jsonl (fields gpu, commit, date, preset, routing,
-tokens, tflops, triton_tflops, torch_tflops, speedup_vs_triton, weight_gbps, hbm_gbps, and
-more) and a PNG next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
+tokens, tflops, triton_tflops, torch_tflops, speedup_vs_triton, weight_gbps, hbm_gbps,
+dense_tflops and more) and a PNG next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -281,6 +289,20 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
     torch_us, _ = time_us(lambda: torch_loop(recv_x, local_ids, weights, w13, w2),
                           max(3, args.iters // 5), flush, graph=False)
 
+    dense_us = dense_tflops = None
+    if pairs:
+        rows_per_expert = -(-pairs // experts_touched)
+        a1 = torch.randn(experts_touched, rows_per_expert, hidden, dtype=torch.bfloat16,
+                         device="cuda")
+        a2 = torch.randn(experts_touched, rows_per_expert, inter, dtype=torch.bfloat16,
+                         device="cuda")
+        w13_t, w2_t = w13[:experts_touched].transpose(1, 2), w2[:experts_touched].transpose(1, 2)
+        dense_us, _ = time_us(lambda: (torch.bmm(a1, w13_t), torch.bmm(a2, w2_t)), args.iters,
+                              flush)
+        dense_flops = 2 * 3 * hidden * inter * rows_per_expert * experts_touched
+        dense_tflops = dense_flops / (dense_us * 1e-6) / 1e12
+        del a1, a2
+
     def tflops(us):
         return flops / (us * 1e-6) / 1e12 if us and pairs else 0.0
 
@@ -299,20 +321,23 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
             weight_bytes=weight_bytes,
             weight_gbps=weight_bytes / (petit_us * 1e-6) / 1e9,
             hbm_gbps=hbm_gbps,
+            dense_us=dense_us, dense_tflops=dense_tflops,
+            # experts.cu launches with programmatic dependent launch on sm_90+ unless this is 0
+            pdl=os.environ.get("PETIT_MOE_PDL", "1") != "0",
             rel_diff=float(diff / torch_out.float().norm().clamp_min(1e-30)),
             finite=bool(torch.isfinite(petit_out).all()),
         )
         if args.profile:
             row.update(breakdown=breakdown, triton_breakdown=triton_breakdown)
         rows.append(row)
-    del run_triton, recv_x, local_ids, weights, petit, torch_out
+    del run_triton, petit, torch_out
     torch.cuda.empty_cache()
     return rows
 
 
 HEADER = (f"{'preset':14} {'routing':8} {'tokens':>6} {'tiles':>12} {'petit_us':>9} "
           f"{'triton_us':>9} {'torch_us':>9} {'petit_TF':>8} {'triton_TF':>9} {'speedup':>7} "
-          f"{'weight_GB/s':>11} {'hbm_GB/s':>8} {'rel_diff':>8}")
+          f"{'weight_GB/s':>11} {'hbm_GB/s':>8} {'dense_TF':>8} {'rel_diff':>8}")
 
 
 def _fmt(value, spec):
@@ -325,7 +350,8 @@ def print_row(r):
           f"{r['us']:9.1f} {_fmt(r['triton_us'], '9.1f')} {r['torch_us']:9.1f} "
           f"{r['tflops']:8.2f} {_fmt(r['triton_tflops'], '9.2f')} "
           f"{_fmt(r['speedup_vs_triton'], '7.2f')} {r['weight_gbps']:11.0f} "
-          f"{r['hbm_gbps']:8.0f} {r['rel_diff']:8.1e}{flag}", flush=True)
+          f"{r['hbm_gbps']:8.0f} {_fmt(r.get('dense_tflops'), '8.1f')} {r['rel_diff']:8.1e}{flag}",
+          flush=True)
     for key, name in (("breakdown", "petit"), ("triton_breakdown", "triton")):
         if r.get(key):
             print(f"    {name}: {format_breakdown(r[key])}", flush=True)

@@ -251,11 +251,30 @@ def test_auto_picks_the_fastest_family_this_gpu_runs():
 
     sm80 = torch.cuda.get_device_capability() >= (8, 0)
     # 50 entries per expert: below the bounds of wgmma (128) and of the 128-row families (256)
-    assert ops.resolve_tiles(100, 8, 16) == ("wgmma_m64" if HAS_WGMMA else "small")
-    # 95.5 and 96 entries per expert: either side of the wgmma_m64 bound
-    assert ops.resolve_tiles(191, 8, 16) == ("wgmma_m64" if HAS_WGMMA else "small")
-    assert ops.resolve_tiles(192, 8, 16) == ("wgmma" if HAS_WGMMA else "small")
-    assert ops.resolve_tiles(4096, 8, 16) == ("wgmma" if HAS_WGMMA else "mma" if sm80 else "large")
+    assert ops.resolve_tiles(100, 8, 16) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
+    # 95.5 and 96 entries per expert: either side of the 64-row bound
+    assert ops.resolve_tiles(191, 8, 16) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
+    assert ops.resolve_tiles(192, 8, 16) == ("wgmma_ws" if HAS_WGMMA else "small")
+    assert ops.resolve_tiles(4096, 8, 16) == (
+        "wgmma_ws" if HAS_WGMMA else "mma" if sm80 else "large")
+
+
+@pytest.mark.parametrize("tiles", ["auto", "small"])
+def test_programmatic_launch_changes_nothing(tiles, monkeypatch):
+    """Programmatic dependent launch (sm_90+, experts.cu launch_kernel; PETIT_MOE_PDL=0 turns it
+    off): each kernel of a call may be scheduled before the previous one has drained and must
+    still see all of its output. 12 calls with fresh data, sizes on both sides of auto's
+    64-row bound and NaN-poisoned workspaces equal the same calls launched plainly, bit for
+    bit (a kernel reading its input early would read NaN or the previous call's rows)."""
+    for round_ in range(12):
+        ids = random_ids(64 + 37 * round_, 8, 16, seed=300 + round_)
+        problem = make_problem(ids, 1032, 520, 16, seed=400 + round_)
+        monkeypatch.setenv("PETIT_MOE_PDL", "1")
+        programmatic = run_petit(problem, tiles)
+        monkeypatch.setenv("PETIT_MOE_PDL", "0")
+        plain = run_petit(problem, tiles)
+        assert torch.equal(programmatic, plain), f"round {round_}"
+        check(programmatic, problem, name=f"round {round_}")
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")

@@ -20,7 +20,7 @@
 # says COMPLETE (rc 3 = work left).
 # Environment: OUT (default /tmp/petit-vllm-check), BUDGET_S (whole run, default 570),
 #   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
-#   EXPERTS_TILES (bench-experts: tile families, default "auto wgmma_ws wgmma_m64_ws"),
+#   EXPERTS_TILES (bench-experts: tile families, default "auto wgmma wgmma_m64"),
 #   PACK=1 (pack $OUT into $OUT/vllm_gpu_check.tgz: the device returns <= 8 files),
 #   PYTEST_ARGS (extra pytest arguments, shell-quoted: PYTEST_ARGS='-k "fp8 or graph"').
 set -uo pipefail
@@ -33,7 +33,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-570}
 STEPS=${*:-build meta test-vllm test-plugin bench}
-EXPERTS_TILES=${EXPERTS_TILES:-auto wgmma_ws wgmma_m64_ws}
+EXPERTS_TILES=${EXPERTS_TILES:-auto wgmma wgmma_m64}
 pytest_args=()
 eval "pytest_args=(${PYTEST_ARGS:-})"  # keeps quoted words (-k "a or b") together
 want_any() { for s in "$@"; do [[ " $STEPS " == *" $s "* ]] && return 0; done; return 1; }

@@ -26,12 +26,12 @@ decode), ``large`` (128-row SIMT tiles, prefill), ``mma`` (CUDA sm_80+ tensor co
 rows per expert), ``wgmma_narrow`` (sm_90a, 64x128x64 tiles, two blocks per SM: twice the
 tiles of ``wgmma_m64`` for very few rows per expert; only when asked for explicitly, measured
 no faster than ``wgmma_m64``), ``wgmma_ws`` (sm_90a, the ``wgmma`` tiles on a warp-specialized
-main loop: a producer warpgroup copies while two consumer warpgroups multiply, for many rows
-per expert), ``wgmma_m64_ws`` (the ``wgmma_m64`` tiles on that main loop, for few rows per
-expert; both ``*_ws`` only when asked for explicitly, not yet run on a GPU), ``decode``
-(portable, <= 8-row tiles, each warp streaming whole weight rows; only when asked for
-explicitly) and ``auto``: where the GPU runs wgmma, ``wgmma_m64`` below 96
-routing entries (rows x top_k) per local expert and ``wgmma`` from there; elsewhere ``small``
+main loop: a producer warpgroup loads, the weights by TMA, while two consumer warpgroups
+multiply, for many rows per expert), ``wgmma_m64_ws`` (the ``wgmma_m64`` tiles on that main
+loop, for few rows per expert), ``decode`` (portable, <= 8-row tiles, each warp streaming
+whole weight rows; only when asked for explicitly) and ``auto``: where the GPU runs wgmma,
+``wgmma_m64_ws`` below 96 routing entries (rows x top_k) per local expert and ``wgmma_ws`` from
+there; elsewhere ``small``
 below 256 entries per local expert and above it ``mma`` (sm_80+) or ``large``. ``mma`` and the
 ``wgmma*`` families fail with
 "operation not supported" where the GPU or the build lacks them (HIP, older GPUs, a build

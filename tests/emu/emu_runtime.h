@@ -182,6 +182,7 @@ inline petit_lanemask_t petit_ballot(bool pred) {
 inline petit_lanemask_t petit_match_any(int value) {
   return emu::warp_mask(value, [value](int v) { return v == value; });
 }
+inline void petit_grid_dependency_sync() {}  // blocks and launches run one after another
 inline int atomicAdd(int* address, int value) {
   return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
 }
