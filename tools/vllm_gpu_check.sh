@@ -7,14 +7,17 @@
 #
 #   bash tools/vllm_gpu_check.sh                     # all steps
 #   bash tools/vllm_gpu_check.sh build test-vllm     # some steps (install + env always run)
-# Steps: build meta test-vllm test-plugin bench bench-experts profile compare serve tpot. On a
+# Steps: build meta test-vllm test-plugin bench bench-experts ncu profile compare serve tpot. On a
 # cold machine all of them do not fit in one 600 s command: run "build meta test-vllm
 # test-plugin", then "bench" while it is warm; "compare" (examples/compare_serving.py: the
 # seeded tiny Qwen3-MoE served with and without the flag, outputs compared, ~3-5 min) and
 # "serve" (examples/serve.sh on the full Qwen3-30B-A3B config, dummy weights, flag on, ~5 min
 # cold) each take a command of their own. "profile": examples/bench_moe_layer.py --profile
 # (kernel time by category; PROFILE_ARGS, default --tokens 1 64 1024 --petit-experts-tiles
-# auto --iters 20). "tpot": examples/bench_tpot_gsm8k.py with TPOT_ARGS (default: the three
+# auto --iters 20). "ncu": Nsight Compute's detailed sections for the expert GEMM kernels
+# matching NCU_KERNEL (regex, default expert_(gate_up|down)_ws, first 2 launches) in one
+# examples/bench_experts.py run (NCU_ARGS, default DeepSeek-V3, 8192 tokens/rank, wgmma_ws);
+# skipped where the machine has no ncu. "tpot": examples/bench_tpot_gsm8k.py with TPOT_ARGS (default: the three
 # backends, concurrency 8 64 128, 2 waves, 2 repeats), --resume from /tmp/petit-tpot and
 # --max-runtime = the budget left: repeat the command on the warm machine until its summary
 # says COMPLETE (rc 3 = work left).
@@ -82,7 +85,7 @@ export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 
 # 2. the extension, in place (ninja, every core); also when a later step needs it and a fresh
 #    machine has none (a warm machine keeps the ignored .so between calls)
-if ! want build && want_any test-vllm bench bench-experts profile compare serve tpot && ! ls vllm_petit_moe/_C*.so > /dev/null 2>&1; then
+if ! want build && want_any test-vllm bench bench-experts ncu profile compare serve tpot && ! ls vllm_petit_moe/_C*.so > /dev/null 2>&1; then
   echo "no compiled extension here: adding the build step"
   STEPS="build $STEPS"
 fi
@@ -148,6 +151,21 @@ if want bench-experts; then
     --tiles $EXPERTS_TILES --out-dir "$OUT/experts"
 fi
 
+# 6b'. hardware counters of the expert GEMM kernels (Nsight Compute), where the machine has it
+if want ncu; then
+  NCU=$(command -v ncu || ls "$CUDA_HOME"/bin/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ]; then
+    # shellcheck disable=SC2086
+    run_step ncu 150 "$NCU" --set detailed --kernel-name "regex:${NCU_KERNEL:-expert_(gate_up|down)_ws}" \
+      --launch-count 2 "$PY" examples/bench_experts.py \
+      ${NCU_ARGS:---presets deepseek-v3 --routings uniform --tokens 8192 --tiles wgmma_ws --iters 1 --no-triton} \
+      --out-dir "$OUT/ncu-bench"
+  else
+    echo "--- ncu: no ncu on this machine" | tee "$OUT/ncu.log"
+    RC[ncu]=missing; SECS[ncu]=0
+  fi
+fi
+
 # 6c. where the MoE layer's time goes: kernel time per category for each path
 if want profile; then
   # shellcheck disable=SC2086
@@ -187,12 +205,13 @@ echo "commit      : ${PETIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 echo "vllm        : $("$PY" -c 'from importlib.metadata import version; print(version("vllm"))' 2>&1 | tail -1)"
 echo "install     : rc=${RC[install]} in ${SECS[install]}s"
 ok=1
-for step in build meta test-vllm test-plugin bench bench-experts profile compare serve tpot; do
+for step in build meta test-vllm test-plugin bench bench-experts ncu profile compare serve tpot; do
   want "$step" || continue
   rc=${RC[$step]:-not-run}
   summary=""
   case $step in
     test-*) summary=$(grep -E "(passed|failed|skipped|error)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
+    ncu) summary=$(grep -cE "Duration|Throughput" "$OUT/ncu.log" 2>/dev/null | sed 's/$/ metric lines/') ;;
     bench-experts) summary=$(grep -E "^wrote|NOTE" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
     bench|profile) summary=$(grep -E "^wrote|^WARNING: " "$OUT/$step.log" 2>/dev/null | tail -2 | tr -d "'\"") ;;
     tpot) summary=$(grep -E "^(COMPLETE|INCOMPLETE|FAILED)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
@@ -201,7 +220,7 @@ for step in build meta test-vllm test-plugin bench bench-experts profile compare
     meta) summary=$(grep "entry points" "$OUT/meta.log" 2>/dev/null | tail -1) ;;
   esac
   printf '%-12s: rc=%s in %ss %s\n' "$step" "$rc" "${SECS[$step]:-0}" "$summary"
-  case $step:$rc in *:0|*:fallback|tpot:3) ;; *) ok=0 ;; esac
+  case $step:$rc in *:0|*:fallback|tpot:3|ncu:missing) ;; *) ok=0 ;; esac
 done
 echo "logs        : $OUT ($(( $(date +%s) - T0 ))s total)"
 pack_out vllm_gpu_check
