@@ -79,6 +79,10 @@ enum ExpertTiles : int {
   // warp-specialized main loop (5-stage ring). Auto picks it below 96 routing entries per
   // local expert. Bit-identical to kExpertTilesWgmmaM64.
   kExpertTilesWgmmaM64Ws = 9,
+  // CUDA sm_90a only, for many rows per expert: kExpertTilesWgmmaWs's tiles in thread-block
+  // clusters of 2 CTAs along M that load each weight box once for both (TMA multicast). Only
+  // when asked for explicitly. Bit-identical to kExpertTilesWgmmaWs.
+  kExpertTilesWgmmaWsMc = 10,
 };
 
 struct ExpertGemmArgs {

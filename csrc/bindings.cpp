@@ -405,7 +405,7 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
               (long long)w2.size(2));
   PETIT_CHECK(N * K < (int64_t(1) << 31), "N*K = %lld routing entries exceed 2^31 - 1",
               (long long)(N * K));
-  PETIT_CHECK(tiles >= kExpertTilesAuto && tiles <= kExpertTilesWgmmaM64Ws,
+  PETIT_CHECK(tiles >= kExpertTilesAuto && tiles <= kExpertTilesWgmmaWsMc,
               "tiles %lld must be 0 (auto), 1 (small), 2 (large), 3 (mma), 4 (decode), 5 (wgmma), "
               "6 (wgmma_m64), 7 (wgmma_narrow), 8 (wgmma_ws) or 9 (wgmma_m64_ws)",
               (long long)tiles);

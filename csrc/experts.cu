@@ -14,6 +14,8 @@
 // expert_partial_workspace_elems) and one extra pass over it.
 #include <stdlib.h>
 
+#include <type_traits>
+
 #include "api.h"
 #include "expert_ids.h"
 #include "gemm/epilogues.h"
@@ -186,14 +188,24 @@ using DownWgmmaNarrow = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 12
 //   on the warp-specialized main loop (gemm/sm90_mainloop_wgmma_ws.h): a third warpgroup
 //   loads (the gathered A rows by cp.async, the weight rows as TMA boxes), the ring is handed
 //   over through mbarriers, and the loads run on into the next tile during the epilogue.
-using GateUpWgmmaWs = gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
-using DownWgmmaWs = gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
+// The ws main loops keep the tile scheduler's storage in their shared memory (kUserBytes).
+template <class Cfg, int kClusterM = 1>
+using WsMainloop = gemm::Sm90WgmmaWsMainloop<
+    Cfg, kClusterM,
+    int(sizeof(typename gemm::ExpertTileScheduler<Cfg::kThreads + 128>::SharedStorage))>;
+using GateUpWgmmaWs = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
+using DownWgmmaWs = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
 // wgmma_m64_ws: the wgmma_m64 tiles (64 x 256 x 64, 5-stage ring) on the same main loop: for
 //   few rows per expert, where the producer's loads running on into the next tile replace
 //   the per-tile ring restart of wgmma_m64.
-using GateUpWgmmaM64Ws =
-    gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>;
-using DownWgmmaM64Ws = gemm::Sm90WgmmaWsMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
+using GateUpWgmmaM64Ws = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>;
+using DownWgmmaM64Ws = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
+// wgmma_ws_mc: the wgmma_ws tiles in clusters of 2 CTAs along M, each weight box loaded once
+//   for both (TMA multicast): half the L2 reads of the weights, and the two readers of each
+//   weight slice advance together (see gemm/sm90_mainloop_wgmma_ws.h).
+constexpr int kWsClusterM = 2;
+using GateUpWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM>;
+using DownWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, kWsClusterM>;
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
@@ -261,25 +273,33 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
 // w13 (dims {H, I, 2, L}) or w2 ({I, H, 1, L}) that launch_ws_gemm encodes. The scheduler and
 // the ring are set up by the whole block; then the producer warpgroup walks the block's tiles
 // issuing copies and the consumer warpgroups walk the same tiles multiplying and storing.
+// With clusters (Mainloop::kClusterM > 1) the CTAs of a cluster walk the same units (expert,
+// group of m-tiles, n-tile), each its own m-tile of them (scheduler.h).
 template <class Mainloop, class Epilogue, class ARow>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
                                  const Epilogue& epilogue, const petit_bf16_bits* a_fallback,
                                  int k_dim, int out_cols, ARow a_row) {
   using Cfg = typename Mainloop::Cfg;
   using Scheduler = gemm::ExpertTileScheduler<Mainloop::kThreads>;
-  __shared__ typename Scheduler::SharedStorage scheduler_smem;
+  static_assert(Mainloop::kUserBytes >= int(sizeof(typename Scheduler::SharedStorage)),
+                "the scheduler's storage is the main loop's user shared memory");
+  constexpr int kClusterM = Mainloop::kClusterM;
   PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // Mainloop::kSmemBytes
+  auto& scheduler_smem = *reinterpret_cast<typename Scheduler::SharedStorage*>(
+      Mainloop::user_smem(tc_dynamic_smem));
   Scheduler scheduler;
   scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
-                 (out_cols + Cfg::kBlockN - 1) / Cfg::kBlockN, scheduler_smem);
+                 (out_cols + Cfg::kBlockN - 1) / Cfg::kBlockN, scheduler_smem, kClusterM);
   Mainloop mainloop;
   mainloop.init(tc_dynamic_smem);
   const int num_tiles = scheduler.num_tiles();
+  const int rank = int(blockIdx.x) % kClusterM;  // == %cluster_ctarank (1-D clusters)
+  const int first = int(blockIdx.x) / kClusterM, step = int(gridDim.x) / kClusterM;
   if (Mainloop::is_producer()) {
     gemm::sm90_setmaxnreg_dec<Mainloop::kProducerRegs>();
     if (Mainloop::is_tma_issuer()) gemm::sm90_prefetch_tensor_map(b_map);
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const gemm::TileCoord tile = scheduler.tile(t);
+    for (int t = first; t < num_tiles; t += step) {
+      const gemm::TileCoord tile = scheduler.tile(t, rank);
       typename Mainloop::LoaderA a_loader;
       a_loader.init([&](int r) { return a_row(tile, r); }, a_fallback);
       typename Mainloop::LoaderB b_loader;
@@ -289,13 +309,14 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
     gemm::cp_async_wait_all();  // no copy outlives its thread
   } else {
     gemm::sm90_setmaxnreg_inc<Mainloop::kConsumerRegs>();
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const gemm::TileCoord tile = scheduler.tile(t);
+    for (int t = first; t < num_tiles; t += step) {
+      const gemm::TileCoord tile = scheduler.tile(t, rank);
       mainloop.consume(k_dim);
       epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                      tile.num_rows, tile.n_tile * Cfg::kBlockN);
     }
   }
+  mainloop.finish();
 }
 
 template <class Mainloop>
@@ -509,7 +530,7 @@ petitError_t check_args(const ExpertGemmArgs& a) {
   if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
       a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
       a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
-      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaM64Ws || a.num_sms < 0 ||
+      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaWsMc || a.num_sms < 0 ||
       (a.expert_map != nullptr && a.num_global_experts < 1))
     return petitErrorInvalidValue;
   if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
@@ -569,27 +590,76 @@ bool programmatic_launch_enabled() {
 #endif
 }
 
-template <class Kernel, class... Args>
-petitError_t launch_kernel(Kernel kernel, int grid, int threads, int smem_bytes,
-                           petitStream_t stream, const Args&... args) {
+// cluster > 1 (the multicast main loop's kernels): launched in thread-block clusters of that
+// many CTAs along x (grid a multiple of it, sized by launch_persistent).
 #if PETIT_CUDA && !PETIT_EMU_PTX
-  if (programmatic_launch_enabled()) {
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config = {};
+struct LaunchConfig {
+  cudaLaunchAttribute attributes[2];
+  cudaLaunchConfig_t config;
+  LaunchConfig(int grid, int threads, int smem_bytes, int cluster, petitStream_t stream) {
+    config = {};
     config.gridDim = dim3(grid);
     config.blockDim = dim3(threads);
     config.dynamicSmemBytes = size_t(smem_bytes);
     config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    const petitError_t err = cudaLaunchKernelEx(&config, kernel, args...);
+    config.attrs = attributes;
+    config.numAttrs = 0;
+    if (programmatic_launch_enabled()) {
+      cudaLaunchAttribute& a = attributes[config.numAttrs++];
+      a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      a.val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cluster > 1) {
+      cudaLaunchAttribute& a = attributes[config.numAttrs++];
+      a.id = cudaLaunchAttributeClusterDimension;
+      a.val.clusterDim.x = unsigned(cluster);
+      a.val.clusterDim.y = 1;
+      a.val.clusterDim.z = 1;
+    }
+  }
+};
+#endif
+
+template <class Kernel, class... Args>
+petitError_t launch_kernel(Kernel kernel, int grid, int threads, int smem_bytes, int cluster,
+                           petitStream_t stream, const Args&... args) {
+#if PETIT_CUDA && !PETIT_EMU_PTX
+  LaunchConfig launch(grid, threads, smem_bytes, cluster, stream);
+  if (launch.config.numAttrs > 0) {
+    const petitError_t err = cudaLaunchKernelEx(&launch.config, kernel, args...);
     return err != petitSuccess ? err : petitGetLastError();
+  }
+#elif PETIT_EMU_PTX
+  if (cluster > 1) {
+    petitLaunchKernelCluster(kernel, dim3(grid), dim3(threads), smem_bytes, stream, cluster,
+                             args...);
+    return petitGetLastError();
   }
 #endif
   petitLaunchKernel(kernel, dim3(grid), dim3(threads), smem_bytes, stream, args...);
   return petitGetLastError();
+}
+
+// A persistent grid of clusters: a multiple of `cluster` CTAs, at most as many clusters as can
+// be resident at once (CUDA's occupancy query; a cluster needs `cluster` SMs of one GPC), so
+// that no cluster waits for another one's whole tile loop.
+template <class Kernel>
+petitError_t cluster_grid(Kernel kernel, int threads, int smem_bytes, int cluster, int* grid) {
+  *grid = *grid / cluster * cluster;
+  if (*grid < cluster) *grid = cluster;
+#if PETIT_CUDA && !PETIT_EMU_PTX
+  LaunchConfig launch(*grid, threads, smem_bytes, cluster, nullptr);
+  launch.attributes[0] = launch.attributes[launch.config.numAttrs - 1];  // the cluster only
+  launch.config.numAttrs = 1;
+  int max_clusters = 0;
+  const petitError_t err = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &launch.config);
+  if (err != petitSuccess) return err;
+  if (max_clusters <= 0) return petitErrorNotSupported;
+  if (*grid > max_clusters * cluster) *grid = max_clusters * cluster;
+#else
+  (void)kernel, (void)threads, (void)smem_bytes;
+#endif
+  return petitSuccess;
 }
 
 // One launch of an expert GEMM kernel on its persistent grid.
@@ -597,10 +667,15 @@ petitError_t launch_kernel(Kernel kernel, int grid, int threads, int smem_bytes,
 template <class Kernel, class... Extra>
 petitError_t launch_persistent(Kernel kernel, const ExpertGemmArgs& a, int out_cols, int block_m,
                                int block_n, int blocks_per_sm, int threads, int smem_bytes,
-                               int num_sms, petitStream_t stream, const Extra&... extra) {
-  const int grid = persistent_grid(a, out_cols, block_m, block_n, blocks_per_sm, num_sms);
+                               int num_sms, int cluster, petitStream_t stream,
+                               const Extra&... extra) {
+  int grid = persistent_grid(a, out_cols, block_m, block_n, blocks_per_sm, num_sms);
   if (grid == 0) return petitErrorInvalidValue;
-  return launch_kernel(kernel, grid, threads, smem_bytes, stream, a, extra...);
+  if (cluster > 1) {
+    const petitError_t err = cluster_grid(kernel, threads, smem_bytes, cluster, &grid);
+    if (err != petitSuccess) return err;
+  }
+  return launch_kernel(kernel, grid, threads, smem_bytes, cluster, stream, a, extra...);
 }
 
 // ---- SIMT launchers (kExpertTilesSmall, kExpertTilesLarge)
@@ -609,10 +684,10 @@ petitError_t launch_simt_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms
                               petitStream_t stream) {
   return gate_up ? launch_persistent(expert_gate_up_kernel<GateUp>, a, a.intermediate,
                                      GateUp::kBlockM, GateUp::kBlockN, GateUp::kMinBlocksPerSm,
-                                     GateUp::kThreads, 0, num_sms, stream)
+                                     GateUp::kThreads, 0, num_sms, 1, stream)
                  : launch_persistent(expert_down_kernel<Down>, a, a.hidden, Down::kBlockM,
                                      Down::kBlockN, Down::kMinBlocksPerSm, Down::kThreads, 0,
-                                     num_sms, stream);
+                                     num_sms, 1, stream);
 }
 
 // ---- decode launchers (kExpertTilesDecode)
@@ -620,10 +695,10 @@ petitError_t launch_decode_gemm(bool gate_up, const ExpertGemmArgs& a, int num_s
                                 petitStream_t stream) {
   return gate_up ? launch_persistent(expert_gate_up_decode_kernel, a, a.intermediate,
                                      kDecodeRows, kDecodeWarps * kDecodeRowsPerWarp / 2,
-                                     kDecodeMinBlocksPerSm, kDecodeThreads, 0, num_sms, stream)
+                                     kDecodeMinBlocksPerSm, kDecodeThreads, 0, num_sms, 1, stream)
                  : launch_persistent(expert_down_decode_kernel, a, a.hidden, kDecodeRows,
                                      kDecodeWarps * kDecodeRowsPerWarp, kDecodeMinBlocksPerSm,
-                                     kDecodeThreads, 0, num_sms, stream);
+                                     kDecodeThreads, 0, num_sms, 1, stream);
 }
 
 // ---- tensor-core launchers (kExpertTilesMma, kExpertTilesWgmma); petitErrorNotSupported
@@ -661,6 +736,16 @@ petitError_t wgmma_path_supported() {
   return major == 9 && minor == 0 ? petitSuccess : petitErrorNotSupported;
 }
 
+// CTAs per cluster of a main loop: its kClusterM, or 1 for those without clusters.
+template <class Mainloop, class = void>
+struct ClusterOf {
+  static constexpr int value = 1;
+};
+template <class Mainloop>
+struct ClusterOf<Mainloop, std::void_t<decltype(Mainloop::kClusterM)>> {
+  static constexpr int value = Mainloop::kClusterM;
+};
+
 template <class Mainloop, class Kernel, class... Extra>
 petitError_t launch_tc_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_cols, int num_sms,
                               petitStream_t stream, const Extra&... extra) {
@@ -677,7 +762,8 @@ petitError_t launch_tc_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_co
                                    100)) != petitSuccess)
     return err;
   return launch_persistent(kernel, a, out_cols, Cfg::kBlockM, Cfg::kBlockN, Cfg::kMinBlocksPerSm,
-                           Mainloop::kThreads, kSmemBytes, num_sms, stream, extra...);
+                           Mainloop::kThreads, kSmemBytes, num_sms, ClusterOf<Mainloop>::value,
+                           stream, extra...);
 }
 
 template <class GateUp, class Down>
@@ -698,14 +784,14 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
   petitError_t err;
   if (gate_up) {
     if ((err = gemm::sm90_encode_weight_map(&map, a.w13, a.hidden, a.intermediate, 2,
-                                            a.num_local_experts, GateUp::Cfg::kGroupCols)) !=
+                                            a.num_local_experts, GateUp::LoaderB::kBoxRows)) !=
         petitSuccess)
       return err;
     return launch_tc_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate, num_sms,
                                     stream, map);
   }
   if ((err = gemm::sm90_encode_weight_map(&map, a.w2, a.intermediate, a.hidden, 1,
-                                          a.num_local_experts, Down::Cfg::kGroupCols)) !=
+                                          a.num_local_experts, Down::LoaderB::kBoxRows)) !=
       petitSuccess)
     return err;
   return launch_tc_kernel<Down>(expert_down_ws_kernel<Down>, a, a.hidden, num_sms, stream, map);
@@ -727,6 +813,8 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
       return launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWs>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaM64Ws:
       return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmmaWsMc:
+      return launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMc>(gate_up, a, num_sms, stream);
     default: return petitErrorInvalidValue;
   }
 }
@@ -772,7 +860,7 @@ petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStre
   if (tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
   if ((tiles == kExpertTilesWgmma || tiles == kExpertTilesWgmmaM64 ||
        tiles == kExpertTilesWgmmaNarrow || tiles == kExpertTilesWgmmaWs ||
-       tiles == kExpertTilesWgmmaM64Ws) &&
+       tiles == kExpertTilesWgmmaM64Ws || tiles == kExpertTilesWgmmaWsMc) &&
       (err = wgmma_path_supported()) != petitSuccess)
     return err;
   if (a.num_rows == 0) return petitSuccess;
@@ -807,7 +895,7 @@ petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream)
   const int64_t needed = (num_chunks + kReduceThreads - 1) / kReduceThreads;
   const int64_t resident = int64_t(num_sms) * kReduceBlocksPerSm;
   const int grid = int(needed < resident ? needed : resident);
-  return launch_kernel(expert_reduce_kernel, grid, kReduceThreads, 0, stream, a);
+  return launch_kernel(expert_reduce_kernel, grid, kReduceThreads, 0, 1, stream, a);
 }
 
 petitError_t launch_experts(const ExpertGemmArgs& a, petitStream_t stream) {

@@ -211,7 +211,8 @@ def test_tensor_core_families_on_emulated_ptx(sm90, tiles):
     check_against_reference(out, problem)
 
 
-@pytest.mark.parametrize("ws,plain", [("wgmma_ws", "wgmma"), ("wgmma_m64_ws", "wgmma_m64")])
+@pytest.mark.parametrize("ws,plain", [("wgmma_ws", "wgmma"), ("wgmma_m64_ws", "wgmma_m64"),
+                                     ("wgmma_ws_mc", "wgmma_ws")])
 def test_warp_specialized_families_equal_their_tiles(sm90, ws, plain):
     gen = torch.Generator().manual_seed(24)
     ids = torch.randint(-1, 3, (60, 2), generator=gen, dtype=torch.int32)
@@ -219,6 +220,22 @@ def test_warp_specialized_families_equal_their_tiles(sm90, ws, plain):
     got, _ = run_emulated(sm90, *problem, tiles=ws, num_sms=1)
     want, _ = run_emulated(sm90, *problem, tiles=plain, num_sms=1)
     assert torch.equal(got, want)
+
+
+def test_clusters_with_missing_m_tiles_and_several_clusters(sm90):
+    """wgmma_ws_mc: clusters of 2 CTAs take the m-tiles of one (expert, n-tile) together and
+    multicast the weight boxes into both. Experts with 1, 2 and 3 m-tiles of 128 rows (so the
+    second CTA of a cluster has no rows in 2 of the 4 units and still loads its half of the
+    weights), 2 clusters (4 CTAs) walking 2 units each: bit-equal to wgmma_ws."""
+    counts = [100, 200, 300]
+    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(31))]
+    problem = make_problem(ids.contiguous(), 72, 64, 3, seed=32)
+    got, used = run_emulated(sm90, *problem, tiles="wgmma_ws_mc", num_sms=4)
+    assert used == "wgmma_ws_mc"
+    want, _ = run_emulated(sm90, *problem, tiles="wgmma_ws", num_sms=4)
+    assert torch.equal(got, want)
+    check_against_reference(got, problem)
 
 
 @pytest.mark.parametrize("tiles", ["mma", "wgmma_ws"])

@@ -18,7 +18,7 @@ SIZE_MULTIPLE = 8  # H and I: one 16-byte vector of bf16
 MAX_ENTRIES = 2**31 - 1  # N*K routing entries are indexed with int32
 
 TILES = {"auto": 0, "small": 1, "large": 2, "mma": 3, "decode": 4, "wgmma": 5, "wgmma_m64": 6,
-         "wgmma_narrow": 7, "wgmma_ws": 8, "wgmma_m64_ws": 9}
+         "wgmma_narrow": 7, "wgmma_ws": 8, "wgmma_m64_ws": 9, "wgmma_ws_mc": 10}
 """Tile families of the GEMMs: ``small`` (16-row SIMT tiles, for few rows per expert, i.e.
 decode), ``large`` (128-row SIMT tiles, prefill), ``mma`` (CUDA sm_80+ tensor cores, mma.sync,
 128x128x32 tiles), ``wgmma`` (Hopper sm_90a tensor cores, wgmma, 128x256x64 tiles),
@@ -28,7 +28,9 @@ tiles of ``wgmma_m64`` for very few rows per expert; only when asked for explici
 no faster than ``wgmma_m64``), ``wgmma_ws`` (sm_90a, the ``wgmma`` tiles on a warp-specialized
 main loop: a producer warpgroup loads, the weights by TMA, while two consumer warpgroups
 multiply, for many rows per expert), ``wgmma_m64_ws`` (the ``wgmma_m64`` tiles on that main
-loop, for few rows per expert), ``decode`` (portable, <= 8-row tiles, each warp streaming
+loop, for few rows per expert), ``wgmma_ws_mc`` (the ``wgmma_ws`` tiles in clusters of 2 CTAs
+that load each weight tile once for both, TMA multicast; only when asked for explicitly),
+``decode`` (portable, <= 8-row tiles, each warp streaming
 whole weight rows; only when asked for explicitly) and ``auto``: where the GPU runs wgmma,
 ``wgmma_m64_ws`` below 96 routing entries (rows x top_k) per local expert and ``wgmma_ws`` from
 there; elsewhere ``small``

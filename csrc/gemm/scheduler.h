@@ -10,6 +10,13 @@
 // Tile order: n-tile fastest, then the m-tiles of expert 0, of expert 1, ... Blocks running
 // at the same time thus share the A rows of one m-tile (reused from L2) and walk through one
 // expert's weights before the next.
+//
+// Clusters (cluster_m > 1, the thread-block clusters of the multicast main loop): a unit of
+// the linear index is then (expert, group of cluster_m consecutive m-tiles, n-tile), and the
+// CTA of cluster rank r takes m-tile cluster_m * group + r of it, so the CTAs of a cluster
+// always work on the same expert and n-tile, i.e. on the same weight rows. A group's last
+// m-tiles may not exist (an expert with fewer m-tiles than a multiple of cluster_m): their
+// CTAs get num_rows = 0 and still take part in the group's weight loads.
 #pragma once
 
 #include "../block_scan.h"
@@ -30,7 +37,7 @@ struct ExpertTileScheduler {
   static constexpr int kItemsPerThread = (kMaxExperts + kThreads - 1) / kThreads;
 
   struct SharedStorage {
-    int32_t tile_prefix[kMaxExperts + 1];  // m-tiles of experts [0, e)
+    int32_t tile_prefix[kMaxExperts + 1];  // m-tile groups of experts [0, e)
     int32_t thread_sums[kThreads];
   };
 
@@ -39,15 +46,17 @@ struct ExpertTileScheduler {
   int num_experts;
   int num_n_tiles;
   int block_m;
+  int cluster_m;  // m-tiles per unit (1, or the cluster size of a multicast main loop)
 
   // Block-wide: every thread of the block must call it (it contains barriers).
   PETIT_DEVICE void init(const int32_t* offsets, int num_local_experts, int tile_rows,
-                         int n_tiles, SharedStorage& smem) {
+                         int n_tiles, SharedStorage& smem, int cluster_size = 1) {
     expert_offsets = offsets;
     tile_prefix = smem.tile_prefix;
     num_experts = num_local_experts;
     num_n_tiles = n_tiles;
     block_m = tile_rows;
+    cluster_m = cluster_size;
     // Each thread owns kItemsPerThread consecutive experts.
     int32_t tiles[kItemsPerThread];
 #pragma unroll
@@ -55,7 +64,8 @@ struct ExpertTileScheduler {
       const int e = threadIdx.x * kItemsPerThread + i;
       tiles[i] = 0;
       if (e < num_local_experts)
-        tiles[i] = (offsets[e + 1] - offsets[e] + tile_rows - 1) / tile_rows;
+        tiles[i] = ((offsets[e + 1] - offsets[e] + tile_rows - 1) / tile_rows + cluster_size - 1) /
+                   cluster_size;
     }
     int32_t total;
     int32_t running =
@@ -81,7 +91,7 @@ struct ExpertTileScheduler {
                                          SharedStorage& smem, Body&& body) {
     ExpertTileScheduler scheduler;
     scheduler.init(offsets, num_local_experts, tile_rows, (out_cols + block_n - 1) / block_n,
-                   smem);
+                   smem, 1);
     const int num_tiles = scheduler.num_tiles();
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
       const TileCoord tile = scheduler.tile(t);
@@ -89,23 +99,25 @@ struct ExpertTileScheduler {
     }
   }
 
-  // Coordinates of linear tile t < num_tiles().
-  PETIT_DEVICE TileCoord tile(int t) const {
+  // Coordinates of linear tile t < num_tiles() (with clusters: of the m-tile that cluster rank
+  // `rank` takes in unit t; num_rows may then be 0).
+  PETIT_DEVICE TileCoord tile(int t, int rank = 0) const {
     TileCoord c;
     c.n_tile = t % num_n_tiles;
-    const int m_tile = t / num_n_tiles;
-    // The expert e with tile_prefix[e] <= m_tile < tile_prefix[e+1]: the largest e < L with
-    // tile_prefix[e] <= m_tile (experts without tiles share their successor's prefix).
+    const int m_unit = t / num_n_tiles;
+    // The expert e with tile_prefix[e] <= m_unit < tile_prefix[e+1]: the largest e < L with
+    // tile_prefix[e] <= m_unit (experts without tiles share their successor's prefix).
     int lo = 0, hi = num_experts - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (tile_prefix[mid] <= m_tile) lo = mid; else hi = mid - 1;
+      if (tile_prefix[mid] <= m_unit) lo = mid; else hi = mid - 1;
     }
     c.expert = lo;
-    const int row_begin = expert_offsets[lo] + (m_tile - tile_prefix[lo]) * block_m;
+    const int m_tile = (m_unit - tile_prefix[lo]) * cluster_m + rank;
+    const int row_begin = expert_offsets[lo] + m_tile * block_m;
     const int rows_left = expert_offsets[lo + 1] - row_begin;
     c.row_begin = row_begin;
-    c.num_rows = rows_left < block_m ? rows_left : block_m;
+    c.num_rows = rows_left < block_m ? (rows_left > 0 ? rows_left : 0) : block_m;
     return c;
   }
 };

@@ -128,6 +128,56 @@ PETIT_DEVICE void sm90_mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
     }
 }
 
+// ------------------------------------------------------------------ clusters (sm_90)
+
+// This CTA's rank in its cluster.
+PETIT_DEVICE int sm90_cluster_rank() {
+#if PETIT_SM90A_DEVICE
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return int(rank);
+#elif PETIT_EMU_PTX
+  return emu_ptx::cluster_rank();
+#else
+  return 0;
+#endif
+}
+
+// Every thread of every CTA of the cluster (a superset of __syncthreads): what each wrote to
+// its shared memory before (barrier inits included) is visible to the cluster after.
+PETIT_DEVICE void sm90_cluster_sync() {
+#if PETIT_SM90A_DEVICE
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" :::
+                   "memory");
+#elif PETIT_EMU_PTX
+  emu_ptx::cluster_sync();
+#endif
+}
+
+// The shared::cluster address of the same offset `addr` in the CTA of cluster rank `rank`.
+PETIT_DEVICE uint32_t sm90_map_shared_rank(uint32_t addr, int rank) {
+#if PETIT_SM90A_DEVICE
+  uint32_t mapped;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(mapped) : "r"(addr), "r"(rank));
+  return mapped;
+#elif PETIT_EMU_PTX
+  return emu_ptx::map_shared_rank(addr, rank);
+#else
+  return addr;
+#endif
+}
+
+// Arrives (release, cluster scope) on the mbarrier at shared::cluster address `bar`, which may
+// be another CTA's.
+PETIT_DEVICE void sm90_mbarrier_arrive_cluster(uint32_t bar) {
+#if PETIT_SM90A_DEVICE
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar)
+               : "memory");
+#elif PETIT_EMU_PTX
+  emu_ptx::mbarrier_arrive(bar);
+#endif
+}
+
 // Register budget of a warpgroup from here on (all its warps execute it).
 template <int kRegs>
 PETIT_DEVICE void sm90_setmaxnreg_dec() {
@@ -145,9 +195,22 @@ PETIT_DEVICE void sm90_setmaxnreg_inc() {
 
 // ------------------------------------------------------------------ main loop
 
-template <class Cfg_>
+// kClusterM > 1: the kernel is launched in clusters of kClusterM CTAs that take the m-tiles of
+// one (expert, n-tile) together (scheduler.h), and each weight box is loaded once for all of
+// them (TMA multicast, Sm90WeightTmaLoader): a CTA's stage is then written by every CTA's
+// producer, so its `full` barrier waits for the whole stage's weight bytes whoever loads them,
+// and a producer may refill stage s only when the consumers of EVERY CTA of the cluster have
+// released it: each consumer warp arrives on the `empty` barrier of every CTA (kClusterM x
+// kConsumerWarps arrivals per phase). The CTAs of a cluster thus advance through the k-tiles
+// together, which is the point (L2 serves the weight rows once, to all of them).
+// kUserBytes: shared memory after the barriers for the kernel's own use (user_smem; the tile
+// scheduler's, which cannot be a static __shared__ variable under the CPU emulation's
+// concurrently running cluster CTAs).
+template <class Cfg_, int kClusterM_ = 1, int kUserBytes_ = 0>
 struct Sm90WgmmaWsMainloop {
   using Cfg = Cfg_;
+  static constexpr int kClusterM = kClusterM_;
+  static constexpr int kUserBytes = kUserBytes_;
   static constexpr bool kCompiled = PETIT_SM90A_BODY;
   static constexpr int kConsumerThreads = Cfg::kThreads;
   static constexpr int kProducerThreads = 128;
@@ -167,15 +230,16 @@ struct Sm90WgmmaWsMainloop {
                 "the consumers' accumulators do not fit their registers");
 
   using LoaderA = CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle, kConsumerThreads>;
-  using LoaderB = Sm90WeightTmaLoader<Cfg>;
+  using LoaderB = Sm90WeightTmaLoader<Cfg, kClusterM>;
   static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
   static constexpr int kStageBytes = LoaderA::kStageBytes + LoaderB::kStageBytes;
   static_assert(LoaderA::kStageBytes % 1024 == 0 && kStageBytes % 1024 == 0,
                 "every operand tile starts on a 1024-byte swizzle atom");
   // Dynamic shared memory: the ring (1024-byte aligned by the slack), then full[kStages] and
-  // empty[kStages] (8 bytes each).
+  // empty[kStages] (8 bytes each), then kUserBytes.
   static constexpr int kBarrierBytes = 2 * Cfg::kStages * 8;
-  static constexpr int kSmemBytes = Cfg::kStages * kStageBytes + 1024 + kBarrierBytes;
+  static constexpr int kSmemBytes =
+      Cfg::kStages * kStageBytes + 1024 + kBarrierBytes + (kUserBytes + 15) / 16 * 16;
   static_assert(kSmemBytes + 4096 <= 228 * 1024, "the ring does not fit one block per SM");
 
   uint32_t ring;   // smem address of stage 0
@@ -189,7 +253,15 @@ struct Sm90WgmmaWsMainloop {
 
   PETIT_DEVICE static bool is_producer() { return threadIdx.x >= kConsumerThreads; }
 
-  // Block-wide (contains a barrier): carve the ring and the barriers out of `smem` and
+  // The kUserBytes after the barriers, in the dynamic shared memory `smem` (16-byte aligned).
+  PETIT_DEVICE static unsigned char* user_smem(unsigned char* smem) {
+    const uint32_t base = smem_addr_u32(smem);
+    const uint32_t ring_begin = (base + 1023u) & ~1023u;
+    return smem + (ring_begin - base) + Cfg::kStages * kStageBytes + kBarrierBytes;
+  }
+
+  // Block-wide (contains a barrier; with clusters a cluster-wide one, which every thread of
+  // every CTA of the cluster must reach): carve the ring and the barriers out of `smem` and
   // initialize the barriers.
   PETIT_DEVICE void init(unsigned char* smem) {
     ring = (smem_addr_u32(smem) + 1023u) & ~1023u;
@@ -199,11 +271,20 @@ struct Sm90WgmmaWsMainloop {
     if (threadIdx.x == 0) {
       for (int s = 0; s < Cfg::kStages; ++s) {
         sm90_mbarrier_init(full + 8 * s, kProducerThreads + 1);
-        sm90_mbarrier_init(empty + 8 * s, kConsumerWarps);
+        sm90_mbarrier_init(empty + 8 * s, kConsumerWarps * kClusterM);
       }
       sm90_fence_mbarrier_init();
     }
-    __syncthreads();
+    if constexpr (kClusterM > 1)
+      sm90_cluster_sync();  // no remote arrival or multicast before every CTA's inits
+    else
+      __syncthreads();
+  }
+
+  // Cluster-wide, the last thing the kernel does (every thread of every CTA): no CTA exits
+  // while another may still multicast into its shared memory or arrive on its barriers.
+  PETIT_DEVICE void finish() {
+    if constexpr (kClusterM > 1) sm90_cluster_sync();
   }
 
   // The producer thread that issues the weight boxes.
@@ -213,6 +294,7 @@ struct Sm90WgmmaWsMainloop {
   PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim) {
     const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
     const bool tma_issuer = is_tma_issuer();
+    const int rank = kClusterM > 1 ? sm90_cluster_rank() : 0;
     for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
       const uint32_t s = it % Cfg::kStages;
       // A fresh barrier counts as having completed the phase before its first (parity 1), so
@@ -220,12 +302,25 @@ struct Sm90WgmmaWsMainloop {
       sm90_mbarrier_wait_parity(empty + 8 * s, ((it / Cfg::kStages) & 1u) ^ 1u);
       const uint32_t stage = ring + s * kStageBytes;
       if (tma_issuer) {
-        // The expected bytes before the copies that complete them.
+        // The expected bytes (the whole stage's, whichever CTA of the cluster loads them)
+        // before this CTA's copies that complete them.
         sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes);
-        b_loader.issue(stage + LoaderA::kStageBytes, kt * Cfg::kBlockK, full + 8 * s);
+        b_loader.issue(stage + LoaderA::kStageBytes, kt * Cfg::kBlockK, full + 8 * s, rank);
       }
       a_loader.issue(stage, kt * Cfg::kBlockK, k_dim);
       sm90_cp_async_mbarrier_arrive_noinc(full + 8 * s);
+    }
+  }
+
+  // A consumer warp hands a stage back: on its `empty` barrier, and with clusters on that of
+  // every CTA of the cluster (whose producers multicast into this CTA's copy of the stage).
+  PETIT_DEVICE static void release(uint32_t empty_bar) {
+    if constexpr (kClusterM == 1) {
+      sm90_mbarrier_arrive(empty_bar);
+    } else {
+#pragma unroll
+      for (int q = 0; q < kClusterM; ++q)
+        sm90_mbarrier_arrive_cluster(sm90_map_shared_rank(empty_bar, q));
     }
   }
 
@@ -260,13 +355,13 @@ struct Sm90WgmmaWsMainloop {
       sm90_wgmma_wait<1>();
 #pragma unroll
       for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
-      if (kt > 0 && warp_leader) sm90_mbarrier_arrive(empty + 8 * ((it - 1) % Cfg::kStages));
+      if (kt > 0 && warp_leader) release(empty + 8 * ((it - 1) % Cfg::kStages));
     }
     sm90_wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
     if (num_k_tiles > 0 && warp_leader)
-      sm90_mbarrier_arrive(empty + 8 * ((it - 1) % Cfg::kStages));
+      release(empty + 8 * ((it - 1) % Cfg::kStages));
 
     sm90_epilogue_view<Cfg>(d, acc);
   }

@@ -73,6 +73,22 @@ PETIT_DEVICE void sm90_tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0,
 #endif
 }
 
+// The same box into shared memory at `dst` of every CTA of the cluster in `cta_mask`, each
+// completing the bytes on its own mbarrier at offset `bar` (multicast, sm_90 clusters).
+PETIT_DEVICE void sm90_tma_load_4d_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                             int c2, int c3, uint32_t bar, uint16_t cta_mask) {
+#if PETIT_SM90A_DEVICE
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar),
+      "h"(cta_mask)
+      : "memory");
+#elif PETIT_EMU_PTX
+  emu_ptx::tma_load_4d_multicast(dst, map, c0, c1, c2, c3, bar, cta_mask);
+#endif
+}
+
 // Fetches the tensor map into the TMA unit's cache ahead of its first use.
 PETIT_DEVICE void sm90_prefetch_tensor_map(const CUtensorMap* map) {
 #if PETIT_SM90A_DEVICE
@@ -83,15 +99,27 @@ PETIT_DEVICE void sm90_prefetch_tensor_map(const CUtensorMap* map) {
 // The B (weight) rows of one output tile of tile config Cfg, as TMA boxes: stage row r holds
 // row n_begin + Cfg::b_col_of(r) of group Cfg::b_group_of(r) of the expert, and the config
 // keeps runs of kRunRows = Cfg::kGroupCols stage rows in one group with consecutive columns
-// (host-checked by tests/emu/gemm_layout_check.cu), so a stage is kRuns boxes of kRunRows rows.
-template <class Cfg>
+// (host-checked by tests/emu/gemm_layout_check.cu), so a stage is kRuns runs of kRunRows rows.
+// With kClusterM > 1 the CTAs of a cluster work on the same weight rows (scheduler.h): each run
+// is cut into kClusterM boxes of kBoxRows rows, and the CTA of cluster rank q loads boxes q,
+// q + kClusterM, ... once, multicast into every CTA of the cluster. Otherwise a box is a run.
+template <class Cfg, int kClusterM = 1>
 struct Sm90WeightTmaLoader {
   static constexpr int kRunRows = Cfg::kGroupCols;
   static constexpr int kRuns = Cfg::kBRows / kRunRows;
+  static constexpr int kBoxRows = kRunRows / kClusterM;
+  static constexpr int kBoxes = kRuns * kClusterM;  // per stage, all CTAs of a cluster together
   static constexpr int kStageBytes = Cfg::kBRows * kTmaBoxK * int(sizeof(petit_bf16_bits));
   static_assert(Cfg::kBlockK == kTmaBoxK, "one box row per stage row");
   static_assert(kRunRows % 8 == 0 && kRunRows <= 256 && Cfg::kBRows % kRunRows == 0,
-                "boxes of whole 8-row swizzle atoms, at most 256 rows");
+                "runs of whole 8-row swizzle atoms, at most 256 rows");
+  static_assert(kClusterM >= 1 && kRunRows % (8 * kClusterM) == 0,
+                "each CTA's box of a run is whole 8-row swizzle atoms");
+
+  // Stage row of box b's first row.
+  PETIT_HOST_DEVICE static constexpr int box_row(int b) {
+    return (b / kClusterM) * kRunRows + (b % kClusterM) * kBoxRows;
+  }
 
   const CUtensorMap* map;
   int expert;
@@ -103,13 +131,20 @@ struct Sm90WeightTmaLoader {
     n_begin = tile_n_begin;
   }
 
-  // The k-tile starting at column k0 into the stage at `dst`, completing on `bar`.
-  PETIT_DEVICE void issue(uint32_t dst, int k0, uint32_t bar) const {
+  // This CTA's boxes (cluster rank `rank`) of the k-tile starting at column k0 into the stage
+  // at `dst` (of every CTA of the cluster), completing on `bar` (of each).
+  PETIT_DEVICE void issue(uint32_t dst, int k0, uint32_t bar, int rank = 0) const {
 #pragma unroll
-    for (int run = 0; run < kRuns; ++run) {
-      const int r0 = run * kRunRows;
-      sm90_tma_load_4d(dst + uint32_t(r0) * 128u, map, k0, n_begin + Cfg::b_col_of(r0),
-                       Cfg::b_group_of(r0), expert, bar);
+    for (int b = 0; b < kBoxes; ++b) {
+      if (b % kClusterM != rank) continue;
+      const int r0 = box_row(b);
+      if constexpr (kClusterM == 1)
+        sm90_tma_load_4d(dst + uint32_t(r0) * 128u, map, k0, n_begin + Cfg::b_col_of(r0),
+                         Cfg::b_group_of(r0), expert, bar);
+      else
+        sm90_tma_load_4d_multicast(dst + uint32_t(r0) * 128u, map, k0,
+                                   n_begin + Cfg::b_col_of(r0), Cfg::b_group_of(r0), expert, bar,
+                                   uint16_t((1u << kClusterM) - 1));
     }
   }
 };

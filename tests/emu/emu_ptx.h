@@ -48,20 +48,42 @@
 #include <vector>
 
 namespace emu {
-extern unsigned char* dynamic_smem;  // the running block's dynamic shared memory
+class Barrier;
+extern thread_local unsigned char* dynamic_smem;  // this thread's block's dynamic shared memory
+extern thread_local int cluster_rank;
+extern thread_local int cluster_size;
+extern thread_local unsigned char* const* cluster_smem;  // every block's of the cluster, by rank
+extern thread_local Barrier* cluster_barrier;
+void cluster_barrier_wait();
 }
 
 namespace emu_ptx {
 
+// A shared-memory address is a byte offset into the block's dynamic shared memory; a
+// shared::cluster address (map_shared_rank) carries the target block's cluster rank + 1 in
+// bits 24-31.
+constexpr uint32_t kClusterRankShift = 24;
 inline uint32_t smem_addr(const void* ptr) {
   return uint32_t(static_cast<const unsigned char*>(ptr) - emu::dynamic_smem);
 }
-inline unsigned char* smem_ptr(uint32_t addr) { return emu::dynamic_smem + addr; }
+inline unsigned char* smem_ptr(uint32_t addr) {
+  const uint32_t rank_plus_one = addr >> kClusterRankShift;
+  if (rank_plus_one == 0) return emu::dynamic_smem + addr;
+  return emu::cluster_smem[rank_plus_one - 1] + (addr & ((1u << kClusterRankShift) - 1));
+}
 
 [[noreturn]] inline void trap(const char* what) {
   std::fprintf(stderr, "emu_ptx: trap: %s (block %u, thread %u)\n", what,
                unsigned(emu::block_idx.x), unsigned(emu::thread_idx.x));
   std::abort();
+}
+
+// ---- clusters
+inline int cluster_rank() { return emu::cluster_rank; }
+inline void cluster_sync() { emu::cluster_barrier_wait(); }
+inline uint32_t map_shared_rank(uint32_t addr, int rank) {
+  if (rank < 0 || rank >= emu::cluster_size) trap("mapa to a rank outside the cluster");
+  return (uint32_t(rank + 1) << kClusterRankShift) | (addr & ((1u << kClusterRankShift) - 1));
 }
 
 // The lanes of this thread's warp meet (blocks of whole warps only).
@@ -216,7 +238,7 @@ struct TensorMap {
 };
 static_assert(sizeof(TensorMap) <= sizeof(CUtensorMap), "fits a CUtensorMap's bytes");
 struct TmaCopy {
-  uint32_t dst;
+  unsigned char* dst;  // in the destination block's shared memory
   TensorMap map;
   int coord[4];
 };
@@ -225,12 +247,13 @@ struct MbarrierTx {
   std::vector<TmaCopy> copies;   // issued, not performed yet
 };
 inline std::mutex mbarrier_mutex;
-inline std::map<uint32_t, MbarrierTx> mbarrier_tx;  // by barrier address (blocks run one by one)
+inline std::map<const unsigned char*, MbarrierTx> mbarrier_tx;  // by the barrier's location
 
 inline Mbarrier* mbarrier_at(uint32_t bar) {
   if (bar % 8 != 0) trap("mbarrier not 8-byte aligned");
   return reinterpret_cast<Mbarrier*>(smem_ptr(bar));
 }
+inline const unsigned char* tx_key(uint32_t bar) { return smem_ptr(bar); }
 
 inline void tensor_map_encode(CUtensorMap* map, const void* base, const cuuint64_t (&dims)[4],
                               const cuuint64_t (&strides)[3], const cuuint32_t (&box)[4]) {
@@ -262,34 +285,54 @@ inline int64_t perform(const TmaCopy& c) {
             in = in && g[d] >= 0 && uint64_t(g[d]) < m.dims[d];
             offset += g[d] * int64_t(m.strides[d]);
           }
-          uint32_t addr = c.dst + uint32_t(n) * 2;
+          // the swizzle of the address (the blocks' shared memory is 1024-byte aligned)
+          uintptr_t addr = reinterpret_cast<uintptr_t>(c.dst) + uintptr_t(n) * 2;
           addr ^= ((addr >> 7) & 7u) << 4;
           uint16_t bits = 0;
           if (in) std::memcpy(&bits, m.base + offset, 2);
-          std::memcpy(smem_ptr(addr), &bits, 2);
+          std::memcpy(reinterpret_cast<void*>(addr), &bits, 2);
         }
   return n * 2;
 }
 
-inline void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
-                        uint32_t bar) {
+// Into the block of cluster rank `rank` (-1: this thread's block).
+inline void tma_load_4d_into(int rank, uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                             int c2, int c3, uint32_t bar) {
   if (dst % 1024 != 0) trap("TMA box with the 128-byte swizzle not 1024-byte aligned");
-  TmaCopy copy{dst, {}, {c0, c1, c2, c3}};
+  if (rank >= 0) {
+    dst = map_shared_rank(dst, rank);
+    bar = map_shared_rank(bar, rank);
+  }
+  TmaCopy copy{smem_ptr(dst), {}, {c0, c1, c2, c3}};
   std::memcpy(&copy.map, map, sizeof(TensorMap));
   if (copy.map.box[0] * 2 != 128) trap("128-byte swizzle needs 128-byte box rows");
   std::lock_guard<std::mutex> lock(mbarrier_mutex);
-  mbarrier_tx[bar].copies.push_back(copy);
+  mbarrier_tx[tx_key(bar)].copies.push_back(copy);
+}
+
+inline void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                        uint32_t bar) {
+  tma_load_4d_into(-1, dst, map, c0, c1, c2, c3, bar);
+}
+
+// The same box into every block of the cluster in cta_mask, at the same offsets.
+inline void tma_load_4d_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                  int c3, uint32_t bar, uint16_t cta_mask) {
+  if (cta_mask == 0 || (cta_mask >> emu::cluster_size) != 0)
+    trap("multicast mask names blocks outside the cluster");
+  for (int q = 0; q < emu::cluster_size; ++q)
+    if ((cta_mask >> q) & 1u) tma_load_4d_into(q, dst, map, c0, c1, c2, c3, bar);
 }
 
 inline void mbarrier_init(uint32_t bar, int count) {
   std::lock_guard<std::mutex> lock(mbarrier_mutex);
   *mbarrier_at(bar) = Mbarrier{count, int16_t(count), 0};
-  mbarrier_tx.erase(bar);
+  mbarrier_tx.erase(tx_key(bar));
 }
 
 // Under mbarrier_mutex: the current phase completes once its arrivals and bytes are done.
 inline void mbarrier_complete_if_done(uint32_t bar, Mbarrier* m) {
-  auto tx = mbarrier_tx.find(bar);
+  auto tx = mbarrier_tx.find(tx_key(bar));
   if (m->pending == 0 && (tx == mbarrier_tx.end() || tx->second.bytes == 0)) {
     ++m->phase;
     m->pending = m->expected;
@@ -310,7 +353,7 @@ inline void mbarrier_arrive(uint32_t bar) {
 
 inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   std::lock_guard<std::mutex> lock(mbarrier_mutex);
-  mbarrier_tx[bar].bytes += bytes;
+  mbarrier_tx[tx_key(bar)].bytes += bytes;
   mbarrier_arrive_locked(bar);
 }
 
@@ -321,11 +364,12 @@ inline bool mbarrier_try_wait_parity(uint32_t bar, uint32_t parity) {
   {
     std::lock_guard<std::mutex> lock(mbarrier_mutex);
     Mbarrier* m = mbarrier_at(bar);
-    auto tx = mbarrier_tx.find(bar);
+    auto tx = mbarrier_tx.find(tx_key(bar));
     if (tx != mbarrier_tx.end() && !tx->second.copies.empty()) {
       for (const TmaCopy& c : tx->second.copies) tx->second.bytes -= perform(c);
       tx->second.copies.clear();
-      if (tx->second.bytes < 0) trap("TMA bytes beyond the mbarrier's expected transactions");
+      // bytes < 0 is legal: another block's multicast box may land before this block's
+      // expect_tx of the phase (the phase still waits for that arrival)
       if (m->pending == 0) mbarrier_complete_if_done(bar, m);
     }
     done = (m->phase & 1u) != parity;
@@ -334,9 +378,10 @@ inline bool mbarrier_try_wait_parity(uint32_t bar, uint32_t parity) {
   return done;
 }
 
-// A block that ends with TMA copies nobody waited for, or expected bytes that never came.
+// A block (a cluster's blocks) that ends with TMA copies nobody waited for, or expected bytes
+// that never came.
 inline void check_block_drained() {
-  for (const auto& [bar, tx] : mbarrier_tx)
+  for (const auto& [location, tx] : mbarrier_tx)
     if (!tx.copies.empty() || tx.bytes != 0)
       trap("block exits with TMA copies or expected bytes its mbarrier never completed");
   mbarrier_tx.clear();

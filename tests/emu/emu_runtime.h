@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -71,10 +72,16 @@ class Barrier {
   long generation_ = 0;
 };
 
-Barrier* block_barrier = nullptr;
+thread_local Barrier* block_barrier = nullptr;  // this thread's block's
 int last_error = 0;
-unsigned char* dynamic_smem = nullptr;
+thread_local unsigned char* dynamic_smem = nullptr;  // this thread's block's
 int cc_major = 2, cc_minor = 0, sm_count = 2;
+// Thread-block clusters (launch_cluster): this thread's rank in its cluster, the dynamic shared
+// memory of every block of the cluster (by rank) and a barrier of all the cluster's threads.
+thread_local int cluster_rank = 0;
+thread_local int cluster_size = 1;
+thread_local unsigned char* const* cluster_smem = nullptr;
+thread_local Barrier* cluster_barrier = nullptr;
 
 constexpr int kWarpSize = 32;
 struct Warp {
@@ -100,41 +107,66 @@ bool warp_gather(const uint32_t (&mine)[kWords], uint32_t (&all)[kWords][kWarpSi
   return true;
 }
 
+// The grid in clusters of `cluster` blocks (grid.x a multiple of it): the blocks of a cluster run
+// at the same time, each with its own threads, barrier, warps and dynamic shared memory; the
+// clusters run one after another. Static __shared__ variables are function statics, i.e. one
+// instance for all blocks: kernels launched in clusters of more than one block keep their
+// shared state in dynamic shared memory.
 template <class Kernel, class... Args>
-void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, const Args&... args) {
-  if (grid.x == 0 || block.x == 0 || grid.y != 1 || grid.z != 1 || block.y != 1 || block.z != 1) {
+void launch_cluster(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, int cluster,
+                    const Args&... args) {
+  if (grid.x == 0 || block.x == 0 || grid.y != 1 || grid.z != 1 || block.y != 1 || block.z != 1 ||
+      cluster < 1 || grid.x % unsigned(cluster) != 0) {
     last_error = 1;
     return;
   }
   block_dim = block;
   grid_dim = grid;
   const size_t smem_alloc = (smem_bytes + 1023) / 1024 * 1024;
-  unsigned char* smem =
-      smem_alloc ? static_cast<unsigned char*>(std::aligned_alloc(1024, smem_alloc)) : nullptr;
-  dynamic_smem = smem;
-  for (unsigned b = 0; b < grid.x; ++b) {
-    if (smem) std::memset(smem, 0xFF, smem_alloc);
-    Barrier barrier(int(block.x));
-    block_barrier = &barrier;
-    std::vector<Warp> warps(block.x % kWarpSize == 0 ? block.x / kWarpSize : 0);
-    std::vector<std::thread> threads;
-    threads.reserve(block.x);
-    for (unsigned t = 0; t < block.x; ++t) {
-      threads.emplace_back([&, t, b] {
-        thread_idx = make_uint3(t, 0, 0);
-        block_idx = make_uint3(b, 0, 0);
-        warp = warps.empty() ? nullptr : &warps[t / kWarpSize];
-        kernel(args...);
-        emu_ptx::check_drained();
-      });
+  std::vector<unsigned char*> smem(size_t(cluster), nullptr);
+  for (auto& buffer : smem)
+    buffer = smem_alloc ? static_cast<unsigned char*>(std::aligned_alloc(1024, smem_alloc))
+                        : nullptr;
+  for (unsigned first = 0; first < grid.x; first += unsigned(cluster)) {
+    for (auto* buffer : smem)
+      if (buffer) std::memset(buffer, 0xFF, smem_alloc);
+    Barrier cluster_sync(int(block.x) * cluster);
+    std::vector<std::unique_ptr<Barrier>> barriers;
+    std::vector<std::vector<Warp>> warps(static_cast<size_t>(cluster));
+    for (int q = 0; q < cluster; ++q) {
+      barriers.push_back(std::make_unique<Barrier>(int(block.x)));
+      warps[size_t(q)] = std::vector<Warp>(block.x % kWarpSize == 0 ? block.x / kWarpSize : 0);
     }
+    std::vector<std::thread> threads;
+    threads.reserve(size_t(block.x) * size_t(cluster));
+    for (int q = 0; q < cluster; ++q)
+      for (unsigned t = 0; t < block.x; ++t) {
+        threads.emplace_back([&, t, q] {
+          thread_idx = make_uint3(t, 0, 0);
+          block_idx = make_uint3(first + unsigned(q), 0, 0);
+          warp = warps[size_t(q)].empty() ? nullptr : &warps[size_t(q)][t / kWarpSize];
+          block_barrier = barriers[size_t(q)].get();
+          dynamic_smem = smem[size_t(q)];
+          cluster_rank = q;
+          cluster_size = cluster;
+          cluster_smem = smem.data();
+          cluster_barrier = &cluster_sync;
+          kernel(args...);
+          emu_ptx::check_drained();
+        });
+      }
     for (auto& th : threads) th.join();
     emu_ptx::check_block_drained();
-    block_barrier = nullptr;
   }
-  std::free(smem);
-  dynamic_smem = nullptr;
+  for (auto* buffer : smem) std::free(buffer);
 }
+
+template <class Kernel, class... Args>
+void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, const Args&... args) {
+  launch_cluster(kernel, grid, block, smem_bytes, 1, args...);
+}
+
+void cluster_barrier_wait() { cluster_barrier->wait(); }
 
 inline int device_attribute(int attr) {
   if (attr == int(cudaDevAttrComputeCapabilityMajor)) return cc_major;
@@ -190,6 +222,8 @@ inline int atomicAdd(int* address, int value) {
 #undef petitLaunchKernel
 #define petitLaunchKernel(kernel, grid, block, smem, stream, ...) \
   emu::launch(kernel, dim3(grid), dim3(block), size_t(smem), __VA_ARGS__)
+#define petitLaunchKernelCluster(kernel, grid, block, smem, stream, cluster, ...) \
+  emu::launch_cluster(kernel, dim3(grid), dim3(block), size_t(smem), cluster, __VA_ARGS__)
 #undef PETIT_DYNAMIC_SMEM
 #define PETIT_DYNAMIC_SMEM(name) unsigned char* name = emu::dynamic_smem
 #undef petitFuncSetAttribute

@@ -77,19 +77,26 @@ void check_wgmma_ws(const char* name) {
   check_wgmma<Cfg>(name);
   expect(Loader::kRuns * Loader::kRunRows == Cfg::kBRows, name, "boxes do not tile the stage",
          -1, Loader::kRuns, Loader::kRunRows);
-  for (int run = 0; run < Loader::kRuns; ++run) {
-    const int r0 = run * Loader::kRunRows;
-    for (int i = 0; i < Loader::kRunRows; ++i)
+  std::vector<int> covered(Cfg::kBRows, 0);
+  for (int b = 0; b < Loader::kBoxes; ++b) {  // with clusters: each CTA's share of a run
+    const int r0 = Loader::box_row(b);
+    for (int i = 0; i < Loader::kBoxRows; ++i) {
+      expect(r0 + i < Cfg::kBRows, name, "weight box past the stage", -1, r0 + i, b);
+      if (r0 + i >= Cfg::kBRows) continue;
+      ++covered[r0 + i];
       expect(Cfg::b_group_of(r0 + i) == Cfg::b_group_of(r0) &&
                  Cfg::b_col_of(r0 + i) == Cfg::b_col_of(r0) + i,
              name, "weight box row is not the next column of the box's group", -1, r0 + i,
              Cfg::b_col_of(r0 + i));
+    }
   }
+  for (int r = 0; r < Cfg::kBRows; ++r)
+    expect(covered[r] == 1, name, "stage row not loaded by exactly one box", -1, r, covered[r]);
   std::printf("%s: %d producer + %d consumer threads, consumers at %d registers (setmaxnreg), "
-              "%d-stage ring %d bytes, %d weight box(es) of %d rows\n",
+              "%d-stage ring %d bytes, %d weight box(es) of %d rows, cluster of %d\n",
               name, Mainloop::kProducerThreads, Mainloop::kConsumerThreads,
-              Mainloop::kConsumerRegs, Cfg::kStages, Mainloop::kSmemBytes, Loader::kRuns,
-              Loader::kRunRows);
+              Mainloop::kConsumerRegs, Cfg::kStages, Mainloop::kSmemBytes, Loader::kBoxes,
+              Loader::kBoxRows, Mainloop::kClusterM);
 }
 
 template <class Cfg>
@@ -122,6 +129,10 @@ int main() {
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>>(
       "wgmma_m64_ws gate/up");
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>>("wgmma_m64_ws down");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, 2>>(
+      "wgmma_ws_mc gate/up");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, 2>>(
+      "wgmma_ws_mc down");
   check_wgmma<Sm90WgmmaTileConfig<128, 128, 2, 4, 2>>("wgmma 128 rows, 2x2 warpgroups, gated");
   check_wgmma<Sm90WgmmaTileConfig<192, 128, 1, 3, 1>>("wgmma 192 rows, n128");
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "OK", failures);
