@@ -29,6 +29,10 @@
 //     through a tensor map that tensor_map_encode writes in its own format into the 128 bytes
 //     of a CUtensorMap: queued on their mbarrier, performed (and their bytes completed) when
 //     a thread waits on that barrier, i.e. no earlier than someone needs them;
+//   - thread-block clusters (emu::launch_cluster runs a cluster's blocks at the same time):
+//     %cluster_ctarank, barrier.cluster (a barrier of all the cluster's threads), mapa (a
+//     shared::cluster address carries the target block's rank in its high bits, which
+//     smem_ptr resolves) and multicast TMA boxes (queued on each target block's barrier);
 //   - %globaltimer: the host's steady clock; trap: a message and abort().
 // What it checks: the data path (loaders, swizzle, descriptors, stage and phase indexing,
 // epilogues) and the ordering the kernels rely on (copies waited for before use, a stage not

@@ -10,7 +10,8 @@
 // as written; what this cannot show is performance or anything about the GPU memory model.
 //
 // The sm_90a tensor-core sources compile too (PETIT_EMU_PTX): their PTX wrappers run the
-// emulation of emu_ptx.h, petitLaunchKernel gives each block its dynamic shared memory
+// emulation of emu_ptx.h, petitLaunchKernelCluster runs thread-block clusters (the blocks of a
+// cluster at the same time, each with its own shared memory), petitLaunchKernel gives each block its dynamic shared memory
 // (1024-byte aligned, poisoned with 0xFF bytes), and the device reports compute capability
 // emu::cc_major.emu::cc_minor (default 2.0: no tensor-core family is taken; 9.0 with the
 // sm_90a build flag set below makes the wgmma families run).

@@ -24,12 +24,13 @@ VLLM_PETIT_MOE_EXPERTS = "VLLM_PETIT_MOE_EXPERTS"
 runs vLLM's unquantized Triton experts, also substitute ``PetitExperts`` (our grouped-GEMM
 kernels, tile family ``VLLM_PETIT_MOE_EXPERTS_TILES``, on the same weights). Only meaningful
 with ``VLLM_USE_PETIT_MOE=1``. Default off: correct on a GPU, faster than vLLM's Triton experts
-on H200 from ~512 tokens/rank but not below."""
+on H200 from ~512 tokens/rank, within a few percent below, and in the MoE layer still slower at
+DeepSeek-V3 1 token/rank."""
 
 VLLM_PETIT_MOE_EXPERTS_TILES = "VLLM_PETIT_MOE_EXPERTS_TILES"
 """Tile family of ``PetitExperts``' GEMMs: ``auto`` (default), ``small``, ``large``, ``mma``,
-``decode``, ``wgmma``, ``wgmma_m64``, ``wgmma_narrow``, ``wgmma_ws`` or ``wgmma_m64_ws``
-(``vllm_petit_moe.ops.TILES``)."""
+``decode``, ``wgmma``, ``wgmma_m64``, ``wgmma_narrow``, ``wgmma_ws``, ``wgmma_m64_ws`` or
+``wgmma_ws_mc`` (``vllm_petit_moe.ops.TILES``)."""
 
 VLLM_PETIT_MOE_TIMEOUT_S = "VLLM_PETIT_MOE_TIMEOUT_S"
 """Bound, in seconds, of every spin-wait of the dispatch/combine kernels before they report
