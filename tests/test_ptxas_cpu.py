@@ -8,8 +8,9 @@ with ``-Xptxas -v``:
     budget assumes (Sm90WgmmaWsMainloop::kLaunchRegs = 168 for 384 threads: the producer gives
     up 168 - 56 per thread and the consumers take 224), since setmaxnreg.inc would otherwise
     wait for registers that never come free;
-  - their PTX has the instructions the design relies on (wgmma, mbarrier waits, setmaxnreg),
-    and ptxas does not serialize any kernel's wgmma (warning C7510).
+  - their PTX has the instructions the design relies on (wgmma, mbarrier waits, setmaxnreg,
+    the TMA weight loads; in the cluster kernels the multicast loads, mapa, remote arrivals
+    and the cluster barrier), and ptxas does not serialize any kernel's wgmma (warning C7510).
 """
 from __future__ import annotations
 

@@ -168,7 +168,8 @@ PETIT_DEVICE uint32_t sm90_map_shared_rank(uint32_t addr, int rank) {
 }
 
 // Arrives (release, cluster scope) on the mbarrier at shared::cluster address `bar`, which may
-// be another CTA's.
+// be another CTA's. (CUTLASS's remote arrivals use the default .release.cta; whether the
+// cluster scope costs time is one of the open questions about wgmma_ws_mc's speed.)
 PETIT_DEVICE void sm90_mbarrier_arrive_cluster(uint32_t bar) {
 #if PETIT_SM90A_DEVICE
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar)
