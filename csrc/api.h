@@ -121,6 +121,13 @@ petitError_t launch_expert_reduce(const ExpertGemmArgs& args, petitStream_t stre
 petitError_t launch_experts(const ExpertGemmArgs& args, petitStream_t stream);
 // The tile family kExpertTilesAuto resolves to for these sizes.
 int resolve_expert_tiles(const ExpertGemmArgs& args);
+// Launch shape of this process's most recent gate/up (gate_up) or down GEMM launch, for
+// diagnostics (the persistent grid a family got on this device; cluster = CTAs per
+// thread-block cluster, 1 without). All zeros before the first launch; not per thread.
+struct ExpertLaunchShape {
+  int grid, threads, smem_bytes, cluster;
+};
+ExpertLaunchShape last_expert_gemm_launch(bool gate_up);
 
 // -------------------------------------------------------- dispatch_combine.cu
 // Device-side state of one EpBuffer (local memory, not in the heap).

@@ -575,10 +575,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tiles") = 0, py::arg("expert_map") = py::none());
   m.def("resolve_expert_tiles", &petit::resolve_expert_tiles_for,
         "Tile family (1 small, 2 large, 3 mma, 4 decode, 5 wgmma, 6 wgmma_m64, 7 wgmma_narrow, "
-        "8 wgmma_ws, 9 wgmma_m64_ws) "
+        "8 wgmma_ws, 9 wgmma_m64_ws, 10 wgmma_ws_mc) "
         "experts_forward "
         "runs for these sizes on the current device",
         py::arg("num_rows"), py::arg("top_k"), py::arg("num_local_experts"), py::arg("tiles") = 0);
+  m.def(
+      "last_expert_gemm_launch",
+      [](bool gate_up) {
+        const petit::ExpertLaunchShape s = petit::last_expert_gemm_launch(gate_up);
+        return py::make_tuple(s.grid, s.threads, s.smem_bytes, s.cluster);
+      },
+      "(grid, threads, dynamic smem bytes, CTAs per cluster) of this process's latest gate/up "
+      "or down GEMM launch; zeros before the first",
+      py::arg("gate_up"));
   py::class_<EpContext>(m, "EpContext")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                     double>(),

@@ -620,9 +620,15 @@ struct LaunchConfig {
 };
 #endif
 
+// The shape of the latest launch_kernel call and of the latest GEMM launches
+// (last_expert_gemm_launch).
+ExpertLaunchShape g_launch_shape = {};
+ExpertLaunchShape g_gemm_launch_shape[2] = {};  // down, gate/up
+
 template <class Kernel, class... Args>
 petitError_t launch_kernel(Kernel kernel, int grid, int threads, int smem_bytes, int cluster,
                            petitStream_t stream, const Args&... args) {
+  g_launch_shape = ExpertLaunchShape{grid, threads, smem_bytes, cluster};
 #if PETIT_CUDA && !PETIT_EMU_PTX
   LaunchConfig launch(grid, threads, smem_bytes, cluster, stream);
   if (launch.config.numAttrs > 0) {
@@ -868,15 +874,23 @@ petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStre
   if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
   switch (tiles) {
     case kExpertTilesSmall:
-      return launch_simt_gemm<GateUpSmall, DownSmall>(gate_up, a, num_sms, stream);
+      err = launch_simt_gemm<GateUpSmall, DownSmall>(gate_up, a, num_sms, stream);
+      break;
     case kExpertTilesLarge:
-      return launch_simt_gemm<GateUpLarge, DownLarge>(gate_up, a, num_sms, stream);
-    case kExpertTilesDecode: return launch_decode_gemm(gate_up, a, num_sms, stream);
-    default: return launch_tc_family(tiles, gate_up, a, num_sms, stream);
+      err = launch_simt_gemm<GateUpLarge, DownLarge>(gate_up, a, num_sms, stream);
+      break;
+    case kExpertTilesDecode: err = launch_decode_gemm(gate_up, a, num_sms, stream); break;
+    default: err = launch_tc_family(tiles, gate_up, a, num_sms, stream);
   }
+  if (err == petitSuccess) g_gemm_launch_shape[gate_up ? 1 : 0] = g_launch_shape;
+  return err;
 }
 
 }  // namespace
+
+ExpertLaunchShape last_expert_gemm_launch(bool gate_up) {
+  return g_gemm_launch_shape[gate_up ? 1 : 0];
+}
 
 petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream) {
   return launch_expert_gemm(true, a, stream);

@@ -34,6 +34,8 @@ difference of petit's output to the torch loop's.
     python examples/bench_experts.py --quick                # T 1, 128, 2048
     python examples/bench_experts.py --replot examples/results/experts_H200.jsonl
     python examples/bench_experts.py --profile --tokens 1 8 32 --tiles wgmma_m64 wgmma_m64_ws
+Each row also records ``launch``: grid, threads, dynamic shared memory and CTAs per cluster of
+the two GEMM kernels as launched (``ops.last_gemm_launch``).
 PETIT_MOE_PDL=0 in the environment: petit's kernels launched without programmatic dependent
 launch (field ``pdl``), for an A/B of the gaps between its kernels.
 --profile: after timing, 10 more calls of petit's and of Triton's path run under torch.profiler
@@ -269,12 +271,14 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
     for family in args.tiles:
         run_petit = petit_fn(recv_x, local_ids, weights, w13, w2, family)
         out = run_petit().clone()
+        launch = ({"gate_up": ops.last_gemm_launch(True), "down": ops.last_gemm_launch(False)}
+                  if pairs else None)  # no rows: nothing was launched
         us, _ = time_us(run_petit, args.iters, flush)
         breakdown = None
         if args.profile:  # eager calls, warmed up by the timing above
             breakdown = profile_kernels(run_petit, PROFILE_CALLS)
         resolved = ops.resolve_tiles(recv_x.shape[0], local_ids.shape[1], w13.shape[0], family)
-        petit.append((family, resolved, us, out, breakdown))
+        petit.append((family, resolved, us, out, breakdown, launch))
         del run_petit
 
     triton_us = triton_breakdown = None
@@ -307,7 +311,7 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
         return flops / (us * 1e-6) / 1e12 if us and pairs else 0.0
 
     rows = []
-    for family, resolved, petit_us, petit_out, breakdown in petit:
+    for family, resolved, petit_us, petit_out, breakdown, launch in petit:
         diff = (petit_out.float() - torch_out.float()).norm()
         row = dict(
             preset=preset, routing=routing, tokens=tokens, world=args.world,
@@ -324,6 +328,7 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
             dense_us=dense_us, dense_tflops=dense_tflops,
             # experts.cu launches with programmatic dependent launch on sm_90+ unless this is 0
             pdl=os.environ.get("PETIT_MOE_PDL", "1") != "0",
+            launch=launch,  # grid / threads / smem / cluster of the two GEMM kernels
             rel_diff=float(diff / torch_out.float().norm().clamp_min(1e-30)),
             finite=bool(torch.isfinite(petit_out).all()),
         )

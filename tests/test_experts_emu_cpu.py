@@ -29,7 +29,14 @@ def emu(tmp_path_factory):
     lib = build_emu_library(tmp_path_factory, "experts_emu")
     lib.petit_emu_experts.restype = ctypes.c_int
     lib.petit_emu_set_compute_capability.restype = None
+    lib.petit_emu_last_gemm_launch.restype = None
     return lib
+
+
+def last_launch(lib, gate_up):
+    shape = (ctypes.c_int * 4)()
+    lib.petit_emu_last_gemm_launch(int(gate_up), shape)
+    return dict(zip(("grid", "threads", "smem_bytes", "cluster"), shape))
 
 
 @pytest.fixture
@@ -233,9 +240,17 @@ def test_clusters_with_missing_m_tiles_and_several_clusters(sm90):
     problem = make_problem(ids.contiguous(), 72, 64, 3, seed=32)
     got, used = run_emulated(sm90, *problem, tiles="wgmma_ws_mc", num_sms=4)
     assert used == "wgmma_ws_mc"
+    for gate_up in (True, False):  # 2 clusters of 2 CTAs of 384 threads
+        shape = last_launch(sm90, gate_up)
+        assert (shape["grid"], shape["threads"], shape["cluster"]) == (4, 384, 2), shape
     want, _ = run_emulated(sm90, *problem, tiles="wgmma_ws", num_sms=4)
     assert torch.equal(got, want)
     check_against_reference(got, problem)
+    assert last_launch(sm90, True)["cluster"] == 1
+    # an odd SM count: whole clusters only (3 -> 1 cluster of 2)
+    again, _ = run_emulated(sm90, *problem, tiles="wgmma_ws_mc", num_sms=3)
+    assert torch.equal(again, got)
+    assert (last_launch(sm90, False)["grid"], last_launch(sm90, False)["cluster"]) == (2, 2)
 
 
 @pytest.mark.parametrize("tiles", ["mma", "wgmma_ws"])

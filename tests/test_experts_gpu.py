@@ -259,6 +259,23 @@ def test_auto_picks_the_fastest_family_this_gpu_runs():
         "wgmma_ws" if HAS_WGMMA else "mma" if sm80 else "large")
 
 
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
+def test_cluster_launch_shape():
+    """wgmma_ws_mc runs as whole clusters of 2 CTAs, at most one CTA per SM (its persistent
+    grid is capped by the clusters that fit at once), the other ws families without clusters."""
+    from vllm_petit_moe import ops
+
+    ids = random_ids(512, 8, 16, seed=61)
+    problem = make_problem(ids, 1032, 520, 16, seed=62)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for tiles, cluster in (("wgmma_ws_mc", 2), ("wgmma_ws", 1)):
+        check(run_petit(problem, tiles), problem, name=tiles)
+        for gate_up in (True, False):
+            shape = ops.last_gemm_launch(gate_up)
+            assert shape["cluster"] == cluster and shape["threads"] == 384, shape
+            assert 0 < shape["grid"] <= sms and shape["grid"] % cluster == 0, shape
+
+
 @pytest.mark.parametrize("tiles", ["auto", "small"])
 def test_programmatic_launch_changes_nothing(tiles, monkeypatch):
     """Programmatic dependent launch (sm_90+, experts.cu launch_kernel; PETIT_MOE_PDL=0 turns it

@@ -210,6 +210,16 @@ def experts_forward(
     )
 
 
+def last_gemm_launch(gate_up: bool) -> dict[str, int]:
+    """Launch shape of this process's most recent gate/up (``gate_up=True``) or down GEMM
+    kernel launch, for diagnostics: ``grid`` (blocks of the persistent grid), ``threads``,
+    ``smem_bytes`` (dynamic shared memory) and ``cluster`` (CTAs per thread-block cluster, 1
+    without). All zeros before the first launch. CUDA-graph replays do not update it."""
+    grid, threads, smem_bytes, cluster = _ops().last_expert_gemm_launch(bool(gate_up))
+    return dict(grid=int(grid), threads=int(threads), smem_bytes=int(smem_bytes),
+                cluster=int(cluster))
+
+
 def resolve_tiles(num_rows: int, top_k: int, num_local_experts: int, tiles: str = "auto") -> str:
     """The tile family (a name of ``TILES``, never ``"auto"``) :func:`experts_forward` runs for
     these sizes on the current device."""

@@ -49,3 +49,12 @@ extern "C" void petit_emu_set_compute_capability(int major, int minor) {
   emu::cc_major = major;
   emu::cc_minor = minor;
 }
+
+// last_expert_gemm_launch: shape[4] = grid, threads, dynamic smem bytes, CTAs per cluster.
+extern "C" void petit_emu_last_gemm_launch(int gate_up, int* shape) {
+  const petit::ExpertLaunchShape s = petit::last_expert_gemm_launch(gate_up != 0);
+  shape[0] = s.grid;
+  shape[1] = s.threads;
+  shape[2] = s.smem_bytes;
+  shape[3] = s.cluster;
+}
