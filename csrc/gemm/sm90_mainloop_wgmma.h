@@ -271,6 +271,34 @@ PETIT_DEVICE void sm90_epilogue_view(
 }
 
 
+// One k-tile of a warpgroup's MMAs, shared by both main loops: the kBlockK / 16 wgmma k16
+// steps on the stage's operand tiles at smem addresses a_stage / b_stage (this warpgroup's rows)
+// as one commit group, then wait until at most that group is in flight (the previous k-tile's
+// group has retired, so its stage may be reused). first_k_tile: d starts from zero.
+template <class Cfg>
+PETIT_DEVICE void sm90_wgmma_k_tile(float (&d)[Cfg::kWgmmaN / 2], uint32_t a_stage,
+                                    uint32_t b_stage, bool first_k_tile) {
+#pragma unroll
+  for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
+  sm90_wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < Cfg::kBlockK / 16; ++ks)
+    sm90_wgmma_bf16<Cfg::kWgmmaN>(d, sm90_desc_sw128(a_stage + ks * 32),
+                                  sm90_desc_sw128(b_stage + ks * 32), !first_k_tile || ks > 0);
+  sm90_wgmma_commit();
+  sm90_wgmma_wait<1>();
+#pragma unroll
+  for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
+}
+
+// After the last k-tile: every wgmma group of the warpgroup has retired and d holds the tile.
+template <class Cfg>
+PETIT_DEVICE void sm90_wgmma_drain(float (&d)[Cfg::kWgmmaN / 2]) {
+  sm90_wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
+}
+
 template <class Cfg_>
 struct Sm90WgmmaMainloop {
   using Cfg = Cfg_;
@@ -334,25 +362,12 @@ struct Sm90WgmmaMainloop {
                   Cfg::kBlockK, num_k_tiles, k_dim);
       write_stage = write_stage + 1 == Cfg::kStages ? 0 : write_stage + 1;
 
-      const uint32_t a_stage = smem_base + read_stage * kStageBytes + a_wg_offset;
-      const uint32_t b_stage =
-          smem_base + read_stage * kStageBytes + LoaderA::kStageBytes + b_wg_offset;
-#pragma unroll
-      for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
-      sm90_wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < Cfg::kBlockK / 16; ++ks)
-        sm90_wgmma_bf16<Cfg::kWgmmaN>(d, sm90_desc_sw128(a_stage + ks * 32),
-                                      sm90_desc_sw128(b_stage + ks * 32), kt > 0 || ks > 0);
-      sm90_wgmma_commit();
-      sm90_wgmma_wait<1>();
-#pragma unroll
-      for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
+      sm90_wgmma_k_tile<Cfg>(
+          d, smem_base + read_stage * kStageBytes + a_wg_offset,
+          smem_base + read_stage * kStageBytes + LoaderA::kStageBytes + b_wg_offset, kt == 0);
       read_stage = read_stage + 1 == Cfg::kStages ? 0 : read_stage + 1;
     }
-    sm90_wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
+    sm90_wgmma_drain<Cfg>(d);
     // Only empty copy groups can still be pending; drain them and let every warpgroup finish
     // reading before the next tile's prologue overwrites the stages.
     cp_async_wait<0>();

@@ -342,25 +342,13 @@ struct Sm90WgmmaWsMainloop {
       // The producers' cp.async writes of the A rows (generic proxy) before this warpgroup's
       // wgmma reads (async proxy) of the stage; the TMA's weight rows are async-proxy writes.
       sm90_fence_proxy_async_smem();
-      const uint32_t a_stage = ring + s * kStageBytes + a_wg_offset;
-      const uint32_t b_stage = ring + s * kStageBytes + LoaderA::kStageBytes + b_wg_offset;
-#pragma unroll
-      for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
-      sm90_wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < Cfg::kBlockK / 16; ++ks)
-        sm90_wgmma_bf16<Cfg::kWgmmaN>(d, sm90_desc_sw128(a_stage + ks * 32),
-                                      sm90_desc_sw128(b_stage + ks * 32), kt > 0 || ks > 0);
-      sm90_wgmma_commit();
+      sm90_wgmma_k_tile<Cfg>(d, ring + s * kStageBytes + a_wg_offset,
+                             ring + s * kStageBytes + LoaderA::kStageBytes + b_wg_offset,
+                             kt == 0);
       // The group of k-tile kt - 1 has retired: its stage goes back to the producer.
-      sm90_wgmma_wait<1>();
-#pragma unroll
-      for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
       if (kt > 0 && warp_leader) release(empty + 8 * ((it - 1) % Cfg::kStages));
     }
-    sm90_wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
+    sm90_wgmma_drain<Cfg>(d);
     if (num_k_tiles > 0 && warp_leader)
       release(empty + 8 * ((it - 1) % Cfg::kStages));
 
