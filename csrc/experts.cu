@@ -293,7 +293,8 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
   Mainloop mainloop;
   mainloop.init(tc_dynamic_smem);
   const int num_tiles = scheduler.num_tiles();
-  const int rank = int(blockIdx.x) % kClusterM;  // == %cluster_ctarank (1-D clusters)
+  const int rank = kClusterM > 1 ? gemm::sm90_cluster_rank() : 0;
+  // 1-D clusters: cluster c is blocks [c * kClusterM, (c + 1) * kClusterM)
   const int first = int(blockIdx.x) / kClusterM, step = int(gridDim.x) / kClusterM;
   if (Mainloop::is_producer()) {
     gemm::sm90_setmaxnreg_dec<Mainloop::kProducerRegs>();
@@ -304,7 +305,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
       a_loader.init([&](int r) { return a_row(tile, r); }, a_fallback);
       typename Mainloop::LoaderB b_loader;
       b_loader.init(b_map, tile.expert, tile.n_tile * Cfg::kBlockN);
-      mainloop.produce(a_loader, b_loader, k_dim);
+      mainloop.produce(a_loader, b_loader, k_dim, rank);
     }
     gemm::cp_async_wait_all();  // no copy outlives its thread
   } else {
@@ -591,12 +592,14 @@ bool programmatic_launch_enabled() {
 }
 
 // cluster > 1 (the multicast main loop's kernels): launched in thread-block clusters of that
-// many CTAs along x (grid a multiple of it, sized by launch_persistent).
+// many CTAs along x (grid a multiple of it, sized by launch_persistent). programmatic: with
+// the programmatic dependent launch attribute.
 #if PETIT_CUDA && !PETIT_EMU_PTX
 struct LaunchConfig {
   cudaLaunchAttribute attributes[2];
   cudaLaunchConfig_t config;
-  LaunchConfig(int grid, int threads, int smem_bytes, int cluster, petitStream_t stream) {
+  LaunchConfig(int grid, int threads, int smem_bytes, int cluster, bool programmatic,
+               petitStream_t stream) {
     config = {};
     config.gridDim = dim3(grid);
     config.blockDim = dim3(threads);
@@ -604,7 +607,7 @@ struct LaunchConfig {
     config.stream = stream;
     config.attrs = attributes;
     config.numAttrs = 0;
-    if (programmatic_launch_enabled()) {
+    if (programmatic) {
       cudaLaunchAttribute& a = attributes[config.numAttrs++];
       a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
       a.val.programmaticStreamSerializationAllowed = 1;
@@ -630,7 +633,7 @@ petitError_t launch_kernel(Kernel kernel, int grid, int threads, int smem_bytes,
                            petitStream_t stream, const Args&... args) {
   g_launch_shape = ExpertLaunchShape{grid, threads, smem_bytes, cluster};
 #if PETIT_CUDA && !PETIT_EMU_PTX
-  LaunchConfig launch(grid, threads, smem_bytes, cluster, stream);
+  LaunchConfig launch(grid, threads, smem_bytes, cluster, programmatic_launch_enabled(), stream);
   if (launch.config.numAttrs > 0) {
     const petitError_t err = cudaLaunchKernelEx(&launch.config, kernel, args...);
     return err != petitSuccess ? err : petitGetLastError();
@@ -654,9 +657,7 @@ petitError_t cluster_grid(Kernel kernel, int threads, int smem_bytes, int cluste
   *grid = *grid / cluster * cluster;
   if (*grid < cluster) *grid = cluster;
 #if PETIT_CUDA && !PETIT_EMU_PTX
-  LaunchConfig launch(*grid, threads, smem_bytes, cluster, nullptr);
-  launch.attributes[0] = launch.attributes[launch.config.numAttrs - 1];  // the cluster only
-  launch.config.numAttrs = 1;
+  const LaunchConfig launch(*grid, threads, smem_bytes, cluster, false, nullptr);
   int max_clusters = 0;
   const petitError_t err = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &launch.config);
   if (err != petitSuccess) return err;

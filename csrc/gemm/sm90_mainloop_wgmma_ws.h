@@ -291,11 +291,12 @@ struct Sm90WgmmaWsMainloop {
   // The producer thread that issues the weight boxes.
   PETIT_DEVICE static bool is_tma_issuer() { return threadIdx.x == kConsumerThreads; }
 
-  // Producer threads: the k-tiles of one output tile into the ring.
-  PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim) {
+  // Producer threads: the k-tiles of one output tile into the ring (rank: this CTA's cluster
+  // rank, which picks its share of the weight boxes).
+  PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim,
+                            int rank) {
     const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
     const bool tma_issuer = is_tma_issuer();
-    const int rank = kClusterM > 1 ? sm90_cluster_rank() : 0;
     for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
       const uint32_t s = it % Cfg::kStages;
       // A fresh barrier counts as having completed the phase before its first (parity 1), so
