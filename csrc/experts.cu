@@ -200,9 +200,11 @@ using DownWgmmaWs = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
 //   the per-tile ring restart of wgmma_m64.
 using GateUpWgmmaM64Ws = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>;
 using DownWgmmaM64Ws = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
-// wgmma_ws_mc: the wgmma_ws tiles in clusters of 2 CTAs along M, each weight box loaded once
-//   for both (TMA multicast): half the L2 reads of the weights, and the two readers of each
-//   weight slice advance together (see gemm/sm90_mainloop_wgmma_ws.h).
+// wgmma_ws_mc: the wgmma_ws tiles in clusters of 2 CTAs: two m-tiles of one (expert, n-tile)
+//   with each weight box loaded once for both (TMA multicast: half the L2 reads of the
+//   weights, and the two readers of each weight slice advance together), or, for an expert's
+//   odd last m-tile, two of its n-tiles with their own weights (see gemm/scheduler.h,
+//   gemm/sm90_mainloop_wgmma_ws.h).
 constexpr int kWsClusterM = 2;
 using GateUpWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM>;
 using DownWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, kWsClusterM>;
@@ -273,14 +275,15 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
 // w13 (dims {H, I, 2, L}) or w2 ({I, H, 1, L}) that launch_ws_gemm encodes. The scheduler and
 // the ring are set up by the whole block; then the producer warpgroup walks the block's tiles
 // issuing copies and the consumer warpgroups walk the same tiles multiplying and storing.
-// With clusters (Mainloop::kClusterM > 1) the CTAs of a cluster walk the same units (expert,
-// group of m-tiles, n-tile), each its own m-tile of them (scheduler.h).
+// With clusters (Mainloop::kClusterM > 1) the CTAs of a cluster walk the same units, each its
+// own tile of them: the m-tiles of one (expert, n-tile) sharing their weight rows, or the
+// n-tiles of an expert's left-over m-tile (scheduler.h).
 template <class Mainloop, class Epilogue, class ARow>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
                                  const Epilogue& epilogue, const petit_bf16_bits* a_fallback,
                                  int k_dim, int out_cols, ARow a_row) {
   using Cfg = typename Mainloop::Cfg;
-  using Scheduler = gemm::ExpertTileScheduler<Mainloop::kThreads>;
+  using Scheduler = gemm::ExpertTileScheduler<Mainloop::kThreads, Mainloop::kClusterM>;
   static_assert(Mainloop::kUserBytes >= int(sizeof(typename Scheduler::SharedStorage)),
                 "the scheduler's storage is the main loop's user shared memory");
   constexpr int kClusterM = Mainloop::kClusterM;
@@ -289,7 +292,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
       Mainloop::user_smem(tc_dynamic_smem));
   Scheduler scheduler;
   scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
-                 (out_cols + Cfg::kBlockN - 1) / Cfg::kBlockN, scheduler_smem, kClusterM);
+                 (out_cols + Cfg::kBlockN - 1) / Cfg::kBlockN, scheduler_smem);
   Mainloop mainloop;
   mainloop.init(tc_dynamic_smem);
   const int num_tiles = scheduler.num_tiles();
@@ -305,7 +308,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
       a_loader.init([&](int r) { return a_row(tile, r); }, a_fallback);
       typename Mainloop::LoaderB b_loader;
       b_loader.init(b_map, tile.expert, tile.n_tile * Cfg::kBlockN);
-      mainloop.produce(a_loader, b_loader, k_dim, rank);
+      mainloop.produce(a_loader, b_loader, k_dim, rank, tile.multicast);
     }
     gemm::cp_async_wait_all();  // no copy outlives its thread
   } else {

@@ -229,15 +229,18 @@ def test_warp_specialized_families_equal_their_tiles(sm90, ws, plain):
     assert torch.equal(got, want)
 
 
-def test_clusters_with_missing_m_tiles_and_several_clusters(sm90):
-    """wgmma_ws_mc: clusters of 2 CTAs take the m-tiles of one (expert, n-tile) together and
-    multicast the weight boxes into both. Experts with 1, 2 and 3 m-tiles of 128 rows (so the
-    second CTA of a cluster has no rows in 2 of the 4 units and still loads its half of the
-    weights), 2 clusters (4 CTAs) walking 2 units each: bit-equal to wgmma_ws."""
+@pytest.mark.parametrize("hidden,inter", [(72, 64), (520, 296)])
+def test_clusters_with_odd_m_tiles_and_several_clusters(sm90, hidden, inter):
+    """wgmma_ws_mc: clusters of 2 CTAs take two m-tiles of one (expert, n-tile) together and
+    multicast the weight boxes into both; an expert's odd last m-tile is split by n-tile
+    between the two CTAs, each loading its own weights. Experts with 1, 2 and 3 m-tiles of 128
+    rows; 1 n-tile per GEMM (the second CTA of a split unit has no n-tile, no rows, and still
+    walks the unit's k-tiles) or 3 (an odd count: the last split unit's second CTA again has
+    none); 2 clusters (4 CTAs) walking several units each: bit-equal to wgmma_ws."""
     counts = [100, 200, 300]
     ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
     ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(31))]
-    problem = make_problem(ids.contiguous(), 72, 64, 3, seed=32)
+    problem = make_problem(ids.contiguous(), hidden, inter, 3, seed=32)
     got, used = run_emulated(sm90, *problem, tiles="wgmma_ws_mc", num_sms=4)
     assert used == "wgmma_ws_mc"
     for gate_up in (True, False):  # 2 clusters of 2 CTAs of 384 threads

@@ -100,7 +100,7 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
         if "multicast::cluster" in body:
             clustered += 1
             for instruction in ("mapa.shared::cluster", "barrier.cluster.arrive",
-                                "barrier.cluster.wait", "mbarrier.arrive.release.cluster",
+                                "barrier.cluster.wait", "mbarrier.arrive.shared::cluster",
                                 "%cluster_ctarank"):
                 assert instruction in body, instruction
         for instruction in ("wgmma.mma_async", "mbarrier.try_wait.parity",

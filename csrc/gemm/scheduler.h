@@ -11,12 +11,18 @@
 // at the same time thus share the A rows of one m-tile (reused from L2) and walk through one
 // expert's weights before the next.
 //
-// Clusters (cluster_m > 1, the thread-block clusters of the multicast main loop): a unit of
-// the linear index is then (expert, group of cluster_m consecutive m-tiles, n-tile), and the
-// CTA of cluster rank r takes m-tile cluster_m * group + r of it, so the CTAs of a cluster
-// always work on the same expert and n-tile, i.e. on the same weight rows. A group's last
-// m-tiles may not exist (an expert with fewer m-tiles than a multiple of cluster_m): their
-// CTAs get num_rows = 0 and still take part in the group's weight loads.
+// Clusters (kClusterM = c > 1, the thread-block clusters of the multicast main loop): a unit
+// of the linear index is the work of one cluster, and every CTA of the cluster walks the same
+// units. An expert with mt m-tiles and N n-tiles has
+//   - (mt / c) * N paired units (expert, group of c consecutive m-tiles, n-tile): the CTA of
+//     cluster rank r takes m-tile c * group + r, so all of them need the same weight rows,
+//     which they load once for all (multicast = true);
+//   - then, when mt % c != 0, ceil(N / c) split units for each of the mt % c m-tiles left: the
+//     CTA of rank r takes n-tile c * j + r of that m-tile, loading its own weight rows
+//     (multicast = false). A rank past the last n-tile gets num_rows = 0 (it still walks the
+//     unit's k-tiles, which its cluster's barriers count on, and stores nothing).
+// So a cluster never spends a CTA on a missing m-tile: an expert costs as many CTA tiles as
+// without clusters (plus at most c - 1 per left-over m-tile when N % c != 0).
 #pragma once
 
 #include "../block_scan.h"
@@ -29,15 +35,17 @@ struct TileCoord {
   int expert;     // local expert
   int n_tile;     // output column tile
   int row_begin;  // position (in sorted_entries order) of the tile's first row
-  int num_rows;   // rows of the tile that exist, 1..kBlockM
+  int num_rows;   // rows of the tile that exist, 1..kBlockM (0 only with clusters)
+  bool multicast; // clusters: the CTAs of the cluster share this tile's weight rows
 };
 
-template <int kThreads>
+// kClusterM: the CTAs per cluster (1 without clusters).
+template <int kThreads, int kClusterM = 1>
 struct ExpertTileScheduler {
   static constexpr int kItemsPerThread = (kMaxExperts + kThreads - 1) / kThreads;
 
   struct SharedStorage {
-    int32_t tile_prefix[kMaxExperts + 1];  // m-tile groups of experts [0, e)
+    int32_t tile_prefix[kMaxExperts + 1];  // units of experts [0, e) (kClusterM 1: m-tiles)
     int32_t thread_sums[kThreads];
   };
 
@@ -46,17 +54,15 @@ struct ExpertTileScheduler {
   int num_experts;
   int num_n_tiles;
   int block_m;
-  int cluster_m;  // m-tiles per unit (1, or the cluster size of a multicast main loop)
 
   // Block-wide: every thread of the block must call it (it contains barriers).
   PETIT_DEVICE void init(const int32_t* offsets, int num_local_experts, int tile_rows,
-                         int n_tiles, SharedStorage& smem, int cluster_size = 1) {
+                         int n_tiles, SharedStorage& smem) {
     expert_offsets = offsets;
     tile_prefix = smem.tile_prefix;
     num_experts = num_local_experts;
     num_n_tiles = n_tiles;
     block_m = tile_rows;
-    cluster_m = cluster_size;
     // Each thread owns kItemsPerThread consecutive experts.
     int32_t tiles[kItemsPerThread];
 #pragma unroll
@@ -64,8 +70,7 @@ struct ExpertTileScheduler {
       const int e = threadIdx.x * kItemsPerThread + i;
       tiles[i] = 0;
       if (e < num_local_experts)
-        tiles[i] = ((offsets[e + 1] - offsets[e] + tile_rows - 1) / tile_rows + cluster_size - 1) /
-                   cluster_size;
+        tiles[i] = num_units((offsets[e + 1] - offsets[e] + tile_rows - 1) / tile_rows, n_tiles);
     }
     int32_t total;
     int32_t running =
@@ -80,7 +85,18 @@ struct ExpertTileScheduler {
     __syncthreads();
   }
 
-  PETIT_DEVICE int num_tiles() const { return tile_prefix[num_experts] * num_n_tiles; }
+  // Units of an expert with m_tiles m-tiles (see the top of the file).
+  // Units of an expert with m_tiles m-tiles (see the top of the file), without clusters in
+  // units of N (its m-tiles).
+  PETIT_HOST_DEVICE static int num_units(int m_tiles, int n_tiles) {
+    if constexpr (kClusterM == 1) return m_tiles;
+    return m_tiles / kClusterM * n_tiles +
+           m_tiles % kClusterM * ((n_tiles + kClusterM - 1) / kClusterM);
+  }
+
+  PETIT_DEVICE int num_tiles() const {
+    return kClusterM == 1 ? tile_prefix[num_experts] * num_n_tiles : tile_prefix[num_experts];
+  }
 
   // The persistent tile loop of an expert GEMM kernel (block-wide, like init): the tiles
   // blockIdx.x, blockIdx.x + gridDim.x, ... of the (expert, m-tile, n-tile) grid of tile_rows x
@@ -91,7 +107,7 @@ struct ExpertTileScheduler {
                                          SharedStorage& smem, Body&& body) {
     ExpertTileScheduler scheduler;
     scheduler.init(offsets, num_local_experts, tile_rows, (out_cols + block_n - 1) / block_n,
-                   smem, 1);
+                   smem);
     const int num_tiles = scheduler.num_tiles();
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {  // uniform per block
       const TileCoord tile = scheduler.tile(t);
@@ -99,25 +115,48 @@ struct ExpertTileScheduler {
     }
   }
 
-  // Coordinates of linear tile t < num_tiles() (with clusters: of the m-tile that cluster rank
+  // Coordinates of linear tile t < num_tiles() (with clusters: of the tile that cluster rank
   // `rank` takes in unit t; num_rows may then be 0).
   PETIT_DEVICE TileCoord tile(int t, int rank = 0) const {
-    TileCoord c;
-    c.n_tile = t % num_n_tiles;
-    const int m_unit = t / num_n_tiles;
-    // The expert e with tile_prefix[e] <= m_unit < tile_prefix[e+1]: the largest e < L with
-    // tile_prefix[e] <= m_unit (experts without tiles share their successor's prefix).
+    // Without clusters: n-tile t % N of m-tile t / N of all experts' m-tiles in order.
+    const int key = kClusterM == 1 ? t / num_n_tiles : t;
+    // The expert e with tile_prefix[e] <= key < tile_prefix[e+1]: the largest e < L with
+    // tile_prefix[e] <= key (experts without tiles share their successor's prefix).
     int lo = 0, hi = num_experts - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (tile_prefix[mid] <= m_unit) lo = mid; else hi = mid - 1;
+      if (tile_prefix[mid] <= key) lo = mid; else hi = mid - 1;
     }
+    TileCoord c;
     c.expert = lo;
-    const int m_tile = (m_unit - tile_prefix[lo]) * cluster_m + rank;
-    const int row_begin = expert_offsets[lo] + m_tile * block_m;
-    const int rows_left = expert_offsets[lo + 1] - row_begin;
-    c.row_begin = row_begin;
-    c.num_rows = rows_left < block_m ? (rows_left > 0 ? rows_left : 0) : block_m;
+    const int u = key - tile_prefix[lo];
+    const int expert_begin = expert_offsets[lo];
+    int m_tile;
+    if constexpr (kClusterM == 1) {
+      m_tile = u;
+      c.n_tile = t % num_n_tiles;
+      c.multicast = false;
+    } else {
+      const int expert_rows = expert_offsets[lo + 1] - expert_begin;
+      const int paired = (expert_rows + block_m - 1) / block_m / kClusterM * num_n_tiles;
+      if (u < paired) {
+        m_tile = u / num_n_tiles * kClusterM + rank;
+        c.n_tile = u % num_n_tiles;
+        c.multicast = true;
+      } else {
+        const int split_units = (num_n_tiles + kClusterM - 1) / kClusterM, j = u - paired;
+        m_tile = paired / num_n_tiles * kClusterM + j / split_units;
+        c.n_tile = j % split_units * kClusterM + rank;
+        c.multicast = false;
+      }
+    }
+    const int rows_left = expert_offsets[lo + 1] - expert_begin - m_tile * block_m;
+    c.row_begin = expert_begin + m_tile * block_m;
+    c.num_rows = rows_left < block_m ? rows_left : block_m;
+    if (kClusterM > 1 && c.n_tile >= num_n_tiles) {  // a split unit's rank past the last n-tile
+      c.n_tile = num_n_tiles - 1;
+      c.num_rows = 0;
+    }
     return c;
   }
 };

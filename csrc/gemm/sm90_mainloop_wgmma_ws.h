@@ -167,13 +167,13 @@ PETIT_DEVICE uint32_t sm90_map_shared_rank(uint32_t addr, int rank) {
 #endif
 }
 
-// Arrives (release, cluster scope) on the mbarrier at shared::cluster address `bar`, which may
-// be another CTA's. (CUTLASS's remote arrivals use the default .release.cta; whether the
-// cluster scope costs time is one of the open questions about wgmma_ws_mc's speed.)
+// Arrives on the mbarrier at shared::cluster address `bar`, which may be another CTA's (the
+// default semantics of a remote arrival, .release at .cta scope, as CUTLASS's cluster
+// pipelines use to hand a multicast stage back: the arriving warp's reads of the stage have
+// retired, wgmma.wait_group, before it arrives).
 PETIT_DEVICE void sm90_mbarrier_arrive_cluster(uint32_t bar) {
 #if PETIT_SM90A_DEVICE
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar)
-               : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 #elif PETIT_EMU_PTX
   emu_ptx::mbarrier_arrive(bar);
 #endif
@@ -196,14 +196,15 @@ PETIT_DEVICE void sm90_setmaxnreg_inc() {
 
 // ------------------------------------------------------------------ main loop
 
-// kClusterM > 1: the kernel is launched in clusters of kClusterM CTAs that take the m-tiles of
-// one (expert, n-tile) together (scheduler.h), and each weight box is loaded once for all of
-// them (TMA multicast, Sm90WeightTmaLoader): a CTA's stage is then written by every CTA's
-// producer, so its `full` barrier waits for the whole stage's weight bytes whoever loads them,
-// and a producer may refill stage s only when the consumers of EVERY CTA of the cluster have
-// released it: each consumer warp arrives on the `empty` barrier of every CTA (kClusterM x
-// kConsumerWarps arrivals per phase). The CTAs of a cluster thus advance through the k-tiles
-// together, which is the point (L2 serves the weight rows once, to all of them).
+// kClusterM > 1: the kernel is launched in clusters of kClusterM CTAs that walk the same
+// scheduler units (scheduler.h). In a unit whose weight rows they share (multicast) each weight
+// box is loaded once for all of them (TMA multicast, Sm90WeightTmaLoader): a CTA's stage is
+// then written by every CTA's producer, so its `full` barrier waits for the whole stage's
+// weight bytes whoever loads them, and a producer may refill stage s only when the consumers
+// of EVERY CTA of the cluster have released it: each consumer warp arrives on the `empty`
+// barrier of every CTA (kClusterM x kConsumerWarps arrivals per phase), in every unit, shared
+// or not. The CTAs of a cluster thus advance through the k-tiles together, which is the point
+// (L2 serves the shared weight rows once, to all of them).
 // kUserBytes: shared memory after the barriers for the kernel's own use (user_smem; the tile
 // scheduler's, which cannot be a static __shared__ variable under the CPU emulation's
 // concurrently running cluster CTAs).
@@ -220,7 +221,7 @@ struct Sm90WgmmaWsMainloop {
   // The block is launched with kThreads threads of at most 65536 / kThreads registers each;
   // setmaxnreg moves the producer's share to the consumers (multiples of 8, within the pool).
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
-  static constexpr int kProducerRegs = 56;
+  static constexpr int kProducerRegs = kClusterM > 1 ? 64 : 56;
   static constexpr int kConsumerRegs =
       (kLaunchRegs * kThreads - kProducerRegs * kProducerThreads) / kConsumerThreads / 8 * 8 > 240
           ? 240
@@ -292,9 +293,9 @@ struct Sm90WgmmaWsMainloop {
   PETIT_DEVICE static bool is_tma_issuer() { return threadIdx.x == kConsumerThreads; }
 
   // Producer threads: the k-tiles of one output tile into the ring (rank: this CTA's cluster
-  // rank, which picks its share of the weight boxes).
-  PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim,
-                            int rank) {
+  // rank, which picks its share of the weight boxes when the cluster shares them: multicast).
+  PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim, int rank,
+                            bool multicast) {
     const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
     const bool tma_issuer = is_tma_issuer();
     for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
@@ -307,7 +308,8 @@ struct Sm90WgmmaWsMainloop {
         // The expected bytes (the whole stage's, whichever CTA of the cluster loads them)
         // before this CTA's copies that complete them.
         sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes);
-        b_loader.issue(stage + LoaderA::kStageBytes, kt * Cfg::kBlockK, full + 8 * s, rank);
+        b_loader.issue(stage + LoaderA::kStageBytes, kt * Cfg::kBlockK, full + 8 * s, rank,
+                       multicast);
       }
       a_loader.issue(stage, kt * Cfg::kBlockK, k_dim);
       sm90_cp_async_mbarrier_arrive_noinc(full + 8 * s);

@@ -100,9 +100,11 @@ PETIT_DEVICE void sm90_prefetch_tensor_map(const CUtensorMap* map) {
 // row n_begin + Cfg::b_col_of(r) of group Cfg::b_group_of(r) of the expert, and the config
 // keeps runs of kRunRows = Cfg::kGroupCols stage rows in one group with consecutive columns
 // (host-checked by tests/emu/gemm_layout_check.cu), so a stage is kRuns runs of kRunRows rows.
-// With kClusterM > 1 the CTAs of a cluster work on the same weight rows (scheduler.h): each run
-// is cut into kClusterM boxes of kBoxRows rows, and the CTA of cluster rank q loads boxes q,
-// q + kClusterM, ... once, multicast into every CTA of the cluster. Otherwise a box is a run.
+// With kClusterM > 1 each run is cut into kClusterM boxes of kBoxRows rows. In a tile whose
+// weight rows the CTAs of the cluster share (scheduler.h, TileCoord::multicast) the CTA of
+// cluster rank q loads boxes q, q + kClusterM, ... once, multicast into every CTA of the
+// cluster; in any other tile each CTA loads all the boxes, into its own shared memory only.
+// Without clusters a box is a run.
 template <class Cfg, int kClusterM = 1>
 struct Sm90WeightTmaLoader {
   static constexpr int kRunRows = Cfg::kGroupCols;
@@ -131,20 +133,23 @@ struct Sm90WeightTmaLoader {
     n_begin = tile_n_begin;
   }
 
-  // This CTA's boxes (cluster rank `rank`) of the k-tile starting at column k0 into the stage
-  // at `dst` (of every CTA of the cluster), completing on `bar` (of each).
-  PETIT_DEVICE void issue(uint32_t dst, int k0, uint32_t bar, int rank = 0) const {
+  // The boxes of the k-tile starting at column k0 into the stage at `dst`, completing on
+  // `bar`: with `multicast`, this CTA's share (cluster rank `rank`) into the stage (and onto
+  // the barrier) of every CTA of the cluster; otherwise all of them, into this CTA's.
+  PETIT_DEVICE void issue(uint32_t dst, int k0, uint32_t bar, int rank = 0,
+                          bool multicast = false) const {
 #pragma unroll
     for (int b = 0; b < kBoxes; ++b) {
-      if (b % kClusterM != rank) continue;
       const int r0 = box_row(b);
-      if constexpr (kClusterM == 1)
+      if (kClusterM > 1 && multicast) {
+        if (b % kClusterM == rank)
+          sm90_tma_load_4d_multicast(dst + uint32_t(r0) * 128u, map, k0,
+                                     n_begin + Cfg::b_col_of(r0), Cfg::b_group_of(r0), expert,
+                                     bar, uint16_t((1u << kClusterM) - 1));
+      } else {
         sm90_tma_load_4d(dst + uint32_t(r0) * 128u, map, k0, n_begin + Cfg::b_col_of(r0),
                          Cfg::b_group_of(r0), expert, bar);
-      else
-        sm90_tma_load_4d_multicast(dst + uint32_t(r0) * 128u, map, k0,
-                                   n_begin + Cfg::b_col_of(r0), Cfg::b_group_of(r0), expert, bar,
-                                   uint16_t((1u << kClusterM) - 1));
+      }
     }
   }
 };
