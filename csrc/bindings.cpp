@@ -507,11 +507,12 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
 
 // The tile family experts_forward runs for these sizes (tiles = 0: the automatic choice).
 int64_t resolve_expert_tiles_for(int64_t num_rows, int64_t top_k, int64_t num_local_experts,
-                                 int64_t tiles) {
+                                 int64_t hidden, int64_t tiles) {
   ExpertGemmArgs a{};
   a.num_rows = int(num_rows);
   a.top_k = int(top_k);
   a.num_local_experts = int(num_local_experts);
+  a.hidden = int(hidden);
   a.tiles = int(tiles);
   return resolve_expert_tiles(a);
 }

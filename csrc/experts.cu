@@ -52,6 +52,14 @@ constexpr int kLargeTileMinRowsPerExpert = 256;
 // HBM against 0.60-0.92), ties at Qwen3-30B-A3B's 512 tokens/rank (N*K / L = 128: 168 vs 170
 // TFLOPS) and loses at DeepSeek-V3's 1024 (N*K / L = 128: 191 vs 225 TFLOPS).
 constexpr int kWgmmaM64MaxRowsPerExpert = 96;
+// The same estimate from which, at hidden sizes from kWsMcMinHidden, kExpertTilesAuto picks
+// wgmma_ws_mc over wgmma_ws: on H200 (examples/results/sweeps/experts_H200_ws_mc_split.jsonl,
+// 1c52746, one run) it is 4-5% faster at DeepSeek-V3's 4096 and 8192 tokens/rank (N*K / L =
+// 512 and 1024, 2 and 4 m-tiles of 128 rows per expert; hidden 7168, so long weight rows
+// streamed once per cluster), 1-2% slower at 512-1024 and at every Qwen3-30B-A3B size
+// (hidden 2048).
+constexpr int kWsMcMinRowsPerExpert = 512;
+constexpr int kWsMcMinHidden = 4096;
 
 constexpr int kReduceThreads = 256;
 constexpr int kReduceBlocksPerSm = 8;
@@ -844,15 +852,20 @@ petitError_t launch_tc_family(int, bool, const ExpertGemmArgs&, int, petitStream
 // Auto: the warp-specialized wgmma tiles wherever the device runs them (on H200, with their
 // weights loaded by TMA, wgmma_ws beats wgmma at every size measured from 1 to 8192 tokens per
 // rank and wgmma_m64_ws matches or beats wgmma_m64: examples/results/experts_H200.jsonl,
-// fc692be), the 64-row ones below kWgmmaM64MaxRowsPerExpert; elsewhere the small SIMT tiles
-// below the rows-per-expert bound and above it mma.sync (sm_80+) or the large SIMT tiles.
+// fc692be), the 64-row ones below kWgmmaM64MaxRowsPerExpert, the clustered ones from
+// kWsMcMinRowsPerExpert at large hidden sizes; elsewhere the small SIMT tiles below the
+// rows-per-expert bound and above it mma.sync (sm_80+) or the large SIMT tiles.
 int resolve_expert_tiles(const ExpertGemmArgs& a) {
   if (a.tiles != kExpertTilesAuto) return a.tiles;
   const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
-  if (wgmma_path_supported() == petitSuccess)
-    return num_entries < int64_t(kWgmmaM64MaxRowsPerExpert) * a.num_local_experts
-               ? kExpertTilesWgmmaM64Ws
-               : kExpertTilesWgmmaWs;
+  if (wgmma_path_supported() == petitSuccess) {
+    if (num_entries < int64_t(kWgmmaM64MaxRowsPerExpert) * a.num_local_experts)
+      return kExpertTilesWgmmaM64Ws;
+    if (a.hidden >= kWsMcMinHidden &&
+        num_entries >= int64_t(kWsMcMinRowsPerExpert) * a.num_local_experts)
+      return kExpertTilesWgmmaWsMc;
+    return kExpertTilesWgmmaWs;
+  }
   if (num_entries < int64_t(kLargeTileMinRowsPerExpert) * a.num_local_experts)
     return kExpertTilesSmall;
   if (mma_path_supported() == petitSuccess) return kExpertTilesMma;

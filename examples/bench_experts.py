@@ -277,7 +277,8 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
         breakdown = None
         if args.profile:  # eager calls, warmed up by the timing above
             breakdown = profile_kernels(run_petit, PROFILE_CALLS)
-        resolved = ops.resolve_tiles(recv_x.shape[0], local_ids.shape[1], w13.shape[0], family)
+        resolved = ops.resolve_tiles(recv_x.shape[0], local_ids.shape[1], w13.shape[0],
+                                     recv_x.shape[1], family)
         petit.append((family, resolved, us, out, breakdown, launch))
         del run_petit
 

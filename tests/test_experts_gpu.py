@@ -163,7 +163,7 @@ def test_deterministic_and_tile_family_invariant():
     assert torch.equal(small, run_petit(problem, "large"))
     from vllm_petit_moe import ops
 
-    auto_family = ops.resolve_tiles(500, 8, 16)  # "auto" is exactly the family it resolves to
+    auto_family = ops.resolve_tiles(500, 8, 16, 1024)  # "auto" is exactly what it resolves to
     assert torch.equal(run_petit(problem, auto_family),
                        run_petit(problem, "auto", with_workspaces=False))
     # The tensor-core family sums in another fp32 order: deterministic, not bit-equal to SIMT.
@@ -251,11 +251,18 @@ def test_auto_picks_the_fastest_family_this_gpu_runs():
 
     sm80 = torch.cuda.get_device_capability() >= (8, 0)
     # 50 entries per expert: below the bounds of wgmma (128) and of the 128-row families (256)
-    assert ops.resolve_tiles(100, 8, 16) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
+    assert ops.resolve_tiles(100, 8, 16, 7168) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
     # 95.5 and 96 entries per expert: either side of the 64-row bound
-    assert ops.resolve_tiles(191, 8, 16) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
-    assert ops.resolve_tiles(192, 8, 16) == ("wgmma_ws" if HAS_WGMMA else "small")
-    assert ops.resolve_tiles(4096, 8, 16) == (
+    assert ops.resolve_tiles(191, 8, 16, 7168) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
+    assert ops.resolve_tiles(192, 8, 16, 7168) == ("wgmma_ws" if HAS_WGMMA else "small")
+    # 511.5 and 512 entries per expert: either side of the cluster bound, at hidden >= 4096
+    assert ops.resolve_tiles(1023, 8, 16, 7168) == ("wgmma_ws" if HAS_WGMMA else "mma" if sm80
+                                                    else "large")
+    assert ops.resolve_tiles(1024, 8, 16, 7168) == (
+        "wgmma_ws_mc" if HAS_WGMMA else "mma" if sm80 else "large")
+    assert ops.resolve_tiles(4096, 8, 16, 4096) == (
+        "wgmma_ws_mc" if HAS_WGMMA else "mma" if sm80 else "large")
+    assert ops.resolve_tiles(4096, 8, 16, 4088) == (
         "wgmma_ws" if HAS_WGMMA else "mma" if sm80 else "large")
 
 

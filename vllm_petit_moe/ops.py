@@ -220,10 +220,11 @@ def last_gemm_launch(gate_up: bool) -> dict[str, int]:
                 cluster=int(cluster))
 
 
-def resolve_tiles(num_rows: int, top_k: int, num_local_experts: int, tiles: str = "auto") -> str:
+def resolve_tiles(num_rows: int, top_k: int, num_local_experts: int, hidden: int,
+                  tiles: str = "auto") -> str:
     """The tile family (a name of ``TILES``, never ``"auto"``) :func:`experts_forward` runs for
-    these sizes on the current device."""
+    these sizes (received rows, top-k, local experts, hidden size) on the current device."""
     if tiles not in TILES:
         raise ValueError(f"tiles must be one of {sorted(TILES)}, got {tiles!r}")
-    code = _ops().resolve_expert_tiles(num_rows, top_k, num_local_experts, TILES[tiles])
+    code = _ops().resolve_expert_tiles(num_rows, top_k, num_local_experts, hidden, TILES[tiles])
     return TILE_NAMES[int(code)]
