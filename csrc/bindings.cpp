@@ -579,7 +579,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "8 wgmma_ws, 9 wgmma_m64_ws, 10 wgmma_ws_mc) "
         "experts_forward "
         "runs for these sizes on the current device",
-        py::arg("num_rows"), py::arg("top_k"), py::arg("num_local_experts"), py::arg("tiles") = 0);
+        py::arg("num_rows"), py::arg("top_k"), py::arg("num_local_experts"), py::arg("hidden"),
+        py::arg("tiles") = 0);
   m.def(
       "last_expert_gemm_launch",
       [](bool gate_up) {
