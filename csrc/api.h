@@ -83,6 +83,13 @@ enum ExpertTiles : int {
   // clusters of 2 CTAs along M that load each weight box once for both (TMA multicast). Only
   // when asked for explicitly. Bit-identical to kExpertTilesWgmmaWs.
   kExpertTilesWgmmaWsMc = 10,
+  // CUDA sm_90a only, for very few rows per expert: kExpertTilesWgmmaNarrow's tiles (64x128x64,
+  // gate/up 64 + 64 columns, two warpgroups of m64n64k16 side by side) on the warp-specialized
+  // main loop, one block per SM with an 8-stage ring: 4x the tiles of kExpertTilesWgmmaM64Ws
+  // per expert, so the few experts a decode step touches spread over the SMs in whole waves
+  // more evenly. Bit-identical to kExpertTilesWgmmaNarrow.
+  kExpertTilesWgmmaNarrowWs = 11,
+  kExpertTilesLast = kExpertTilesWgmmaNarrowWs,
 };
 
 struct ExpertGemmArgs {

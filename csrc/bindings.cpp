@@ -405,9 +405,10 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
               (long long)w2.size(2));
   PETIT_CHECK(N * K < (int64_t(1) << 31), "N*K = %lld routing entries exceed 2^31 - 1",
               (long long)(N * K));
-  PETIT_CHECK(tiles >= kExpertTilesAuto && tiles <= kExpertTilesWgmmaWsMc,
+  PETIT_CHECK(tiles >= kExpertTilesAuto && tiles <= kExpertTilesLast,
               "tiles %lld must be 0 (auto), 1 (small), 2 (large), 3 (mma), 4 (decode), 5 (wgmma), "
-              "6 (wgmma_m64), 7 (wgmma_narrow), 8 (wgmma_ws) or 9 (wgmma_m64_ws)",
+              "6 (wgmma_m64), 7 (wgmma_narrow), 8 (wgmma_ws), 9 (wgmma_m64_ws), 10 (wgmma_ws_mc) "
+              "or 11 (wgmma_narrow_ws)",
               (long long)tiles);
   const auto device = recv_x.device();
   PETIT_CHECK(topk_ids.device() == device && topk_weights.device() == device &&
@@ -576,7 +577,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tiles") = 0, py::arg("expert_map") = py::none());
   m.def("resolve_expert_tiles", &petit::resolve_expert_tiles_for,
         "Tile family (1 small, 2 large, 3 mma, 4 decode, 5 wgmma, 6 wgmma_m64, 7 wgmma_narrow, "
-        "8 wgmma_ws, 9 wgmma_m64_ws, 10 wgmma_ws_mc) "
+        "8 wgmma_ws, 9 wgmma_m64_ws, 10 wgmma_ws_mc, 11 wgmma_narrow_ws) "
         "experts_forward "
         "runs for these sizes on the current device",
         py::arg("num_rows"), py::arg("top_k"), py::arg("num_local_experts"), py::arg("hidden"),

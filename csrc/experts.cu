@@ -216,6 +216,14 @@ using DownWgmmaM64Ws = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
 constexpr int kWsClusterM = 2;
 using GateUpWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM>;
 using DownWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, kWsClusterM>;
+// wgmma_narrow_ws: the wgmma_narrow tiles (64 x 128 x 64: gate/up 64 gate + 64 up rows, down
+//   128 w2 rows; 2 consumer warpgroups of 64 x 64 side by side) on the ws main loop, one block
+//   per SM with an 8-stage ring (the 1-block rule of the ws loop; 8 x 24 KiB keeps as many
+//   weight bytes in flight per SM as wgmma_m64_ws's 5 x 48 KiB): 4x the tiles per expert of
+//   wgmma_m64_ws, for decode steps whose few experts would otherwise fill the SMs unevenly
+//   (e.g. 9 experts x 16 gate/up tiles = 144 on 132 SMs: 2 rounds of 3.7 MB slices).
+using GateUpWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 64, 2, 8, 2>>;
+using DownWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 8, 2>>;
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
@@ -542,7 +550,7 @@ petitError_t check_args(const ExpertGemmArgs& a) {
   if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
       a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
       a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
-      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesWgmmaWsMc || a.num_sms < 0 ||
+      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesLast || a.num_sms < 0 ||
       (a.expert_map != nullptr && a.num_global_experts < 1))
     return petitErrorInvalidValue;
   if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
@@ -833,6 +841,8 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
       return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWsMc:
       return launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMc>(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmmaNarrowWs:
+      return launch_ws_gemm<GateUpWgmmaNarrowWs, DownWgmmaNarrowWs>(gate_up, a, num_sms, stream);
     default: return petitErrorInvalidValue;
   }
 }
@@ -883,7 +893,8 @@ petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStre
   if (tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
   if ((tiles == kExpertTilesWgmma || tiles == kExpertTilesWgmmaM64 ||
        tiles == kExpertTilesWgmmaNarrow || tiles == kExpertTilesWgmmaWs ||
-       tiles == kExpertTilesWgmmaM64Ws || tiles == kExpertTilesWgmmaWsMc) &&
+       tiles == kExpertTilesWgmmaM64Ws || tiles == kExpertTilesWgmmaWsMc ||
+       tiles == kExpertTilesWgmmaNarrowWs) &&
       (err = wgmma_path_supported()) != petitSuccess)
     return err;
   if (a.num_rows == 0) return petitSuccess;

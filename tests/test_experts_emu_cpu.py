@@ -219,6 +219,7 @@ def test_tensor_core_families_on_emulated_ptx(sm90, tiles):
 
 
 @pytest.mark.parametrize("ws,plain", [("wgmma_ws", "wgmma"), ("wgmma_m64_ws", "wgmma_m64"),
+                                     ("wgmma_narrow_ws", "wgmma_narrow"),
                                      ("wgmma_ws_mc", "wgmma_ws")])
 def test_warp_specialized_families_equal_their_tiles(sm90, ws, plain):
     gen = torch.Generator().manual_seed(24)

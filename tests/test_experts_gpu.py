@@ -303,6 +303,7 @@ def test_programmatic_launch_changes_nothing(tiles, monkeypatch):
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
 @pytest.mark.parametrize("ws,plain", [("wgmma_ws", "wgmma"), ("wgmma_m64_ws", "wgmma_m64"),
+                                     ("wgmma_narrow_ws", "wgmma_narrow"),
                                      ("wgmma_ws_mc", "wgmma_ws")])
 @pytest.mark.parametrize("rows_per_expert", [3, 200])
 def test_warp_specialized_families_equal_their_tiles(ws, plain, rows_per_expert):

@@ -34,5 +34,6 @@ def test_tile_configs_match_the_wgmma_accumulator_layout(tmp_path):
     assert run.returncode == 0 and run.stdout.strip().endswith("OK: 0 failure(s)"), run.stdout
     for config in ("wgmma gate/up", "wgmma down", "wgmma_m64 gate/up", "wgmma_m64 down",
                    "wgmma_narrow gate/up", "wgmma_narrow down", "wgmma_ws gate/up",
-                   "wgmma_ws down", "wgmma_m64_ws gate/up", "wgmma_m64_ws down"):
+                   "wgmma_ws down", "wgmma_m64_ws gate/up", "wgmma_m64_ws down",
+                   "wgmma_narrow_ws gate/up", "wgmma_narrow_ws down"):
         assert f"\n{config}:" in "\n" + run.stdout, run.stdout

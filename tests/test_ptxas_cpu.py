@@ -79,7 +79,8 @@ def test_no_kernel_spills_and_no_serialized_wgmma(nvcc, source, tmp_path):
 def test_warp_specialized_kernels_launch_with_their_register_budget(nvcc, tmp_path):
     kernels = _ptxas_report(nvcc, "experts.cu", tmp_path)["kernels"]
     ws = {name: k for name, k in kernels.items() if "_ws_kernel" in name}
-    assert len(ws) == 6, sorted(kernels)  # gate/up and down of wgmma_ws, _m64_ws, _ws_mc
+    # gate/up and down of wgmma_ws, _m64_ws, _ws_mc, _narrow_ws
+    assert len(ws) == 8, sorted(kernels)
     for name, k in ws.items():
         assert k["registers"] == 168, (name, k)
 
@@ -93,7 +94,7 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
     # The body of each .entry, up to the next one.
     entries = re.split(r"\n(?=\.(?:visible )?\.?entry )", ptx)
     ws_bodies = [e for e in entries if re.match(r"\.(?:visible )?\.?entry \w+_ws_kernel", e)]
-    assert len(ws_bodies) == 6
+    assert len(ws_bodies) == 8
     clustered = 0
     for body in ws_bodies:
         # the multicast kernels (wgmma_ws_mc: Sm90WgmmaWsMainloop<..., 2, ...>, cluster of 2)

@@ -18,7 +18,8 @@ SIZE_MULTIPLE = 8  # H and I: one 16-byte vector of bf16
 MAX_ENTRIES = 2**31 - 1  # N*K routing entries are indexed with int32
 
 TILES = {"auto": 0, "small": 1, "large": 2, "mma": 3, "decode": 4, "wgmma": 5, "wgmma_m64": 6,
-         "wgmma_narrow": 7, "wgmma_ws": 8, "wgmma_m64_ws": 9, "wgmma_ws_mc": 10}
+         "wgmma_narrow": 7, "wgmma_ws": 8, "wgmma_m64_ws": 9, "wgmma_ws_mc": 10,
+         "wgmma_narrow_ws": 11}
 """Tile families of the GEMMs: ``small`` (16-row SIMT tiles, for few rows per expert, i.e.
 decode), ``large`` (128-row SIMT tiles, prefill), ``mma`` (CUDA sm_80+ tensor cores, mma.sync,
 128x128x32 tiles), ``wgmma`` (Hopper sm_90a tensor cores, wgmma, 128x256x64 tiles),
@@ -29,7 +30,9 @@ no faster than ``wgmma_m64``), ``wgmma_ws`` (sm_90a, the ``wgmma`` tiles on a wa
 main loop: a producer warpgroup loads, the weights by TMA, while two consumer warpgroups
 multiply, for many rows per expert), ``wgmma_m64_ws`` (the ``wgmma_m64`` tiles on that main
 loop, for few rows per expert), ``wgmma_ws_mc`` (the ``wgmma_ws`` tiles in clusters of 2 CTAs
-that load each weight tile once for both, TMA multicast; only when asked for explicitly),
+that load each weight tile once for both, TMA multicast), ``wgmma_narrow_ws`` (the
+``wgmma_narrow`` tiles on that main loop, one block per SM: 4x the tiles of ``wgmma_m64_ws``,
+for decode steps that touch few experts),
 ``decode`` (portable, <= 8-row tiles, each warp streaming
 whole weight rows; only when asked for explicitly) and ``auto``: where the GPU runs wgmma,
 ``wgmma_m64_ws`` below 96 routing entries (rows x top_k) per local expert and ``wgmma_ws`` from
@@ -162,7 +165,8 @@ def experts_forward(
     act_workspace / partial_workspace (optional): contiguous tensors of at least the sizes of
         :func:`experts_workspace_shapes` (bfloat16 / float32, any shape); allocated when absent.
     tiles: a name of ``TILES`` (``"auto"``, ``"small"``, ``"large"``, ``"mma"``, ``"decode"``,
-        ``"wgmma"``, ``"wgmma_m64"``, ``"wgmma_narrow"``, ``"wgmma_ws"``, ``"wgmma_m64_ws"``;
+        ``"wgmma"``, ``"wgmma_m64"``, ``"wgmma_narrow"``, ``"wgmma_ws"``, ``"wgmma_m64_ws"``,
+        ``"wgmma_ws_mc"``, ``"wgmma_narrow_ws"``;
         results do not depend on it beyond fp32 rounding order).
 
     Returns ``out [N, H] bfloat16``: ``Σ_{k: id valid} w[r,k] · expert_{id}(recv_x[r])``, with

@@ -129,6 +129,10 @@ int main() {
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>>(
       "wgmma_m64_ws gate/up");
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>>("wgmma_m64_ws down");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 64, 2, 8, 2>>>(
+      "wgmma_narrow_ws gate/up");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 128, 1, 8, 2>>>(
+      "wgmma_narrow_ws down");
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, 2>>(
       "wgmma_ws_mc gate/up");
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, 2>>(

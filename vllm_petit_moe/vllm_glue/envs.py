@@ -29,8 +29,8 @@ DeepSeek-V3 1 token/rank."""
 
 VLLM_PETIT_MOE_EXPERTS_TILES = "VLLM_PETIT_MOE_EXPERTS_TILES"
 """Tile family of ``PetitExperts``' GEMMs: ``auto`` (default), ``small``, ``large``, ``mma``,
-``decode``, ``wgmma``, ``wgmma_m64``, ``wgmma_narrow``, ``wgmma_ws``, ``wgmma_m64_ws`` or
-``wgmma_ws_mc`` (``vllm_petit_moe.ops.TILES``)."""
+``decode``, ``wgmma``, ``wgmma_m64``, ``wgmma_narrow``, ``wgmma_ws``, ``wgmma_m64_ws``,
+``wgmma_ws_mc`` or ``wgmma_narrow_ws`` (``vllm_petit_moe.ops.TILES``)."""
 
 VLLM_PETIT_MOE_TIMEOUT_S = "VLLM_PETIT_MOE_TIMEOUT_S"
 """Bound, in seconds, of every spin-wait of the dispatch/combine kernels before they report
