@@ -41,7 +41,8 @@ petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stre
 // K <= kMaxTopK, N*K < 2^31; every pointer 16-byte aligned.
 enum ExpertTiles : int {
   // Auto, from the host-known rows-per-expert estimate N*K / L: where the device runs wgmma,
-  // kExpertTilesWgmmaM64Ws below 96 and kExpertTilesWgmmaWs from there; elsewhere
+  // kExpertTilesWgmmaNarrowWs below 2, kExpertTilesWgmmaM64Ws below 96, kExpertTilesWgmmaWs
+  // from there, and kExpertTilesWgmmaWsMc from 512 at hidden sizes >= 4096; elsewhere
   // kExpertTilesSmall below 256 and above it mma (sm_80+) or large.
   kExpertTilesAuto = 0,
   kExpertTilesSmall = 1,  // 16-row tiles: decode, few rows per expert (weight-bandwidth bound)
@@ -73,21 +74,24 @@ enum ExpertTiles : int {
   // main loop (gemm/sm90_mainloop_wgmma_ws.h: a producer warpgroup loads, the gathered A rows
   // by cp.async and the weights by TMA, two consumer warpgroups multiply, mbarrier-handed
   // 4-stage ring running on across tiles). Auto picks it from 96 routing entries per local
-  // expert. Bit-identical to kExpertTilesWgmma.
+  // expert (below 512 at hidden sizes >= 4096). Bit-identical to kExpertTilesWgmma.
   kExpertTilesWgmmaWs = 8,
   // CUDA sm_90a only, for few rows per expert: kExpertTilesWgmmaM64's tiles on the same
-  // warp-specialized main loop (5-stage ring). Auto picks it below 96 routing entries per
+  // warp-specialized main loop (5-stage ring). Auto picks it from 2 to 96 routing entries per
   // local expert. Bit-identical to kExpertTilesWgmmaM64.
   kExpertTilesWgmmaM64Ws = 9,
   // CUDA sm_90a only, for many rows per expert: kExpertTilesWgmmaWs's tiles in thread-block
-  // clusters of 2 CTAs along M that load each weight box once for both (TMA multicast). Only
-  // when asked for explicitly. Bit-identical to kExpertTilesWgmmaWs.
+  // clusters of 2 CTAs that take two m-tiles of one (expert, n-tile) and load each weight box
+  // once for both (TMA multicast), or two n-tiles of an expert's odd last m-tile. Auto picks it
+  // from 512 routing entries per local expert at hidden sizes >= 4096. Bit-identical to
+  // kExpertTilesWgmmaWs.
   kExpertTilesWgmmaWsMc = 10,
   // CUDA sm_90a only, for very few rows per expert: kExpertTilesWgmmaNarrow's tiles (64x128x64,
   // gate/up 64 + 64 columns, two warpgroups of m64n64k16 side by side) on the warp-specialized
   // main loop, one block per SM with an 8-stage ring: 4x the tiles of kExpertTilesWgmmaM64Ws
   // per expert, so the few experts a decode step touches spread over the SMs in whole waves
-  // more evenly. Bit-identical to kExpertTilesWgmmaNarrow.
+  // more evenly. Auto picks it below 2 routing entries per local expert. Bit-identical to
+  // kExpertTilesWgmmaNarrow.
   kExpertTilesWgmmaNarrowWs = 11,
   kExpertTilesLast = kExpertTilesWgmmaNarrowWs,
 };

@@ -59,6 +59,11 @@ constexpr int kWgmmaM64MaxRowsPerExpert = 96;
 // streamed once per cluster), 1-2% slower at 512-1024 and at every Qwen3-30B-A3B size
 // (hidden 2048).
 constexpr int kWsMcMinRowsPerExpert = 512;
+// The same estimate below which kExpertTilesAuto picks wgmma_narrow_ws over wgmma_m64_ws: on
+// H200 (examples/results/sweeps/experts_H200_narrow_ws.jsonl, b9b13ba, one run, 20 iterations)
+// it is 1-12% faster at 1-4 tokens/rank (N*K / L = 0.125-1: DeepSeek-V3 1 token 261 vs 275 us,
+// Qwen3-30B-A3B 44 vs 50 us), even at 8 (N*K / L = 1-2) and 1-2% slower from 16 up.
+constexpr int kWgmmaNarrowMaxRowsPerExpert = 2;
 constexpr int kWsMcMinHidden = 4096;
 
 constexpr int kReduceThreads = 256;
@@ -862,13 +867,16 @@ petitError_t launch_tc_family(int, bool, const ExpertGemmArgs&, int, petitStream
 // Auto: the warp-specialized wgmma tiles wherever the device runs them (on H200, with their
 // weights loaded by TMA, wgmma_ws beats wgmma at every size measured from 1 to 8192 tokens per
 // rank and wgmma_m64_ws matches or beats wgmma_m64: examples/results/experts_H200.jsonl,
-// fc692be), the 64-row ones below kWgmmaM64MaxRowsPerExpert, the clustered ones from
+// fc692be), the narrow ones below kWgmmaNarrowMaxRowsPerExpert, the 64-row ones below
+// kWgmmaM64MaxRowsPerExpert, the clustered ones from
 // kWsMcMinRowsPerExpert at large hidden sizes; elsewhere the small SIMT tiles below the
 // rows-per-expert bound and above it mma.sync (sm_80+) or the large SIMT tiles.
 int resolve_expert_tiles(const ExpertGemmArgs& a) {
   if (a.tiles != kExpertTilesAuto) return a.tiles;
   const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
   if (wgmma_path_supported() == petitSuccess) {
+    if (num_entries < int64_t(kWgmmaNarrowMaxRowsPerExpert) * a.num_local_experts)
+      return kExpertTilesWgmmaNarrowWs;
     if (num_entries < int64_t(kWgmmaM64MaxRowsPerExpert) * a.num_local_experts)
       return kExpertTilesWgmmaM64Ws;
     if (a.hidden >= kWsMcMinHidden &&

@@ -251,6 +251,9 @@ def test_auto_picks_the_fastest_family_this_gpu_runs():
 
     sm80 = torch.cuda.get_device_capability() >= (8, 0)
     # 50 entries per expert: below the bounds of wgmma (128) and of the 128-row families (256)
+    # 1.5 and 2 entries per expert: either side of the narrow bound
+    assert ops.resolve_tiles(3, 8, 16, 7168) == ("wgmma_narrow_ws" if HAS_WGMMA else "small")
+    assert ops.resolve_tiles(4, 8, 16, 7168) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
     assert ops.resolve_tiles(100, 8, 16, 7168) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
     # 95.5 and 96 entries per expert: either side of the 64-row bound
     assert ops.resolve_tiles(191, 8, 16, 7168) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
