@@ -85,9 +85,8 @@ struct ExpertTileScheduler {
     __syncthreads();
   }
 
-  // Units of an expert with m_tiles m-tiles (see the top of the file).
-  // Units of an expert with m_tiles m-tiles (see the top of the file), without clusters in
-  // units of N (its m-tiles).
+  // Units of an expert with m_tiles m-tiles (see the top of the file); without clusters in
+  // units of N tiles (its m-tiles).
   PETIT_HOST_DEVICE static int num_units(int m_tiles, int n_tiles) {
     if constexpr (kClusterM == 1) return m_tiles;
     return m_tiles / kClusterM * n_tiles +
