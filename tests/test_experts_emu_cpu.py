@@ -30,6 +30,7 @@ def emu(tmp_path_factory):
     lib.petit_emu_experts.restype = ctypes.c_int
     lib.petit_emu_set_compute_capability.restype = None
     lib.petit_emu_last_gemm_launch.restype = None
+    lib.petit_emu_resolve_tiles.restype = ctypes.c_int
     return lib
 
 
@@ -255,6 +256,35 @@ def test_clusters_with_odd_m_tiles_and_several_clusters(sm90, hidden, inter):
     again, _ = run_emulated(sm90, *problem, tiles="wgmma_ws_mc", num_sms=3)
     assert torch.equal(again, got)
     assert (last_launch(sm90, False)["grid"], last_launch(sm90, False)["cluster"]) == (2, 2)
+
+
+def test_auto_bounds_on_an_sm90_device(sm90):
+    """auto's choice by the rows-per-expert estimate N*K / L and the hidden size, where the
+    wgmma families run: wgmma_narrow_ws below 2, wgmma_m64_ws below 96, wgmma_ws from there,
+    wgmma_ws_mc from 512 at hidden >= 4096 (the bounds measured on H200, csrc/experts.cu)."""
+    def auto(num_rows, top_k, num_local, hidden):
+        return TILE_NAMES[sm90.petit_emu_resolve_tiles(num_rows, top_k, num_local, hidden, 0)]
+
+    L = 128  # N*K / L = num_rows * 8 / 128 = num_rows / 16
+    assert auto(0, 8, L, 7168) == "wgmma_narrow_ws"
+    assert auto(31, 8, L, 7168) == "wgmma_narrow_ws"    # 1.9375
+    assert auto(32, 8, L, 7168) == "wgmma_m64_ws"       # 2
+    assert auto(1535, 8, L, 7168) == "wgmma_m64_ws"     # 95.9
+    assert auto(1536, 8, L, 7168) == "wgmma_ws"         # 96
+    assert auto(8191, 8, L, 7168) == "wgmma_ws"         # 511.9
+    assert auto(8192, 8, L, 7168) == "wgmma_ws_mc"      # 512
+    assert auto(8192, 8, L, 4096) == "wgmma_ws_mc"
+    assert auto(8192, 8, L, 4088) == "wgmma_ws"         # below the hidden bound
+    assert auto(65536, 8, L, 2048) == "wgmma_ws"        # Qwen3's hidden size: never clustered
+    for name in ("small", "wgmma_m64", "wgmma_ws_mc"):   # an explicit family stays
+        assert TILE_NAMES[sm90.petit_emu_resolve_tiles(4, 8, L, 7168, TILES[name])] == name
+
+
+def test_auto_without_wgmma(emu):
+    """Compute capability 2.0 (the emulator's default): auto takes the portable SIMT tiles,
+    small below 256 routing entries per local expert, large from there."""
+    assert TILE_NAMES[emu.petit_emu_resolve_tiles(4095, 8, 128, 7168, 0)] == "small"
+    assert TILE_NAMES[emu.petit_emu_resolve_tiles(4096, 8, 128, 7168, 0)] == "large"
 
 
 @pytest.mark.parametrize("tiles", ["mma", "wgmma_ws"])

@@ -50,6 +50,18 @@ extern "C" void petit_emu_set_compute_capability(int major, int minor) {
   emu::cc_minor = minor;
 }
 
+// The tile family launch_experts runs for these sizes on the emulated device (tiles = 0: auto).
+extern "C" int petit_emu_resolve_tiles(int num_rows, int top_k, int num_local_experts,
+                                       int hidden, int tiles) {
+  petit::ExpertGemmArgs a{};
+  a.num_rows = num_rows;
+  a.top_k = top_k;
+  a.num_local_experts = num_local_experts;
+  a.hidden = hidden;
+  a.tiles = tiles;
+  return petit::resolve_expert_tiles(a);
+}
+
 // last_expert_gemm_launch: shape[4] = grid, threads, dynamic smem bytes, CTAs per cluster.
 extern "C" void petit_emu_last_gemm_launch(int gate_up, int* shape) {
   const petit::ExpertLaunchShape s = petit::last_expert_gemm_launch(gate_up != 0);
