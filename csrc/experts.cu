@@ -24,6 +24,7 @@
 #if PETIT_SM80_PATH
 #include "gemm/sm80_mainloop_mma.h"
 #include "gemm/sm90_mainloop_wgmma.h"
+#include "gemm/sm90_epilogue_staged.h"
 #include "gemm/sm90_mainloop_wgmma_ws.h"
 #endif
 
@@ -229,6 +230,20 @@ using DownWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, k
 //   (e.g. 9 experts x 16 gate/up tiles = 144 on 132 SMs: 2 rounds of 3.7 MB slices).
 using GateUpWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 64, 2, 8, 2>>;
 using DownWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 8, 2>>;
+// Down GEMMs of wgmma_ws / wgmma_ws_mc with the staged epilogue (gemm/sm90_epilogue_staged.h;
+// PETIT_MOE_STAGED_EPILOGUE=1, opt-in until measured): a 3-stage ring (144 KiB) to make room
+// for the 66 KiB staging buffer after the scheduler's storage.
+template <class Cfg>
+constexpr int kSchedulerBytes =
+    (int(sizeof(typename gemm::ExpertTileScheduler<Cfg::kThreads + 128>::SharedStorage)) + 15) /
+    16 * 16;
+template <class Cfg, int kClusterM = 1>
+using WsStagedMainloop =
+    gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM,
+                              kSchedulerBytes<Cfg> + gemm::StagedWeightedEntryEpilogue<Cfg>::kBytes>;
+using DownWgmmaWsStaged = WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>>;
+using DownWgmmaWsMcStaged =
+    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM>;
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
@@ -299,7 +314,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
 // With clusters (Mainloop::kClusterM > 1) the CTAs of a cluster walk the same units, each its
 // own tile of them: the m-tiles of one (expert, n-tile) sharing their weight rows, or the
 // n-tiles of an expert's left-over m-tile (scheduler.h).
-template <class Mainloop, class Epilogue, class ARow>
+// kStaged: Epilogue is gemm::StagedWeightedEntryEpilogue, its staging buffer after the
+// scheduler's storage in the main loop's user shared memory.
+template <class Mainloop, bool kStaged = false, class Epilogue, class ARow>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
                                  const Epilogue& epilogue, const petit_bf16_bits* a_fallback,
                                  int k_dim, int out_cols, ARow a_row) {
@@ -336,10 +353,20 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
     gemm::sm90_setmaxnreg_inc<Mainloop::kConsumerRegs>();
     for (int t = first; t < num_tiles; t += step) {
       const gemm::TileCoord tile = scheduler.tile(t, rank);
-      mainloop.consume(k_dim);
-      epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
-                     tile.num_rows, tile.n_tile * Cfg::kBlockN);
+      if constexpr (kStaged) {
+        static_assert(Mainloop::kUserBytes >= kSchedulerBytes<Cfg> + Epilogue::kBytes,
+                      "the staging buffer is the main loop's user shared memory");
+        const typename Epilogue::Rows rows = epilogue.prefetch(tile.row_begin, tile.num_rows);
+        mainloop.consume(k_dim);
+        epilogue.apply(mainloop.acc, rows, tile.num_rows, tile.n_tile * Cfg::kBlockN,
+                       Mainloop::user_smem(tc_dynamic_smem) + kSchedulerBytes<Cfg>);
+      } else {
+        mainloop.consume(k_dim);
+        epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
+                       tile.num_rows, tile.n_tile * Cfg::kBlockN);
+      }
     }
+    if constexpr (kStaged) Epilogue::finish();
   }
   mainloop.finish();
 }
@@ -366,6 +393,23 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_ws_gemm<Mainloop>(
         a, &w2_map,
         gemm::WeightedEntryEpilogue<Cfg>{a.partial, a.sorted_entries, a.topk_weights, a.hidden},
+        a.act, a.intermediate, a.hidden,
+        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); });
+  }
+}
+
+// The down kernel with the staged epilogue (gemm/sm90_epilogue_staged.h): same output, bit for
+// bit, as expert_down_ws_kernel.
+template <class Mainloop>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
+    expert_down_staged_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  if constexpr (Mainloop::kCompiled) {
+    using Cfg = typename Mainloop::Cfg;
+    expert_ws_gemm<Mainloop, true>(
+        a, &w2_map,
+        gemm::StagedWeightedEntryEpilogue<Cfg>{a.partial, a.sorted_entries, a.topk_weights,
+                                               a.hidden},
         a.act, a.intermediate, a.hidden,
         [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); });
   }
@@ -807,8 +851,9 @@ petitError_t launch_tc_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
 }
 
 // The weight tensor's map is encoded per launch (host only, ~microseconds; a CUDA graph keeps
-// the parameter it captured, valid while the weights stay where they are).
-template <class GateUp, class Down>
+// the parameter it captured, valid while the weights stay where they are). kStagedDown: the
+// down GEMM with the staged epilogue (expert_down_staged_ws_kernel).
+template <class GateUp, class Down, bool kStagedDown = false>
 petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                             petitStream_t stream) {
   CUtensorMap map;
@@ -825,7 +870,19 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                           a.num_local_experts, Down::LoaderB::kBoxRows)) !=
       petitSuccess)
     return err;
-  return launch_tc_kernel<Down>(expert_down_ws_kernel<Down>, a, a.hidden, num_sms, stream, map);
+  if constexpr (kStagedDown)
+    return launch_tc_kernel<Down>(expert_down_staged_ws_kernel<Down>, a, a.hidden, num_sms,
+                                  stream, map);
+  else
+    return launch_tc_kernel<Down>(expert_down_ws_kernel<Down>, a, a.hidden, num_sms, stream, map);
+}
+
+// PETIT_MOE_STAGED_EPILOGUE=1 in the environment (read at every launch, for A/B measurements):
+// the down GEMMs of wgmma_ws and wgmma_ws_mc use the staged epilogue
+// (gemm/sm90_epilogue_staged.h). Off by default until measured on a GPU.
+bool staged_epilogue_enabled() {
+  const char* env = getenv("PETIT_MOE_STAGED_EPILOGUE");
+  return env != nullptr && env[0] == '1';
 }
 
 // GEMM1 or GEMM2 of a tensor-core family (kExpertTilesMma, kExpertTilesWgmma*), whose path
@@ -841,11 +898,17 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
     case kExpertTilesWgmmaNarrow:
       return launch_tc_gemm<GateUpWgmmaNarrow, DownWgmmaNarrow>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWs:
-      return launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWs>(gate_up, a, num_sms, stream);
+      return staged_epilogue_enabled()
+                 ? launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWsStaged, true>(gate_up, a, num_sms,
+                                                                          stream)
+                 : launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWs>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaM64Ws:
       return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWsMc:
-      return launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMc>(gate_up, a, num_sms, stream);
+      return staged_epilogue_enabled()
+                 ? launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMcStaged, true>(gate_up, a,
+                                                                              num_sms, stream)
+                 : launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMc>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaNarrowWs:
       return launch_ws_gemm<GateUpWgmmaNarrowWs, DownWgmmaNarrowWs>(gate_up, a, num_sms, stream);
     default: return petitErrorInvalidValue;

@@ -33,6 +33,10 @@
 //     %cluster_ctarank, barrier.cluster (a barrier of all the cluster's threads), mapa (a
 //     shared::cluster address carries the target block's rank in its high bits, which
 //     smem_ptr resolves) and multicast TMA boxes (queued on each target block's barrier);
+//   - bulk stores shared -> global (cp.async.bulk.global.shared::cta.bulk_group): queued per
+//     thread; commit_group closes a group; wait_group(.read) N performs all but the newest N
+//     groups, reading shared memory then (so staging rewritten before the wait is caught);
+//   - bar.sync id, count (named barriers): a barrier of `count` threads of the block;
 //   - %globaltimer: the host's steady clock; trap: a message and abort().
 // What it checks: the data path (loaders, swizzle, descriptors, stage and phase indexing,
 // epilogues) and the ordering the kernels rely on (copies waited for before use, a stage not
@@ -175,6 +179,37 @@ inline void cp_async_wait_all() {
   cp_async_wait(0);
   perform(open_copies);
   open_copies.clear();
+}
+
+// ---- bulk stores shared -> global: per-thread queue, in bulk async-groups
+struct BulkStore {
+  void* dst;
+  uint32_t src;
+  int bytes;
+};
+inline thread_local std::vector<BulkStore> open_bulk_stores;                // not committed
+inline thread_local std::deque<std::vector<BulkStore>> bulk_store_groups;  // oldest first
+
+inline void bulk_store(void* dst, uint32_t src, int bytes) {
+  if (bytes <= 0 || bytes % 16 != 0 || src % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(dst) % 16 != 0)
+    trap("bulk store of a size or address not a multiple of 16 bytes");
+  open_bulk_stores.push_back(BulkStore{dst, src, bytes});
+}
+inline void bulk_commit() {
+  bulk_store_groups.push_back(std::move(open_bulk_stores));
+  open_bulk_stores.clear();
+}
+inline void bulk_wait(int pending) {
+  while (int(bulk_store_groups.size()) > pending) {
+    for (const BulkStore& s : bulk_store_groups.front())
+      std::memcpy(s.dst, smem_ptr(s.src), size_t(s.bytes));
+    bulk_store_groups.pop_front();
+  }
+}
+
+inline void named_barrier_sync(int id, int count) {
+  if (!emu::named_barriers->wait(id, count)) trap("bar.sync with a bad id or thread count");
 }
 
 // ---- wgmma: per-thread queue of MMAs, in commit groups
@@ -398,6 +433,8 @@ inline void check_drained() {
     trap("thread exits with cp.async copies it never waited for");
   if (!open_mmas.empty() || !mma_groups.empty())
     trap("thread exits with wgmma operations it never waited for");
+  if (!open_bulk_stores.empty() || !bulk_store_groups.empty())
+    trap("thread exits with bulk stores it never committed or waited for");
 }
 
 // cp.async.mbarrier.arrive(.noinc): arrives once the thread's earlier copies have completed.

@@ -74,6 +74,39 @@ class Barrier {
 };
 
 thread_local Barrier* block_barrier = nullptr;  // this thread's block's
+
+// The named barriers of one block (bar.sync id, count with id 1..15): a barrier completes when
+// `count` threads have arrived; every arrival of one use must name the same count.
+class NamedBarriers {
+ public:
+  bool wait(int id, int count) {  // false: an id or count the PTX does not allow
+    if (id < 1 || id >= kIds || count <= 0 || count % 32 != 0) return false;
+    std::unique_lock<std::mutex> lock(mutex_);
+    State& s = state_[id];
+    if (s.arrived == 0) s.count = count;
+    if (s.count != count) return false;
+    const long generation = s.generation;
+    if (++s.arrived == count) {
+      s.arrived = 0;
+      ++s.generation;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return generation != s.generation; });
+    }
+    return true;
+  }
+
+ private:
+  static constexpr int kIds = 16;
+  struct State {
+    int count = 0, arrived = 0;
+    long generation = 0;
+  };
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  State state_[kIds];
+};
+thread_local NamedBarriers* named_barriers = nullptr;  // this thread's block's
 int last_error = 0;
 thread_local unsigned char* dynamic_smem = nullptr;  // this thread's block's
 int cc_major = 2, cc_minor = 0, sm_count = 2;
@@ -133,8 +166,10 @@ void launch_cluster(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, int
       if (buffer) std::memset(buffer, 0xFF, smem_alloc);
     Barrier cluster_sync(int(block.x) * cluster);
     std::vector<std::unique_ptr<Barrier>> barriers;
+    std::vector<std::unique_ptr<NamedBarriers>> named(static_cast<size_t>(cluster));
     std::vector<std::vector<Warp>> warps(static_cast<size_t>(cluster));
     for (int q = 0; q < cluster; ++q) {
+      named[size_t(q)] = std::make_unique<NamedBarriers>();
       barriers.push_back(std::make_unique<Barrier>(int(block.x)));
       warps[size_t(q)] = std::vector<Warp>(block.x % kWarpSize == 0 ? block.x / kWarpSize : 0);
     }
@@ -147,6 +182,7 @@ void launch_cluster(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, int
           block_idx = make_uint3(first + unsigned(q), 0, 0);
           warp = warps[size_t(q)].empty() ? nullptr : &warps[size_t(q)][t / kWarpSize];
           block_barrier = barriers[size_t(q)].get();
+          named_barriers = named[size_t(q)].get();
           dynamic_smem = smem[size_t(q)];
           cluster_rank = q;
           cluster_size = cluster;
