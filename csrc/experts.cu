@@ -203,10 +203,13 @@ using DownWgmmaNarrow = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 12
 //   loads (the gathered A rows by cp.async, the weight rows as TMA boxes), the ring is handed
 //   over through mbarriers, and the loads run on into the next tile during the epilogue.
 // The ws main loops keep the tile scheduler's storage in their shared memory (kUserBytes).
+// (kSchedulerBytes: that storage, rounded to 16 bytes.)
+template <class Cfg>
+constexpr int kSchedulerBytes =
+    (int(sizeof(typename gemm::ExpertTileScheduler<Cfg::kThreads + 128>::SharedStorage)) + 15) /
+    16 * 16;
 template <class Cfg, int kClusterM = 1>
-using WsMainloop = gemm::Sm90WgmmaWsMainloop<
-    Cfg, kClusterM,
-    int(sizeof(typename gemm::ExpertTileScheduler<Cfg::kThreads + 128>::SharedStorage))>;
+using WsMainloop = gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM, kSchedulerBytes<Cfg>>;
 using GateUpWgmmaWs = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
 using DownWgmmaWs = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
 // wgmma_m64_ws: the wgmma_m64 tiles (64 x 256 x 64, 5-stage ring) on the same main loop: for
@@ -233,10 +236,6 @@ using DownWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 8, 2>
 // Down GEMMs of wgmma_ws / wgmma_ws_mc with the staged epilogue (gemm/sm90_epilogue_staged.h;
 // PETIT_MOE_STAGED_EPILOGUE=1, opt-in until measured): a 3-stage ring (144 KiB) to make room
 // for the 66 KiB staging buffer after the scheduler's storage.
-template <class Cfg>
-constexpr int kSchedulerBytes =
-    (int(sizeof(typename gemm::ExpertTileScheduler<Cfg::kThreads + 128>::SharedStorage)) + 15) /
-    16 * 16;
 template <class Cfg, int kClusterM = 1>
 using WsStagedMainloop =
     gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM,
