@@ -25,6 +25,7 @@
 # Environment: OUT (default /tmp/petit-vllm-check), BUDGET_S (whole run, default 570),
 #   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
 #   EXPERTS_TILES (bench-experts: tile families, default "auto wgmma wgmma_m64"),
+#   EXPERTS_SWEEP (bench-experts once per NAME=VALUE environment setting),
 #   PACK=1 (pack $OUT into $OUT/vllm_gpu_check.tgz: the device returns <= 8 files),
 #   PYTEST_ARGS (extra pytest arguments, shell-quoted: PYTEST_ARGS='-k "fp8 or graph"').
 set -uo pipefail
@@ -146,10 +147,21 @@ fi
 
 # 6b. the expert GEMMs against vLLM's Triton experts (needs vLLM, hence here): every tile
 #     family in EXPERTS_TILES on the same rows, one run
+#     (EXPERTS_SWEEP="NAME=VALUE ...": once per environment setting, e.g. an A/B of
+#     PETIT_MOE_STAGED_EPILOGUE=0 / =1, each into $OUT/experts-NAME_VALUE and its own log)
 if want bench-experts; then
-  # shellcheck disable=SC2086
-  run_step bench-experts 300 "$PY" examples/bench_experts.py ${BENCH_EXPERTS_ARGS:---quick} \
-    --tiles $EXPERTS_TILES --out-dir "$OUT/experts"
+  if [ -z "${EXPERTS_SWEEP:-}" ]; then
+    # shellcheck disable=SC2086
+    run_step bench-experts 300 "$PY" examples/bench_experts.py ${BENCH_EXPERTS_ARGS:---quick} \
+      --tiles $EXPERTS_TILES --out-dir "$OUT/experts"
+  else
+    for setting in $EXPERTS_SWEEP; do
+      tag=${setting//[^A-Za-z0-9]/_}
+      # shellcheck disable=SC2086
+      run_step "bench-experts-$tag" 300 env "$setting" "$PY" examples/bench_experts.py \
+        ${BENCH_EXPERTS_ARGS:---quick} --tiles $EXPERTS_TILES --out-dir "$OUT/experts-$tag"
+    done
+  fi
 fi
 
 # 6b'. hardware counters of the expert GEMM kernels (Nsight Compute), where the machine has it
@@ -207,14 +219,19 @@ echo "commit      : ${PETIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 echo "vllm        : $("$PY" -c 'from importlib.metadata import version; print(version("vllm"))' 2>&1 | tail -1)"
 echo "install     : rc=${RC[install]} in ${SECS[install]}s"
 ok=1
-for step in build meta test-vllm test-plugin bench bench-experts ncu profile compare serve tpot; do
-  want "$step" || continue
+experts_steps=bench-experts
+if [ -n "${EXPERTS_SWEEP:-}" ]; then
+  experts_steps=""
+  for setting in $EXPERTS_SWEEP; do experts_steps+=" bench-experts-${setting//[^A-Za-z0-9]/_}"; done
+fi
+for step in build meta test-vllm test-plugin bench $experts_steps ncu profile compare serve tpot; do
+  case $step in bench-experts*) want bench-experts || continue ;; *) want "$step" || continue ;; esac
   rc=${RC[$step]:-not-run}
   summary=""
   case $step in
     test-*) summary=$(grep -E "(passed|failed|skipped|error)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
     ncu) summary=$(grep -cE "Duration|Throughput" "$OUT/ncu.log" 2>/dev/null | sed 's/$/ metric lines/') ;;
-    bench-experts) summary=$(grep -E "^wrote|NOTE" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
+    bench-experts*) summary=$(grep -E "^wrote|NOTE" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
     bench|profile) summary=$(grep -E "^wrote|^WARNING: " "$OUT/$step.log" 2>/dev/null | tail -2 | tr -d "'\"") ;;
     tpot) summary=$(grep -E "^(COMPLETE|INCOMPLETE|FAILED)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
     compare) summary=$(grep -E "^(AGREE|DISAGREE)|prompts identical" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
