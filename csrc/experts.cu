@@ -383,33 +383,19 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
   }
 }
 
-template <class Mainloop>
+// kStaged: with the staged epilogue (gemm/sm90_epilogue_staged.h; Mainloop a WsStagedMainloop),
+// same output, bit for bit, as the plain one.
+template <class Mainloop, bool kStaged = false>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
-    expert_ws_gemm<Mainloop>(
-        a, &w2_map,
-        gemm::WeightedEntryEpilogue<Cfg>{a.partial, a.sorted_entries, a.topk_weights, a.hidden},
-        a.act, a.intermediate, a.hidden,
-        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); });
-  }
-}
-
-// The down kernel with the staged epilogue (gemm/sm90_epilogue_staged.h): same output, bit for
-// bit, as expert_down_ws_kernel.
-template <class Mainloop>
-PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
-    expert_down_staged_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map) {
-  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
-  if constexpr (Mainloop::kCompiled) {
-    using Cfg = typename Mainloop::Cfg;
-    expert_ws_gemm<Mainloop, true>(
-        a, &w2_map,
-        gemm::StagedWeightedEntryEpilogue<Cfg>{a.partial, a.sorted_entries, a.topk_weights,
-                                               a.hidden},
-        a.act, a.intermediate, a.hidden,
+    using Epilogue = std::conditional_t<kStaged, gemm::StagedWeightedEntryEpilogue<Cfg>,
+                                        gemm::WeightedEntryEpilogue<Cfg>>;
+    expert_ws_gemm<Mainloop, kStaged>(
+        a, &w2_map, Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden}, a.act,
+        a.intermediate, a.hidden,
         [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); });
   }
 }
@@ -851,7 +837,7 @@ petitError_t launch_tc_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
 
 // The weight tensor's map is encoded per launch (host only, ~microseconds; a CUDA graph keeps
 // the parameter it captured, valid while the weights stay where they are). kStagedDown: the
-// down GEMM with the staged epilogue (expert_down_staged_ws_kernel).
+// down GEMM with the staged epilogue (expert_down_ws_kernel<Down, true>).
 template <class GateUp, class Down, bool kStagedDown = false>
 petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                             petitStream_t stream) {
@@ -869,11 +855,8 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                           a.num_local_experts, Down::LoaderB::kBoxRows)) !=
       petitSuccess)
     return err;
-  if constexpr (kStagedDown)
-    return launch_tc_kernel<Down>(expert_down_staged_ws_kernel<Down>, a, a.hidden, num_sms,
-                                  stream, map);
-  else
-    return launch_tc_kernel<Down>(expert_down_ws_kernel<Down>, a, a.hidden, num_sms, stream, map);
+  return launch_tc_kernel<Down>(expert_down_ws_kernel<Down, kStagedDown>, a, a.hidden, num_sms,
+                                stream, map);
 }
 
 // PETIT_MOE_STAGED_EPILOGUE=1 in the environment (read at every launch, for A/B measurements):
