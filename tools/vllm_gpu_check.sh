@@ -148,7 +148,8 @@ fi
 # 6b. the expert GEMMs against vLLM's Triton experts (needs vLLM, hence here): every tile
 #     family in EXPERTS_TILES on the same rows, one run
 #     (EXPERTS_SWEEP="NAME=VALUE ...": once per environment setting, e.g. an A/B of
-#     PETIT_MOE_STAGED_EPILOGUE=0 / =1, each into $OUT/experts-NAME_VALUE and its own log)
+#     PETIT_MOE_STAGED_EPILOGUE=0 / =1, each into $OUT/experts-NAME_VALUE and its own log; a
+#     repeated setting into experts-NAME_VALUE_r2, ...)
 if want bench-experts; then
   if [ -z "${EXPERTS_SWEEP:-}" ]; then
     # shellcheck disable=SC2086
@@ -157,6 +158,9 @@ if want bench-experts; then
   else
     for setting in $EXPERTS_SWEEP; do
       tag=${setting//[^A-Za-z0-9]/_}
+      # a setting repeated in the sweep (interleaved A/B repeats) gets _r2, _r3, ...
+      n=1; base=$tag
+      while [ -e "$OUT/experts-$tag" ]; do n=$((n + 1)); tag=${base}_r$n; done
       # shellcheck disable=SC2086
       run_step "bench-experts-$tag" 300 env "$setting" "$PY" examples/bench_experts.py \
         ${BENCH_EXPERTS_ARGS:---quick} --tiles $EXPERTS_TILES --out-dir "$OUT/experts-$tag"
