@@ -233,17 +233,14 @@ using DownWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, k
 //   (e.g. 9 experts x 16 gate/up tiles = 144 on 132 SMs: 2 rounds of 3.7 MB slices).
 using GateUpWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 64, 2, 8, 2>>;
 using DownWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 8, 2>>;
-// wgmma_ws / wgmma_ws_mc with the staged epilogues (gemm/sm90_epilogue_staged.h; see
-// staged_epilogue_level): a 3-stage ring (144 KiB) to make room for the staging buffer (down
-// 66 KiB, gate/up 34 KiB) after the scheduler's storage.
+// Down GEMMs of wgmma_ws / wgmma_ws_mc with the staged epilogue (gemm/sm90_epilogue_staged.h;
+// the default; PETIT_MOE_STAGED_EPILOGUE=0 turns it off): a 3-stage ring (144 KiB) to make room
+// for the 66 KiB staging buffer after the scheduler's storage.
 template <class Cfg, int kClusterM = 1>
 using WsStagedMainloop =
     gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM,
-                              kSchedulerBytes<Cfg> + gemm::kStagedEpilogueBytes<Cfg>>;
-using GateUpWgmmaWsStaged = WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 3, 1>>;
+                              kSchedulerBytes<Cfg> + gemm::StagedWeightedEntryEpilogue<Cfg>::kBytes>;
 using DownWgmmaWsStaged = WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>>;
-using GateUpWgmmaWsMcStaged =
-    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 3, 1>, kWsClusterM>;
 using DownWgmmaWsMcStaged =
     WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM>;
 
@@ -316,8 +313,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
 // With clusters (Mainloop::kClusterM > 1) the CTAs of a cluster walk the same units, each its
 // own tile of them: the m-tiles of one (expert, n-tile) sharing their weight rows, or the
 // n-tiles of an expert's left-over m-tile (scheduler.h).
-// kStaged: Epilogue is a gemm::StagedEpilogue, its staging buffer after the scheduler's
-// storage in the main loop's user shared memory.
+// kStaged: Epilogue is gemm::StagedWeightedEntryEpilogue, its staging buffer after the
+// scheduler's storage in the main loop's user shared memory.
 template <class Mainloop, bool kStaged = false, class Epilogue, class ARow>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
                                  const Epilogue& epilogue, const petit_bf16_bits* a_fallback,
@@ -373,26 +370,21 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
   mainloop.finish();
 }
 
-// kStaged: with the staged epilogue (gemm/sm90_epilogue_staged.h; Mainloop a WsStagedMainloop),
-// same output, bit for bit, as the plain one.
-template <class Mainloop, bool kStaged = false>
+template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
-    using Epilogue = std::conditional_t<kStaged, gemm::StagedSiluMulEpilogue<Cfg>,
-                                        gemm::SiluMulEpilogue<Cfg>>;
-    const auto epilogue = [&] {
-      if constexpr (kStaged) return Epilogue{{a.act, a.intermediate}};
-      else return Epilogue{a.act, a.intermediate};
-    }();
-    expert_ws_gemm<Mainloop, kStaged>(
-        a, &w13_map, epilogue, a.x, a.hidden, a.intermediate,
+    expert_ws_gemm<Mainloop>(
+        a, &w13_map, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.x, a.hidden,
+        a.intermediate,
         [&](const gemm::TileCoord& tile, int r) { return gate_up_a_row(a, tile, r); });
   }
 }
 
+// kStaged: with the staged epilogue (gemm/sm90_epilogue_staged.h; Mainloop a WsStagedMainloop),
+// same output, bit for bit, as the plain one.
 template <class Mainloop, bool kStaged = false>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map) {
@@ -401,12 +393,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     using Cfg = typename Mainloop::Cfg;
     using Epilogue = std::conditional_t<kStaged, gemm::StagedWeightedEntryEpilogue<Cfg>,
                                         gemm::WeightedEntryEpilogue<Cfg>>;
-    const auto epilogue = [&] {
-      if constexpr (kStaged) return Epilogue{{a.partial, a.sorted_entries, a.topk_weights, a.hidden}};
-      else return Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden};
-    }();
     expert_ws_gemm<Mainloop, kStaged>(
-        a, &w2_map, epilogue, a.act, a.intermediate, a.hidden,
+        a, &w2_map, Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden}, a.act,
+        a.intermediate, a.hidden,
         [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); });
   }
 }
@@ -847,58 +836,36 @@ petitError_t launch_tc_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
 }
 
 // The weight tensor's map is encoded per launch (host only, ~microseconds; a CUDA graph keeps
-// the parameter it captured, valid while the weights stay where they are). kStaged: the kernel
-// with the staged epilogue (Mainloop a WsStagedMainloop).
-template <class Mainloop, bool kStaged>
-petitError_t launch_ws_gate_up(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
-  CUtensorMap map;
-  petitError_t err = gemm::sm90_encode_weight_map(&map, a.w13, a.hidden, a.intermediate, 2,
-                                                  a.num_local_experts,
-                                                  Mainloop::LoaderB::kBoxRows);
-  if (err != petitSuccess) return err;
-  return launch_tc_kernel<Mainloop>(expert_gate_up_ws_kernel<Mainloop, kStaged>, a,
-                                    a.intermediate, num_sms, stream, map);
-}
-
-template <class Mainloop, bool kStaged>
-petitError_t launch_ws_down(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
-  CUtensorMap map;
-  petitError_t err = gemm::sm90_encode_weight_map(&map, a.w2, a.intermediate, a.hidden, 1,
-                                                  a.num_local_experts,
-                                                  Mainloop::LoaderB::kBoxRows);
-  if (err != petitSuccess) return err;
-  return launch_tc_kernel<Mainloop>(expert_down_ws_kernel<Mainloop, kStaged>, a, a.hidden,
-                                    num_sms, stream, map);
-}
-
-template <class GateUp, class Down>
+// the parameter it captured, valid while the weights stay where they are). kStagedDown: the
+// down GEMM with the staged epilogue (expert_down_ws_kernel<Down, true>).
+template <class GateUp, class Down, bool kStagedDown = false>
 petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                             petitStream_t stream) {
-  return gate_up ? launch_ws_gate_up<GateUp, false>(a, num_sms, stream)
-                 : launch_ws_down<Down, false>(a, num_sms, stream);
+  CUtensorMap map;
+  petitError_t err;
+  if (gate_up) {
+    if ((err = gemm::sm90_encode_weight_map(&map, a.w13, a.hidden, a.intermediate, 2,
+                                            a.num_local_experts, GateUp::LoaderB::kBoxRows)) !=
+        petitSuccess)
+      return err;
+    return launch_tc_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate, num_sms,
+                                    stream, map);
+  }
+  if ((err = gemm::sm90_encode_weight_map(&map, a.w2, a.intermediate, a.hidden, 1,
+                                          a.num_local_experts, Down::LoaderB::kBoxRows)) !=
+      petitSuccess)
+    return err;
+  return launch_tc_kernel<Down>(expert_down_ws_kernel<Down, kStagedDown>, a, a.hidden, num_sms,
+                                stream, map);
 }
 
-// Which GEMMs of wgmma_ws and wgmma_ws_mc use the staged epilogues
-// (gemm/sm90_epilogue_staged.h): PETIT_MOE_STAGED_EPILOGUE in the environment (read at every
-// launch, for A/B measurements): 0 neither, 1 (the default) the down GEMMs, 2 the down and the
-// gate/up GEMMs. The staged down epilogue was measured on one H200 (b7ba469, bench_experts.py):
-// 2-6% faster from 512 tokens/rank, equal at DeepSeek-V3 1024 with wgmma_ws.
-int staged_epilogue_level() {
+// The down GEMMs of wgmma_ws and wgmma_ws_mc use the staged epilogue
+// (gemm/sm90_epilogue_staged.h) unless PETIT_MOE_STAGED_EPILOGUE=0 is in the environment (read
+// at every launch, for A/B measurements). Measured on one H200 (b7ba469, bench_experts.py): 2-6%
+// faster from 512 tokens/rank, equal at DeepSeek-V3 1024 with wgmma_ws.
+bool staged_epilogue_enabled() {
   const char* env = getenv("PETIT_MOE_STAGED_EPILOGUE");
-  if (env == nullptr || env[0] == '\0') return 1;
-  return env[0] == '0' ? 0 : env[0] == '2' ? 2 : 1;
-}
-
-// wgmma_ws or wgmma_ws_mc: the plain or staged kernel of each GEMM by staged_epilogue_level.
-template <class GateUp, class GateUpStaged, class Down, class DownStaged>
-petitError_t launch_ws_staged_family(bool gate_up, const ExpertGemmArgs& a, int num_sms,
-                                     petitStream_t stream) {
-  const int level = staged_epilogue_level();
-  if (gate_up)
-    return level >= 2 ? launch_ws_gate_up<GateUpStaged, true>(a, num_sms, stream)
-                      : launch_ws_gate_up<GateUp, false>(a, num_sms, stream);
-  return level >= 1 ? launch_ws_down<DownStaged, true>(a, num_sms, stream)
-                    : launch_ws_down<Down, false>(a, num_sms, stream);
+  return env == nullptr || env[0] != '0';
 }
 
 // GEMM1 or GEMM2 of a tensor-core family (kExpertTilesMma, kExpertTilesWgmma*), whose path
@@ -914,13 +881,17 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
     case kExpertTilesWgmmaNarrow:
       return launch_tc_gemm<GateUpWgmmaNarrow, DownWgmmaNarrow>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWs:
-      return launch_ws_staged_family<GateUpWgmmaWs, GateUpWgmmaWsStaged, DownWgmmaWs,
-                                     DownWgmmaWsStaged>(gate_up, a, num_sms, stream);
+      return staged_epilogue_enabled()
+                 ? launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWsStaged, true>(gate_up, a, num_sms,
+                                                                          stream)
+                 : launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWs>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaM64Ws:
       return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWsMc:
-      return launch_ws_staged_family<GateUpWgmmaWsMc, GateUpWgmmaWsMcStaged, DownWgmmaWsMc,
-                                     DownWgmmaWsMcStaged>(gate_up, a, num_sms, stream);
+      return staged_epilogue_enabled()
+                 ? launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMcStaged, true>(gate_up, a,
+                                                                              num_sms, stream)
+                 : launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMc>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaNarrowWs:
       return launch_ws_gemm<GateUpWgmmaNarrowWs, DownWgmmaNarrowWs>(gate_up, a, num_sms, stream);
     default: return petitErrorInvalidValue;

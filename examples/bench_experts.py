@@ -37,10 +37,9 @@ difference of petit's output to the torch loop's.
 Each row also records ``launch``: grid, threads, dynamic shared memory and CTAs per cluster of
 the two GEMM kernels as launched (``ops.last_gemm_launch``).
 PETIT_MOE_PDL=0 in the environment: petit's kernels launched without programmatic dependent
-launch (field ``pdl``), for an A/B of the gaps between its kernels. PETIT_MOE_STAGED_EPILOGUE
-(field ``staged_epilogue``): which GEMMs of wgmma_ws / wgmma_ws_mc run the staged epilogue, 0
-neither, 1 (default) the down GEMMs, 2 the gate/up GEMMs as well (rows of earlier commits hold
-true / false for 1 / 0).
+launch (field ``pdl``), for an A/B of the gaps between its kernels. PETIT_MOE_STAGED_EPILOGUE=0:
+the down GEMMs of wgmma_ws / wgmma_ws_mc with the plain epilogue instead of the staged one (field
+``staged_epilogue``).
 --profile: after timing, 10 more calls of petit's and of Triton's path run under torch.profiler
 (CUDA activity only); their kernel time per call by category (``device_env.PROFILE_CATEGORIES``:
 petit row lists / GEMMs / reduce, Triton GEMM / align+sum+activation, other) is printed under
@@ -79,12 +78,6 @@ HBM_COPY_BYTES = 2 << 30
 # --------------------------------------------------------------------------------------------
 # problem and the three implementations
 # --------------------------------------------------------------------------------------------
-
-
-def staged_epilogue_level():
-    """PETIT_MOE_STAGED_EPILOGUE as the kernels read it (experts.cu staged_epilogue_level)."""
-    value = os.environ.get("PETIT_MOE_STAGED_EPILOGUE", "")
-    return 1 if not value else {"0": 0, "2": 2}.get(value[0], 1)
 
 
 def make_weights(preset, world, seed):
@@ -339,7 +332,7 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
             # experts.cu launches with programmatic dependent launch on sm_90+ unless this is 0
             pdl=os.environ.get("PETIT_MOE_PDL", "1") != "0",
             # experts.cu: the shared-memory staged down epilogue of the ws families when 1
-            staged_epilogue=staged_epilogue_level(),
+            staged_epilogue=not os.environ.get("PETIT_MOE_STAGED_EPILOGUE", "1").startswith("0"),
             launch=launch,  # grid / threads / smem / cluster of the two GEMM kernels
             rel_diff=float(diff / torch_out.float().norm().clamp_min(1e-30)),
             finite=bool(torch.isfinite(petit_out).all()),
