@@ -3,8 +3,9 @@
 
 Starts `vllm serve` on this node's GPUs (data parallel = number of GPUs,
 `--enable-expert-parallel`, CUDA graphs on, TRITON_ATTN) twice: with the flag ("petit", strict:
-a layer that would fall back fails the start) and without it ("default": vLLM's
-allgather/reduce-scatter). Each server answers the same GSM8K prompts with greedy decoding and
+a layer that would fall back fails the start; or, with --backend petit-experts, the flag and
+VLLM_PETIT_MOE_EXPERTS=1: petit's expert GEMMs as well, whose use the server log must show) and
+without it ("default": vLLM's allgather/reduce-scatter and Triton experts). Each server answers the same GSM8K prompts with greedy decoding and
 the top-5 logprobs of every generated token. The model defaults to a seeded checkpoint at a
 realistic weight scale (examples/make_seeded_checkpoint.py: the bundled tiny Qwen3-MoE with the
 Qwen3 tokenizer), because `--load-format dummy` weights give nearly uniform logits on which
@@ -16,11 +17,13 @@ Agreement, per prompt, with tolerance --tol (nats, default 0.1):
   petit in fp32 in rank order, vLLM in its reduce-scatter, so bit equality is not expected);
 - where the sequences diverge, the two tokens were a near-tie in both runs: each run's
   logprob of the other run's token is within 2 x --tol of its own choice (and among its top 5).
-The run passes when every prompt agrees. Results: compare_serving_<gpu>x<W>.json in
---results-dir (default examples/results), server logs in --log-dir.
+The run passes when every prompt agrees. Results: compare_serving_<gpu>x<W>.json
+(compare_serving_<gpu>x<W>_petit-experts.json with --backend petit-experts) in --results-dir
+(default examples/results), server logs in --log-dir.
 
     python3 examples/compare_serving.py                       # seeded tiny Qwen3-MoE
     python3 examples/compare_serving.py --model-dir DIR --num-prompts 32 --max-tokens 32
+    python3 examples/compare_serving.py --backend petit-experts  # PetitExperts as well
 
 Needs >= 2 GPUs, vLLM 0.24 and this package visible to the servers' Python (see README.md;
 on a devkit GPU machine: `bash tools/vllm_gpu_check.sh build meta`, `. /tmp/vllm-site/env.sh`,
@@ -57,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--tol", type=float, default=0.1, help="logprob tolerance in nats")
+    p.add_argument("--backend", choices=("petit", "petit-experts"), default="petit",
+                   help="the flag-on server: petit's prepare/finalize with vLLM's Triton "
+                        "experts (default), or with petit's experts too")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--python", default=sys.executable, help="interpreter of the vLLM install")
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (default: all GPUs)")
@@ -146,26 +152,29 @@ def main(argv=None) -> int:
                                        tokenizer_dir=seeded.DEFAULT_TOKENIZER, seed=0,
                                        std=0.02, head_std=0.2)
         prompts = bench.load_prompts(args.data, limit=args.num_prompts)
-        runs = {b: run_backend(args, b, model_dir, prompts, dp) for b in ("petit", "default")}
+        runs = {b: run_backend(args, b, model_dir, prompts, dp)
+                for b in (args.backend, "default")}
     except (bench.BenchError, ValueError, OSError) as e:
         print(f"compare_serving: {e}", file=sys.stderr)
         return 1
     per_prompt = [compare(a, b, args.tol) for a, b in
-                  zip(runs["petit"]["outputs"], runs["default"]["outputs"])]
+                  zip(runs[args.backend]["outputs"], runs["default"]["outputs"])]
     agree = all(r["agree"] for r in per_prompt)
     summary = dict(
         gpu=bench.short_gpu_name(gpus[0]) if gpus else "none", world=dp,
         model=str(model_dir), commit=commit_stamp(ROOT),
         date=utc_date(),
         vllm_version=bench.probe_vllm_version(args.python, env), tol=args.tol,
-        num_prompts=len(prompts), max_tokens=args.max_tokens, agree=agree,
+        backend=args.backend, num_prompts=len(prompts), max_tokens=args.max_tokens,
+        agree=agree,
         identical_prompts=sum(r["common_prefix"] == r["length"] for r in per_prompt),
         max_logprob_diff=max(r["max_logprob_diff"] for r in per_prompt),
         divergences=[r["divergence"] for r in per_prompt if r["divergence"]],
         evidence={b: runs[b]["evidence"] for b in runs},
         healthy_s={b: runs[b]["healthy_s"] for b in runs}, per_prompt=per_prompt)
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    path = args.results_dir / f"compare_serving_{summary['gpu']}x{dp}.json"
+    suffix = "" if args.backend == "petit" else f"_{args.backend}"
+    path = args.results_dir / f"compare_serving_{summary['gpu']}x{dp}{suffix}.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{summary['identical_prompts']}/{len(prompts)} prompts identical over "
           f"{args.max_tokens} tokens; max logprob difference on common prefixes "

@@ -114,5 +114,9 @@ def test_compare_divergence_must_be_a_near_tie_in_both_runs():
 def test_compare_serving_args():
     args = compare_serving.parse_args([])
     assert args.num_prompts == 16 and args.tol == 0.1 and args.model_dir is None
+    assert args.backend == "petit"
+    assert compare_serving.parse_args(["--backend", "petit-experts"]).backend == "petit-experts"
+    with pytest.raises(SystemExit):
+        compare_serving.parse_args(["--backend", "default"])  # compared against, not a choice
     with pytest.raises(SystemExit):
         compare_serving.parse_args(["--tol", "0"])

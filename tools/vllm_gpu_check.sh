@@ -26,6 +26,8 @@
 #   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
 #   EXPERTS_TILES (bench-experts: tile families, default "auto wgmma wgmma_m64"),
 #   EXPERTS_SWEEP (bench-experts once per NAME=VALUE environment setting),
+#   COMPARE_ARGS (compare: extra examples/compare_serving.py arguments, e.g. --backend
+#   petit-experts),
 #   PACK=1 (pack $OUT into $OUT/vllm_gpu_check.tgz: the device returns <= 8 files),
 #   PYTEST_ARGS (extra pytest arguments, shell-quoted: PYTEST_ARGS='-k "fp8 or graph"').
 set -uo pipefail
@@ -193,8 +195,9 @@ fi
 
 # 7. serving: the same model with and without the flag, outputs compared (seeded weights)
 if want compare; then
+  # shellcheck disable=SC2086
   run_step compare 560 "$PY" examples/compare_serving.py --log-dir "$OUT/compare" \
-    --results-dir "$OUT"
+    --results-dir "$OUT" ${COMPARE_ARGS:-}
 fi
 
 # 8. serving the full Qwen3-30B-A3B config (dummy weights) with the flag: answers + backend
