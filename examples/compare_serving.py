@@ -95,8 +95,13 @@ def compare(a: dict, b: dict, tol: float) -> dict:
     while n < min(len(a["tokens"]), len(b["tokens"])) and a["tokens"][n] == b["tokens"][n]:
         n += 1
     diffs = [abs(x - y) for x, y in zip(a["logprobs"][:n], b["logprobs"][:n])]
+    worst = max(range(n), key=diffs.__getitem__, default=None)
     result = dict(common_prefix=n, length=min(len(a["tokens"]), len(b["tokens"])),
-                  max_logprob_diff=max(diffs, default=0.0), divergence=None)
+                  max_logprob_diff=max(diffs, default=0.0), divergence=None,
+                  # where the largest difference is, and the two logprobs there (diagnosis)
+                  max_diff_position=worst,
+                  max_diff_logprobs=None if worst is None else [a["logprobs"][worst],
+                                                                b["logprobs"][worst]])
     ok = result["max_logprob_diff"] <= tol
     if n < result["length"]:
         ta, tb = a["tokens"][n], b["tokens"][n]
