@@ -19,7 +19,8 @@ Agreement, per prompt, with tolerance --tol (nats, default 0.1):
   logprob of the other run's token is within 2 x --tol of its own choice (and among its top 5).
 The run passes when every prompt agrees. Results: compare_serving_<gpu>x<W>.json
 (compare_serving_<gpu>x<W>_petit-experts.json with --backend petit-experts) in --results-dir
-(default examples/results), server logs in --log-dir.
+(default examples/results); server logs and each server's outputs (outputs_<backend>.json,
+written as soon as that server is done) in --log-dir.
 
     python3 examples/compare_serving.py                       # seeded tiny Qwen3-MoE
     python3 examples/compare_serving.py --model-dir DIR --num-prompts 32 --max-tokens 32
@@ -136,6 +137,10 @@ def run_backend(args, backend: str, model_dir: Path, prompts: list[str], dp: int
         outputs = [complete(server.base_url, "m", p, args.max_tokens) for p in prompts]
     finally:
         bench.log(f"{backend}: {server.stop()}")
+    # kept even if the other server never comes up (diagnosis across runs)
+    out_path = args.log_dir / f"outputs_{backend}.json"
+    out_path.write_text(json.dumps(dict(backend=backend, prompts=prompts, outputs=outputs)) + "\n")
+    bench.log(f"{backend}: outputs in {out_path}")
     return dict(healthy_s=healthy_s, evidence=evidence, outputs=outputs)
 
 
