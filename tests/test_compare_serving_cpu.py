@@ -1,6 +1,6 @@
 """CPU tests of the serving comparison tools: the seeded checkpoint (tensor names a real
-Qwen3-MoE loader accepts, determinism, weight scale) and the agreement rule of
-examples/compare_serving.py."""
+Qwen3-MoE loader accepts, determinism, weight scale), the agreement rule of
+examples/compare_serving.py and the rounding-only baseline of examples/compare_rounding_cpu.py."""
 from __future__ import annotations
 
 import hashlib
@@ -120,3 +120,49 @@ def test_compare_serving_args():
         compare_serving.parse_args(["--backend", "default"])  # compared against, not a choice
     with pytest.raises(SystemExit):
         compare_serving.parse_args(["--tol", "0"])
+
+
+# examples/compare_rounding_cpu.py: the rounding-only drift between two MoE reductions
+
+import compare_rounding_cpu as rounding  # noqa: E402
+
+
+def test_rounding_reductions_differ_as_their_kernels_do():
+    """petit: fp32 sum rounded once (in ascending expert order); triton: bf16 accumulation in
+    slot order (vLLM's moe_sum). 256 + 0.75 + 0.75: 258 against 256 in bf16 (ulp 2 there)."""
+    torch = pytest.importorskip("torch")
+    parts = torch.tensor([[[256.0], [0.75], [0.75]]], dtype=torch.bfloat16)
+    ids = torch.tensor([[5, 1, 3]])
+    assert rounding.reduce_partials(parts, ids, "petit").item() == 258.0
+    assert rounding.reduce_partials(parts, ids, "triton").item() == 256.0
+    with pytest.raises(ValueError, match="reduction"):
+        rounding.reduce_partials(parts, ids, "fp64")
+
+
+def test_routing_flips_only_while_inputs_agree():
+    torch = pytest.importorskip("torch")
+    same, other = torch.tensor([[0, 3], [1, 2]]), torch.tensor([[0, 3], [1, 3]])
+    a = dict(routes=[[same, same], [same, same], [same, same]])
+    b = dict(routes=[[same, other], [same, same], [other, other]])
+    assert rounding.routing_flips(a, b, common_prefix=2) == [[0, 1, 1], [2, 0, 1], [2, 1, 1]]
+    assert rounding.routing_flips(a, b, common_prefix=1) == [[0, 1, 1]]  # step 2: inputs differ
+
+
+def test_compare_rounding_runs_end_to_end(tmp_path):
+    """Both reductions over a seeded checkpoint with a dense layer (mlp_only_layers) and the
+    project's tokenizer: the summary has compare_serving's fields plus the routing flips."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    model = seeded.make_checkpoint(_write_config(tmp_path, TINY), tmp_path / "m",
+                                   tokenizer_dir=seeded.DEFAULT_TOKENIZER, seed=5, std=0.02,
+                                   head_std=0.2)
+    assert rounding.main(["--model-dir", str(model), "--num-prompts", "2", "--max-tokens", "3",
+                          "--results-dir", str(tmp_path / "r")]) == 0
+    summary = json.loads((tmp_path / "r" / "compare_rounding_cpu.json").read_text())
+    assert summary["reductions"] == ["petit", "triton"] and summary["num_prompts"] == 2
+    assert len(summary["per_prompt"]) == 2
+    for r in summary["per_prompt"]:
+        assert r["length"] == 3 and 0 <= r["common_prefix"] <= 3
+        assert all(len(f) == 3 and f[1] == 0 for f in r["routing_flips"])  # one MoE layer
+        assert r["flip_at_max_diff"] in (True, False)
+    assert 0 <= summary["over_2tol_at_a_flip"] <= summary["prompts_over_2tol"] <= 2

@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""How far two correct MoE backends drift apart on compare_serving's model, from rounding alone.
+
+examples/compare_serving.py compares greedy generations of two `vllm serve` runs by their tokens
+and top-5 logprobs. Two backends that round differently (petit sums a token's per-expert bf16
+partials in fp32 and rounds once; vLLM's Triton path sums them in bf16 in `moe_sum`, rounding
+after every add) give slightly different MoE outputs, and a slightly different hidden state can
+flip a later layer's top-k expert choice for a token whose k-th and (k+1)-th router scores are
+near-tied: that token then gets another expert's output, and its logprobs move by tenths of a
+nat with no fault anywhere.
+
+This script measures that effect on the CPU, with no GPU kernel involved: the seeded tiny
+Qwen3-MoE of compare_serving (examples/make_seeded_checkpoint.py, same seed and scales) in
+Hugging Face transformers (bf16), decoded greedily twice over the same GSM8K prompts, once per
+reduction of the same bf16 partials:
+
+    petit   fp32 sum in ascending expert order, rounded to bf16 once
+    triton  bf16 sum in top-k slot order, rounded after every add
+
+and reports compare_serving's statistics between the two (identical prompts, largest logprob
+difference on the common prefix, divergences and whether they are near-ties, agreement at
+--tol) plus, per prompt, the decode steps at which some layer's top-k expert set differs
+while the tokens still agree. A large logprob difference that sits on such a routing flip is
+what rounding does; one without a flip would point at a fault.
+
+    python examples/compare_rounding_cpu.py                      # 64 prompts, ~4 min on 2 cores
+    python examples/compare_rounding_cpu.py --num-prompts 16 --max-tokens 16
+
+Writes examples/results/compare_rounding_cpu.json (--results-dir). Needs torch and
+transformers (installed with vLLM).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+import bench_tpot_gsm8k as bench  # noqa: E402  (prompts)
+import compare_serving  # noqa: E402  (the comparison itself)
+import make_seeded_checkpoint as seeded  # noqa: E402
+
+from vllm_petit_moe.device_env import commit_stamp, utc_date  # noqa: E402
+
+REDUCTIONS = ("petit", "triton")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--tol", type=float, default=0.1, help="compare_serving's tolerance (nats)")
+    p.add_argument("--data", type=Path, default=compare_serving.DEFAULT_DATA)
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="the seeded checkpoint (default: written to $TMPDIR, as compare_serving)")
+    p.add_argument("--results-dir", type=Path, default=ROOT / "examples" / "results")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.max_tokens < 1 or args.tol <= 0:
+        p.error("--num-prompts and --max-tokens must be >= 1, --tol > 0")
+    return args
+
+
+def reduce_partials(parts, top_k_index, reduction: str):
+    """parts [T, K, H] bf16 (a token's weighted per-entry expert outputs, slot order) -> [T, H]
+    bf16, summed as `reduction` does."""
+    import torch
+
+    if reduction == "petit":
+        order = top_k_index.argsort(dim=1)
+        ordered = parts.gather(1, order[:, :, None].expand_as(parts)).float()
+        return ordered.sum(dim=1).to(torch.bfloat16)
+    if reduction == "triton":
+        acc = parts[:, 0]
+        for k in range(1, parts.shape[1]):
+            acc = (acc.float() + parts[:, k].float()).to(torch.bfloat16)
+        return acc
+    raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+class RoutedExperts:
+    """Replacement forward of transformers' Qwen3MoeExperts: both GEMMs in fp32 on the bf16
+    weights, SiLU·mul rounded to bf16, each entry's weighted output rounded to bf16 (the
+    rounding points petit and vLLM's Triton experts share), then `reduction`. Records the
+    sorted top-k ids of every call in `routes[step]` (one list per forward, in layer order)."""
+
+    def __init__(self):
+        self.reduction = "petit"
+        self.routes = []
+
+    def __call__(self, module, hidden_states, top_k_index, top_k_weights):
+        import torch
+
+        self.routes[-1].append(top_k_index.sort(dim=1).values.clone())
+        x = hidden_states.float()
+        num_tokens, top_k = top_k_index.shape
+        parts = torch.zeros(num_tokens, top_k, x.shape[1], dtype=torch.bfloat16)
+        for expert in top_k_index.unique().tolist():
+            rows, slots = torch.where(top_k_index == expert)
+            gate, up = (x[rows] @ module.gate_up_proj[expert].float().T).chunk(2, dim=-1)
+            act = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).float()
+            y = act @ module.down_proj[expert].float().T
+            parts[rows, slots] = (top_k_weights[rows, slots].float()[:, None] * y).to(
+                torch.bfloat16)
+        return reduce_partials(parts, top_k_index, self.reduction)
+
+
+def greedy(model, tokenizer, experts, prompt: str, max_tokens: int) -> dict:
+    """compare_serving.complete's output (tokens, logprobs, top-5) plus the routes per call."""
+    import torch
+
+    experts.routes = []
+    tokens, logprobs, tops = [], [], []
+    inputs = tokenizer(prompt, return_tensors="pt").input_ids
+    cache = None
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            experts.routes.append([])
+            out = model(input_ids=inputs, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            token = int(logp.argmax())
+            tokens.append(tokenizer.decode([token]))
+            logprobs.append(float(logp[token]))
+            tops.append({tokenizer.decode([int(i)]): float(logp[i]) for i in logp.topk(5).indices})
+            inputs = torch.tensor([[token]])
+    return dict(tokens=tokens, logprobs=logprobs, top=tops, routes=experts.routes)
+
+
+def routing_flips(a: dict, b: dict, common_prefix: int) -> list[list[int]]:
+    """[step, MoE layer, tokens] where the two runs' top-k sets differ, over the forwards whose
+    inputs agree: step 0 (the prompt) to step common_prefix (step s decodes generated token
+    s - 1 and gives the logprobs of token s)."""
+    flips = []
+    for step in range(min(len(a["routes"]), len(b["routes"]), common_prefix + 1)):
+        for layer, (x, y) in enumerate(zip(a["routes"][step], b["routes"][step])):
+            if x.shape == y.shape and not bool((x == y).all()):
+                flips.append([step, layer, int((x != y).any(dim=1).sum())])
+    return flips
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import transformers
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    torch.manual_seed(0)
+    model_dir = args.model_dir or Path(tempfile.gettempdir()) / "petit-seeded-tiny-qwen3-moe"
+    if not (model_dir / "model.safetensors").is_file():
+        seeded.make_checkpoint(seeded.DEFAULT_CONFIG, model_dir,
+                               tokenizer_dir=seeded.DEFAULT_TOKENIZER, seed=0, std=0.02,
+                               head_std=0.2)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model.eval()
+    experts = RoutedExperts()
+    modeling_qwen3_moe.Qwen3MoeExperts.forward = (
+        lambda self, h, idx, w: experts(self, h, idx, w))
+    prompts = bench.load_prompts(args.data, limit=args.num_prompts)
+    runs = {}
+    for reduction in REDUCTIONS:
+        experts.reduction = reduction
+        runs[reduction] = [greedy(model, tokenizer, experts, p, args.max_tokens)
+                           for p in prompts]
+    per_prompt = []
+    for a, b in zip(runs["petit"], runs["triton"]):
+        result = compare_serving.compare(a, b, args.tol)
+        result["routing_flips"] = routing_flips(a, b, result["common_prefix"])
+        result["flip_at_max_diff"] = any(f[0] == result["max_diff_position"]
+                                         for f in result["routing_flips"])
+        per_prompt.append(result)
+    large = [r for r in per_prompt if r["max_logprob_diff"] > args.tol]
+    very_large = [r for r in per_prompt if r["max_logprob_diff"] > 2 * args.tol]
+    summary = dict(
+        commit=commit_stamp(ROOT), date=utc_date(), model=str(model_dir),
+        reductions=list(REDUCTIONS), tol=args.tol, num_prompts=len(prompts),
+        max_tokens=args.max_tokens, agree=all(r["agree"] for r in per_prompt),
+        identical_prompts=sum(r["common_prefix"] == r["length"] for r in per_prompt),
+        max_logprob_diff=max(r["max_logprob_diff"] for r in per_prompt),
+        divergences=[r["divergence"] for r in per_prompt if r["divergence"]],
+        prompts_over_tol=len(large),
+        # differences over 2 x tol, and how many of them sit on a routing flip of the same
+        # step (the forward of step s gives the logprob of generated token s)
+        prompts_over_2tol=len(very_large),
+        over_2tol_at_a_flip=sum(r["flip_at_max_diff"] for r in very_large),
+        per_prompt=per_prompt)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / "compare_rounding_cpu.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"{summary['identical_prompts']}/{len(prompts)} prompts identical over "
+          f"{args.max_tokens} tokens; max logprob difference on common prefixes "
+          f"{summary['max_logprob_diff']:.4f} nats; {len(large)} prompt(s) over tol {args.tol}, "
+          f"{len(very_large)} over {2 * args.tol}, {summary['over_2tol_at_a_flip']} of those at "
+          f"a routing flip of that step; "
+          f"{len(summary['divergences'])} divergence(s), near-ties: "
+          f"{[d['near_tie'] for d in summary['divergences']]}")
+    for i, r in enumerate(per_prompt):
+        if r["max_logprob_diff"] > args.tol:
+            print(f"  prompt {i}: {r['max_logprob_diff']:.3f} nats at step "
+                  f"{r['max_diff_position']}; routing flips [step, layer, tokens]: "
+                  f"{r['routing_flips']}")
+    print(("AGREE" if summary["agree"] else "DISAGREE") + f": wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
