@@ -17,7 +17,10 @@ Agreement, per prompt, with tolerance --tol (nats, default 0.1):
   petit in fp32 in rank order, vLLM in its reduce-scatter, so bit equality is not expected);
 - where the sequences diverge, the two tokens were a near-tie in both runs: each run's
   logprob of the other run's token is within 2 x --tol of its own choice (and among its top 5).
-The run passes when every prompt agrees. Results: compare_serving_<gpu>x<W>.json
+The run passes when every prompt agrees. Backends that round differently can fail it with no
+fault: a different last bit in one layer's output can flip a later layer's near-tied expert
+choice for a token and move its logprobs by tenths of a nat (examples/compare_rounding_cpu.py
+measures how often on this model, on the CPU). Results: compare_serving_<gpu>x<W>.json
 (compare_serving_<gpu>x<W>_petit-experts.json with --backend petit-experts) in --results-dir
 (default examples/results); server logs and each server's outputs (outputs_<backend>.json,
 written as soon as that server is done) in --log-dir.
