@@ -28,6 +28,8 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from vllm_moe_harness import (  # noqa: E402
+    PATHS,
+    PETIT_EXPERTS_PATH,
     MoEShape,
     VllmRankPool,
     add_fp8_paths,
@@ -107,16 +109,25 @@ def _close_pool():
 # --------------------------------------------------------------------------------------------
 
 
-def _layer(state, shape: MoEShape, seed: int = 7):
-    """(layer, global w13, global w2), cached per shape; identical weights on every rank."""
-    key = ("layer", shape)
+def _layer(state, shape: MoEShape, seed: int = 7, paths=PATHS):
+    """(layer, global w13, global w2), cached per shape and paths; identical weights on every
+    rank."""
+    key = ("layer", shape, tuple(paths))
     if key not in state.cache:
         w13, w2 = random_weights(shape, shape.num_experts, seed=seed, device=state.device)
         num_local = shape.num_experts // state.world_size
         local = slice(state.rank * num_local, (state.rank + 1) * num_local)
-        layer = build_layer(state, shape, w13[local], w2[local], max_num_tokens=MAX_TOKENS)
+        layer = build_layer(state, shape, w13[local], w2[local], max_num_tokens=MAX_TOKENS,
+                            paths=paths)
         state.cache[key] = (layer, w13, w2)
     return state.cache[key]
+
+
+def _paths_layer(state, shape, paths):
+    """The cached layer that has every path in `paths` (PetitExperts' only when asked for)."""
+    if PETIT_EXPERTS_PATH in paths:
+        return _layer(state, shape, paths=PATHS + (PETIT_EXPERTS_PATH,))
+    return _layer(state, shape)
 
 
 def _expected(state, w13, w2, xs, ids, ws):
@@ -149,13 +160,16 @@ def _check_outputs(state, tag, outs, x, kernel_ref, fp32_ref):
                         name=f"{tag}: rank {state.rank} petit vs vLLM default")
         same = outs["petit"] == outs["default"]
         report["bitwise_equal_fraction"] = same.float().mean().item() if same.numel() else 1.0
+    if PETIT_EXPERTS_PATH in outs and "default" in outs:
+        ref.check_close(outs[PETIT_EXPERTS_PATH], outs["default"].float(), tol,
+                        name=f"{tag}: rank {state.rank} petit-experts vs vLLM default")
     report["tolerance"] = dict(max_abs=tol.max_abs, rel_fro=tol.rel_fro)
     return report
 
 
 def _rank_compare(state, shape, seed, tokens_per_rank, paths, skew):
     """skew: None, a make_inputs skew name, or (name, hot_fraction)."""
-    layer, w13, w2 = _layer(state, shape)
+    layer, w13, w2 = _paths_layer(state, shape, paths)
     skew, hot = skew if isinstance(skew, tuple) else (skew, 0.5)
     xs, ids, ws = make_inputs(shape, tokens_per_rank, seed=seed, device=state.device, skew=skew,
                               hot_fraction=hot)
@@ -175,7 +189,7 @@ def _rank_backend(state):
 def _rank_graph(state, shape, seed, num_tokens, replays, path, num_layers):
     """Capture ``num_layers`` back-to-back forwards (one shared EpBuffer) in one CUDA graph,
     replay with fresh inputs, then run eagerly once more; check everything."""
-    layer, w13, w2 = _layer(state, shape)
+    layer, w13, w2 = _paths_layer(state, shape, (path,))
     world, r = state.world_size, state.rank
     counts = [num_tokens] * world  # under graphs vLLM pads every DP rank to one size
     first = [make_inputs(shape, counts, seed=seed + i, device=state.device)
@@ -367,6 +381,25 @@ def test_equal_tokens_match_vllm_and_reference(pool, num_tokens):
     reports = pool.run(_rank_compare, SHAPE, 100 + num_tokens, [num_tokens] * WORLD,
                        ("default", "petit"), None)
     print(reports)
+
+
+@pytest.mark.parametrize("tokens", [[1, 1], [45, 45], [1024, 1024], [1, 222], [1024, 3]])
+def test_petit_experts_match_vllm_and_reference(pool, tokens):
+    """VLLM_PETIT_MOE_EXPERTS=1's kernel as the hook builds it (petit prepare/finalize +
+    PetitExperts) inside vLLM's modular kernel, whose output buffer aliases the experts'
+    workspace13 (the activation): against the fp32 reference and vLLM's default path, at
+    decode (wgmma_narrow_ws / wgmma_m64_ws), 45 and 1024 tokens/rank (wgmma_ws with the staged
+    down epilogue) and unequal ranks."""
+    counts = [tokens[r % len(tokens)] for r in range(WORLD)]
+    pool.run(_rank_compare, SHAPE, 900 + sum(tokens), counts, ("default", PETIT_EXPERTS_PATH),
+             None)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 222])
+def test_petit_experts_cuda_graph_replays(pool, num_tokens):
+    """PetitExperts' kernels (programmatic dependent launch) captured with petit's
+    dispatch/combine for 2 layers in one graph, replayed with fresh inputs."""
+    pool.run(_rank_graph, SHAPE, 950 + num_tokens, num_tokens, 3, PETIT_EXPERTS_PATH, 2)
 
 
 @pytest.mark.parametrize("tokens", [[1, 222], [45, 1024], [1024, 2], [7, 3]])
