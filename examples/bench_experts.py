@@ -43,7 +43,10 @@ the down GEMMs of wgmma_ws / wgmma_ws_mc with the plain epilogue instead of the 
 --profile: after timing, 10 more calls of petit's and of Triton's path run under torch.profiler
 (CUDA activity only); their kernel time per call by category (``device_env.PROFILE_CATEGORIES``:
 petit row lists / GEMMs / reduce, Triton GEMM / align+sum+activation, other) is printed under
-each row and stored as ``breakdown`` / ``triton_breakdown``.
+each row and stored as ``breakdown`` / ``triton_breakdown``. Petit's profiled calls run with
+programmatic dependent launch off (PETIT_MOE_PDL=0 for them only; field ``breakdown_pdl``):
+with it on, a kernel starts while the previous one runs and its recorded duration includes
+that wait, so the categories would overlap and overstate the GEMMs.
 Writes examples/results/experts_<gpu>.jsonl (fields gpu, commit, date, preset, routing,
 tokens, tflops, triton_tflops, torch_tflops, speedup_vs_triton, weight_gbps, hbm_gbps,
 dense_tflops and more) and a PNG next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
@@ -78,6 +81,21 @@ HBM_COPY_BYTES = 2 << 30
 # --------------------------------------------------------------------------------------------
 # problem and the three implementations
 # --------------------------------------------------------------------------------------------
+
+
+def profile_without_pdl(call, calls):
+    """profile_kernels of `call` with PETIT_MOE_PDL=0 (read at every launch), restored after:
+    per-kernel durations that do not include a programmatic launch's wait."""
+    old = os.environ.get("PETIT_MOE_PDL")
+    os.environ["PETIT_MOE_PDL"] = "0"
+    try:
+        call()  # one call outside the profile with the new launch mode
+        return profile_kernels(call, calls)
+    finally:
+        if old is None:
+            os.environ.pop("PETIT_MOE_PDL", None)
+        else:
+            os.environ["PETIT_MOE_PDL"] = old
 
 
 def make_weights(preset, world, seed):
@@ -278,7 +296,7 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
         us, _ = time_us(run_petit, args.iters, flush)
         breakdown = None
         if args.profile:  # eager calls, warmed up by the timing above
-            breakdown = profile_kernels(run_petit, PROFILE_CALLS)
+            breakdown = profile_without_pdl(run_petit, PROFILE_CALLS)
         resolved = ops.resolve_tiles(recv_x.shape[0], local_ids.shape[1], w13.shape[0],
                                      recv_x.shape[1], family)
         petit.append((family, resolved, us, out, breakdown, launch))
@@ -338,7 +356,8 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
             finite=bool(torch.isfinite(petit_out).all()),
         )
         if args.profile:
-            row.update(breakdown=breakdown, triton_breakdown=triton_breakdown)
+            row.update(breakdown=breakdown, breakdown_pdl=False,
+                       triton_breakdown=triton_breakdown)
         rows.append(row)
     del run_triton, petit, torch_out
     torch.cuda.empty_cache()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,26 @@ def test_replot(bench, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in several))
     assert bench.main(["--replot", str(path)]) == 0
     assert path.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("before", [None, "1"])
+def test_profile_runs_without_pdl_and_restores_it(bench, monkeypatch, before):
+    """--profile's petit calls see PETIT_MOE_PDL=0 (kernel durations without a programmatic
+    launch's wait), the caller's setting is back afterwards, also when the call raises."""
+    if before is None:
+        monkeypatch.delenv("PETIT_MOE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("PETIT_MOE_PDL", before)
+    seen = []
+    monkeypatch.setattr(bench, "profile_kernels",
+                        lambda call, n: (call(), {"calls": n})[1])
+    assert bench.profile_without_pdl(lambda: seen.append(os.environ.get("PETIT_MOE_PDL")),
+                                     3) == {"calls": 3}
+    assert seen == ["0", "0"]  # the warm-up call and the profiled one
+    assert os.environ.get("PETIT_MOE_PDL") == before
+
+    def boom():
+        raise RuntimeError("launch failed")
+    with pytest.raises(RuntimeError):
+        bench.profile_without_pdl(boom, 1)
+    assert os.environ.get("PETIT_MOE_PDL") == before
