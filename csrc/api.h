@@ -117,7 +117,21 @@ struct ExpertGemmArgs {
   int num_local_experts;           // L
   int tiles;                       // ExpertTiles
   int num_sms;                     // persistent grid = num_sms x blocks per SM; 0: query device
+  // Split-K of the decode families (expert_split_k_workspace; all zero: off): fp32 partial
+  // accumulators of split tiles, and one arrival counter per tile (zero at launch).
+  float* split_partials;           // [split_floats]
+  int32_t* split_counters;         // [split_counters_len], zeros
+  int64_t split_floats;
+  int split_counters_len;
+  int split_max;                   // most k-splits of one tile (<= 1: no split)
 };
+// Sizes of the split-K workspace for these arguments (num_sms set; tiles resolved or auto):
+// floats of split_partials and ints of split_counters, both 0 when split-K is off
+// (PETIT_MOE_SPLIT_K unset or <= 1, read at every call) or the family has no split-K (only
+// wgmma_narrow_ws and wgmma_m64_ws do). The caller allocates them (counters zeroed) and sets
+// split_max = expert_split_k_max().
+void expert_split_k_workspace(const ExpertGemmArgs& args, int64_t* floats, int* counters);
+int expert_split_k_max();
 PETIT_HOST_DEVICE int64_t expert_act_workspace_elems(int num_rows, int top_k, int intermediate) {
   return int64_t(num_rows) * top_k * intermediate;
 }

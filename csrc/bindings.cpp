@@ -502,6 +502,20 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
   a.num_local_experts = int(L);
   a.tiles = int(tiles);
   a.num_sms = num_sms_of(device.index());
+  // split-K of the decode families (PETIT_MOE_SPLIT_K; off by default): per-call workspace
+  int64_t split_floats = 0;
+  int split_counters = 0;
+  expert_split_k_workspace(a, &split_floats, &split_counters);
+  torch::Tensor split_partials, split_counter_tensor;
+  if (split_floats > 0) {
+    split_partials = torch::empty({split_floats}, opts.dtype(torch::kFloat32));
+    split_counter_tensor = torch::zeros({split_counters}, int_opts);
+    a.split_partials = split_partials.data_ptr<float>();
+    a.split_counters = split_counter_tensor.data_ptr<int32_t>();
+    a.split_floats = split_floats;
+    a.split_counters_len = split_counters;
+    a.split_max = expert_split_k_max();
+  }
   PETIT_CHECK_OK(launch_experts(a, stream), "expert GEMM launch");
   return result;
 }

@@ -167,6 +167,32 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   });
 }
 
+// split-K of the ws decode families: constants and the choice of shares per tile (the
+// kernels' part, split_k_fixup, is in the tensor-core path below)
+constexpr int kSplitKMax = 8;
+constexpr int kSplitMinKTiles = 4;    // a share keeps >= 4 k-tiles (256 reduction columns)
+constexpr int kSplitUnitsPerSm = 8;   // workspace: up to 8 units per SM (wgmma_m64_ws: 64 KiB each)
+constexpr int kSplitBarrierId = 2;    // consumer named barrier (0: __syncthreads, 1: staged)
+
+// Shares per tile for `tiles` tiles of `k_tiles` k-tiles on `grid` persistent blocks, at
+// most max_splits and at most `capacity` units: the fewest rounds of work per block, each
+// round of a share costing 1/s of a tile (+3% for writing and summing the partials).
+PETIT_HOST_DEVICE int choose_k_splits(int tiles, int grid, int k_tiles, int max_splits,
+                                      int64_t capacity) {
+  int best = 1;
+  float best_cost = float((tiles + grid - 1) / grid);
+  for (int s = 2; s <= max_splits; ++s) {
+    if (int64_t(tiles) * s > capacity || k_tiles < s * kSplitMinKTiles) break;
+    const float cost = float((tiles * s + grid - 1) / grid) / float(s) * 1.03f;
+    if (cost < best_cost) {
+      best = s;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+
 // ------------------------------------------------------------------ tensor-core paths
 // kExpertTilesMma (sm_80+: mma.sync main loop of gemm/sm80_mainloop_mma.h) and
 // kExpertTilesWgmma (sm_90a: wgmma main loop of gemm/sm90_mainloop_wgmma.h): the same two
@@ -208,8 +234,9 @@ template <class Cfg>
 constexpr int kSchedulerBytes =
     (int(sizeof(typename gemm::ExpertTileScheduler<Cfg::kThreads + 128>::SharedStorage)) + 15) /
     16 * 16;
+// (+ 16 bytes after it: split-K's "last arrival" flag, see split_k_fixup.)
 template <class Cfg, int kClusterM = 1>
-using WsMainloop = gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM, kSchedulerBytes<Cfg>>;
+using WsMainloop = gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM, kSchedulerBytes<Cfg> + 16>;
 using GateUpWgmmaWs = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
 using DownWgmmaWs = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
 // wgmma_m64_ws: the wgmma_m64 tiles (64 x 256 x 64, 5-stage ring) on the same main loop: for
@@ -305,6 +332,80 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
   }
 }
 
+// ------------------------------------------------------------------ split-K (decode)
+// With few tiles (a decode step's experts x n-tiles, fewer than or not a multiple of the
+// SMs), the 64-row ws families (wgmma_narrow_ws, wgmma_m64_ws) can cut each tile's k-tiles
+// into `splits` shares, units of work spread over the persistent grid like tiles: unit u is
+// share u % splits of tile u / splits, so a tile's shares run side by side on neighbouring
+// blocks. Each share writes its fp32 accumulators to its slot of a.split_partials (each
+// consumer thread its own kSlot-strided run), then the block's first consumer thread counts
+// the share in a.split_counters[tile] (after a fence; the counters are zero at launch and the
+// last arrival resets its counter); the last share of a tile to arrive sums all shares in
+// share order (its own from registers: the same values) and runs the epilogue, the others
+// skip it. The sum's order does not depend on which share came last, so a given split is
+// deterministic; it differs from the unsplit sum in the last bits.
+// Opt-in (PETIT_MOE_SPLIT_K = the most shares per tile, read at every call): not yet
+// measured on a GPU.
+// Device-scope fence (the CPU emulation runs blocks one after another: a host fence).
+PETIT_DEVICE void split_k_fence() {
+#if PETIT_EMU_PTX
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#else
+  __threadfence();
+#endif
+}
+
+PETIT_DEVICE float split_k_load(const float* p) {
+#if PETIT_EMU_PTX || PETIT_HIP
+  return *p;
+#else
+  return __ldcg(p);  // L2: other SMs wrote it during this launch
+#endif
+}
+
+// Consumer threads, after share `split` of tile `tile_index` has been reduced into acc (see
+// above). Returns true in the block that got the tile's last share, with the whole tile in
+// acc; false in the others. `last_flag`: a word of shared memory.
+template <class Mainloop, class Acc>
+PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_index, int split,
+                                int splits, int* last_flag) {
+  using Cfg = typename Mainloop::Cfg;
+  constexpr int kAcc = Cfg::kThreadM * Mainloop::kAccCols;
+  constexpr int kSlot = Mainloop::kConsumerThreads * kAcc;
+  const int t = int(threadIdx.x);
+  float* slots = a.split_partials + int64_t(tile_index) * splits * kSlot + int64_t(t) * kAcc;
+  float* mine = slots + int64_t(split) * kSlot;
+#pragma unroll
+  for (int i = 0; i < Cfg::kThreadM; ++i)
+#pragma unroll
+    for (int j = 0; j < Mainloop::kAccCols; ++j) mine[i * Mainloop::kAccCols + j] = acc[i][j];
+  // Every consumer's stores, then one fence and the arrival by the first consumer thread.
+  gemm::sm90_named_barrier_sync(kSplitBarrierId, Mainloop::kConsumerThreads);
+  if (t == 0) {
+    split_k_fence();
+    const int arrived = atomicAdd(a.split_counters + tile_index, 1);
+    const bool last = arrived == splits - 1;
+    if (last) a.split_counters[tile_index] = 0;  // for the next launch
+    split_k_fence();
+    *last_flag = last ? 1 : 0;
+  }
+  gemm::sm90_named_barrier_sync(kSplitBarrierId, Mainloop::kConsumerThreads);
+  if (*last_flag == 0) return false;
+  // (the flag is written again only after the next unit's first barrier, which every
+  // consumer thread reaches after reading it here)
+#pragma unroll
+  for (int i = 0; i < Cfg::kThreadM; ++i)
+#pragma unroll
+    for (int j = 0; j < Mainloop::kAccCols; ++j) {
+      float sum = 0.0f;
+      for (int s = 0; s < splits; ++s)  // share order, whoever arrived last
+        sum += s == split ? acc[i][j]
+                          : split_k_load(slots + int64_t(s) * kSlot + i * Mainloop::kAccCols + j);
+      acc[i][j] = sum;
+    }
+  return true;
+}
+
 // Warp-specialized kernels (Mainloop = Sm90WgmmaWsMainloop): the same tiles, A rows and
 // epilogues as the two kernels above; the weight rows come through `b_map`, the tensor map of
 // w13 (dims {H, I, 2, L}) or w2 ({I, H, 1, L}) that launch_ws_gemm encodes. The scheduler and
@@ -336,23 +437,48 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
   const int rank = kClusterM > 1 ? gemm::sm90_cluster_rank() : 0;
   // 1-D clusters: cluster c is blocks [c * kClusterM, (c + 1) * kClusterM)
   const int first = int(blockIdx.x) / kClusterM, step = int(gridDim.x) / kClusterM;
+  // split-K (above): only the 64-row families without clusters or staging
+  constexpr bool kSplitCapable = kClusterM == 1 && !kStaged && Cfg::kBlockM == 64;
+  constexpr int64_t kSlotFloats =
+      int64_t(Mainloop::kConsumerThreads) * Cfg::kThreadM * Mainloop::kAccCols;
+  const int k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
+  const int splits =
+      kSplitCapable && a.split_max > 1
+          ? choose_k_splits(num_tiles, step, k_tiles, a.split_max,
+                            a.split_floats / kSlotFloats < a.split_counters_len
+                                ? a.split_floats / kSlotFloats
+                                : int64_t(a.split_counters_len))
+          : 1;
+  const int num_units = num_tiles * splits;
   if (Mainloop::is_producer()) {
     gemm::sm90_setmaxnreg_dec<Mainloop::kProducerRegs>();
     if (Mainloop::is_tma_issuer()) gemm::sm90_prefetch_tensor_map(b_map);
-    for (int t = first; t < num_tiles; t += step) {
-      const gemm::TileCoord tile = scheduler.tile(t, rank);
+    for (int u = first; u < num_units; u += step) {
+      const int split = u % splits;
+      const gemm::TileCoord tile = scheduler.tile(u / splits, rank);
       typename Mainloop::LoaderA a_loader;
       a_loader.init([&](int r) { return a_row(tile, r); }, a_fallback);
       typename Mainloop::LoaderB b_loader;
       b_loader.init(b_map, tile.expert, tile.n_tile * Cfg::kBlockN);
-      mainloop.produce(a_loader, b_loader, k_dim, rank, tile.multicast);
+      mainloop.produce(a_loader, b_loader, k_dim, rank, tile.multicast,
+                       k_tiles * split / splits, k_tiles * (split + 1) / splits);
     }
     gemm::cp_async_wait_all();  // no copy outlives its thread
   } else {
     gemm::sm90_setmaxnreg_inc<Mainloop::kConsumerRegs>();
-    for (int t = first; t < num_tiles; t += step) {
-      const gemm::TileCoord tile = scheduler.tile(t, rank);
-      if constexpr (kStaged) {
+    for (int u = first; u < num_units; u += step) {
+      const int split = u % splits;
+      const gemm::TileCoord tile = scheduler.tile(u / splits, rank);
+      if constexpr (kSplitCapable) {
+        mainloop.consume(k_dim, k_tiles * split / splits, k_tiles * (split + 1) / splits);
+        if (splits > 1 &&
+            !split_k_fixup<Mainloop>(a, mainloop.acc, u / splits, split, splits,
+                                     reinterpret_cast<int*>(Mainloop::user_smem(tc_dynamic_smem) +
+                                                            kSchedulerBytes<Cfg>)))
+          continue;  // another block sums this tile
+        epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
+                       tile.num_rows, tile.n_tile * Cfg::kBlockN);
+      } else if constexpr (kStaged) {
         static_assert(Mainloop::kUserBytes >= kSchedulerBytes<Cfg> + Epilogue::kBytes,
                       "the staging buffer is the main loop's user shared memory");
         const typename Epilogue::Rows rows = epilogue.prefetch(tile.row_begin, tile.num_rows);
@@ -992,6 +1118,48 @@ petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream)
   const int64_t resident = int64_t(num_sms) * kReduceBlocksPerSm;
   const int grid = int(needed < resident ? needed : resident);
   return launch_kernel(expert_reduce_kernel, grid, kReduceThreads, 0, 1, stream, a);
+}
+
+// Split-K workspace of the families that have it (see split_k_fixup): slots of the larger of
+// the two GEMMs' accumulator tiles for kSplitUnitsPerSm units per SM, one counter per unit.
+template <class GateUp, class Down>
+int64_t split_k_slot_floats() {
+  constexpr int64_t g = int64_t(GateUp::kConsumerThreads) * GateUp::Cfg::kThreadM * GateUp::kAccCols;
+  constexpr int64_t d = int64_t(Down::kConsumerThreads) * Down::Cfg::kThreadM * Down::kAccCols;
+  return g > d ? g : d;
+}
+
+// PETIT_MOE_SPLIT_K: the most k-shares per tile (1, the default: no split-K).
+int expert_split_k_max() {
+  const char* env = getenv("PETIT_MOE_SPLIT_K");
+  if (env == nullptr || env[0] == '\0') return 1;
+  const int v = atoi(env);
+  return v < 1 ? 1 : v > kSplitKMax ? kSplitKMax : v;
+}
+
+void expert_split_k_workspace(const ExpertGemmArgs& a, int64_t* floats, int* counters) {
+  *floats = 0;
+  *counters = 0;
+  if (expert_split_k_max() <= 1) return;
+  int64_t slot = 0;
+#if PETIT_SM80_PATH
+  const int family = resolve_expert_tiles(a);
+  if (family == kExpertTilesWgmmaNarrowWs)
+    slot = split_k_slot_floats<GateUpWgmmaNarrowWs, DownWgmmaNarrowWs>();
+  else if (family == kExpertTilesWgmmaM64Ws)
+    slot = split_k_slot_floats<GateUpWgmmaM64Ws, DownWgmmaM64Ws>();
+#endif
+  if (slot == 0) return;
+  int num_sms = a.num_sms;
+  if (num_sms <= 0) {
+    int device = 0;
+    if (petitGetDevice(&device) != petitSuccess ||
+        petitDeviceGetAttribute(&num_sms, petitDevAttrMultiProcessorCount, device) !=
+            petitSuccess)
+      return;
+  }
+  *counters = kSplitUnitsPerSm * num_sms;
+  *floats = int64_t(*counters) * slot;
 }
 
 petitError_t launch_experts(const ExpertGemmArgs& a, petitStream_t stream) {

@@ -39,7 +39,8 @@ the two GEMM kernels as launched (``ops.last_gemm_launch``).
 PETIT_MOE_PDL=0 in the environment: petit's kernels launched without programmatic dependent
 launch (field ``pdl``), for an A/B of the gaps between its kernels. PETIT_MOE_STAGED_EPILOGUE=0:
 the down GEMMs of wgmma_ws / wgmma_ws_mc with the plain epilogue instead of the staged one (field
-``staged_epilogue``).
+``staged_epilogue``). PETIT_MOE_SPLIT_K=N (field ``split_k``): wgmma_narrow_ws / wgmma_m64_ws
+may cut tiles into up to N k-shares when there are few tiles (opt-in, see csrc/experts.cu).
 --profile: after timing, 10 more calls of petit's and of Triton's path run under torch.profiler
 (CUDA activity only); their kernel time per call by category (``device_env.PROFILE_CATEGORIES``:
 petit row lists / GEMMs / reduce, Triton GEMM / align+sum+activation, other) is printed under
@@ -81,6 +82,16 @@ HBM_COPY_BYTES = 2 << 30
 # --------------------------------------------------------------------------------------------
 # problem and the three implementations
 # --------------------------------------------------------------------------------------------
+
+
+def split_k_max():
+    """PETIT_MOE_SPLIT_K as the kernels read it (experts.cu expert_split_k_max: atoi, [1, 8])."""
+    digits = ""
+    for ch in os.environ.get("PETIT_MOE_SPLIT_K", "").strip():
+        if not ch.isdigit():
+            break
+        digits += ch
+    return min(max(int(digits or 0), 1), 8)
 
 
 def profile_without_pdl(call, calls):
@@ -351,6 +362,7 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
             pdl=os.environ.get("PETIT_MOE_PDL", "1") != "0",
             # experts.cu: the shared-memory staged down epilogue of the ws families when 1
             staged_epilogue=not os.environ.get("PETIT_MOE_STAGED_EPILOGUE", "1").startswith("0"),
+            split_k=split_k_max(),
             launch=launch,  # grid / threads / smem / cluster of the two GEMM kernels
             rel_diff=float(diff / torch_out.float().norm().clamp_min(1e-30)),
             finite=bool(torch.isfinite(petit_out).all()),

@@ -109,3 +109,13 @@ def test_profile_runs_without_pdl_and_restores_it(bench, monkeypatch, before):
     with pytest.raises(RuntimeError):
         bench.profile_without_pdl(boom, 1)
     assert os.environ.get("PETIT_MOE_PDL") == before
+
+
+@pytest.mark.parametrize("value,expected", [(None, 1), ("", 1), ("4", 4), ("0", 1), ("99", 8),
+                                            ("3x", 3), ("x", 1)])
+def test_split_k_field_reads_the_setting_like_the_kernels(bench, monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
+    else:
+        monkeypatch.setenv("PETIT_MOE_SPLIT_K", value)
+    assert bench.split_k_max() == expected

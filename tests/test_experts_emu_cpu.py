@@ -31,6 +31,7 @@ def emu(tmp_path_factory):
     lib.petit_emu_set_compute_capability.restype = None
     lib.petit_emu_last_gemm_launch.restype = None
     lib.petit_emu_resolve_tiles.restype = ctypes.c_int
+    lib.petit_emu_split_floats_written.restype = ctypes.c_int64
     return lib
 
 
@@ -336,3 +337,43 @@ def test_reduction_maps_global_ids_through_the_expert_map(emu):
     got, _ = run_emulated(emu, recv_x, global_ids, weights, w13, w2, tiles="small",
                           expert_map=expert_map)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tiles,num_sms", [("wgmma_narrow_ws", 16), ("wgmma_m64_ws", 8),
+                                           ("wgmma_m64_ws", 3)])
+def test_split_k_matches_the_reference(sm90, monkeypatch, tiles, num_sms):
+    """PETIT_MOE_SPLIT_K=4 (the 64-row ws families): with fewer tiles than twice the blocks,
+    each tile's k-tiles run as up to 4 shares on neighbouring blocks (uneven shares: 17 and 9
+    k-tiles), fp32 partials summed by the tile's last share in share order. Partials written
+    (so the split ran), against the reference, the same on a repeat; the emulation checks
+    that every arrival counter is back at zero."""
+    ids = torch.full((6, 2), -1, dtype=torch.int32)
+    ids[0, 0] = 1                # expert 1: 1 row
+    ids[1:4, 1] = 3              # expert 3: 3 rows
+    ids[4, 0], ids[4, 1] = 3, 1  # a row in both
+    problem = make_problem(ids, 1032, 520, 5, seed=81)
+    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "4")
+    split, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert used == tiles
+    assert sm90.petit_emu_split_floats_written() > 0, "no tile was split"
+    check_against_reference(split, problem)
+    again, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert torch.equal(split, again)
+    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "1")
+    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert sm90.petit_emu_split_floats_written() == 0
+    check_against_reference(plain, problem)
+
+
+def test_split_k_is_not_taken_where_it_does_not_pay(sm90, monkeypatch):
+    """Many tiles per block (or k too short for 2 shares of 4 k-tiles): PETIT_MOE_SPLIT_K
+    changes nothing, bit for bit."""
+    ids = torch.randint(0, 4, (200, 2), generator=torch.Generator().manual_seed(9),
+                        dtype=torch.int32)
+    problem = make_problem(ids, 264, 136, 4, seed=82)  # 5 and 3 k-tiles
+    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "4")
+    split, _ = run_emulated(sm90, *problem, tiles="wgmma_m64_ws", num_sms=2)
+    assert sm90.petit_emu_split_floats_written() == 0
+    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "1")
+    plain, _ = run_emulated(sm90, *problem, tiles="wgmma_m64_ws", num_sms=2)
+    assert torch.equal(split, plain)

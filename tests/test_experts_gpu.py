@@ -336,6 +336,22 @@ def test_staged_down_epilogue_equals_the_plain_one(monkeypatch, tiles, rows_per_
     check(staged, problem)
 
 
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
+@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws"])
+@pytest.mark.parametrize("num_rows", [1, 2, 16])
+def test_split_k_matches_the_reference(monkeypatch, tiles, num_rows):
+    """PETIT_MOE_SPLIT_K=4 at decode sizes of Qwen3-30B-A3B's shapes (top-8 over 64 local
+    experts, 12 and 32 k-tiles; fewer tiles than SMs, so tiles are cut into k-shares whose
+    fp32 partials the last share sums): NaN-poisoned workspaces, against the reference, and
+    bit-equal on a repeat (the shares' sum order is fixed)."""
+    ids = random_ids(num_rows, 8, 64, seed=90 + num_rows, invalid_fraction=0.0)
+    problem = make_problem(ids, 2048, 768, 64, seed=91 + num_rows)
+    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "4")
+    first = run_petit(problem, tiles)
+    check(first, problem, name=f"{tiles} split-K, {num_rows} rows")
+    assert torch.equal(first, run_petit(problem, tiles))
+
+
 @pytest.mark.parametrize("tiles", TILE_FAMILIES)
 def test_global_ids_with_expert_map_equal_local_ids(tiles):
     """vLLM's expert_map applied inside the kernels: global ids + map give exactly the output

@@ -294,11 +294,12 @@ struct Sm90WgmmaWsMainloop {
 
   // Producer threads: the k-tiles of one output tile into the ring (rank: this CTA's cluster
   // rank, which picks its share of the weight boxes when the cluster shares them: multicast).
+  // k-tiles [kt_begin, kt_end) of the tile (kt_end < 0: to the last one): a split-K share.
   PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim, int rank,
-                            bool multicast) {
-    const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
+                            bool multicast, int kt_begin = 0, int kt_end = -1) {
+    const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
     const bool tma_issuer = is_tma_issuer();
-    for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
+    for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
       const uint32_t s = it % Cfg::kStages;
       // A fresh barrier counts as having completed the phase before its first (parity 1), so
       // the first kStages fills do not wait.
@@ -328,18 +329,19 @@ struct Sm90WgmmaWsMainloop {
     }
   }
 
-  // Consumer threads: the whole reduction over k_dim (> 0, a multiple of 8) of one output
-  // tile, into acc; every stage it read is released again when it returns.
-  PETIT_DEVICE void consume(int k_dim) {
+  // Consumer threads: the reduction over k_dim (> 0, a multiple of 8) of one output tile, or
+  // over its k-tiles [kt_begin, kt_end) (kt_end < 0: to the last one; a split-K share, at
+  // least one k-tile), into acc; every stage it read is released again when it returns.
+  PETIT_DEVICE void consume(int k_dim, int kt_begin = 0, int kt_end = -1) {
     float d[Cfg::kWgmmaN / 2];
 #pragma unroll
     for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) d[i] = 0.0f;
-    const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
+    const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
     const int warpgroup = threadIdx.x / 128;
     const uint32_t a_wg_offset = uint32_t((warpgroup / Cfg::kWgN) * 64 * 128);
     const uint32_t b_wg_offset = uint32_t((warpgroup % Cfg::kWgN) * Cfg::kWgmmaN * 128);
     const bool warp_leader = threadIdx.x % 32 == 0;
-    for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
+    for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
       const uint32_t s = it % Cfg::kStages;
       sm90_mbarrier_wait_parity(full + 8 * s, (it / Cfg::kStages) & 1u);
       // The producers' cp.async writes of the A rows (generic proxy) before this warpgroup's
@@ -347,12 +349,12 @@ struct Sm90WgmmaWsMainloop {
       sm90_fence_proxy_async_smem();
       sm90_wgmma_k_tile<Cfg>(d, ring + s * kStageBytes + a_wg_offset,
                              ring + s * kStageBytes + LoaderA::kStageBytes + b_wg_offset,
-                             kt == 0);
+                             kt == kt_begin);
       // The group of k-tile kt - 1 has retired: its stage goes back to the producer.
-      if (kt > 0 && warp_leader) release(empty + 8 * ((it - 1) % Cfg::kStages));
+      if (kt > kt_begin && warp_leader) release(empty + 8 * ((it - 1) % Cfg::kStages));
     }
     sm90_wgmma_drain<Cfg>(d);
-    if (num_k_tiles > 0 && warp_leader)
+    if (num_k_tiles > kt_begin && warp_leader)
       release(empty + 8 * ((it - 1) % Cfg::kStages));
 
     sm90_epilogue_view<Cfg>(d, acc);

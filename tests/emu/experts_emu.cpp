@@ -6,7 +6,14 @@
 //       tests/emu/experts_emu.cpp -o experts_emu.so
 #include "emu_runtime.h"
 
+#include <cmath>
+#include <vector>
+
 #include "experts.cu"
+
+// Split-K partial floats the last petit_emu_experts call wrote (0: no tile was split).
+static int64_t g_split_floats_written = 0;
+extern "C" int64_t petit_emu_split_floats_written() { return g_split_floats_written; }
 
 // Runs launch_experts on host memory. Returns the petitError_t as an int (0 = success), and
 // the tile family that ran in *tiles_used.
@@ -40,7 +47,27 @@ extern "C" int petit_emu_experts(const uint16_t* x, const int32_t* topk_ids,
   a.tiles = tiles;
   a.num_sms = num_sms;
   *tiles_used = petit::resolve_expert_tiles(a);
-  return int(petit::launch_experts(a, nullptr));
+  // split-K workspace (PETIT_MOE_SPLIT_K), as the binding allocates it: partials NaN-poisoned,
+  // counters zero
+  int64_t split_floats = 0;
+  int split_counters = 0;
+  petit::expert_split_k_workspace(a, &split_floats, &split_counters);
+  std::vector<float> partials(size_t(split_floats), std::nanf(""));
+  std::vector<int32_t> counters(size_t(split_counters), 0);
+  if (split_floats > 0) {
+    a.split_partials = partials.data();
+    a.split_counters = counters.data();
+    a.split_floats = split_floats;
+    a.split_counters_len = split_counters;
+    a.split_max = petit::expert_split_k_max();
+  }
+  const int rc = int(petit::launch_experts(a, nullptr));
+  // every counter reset by its tile's last share
+  for (int32_t c : counters)
+    if (c != 0) return -2;
+  g_split_floats_written = 0;
+  for (float f : partials) g_split_floats_written += !std::isnan(f);
+  return rc;
 }
 
 // The compute capability the emulated device reports: 9.0 lets the wgmma families (run on the
