@@ -439,6 +439,8 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
   const int first = int(blockIdx.x) / kClusterM, step = int(gridDim.x) / kClusterM;
   // split-K (above): only the 64-row families without clusters or staging
   constexpr bool kSplitCapable = kClusterM == 1 && !kStaged && Cfg::kBlockM == 64;
+  static_assert(!kSplitCapable || Mainloop::kUserBytes >= kSchedulerBytes<Cfg> + 4,
+                "split-K's flag is the word after the scheduler's storage");
   constexpr int64_t kSlotFloats =
       int64_t(Mainloop::kConsumerThreads) * Cfg::kThreadM * Mainloop::kAccCols;
   const int k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
