@@ -171,7 +171,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 // kernels' part, split_k_fixup, is in the tensor-core path below)
 constexpr int kSplitKMax = 8;
 constexpr int kSplitMinKTiles = 4;    // a share keeps >= 4 k-tiles (256 reduction columns)
-constexpr int kSplitUnitsPerSm = 8;   // workspace: up to 8 units per SM (wgmma_m64_ws: 64 KiB each)
+constexpr int kSplitUnitsPerSm = 8;   // workspace: 8 units per SM (wgmma_m64_ws: 64 KiB each)
 constexpr int kSplitBarrierId = 2;    // consumer named barrier (0: __syncthreads, 1: staged)
 
 // Shares per tile for `tiles` tiles of `k_tiles` k-tiles on `grid` persistent blocks, at
@@ -191,7 +191,6 @@ PETIT_HOST_DEVICE int choose_k_splits(int tiles, int grid, int k_tiles, int max_
   }
   return best;
 }
-
 
 // ------------------------------------------------------------------ tensor-core paths
 // kExpertTilesMma (sm_80+: mma.sync main loop of gemm/sm80_mainloop_mma.h) and
@@ -346,6 +345,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
 // deterministic; it differs from the unsplit sum in the last bits.
 // Opt-in (PETIT_MOE_SPLIT_K = the most shares per tile, read at every call): not yet
 // measured on a GPU.
+
 // Device-scope fence (the CPU emulation runs blocks one after another: a host fence).
 PETIT_DEVICE void split_k_fence() {
 #if PETIT_EMU_PTX
@@ -1126,8 +1126,10 @@ petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream)
 // the two GEMMs' accumulator tiles for kSplitUnitsPerSm units per SM, one counter per unit.
 template <class GateUp, class Down>
 int64_t split_k_slot_floats() {
-  constexpr int64_t g = int64_t(GateUp::kConsumerThreads) * GateUp::Cfg::kThreadM * GateUp::kAccCols;
-  constexpr int64_t d = int64_t(Down::kConsumerThreads) * Down::Cfg::kThreadM * Down::kAccCols;
+  constexpr int64_t g =
+      int64_t(GateUp::kConsumerThreads) * GateUp::Cfg::kThreadM * GateUp::kAccCols;
+  constexpr int64_t d =
+      int64_t(Down::kConsumerThreads) * Down::Cfg::kThreadM * Down::kAccCols;
   return g > d ? g : d;
 }
 

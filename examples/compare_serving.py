@@ -5,8 +5,9 @@ Starts `vllm serve` on this node's GPUs (data parallel = number of GPUs,
 `--enable-expert-parallel`, CUDA graphs on, TRITON_ATTN) twice: with the flag ("petit", strict:
 a layer that would fall back fails the start; or, with --backend petit-experts, the flag and
 VLLM_PETIT_MOE_EXPERTS=1: petit's expert GEMMs as well, whose use the server log must show) and
-without it ("default": vLLM's allgather/reduce-scatter and Triton experts). Each server answers the same GSM8K prompts with greedy decoding and
-the top-5 logprobs of every generated token. The model defaults to a seeded checkpoint at a
+without it ("default": vLLM's allgather/reduce-scatter and Triton experts). Each server
+answers the same GSM8K prompts with greedy decoding and the top-5 logprobs of every generated
+token. The model defaults to a seeded checkpoint at a
 realistic weight scale (examples/make_seeded_checkpoint.py: the bundled tiny Qwen3-MoE with the
 Qwen3 tokenizer), because `--load-format dummy` weights give nearly uniform logits on which
 greedy tokens flip at any rounding difference.

@@ -1,6 +1,7 @@
 // Staged epilogue of the warp-specialized down GEMM (sm90_mainloop_wgmma_ws.h), the default of
-// wgmma_ws / wgmma_ws_mc (experts.cu; PETIT_MOE_STAGED_EPILOGUE=0 turns it off): the same output as WeightedEntryEpilogue
-// (epilogues.h: partial[entry][n] = bf16(weight[entry] * acc), bit for bit), but
+// wgmma_ws / wgmma_ws_mc (experts.cu; PETIT_MOE_STAGED_EPILOGUE=0 turns it off): the same
+// output as WeightedEntryEpilogue (epilogues.h: partial[entry][n] = bf16(weight[entry] * acc),
+// bit for bit), but
 //   - the routing weights of the thread's rows and the destination entry of each tile row are
 //     loaded before the tile's main loop (prefetch), not after it;
 //   - the consumers write the weighted bf16 tile into a shared-memory staging buffer (rows
