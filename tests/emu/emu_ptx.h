@@ -145,86 +145,84 @@ inline void mma_bf16_16816(float& d0, float& d1, float& d2, float& d3, const uin
   }
 }
 
-// ---- cp.async: per-thread queue of copies, in commit groups
+// ---- asynchronous operations of one kind, per thread, in commit groups (PTX's cp.async
+// groups, bulk async-groups, wgmma groups): issued into the open group, committed, and
+// performed oldest group first when a wait leaves at most `pending` groups in flight.
+template <class Op>
+struct AsyncGroups {
+  std::vector<Op> open;                // issued, not committed yet
+  std::deque<std::vector<Op>> groups;  // committed, oldest first
+
+  void commit() {
+    groups.push_back(std::move(open));
+    open.clear();
+  }
+  template <class Perform>
+  void wait(int pending, Perform&& perform) {
+    while (int(groups.size()) > pending) {
+      for (Op& op : groups.front()) perform(op);
+      groups.pop_front();
+    }
+  }
+  bool empty() const { return open.empty() && groups.empty(); }
+};
+
+// ---- cp.async: copies of 16 bytes into shared memory (zero-filled below 16 source bytes)
 struct Copy {
   uint32_t dst;
   const void* src;
   int src_bytes;
 };
-inline thread_local std::vector<Copy> open_copies;                // not committed yet
-inline thread_local std::deque<std::vector<Copy>> copy_groups;  // committed, oldest first
+inline thread_local AsyncGroups<Copy> copies;
 
-inline void perform(const std::vector<Copy>& copies) {
-  for (const Copy& c : copies) {
-    if (c.src_bytes == 16)
-      std::memcpy(smem_ptr(c.dst), c.src, 16);
-    else
-      std::memset(smem_ptr(c.dst), 0, 16);
-  }
+inline void perform_copy(const Copy& c) {
+  if (c.src_bytes == 16)
+    std::memcpy(smem_ptr(c.dst), c.src, 16);
+  else
+    std::memset(smem_ptr(c.dst), 0, 16);
 }
 inline void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  open_copies.push_back(Copy{dst, src, src_bytes});
+  copies.open.push_back(Copy{dst, src, src_bytes});
 }
-inline void cp_async_commit() {
-  copy_groups.push_back(std::move(open_copies));
-  open_copies.clear();
-}
-inline void cp_async_wait(int pending) {
-  while (int(copy_groups.size()) > pending) {
-    perform(copy_groups.front());
-    copy_groups.pop_front();
-  }
-}
-inline void cp_async_wait_all() {
+inline void cp_async_commit() { copies.commit(); }
+inline void cp_async_wait(int pending) { copies.wait(pending, perform_copy); }
+inline void cp_async_wait_all() {  // committed or not
   cp_async_wait(0);
-  perform(open_copies);
-  open_copies.clear();
+  for (const Copy& c : copies.open) perform_copy(c);
+  copies.open.clear();
 }
 
-// ---- bulk stores shared -> global: per-thread queue, in bulk async-groups
+// ---- bulk stores shared -> global, in bulk async-groups
 struct BulkStore {
   void* dst;
   uint32_t src;
   int bytes;
 };
-inline thread_local std::vector<BulkStore> open_bulk_stores;                // not committed
-inline thread_local std::deque<std::vector<BulkStore>> bulk_store_groups;  // oldest first
+inline thread_local AsyncGroups<BulkStore> bulk_stores;
 
 inline void bulk_store(void* dst, uint32_t src, int bytes) {
   if (bytes <= 0 || bytes % 16 != 0 || src % 16 != 0 ||
       reinterpret_cast<uintptr_t>(dst) % 16 != 0)
     trap("bulk store of a size or address not a multiple of 16 bytes");
-  open_bulk_stores.push_back(BulkStore{dst, src, bytes});
+  bulk_stores.open.push_back(BulkStore{dst, src, bytes});
 }
-inline void bulk_commit() {
-  bulk_store_groups.push_back(std::move(open_bulk_stores));
-  open_bulk_stores.clear();
-}
+inline void bulk_commit() { bulk_stores.commit(); }
 inline void bulk_wait(int pending) {
-  while (int(bulk_store_groups.size()) > pending) {
-    for (const BulkStore& s : bulk_store_groups.front())
-      std::memcpy(s.dst, smem_ptr(s.src), size_t(s.bytes));
-    bulk_store_groups.pop_front();
-  }
+  bulk_stores.wait(pending, [](const BulkStore& s) {
+    std::memcpy(s.dst, smem_ptr(s.src), size_t(s.bytes));
+  });
 }
 
 inline void named_barrier_sync(int id, int count) {
   if (!emu::named_barriers->wait(id, count)) trap("bar.sync with a bad id or thread count");
 }
 
-// ---- wgmma: per-thread queue of MMAs, in commit groups
-inline thread_local std::vector<std::function<void()>> open_mmas;
-inline thread_local std::deque<std::vector<std::function<void()>>> mma_groups;
+// ---- wgmma: MMAs in commit groups
+inline thread_local AsyncGroups<std::function<void()>> mmas;
 
-inline void wgmma_commit() {
-  mma_groups.push_back(std::move(open_mmas));
-  open_mmas.clear();
-}
+inline void wgmma_commit() { mmas.commit(); }
 inline void wgmma_wait(int pending) {
-  while (int(mma_groups.size()) > pending) {
-    for (auto& mma : mma_groups.front()) mma();
-    mma_groups.pop_front();
-  }
+  mmas.wait(pending, [](std::function<void()>& mma) { mma(); });
   warp_sync();  // .sync.aligned: the warp's lanes leave it together
 }
 
@@ -248,7 +246,7 @@ template <int kN>
 void wgmma(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   const int t = int(emu::thread_idx.x) % 128, w = t / 32, l = t % 32;
   float* acc_regs = d;
-  open_mmas.push_back([=] {
+  mmas.open.push_back([=] {
     for (int c = 0; c < kN / 8; ++c)
       for (int h = 0; h < 2; ++h)
         for (int e = 0; e < 2; ++e) {
@@ -429,11 +427,9 @@ inline void check_block_drained() {
 // A thread that ends with copies or MMAs it never waited for: the GPU would have completed
 // them at some point, which the kernel cannot have relied on.
 inline void check_drained() {
-  if (!open_copies.empty() || !copy_groups.empty())
-    trap("thread exits with cp.async copies it never waited for");
-  if (!open_mmas.empty() || !mma_groups.empty())
-    trap("thread exits with wgmma operations it never waited for");
-  if (!open_bulk_stores.empty() || !bulk_store_groups.empty())
+  if (!copies.empty()) trap("thread exits with cp.async copies it never waited for");
+  if (!mmas.empty()) trap("thread exits with wgmma operations it never waited for");
+  if (!bulk_stores.empty())
     trap("thread exits with bulk stores it never committed or waited for");
 }
 
