@@ -174,6 +174,11 @@ constexpr int kSplitMinKTiles = 4;    // a share keeps >= 4 k-tiles (256 reducti
 constexpr int kSplitUnitsPerSm = 8;   // workspace: 8 units per SM (wgmma_m64_ws: 64 KiB each)
 constexpr int kSplitBarrierId = 2;    // consumer named barrier (0: __syncthreads, 1: staged)
 
+// Floats of one share's slot (Mainloop: a ws main loop): every consumer thread's accumulators.
+template <class Mainloop>
+constexpr int kSplitSlotFloats =
+    Mainloop::kConsumerThreads * Mainloop::Cfg::kThreadM * Mainloop::kAccCols;
+
 // Shares per tile for `tiles` tiles of `k_tiles` k-tiles on `grid` persistent blocks, at
 // most max_splits and at most `capacity` units: the fewest rounds of work per block, each
 // round of a share costing 1/s of a tile (+3% for writing and summing the partials).
@@ -371,7 +376,7 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
                                 int splits, int* last_flag) {
   using Cfg = typename Mainloop::Cfg;
   constexpr int kAcc = Cfg::kThreadM * Mainloop::kAccCols;
-  constexpr int kSlot = Mainloop::kConsumerThreads * kAcc;
+  constexpr int kSlot = kSplitSlotFloats<Mainloop>;
   const int t = int(threadIdx.x);
   float* slots = a.split_partials + int64_t(tile_index) * splits * kSlot + int64_t(t) * kAcc;
   float* mine = slots + int64_t(split) * kSlot;
@@ -441,14 +446,12 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
   constexpr bool kSplitCapable = kClusterM == 1 && !kStaged && Cfg::kBlockM == 64;
   static_assert(!kSplitCapable || Mainloop::kUserBytes >= kSchedulerBytes<Cfg> + 4,
                 "split-K's flag is the word after the scheduler's storage");
-  constexpr int64_t kSlotFloats =
-      int64_t(Mainloop::kConsumerThreads) * Cfg::kThreadM * Mainloop::kAccCols;
   const int k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
   const int splits =
       kSplitCapable && a.split_max > 1
           ? choose_k_splits(num_tiles, step, k_tiles, a.split_max,
-                            a.split_floats / kSlotFloats < a.split_counters_len
-                                ? a.split_floats / kSlotFloats
+                            a.split_floats / kSplitSlotFloats<Mainloop> < a.split_counters_len
+                                ? a.split_floats / kSplitSlotFloats<Mainloop>
                                 : int64_t(a.split_counters_len))
           : 1;
   const int num_units = num_tiles * splits;
@@ -1126,11 +1129,8 @@ petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream)
 // the two GEMMs' accumulator tiles for kSplitUnitsPerSm units per SM, one counter per unit.
 template <class GateUp, class Down>
 int64_t split_k_slot_floats() {
-  constexpr int64_t g =
-      int64_t(GateUp::kConsumerThreads) * GateUp::Cfg::kThreadM * GateUp::kAccCols;
-  constexpr int64_t d =
-      int64_t(Down::kConsumerThreads) * Down::Cfg::kThreadM * Down::kAccCols;
-  return g > d ? g : d;
+  return kSplitSlotFloats<GateUp> > kSplitSlotFloats<Down> ? kSplitSlotFloats<GateUp>
+                                                           : kSplitSlotFloats<Down>;
 }
 
 // PETIT_MOE_SPLIT_K: the most k-shares per tile (1, the default: no split-K).
