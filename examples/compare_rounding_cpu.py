@@ -32,6 +32,7 @@ transformers (installed with vLLM).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -158,14 +159,18 @@ def main(argv=None) -> int:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model.eval()
     experts = RoutedExperts()
-    modeling_qwen3_moe.Qwen3MoeExperts.forward = (
-        lambda self, h, idx, w: experts(self, h, idx, w))
+    for module in model.modules():  # this model's expert modules only (no global patch)
+        if isinstance(module, modeling_qwen3_moe.Qwen3MoeExperts):
+            module.forward = functools.partial(experts, module)
     prompts = bench.load_prompts(args.data, limit=args.num_prompts)
     runs = {}
     for reduction in REDUCTIONS:
         experts.reduction = reduction
         runs[reduction] = [greedy(model, tokenizer, experts, p, args.max_tokens)
                            for p in prompts]
+        if not all(step for run in runs[reduction] for step in run["routes"]):
+            raise RuntimeError("the replacement expert forward was not called in every "
+                               "forward: this transformers' Qwen3-MoE is laid out differently")
     per_prompt = []
     for a, b in zip(runs["petit"], runs["triton"]):
         result = compare_serving.compare(a, b, args.tol)
