@@ -152,6 +152,7 @@ fi
 #     (EXPERTS_SWEEP="NAME=VALUE ...": once per environment setting, e.g. an A/B of
 #     PETIT_MOE_STAGED_EPILOGUE=0 / =1, each into $OUT/experts-NAME_VALUE and its own log; a
 #     repeated setting into experts-NAME_VALUE_r2, ...)
+experts_steps=bench-experts  # the steps' names, for the summary
 if want bench-experts; then
   if [ -z "${EXPERTS_SWEEP:-}" ]; then
     # shellcheck disable=SC2086
@@ -163,6 +164,8 @@ if want bench-experts; then
       # a setting repeated in the sweep (interleaved A/B repeats) gets _r2, _r3, ...
       n=1; base=$tag
       while [ -e "$OUT/experts-$tag" ]; do n=$((n + 1)); tag=${base}_r$n; done
+      [ "$experts_steps" = bench-experts ] && experts_steps=""
+      experts_steps+=" bench-experts-$tag"
       # shellcheck disable=SC2086
       run_step "bench-experts-$tag" 300 env "$setting" "$PY" examples/bench_experts.py \
         ${BENCH_EXPERTS_ARGS:---quick} --tiles $EXPERTS_TILES --out-dir "$OUT/experts-$tag"
@@ -226,11 +229,6 @@ echo "commit      : ${PETIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 echo "vllm        : $("$PY" -c 'from importlib.metadata import version; print(version("vllm"))' 2>&1 | tail -1)"
 echo "install     : rc=${RC[install]} in ${SECS[install]}s"
 ok=1
-experts_steps=bench-experts
-if [ -n "${EXPERTS_SWEEP:-}" ]; then
-  experts_steps=""
-  for setting in $EXPERTS_SWEEP; do experts_steps+=" bench-experts-${setting//[^A-Za-z0-9]/_}"; done
-fi
 for step in build meta test-vllm test-plugin bench $experts_steps ncu profile compare serve tpot; do
   case $step in bench-experts*) want bench-experts || continue ;; *) want "$step" || continue ;; esac
   rc=${RC[$step]:-not-run}
