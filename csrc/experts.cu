@@ -341,11 +341,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
 // SMs), the 64-row ws families (wgmma_narrow_ws, wgmma_m64_ws) can cut each tile's k-tiles
 // into `splits` shares, units of work spread over the persistent grid like tiles: unit u is
 // share u % splits of tile u / splits, so a tile's shares run side by side on neighbouring
-// blocks. Each share writes its fp32 accumulators to its slot of a.split_partials (each
-// consumer thread its own kSlot-strided run), then the block's first consumer thread counts
+// blocks. Each share writes its fp32 accumulators to its slot of a.split_partials
+// (coalesced float4 runs, see split_k_store4), then the block's first consumer thread counts
 // the share in a.split_counters[tile] (after a fence; the counters are zero at launch and the
 // last arrival resets its counter); the last share of a tile to arrive sums all shares in
-// share order (its own from registers: the same values) and runs the epilogue, the others
+// share order (its own read back from its slot) and runs the epilogue, the others
 // skip it. The sum's order does not depend on which share came last, so a given split is
 // deterministic; it differs from the unsplit sum in the last bits.
 // Opt-in (PETIT_MOE_SPLIT_K = the most shares per tile, read at every call): not yet
@@ -360,11 +360,23 @@ PETIT_DEVICE void split_k_fence() {
 #endif
 }
 
-PETIT_DEVICE float split_k_load(const float* p) {
+// One thread's run of four partials: through L2 (other SMs write and read them within the
+// launch), coalesced: a slot holds element e of consumer thread t at
+// ((e / 4) * kConsumerThreads + t) * 4 + e % 4, so a warp's float4 accesses are 512
+// contiguous bytes.
+PETIT_DEVICE void split_k_store4(float* p, float4 v) {
 #if PETIT_EMU_PTX || PETIT_HIP
-  return *p;
+  *reinterpret_cast<float4*>(p) = v;
 #else
-  return __ldcg(p);  // L2: other SMs wrote it during this launch
+  __stcg(reinterpret_cast<float4*>(p), v);
+#endif
+}
+
+PETIT_DEVICE float4 split_k_load4(const float* p) {
+#if PETIT_EMU_PTX || PETIT_HIP
+  return *reinterpret_cast<const float4*>(p);
+#else
+  return __ldcg(reinterpret_cast<const float4*>(p));
 #endif
 }
 
@@ -375,17 +387,21 @@ template <class Mainloop, class Acc>
 PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_index, int split,
                                 int splits, int* last_flag) {
   using Cfg = typename Mainloop::Cfg;
-  constexpr int kAcc = Cfg::kThreadM * Mainloop::kAccCols;
+  constexpr int kCols = Mainloop::kAccCols;
+  constexpr int kThreads = Mainloop::kConsumerThreads;
   constexpr int kSlot = kSplitSlotFloats<Mainloop>;
+  static_assert(kCols % 4 == 0, "a thread's accumulators go out in runs of four");
   const int t = int(threadIdx.x);
-  float* slots = a.split_partials + int64_t(tile_index) * splits * kSlot + int64_t(t) * kAcc;
+  float* slots = a.split_partials + int64_t(tile_index) * splits * kSlot + t * 4;
   float* mine = slots + int64_t(split) * kSlot;
 #pragma unroll
   for (int i = 0; i < Cfg::kThreadM; ++i)
 #pragma unroll
-    for (int j = 0; j < Mainloop::kAccCols; ++j) mine[i * Mainloop::kAccCols + j] = acc[i][j];
+    for (int j = 0; j < kCols; j += 4)
+      split_k_store4(mine + (i * kCols + j) * kThreads,
+                     make_float4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
   // Every consumer's stores, then one fence and the arrival by the first consumer thread.
-  gemm::sm90_named_barrier_sync(kSplitBarrierId, Mainloop::kConsumerThreads);
+  gemm::sm90_named_barrier_sync(kSplitBarrierId, kThreads);
   if (t == 0) {
     split_k_fence();
     const int arrived = atomicAdd(a.split_counters + tile_index, 1);
@@ -394,20 +410,26 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
     split_k_fence();
     *last_flag = last ? 1 : 0;
   }
-  gemm::sm90_named_barrier_sync(kSplitBarrierId, Mainloop::kConsumerThreads);
+  gemm::sm90_named_barrier_sync(kSplitBarrierId, kThreads);
   if (*last_flag == 0) return false;
   // (the flag is written again only after the next unit's first barrier, which every
   // consumer thread reaches after reading it here)
+  // The sum in share order, whoever arrived last (this block's own share is read back from
+  // its slot: the same values), each share's loads all issued before their adds.
+  for (int s = 0; s < splits; ++s) {
+    const float* share = slots + int64_t(s) * kSlot;
 #pragma unroll
-  for (int i = 0; i < Cfg::kThreadM; ++i)
+    for (int i = 0; i < Cfg::kThreadM; ++i)
 #pragma unroll
-    for (int j = 0; j < Mainloop::kAccCols; ++j) {
-      float sum = 0.0f;
-      for (int s = 0; s < splits; ++s)  // share order, whoever arrived last
-        sum += s == split ? acc[i][j]
-                          : split_k_load(slots + int64_t(s) * kSlot + i * Mainloop::kAccCols + j);
-      acc[i][j] = sum;
-    }
+      for (int j = 0; j < kCols; j += 4) {
+        const float4 v = split_k_load4(share + (i * kCols + j) * kThreads);
+        if (s == 0) {
+          acc[i][j] = v.x, acc[i][j + 1] = v.y, acc[i][j + 2] = v.z, acc[i][j + 3] = v.w;
+        } else {
+          acc[i][j] += v.x, acc[i][j + 1] += v.y, acc[i][j + 2] += v.z, acc[i][j + 3] += v.w;
+        }
+      }
+  }
   return true;
 }
 
