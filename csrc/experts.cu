@@ -385,7 +385,7 @@ PETIT_DEVICE float4 split_k_load4(const float* p) {
 // acc; false in the others. `last_flag`: a word of shared memory.
 template <class Mainloop, class Acc>
 PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_index, int split,
-                                int splits, int* last_flag) {
+                                int splits, int num_rows, int* last_flag) {
   using Cfg = typename Mainloop::Cfg;
   constexpr int kCols = Mainloop::kAccCols;
   constexpr int kThreads = Mainloop::kConsumerThreads;
@@ -394,11 +394,13 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
   const int t = int(threadIdx.x);
   float* slots = a.split_partials + int64_t(tile_index) * splits * kSlot + t * 4;
   float* mine = slots + int64_t(split) * kSlot;
+  // Only the tile's rows (a decode tile has a few of its 64): the epilogue skips the others.
 #pragma unroll
   for (int i = 0; i < Cfg::kThreadM; ++i)
 #pragma unroll
     for (int j = 0; j < kCols; j += 4)
-      split_k_store4(mine + (i * kCols + j) * kThreads,
+      if (Cfg::row_of(t, i) < num_rows)
+        split_k_store4(mine + (i * kCols + j) * kThreads,
                      make_float4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
   // Every consumer's stores, then one fence and the arrival by the first consumer thread.
   gemm::sm90_named_barrier_sync(kSplitBarrierId, kThreads);
@@ -419,7 +421,8 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
   for (int s = 0; s < splits; ++s) {
     const float* share = slots + int64_t(s) * kSlot;
 #pragma unroll
-    for (int i = 0; i < Cfg::kThreadM; ++i)
+    for (int i = 0; i < Cfg::kThreadM; ++i) {
+      if (Cfg::row_of(t, i) >= num_rows) continue;
 #pragma unroll
       for (int j = 0; j < kCols; j += 4) {
         const float4 v = split_k_load4(share + (i * kCols + j) * kThreads);
@@ -429,6 +432,7 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
           acc[i][j] += v.x, acc[i][j + 1] += v.y, acc[i][j + 2] += v.z, acc[i][j + 3] += v.w;
         }
       }
+    }
   }
   return true;
 }
@@ -499,7 +503,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
       if constexpr (kSplitCapable) {
         mainloop.consume(k_dim, k_tiles * split / splits, k_tiles * (split + 1) / splits);
         if (splits > 1 &&
-            !split_k_fixup<Mainloop>(a, mainloop.acc, u / splits, split, splits,
+            !split_k_fixup<Mainloop>(a, mainloop.acc, u / splits, split, splits, tile.num_rows,
                                      reinterpret_cast<int*>(Mainloop::user_smem(tc_dynamic_smem) +
                                                             kSchedulerBytes<Cfg>)))
           continue;  // another block sums this tile
