@@ -231,6 +231,8 @@ struct CombineArgs {
   int num_chunks;             // set by the launcher
   int num_send_blocks;        // set by the launcher: blocks [0, this) push rows back
   int num_reduce_chunks;      // set by the launcher: hidden chunks of one reduce item
+  int static_reduce;          // set by the launcher: 1 = reduce-only block b owns item
+                              // b - num_send_blocks (a block per item), no claim counter
 };
 
 petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream);

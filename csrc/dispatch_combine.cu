@@ -398,7 +398,8 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
 // Combine: blocks [0, num_send_blocks) push this rank's reduced rows back to their (remote)
 // sources, group by group; the other blocks, and each sender once its sends are done, claim
 // reduce items (own group, chunk) in group order from a local counter, wait for the group's
-// rows and reduce them. So the reduction runs while the transfer does, on SMs the transfer
+// rows and reduce them (small calls, with a reduce-only block per item: each of those blocks
+// reduces its own item and the senders stop after sending). So the reduction runs while the transfer does, on SMs the transfer
 // does not need, and no wait can precede one of this rank's sends (a block only waits after
 // its sends). A token's own-rank row is read straight from expert_out (never copied).
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
@@ -463,24 +464,37 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     }
   }
 
-  // ---- reduce: claim items in group order until none is left.
+  // ---- reduce
   const uint64_t* my_flags = reinterpret_cast<const uint64_t*>(my_heap + l.combine_flags);
   const uint4* combine_rows = reinterpret_cast<const uint4*>(my_heap + l.combine_rows);
   const uint4* own_rows =
       reinterpret_cast<const uint4*>(a.expert_out) + int64_t(c.rank) * R * num_vectors;
   const int num_reduce_chunks = a.num_reduce_chunks;
   const int num_reduce = ceil_div(a.num_tokens, kTokenGroupSize) * num_reduce_chunks;
+  // Waits until the peers' rows of `item`'s group have landed, then reduces it.
+  auto wait_and_reduce = [&](int item) {
+    const int group = item / num_reduce_chunks;
+    if (threadIdx.x < W && int(threadIdx.x) != c.rank)
+      wait_flag(c, my_flags + int64_t(threadIdx.x) * l.max_groups + group, epoch,
+                threadIdx.x, 1, group);
+    __syncthreads();  // the rows are visible (and, claiming, every thread has read s_claim)
+    reduce_item(a, combine_rows, own_rows, group, item % num_reduce_chunks, num_vectors);
+  };
+  // A reduce-only block for every item (small calls): each block its own item, no claim
+  // counter to read first and none to reset last, so the kernel ends when the last
+  // reduction does (the senders only send).
+  if (a.static_reduce) {
+    const int item = int(blockIdx.x) - a.num_send_blocks;
+    if (item >= 0 && item < num_reduce) wait_and_reduce(item);
+    return;
+  }
+  // Otherwise every block claims items in group order until none is left.
   while (true) {
     if (threadIdx.x == 0) s_claim = int(petit_atomic_add_gpu(&c.state->reduce_next, 1));
     __syncthreads();
     const int item = s_claim;
     if (item >= num_reduce) break;  // block-uniform
-    const int group = item / num_reduce_chunks;
-    if (threadIdx.x < W && int(threadIdx.x) != c.rank)
-      wait_flag(c, my_flags + int64_t(threadIdx.x) * l.max_groups + group, epoch,
-                threadIdx.x, 1, group);
-    __syncthreads();  // the rows are visible; every thread has read s_claim
-    reduce_item(a, combine_rows, own_rows, group, item % num_reduce_chunks, num_vectors);
+    wait_and_reduce(item);
   }
 
   // ---- the last block to finish resets the claim counter for the next combine (every
@@ -543,6 +557,9 @@ int combine_send_blocks(int num_blocks) {
   const int senders = num_blocks - num_blocks * reduce_pct / 100;
   return senders < 1 ? 1 : senders;
 }
+
+// PETIT_MOE_COMBINE_STATIC_REDUCE (default 1; 0 = always claim, for A/B runs; read once per
+// process): small calls give each reduce item its own reduce-only block (see combine_kernel).
 
 // Hidden chunks of one reduce item (own token group), at least the send chunks: a group's
 // reduction is cut into chunks of <= PETIT_MOE_COMBINE_REDUCE_VECTORS vectors per row (read
@@ -617,6 +634,8 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   a.num_send_blocks = int(rounds > 0 ? (send_items + rounds - 1) / rounds : 0);
   const int64_t reducers_left = a.ctx.num_blocks - a.num_send_blocks;
   const int64_t reducers = reduce_items < reducers_left ? reduce_items : reducers_left;
+  static const int static_reduce = env_knob("PETIT_MOE_COMBINE_STATIC_REDUCE", 1, 0, 1);
+  a.static_reduce = static_reduce && reduce_items <= reducers_left ? 1 : 0;
   const int grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);
   petitLaunchKernel(combine_kernel, dim3(grid), dim3(kThreads), 0, stream, a);
   return petitGetLastError();

@@ -75,11 +75,14 @@ sweep_rc=-
 if [ -n "${BENCH_SWEEP:-}" ] && [ $build_rc -eq 0 ] && [ "$num_gpus" -ge 2 ]; then
   sweep_rc=0
   for setting in $BENCH_SWEEP; do
-    echo "=== $setting" | tee -a "$OUT/sweep.log"
+    # a setting repeated in the sweep (interleaved A/B repeats) gets _r2, _r3, ...
+    tag=${setting//[^A-Za-z0-9]/_}; n=1; base=$tag
+    while [ -e "$OUT/sweep-$tag" ]; do n=$((n + 1)); tag=${base}_r$n; done
+    echo "=== $setting ($tag)" | tee -a "$OUT/sweep.log"
     # shellcheck disable=SC2086
     env "$setting" timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py \
       ${BENCH_SWEEP_ARGS:---routings uniform --tokens 1 128 4096 16384 --num-sms 0 --iters 20} \
-      --out-dir "$OUT/sweep-${setting//[^A-Za-z0-9]/_}" 2>&1 | grep -vi "warn" | tee -a "$OUT/sweep.log"
+      --out-dir "$OUT/sweep-$tag" 2>&1 | grep -vi "warn" | tee -a "$OUT/sweep.log"
     [ "${PIPESTATUS[0]}" = 0 ] || sweep_rc=1
   done
 fi
