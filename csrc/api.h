@@ -188,7 +188,7 @@ struct EpContextArgs {
   EpDiagnostics* diagnostics;
   uint64_t timeout_ticks;
   uint32_t* token_rank_mask;  // [T_max]  ranks each own token was sent to (bit d)
-  uint32_t* group_done;       // [2, W, G_max] completion counters (dispatch, combine)
+  uint32_t* group_done;       // [W, G_max] completion counters of the dispatch's chunks
   int32_t* recv_group_counts; // [W, G_max] rows received per (source, group), last dispatch
   int num_blocks;             // persistent grid; must be co-resident (<= SM count)
 };

@@ -88,7 +88,7 @@ class EpContext {
     const int64_t groups = args_.layout.max_groups;
     state_ = torch::zeros({int64_t(sizeof(EpState) / 8)}, opts.dtype(torch::kInt64));
     token_rank_mask_ = torch::zeros({max_tokens}, opts.dtype(torch::kInt32));
-    group_done_ = torch::zeros({2 * world_size * groups}, opts.dtype(torch::kInt32));
+    group_done_ = torch::zeros({world_size * groups}, opts.dtype(torch::kInt32));
     recv_group_counts_ = torch::zeros({world_size, groups}, opts.dtype(torch::kInt32));
     PETIT_CHECK_OK(petitHostAlloc((void**)&diag_host_, sizeof(EpDiagnostics)),
                    "pinned diagnostics allocation");
@@ -549,6 +549,7 @@ py::dict heap_layout(int64_t world_size, int64_t max_tokens, int64_t hidden, int
   HeapLayout l = make_heap_layout(int(world_size), int(max_tokens), int(hidden), int(max_top_k));
   py::dict d;
   d["max_groups"] = l.max_groups;
+  d["max_chunks"] = l.max_chunks;
   d["dispatch_rows"] = l.dispatch_rows;
   d["dispatch_ids"] = l.dispatch_ids;
   d["dispatch_weights"] = l.dispatch_weights;
@@ -569,6 +570,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using petit::EpContext;
   m.doc() = "vllm-petit-moe compiled kernels (symmetric heap, dispatch/combine, routing, experts)";
   m.attr("kTokenGroupSize") = petit::kTokenGroupSize;
+  m.attr("kMinChunkVectors") = petit::kMinChunkVectors;
   m.attr("kMaxTopK") = petit::kMaxTopK;
   m.attr("kMaxWorldSize") = petit::kMaxWorldSize;
   m.attr("kMaxExperts") = petit::kMaxExperts;

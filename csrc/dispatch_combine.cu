@@ -456,11 +456,12 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     }
     __syncthreads();  // the block's row writes, then one system fence + release by thread 0
     if (threadIdx.x == 0) {
+      // Every chunk its own flag (the reductions wait for the chunks they read): no
+      // completion counter and no second fence between the last chunk and the flag.
       petit_fence_sys();
-      uint64_t* flag = reinterpret_cast<uint64_t*>(src_heap + l.combine_flags) +
-                       int64_t(c.rank) * l.max_groups + group;
-      publish_item(c.group_done + int64_t(W + src) * l.max_groups + group, num_chunks, flag,
-                   make_flag(epoch, __popc(route_mask)));
+      petit_store_release_sys(reinterpret_cast<uint64_t*>(src_heap + l.combine_flags) +
+                                  (int64_t(c.rank) * l.max_groups + group) * l.max_chunks + chunk,
+                              make_flag(epoch, __popc(route_mask)));
     }
   }
 
@@ -471,14 +472,22 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       reinterpret_cast<const uint4*>(a.expert_out) + int64_t(c.rank) * R * num_vectors;
   const int num_reduce_chunks = a.num_reduce_chunks;
   const int num_reduce = ceil_div(a.num_tokens, kTokenGroupSize) * num_reduce_chunks;
-  // Waits until the peers' rows of `item`'s group have landed, then reduces it.
+  // Waits until the peers' send chunks of `item`'s group that overlap its hidden range have
+  // landed (a reduce chunk lies in one or two send chunks), then reduces it.
   auto wait_and_reduce = [&](int item) {
-    const int group = item / num_reduce_chunks;
-    if (threadIdx.x < W && int(threadIdx.x) != c.rank)
-      wait_flag(c, my_flags + int64_t(threadIdx.x) * l.max_groups + group, epoch,
-                threadIdx.x, 1, group);
+    const int group = item / num_reduce_chunks, reduce_chunk = item % num_reduce_chunks;
+    int begin, end;
+    chunk_range(num_vectors, reduce_chunk, num_reduce_chunks, &begin, &end);
+    for (int t = threadIdx.x; t < W * num_chunks; t += blockDim.x) {
+      const int peer = t / num_chunks, chunk = t % num_chunks;
+      int send_begin, send_end;
+      chunk_range(num_vectors, chunk, num_chunks, &send_begin, &send_end);
+      if (peer != c.rank && send_begin < end && begin < send_end)
+        wait_flag(c, my_flags + (int64_t(peer) * l.max_groups + group) * l.max_chunks + chunk,
+                  epoch, peer, 1, group);
+    }
     __syncthreads();  // the rows are visible (and, claiming, every thread has read s_claim)
-    reduce_item(a, combine_rows, own_rows, group, item % num_reduce_chunks, num_vectors);
+    reduce_item(a, combine_rows, own_rows, group, reduce_chunk, num_vectors);
   };
   // A reduce-only block for every item (small calls): each block its own item, no claim
   // counter to read first and none to reset last, so the kernel ends when the last
@@ -525,12 +534,8 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) peer_write_kernel(PeerWriteArgs
   }
 }
 
-// Hidden chunks per (peer, group) item, so that small calls still spread over the grid. A
-// chunk keeps >= kMinChunkVectors vectors (32 KB) of the group's rows: splitting less data
-// only adds a completion counter and a fence to the latency. (More, smaller items to fill
-// the grid's last round cost more than they gained: 2x H200, commit fb2cba5, dispatch at
-// 4096 tokens/rank on 24 SMs 238 -> 414 us with 3 chunks instead of 1.)
-constexpr int kMinChunkVectors = 2048;
+// Hidden chunks per (peer, group) item, so that small calls still spread over the grid; each
+// keeps >= kMinChunkVectors vectors (layout.h), so there are at most max_group_chunks(H).
 int choose_num_chunks(int region_stride, int num_peers, int num_vectors, int num_blocks) {
   const int num_groups = ceil_div(region_stride, kTokenGroupSize);
   const int items = num_groups * (num_peers > 0 ? num_peers : 1);
@@ -620,6 +625,7 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   const int max_senders = combine_send_blocks(a.ctx.num_blocks);
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size - 1,
                                    a.ctx.layout.hidden / kVecElems, max_senders);
+  if (a.num_chunks > a.ctx.layout.max_chunks) return petitErrorInvalidValue;  // flag slots
   // Senders: no more than send items; reduce-only blocks: the rest of the grid, but no more
   // than reduce items (small calls launch, fence and count less).
   const int64_t send_items = int64_t(ceil_div(a.region_stride, kTokenGroupSize)) *

@@ -37,6 +37,7 @@ def _region_bytes(world, max_tokens, hidden, top_k):
     """Unaligned size of every region, from docs/architecture.md."""
     rows = world * max_tokens
     groups = -(-max_tokens // TOKEN_GROUP_SIZE)
+    chunks = max(1, TOKEN_GROUP_SIZE * (hidden // 8) // 2048)  # 32 KB send chunks of a group
     return {
         "dispatch_rows": rows * hidden * 2,      # [W, T_max, H] bf16
         "dispatch_ids": rows * top_k * 4,        # [W, T_max, K_max] int32
@@ -44,7 +45,7 @@ def _region_bytes(world, max_tokens, hidden, top_k):
         "dispatch_scales": rows * -(-hidden // 128) * 4,  # [W, T_max, ceil(H/128)] f32
         "combine_rows": rows * hidden * 2,       # [W, T_max, H] bf16
         "dispatch_flags": world * groups * 8,    # [W, G_max] u64
-        "combine_flags": world * groups * 8,     # [W, G_max] u64
+        "combine_flags": world * groups * chunks * 8,  # [W, G_max, C_max] u64
     }
 
 
@@ -70,6 +71,7 @@ def test_heap_layout_matches_python(world, max_tokens, hidden, top_k):
     layout = _C.heap_layout(world, max_tokens, hidden, top_k)
     assert buffer.heap_bytes(world, max_tokens, hidden, top_k) == layout["total_bytes"]
     assert layout["max_groups"] == -(-max_tokens // TOKEN_GROUP_SIZE)
+    assert layout["max_chunks"] == buffer.max_group_chunks(hidden)
 
     sizes = _region_bytes(world, max_tokens, hidden, top_k)
     end = 0
@@ -95,6 +97,7 @@ def test_extension_limits_match_python():
     assert _C.kMaxWorldSize == buffer.MAX_WORLD_SIZE
     assert _C.kMaxExperts == buffer.MAX_EXPERTS
     assert _C.kTokenGroupSize == buffer.TOKEN_GROUP_SIZE == TOKEN_GROUP_SIZE
+    assert _C.kMinChunkVectors == buffer.MIN_CHUNK_VECTORS
 
 
 # --------------------------------------------------------------------------------------------

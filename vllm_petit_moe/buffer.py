@@ -26,6 +26,7 @@ MAX_TOP_K = 16
 MAX_EXPERTS = 512
 MAX_WORLD_SIZE = 32
 TOKEN_GROUP_SIZE = 32
+MIN_CHUNK_VECTORS = 2048  # 16-byte vectors of a send chunk, at least (csrc/layout.h)
 # Wire formats of dispatch (csrc/api.h DispatchQuant); the fp8 math is in csrc/fp8.h and
 # reference.quantize_fp8_reference.
 DISPATCH_QUANT = {None: 0, "fp8_block128": 1, "fp8_per_token": 2, "fp8_block128_ue8m0": 3}
@@ -66,6 +67,13 @@ class DispatchOutput:
     recv_x_scales: torch.Tensor | None = None
 
 
+def max_group_chunks(hidden_size: int) -> int:
+    """Combine flags per (rank, token group): the most hidden chunks of a group's bf16 rows
+    (a full group of TOKEN_GROUP_SIZE rows, MIN_CHUNK_VECTORS 16-byte vectors per chunk).
+    Mirrors csrc/layout.h max_group_chunks."""
+    return max(1, TOKEN_GROUP_SIZE * (hidden_size // 8) // MIN_CHUNK_VECTORS)
+
+
 def heap_bytes(world_size: int, max_tokens_per_rank: int, hidden_size: int,
                max_top_k: int) -> int:
     """Bytes of one rank's heap (before rounding to the allocation granularity). Mirrors
@@ -73,11 +81,12 @@ def heap_bytes(world_size: int, max_tokens_per_rank: int, hidden_size: int,
     align = lambda n: (n + 255) // 256 * 256  # noqa: E731
     rows = world_size * max_tokens_per_rank
     groups = -(-max_tokens_per_rank // TOKEN_GROUP_SIZE)
+    chunks = max_group_chunks(hidden_size)
     total = 0
     scales = -(-hidden_size // FP8_SCALE_BLOCK)
     for nbytes in (rows * hidden_size * 2, rows * max_top_k * 4, rows * max_top_k * 4,
                    rows * scales * 4, rows * hidden_size * 2, world_size * groups * 8,
-                   world_size * groups * 8):
+                   world_size * groups * chunks * 8):
         total += align(nbytes)
     return total
 
