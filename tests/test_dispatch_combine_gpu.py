@@ -287,6 +287,19 @@ def test_decode_rows_split_over_warps(rank_pools, hidden, tokens):
              None, True)
 
 
+def test_combine_reduce_items_straddle_send_chunks(rank_pools):
+    # A combine reduce item waits for every send chunk its hidden range overlaps. With 64 SMs
+    # (48 may send), hidden 7168 (896 vectors; reduce items of 128) and a region stride of
+    # 1024 tokens (32 groups), every group goes out in 2 hidden chunks split at vector 448,
+    # so the reduce item [384, 512) spans both, here with claimed reduce items (more of them
+    # than reduce-only blocks; rank 1 has 600 tokens). At decode sizes, one block per reduce
+    # item: 8 tokens (3 chunks, split at 298 and 597) in test_decode_rows_split_over_warps.
+    pool = rank_pools(2)
+    cfg = _cfg(hidden=7168, max_tokens=1024)
+    cfg["num_sms"] = 64
+    pool.run(_rank_round_trip, cfg, 81, [1024, 600], 8, None, 2, None, False)
+
+
 def test_max_tokens_4096_and_region_stride(rank_pools):
     pool = rank_pools(2)
     pool.run(_rank_round_trip, _cfg(hidden=2048, max_tokens=4096), 11, [4096, 4096], 8, None,
