@@ -396,12 +396,14 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
 }
 
 // Combine: blocks [0, num_send_blocks) push this rank's reduced rows back to their (remote)
-// sources, group by group; the other blocks, and each sender once its sends are done, claim
-// reduce items (own group, chunk) in group order from a local counter, wait for the group's
-// rows and reduce them (small calls, with a reduce-only block per item: each of those blocks
-// reduces its own item and the senders stop after sending). So the reduction runs while the transfer does, on SMs the transfer
-// does not need, and no wait can precede one of this rank's sends (a block only waits after
-// its sends). A token's own-rank row is read straight from expert_out (never copied).
+// sources, group by group, each (group, hidden chunk) with its own flag; the other blocks,
+// and each sender once its sends are done, claim reduce items (own group, chunk) in group
+// order from a local counter, wait for the send chunks the item overlaps and reduce them
+// (small calls, with a reduce-only block per item: each of those blocks reduces its own item
+// and the senders stop after sending). So the reduction runs while the transfer does, on
+// SMs the transfer does not need, and no wait can precede one of this rank's sends (a block
+// only waits after its sends). A token's own-rank row is read straight from expert_out
+// (never copied).
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const EpContextArgs& c = a.ctx;
   const HeapLayout& l = c.layout;
