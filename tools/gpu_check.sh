@@ -75,9 +75,7 @@ sweep_rc=-
 if [ -n "${BENCH_SWEEP:-}" ] && [ $build_rc -eq 0 ] && [ "$num_gpus" -ge 2 ]; then
   sweep_rc=0
   for setting in $BENCH_SWEEP; do
-    # a setting repeated in the sweep (interleaved A/B repeats) gets _r2, _r3, ...
-    tag=${setting//[^A-Za-z0-9]/_}; n=1; base=$tag
-    while [ -e "$OUT/sweep-$tag" ]; do n=$((n + 1)); tag=${base}_r$n; done
+    tag=$(sweep_tag "$OUT/sweep-" "$setting")
     echo "=== $setting ($tag)" | tee -a "$OUT/sweep.log"
     # shellcheck disable=SC2086
     env "$setting" timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py \

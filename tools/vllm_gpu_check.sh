@@ -160,10 +160,7 @@ if want bench-experts; then
       --tiles $EXPERTS_TILES --out-dir "$OUT/experts"
   else
     for setting in $EXPERTS_SWEEP; do
-      tag=${setting//[^A-Za-z0-9]/_}
-      # a setting repeated in the sweep (interleaved A/B repeats) gets _r2, _r3, ...
-      n=1; base=$tag
-      while [ -e "$OUT/experts-$tag" ]; do n=$((n + 1)); tag=${base}_r$n; done
+      tag=$(sweep_tag "$OUT/experts-" "$setting")
       [ "$experts_steps" = bench-experts ] && experts_steps=""
       experts_steps+=" bench-experts-$tag"
       # shellcheck disable=SC2086
