@@ -128,10 +128,13 @@ struct ExpertGemmArgs {
 // Sizes of the split-K workspace for these arguments (num_sms set; tiles resolved or auto):
 // floats of split_partials and ints of split_counters, both 0 when split-K is off
 // (PETIT_MOE_SPLIT_K unset or <= 1, read at every call) or the family has no split-K (only
-// wgmma_narrow_ws and wgmma_m64_ws do). The caller allocates them (counters zeroed) and sets
-// split_max = expert_split_k_max().
+// wgmma_narrow_ws and wgmma_m64_ws do). The caller allocates them (counters zeroed) and hands
+// them over with expert_split_k_attach.
 void expert_split_k_workspace(const ExpertGemmArgs& args, int64_t* floats, int* counters);
-int expert_split_k_max();
+// Sets args' split-K fields to that workspace (`floats` > 0) and split_max to
+// PETIT_MOE_SPLIT_K; with floats == 0 leaves split-K off.
+void expert_split_k_attach(ExpertGemmArgs* args, float* partials, int64_t floats,
+                           int32_t* counters, int counters_len);
 PETIT_HOST_DEVICE int64_t expert_act_workspace_elems(int num_rows, int top_k, int intermediate) {
   return int64_t(num_rows) * top_k * intermediate;
 }

@@ -510,11 +510,8 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
   if (split_floats > 0) {
     split_partials = torch::empty({split_floats}, opts.dtype(torch::kFloat32));
     split_counter_tensor = torch::zeros({split_counters}, int_opts);
-    a.split_partials = split_partials.data_ptr<float>();
-    a.split_counters = split_counter_tensor.data_ptr<int32_t>();
-    a.split_floats = split_floats;
-    a.split_counters_len = split_counters;
-    a.split_max = expert_split_k_max();
+    expert_split_k_attach(&a, split_partials.data_ptr<float>(), split_floats,
+                          split_counter_tensor.data_ptr<int32_t>(), split_counters);
   }
   PETIT_CHECK_OK(launch_experts(a, stream), "expert GEMM launch");
   return result;

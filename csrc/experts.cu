@@ -1160,7 +1160,7 @@ int64_t split_k_slot_floats() {
 }
 
 // PETIT_MOE_SPLIT_K: the most k-shares per tile (1, the default: no split-K).
-int expert_split_k_max() {
+static int expert_split_k_max() {
   const char* env = getenv("PETIT_MOE_SPLIT_K");
   if (env == nullptr || env[0] == '\0') return 1;
   const int v = atoi(env);
@@ -1179,17 +1179,20 @@ void expert_split_k_workspace(const ExpertGemmArgs& a, int64_t* floats, int* cou
   else if (family == kExpertTilesWgmmaM64Ws)
     slot = split_k_slot_floats<GateUpWgmmaM64Ws, DownWgmmaM64Ws>();
 #endif
-  if (slot == 0) return;
-  int num_sms = a.num_sms;
-  if (num_sms <= 0) {
-    int device = 0;
-    if (petitGetDevice(&device) != petitSuccess ||
-        petitDeviceGetAttribute(&num_sms, petitDevAttrMultiProcessorCount, device) !=
-            petitSuccess)
-      return;
-  }
+  int num_sms = 0;
+  if (slot == 0 || device_sm_count(a, &num_sms) != petitSuccess) return;
   *counters = kSplitUnitsPerSm * num_sms;
   *floats = int64_t(*counters) * slot;
+}
+
+void expert_split_k_attach(ExpertGemmArgs* a, float* partials, int64_t floats,
+                           int32_t* counters, int counters_len) {
+  if (floats <= 0) return;
+  a->split_partials = partials;
+  a->split_counters = counters;
+  a->split_floats = floats;
+  a->split_counters_len = counters_len;
+  a->split_max = expert_split_k_max();
 }
 
 petitError_t launch_experts(const ExpertGemmArgs& a, petitStream_t stream) {

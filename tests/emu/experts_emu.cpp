@@ -54,13 +54,8 @@ extern "C" int petit_emu_experts(const uint16_t* x, const int32_t* topk_ids,
   petit::expert_split_k_workspace(a, &split_floats, &split_counters);
   std::vector<float> partials(size_t(split_floats), std::nanf(""));
   std::vector<int32_t> counters(size_t(split_counters), 0);
-  if (split_floats > 0) {
-    a.split_partials = partials.data();
-    a.split_counters = counters.data();
-    a.split_floats = split_floats;
-    a.split_counters_len = split_counters;
-    a.split_max = petit::expert_split_k_max();
-  }
+  petit::expert_split_k_attach(&a, partials.data(), split_floats, counters.data(),
+                               split_counters);
   const int rc = int(petit::launch_experts(a, nullptr));
   // every counter reset by its tile's last share
   for (int32_t c : counters)
