@@ -573,13 +573,41 @@ int combine_send_blocks(int num_blocks) {
 // once per process; 0 = the send chunks), so that the last groups to land are reduced by
 // many blocks instead of one (at 4096 tokens/rank a whole-group item moves ~1.4 MB). Default
 // 128, measured on 2x H200, DeepSeek-V3 shapes, 132 SMs: combine at 4096 tokens 191.0 us vs
-// 202.1 us with 0 (201.4 with 256), 1, 128 and 16384 tokens unchanged. The chunking does not
-// change any output bit (every element is summed in the same fixed order).
-int combine_reduce_chunks(int num_chunks, int num_vectors) {
+// 202.1 us with 0 (201.4 with 256), 1, 128 and 16384 tokens unchanged. But every item costs
+// a claim, flag reads and barriers, so the chunks stop at about
+// PETIT_MOE_COMBINE_REDUCE_ITEMS items per block of the grid (default 8; 0 = no such bound;
+// read once per process). On 24 SMs the uncapped chunking gave each block ~37 items at 4096
+// tokens/rank; same-run A/B on 2x H200 (README, Dispatch and combine): combine at 24 SMs
+// 398.7 -> 327.7 us at 4096 tokens/rank and 1586 -> 1224 at 16384, 1024 tokens and every
+// size on 132 SMs within the run-to-run spread. The chunking does not change any output bit
+// (every element is summed in the same fixed order).
+int combine_reduce_chunks(int num_chunks, int num_vectors, int num_groups, int num_blocks) {
   static const int reduce_vectors = env_knob("PETIT_MOE_COMBINE_REDUCE_VECTORS", 128, 0, 1 << 20);
+  static const int items_per_block = env_knob("PETIT_MOE_COMBINE_REDUCE_ITEMS", 8, 0, 1 << 20);
   if (reduce_vectors <= 0) return num_chunks;
-  const int chunks = ceil_div(num_vectors, reduce_vectors);
+  int chunks = ceil_div(num_vectors, reduce_vectors);
+  if (items_per_block > 0 && num_groups > 0) {
+    const int64_t bound = (int64_t(items_per_block) * num_blocks + num_groups - 1) / num_groups;
+    if (bound < chunks) chunks = int(bound);
+  }
   return chunks > num_chunks ? chunks : num_chunks;
+}
+
+// Send chunks of the combine: choose_num_chunks's count, or PETIT_MOE_COMBINE_SEND_CHUNKS
+// (read once per process; 0 = off) if that is more, within the flag slots and the chunk size
+// bound. A tuning knob, off by default: on 2x H200 at 4096 tokens/rank and 132 SMs, 4 chunks
+// (six rounds of smaller items, so fewer groups land at the very end) took the combine from
+// 192-193 to 181-185 us, but 16384 tokens got 3-4% slower and 24 SMs 20-65% slower (each
+// send item costs its sender a route-mask read, two barriers and a system fence).
+int combine_send_chunks(int region_stride, int num_peers, int num_vectors, int max_senders,
+                        int max_chunks) {
+  static const int min_chunks = env_knob("PETIT_MOE_COMBINE_SEND_CHUNKS", 0, 0, 1 << 10);
+  const int chunks = choose_num_chunks(region_stride, num_peers, num_vectors, max_senders);
+  const int group_rows = region_stride < kTokenGroupSize ? region_stride : kTokenGroupSize;
+  const int64_t size_bound = int64_t(group_rows) * num_vectors / kMinChunkVectors;
+  int wanted = min_chunks < max_chunks ? min_chunks : max_chunks;
+  if (wanted > size_bound) wanted = int(size_bound);
+  return wanted > chunks ? wanted : chunks;
 }
 
 petitError_t check_context(const EpContextArgs& c, int region_stride, int num_tokens,
@@ -625,16 +653,18 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   if (err != petitSuccess) return err;
   CombineArgs a = args;
   const int max_senders = combine_send_blocks(a.ctx.num_blocks);
-  a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size - 1,
-                                   a.ctx.layout.hidden / kVecElems, max_senders);
+  a.num_chunks = combine_send_chunks(a.region_stride, a.ctx.world_size - 1,
+                                     a.ctx.layout.hidden / kVecElems, max_senders,
+                                     a.ctx.layout.max_chunks);
   if (a.num_chunks > a.ctx.layout.max_chunks) return petitErrorInvalidValue;  // flag slots
   // Senders: no more than send items; reduce-only blocks: the rest of the grid, but no more
   // than reduce items (small calls launch, fence and count less).
   const int64_t send_items = int64_t(ceil_div(a.region_stride, kTokenGroupSize)) *
                              (a.ctx.world_size - 1) * a.num_chunks;
-  a.num_reduce_chunks = combine_reduce_chunks(a.num_chunks, a.ctx.layout.hidden / kVecElems);
-  const int64_t reduce_items =
-      int64_t(ceil_div(a.num_tokens, kTokenGroupSize)) * a.num_reduce_chunks;
+  const int reduce_groups = ceil_div(a.num_tokens, kTokenGroupSize);
+  a.num_reduce_chunks = combine_reduce_chunks(a.num_chunks, a.ctx.layout.hidden / kVecElems,
+                                              reduce_groups, a.ctx.num_blocks);
+  const int64_t reduce_items = int64_t(reduce_groups) * a.num_reduce_chunks;
   // Equal rounds: e.g. 128 items on at most 99 senders would leave a second round of 29
   // blocks, too few to keep the links busy; 64 senders do two full rounds and the other
   // blocks reduce.

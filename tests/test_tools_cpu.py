@@ -20,34 +20,66 @@ def test_shell_scripts_parse(script):
     assert result.returncode == 0, result.stderr
 
 
-def _write_run(folder: Path, times: dict) -> None:
-    """One bench_experts results file: {(preset, routing, tokens, tiles): us}."""
+def _write_run(folder: Path, records: list) -> None:
+    """One benchmark results file of `records` (dicts)."""
     import json
     folder.mkdir(parents=True)
-    with open(folder / "experts_H200.jsonl", "w") as f:
-        for (preset, routing, tokens, tiles), us in times.items():
-            f.write(json.dumps(dict(preset=preset, routing=routing, tokens=tokens,
-                                    tiles=tiles, us=us)) + "\n")
+    with open(folder / "results.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
 
 
-def test_ab_experts_medians_ratios_and_verdict(tmp_path, capsys):
-    """tools/ab_experts.py: medians over a setting's repeats (A, A_r2, ...), the B/A ratio per
-    configuration, the geometric mean over the chosen tokens, exit 0 only when B is faster."""
+def _ab_compare():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("ab_experts", ROOT / "tools" / "ab_experts.py")
+    spec = importlib.util.spec_from_file_location("ab_compare", ROOT / "tools" / "ab_compare.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
+    return ab
+
+
+def _experts(times: dict) -> list:
+    return [dict(preset=p, routing=r, tokens=t, tiles=tiles, us=us)
+            for (p, r, t, tiles), us in times.items()]
+
+
+def test_ab_compare_experts_medians_ratios_and_verdict(tmp_path, capsys):
+    """tools/ab_compare.py on expert results: medians over a setting's repeats (A, A_r2, ...),
+    the B/A ratio per configuration, the geometric mean over the chosen tokens, exit 0 only
+    when B is faster."""
+    ab = _ab_compare()
     one = ("qwen3-30b-a3b", "uniform", 1, "wgmma_narrow_ws")
     eight = ("qwen3-30b-a3b", "uniform", 8, "wgmma_m64_ws")
-    _write_run(tmp_path / "x_1", {one: 40.0, eight: 100.0})
-    _write_run(tmp_path / "x_1_r2", {one: 44.0, eight: 100.0})
-    _write_run(tmp_path / "x_1_r3", {one: 42.0, eight: 100.0})
-    _write_run(tmp_path / "x_4", {one: 21.0, eight: 400.0})
+    _write_run(tmp_path / "x_1", _experts({one: 40.0, eight: 100.0}))
+    _write_run(tmp_path / "x_1_r2", _experts({one: 44.0, eight: 100.0}))
+    _write_run(tmp_path / "x_1_r3", _experts({one: 42.0, eight: 100.0}))
+    _write_run(tmp_path / "x_4", _experts({one: 21.0, eight: 400.0}))
     # B halves 1 token (median 42 -> 21) and quadruples 8 tokens.
     assert ab.main([str(tmp_path / "x_1"), str(tmp_path / "x_4"), "--tokens", "1"]) == 0
     out = capsys.readouterr().out
     assert " 42.0 " in out and " 21.0 " in out and "0.500" in out and "4.000" in out
-    assert "over 1 configurations: 0.500" in out
+    assert "of us over 1 configurations: 0.500" in out
     assert ab.main([str(tmp_path / "x_1"), str(tmp_path / "x_4")]) == 1  # sqrt(0.5 * 4) > 1
     assert "over 2 configurations: 1.414" in capsys.readouterr().out
     assert ab.main([str(tmp_path / "x_1"), str(tmp_path / "nothing")]) == 2
+
+
+def test_ab_compare_dispatch_combine_metric_and_sm_filter(tmp_path, capsys):
+    """tools/ab_compare.py on dispatch/combine results: both metrics per (tokens, num_sms), the
+    verdict on --metric (default combine_us) over the chosen SM counts, an unknown metric
+    refused."""
+    ab = _ab_compare()
+
+    def rec(tokens, sms, d, c):
+        return dict(preset="deepseek-v3", routing="uniform", tokens=tokens, num_sms=sms,
+                    dispatch_us=d, combine_us=c)
+    _write_run(tmp_path / "old", [rec(4096, 24, 236.0, 395.0), rec(4096, 132, 175.0, 190.0)])
+    _write_run(tmp_path / "new", [rec(4096, 24, 236.0, 316.0), rec(4096, 132, 175.0, 209.0)])
+    # combine: 0.8 at 24 SMs, 1.1 at 132; dispatch unchanged
+    assert ab.main([str(tmp_path / "old"), str(tmp_path / "new"), "--num-sms", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "0.800" in out and "1.100" in out and "of combine_us over 1 configurations: 0.800" in out
+    assert ab.main([str(tmp_path / "old"), str(tmp_path / "new"), "--num-sms", "132"]) == 1
+    capsys.readouterr()
+    assert ab.main([str(tmp_path / "old"), str(tmp_path / "new"), "--metric", "dispatch_us"]) == 1
+    assert "of dispatch_us over 2 configurations: 1.000" in capsys.readouterr().out
+    assert ab.main([str(tmp_path / "old"), str(tmp_path / "new"), "--metric", "us"]) == 2

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# On a GPU machine: same-run A/B of two source trees of this repository with the
+# dispatch/combine benchmark, so a kernel change is measured against its parent on the same
+# GPUs in the same call. AB_OLD names a folder holding the other tree, made before the call
+# with `git archive <commit> | tar -x -C <folder>` (untracked, so it travels with the working
+# tree; delete it afterwards). Both trees are built at once (half the cores each); then every
+# run of AB_RUNS, repeated AB_REPEATS times in interleaved order, runs
+# examples/bench_dispatch_combine.py $AB_ARGS from its own tree. A run is TREE[:NAME=VALUE]
+# with TREE `old` (AB_OLD) or `new` (this tree); its results go to
+# $OUT/ab-<tree>[_<setting>][_rN]/, and tools/ab_compare.py compares each run with the first.
+# Without AB_OLD only `new` runs are allowed (a sweep of settings of this tree).
+#
+#   AB_OLD=ab_old AB_RUNS="old new new:PETIT_MOE_COMBINE_REDUCE_ITEMS=0" AB_REPEATS=2 \
+#     AB_ARGS="--routings uniform --tokens 128 4096 --num-sms 24 132 --iters 20" \
+#     PACK=1 bash tools/ab_trees.sh
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+# shellcheck source=tools/common.sh
+. tools/common.sh
+OUT=${OUT:-/tmp/petit-ab}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+PY=${PYTHON:-python3}
+NEW=$PWD
+OLD=
+if [ -n "${AB_OLD:-}" ]; then
+  OLD=$(cd "$AB_OLD" && pwd) || exit 1
+  [ -f "$OLD/setup.py" ] || { echo "AB_OLD=$AB_OLD holds no source tree"; exit 1; }
+fi
+RUNS=${AB_RUNS:-old new}
+case " $RUNS" in *" old"*) [ -n "$OLD" ] || { echo "AB_RUNS has old runs but no AB_OLD"; exit 2; } ;; esac
+jobs=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
+[ -n "$OLD" ] || jobs=$(nproc)
+
+for tree in $OLD "$NEW"; do
+  (cd "$tree" && MAX_JOBS=$jobs $PY setup.py build_ext --inplace > "$OUT/build-$(basename "$tree").log" 2>&1) &
+done
+build_rc=0
+for job in $(jobs -p); do wait "$job" || build_rc=1; done
+if [ $build_rc -ne 0 ]; then tail -30 "$OUT"/build-*.log; pack_out ab_trees; exit 1; fi
+
+bench_rc=0
+first=
+for _ in $(seq "${AB_REPEATS:-2}"); do
+  for run in $RUNS; do
+    tree=${run%%:*}; setting=${run#"$tree"}; setting=${setting#:}
+    case $tree in old) dir=$OLD ;; new) dir=$NEW ;; *) echo "run $run: tree must be old or new"; exit 2 ;; esac
+    name=$tree${setting:+_$setting}
+    tag=$(sweep_tag "$OUT/ab-" "$name")
+    first=${first:-$OUT/ab-${name//[^A-Za-z0-9]/_}}
+    echo "=== $run ($tag)" | tee -a "$OUT/ab.log"
+    # shellcheck disable=SC2086
+    (cd "$dir" && env ${setting:+"$setting"} PYTHONPATH="$dir:${PYTHONPATH:-}" \
+      timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py \
+      ${AB_ARGS:---routings uniform --tokens 128 4096 16384 --num-sms 24 0 --iters 20} \
+      --out-dir "$OUT/ab-$tag") 2>&1 | grep -vi "warn" >> "$OUT/ab.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || bench_rc=1
+  done
+done
+
+echo
+echo "================ petit-moe A/B of two trees ================"
+echo "old: ${AB_OLD:-none}  new: ${PETIT_COMMIT:-this tree}  runs: $RUNS x ${AB_REPEATS:-2}  bench rc=$bench_rc"
+for run in $(printf '%s\n' $RUNS | awk '!seen[$0]++'); do
+  tree=${run%%:*}; setting=${run#"$tree"}; setting=${setting#:}
+  name=$tree${setting:+_$setting}
+  base=$OUT/ab-${name//[^A-Za-z0-9]/_}
+  [ "$base" = "$first" ] && continue
+  echo "--- $(basename "$first") vs $(basename "$base")" | tee -a "$OUT/ab_summary.log"
+  $PY tools/ab_compare.py "$first" "$base" --metric "${AB_METRIC:-combine_us}" | tee -a "$OUT/ab_summary.log"
+done
+pack_out ab_trees
+[ $bench_rc -eq 0 ]
