@@ -5,8 +5,8 @@
 # with `git archive <commit> | tar -x -C <folder>` (untracked, so it travels with the working
 # tree; delete it afterwards). Both trees are built at once (half the cores each); then every
 # run of AB_RUNS, repeated AB_REPEATS times in interleaved order, runs
-# examples/bench_dispatch_combine.py $AB_ARGS from its own tree. A run is TREE[:NAME=VALUE]
-# with TREE `old` (AB_OLD) or `new` (this tree); its results go to
+# examples/bench_dispatch_combine.py $AB_ARGS from its own tree. A run is
+# TREE[:NAME=VALUE[,NAME=VALUE...]] with TREE `old` (AB_OLD) or `new` (this tree); its results go to
 # $OUT/ab-<tree>[_<setting>][_rN]/, and tools/ab_compare.py compares each run with the first.
 # Without AB_OLD only `new` runs are allowed (a sweep of settings of this tree).
 #
@@ -51,7 +51,7 @@ for _ in $(seq "${AB_REPEATS:-2}"); do
     first=${first:-$OUT/ab-${name//[^A-Za-z0-9]/_}}
     echo "=== $run ($tag)" | tee -a "$OUT/ab.log"
     # shellcheck disable=SC2086
-    (cd "$dir" && env ${setting:+"$setting"} PYTHONPATH="$dir:${PYTHONPATH:-}" \
+    (cd "$dir" && env ${setting:+${setting//,/ }} PYTHONPATH="$dir:${PYTHONPATH:-}" \
       timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py \
       ${AB_ARGS:---routings uniform --tokens 128 4096 16384 --num-sms 24 0 --iters 20} \
       --out-dir "$OUT/ab-$tag") 2>&1 | grep -vi "warn" >> "$OUT/ab.log"
