@@ -240,6 +240,9 @@ struct CombineArgs {
 
 petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream);
 petitError_t launch_combine(const CombineArgs& args, petitStream_t stream);
+// Host only: what launch_combine launches for `args` (its fields set by the launcher, plus the
+// grid size); the same errors as launch_combine's, no CUDA call.
+petitError_t plan_combine(CombineArgs* args, int* grid);
 
 // Ceiling for benchmarks: every rank pushes `bytes_per_peer` from `src` into each peer's
 // heap at `heap_offset` with the same SM copy loop the dispatch uses (self excluded).

@@ -542,6 +542,36 @@ torch::Tensor float_to_e4m3(const torch::Tensor& values) {
   return out;
 }
 
+// What a combine of `num_tokens` own tokens (rows per source region `region_stride`) launches
+// on `num_blocks` SMs: host-side planning only (plan_combine), for diagnostics and CPU tests.
+py::dict combine_plan(int64_t world_size, int64_t hidden, int64_t num_tokens,
+                      int64_t region_stride, int64_t num_blocks) {
+  PETIT_CHECK(world_size >= 2 && world_size <= kMaxWorldSize, "world size %lld outside [2, %d]",
+              (long long)world_size, kMaxWorldSize);
+  PETIT_CHECK(hidden > 0 && hidden % 8 == 0, "hidden size %lld must be a positive multiple of 8",
+              (long long)hidden);
+  PETIT_CHECK(region_stride >= 1 && num_tokens >= 0 && num_tokens <= region_stride,
+              "need 0 <= num_tokens (%lld) <= region_stride (%lld), region_stride >= 1",
+              (long long)num_tokens, (long long)region_stride);
+  PETIT_CHECK(num_blocks >= 1, "num_blocks %lld must be >= 1", (long long)num_blocks);
+  CombineArgs a{};
+  a.ctx.layout = make_heap_layout(int(world_size), int(region_stride), int(hidden), 1);
+  a.ctx.world_size = int(world_size);
+  a.ctx.num_blocks = int(num_blocks);
+  a.num_tokens = int(num_tokens);
+  a.top_k = 1;
+  a.region_stride = int(region_stride);
+  int grid = 0;
+  PETIT_CHECK_OK(plan_combine(&a, &grid), "combine plan");
+  py::dict d;
+  d["send_chunks"] = a.num_chunks;
+  d["send_blocks"] = a.num_send_blocks;
+  d["reduce_chunks"] = a.num_reduce_chunks;
+  d["static_reduce"] = bool(a.static_reduce);
+  d["grid"] = grid;
+  return d;
+}
+
 py::dict heap_layout(int64_t world_size, int64_t max_tokens, int64_t hidden, int64_t max_top_k) {
   HeapLayout l = make_heap_layout(int(world_size), int(max_tokens), int(hidden), int(max_top_k));
   py::dict d;
@@ -573,6 +603,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("kMaxExperts") = petit::kMaxExperts;
   m.def("heap_layout", &petit::heap_layout, "Byte offsets of the heap regions (layout.h)",
         py::arg("world_size"), py::arg("max_tokens"), py::arg("hidden"), py::arg("max_top_k"));
+  m.def("combine_plan", &petit::combine_plan,
+        "What a combine launches (host-side plan, no GPU needed): {send_chunks, send_blocks, "
+        "reduce_chunks, static_reduce, grid}",
+        py::arg("world_size"), py::arg("hidden"), py::arg("num_tokens"),
+        py::arg("region_stride"), py::arg("num_blocks"));
   m.def("float_to_e4m3", &petit::float_to_e4m3,
         "Host run of dispatch's float32 -> fp8 e4m3fn conversion (csrc/fp8.h): uint8 codes",
         py::arg("values"));

@@ -648,10 +648,10 @@ petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
   return petitGetLastError();
 }
 
-petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
-  petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
+petitError_t plan_combine(CombineArgs* args, int* grid) {
+  petitError_t err = check_context(args->ctx, args->region_stride, args->num_tokens, args->top_k);
   if (err != petitSuccess) return err;
-  CombineArgs a = args;
+  CombineArgs& a = *args;
   const int max_senders = combine_send_blocks(a.ctx.num_blocks);
   a.num_chunks = combine_send_chunks(a.region_stride, a.ctx.world_size - 1,
                                      a.ctx.layout.hidden / kVecElems, max_senders,
@@ -674,7 +674,15 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   const int64_t reducers = reduce_items < reducers_left ? reduce_items : reducers_left;
   static const int static_reduce = env_knob("PETIT_MOE_COMBINE_STATIC_REDUCE", 1, 0, 1);
   a.static_reduce = static_reduce && reduce_items <= reducers_left ? 1 : 0;
-  const int grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);
+  *grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);
+  return petitSuccess;
+}
+
+petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
+  CombineArgs a = args;
+  int grid = 0;
+  const petitError_t err = plan_combine(&a, &grid);
+  if (err != petitSuccess) return err;
   petitLaunchKernel(combine_kernel, dim3(grid), dim3(kThreads), 0, stream, a);
   return petitGetLastError();
 }

@@ -134,3 +134,82 @@ def test_validate_config_accepts(overrides):
 def test_validate_config_rejects(overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
         buffer.validate_config(**{**VALID, **overrides})
+
+
+# --------------------------------------------------------------------- combine launch plan
+# _C.combine_plan runs the combine's host-side planning (csrc/dispatch_combine.cu
+# plan_combine: send chunks and senders, reduce chunks, static or claimed reduction, grid)
+# without a GPU. Its tuning knobs are read once per process from the environment, so the
+# expected values below hold only with none of them set.
+_COMBINE_KNOBS = ("PETIT_MOE_COMBINE_REDUCE_PCT", "PETIT_MOE_COMBINE_REDUCE_VECTORS",
+                  "PETIT_MOE_COMBINE_REDUCE_ITEMS", "PETIT_MOE_COMBINE_SEND_CHUNKS",
+                  "PETIT_MOE_COMBINE_STATIC_REDUCE")
+
+
+def _combine_plan_ext():
+    import os
+    ext = _extension()
+    if any(k in os.environ for k in _COMBINE_KNOBS):
+        pytest.skip("a PETIT_MOE_COMBINE_* tuning knob is set")
+    return ext
+
+
+@pytest.mark.parametrize("tokens,num_blocks,expected", [
+    # DeepSeek-V3 rows (hidden 7168: 896 vectors, 14 send chunks at most), 2 ranks.
+    # 1 token: one send item, 7 reduce items of 128 vectors, each its own reduce-only block.
+    (1, 132, dict(send_chunks=1, send_blocks=1, reduce_chunks=7, static_reduce=True, grid=8)),
+    # 128 tokens: 4 groups of 14 send chunks; reduce items as fine as the send chunks.
+    (128, 132, dict(send_chunks=14, send_blocks=56, reduce_chunks=14, static_reduce=True,
+                    grid=112)),
+    # 4096 tokens: 128 group items on 64 senders (two equal rounds of the 99 allowed),
+    # reduction cut into 7 chunks of 128 vectors, claimed by the whole grid.
+    (4096, 132, dict(send_chunks=1, send_blocks=64, reduce_chunks=7, static_reduce=False,
+                     grid=132)),
+    # 24 SMs: 18 senders allowed, 8 rounds of 16; the reduce chunking bounded at ~8 items per
+    # block (2 chunks, not 7: the 24-SM slowdown fixed at 23c8603).
+    (4096, 24, dict(send_chunks=1, send_blocks=16, reduce_chunks=2, static_reduce=False,
+                    grid=24)),
+    (16384, 132, dict(send_chunks=1, send_blocks=86, reduce_chunks=3, static_reduce=False,
+                      grid=132)),
+    (16384, 24, dict(send_chunks=1, send_blocks=18, reduce_chunks=1, static_reduce=False,
+                     grid=24)),
+])
+def test_combine_plan_deepseek_v3(tokens, num_blocks, expected):
+    ext = _combine_plan_ext()
+    assert ext.combine_plan(2, 7168, tokens, tokens, num_blocks) == expected
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("hidden", [8, 2048, 4104, 7168])
+def test_combine_plan_invariants(world, hidden):
+    """Over many sizes: the send chunks fit the flag slots, the grid fits the SMs, reduce
+    items are at least as fine as the send chunks, the reduce chunking stays within ~8 items
+    per block once it goes beyond the send chunks, and a static reduction has a block per
+    item."""
+    ext = _combine_plan_ext()
+    max_chunks = buffer.max_group_chunks(hidden)
+    for num_blocks in (1, 2, 8, 24, 64, 132):
+        for tokens in (0, 1, 7, 31, 32, 33, 128, 1000, 4096, 16384):
+            for stride in {max(tokens, 1), max(tokens, 1) + 40}:
+                plan = ext.combine_plan(world, hidden, tokens, stride, num_blocks)
+                where = f"W={world} H={hidden} T={tokens} R={stride} blocks={num_blocks}: {plan}"
+                assert 1 <= plan["send_chunks"] <= max(1, max_chunks), where
+                assert 1 <= plan["grid"] <= num_blocks, where
+                assert 0 <= plan["send_blocks"] <= plan["grid"], where
+                assert plan["reduce_chunks"] >= plan["send_chunks"], where
+                groups = -(-tokens // 32)
+                reduce_items = groups * plan["reduce_chunks"]
+                if plan["reduce_chunks"] > plan["send_chunks"] and groups:
+                    assert reduce_items <= 8 * num_blocks + groups, where
+                if plan["static_reduce"]:
+                    assert plan["grid"] - plan["send_blocks"] >= reduce_items, where
+
+
+def test_combine_plan_rejects_bad_sizes():
+    ext = _combine_plan_ext()
+    with pytest.raises(RuntimeError, match="world size"):
+        ext.combine_plan(1, 7168, 1, 1, 132)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ext.combine_plan(2, 7170, 1, 1, 132)
+    with pytest.raises(RuntimeError, match="region_stride"):
+        ext.combine_plan(2, 7168, 10, 5, 132)
