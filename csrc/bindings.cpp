@@ -513,6 +513,13 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
     expert_split_k_attach(&a, split_partials.data_ptr<float>(), split_floats,
                           split_counter_tensor.data_ptr<int32_t>(), split_counters);
   }
+  // fused local reduction (PETIT_MOE_FUSED_REDUCE=1; off by default): per-call counters,
+  // zeroed by the gate/up kernel
+  torch::Tensor reduce_counters;
+  if (const int64_t ints = expert_fused_reduce_ints(a); ints > 0) {
+    reduce_counters = torch::empty({ints}, int_opts);
+    a.reduce_counters = reduce_counters.data_ptr<int32_t>();
+  }
   PETIT_CHECK_OK(launch_experts(a, stream), "expert GEMM launch");
   return result;
 }

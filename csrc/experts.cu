@@ -437,6 +437,100 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
   return true;
 }
 
+// ---- fused local reduction (PETIT_MOE_FUSED_REDUCE=1; wgmma_narrow_ws, wgmma_m64_ws)
+// The gate/up kernel zeroes the counters and writes the rows with no local slot (zeros, as
+// the reduce kernel would); every down tile, once its partials are stored, counts each of
+// its rows in reduce_counters[row][n_tile] (after a fence); the block whose count completes
+// the row's local slots sums the row's partials of that column tile in slot order, as
+// expert_reduce_kernel does, and resets the counter. Tiles of one launch share one column
+// tiling, so a (row, n_tile) counter sees exactly the row's local slots.
+constexpr int kFusedReduceBarrierId = 3;  // consumer named barrier (2: split-K)
+
+// Valid local slots of `row` (the rule of the row lists, expert_ids.h).
+PETIT_DEVICE int row_local_slots(const ExpertGemmArgs& a, int row) {
+  int slots = 0;
+  for (int k = 0; k < a.top_k; ++k)
+    slots += local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts,
+                             a.num_local_experts, row * a.top_k + k) >= 0;
+  return slots;
+}
+
+// Gate/up kernel, every thread of the grid, before its tiles.
+PETIT_DEVICE void fused_reduce_prologue(const ExpertGemmArgs& a) {
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  const int64_t counters =
+      int64_t(a.num_rows) * ((a.hidden + kFusedReduceCols - 1) / kFusedReduceCols);
+  for (int64_t i = thread; i < counters; i += threads) a.reduce_counters[i] = 0;
+  const int vectors = a.hidden / 8;
+  for (int64_t i = thread; i < int64_t(a.num_rows) * vectors; i += threads) {
+    const int row = int(i / vectors);
+    if (row_local_slots(a, row) == 0)
+      reinterpret_cast<uint4*>(a.out + int64_t(row) * a.hidden)[i % vectors] =
+          make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Down kernel, consumer threads, after the epilogue of `tile` stored its partials.
+// Tile rows are counted by the lanes of warps [0, kBlockM / 32): lane l of warp w counts row
+// w * 32 + l; then each of those warps sums its completed rows, lanes across 8-column vectors.
+template <class Mainloop>
+PETIT_DEVICE void fused_reduce_tile(const ExpertGemmArgs& a, const gemm::TileCoord& tile) {
+  using Cfg = typename Mainloop::Cfg;
+  constexpr int kThreads = Mainloop::kConsumerThreads;
+  static_assert(Cfg::kBlockN % kFusedReduceCols == 0 && Cfg::kBlockM <= kThreads,
+                "counters per kFusedReduceCols columns, a counting thread per tile row");
+  const int n_tiles = (a.hidden + kFusedReduceCols - 1) / kFusedReduceCols;
+  // every consumer's partial stores of the tile, then one fence per counted row
+  gemm::sm90_named_barrier_sync(kFusedReduceBarrierId, kThreads);
+  const int t = int(threadIdx.x);
+  if (t >= ((Cfg::kBlockM + 31) / 32) * 32) return;  // warps without tile rows (warp-uniform)
+  const int first_row = t - t % 32;
+  if (first_row >= tile.num_rows) return;  // warp-uniform
+  bool complete = false;
+  if (t < tile.num_rows) {
+    const int row = a.sorted_entries[tile.row_begin + t] / a.top_k;
+    split_k_fence();  // release this block's partials of the tile
+    int32_t* counter = a.reduce_counters + int64_t(row) * n_tiles + tile.n_tile;
+    complete = atomicAdd(counter, 1) + 1 == row_local_slots(a, row);
+    if (complete) {
+      *counter = 0;     // for the next call (every arrival is in)
+      split_k_fence();  // acquire the other blocks' partials
+    }
+  }
+  uint32_t pending = uint32_t(petit_ballot(complete));
+  petit_syncwarp();  // the acquiring lane's fence before the warp's loads
+  const int lane = t % 32;
+  const int col_begin = tile.n_tile * Cfg::kBlockN;
+  const int vectors = (a.hidden - col_begin < Cfg::kBlockN ? a.hidden - col_begin
+                                                           : Cfg::kBlockN) / 8;
+  while (pending != 0) {
+    const int r = first_row + petit_popc((pending & (0u - pending)) - 1);  // lowest set bit
+    pending &= pending - 1;
+    const int row = a.sorted_entries[tile.row_begin + r] / a.top_k;
+    for (int v = lane; v < vectors; v += 32) {
+      const int col = col_begin + v * 8;
+      float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int k = 0; k < a.top_k; ++k) {  // slot order, as expert_reduce_kernel
+        const int entry = row * a.top_k + k;
+        if (local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts,
+                            a.num_local_experts, entry) < 0)
+          continue;
+        const uint4 bits = petit_load_cg(
+            reinterpret_cast<const uint4*>(a.partial + int64_t(entry) * a.hidden + col));
+        const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
+      }
+      uint4 packed;
+      petit_bf16_bits* o = reinterpret_cast<petit_bf16_bits*>(&packed);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = petit_float_to_bf16(sum[e]);
+      *reinterpret_cast<uint4*>(a.out + int64_t(row) * a.hidden + col) = packed;
+    }
+  }
+}
+
 // Warp-specialized kernels (Mainloop = Sm90WgmmaWsMainloop): the same tiles, A rows and
 // epilogues as the two kernels above; the weight rows come through `b_map`, the tensor map of
 // w13 (dims {H, I, 2, L}) or w2 ({I, H, 1, L}) that launch_ws_gemm encodes. The scheduler and
@@ -447,7 +541,10 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
 // n-tiles of an expert's left-over m-tile (scheduler.h).
 // kStaged: Epilogue is gemm::StagedWeightedEntryEpilogue, its staging buffer after the
 // scheduler's storage in the main loop's user shared memory.
-template <class Mainloop, bool kStaged = false, class Epilogue, class ARow>
+// kFusedReduceTail (down GEMM): the fused local reduction's tail after each tile's epilogue
+// when a.reduce_counters is set (only the 64-row families without clusters or staging).
+template <class Mainloop, bool kStaged = false, bool kFusedReduceTail = false, class Epilogue,
+          class ARow>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
                                  const Epilogue& epilogue, const petit_bf16_bits* a_fallback,
                                  int k_dim, int out_cols, ARow a_row) {
@@ -509,6 +606,8 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
           continue;  // another block sums this tile
         epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                        tile.num_rows, tile.n_tile * Cfg::kBlockN);
+        if constexpr (kFusedReduceTail)
+          if (a.reduce_counters != nullptr) fused_reduce_tile<Mainloop>(a, tile);
       } else if constexpr (kStaged) {
         static_assert(Mainloop::kUserBytes >= kSchedulerBytes<Cfg> + Epilogue::kBytes,
                       "the staging buffer is the main loop's user shared memory");
@@ -533,6 +632,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
+    if (a.reduce_counters != nullptr) fused_reduce_prologue(a);
     expert_ws_gemm<Mainloop>(
         a, &w13_map, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.x, a.hidden,
         a.intermediate,
@@ -550,7 +650,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     using Cfg = typename Mainloop::Cfg;
     using Epilogue = std::conditional_t<kStaged, gemm::StagedWeightedEntryEpilogue<Cfg>,
                                         gemm::WeightedEntryEpilogue<Cfg>>;
-    expert_ws_gemm<Mainloop, kStaged>(
+    expert_ws_gemm<Mainloop, kStaged, /*kFusedReduceTail=*/true>(
         a, &w2_map, Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden}, a.act,
         a.intermediate, a.hidden,
         [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); });
@@ -1195,10 +1295,25 @@ void expert_split_k_attach(ExpertGemmArgs* a, float* partials, int64_t floats,
   a->split_max = expert_split_k_max();
 }
 
+// The families with the fused local reduction: the 64-row ws ones (their down kernels run
+// fused_reduce_tile after each tile, see expert_ws_gemm).
+static bool fused_reduce_family(int family) {
+  return family == kExpertTilesWgmmaNarrowWs || family == kExpertTilesWgmmaM64Ws;
+}
+
+int64_t expert_fused_reduce_ints(const ExpertGemmArgs& a) {
+  const char* env = getenv("PETIT_MOE_FUSED_REDUCE");
+  if (env == nullptr || atoi(env) != 1 || a.num_rows <= 0 || a.hidden <= 0) return 0;
+  if (!fused_reduce_family(resolve_expert_tiles(a))) return 0;
+  return int64_t(a.num_rows) * ((a.hidden + kFusedReduceCols - 1) / kFusedReduceCols);
+}
+
 petitError_t launch_experts(const ExpertGemmArgs& a, petitStream_t stream) {
+  if (a.reduce_counters != nullptr && !fused_reduce_family(resolve_expert_tiles(a)))
+    return petitErrorInvalidValue;  // a family without the fused tail would leave out unset
   petitError_t err = launch_expert_gate_up(a, stream);
   if (err == petitSuccess) err = launch_expert_down(a, stream);
-  if (err == petitSuccess) err = launch_expert_reduce(a, stream);
+  if (err == petitSuccess && a.reduce_counters == nullptr) err = launch_expert_reduce(a, stream);
   return err;
 }
 

@@ -32,6 +32,7 @@ def emu(tmp_path_factory):
     lib.petit_emu_last_gemm_launch.restype = None
     lib.petit_emu_resolve_tiles.restype = ctypes.c_int
     lib.petit_emu_split_floats_written.restype = ctypes.c_int64
+    lib.petit_emu_fused_reduce_counters.restype = ctypes.c_int64
     return lib
 
 
@@ -377,3 +378,76 @@ def test_split_k_is_not_taken_where_it_does_not_pay(sm90, monkeypatch):
     monkeypatch.setenv("PETIT_MOE_SPLIT_K", "1")
     plain, _ = run_emulated(sm90, *problem, tiles="wgmma_m64_ws", num_sms=2)
     assert torch.equal(split, plain)
+
+
+def fused_reduce_routing(seed):
+    """Decode-like routing for the fused reduction: rows with 0 to 4 local slots, experts with
+    0 to several rows."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 5, (23, 4), generator=gen, dtype=torch.int32)
+    ids = torch.where(torch.rand(23, 4, generator=gen) < 0.35, -1, ids)
+    ids[2] = -1      # no local slot: written as zeros by the gate/up kernel
+    ids[7] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)  # four local slots
+    ids[ids == 4] = 3  # expert 4 gets no row
+    return ids.contiguous()
+
+
+@pytest.mark.parametrize("tiles,num_sms", [("wgmma_narrow_ws", 1), ("wgmma_narrow_ws", 5),
+                                           ("wgmma_m64_ws", 3)])
+def test_fused_reduce_equals_the_reduce_kernel(sm90, monkeypatch, tiles, num_sms):
+    """PETIT_MOE_FUSED_REDUCE=1 (the 64-row ws families): the down GEMM block that counts a
+    row's last local slot for a column tile sums that row's partials there; bit-equal to the
+    separate reduce kernel, rows without a local slot 0, a partial last column tile (hidden
+    392 = 3 x 128 + 8), counters garbage before the call and all back at zero after it (the
+    emulation checks)."""
+    problem = make_problem(fused_reduce_routing(91), 392, 72, 5, seed=92)
+    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
+    fused, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert used == tiles
+    assert sm90.petit_emu_fused_reduce_counters() == 23 * 4  # rows x ceil(392 / 128)
+    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "0")
+    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert sm90.petit_emu_fused_reduce_counters() == 0
+    assert torch.equal(fused, plain)
+    check_against_reference(fused, problem)
+
+
+def test_fused_reduce_with_split_k_and_expert_map(sm90, monkeypatch):
+    """The fused reduction after split-K's fixup (only the block with a tile's last share
+    stores and counts it) and on global ids through vLLM's expert map: bit-equal to the
+    separate reduce kernel on the same split."""
+    ids = torch.full((6, 2), -1, dtype=torch.int32)
+    ids[0, 0] = 1
+    ids[1:4, 1] = 3
+    ids[4, 0], ids[4, 1] = 3, 1
+    problem = make_problem(ids, 1032, 520, 5, seed=93)
+    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "4")
+    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
+    fused, _ = run_emulated(sm90, *problem, tiles="wgmma_narrow_ws", num_sms=16)
+    assert sm90.petit_emu_split_floats_written() > 0, "no tile was split"
+    assert sm90.petit_emu_fused_reduce_counters() > 0
+    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "0")
+    plain, _ = run_emulated(sm90, *problem, tiles="wgmma_narrow_ws", num_sms=16)
+    assert torch.equal(fused, plain)
+    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "1")
+    # global ids: local expert e is global id 2e + 1 of 12
+    expert_map = torch.full((12,), -1, dtype=torch.int32)
+    expert_map[1::2][:5] = torch.arange(5, dtype=torch.int32)
+    x, local_ids, w, w13, w2 = problem
+    global_ids = torch.where(local_ids >= 0, 2 * local_ids + 1, -1).int().contiguous()
+    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
+    mapped, _ = run_emulated(sm90, x, global_ids, w, w13, w2, tiles="wgmma_m64_ws", num_sms=2,
+                             expert_map=expert_map)
+    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "0")
+    want, _ = run_emulated(sm90, x, local_ids, w, w13, w2, tiles="wgmma_m64_ws", num_sms=2)
+    assert torch.equal(mapped, want)
+
+
+@pytest.mark.parametrize("tiles", ["wgmma_ws", "small", "decode"])
+def test_fused_reduce_only_where_the_family_has_it(sm90, monkeypatch, tiles):
+    """Families without the fused tail keep the reduce kernel under PETIT_MOE_FUSED_REDUCE=1."""
+    problem = make_problem(fused_reduce_routing(94), 136, 40, 5, seed=95)
+    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
+    out, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=2)
+    assert used == tiles and sm90.petit_emu_fused_reduce_counters() == 0
+    check_against_reference(out, problem)

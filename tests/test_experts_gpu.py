@@ -354,6 +354,32 @@ def test_split_k_matches_the_reference(monkeypatch, tiles, num_rows):
     assert torch.equal(first, run_petit(problem, tiles))
 
 
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
+@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws"])
+@pytest.mark.parametrize("num_rows,hidden,intermediate,num_local", [
+    (1, 2048, 768, 64), (16, 2048, 768, 64),   # Qwen3-30B-A3B decode, 2 ranks
+    (8, 7168, 2048, 16), (200, 1032, 520, 8),  # DeepSeek-V3 shapes; many tiles per SM
+])
+def test_fused_reduce_equals_the_reduce_kernel(monkeypatch, tiles, num_rows, hidden,
+                                               intermediate, num_local):
+    """PETIT_MOE_FUSED_REDUCE=1: the down GEMM block whose count completes a row's local slots
+    for a column tile sums the row's partials there, instead of the reduce kernel. With
+    NaN-poisoned workspaces (a sum before every partial landed reads NaN), 5 rounds of fresh
+    data each bit-equal to the reduce kernel's output (same slot order), rows without a local
+    slot 0, a partial last column tile at hidden 1032, split-K off."""
+    monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
+    for round_ in range(5):
+        ids = random_ids(num_rows, 8, num_local, seed=700 + 13 * round_ + num_rows)
+        if num_rows > 2:
+            ids[1] = -1  # a row without a local slot
+        problem = make_problem(ids, hidden, intermediate, num_local, seed=800 + round_)
+        monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
+        fused = run_petit(problem, tiles)
+        monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "0")
+        assert torch.equal(fused, run_petit(problem, tiles)), f"round {round_}"
+        check(fused, problem, name=f"{tiles} fused reduce, round {round_}")
+
+
 @pytest.mark.parametrize("tiles", TILE_FAMILIES)
 def test_global_ids_with_expert_map_equal_local_ids(tiles):
     """vLLM's expert_map applied inside the kernels: global ids + map give exactly the output
