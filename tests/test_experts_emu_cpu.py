@@ -451,3 +451,17 @@ def test_fused_reduce_only_where_the_family_has_it(sm90, monkeypatch, tiles):
     out, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=2)
     assert used == tiles and sm90.petit_emu_fused_reduce_counters() == 0
     check_against_reference(out, problem)
+
+
+def test_fused_reduce_under_auto_at_decode_sizes(sm90, monkeypatch):
+    """auto at a decode size picks wgmma_narrow_ws on an sm_90 device, and with
+    PETIT_MOE_FUSED_REDUCE=1 the call runs the fused reduction: the path vLLM's PetitExperts
+    takes with the switch on."""
+    ids = torch.tensor([[3, -1, 0, 4], [1, 3, -1, -1]], dtype=torch.int32)  # 6 / 5 per expert
+    problem = make_problem(ids, 264, 40, 5, seed=97)
+    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
+    fused, used = run_emulated(sm90, *problem, tiles="auto", num_sms=4)
+    assert used == "wgmma_narrow_ws" and sm90.petit_emu_fused_reduce_counters() == 2 * 3
+    monkeypatch.delenv("PETIT_MOE_FUSED_REDUCE")
+    plain, _ = run_emulated(sm90, *problem, tiles="auto", num_sms=4)
+    assert sm90.petit_emu_fused_reduce_counters() == 0 and torch.equal(fused, plain)
