@@ -213,3 +213,36 @@ def test_combine_plan_rejects_bad_sizes():
         ext.combine_plan(2, 7170, 1, 1, 132)
     with pytest.raises(RuntimeError, match="region_stride"):
         ext.combine_plan(2, 7168, 10, 5, 132)
+
+
+@pytest.mark.parametrize("env,tokens,num_blocks,expected", [
+    # the bound off: the 128-vector chunking alone (7 reduce chunks on 24 SMs, the slowdown)
+    ({"PETIT_MOE_COMBINE_REDUCE_ITEMS": "0"}, 4096, 24, dict(send_chunks=1, reduce_chunks=7)),
+    ({"PETIT_MOE_COMBINE_REDUCE_VECTORS": "0"}, 4096, 132, dict(send_chunks=1, reduce_chunks=1)),
+    # at least 4 send chunks: 512 items in six rounds of 86 senders; reduce chunks stay 7
+    ({"PETIT_MOE_COMBINE_SEND_CHUNKS": "4"}, 4096, 132,
+     dict(send_chunks=4, send_blocks=86, reduce_chunks=7)),
+    # ... never beyond the flag slots / 32 KB items (14 for hidden 7168)
+    ({"PETIT_MOE_COMBINE_SEND_CHUNKS": "99"}, 4096, 132, dict(send_chunks=14)),
+    ({"PETIT_MOE_COMBINE_STATIC_REDUCE": "0"}, 128, 132, dict(static_reduce=False)),
+    ({"PETIT_MOE_COMBINE_REDUCE_PCT": "50"}, 4096, 132, dict(send_blocks=64)),  # 66 allowed
+    ({"PETIT_MOE_COMBINE_REDUCE_PCT": "60"}, 4096, 132, dict(send_blocks=43)),  # 53: 3 rounds
+])
+def test_combine_plan_tuning_knobs(env, tokens, num_blocks, expected):
+    """The combine's tuning knobs are read once per process: each case plans in a fresh
+    interpreter with its environment."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    _extension()
+    code = ("import json, torch; from vllm_petit_moe import _C; "
+            f"print(json.dumps(_C.combine_plan(2, 7168, {tokens}, {tokens}, {num_blocks})))")
+    child_env = {k: v for k, v in os.environ.items() if k not in _COMBINE_KNOBS}
+    child_env.update(env)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=child_env, cwd=str(Path(__file__).resolve().parents[1]))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {k: plan[k] for k in expected} == expected, plan

@@ -83,3 +83,63 @@ def test_ab_compare_dispatch_combine_metric_and_sm_filter(tmp_path, capsys):
     assert ab.main([str(tmp_path / "old"), str(tmp_path / "new"), "--metric", "dispatch_us"]) == 1
     assert "of dispatch_us over 2 configurations: 1.000" in capsys.readouterr().out
     assert ab.main([str(tmp_path / "old"), str(tmp_path / "new"), "--metric", "us"]) == 2
+
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# Stands in for python3 under tools/ab_trees.sh: "builds" succeed, ab_compare.py runs for
+# real, the benchmark writes one record whose combine_us tells which tree and settings ran.
+case "$1" in
+  setup.py) exit 0 ;;
+  tools/ab_compare.py) shift; exec "$REAL_PYTHON" "$AB_COMPARE" "$@" ;;
+esac
+while [ $# -gt 0 ]; do [ "$1" = --out-dir ] && out=$2; shift; done
+mkdir -p "$out"
+us=400; [ -f OLD_TREE ] || us=300; [ -n "${PETIT_X:-}" ] && us=$((us - PETIT_X * 100))
+[ -n "${PETIT_Y:-}" ] && us=$((us - PETIT_Y))
+echo "{\"preset\": \"deepseek-v3\", \"routing\": \"uniform\", \"tokens\": 4096, \"num_sms\": 24, \"dispatch_us\": 236.0, \"combine_us\": $us, \"cwd\": \"$PWD\"}" > "$out/r.jsonl"
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
+    """tools/ab_trees.sh with a stand-in python: every run in interleaved repeats, from its own
+    tree, with all of its NAME=VALUE settings, into its own folder; ab_compare's summary last."""
+    import json
+    import sys
+    new, old = tmp_path / "new", tmp_path / "old"
+    (new / "tools").mkdir(parents=True)
+    for name in ("ab_trees.sh", "common.sh", "ab_compare.py"):
+        shutil.copy(ROOT / "tools" / name, new / "tools" / name)
+    (new / "setup.py").write_text("")
+    old.mkdir()
+    (old / "setup.py").write_text("")
+    (old / "OLD_TREE").write_text("")
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(PATH="/usr/bin:/bin", PYTHON=str(fake), REAL_PYTHON=sys.executable,
+               AB_COMPARE=str(new / "tools" / "ab_compare.py"), OUT=str(out), AB_OLD=str(old),
+               AB_RUNS="old new new:PETIT_X=1,PETIT_Y=2", AB_REPEATS="2")
+    result = subprocess.run(["bash", str(new / "tools" / "ab_trees.sh")], env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = {}
+    for folder in sorted(out.glob("ab-*")):
+        record = json.loads((folder / "r.jsonl").read_text())
+        runs[folder.name] = (record["combine_us"], record["cwd"])
+    assert runs == {
+        "ab-old": (400, str(old)), "ab-old_r2": (400, str(old)),
+        "ab-new": (300, str(new)), "ab-new_r2": (300, str(new)),
+        "ab-new_PETIT_X_1_PETIT_Y_2": (198, str(new)),
+        "ab-new_PETIT_X_1_PETIT_Y_2_r2": (198, str(new)),
+    }
+    log = (out / "ab.log").read_text()
+    assert log.index("=== old (old)") < log.index("=== new (new)") < log.index("(old_r2)")
+    summary = result.stdout
+    assert "ab-old vs ab-new" in summary and "0.750" in summary
+    assert "ab-old vs ab-new_PETIT_X_1_PETIT_Y_2" in summary and "0.495" in summary
+    env["AB_OLD"] = ""
+    refused = subprocess.run(["bash", str(new / "tools" / "ab_trees.sh")], env=env,
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "no AB_OLD" in refused.stdout
