@@ -2,8 +2,9 @@
 # On a GPU machine: same-run A/B of two source trees of this repository with the
 # dispatch/combine benchmark, so a kernel change is measured against its parent on the same
 # GPUs in the same call. AB_OLD names a folder holding the other tree, made before the call
-# with `git archive <commit> | tar -x -C <folder>` (untracked, so it travels with the working
-# tree; delete it afterwards). Both trees are built at once (half the cores each); then every
+# with `git archive <commit> csrc vllm_petit_moe setup.py examples/bench_dispatch_combine.py |
+# tar -x -C <folder>` (untracked, so it travels with the working tree, which must stay under
+# the device call's 64 MiB; delete it afterwards). Both trees are built at once (half the cores each); then every
 # run of AB_RUNS, repeated AB_REPEATS times in interleaved order, runs
 # examples/bench_dispatch_combine.py $AB_ARGS from its own tree. A run is
 # TREE[:NAME=VALUE[,NAME=VALUE...]] with TREE `old` (AB_OLD) or `new` (this tree); its results go to
@@ -33,7 +34,9 @@ case " $RUNS" in *" old"*) [ -n "$OLD" ] || { echo "AB_RUNS has old runs but no 
 jobs=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
 [ -n "$OLD" ] || jobs=$(nproc)
 
-for tree in $OLD "$NEW"; do
+trees=("$NEW")
+[ -z "$OLD" ] || trees=("$OLD" "$NEW")
+for tree in "${trees[@]}"; do
   (cd "$tree" && MAX_JOBS=$jobs $PY setup.py build_ext --inplace > "$OUT/build-$(basename "$tree").log" 2>&1) &
 done
 build_rc=0
