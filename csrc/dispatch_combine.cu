@@ -536,13 +536,19 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) peer_write_kernel(PeerWriteArgs
   }
 }
 
+// Most hidden chunks of a send item that keep >= kMinChunkVectors vectors (layout.h) of a
+// token group's rows (0 when even one chunk holds fewer).
+int max_size_chunks(int region_stride, int num_vectors) {
+  const int group_rows = region_stride < kTokenGroupSize ? region_stride : kTokenGroupSize;
+  return int(int64_t(group_rows) * num_vectors / kMinChunkVectors);
+}
+
 // Hidden chunks per (peer, group) item, so that small calls still spread over the grid; each
-// keeps >= kMinChunkVectors vectors (layout.h), so there are at most max_group_chunks(H).
+// keeps >= kMinChunkVectors vectors, so there are at most max_group_chunks(H).
 int choose_num_chunks(int region_stride, int num_peers, int num_vectors, int num_blocks) {
   const int num_groups = ceil_div(region_stride, kTokenGroupSize);
   const int items = num_groups * (num_peers > 0 ? num_peers : 1);
-  const int group_rows = region_stride < kTokenGroupSize ? region_stride : kTokenGroupSize;
-  const int max_chunks = int(int64_t(group_rows) * num_vectors / kMinChunkVectors);
+  const int max_chunks = max_size_chunks(region_stride, num_vectors);
   const int chunks = ceil_div(num_blocks, items);
   return chunks < 1 ? 1 : (chunks > max_chunks ? (max_chunks > 1 ? max_chunks : 1) : chunks);
 }
@@ -603,10 +609,9 @@ int combine_send_chunks(int region_stride, int num_peers, int num_vectors, int m
                         int max_chunks) {
   static const int min_chunks = env_knob("PETIT_MOE_COMBINE_SEND_CHUNKS", 0, 0, 1 << 10);
   const int chunks = choose_num_chunks(region_stride, num_peers, num_vectors, max_senders);
-  const int group_rows = region_stride < kTokenGroupSize ? region_stride : kTokenGroupSize;
-  const int64_t size_bound = int64_t(group_rows) * num_vectors / kMinChunkVectors;
+  const int size_bound = max_size_chunks(region_stride, num_vectors);
   int wanted = min_chunks < max_chunks ? min_chunks : max_chunks;
-  if (wanted > size_bound) wanted = int(size_bound);
+  if (wanted > size_bound) wanted = size_bound;
   return wanted > chunks ? wanted : chunks;
 }
 

@@ -107,6 +107,37 @@ PETIT_DEVICE const petit_bf16_bits* w2_row(const ExpertGemmArgs& a, const petit_
   return n < a.hidden ? w2_e + int64_t(n) * a.intermediate : nullptr;
 }
 
+// The local weighted reduction of `row` at columns [col, col + 8): its local slots' bf16
+// partials summed in fp32 in slot order, rounded to bf16 once. The one formula of both the
+// reduce kernel and the fused reduction (so they agree bit for bit). kBypassL1: loads through
+// L2 (partials other blocks of the running kernel wrote).
+template <bool kBypassL1>
+PETIT_DEVICE uint4 local_slot_sum8(const ExpertGemmArgs& a, int row, int col) {
+  float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int k = 0; k < a.top_k; ++k) {
+    const int entry = row * a.top_k + k;
+    // the validity rule of the row lists (expert_ids.h)
+    if (local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, a.num_local_experts,
+                        entry) < 0)
+      continue;
+    const uint4* src = reinterpret_cast<const uint4*>(a.partial + int64_t(entry) * a.hidden + col);
+    uint4 bits;
+    if constexpr (kBypassL1)
+      bits = petit_load_cg(src);
+    else
+      bits = *src;
+    const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
+  }
+  uint4 packed;
+  packed.x = uint32_t(petit_float_to_bf16(sum[0])) | (uint32_t(petit_float_to_bf16(sum[1])) << 16);
+  packed.y = uint32_t(petit_float_to_bf16(sum[2])) | (uint32_t(petit_float_to_bf16(sum[3])) << 16);
+  packed.z = uint32_t(petit_float_to_bf16(sum[4])) | (uint32_t(petit_float_to_bf16(sum[5])) << 16);
+  packed.w = uint32_t(petit_float_to_bf16(sum[6])) | (uint32_t(petit_float_to_bf16(sum[7])) << 16);
+  return packed;
+}
+
 // ------------------------------------------------------------------ gate/up (GEMM1)
 
 template <class Cfg>
@@ -462,12 +493,18 @@ PETIT_DEVICE void fused_reduce_prologue(const ExpertGemmArgs& a) {
   const int64_t counters =
       int64_t(a.num_rows) * ((a.hidden + kFusedReduceCols - 1) / kFusedReduceCols);
   for (int64_t i = thread; i < counters; i += threads) a.reduce_counters[i] = 0;
+  // a warp per row: its slots checked once (lane k: slot k; top-k <= 16 lanes), then the
+  // whole warp writes the row if none is local
+  const int lane = petit_lane_id();
   const int vectors = a.hidden / 8;
-  for (int64_t i = thread; i < int64_t(a.num_rows) * vectors; i += threads) {
-    const int row = int(i / vectors);
-    if (row_local_slots(a, row) == 0)
-      reinterpret_cast<uint4*>(a.out + int64_t(row) * a.hidden)[i % vectors] =
-          make_uint4(0, 0, 0, 0);
+  for (int64_t row = thread / PETIT_WARP_SIZE; row < a.num_rows;
+       row += threads / PETIT_WARP_SIZE) {
+    const bool local =
+        lane < a.top_k && local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts,
+                                          a.num_local_experts, int(row) * a.top_k + lane) >= 0;
+    if (petit_ballot(local) != 0) continue;  // warp-uniform
+    for (int v = lane; v < vectors; v += PETIT_WARP_SIZE)
+      reinterpret_cast<uint4*>(a.out + row * a.hidden)[v] = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -510,23 +547,8 @@ PETIT_DEVICE void fused_reduce_tile(const ExpertGemmArgs& a, const gemm::TileCoo
     const int row = a.sorted_entries[tile.row_begin + r] / a.top_k;
     for (int v = lane; v < vectors; v += 32) {
       const int col = col_begin + v * 8;
-      float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k = 0; k < a.top_k; ++k) {  // slot order, as expert_reduce_kernel
-        const int entry = row * a.top_k + k;
-        if (local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts,
-                            a.num_local_experts, entry) < 0)
-          continue;
-        const uint4 bits = petit_load_cg(
-            reinterpret_cast<const uint4*>(a.partial + int64_t(entry) * a.hidden + col));
-        const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
-      }
-      uint4 packed;
-      petit_bf16_bits* o = reinterpret_cast<petit_bf16_bits*>(&packed);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] = petit_float_to_bf16(sum[e]);
-      *reinterpret_cast<uint4*>(a.out + int64_t(row) * a.hidden + col) = packed;
+      *reinterpret_cast<uint4*>(a.out + int64_t(row) * a.hidden + col) =
+          local_slot_sum8<true>(a, row, col);
     }
   }
 }
@@ -811,25 +833,8 @@ PETIT_GLOBAL void __launch_bounds__(kReduceThreads) expert_reduce_kernel(ExpertG
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int row = int(idx / chunks_per_row);
     const int col = int(idx % chunks_per_row) * 8;
-    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int k = 0; k < a.top_k; ++k) {
-      const int entry = row * a.top_k + k;
-      // the validity rule of the row lists (expert_ids.h)
-      if (local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, a.num_local_experts,
-                          entry) < 0)
-        continue;
-      const uint4 bits =
-          *reinterpret_cast<const uint4*>(a.partial + int64_t(entry) * a.hidden + col);
-      const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
-    }
-    uint4 packed;
-    packed.x = uint32_t(petit_float_to_bf16(sum[0])) | (uint32_t(petit_float_to_bf16(sum[1])) << 16);
-    packed.y = uint32_t(petit_float_to_bf16(sum[2])) | (uint32_t(petit_float_to_bf16(sum[3])) << 16);
-    packed.z = uint32_t(petit_float_to_bf16(sum[4])) | (uint32_t(petit_float_to_bf16(sum[5])) << 16);
-    packed.w = uint32_t(petit_float_to_bf16(sum[6])) | (uint32_t(petit_float_to_bf16(sum[7])) << 16);
-    *reinterpret_cast<uint4*>(a.out + int64_t(row) * a.hidden + col) = packed;
+    *reinterpret_cast<uint4*>(a.out + int64_t(row) * a.hidden + col) =
+        local_slot_sum8<false>(a, row, col);
   }
 }
 
