@@ -21,6 +21,7 @@ struct RowListArgs {
   int32_t* expert_counts;    // [L]
   int32_t* expert_offsets;   // [L+1]
   int32_t* sorted_entries;   // [num_entries]
+  int32_t* expert_done;      // [L] set to 0 here (the fused GEMMs' counters), or nullptr
 };
 constexpr int kRowListChunk = 1024;  // entries per block
 PETIT_HOST_DEVICE int64_t row_list_workspace_ints(int num_entries, int num_local_experts) {
@@ -124,19 +125,20 @@ struct ExpertGemmArgs {
   int64_t split_floats;
   int split_counters_len;
   int split_max;                   // most k-splits of one tile (<= 1: no split)
-  // Fused local reduction (expert_fused_reduce_ints; nullptr: the separate reduce kernel):
-  // one arrival counter per (row, kFusedReduceCols columns of H); any content at launch (the
-  // gate/up kernel zeroes them).
-  int32_t* reduce_counters;        // [expert_fused_reduce_ints(args)]
+  // Fused GEMMs (expert_fused_gemms; nullptr: a gate/up and a down launch): per local expert,
+  // the arrivals of its finished gate/up tiles, zero at launch (launch_expert_row_lists zeroes
+  // them through RowListArgs::expert_done).
+  int32_t* gate_up_done;           // [L]
 };
-// Fused local reduction of the 64-row ws families (wgmma_narrow_ws, wgmma_m64_ws): instead of
-// the reduce kernel, the down GEMM's block that writes the last of a row's partials for a
-// column tile sums that row's partials there (same slot order, same result bit for bit).
-// Opt-in: PETIT_MOE_FUSED_REDUCE=1 (read at every call). The ints of its counters for these
-// arguments (num_sms set; tiles resolved or auto), 0 when off or the family has none; the
-// caller allocates them (no clearing needed) and sets args.reduce_counters.
-constexpr int kFusedReduceCols = 128;  // counter granularity: the narrowest down tile's columns
-int64_t expert_fused_reduce_ints(const ExpertGemmArgs& args);
+// Fused GEMMs of the 64-row ws families (wgmma_narrow_ws, wgmma_m64_ws): one persistent launch
+// runs the gate/up tiles and then the down tiles of the call through one ring; a down tile's
+// producer starts loading an expert's act rows once all of that expert's gate/up tiles have
+// arrived (gate_up_done), so the down weights stream while the last gate/up tiles finish and
+// the call has one kernel boundary less. Needs every block of its grid (<= one per SM)
+// resident at once. Whether a call with these arguments (num_sms set; tiles resolved or
+// auto) runs them: PETIT_MOE_FUSED_GEMMS unset or 1 (0: two launches; read at every call),
+// one of those families, split-K off.
+bool expert_fused_gemms(const ExpertGemmArgs& args);
 // Sizes of the split-K workspace for these arguments (num_sms set; tiles resolved or auto):
 // floats of split_partials and ints of split_counters, both 0 when split-K is off
 // (PETIT_MOE_SPLIT_K unset or <= 1, read at every call) or the family has no split-K (only
@@ -157,7 +159,7 @@ PETIT_HOST_DEVICE int64_t expert_partial_workspace_elems(int num_rows, int top_k
 petitError_t launch_expert_gate_up(const ExpertGemmArgs& args, petitStream_t stream);
 petitError_t launch_expert_down(const ExpertGemmArgs& args, petitStream_t stream);
 petitError_t launch_expert_reduce(const ExpertGemmArgs& args, petitStream_t stream);
-// All three (the first two only when args.reduce_counters is set: the fused local reduction).
+// All three (gate/up and down as one launch when args.gate_up_done is set).
 petitError_t launch_experts(const ExpertGemmArgs& args, petitStream_t stream);
 // The tile family kExpertTilesAuto resolves to for these sizes.
 int resolve_expert_tiles(const ExpertGemmArgs& args);

@@ -480,7 +480,6 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
   rl.expert_counts = counts.data_ptr<int32_t>();
   rl.expert_offsets = offsets.data_ptr<int32_t>();
   rl.sorted_entries = sorted.data_ptr<int32_t>();
-  PETIT_CHECK_OK(launch_expert_row_lists(rl, stream), "row-list launch");
 
   ExpertGemmArgs a{};
   a.x = reinterpret_cast<const petit_bf16_bits*>(recv_x.data_ptr());
@@ -513,13 +512,13 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
     expert_split_k_attach(&a, split_partials.data_ptr<float>(), split_floats,
                           split_counter_tensor.data_ptr<int32_t>(), split_counters);
   }
-  // fused local reduction (PETIT_MOE_FUSED_REDUCE=1; off by default): per-call counters,
-  // zeroed by the gate/up kernel
-  torch::Tensor reduce_counters;
-  if (const int64_t ints = expert_fused_reduce_ints(a); ints > 0) {
-    reduce_counters = torch::empty({ints}, int_opts);
-    a.reduce_counters = reduce_counters.data_ptr<int32_t>();
+  // fused GEMMs (expert_fused_gemms): per-expert arrival counters, zeroed by the row lists
+  torch::Tensor gate_up_done;
+  if (expert_fused_gemms(a)) {
+    gate_up_done = torch::empty({L}, int_opts);
+    a.gate_up_done = rl.expert_done = gate_up_done.data_ptr<int32_t>();
   }
+  PETIT_CHECK_OK(launch_expert_row_lists(rl, stream), "row-list launch");
   PETIT_CHECK_OK(launch_experts(a, stream), "expert GEMM launch");
   return result;
 }

@@ -108,10 +108,7 @@ PETIT_DEVICE const petit_bf16_bits* w2_row(const ExpertGemmArgs& a, const petit_
 }
 
 // The local weighted reduction of `row` at columns [col, col + 8): its local slots' bf16
-// partials summed in fp32 in slot order, rounded to bf16 once. The one formula of both the
-// reduce kernel and the fused reduction (so they agree bit for bit). kBypassL1: loads through
-// L2 (partials other blocks of the running kernel wrote).
-template <bool kBypassL1>
+// partials summed in fp32 in slot order, rounded to bf16 once.
 PETIT_DEVICE uint4 local_slot_sum8(const ExpertGemmArgs& a, int row, int col) {
   float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int k = 0; k < a.top_k; ++k) {
@@ -121,11 +118,7 @@ PETIT_DEVICE uint4 local_slot_sum8(const ExpertGemmArgs& a, int row, int col) {
                         entry) < 0)
       continue;
     const uint4* src = reinterpret_cast<const uint4*>(a.partial + int64_t(entry) * a.hidden + col);
-    uint4 bits;
-    if constexpr (kBypassL1)
-      bits = petit_load_cg(src);
-    else
-      bits = *src;
+    const uint4 bits = *src;
     const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits);
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
@@ -468,91 +461,6 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
   return true;
 }
 
-// ---- fused local reduction (PETIT_MOE_FUSED_REDUCE=1; wgmma_narrow_ws, wgmma_m64_ws)
-// The gate/up kernel zeroes the counters and writes the rows with no local slot (zeros, as
-// the reduce kernel would); every down tile, once its partials are stored, counts each of
-// its rows in reduce_counters[row][n_tile] (after a fence); the block whose count completes
-// the row's local slots sums the row's partials of that column tile in slot order, as
-// expert_reduce_kernel does, and resets the counter. Tiles of one launch share one column
-// tiling, so a (row, n_tile) counter sees exactly the row's local slots.
-constexpr int kFusedReduceBarrierId = 3;  // consumer named barrier (2: split-K)
-
-// Valid local slots of `row` (the rule of the row lists, expert_ids.h).
-PETIT_DEVICE int row_local_slots(const ExpertGemmArgs& a, int row) {
-  int slots = 0;
-  for (int k = 0; k < a.top_k; ++k)
-    slots += local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts,
-                             a.num_local_experts, row * a.top_k + k) >= 0;
-  return slots;
-}
-
-// Gate/up kernel, every thread of the grid, before its tiles.
-PETIT_DEVICE void fused_reduce_prologue(const ExpertGemmArgs& a) {
-  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
-  const int64_t counters =
-      int64_t(a.num_rows) * ((a.hidden + kFusedReduceCols - 1) / kFusedReduceCols);
-  for (int64_t i = thread; i < counters; i += threads) a.reduce_counters[i] = 0;
-  // a warp per row: its slots checked once (lane k: slot k; top-k <= 16 lanes), then the
-  // whole warp writes the row if none is local
-  const int lane = petit_lane_id();
-  const int vectors = a.hidden / 8;
-  for (int64_t row = thread / PETIT_WARP_SIZE; row < a.num_rows;
-       row += threads / PETIT_WARP_SIZE) {
-    const bool local =
-        lane < a.top_k && local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts,
-                                          a.num_local_experts, int(row) * a.top_k + lane) >= 0;
-    if (petit_ballot(local) != 0) continue;  // warp-uniform
-    for (int v = lane; v < vectors; v += PETIT_WARP_SIZE)
-      reinterpret_cast<uint4*>(a.out + row * a.hidden)[v] = make_uint4(0, 0, 0, 0);
-  }
-}
-
-// Down kernel, consumer threads, after the epilogue of `tile` stored its partials.
-// Tile rows are counted by the lanes of warps [0, kBlockM / 32): lane l of warp w counts row
-// w * 32 + l; then each of those warps sums its completed rows, lanes across 8-column vectors.
-template <class Mainloop>
-PETIT_DEVICE void fused_reduce_tile(const ExpertGemmArgs& a, const gemm::TileCoord& tile) {
-  using Cfg = typename Mainloop::Cfg;
-  constexpr int kThreads = Mainloop::kConsumerThreads;
-  static_assert(Cfg::kBlockN % kFusedReduceCols == 0 && Cfg::kBlockM <= kThreads,
-                "counters per kFusedReduceCols columns, a counting thread per tile row");
-  const int n_tiles = (a.hidden + kFusedReduceCols - 1) / kFusedReduceCols;
-  // every consumer's partial stores of the tile, then one fence per counted row
-  gemm::sm90_named_barrier_sync(kFusedReduceBarrierId, kThreads);
-  const int t = int(threadIdx.x);
-  if (t >= ((Cfg::kBlockM + 31) / 32) * 32) return;  // warps without tile rows (warp-uniform)
-  const int first_row = t - t % 32;
-  if (first_row >= tile.num_rows) return;  // warp-uniform
-  bool complete = false;
-  if (t < tile.num_rows) {
-    const int row = a.sorted_entries[tile.row_begin + t] / a.top_k;
-    split_k_fence();  // release this block's partials of the tile
-    int32_t* counter = a.reduce_counters + int64_t(row) * n_tiles + tile.n_tile;
-    complete = atomicAdd(counter, 1) + 1 == row_local_slots(a, row);
-    if (complete) {
-      *counter = 0;     // for the next call (every arrival is in)
-      split_k_fence();  // acquire the other blocks' partials
-    }
-  }
-  uint32_t pending = uint32_t(petit_ballot(complete));
-  petit_syncwarp();  // the acquiring lane's fence before the warp's loads
-  const int lane = t % 32;
-  const int col_begin = tile.n_tile * Cfg::kBlockN;
-  const int vectors = (a.hidden - col_begin < Cfg::kBlockN ? a.hidden - col_begin
-                                                           : Cfg::kBlockN) / 8;
-  while (pending != 0) {
-    const int r = first_row + petit_popc((pending & (0u - pending)) - 1);  // lowest set bit
-    pending &= pending - 1;
-    const int row = a.sorted_entries[tile.row_begin + r] / a.top_k;
-    for (int v = lane; v < vectors; v += 32) {
-      const int col = col_begin + v * 8;
-      *reinterpret_cast<uint4*>(a.out + int64_t(row) * a.hidden + col) =
-          local_slot_sum8<true>(a, row, col);
-    }
-  }
-}
-
 // Warp-specialized kernels (Mainloop = Sm90WgmmaWsMainloop): the same tiles, A rows and
 // epilogues as the two kernels above; the weight rows come through `b_map`, the tensor map of
 // w13 (dims {H, I, 2, L}) or w2 ({I, H, 1, L}) that launch_ws_gemm encodes. The scheduler and
@@ -563,10 +471,7 @@ PETIT_DEVICE void fused_reduce_tile(const ExpertGemmArgs& a, const gemm::TileCoo
 // n-tiles of an expert's left-over m-tile (scheduler.h).
 // kStaged: Epilogue is gemm::StagedWeightedEntryEpilogue, its staging buffer after the
 // scheduler's storage in the main loop's user shared memory.
-// kFusedReduceTail (down GEMM): the fused local reduction's tail after each tile's epilogue
-// when a.reduce_counters is set (only the 64-row families without clusters or staging).
-template <class Mainloop, bool kStaged = false, bool kFusedReduceTail = false, class Epilogue,
-          class ARow>
+template <class Mainloop, bool kStaged = false, class Epilogue, class ARow>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
                                  const Epilogue& epilogue, const petit_bf16_bits* a_fallback,
                                  int k_dim, int out_cols, ARow a_row) {
@@ -628,8 +533,6 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
           continue;  // another block sums this tile
         epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                        tile.num_rows, tile.n_tile * Cfg::kBlockN);
-        if constexpr (kFusedReduceTail)
-          if (a.reduce_counters != nullptr) fused_reduce_tile<Mainloop>(a, tile);
       } else if constexpr (kStaged) {
         static_assert(Mainloop::kUserBytes >= kSchedulerBytes<Cfg> + Epilogue::kBytes,
                       "the staging buffer is the main loop's user shared memory");
@@ -654,7 +557,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
-    if (a.reduce_counters != nullptr) fused_reduce_prologue(a);
     expert_ws_gemm<Mainloop>(
         a, &w13_map, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.x, a.hidden,
         a.intermediate,
@@ -672,10 +574,150 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     using Cfg = typename Mainloop::Cfg;
     using Epilogue = std::conditional_t<kStaged, gemm::StagedWeightedEntryEpilogue<Cfg>,
                                         gemm::WeightedEntryEpilogue<Cfg>>;
-    expert_ws_gemm<Mainloop, kStaged, /*kFusedReduceTail=*/true>(
+    expert_ws_gemm<Mainloop, kStaged>(
         a, &w2_map, Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden}, a.act,
         a.intermediate, a.hidden,
         [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); });
+  }
+}
+
+// ---- fused GEMMs (expert_fused_gemms, api.h): both GEMMs of a call in one persistent launch.
+// The units of the launch are the gate/up tiles [0, U1) and then the down tiles [U1, U1 + U2),
+// both in the scheduler's order (expert-major); block b walks b, b + grid, ... through both,
+// on one ring (the down main loop continues the gate/up one: continue_from). Each consumer
+// warp of a gate/up tile, once its act stores are done, fences and counts one arrival for the
+// tile's expert in gate_up_done; a down tile's producer threads wait (acquire) until their
+// expert has all its arrivals (m-tiles x gate/up n-tiles x consumer warps) before copying act
+// rows. No deadlock when every block is resident: the units a down tile waits for come before
+// it in every block's walk, and a block does all its gate/up units before any down unit.
+constexpr uint64_t kFusedWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;  // then trap, not hang
+
+PETIT_DEVICE int32_t fused_load_acquire(const int32_t* p) {
+#if PETIT_EMU_PTX
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#elif PETIT_SM90A_DEVICE
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#else
+  return *p;
+#endif
+}
+
+// Consumer warp, after its epilogue stores of a gate/up tile of `expert`.
+PETIT_DEVICE void fused_gate_up_arrive(int32_t* done, int expert) {
+  petit_syncwarp();
+  if (petit_lane_id() == 0) {
+    split_k_fence();  // the warp's act stores before the arrival
+    atomicAdd(done + expert, 1);
+  }
+}
+
+// Producer thread, before the act rows of a down tile of `expert` (bounded: traps after
+// kFusedWaitTimeoutNs). The CPU emulation runs blocks one after another, so there the
+// arrivals must all be in already (grid 1).
+PETIT_DEVICE void fused_wait_gate_up(const int32_t* done, int expert, int32_t arrivals) {
+  if (fused_load_acquire(done + expert) == arrivals) return;
+#if PETIT_EMU_PTX
+  emu_ptx::trap("fused expert GEMMs: a down tile before its expert's gate/up tiles");
+#else
+  const uint64_t start = gemm::sm90_globaltimer_ns();
+  while (fused_load_acquire(done + expert) != arrivals)
+    if (gemm::sm90_globaltimer_ns() - start > kFusedWaitTimeoutNs) __trap();
+#endif
+}
+
+template <class GateUp, class Down>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
+    expert_fused_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
+                           const __grid_constant__ CUtensorMap w2_map) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  if constexpr (GateUp::kCompiled) {
+    using CfgG = typename GateUp::Cfg;
+    using CfgD = typename Down::Cfg;
+    static_assert(CfgG::kBlockM == CfgD::kBlockM && GateUp::kThreads == Down::kThreads &&
+                      GateUp::kClusterM == 1 && Down::kClusterM == 1 &&
+                      GateUp::kProducerRegs == Down::kProducerRegs &&
+                      GateUp::kConsumerRegs == Down::kConsumerRegs &&
+                      GateUp::kSmemBytes == Down::kSmemBytes,
+                  "one block shape for both GEMMs");
+    using Scheduler = gemm::ExpertTileScheduler<GateUp::kThreads>;
+    static_assert(GateUp::kUserBytes >= int(sizeof(typename Scheduler::SharedStorage)),
+                  "the scheduler's storage is the main loop's user shared memory");
+    PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // GateUp::kSmemBytes
+    auto& scheduler_smem = *reinterpret_cast<typename Scheduler::SharedStorage*>(
+        GateUp::user_smem(tc_dynamic_smem));
+    // one m-tile prefix (same kBlockM) for both, with each GEMM's n-tiles
+    Scheduler gate_up_tiles;
+    gate_up_tiles.init(a.expert_offsets, a.num_local_experts, CfgG::kBlockM,
+                       (a.intermediate + CfgG::kBlockN - 1) / CfgG::kBlockN, scheduler_smem);
+    Scheduler down_tiles = gate_up_tiles;
+    down_tiles.num_n_tiles = (a.hidden + CfgD::kBlockN - 1) / CfgD::kBlockN;
+    const int num_gate_up = gate_up_tiles.num_tiles();
+    const int num_units = num_gate_up + down_tiles.num_tiles();
+    GateUp gate_up;
+    gate_up.init(tc_dynamic_smem);
+    const int first = int(blockIdx.x), step = int(gridDim.x);
+    // arrivals that complete an expert's gate/up tiles
+    auto arrivals = [&](int expert) {
+      return (gate_up_tiles.tile_prefix[expert + 1] - gate_up_tiles.tile_prefix[expert]) *
+             gate_up_tiles.num_n_tiles * GateUp::kConsumerWarps;
+    };
+    const auto gate_up_row = [&](const gemm::TileCoord& tile, int r) {
+      return gate_up_a_row(a, tile, r);
+    };
+    const auto down_row = [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); };
+    if (GateUp::is_producer()) {
+      gemm::sm90_setmaxnreg_dec<GateUp::kProducerRegs>();
+      if (GateUp::is_tma_issuer()) {
+        gemm::sm90_prefetch_tensor_map(&w13_map);
+        gemm::sm90_prefetch_tensor_map(&w2_map);
+      }
+      int u = first;
+      for (; u < num_gate_up; u += step) {
+        const gemm::TileCoord tile = gate_up_tiles.tile(u);
+        typename GateUp::LoaderA a_loader;
+        a_loader.init([&](int r) { return gate_up_row(tile, r); }, a.x);
+        typename GateUp::LoaderB b_loader;
+        b_loader.init(&w13_map, tile.expert, tile.n_tile * CfgG::kBlockN);
+        gate_up.produce(a_loader, b_loader, a.hidden, 0, false);
+      }
+      Down down;
+      down.continue_from(gate_up);
+      for (; u < num_units; u += step) {
+        const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
+        fused_wait_gate_up(a.gate_up_done, tile.expert, arrivals(tile.expert));
+        typename Down::LoaderA a_loader;
+        a_loader.init([&](int r) { return down_row(tile, r); }, a.act);
+        typename Down::LoaderB b_loader;
+        b_loader.init(&w2_map, tile.expert, tile.n_tile * CfgD::kBlockN);
+        down.produce(a_loader, b_loader, a.intermediate, 0, false);
+      }
+      gemm::cp_async_wait_all();  // no copy outlives its thread
+    } else {
+      gemm::sm90_setmaxnreg_inc<GateUp::kConsumerRegs>();
+      int u = first;
+      {
+        const gemm::SiluMulEpilogue<CfgG> epilogue{a.act, a.intermediate};
+        for (; u < num_gate_up; u += step) {
+          const gemm::TileCoord tile = gate_up_tiles.tile(u);
+          gate_up.consume(a.hidden);
+          epilogue.apply(gate_up.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
+                         tile.num_rows, tile.n_tile * CfgG::kBlockN);
+          fused_gate_up_arrive(a.gate_up_done, tile.expert);
+        }
+      }
+      Down down;
+      down.continue_from(gate_up);
+      const gemm::WeightedEntryEpilogue<CfgD> epilogue{a.partial, a.sorted_entries,
+                                                       a.topk_weights, a.hidden};
+      for (; u < num_units; u += step) {
+        const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
+        down.consume(a.intermediate);
+        epilogue.apply(down.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
+                       tile.num_rows, tile.n_tile * CfgD::kBlockN);
+      }
+    }
   }
 }
 
@@ -834,7 +876,7 @@ PETIT_GLOBAL void __launch_bounds__(kReduceThreads) expert_reduce_kernel(ExpertG
     const int row = int(idx / chunks_per_row);
     const int col = int(idx % chunks_per_row) * 8;
     *reinterpret_cast<uint4*>(a.out + int64_t(row) * a.hidden + col) =
-        local_slot_sum8<false>(a, row, col);
+        local_slot_sum8(a, row, col);
   }
 }
 
@@ -1121,6 +1163,43 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                 stream, map);
 }
 
+// Both GEMMs in one launch (expert_fused_ws_kernel): the grid of the GEMM with more tiles.
+template <class GateUp, class Down>
+petitError_t launch_fused_ws(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
+  CUtensorMap w13_map, w2_map;
+  petitError_t err;
+  if ((err = gemm::sm90_encode_weight_map(&w13_map, a.w13, a.hidden, a.intermediate, 2,
+                                          a.num_local_experts, GateUp::LoaderB::kBoxRows)) !=
+          petitSuccess ||
+      (err = gemm::sm90_encode_weight_map(&w2_map, a.w2, a.intermediate, a.hidden, 1,
+                                          a.num_local_experts, Down::LoaderB::kBoxRows)) !=
+          petitSuccess)
+    return err;
+  const auto kernel = expert_fused_ws_kernel<GateUp, Down>;
+  if ((err = petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize,
+                                   GateUp::kSmemBytes)) != petitSuccess)
+    return err;
+  using CfgG = typename GateUp::Cfg;
+  using CfgD = typename Down::Cfg;
+  const int gate_up_grid =
+      persistent_grid(a, a.intermediate, CfgG::kBlockM, CfgG::kBlockN, 1, num_sms);
+  const int down_grid = persistent_grid(a, a.hidden, CfgD::kBlockM, CfgD::kBlockN, 1, num_sms);
+  if (gate_up_grid == 0 || down_grid == 0) return petitErrorInvalidValue;
+  return launch_kernel(kernel, gate_up_grid > down_grid ? gate_up_grid : down_grid,
+                       GateUp::kThreads, GateUp::kSmemBytes, 1, stream, a, w13_map, w2_map);
+}
+
+petitError_t launch_fused_family(int tiles, const ExpertGemmArgs& a, int num_sms,
+                                 petitStream_t stream) {
+  switch (tiles) {
+    case kExpertTilesWgmmaM64Ws:
+      return launch_fused_ws<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(a, num_sms, stream);
+    case kExpertTilesWgmmaNarrowWs:
+      return launch_fused_ws<GateUpWgmmaNarrowWs, DownWgmmaNarrowWs>(a, num_sms, stream);
+    default: return petitErrorInvalidValue;
+  }
+}
+
 // The down GEMMs of wgmma_ws and wgmma_ws_mc use the staged epilogue
 // (gemm/sm90_epilogue_staged.h) unless PETIT_MOE_STAGED_EPILOGUE=0 is in the environment (read
 // at every launch, for A/B measurements). Measured on one H200 (b7ba469, bench_experts.py): 2-6%
@@ -1165,6 +1244,9 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
 petitError_t mma_path_supported() { return petitErrorNotSupported; }
 petitError_t wgmma_path_supported() { return petitErrorNotSupported; }
 petitError_t launch_tc_family(int, bool, const ExpertGemmArgs&, int, petitStream_t) {
+  return petitErrorNotSupported;
+}
+petitError_t launch_fused_family(int, const ExpertGemmArgs&, int, petitStream_t) {
   return petitErrorNotSupported;
 }
 
@@ -1300,25 +1382,49 @@ void expert_split_k_attach(ExpertGemmArgs* a, float* partials, int64_t floats,
   a->split_max = expert_split_k_max();
 }
 
-// The families with the fused local reduction: the 64-row ws ones (their down kernels run
-// fused_reduce_tile after each tile, see expert_ws_gemm).
-static bool fused_reduce_family(int family) {
+// PETIT_MOE_FUSED_GEMMS: 1 on, 0 off, unset: kFusedGemmsDefault. On by default: on one H200
+// (interleaved same-run A/B, bench_experts.py, uniform routing, W=2) 4-10% faster at
+// Qwen3-30B-A3B 1-128 tokens/rank (e.g. 181.8 -> 175.0 us at 64) and equal to 5% faster at
+// DeepSeek-V3 1-128 (examples/results/sweeps/experts_fused_gemms_ab/).
+constexpr bool kFusedGemmsDefault = true;
+
+static bool fused_gemms_family(int family) {
   return family == kExpertTilesWgmmaNarrowWs || family == kExpertTilesWgmmaM64Ws;
 }
 
-int64_t expert_fused_reduce_ints(const ExpertGemmArgs& a) {
-  const char* env = getenv("PETIT_MOE_FUSED_REDUCE");
-  if (env == nullptr || atoi(env) != 1 || a.num_rows <= 0 || a.hidden <= 0) return 0;
-  if (!fused_reduce_family(resolve_expert_tiles(a))) return 0;
-  return int64_t(a.num_rows) * ((a.hidden + kFusedReduceCols - 1) / kFusedReduceCols);
+bool expert_fused_gemms(const ExpertGemmArgs& a) {
+  const char* env = getenv("PETIT_MOE_FUSED_GEMMS");
+  const bool on = env == nullptr || env[0] == '\0' ? kFusedGemmsDefault : env[0] == '1';
+  if (!on || a.num_rows <= 0 || expert_split_k_max() > 1 || check_args(a) != petitSuccess)
+    return false;
+  return fused_gemms_family(resolve_expert_tiles(a)) && wgmma_path_supported() == petitSuccess;
+}
+
+// Both GEMMs as one launch (a.gate_up_done set): only for the families that have it, without
+// split-K (the caller asked expert_fused_gemms).
+static petitError_t launch_expert_gemms_fused(const ExpertGemmArgs& a, petitStream_t stream) {
+  petitError_t err = check_args(a);
+  if (err != petitSuccess) return err;
+  const int tiles = resolve_expert_tiles(a);
+  if (!fused_gemms_family(tiles) || a.split_max > 1) return petitErrorInvalidValue;
+  if ((err = wgmma_path_supported()) != petitSuccess) return err;
+  if (a.num_rows == 0) return petitSuccess;
+  int num_sms = 0;
+  if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
+  err = launch_fused_family(tiles, a, num_sms, stream);
+  if (err == petitSuccess) g_gemm_launch_shape[0] = g_gemm_launch_shape[1] = g_launch_shape;
+  return err;
 }
 
 petitError_t launch_experts(const ExpertGemmArgs& a, petitStream_t stream) {
-  if (a.reduce_counters != nullptr && !fused_reduce_family(resolve_expert_tiles(a)))
-    return petitErrorInvalidValue;  // a family without the fused tail would leave out unset
-  petitError_t err = launch_expert_gate_up(a, stream);
-  if (err == petitSuccess) err = launch_expert_down(a, stream);
-  if (err == petitSuccess && a.reduce_counters == nullptr) err = launch_expert_reduce(a, stream);
+  petitError_t err;
+  if (a.gate_up_done != nullptr) {
+    err = launch_expert_gemms_fused(a, stream);
+  } else {
+    err = launch_expert_gate_up(a, stream);
+    if (err == petitSuccess) err = launch_expert_down(a, stream);
+  }
+  if (err == petitSuccess) err = launch_expert_reduce(a, stream);
   return err;
 }
 

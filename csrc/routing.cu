@@ -48,6 +48,7 @@ PETIT_GLOBAL void __launch_bounds__(kMaxExperts) row_list_scan_kernel(RowListArg
       running += v;
     }
     a.expert_counts[e] = running;
+    if (a.expert_done != nullptr) a.expert_done[e] = 0;
   }
   const int32_t count[1] = {e < a.num_local_experts ? running : 0};
   int32_t total;
@@ -137,6 +138,7 @@ PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_one_block_kernel(R
     if (e < a.num_local_experts) {
       a.expert_counts[e] = counts[i];
       a.expert_offsets[e] = position;
+      if (a.expert_done != nullptr) a.expert_done[e] = 0;
       running[e] = position;  // only this thread reads / writes experts [first, first + n)
     }
     position += counts[i];

@@ -32,7 +32,7 @@ def emu(tmp_path_factory):
     lib.petit_emu_last_gemm_launch.restype = None
     lib.petit_emu_resolve_tiles.restype = ctypes.c_int
     lib.petit_emu_split_floats_written.restype = ctypes.c_int64
-    lib.petit_emu_fused_reduce_counters.restype = ctypes.c_int64
+    lib.petit_emu_fused_gemms.restype = ctypes.c_int
     return lib
 
 
@@ -380,88 +380,78 @@ def test_split_k_is_not_taken_where_it_does_not_pay(sm90, monkeypatch):
     assert torch.equal(split, plain)
 
 
-def fused_reduce_routing(seed):
-    """Decode-like routing for the fused reduction: rows with 0 to 4 local slots, experts with
-    0 to several rows."""
+def decode_routing(seed):
+    """Decode-like routing: rows with 0 to 4 local slots, experts with 0 to several rows."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 5, (23, 4), generator=gen, dtype=torch.int32)
     ids = torch.where(torch.rand(23, 4, generator=gen) < 0.35, -1, ids)
-    ids[2] = -1      # no local slot: written as zeros by the gate/up kernel
+    ids[2] = -1      # no local slot
     ids[7] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)  # four local slots
     ids[ids == 4] = 3  # expert 4 gets no row
     return ids.contiguous()
 
 
-@pytest.mark.parametrize("tiles,num_sms", [("wgmma_narrow_ws", 1), ("wgmma_narrow_ws", 5),
-                                           ("wgmma_m64_ws", 3)])
-def test_fused_reduce_equals_the_reduce_kernel(sm90, monkeypatch, tiles, num_sms):
-    """PETIT_MOE_FUSED_REDUCE=1 (the 64-row ws families): the down GEMM block that counts a
-    row's last local slot for a column tile sums that row's partials there; bit-equal to the
-    separate reduce kernel, rows without a local slot 0, a partial last column tile (hidden
-    392 = 3 x 128 + 8), counters garbage before the call and all back at zero after it (the
-    emulation checks)."""
-    problem = make_problem(fused_reduce_routing(91), 392, 72, 5, seed=92)
-    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
-    fused, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-    assert used == tiles
-    assert sm90.petit_emu_fused_reduce_counters() == 23 * 4  # rows x ceil(392 / 128)
-    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "0")
-    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-    assert sm90.petit_emu_fused_reduce_counters() == 0
+# The fused GEMMs run with num_sms = 1 here: the emulation runs blocks one after another, so a
+# down tile must find its expert's gate/up arrivals complete when it starts (it traps
+# otherwise: an arrival count that never matches is caught too).
+@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws"])
+def test_fused_gemms_equal_the_two_launches(sm90, monkeypatch, tiles):
+    """PETIT_MOE_FUSED_GEMMS=1 (the 64-row ws families): gate/up and down tiles in one launch
+    on one ring, each down tile after its expert's gate/up arrivals; bit-equal to the two
+    launches, with partial last column tiles (hidden 392, intermediate 72) and an expert with
+    no row."""
+    problem = make_problem(decode_routing(91), 392, 72, 5, seed=92)
+    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
+    fused, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=1)
+    assert used == tiles and sm90.petit_emu_fused_gemms() == 1
+    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "0")
+    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=1)
+    assert sm90.petit_emu_fused_gemms() == 0
     assert torch.equal(fused, plain)
     check_against_reference(fused, problem)
 
 
-def test_fused_reduce_with_split_k_and_expert_map(sm90, monkeypatch):
-    """The fused reduction after split-K's fixup (only the block with a tile's last share
-    stores and counts it) and on global ids through vLLM's expert map: bit-equal to the
-    separate reduce kernel on the same split."""
-    ids = torch.full((6, 2), -1, dtype=torch.int32)
-    ids[0, 0] = 1
-    ids[1:4, 1] = 3
-    ids[4, 0], ids[4, 1] = 3, 1
-    problem = make_problem(ids, 1032, 520, 5, seed=93)
-    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "4")
-    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
-    fused, _ = run_emulated(sm90, *problem, tiles="wgmma_narrow_ws", num_sms=16)
-    assert sm90.petit_emu_split_floats_written() > 0, "no tile was split"
-    assert sm90.petit_emu_fused_reduce_counters() > 0
-    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "0")
-    plain, _ = run_emulated(sm90, *problem, tiles="wgmma_narrow_ws", num_sms=16)
-    assert torch.equal(fused, plain)
-    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "1")
-    # global ids: local expert e is global id 2e + 1 of 12
-    expert_map = torch.full((12,), -1, dtype=torch.int32)
-    expert_map[1::2][:5] = torch.arange(5, dtype=torch.int32)
+def test_fused_gemms_many_tiles_per_expert_and_expert_map(sm90, monkeypatch):
+    """Several m-tiles per expert (an expert's down tiles wait for all of its gate/up tiles:
+    m-tiles x n-tiles x consumer warps arrivals) and global ids through vLLM's expert map."""
+    gen = torch.Generator().manual_seed(93)
+    ids = torch.randint(0, 3, (110, 2), generator=gen, dtype=torch.int32)  # ~73 per expert
+    problem = make_problem(ids, 264, 136, 3, seed=94)
+    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
+    fused, _ = run_emulated(sm90, *problem, tiles="wgmma_narrow_ws", num_sms=1)
+    assert sm90.petit_emu_fused_gemms() == 1
+    check_against_reference(fused, problem)
+    expert_map = torch.full((8,), -1, dtype=torch.int32)
+    expert_map[1::3] = torch.arange(3, dtype=torch.int32)  # local e is global 3e + 1
     x, local_ids, w, w13, w2 = problem
-    global_ids = torch.where(local_ids >= 0, 2 * local_ids + 1, -1).int().contiguous()
-    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
-    mapped, _ = run_emulated(sm90, x, global_ids, w, w13, w2, tiles="wgmma_m64_ws", num_sms=2,
+    global_ids = torch.where(local_ids >= 0, 3 * local_ids + 1, -1).int().contiguous()
+    mapped, _ = run_emulated(sm90, x, global_ids, w, w13, w2, tiles="wgmma_m64_ws", num_sms=1,
                              expert_map=expert_map)
-    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "0")
-    want, _ = run_emulated(sm90, x, local_ids, w, w13, w2, tiles="wgmma_m64_ws", num_sms=2)
+    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "0")
+    want, _ = run_emulated(sm90, x, local_ids, w, w13, w2, tiles="wgmma_m64_ws", num_sms=1)
     assert torch.equal(mapped, want)
 
 
 @pytest.mark.parametrize("tiles", ["wgmma_ws", "small", "decode"])
-def test_fused_reduce_only_where_the_family_has_it(sm90, monkeypatch, tiles):
-    """Families without the fused tail keep the reduce kernel under PETIT_MOE_FUSED_REDUCE=1."""
-    problem = make_problem(fused_reduce_routing(94), 136, 40, 5, seed=95)
-    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
+def test_fused_gemms_only_where_the_family_has_them(sm90, monkeypatch, tiles):
+    """Families without a fused kernel keep the two launches under PETIT_MOE_FUSED_GEMMS=1."""
+    problem = make_problem(decode_routing(94), 136, 40, 5, seed=95)
+    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
     out, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=2)
-    assert used == tiles and sm90.petit_emu_fused_reduce_counters() == 0
+    assert used == tiles and sm90.petit_emu_fused_gemms() == 0
     check_against_reference(out, problem)
 
 
-def test_fused_reduce_under_auto_at_decode_sizes(sm90, monkeypatch):
-    """auto at a decode size picks wgmma_narrow_ws on an sm_90 device, and with
-    PETIT_MOE_FUSED_REDUCE=1 the call runs the fused reduction: the path vLLM's PetitExperts
-    takes with the switch on."""
-    ids = torch.tensor([[3, -1, 0, 4], [1, 3, -1, -1]], dtype=torch.int32)  # 6 / 5 per expert
+def test_fused_gemms_off_with_split_k_and_on_under_auto(sm90, monkeypatch):
+    """Split-K (PETIT_MOE_SPLIT_K > 1) keeps the two launches; auto at a decode size picks
+    wgmma_narrow_ws on an sm_90 device and fuses (the path of vLLM's PetitExperts)."""
+    ids = torch.tensor([[3, -1, 0, 4], [1, 3, -1, -1]], dtype=torch.int32)
     problem = make_problem(ids, 264, 40, 5, seed=97)
-    monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
-    fused, used = run_emulated(sm90, *problem, tiles="auto", num_sms=4)
-    assert used == "wgmma_narrow_ws" and sm90.petit_emu_fused_reduce_counters() == 2 * 3
-    monkeypatch.delenv("PETIT_MOE_FUSED_REDUCE")
-    plain, _ = run_emulated(sm90, *problem, tiles="auto", num_sms=4)
-    assert sm90.petit_emu_fused_reduce_counters() == 0 and torch.equal(fused, plain)
+    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
+    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "4")
+    split, _ = run_emulated(sm90, *problem, tiles="wgmma_narrow_ws", num_sms=1)
+    assert sm90.petit_emu_fused_gemms() == 0
+    monkeypatch.delenv("PETIT_MOE_SPLIT_K")
+    fused, used = run_emulated(sm90, *problem, tiles="auto", num_sms=1)
+    assert used == "wgmma_narrow_ws" and sm90.petit_emu_fused_gemms() == 1
+    assert torch.equal(fused, split)

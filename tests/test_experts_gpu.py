@@ -359,25 +359,55 @@ def test_split_k_matches_the_reference(monkeypatch, tiles, num_rows):
 @pytest.mark.parametrize("num_rows,hidden,intermediate,num_local", [
     (1, 2048, 768, 64), (16, 2048, 768, 64),   # Qwen3-30B-A3B decode, 2 ranks
     (8, 7168, 2048, 16), (200, 1032, 520, 8),  # DeepSeek-V3 shapes; many tiles per SM
+    (600, 264, 136, 3),                        # ~1600 rows per expert: many m-tiles each
 ])
-def test_fused_reduce_equals_the_reduce_kernel(monkeypatch, tiles, num_rows, hidden,
-                                               intermediate, num_local):
-    """PETIT_MOE_FUSED_REDUCE=1: the down GEMM block whose count completes a row's local slots
-    for a column tile sums the row's partials there, instead of the reduce kernel. With
-    NaN-poisoned workspaces (a sum before every partial landed reads NaN), 5 rounds of fresh
-    data each bit-equal to the reduce kernel's output (same slot order), rows without a local
-    slot 0, a partial last column tile at hidden 1032, split-K off."""
+def test_fused_gemms_equal_the_two_launches(monkeypatch, tiles, num_rows, hidden, intermediate,
+                                            num_local):
+    """PETIT_MOE_FUSED_GEMMS=1: gate/up and down in one persistent launch, each down tile's
+    act rows read once its expert's gate/up tiles have all arrived. With NaN-poisoned
+    workspaces (an act row read before it was written gives NaN), 5 rounds of fresh data, each
+    bit-equal to the two launches and within the reference's tolerance."""
     monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
     for round_ in range(5):
         ids = random_ids(num_rows, 8, num_local, seed=700 + 13 * round_ + num_rows)
-        if num_rows > 2:
-            ids[1] = -1  # a row without a local slot
         problem = make_problem(ids, hidden, intermediate, num_local, seed=800 + round_)
-        monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "1")
+        monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
         fused = run_petit(problem, tiles)
-        monkeypatch.setenv("PETIT_MOE_FUSED_REDUCE", "0")
+        monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "0")
         assert torch.equal(fused, run_petit(problem, tiles)), f"round {round_}"
-        check(fused, problem, name=f"{tiles} fused reduce, round {round_}")
+        check(fused, problem, name=f"{tiles} fused GEMMs, round {round_}")
+
+
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
+def test_fused_gemms_in_a_cuda_graph(monkeypatch):
+    """The fused GEMMs captured in a CUDA graph (their per-expert counters are zeroed by the
+    row lists inside it) and replayed with fresh routing, rows and weights, against the two
+    launches run eagerly."""
+    from vllm_petit_moe import ops
+
+    num_rows, top_k, hidden, intermediate, num_local = 24, 8, 2048, 768, 64
+    monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
+    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
+    static = list(make_problem(random_ids(num_rows, top_k, num_local, seed=31), hidden,
+                               intermediate, num_local, seed=32, poison_unrouted=False))
+    out = torch.empty(num_rows, hidden, dtype=torch.bfloat16, device="cuda")
+    ops.experts_forward(*static, out=out, tiles="auto")  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.experts_forward(*static, out=out, tiles="auto")
+    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "0")
+    for replay in range(4):
+        fresh = make_problem(random_ids(num_rows, top_k, num_local, seed=300 + replay), hidden,
+                             intermediate, num_local, seed=400 + replay, poison_unrouted=False)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = run_petit(tuple(t.clone() for t in static), "auto")
+        assert torch.equal(out, want), f"replay {replay}"
+    del graph
 
 
 @pytest.mark.parametrize("tiles", TILE_FAMILIES)

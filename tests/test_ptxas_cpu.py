@@ -79,8 +79,10 @@ def test_no_kernel_spills_and_no_serialized_wgmma(nvcc, source, tmp_path):
 def test_warp_specialized_kernels_launch_with_their_register_budget(nvcc, tmp_path):
     kernels = _ptxas_report(nvcc, "experts.cu", tmp_path)["kernels"]
     ws = {name: k for name, k in kernels.items() if "_ws_kernel" in name}
-    # gate/up and down of wgmma_ws, _m64_ws, _ws_mc, _narrow_ws; the staged down of _ws, _ws_mc
-    assert len(ws) == 10, sorted(kernels)
+    # gate/up and down of wgmma_ws, _m64_ws, _ws_mc, _narrow_ws; the staged down of _ws, _ws_mc;
+    # the fused gate/up + down of _m64_ws and _narrow_ws
+    assert len(ws) == 12, sorted(kernels)
+    assert sum("expert_fused_ws_kernel" in name for name in ws) == 2
     for name, k in ws.items():
         assert k["registers"] == 168, (name, k)
 
@@ -94,7 +96,7 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
     # The body of each .entry, up to the next one.
     entries = re.split(r"\n(?=\.(?:visible )?\.?entry )", ptx)
     ws_bodies = [e for e in entries if re.match(r"\.(?:visible )?\.?entry \w+_ws_kernel", e)]
-    assert len(ws_bodies) == 10
+    assert len(ws_bodies) == 12
     clustered = 0
     for body in ws_bodies:
         # the multicast kernels (wgmma_ws_mc: Sm90WgmmaWsMainloop<..., 2, ...>, cluster of 2)
@@ -111,6 +113,15 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
                             "prefetch.tensormap"):
             assert instruction in body, instruction
     assert clustered == 3  # gate/up, down and staged down of wgmma_ws_mc
+    # the fused GEMMs: both weight maps prefetched, gate/up arrivals counted after a fence,
+    # down tiles waiting for them with acquire loads bounded by the global timer
+    fused = [b for b in ws_bodies if "expert_fused_ws_kernel" in b.split("(", 1)[0]]
+    assert len(fused) == 2
+    for body in fused:
+        assert body.count("prefetch.tensormap") >= 2
+        for instruction in ("ld.acquire.gpu.global.b32", "atom.global.add", "membar.gl",
+                            "%globaltimer", "trap;"):
+            assert instruction in body, instruction
     # the staged epilogue's bulk copies and named barrier (the two staged down kernels)
     staged = [b for b in ws_bodies if "cp.async.bulk.global.shared::cta" in b]
     assert len(staged) == 2

@@ -27,8 +27,9 @@ def emu(tmp_path_factory):
     return lib
 
 
-def run_emulated(lib, ids, num_local, expert_map=None):
-    """launch_expert_row_lists on the CPU, outputs poisoned first."""
+def run_emulated(lib, ids, num_local, expert_map=None, expert_done=None):
+    """launch_expert_row_lists on the CPU, outputs poisoned first (expert_done: the fused
+    GEMMs' counters, which the kernels zero)."""
     ids = ids.contiguous()
     num_entries = ids.numel()
     workspace = torch.full((lib.petit_emu_row_list_workspace_ints(num_entries, num_local),),
@@ -40,7 +41,8 @@ def run_emulated(lib, ids, num_local, expert_map=None):
         ctypes.c_void_p(ids.data_ptr()),
         ctypes.c_void_p(expert_map.data_ptr() if expert_map is not None else None),
         expert_map.numel() if expert_map is not None else 0, num_entries, num_local,
-        *[ctypes.c_void_p(t.data_ptr()) for t in (workspace, counts, offsets, sorted_entries)])
+        *[ctypes.c_void_p(t.data_ptr()) for t in (workspace, counts, offsets, sorted_entries)],
+        ctypes.c_void_p(expert_done.data_ptr() if expert_done is not None else None))
     assert rc == 0, f"launch_expert_row_lists returned {rc}"
     return counts, offsets, sorted_entries[:num_entries]
 
@@ -101,3 +103,16 @@ def test_global_ids_with_expert_map(emu, num_rows, top_k, num_global, num_local)
     want = expert_row_lists_reference(local, num_local)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("num_rows", [3, 128, 129, 300])
+def test_row_lists_zero_the_fused_gemm_counters(emu, num_rows):
+    """The fused expert GEMMs' per-expert arrival counters (RowListArgs::expert_done) are set
+    to 0 by both launch paths (one block up to 1024 entries, three launches above), garbage
+    before; the row lists themselves are unchanged."""
+    ids = random_ids(num_rows, 8, 37, seed=300 + num_rows)
+    done = torch.full((37,), 0x5A5A5A5A, dtype=torch.int32)
+    with_done = run_emulated(emu, ids, 37, expert_done=done)
+    assert torch.equal(done, torch.zeros(37, dtype=torch.int32))
+    for got, want in zip(with_done, run_emulated(emu, ids, 37)):
+        assert torch.equal(got, want)

@@ -283,6 +283,22 @@ struct Sm90WgmmaWsMainloop {
       __syncthreads();
   }
 
+  // Instead of init: takes over the ring of `other`, a main loop of the same ring shape (stages,
+  // stage bytes, consumer warps) that this thread has run so far, at its position, so a kernel
+  // can run a second GEMM with other tiles through the same ring (expert_fused_ws_kernel):
+  // the producer fills the next stages for it while the consumers finish the first.
+  template <class Other>
+  PETIT_DEVICE void continue_from(const Other& other) {
+    static_assert(Other::kStageBytes == kStageBytes && Other::Cfg::kStages == Cfg::kStages &&
+                      Other::kConsumerWarps == kConsumerWarps && Other::kClusterM == kClusterM &&
+                      Other::kProducerThreads == kProducerThreads,
+                  "one ring: same stages, stage bytes and arrivals");
+    ring = other.ring;
+    full = other.full;
+    empty = other.empty;
+    it = other.it;
+  }
+
   // Cluster-wide, the last thing the kernel does (every thread of every CTA): no CTA exits
   // while another may still multicast into its shared memory or arrive on its barriers.
   PETIT_DEVICE void finish() {

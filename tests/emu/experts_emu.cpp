@@ -14,8 +14,9 @@
 // Split-K partial floats the last petit_emu_experts call wrote (0: no tile was split).
 static int64_t g_split_floats_written = 0;
 extern "C" int64_t petit_emu_split_floats_written() { return g_split_floats_written; }
-static int64_t g_fused_reduce_counters = 0;  // counters of the last call's fused reduction
-extern "C" int64_t petit_emu_fused_reduce_counters() { return g_fused_reduce_counters; }
+// Whether the last petit_emu_experts call ran both GEMMs as one launch (expert_fused_gemms).
+static bool g_fused_gemms = false;
+extern "C" int petit_emu_fused_gemms() { return g_fused_gemms ? 1 : 0; }
 
 // Runs launch_experts on host memory. Returns the petitError_t as an int (0 = success), and
 // the tile family that ran in *tiles_used.
@@ -58,18 +59,17 @@ extern "C" int petit_emu_experts(const uint16_t* x, const int32_t* topk_ids,
   std::vector<int32_t> counters(size_t(split_counters), 0);
   petit::expert_split_k_attach(&a, partials.data(), split_floats, counters.data(),
                                split_counters);
-  // fused local reduction (PETIT_MOE_FUSED_REDUCE=1), as the binding allocates it: counters
-  // uninitialized there, garbage here (the gate/up kernel zeroes them)
-  std::vector<int32_t> reduce_counters(size_t(petit::expert_fused_reduce_ints(a)), 0x5a5a5a5a);
-  if (!reduce_counters.empty()) a.reduce_counters = reduce_counters.data();
-  g_fused_reduce_counters = int64_t(reduce_counters.size());
+  // fused GEMMs (PETIT_MOE_FUSED_GEMMS), as the binding allocates them: one arrival counter per
+  // local expert, zeroed there by the row-list kernels and here. (Blocks run one after
+  // another in this emulation, so a fused call must have a grid of 1: num_sms = 1; otherwise
+  // the first down tile whose gate/up tiles are not all in traps.)
+  std::vector<int32_t> done(petit::expert_fused_gemms(a) ? size_t(num_local_experts) : 0, 0);
+  if (!done.empty()) a.gate_up_done = done.data();
+  g_fused_gemms = !done.empty();
   const int rc = int(petit::launch_experts(a, nullptr));
   // every counter reset by its tile's last share
   for (int32_t c : counters)
     if (c != 0) return -2;
-  // every reduction counter back at zero (all of a row's slots counted, then reset)
-  for (int32_t c : reduce_counters)
-    if (c != 0) return -3;
   g_split_floats_written = 0;
   for (float f : partials) g_split_floats_written += !std::isnan(f);
   return rc;

@@ -9,13 +9,14 @@
 
 #include "routing.cu"
 
-// Runs launch_expert_row_lists on host memory (workspace: row_list_workspace_ints ints).
+// Runs launch_expert_row_lists on host memory (workspace: row_list_workspace_ints ints;
+// expert_done: L ints the kernels set to 0, or nullptr).
 // Returns the petitError_t as an int (0 = success).
 extern "C" int petit_emu_row_lists(const int32_t* topk_ids, const int32_t* expert_map,
                                    int num_global_experts, int num_entries,
                                    int num_local_experts, int32_t* workspace,
                                    int32_t* expert_counts, int32_t* expert_offsets,
-                                   int32_t* sorted_entries) {
+                                   int32_t* sorted_entries, int32_t* expert_done) {
   emu::last_error = 0;
   petit::RowListArgs a{};
   a.topk_ids = topk_ids;
@@ -27,6 +28,7 @@ extern "C" int petit_emu_row_lists(const int32_t* topk_ids, const int32_t* exper
   a.expert_counts = expert_counts;
   a.expert_offsets = expert_offsets;
   a.sorted_entries = sorted_entries;
+  a.expert_done = expert_done;  // nullptr: none
   return int(petit::launch_expert_row_lists(a, nullptr));
 }
 
