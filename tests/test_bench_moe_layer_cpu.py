@@ -28,6 +28,7 @@ def test_kernel_breakdown_categories():
         ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 70.0),
         ("void petit::expert_gate_up_tc_kernel<petit::Sm90WgmmaMainloop<...>>(...)", 900.0),
         ("void petit::expert_down_tc_kernel<petit::Sm90WgmmaMainloop<...>>(...)", 600.0),
+        ("void petit::expert_fused_ws_kernel<petit::gemm::Sm90WgmmaWsMainloop<...>>(...)", 100.0),
         ("void petit::expert_reduce_kernel(petit::ExpertGemmArgs)", 40.0),
         ("void petit::row_list_histogram_kernel(petit::RowListArgs)", 10.0),
         ("void petit::row_list_scatter_kernel(petit::RowListArgs)", 10.0),
@@ -39,9 +40,9 @@ def test_kernel_breakdown_categories():
     ]
     out = device_env.kernel_breakdown(kernels, replays=10)
     assert out == pytest.approx({
-        "dispatch": 30.0, "combine": 50.0, "nccl": 7.0, "petit_gemm": 150.0,
+        "dispatch": 30.0, "combine": 50.0, "nccl": 7.0, "petit_gemm": 160.0,
         "petit_reduce": 4.0, "petit_row_lists": 2.0, "triton_gemm": 200.0,
-        "triton_align_sum_act": 5.0, "other": 1.0, "kernels_total": 449.0})
+        "triton_align_sum_act": 5.0, "other": 1.0, "kernels_total": 459.0})
     assert list(out)[:2] == ["dispatch", "combine"] and list(out)[-1] == "kernels_total"
     # empty categories are left out; nothing traced gives a zero total
     assert device_env.kernel_breakdown([("combine_kernel", 4.0)], 2) == {
@@ -50,7 +51,7 @@ def test_kernel_breakdown_categories():
     with pytest.raises(ValueError, match="replays"):
         device_env.kernel_breakdown(kernels, 0)
     text = device_env.format_breakdown(out)
-    assert text.startswith("dispatch 30.0, combine 50.0") and text.endswith("(kernels 449.0 us)")
+    assert text.startswith("dispatch 30.0, combine 50.0") and text.endswith("(kernels 459.0 us)")
 
 
 def test_parse_args(bench):

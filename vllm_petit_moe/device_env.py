@@ -82,7 +82,7 @@ PROFILE_CATEGORIES = (
     ("dispatch", ("dispatch_kernel",)),
     ("combine", ("combine_kernel",)),
     ("nccl", ("nccl",)),
-    ("petit_gemm", ("expert_gate_up", "expert_down")),
+    ("petit_gemm", ("expert_gate_up", "expert_down", "expert_fused")),
     ("petit_reduce", ("expert_reduce",)),
     ("petit_row_lists", ("row_list_",)),
     ("triton_gemm", ("fused_moe_kernel",)),
