@@ -21,7 +21,7 @@ struct RowListArgs {
   int32_t* expert_counts;    // [L]
   int32_t* expert_offsets;   // [L+1]
   int32_t* sorted_entries;   // [num_entries]
-  int32_t* expert_done;      // [L] set to 0 here (the fused GEMMs' counters), or nullptr
+  int32_t* expert_done;      // [L+1] set to 0 here (the fused GEMMs' counters), or nullptr
 };
 constexpr int kRowListChunk = 1024;  // entries per block
 PETIT_HOST_DEVICE int64_t row_list_workspace_ints(int num_entries, int num_local_experts) {
@@ -126,16 +126,16 @@ struct ExpertGemmArgs {
   int split_counters_len;
   int split_max;                   // most k-splits of one tile (<= 1: no split)
   // Fused GEMMs (expert_fused_gemms; nullptr: a gate/up and a down launch): per local expert,
-  // the arrivals of its finished gate/up tiles, zero at launch (launch_expert_row_lists zeroes
-  // them through RowListArgs::expert_done).
-  int32_t* gate_up_done;           // [L]
+  // the arrivals of its finished gate/up tiles, then the counter of claimed tiles; all zero at
+  // launch (launch_expert_row_lists zeroes them through RowListArgs::expert_done).
+  int32_t* gate_up_done;           // [L+1]
 };
 // Fused GEMMs of the 64-row ws families (wgmma_narrow_ws, wgmma_m64_ws): one persistent launch
-// runs the gate/up tiles and then the down tiles of the call through one ring; a down tile's
-// producer starts loading an expert's act rows once all of that expert's gate/up tiles have
-// arrived (gate_up_done), so the down weights stream while the last gate/up tiles finish and
-// the call has one kernel boundary less. Needs every block of its grid (<= one per SM)
-// resident at once. Whether a call with these arguments (num_sms set; tiles resolved or
+// runs the gate/up tiles and then the down tiles of the call through one ring, each block
+// claiming the next tile when its ring has room; a down tile's producer starts loading an
+// expert's act rows once all of that expert's gate/up tiles have arrived (gate_up_done), so
+// the down tiles fill the SMs the last gate/up tiles leave idle and the call has one kernel
+// boundary less. Whether a call with these arguments (num_sms set; tiles resolved or
 // auto) runs them: PETIT_MOE_FUSED_GEMMS unset or 1 (0: two launches; read at every call),
 // one of those families, split-K off.
 bool expert_fused_gemms(const ExpertGemmArgs& args);

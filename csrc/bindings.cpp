@@ -512,10 +512,11 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
     expert_split_k_attach(&a, split_partials.data_ptr<float>(), split_floats,
                           split_counter_tensor.data_ptr<int32_t>(), split_counters);
   }
-  // fused GEMMs (expert_fused_gemms): per-expert arrival counters, zeroed by the row lists
+  // fused GEMMs (expert_fused_gemms): per-expert arrival counters and the tile claim counter,
+  // zeroed by the row lists
   torch::Tensor gate_up_done;
   if (expert_fused_gemms(a)) {
-    gate_up_done = torch::empty({L}, int_opts);
+    gate_up_done = torch::empty({L + 1}, int_opts);
     a.gate_up_done = rl.expert_done = gate_up_done.data_ptr<int32_t>();
   }
   PETIT_CHECK_OK(launch_expert_row_lists(rl, stream), "row-list launch");

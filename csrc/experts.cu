@@ -262,9 +262,11 @@ template <class Cfg>
 constexpr int kSchedulerBytes =
     (int(sizeof(typename gemm::ExpertTileScheduler<Cfg::kThreads + 128>::SharedStorage)) + 15) /
     16 * 16;
-// (+ 16 bytes after it: split-K's "last arrival" flag, see split_k_fixup.)
+// (+ kWsExtraBytes after it: split-K's "last arrival" flag, see split_k_fixup, or the fused
+// GEMMs' stage tags and claimed units, see expert_fused_ws_kernel.)
+constexpr int kWsExtraBytes = 64;
 template <class Cfg, int kClusterM = 1>
-using WsMainloop = gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM, kSchedulerBytes<Cfg> + 16>;
+using WsMainloop = gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM, kSchedulerBytes<Cfg> + kWsExtraBytes>;
 using GateUpWgmmaWs = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
 using DownWgmmaWs = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
 // wgmma_m64_ws: the wgmma_m64 tiles (64 x 256 x 64, 5-stage ring) on the same main loop: for
@@ -583,14 +585,21 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
 
 // ---- fused GEMMs (expert_fused_gemms, api.h): both GEMMs of a call in one persistent launch.
 // The units of the launch are the gate/up tiles [0, U1) and then the down tiles [U1, U1 + U2),
-// both in the scheduler's order (expert-major); block b walks b, b + grid, ... through both,
-// on one ring (the down main loop continues the gate/up one: continue_from). Each consumer
-// warp of a gate/up tile, once its act stores are done, fences and counts one arrival for the
-// tile's expert in gate_up_done; a down tile's producer threads wait (acquire) until their
+// both in the scheduler's order (expert-major). Each block's producer claims the next unit
+// from a counter (a.gate_up_done[L]) when it is ready to load it and tags the unit's first
+// ring stage with it (produce's stage_tags); the consumers read the tag of the next stage to
+// learn which tile they multiply, and a final stage tagged -1 ends them. One ring for both
+// GEMMs: the down main loop continues the gate/up one (continue_from). Each consumer warp of
+// a gate/up tile, once its act stores are done, fences and counts one arrival for the tile's
+// expert in gate_up_done[expert]; a down tile's producer threads wait (acquire) until their
 // expert has all its arrivals (m-tiles x gate/up n-tiles x consumer warps) before copying act
-// rows. No deadlock when every block is resident: the units a down tile waits for come before
-// it in every block's walk, and a block does all its gate/up units before any down unit.
+// rows. Units are claimed in order, so every gate/up unit a down unit waits for was claimed
+// before it by a running block, which has loaded all its stages already and whose consumers
+// finish it without waiting on anything: no deadlock, whatever the grid or the residency
+// (blocks that start late just claim later units), and the units spread over the blocks by
+// how fast each one drains its ring, not by a fixed stride.
 constexpr uint64_t kFusedWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;  // then trap, not hang
+constexpr int kFusedClaimBarrierId = 3;  // producer named barrier (consumers' ids: 1, 2)
 
 PETIT_DEVICE int32_t fused_load_acquire(const int32_t* p) {
 #if PETIT_EMU_PTX
@@ -614,17 +623,19 @@ PETIT_DEVICE void fused_gate_up_arrive(int32_t* done, int expert) {
 }
 
 // Producer thread, before the act rows of a down tile of `expert` (bounded: traps after
-// kFusedWaitTimeoutNs). The CPU emulation runs blocks one after another, so there the
-// arrivals must all be in already (grid 1).
+// kFusedWaitTimeoutNs). The CPU emulation runs blocks one after another and threads
+// concurrently, so there the wait may only spin while this block's own consumers finish.
 PETIT_DEVICE void fused_wait_gate_up(const int32_t* done, int expert, int32_t arrivals) {
   if (fused_load_acquire(done + expert) == arrivals) return;
-#if PETIT_EMU_PTX
-  emu_ptx::trap("fused expert GEMMs: a down tile before its expert's gate/up tiles");
-#else
   const uint64_t start = gemm::sm90_globaltimer_ns();
   while (fused_load_acquire(done + expert) != arrivals)
-    if (gemm::sm90_globaltimer_ns() - start > kFusedWaitTimeoutNs) __trap();
+    if (gemm::sm90_globaltimer_ns() - start > kFusedWaitTimeoutNs) {
+#if PETIT_EMU_PTX
+      emu_ptx::trap("fused expert GEMMs: a down tile's gate/up arrivals never completed");
+#else
+      __trap();
 #endif
+    }
 }
 
 template <class GateUp, class Down>
@@ -642,11 +653,14 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
                       GateUp::kSmemBytes == Down::kSmemBytes,
                   "one block shape for both GEMMs");
     using Scheduler = gemm::ExpertTileScheduler<GateUp::kThreads>;
-    static_assert(GateUp::kUserBytes >= int(sizeof(typename Scheduler::SharedStorage)),
-                  "the scheduler's storage is the main loop's user shared memory");
+    static_assert(GateUp::kUserBytes >= kSchedulerBytes<CfgG> + (CfgG::kStages + 2) * 4,
+                  "the scheduler's storage, the stage tags and the claims are the main loop's "
+                  "user shared memory");
     PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // GateUp::kSmemBytes
-    auto& scheduler_smem = *reinterpret_cast<typename Scheduler::SharedStorage*>(
-        GateUp::user_smem(tc_dynamic_smem));
+    unsigned char* user = GateUp::user_smem(tc_dynamic_smem);
+    auto& scheduler_smem = *reinterpret_cast<typename Scheduler::SharedStorage*>(user);
+    volatile int* stage_tags = reinterpret_cast<volatile int*>(user + kSchedulerBytes<CfgG>);
+    volatile int* claims = stage_tags + CfgG::kStages;  // [2]: the producer's broadcast
     // one m-tile prefix (same kBlockM) for both, with each GEMM's n-tiles
     Scheduler gate_up_tiles;
     gate_up_tiles.init(a.expert_offsets, a.num_local_experts, CfgG::kBlockM,
@@ -655,51 +669,57 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
     down_tiles.num_n_tiles = (a.hidden + CfgD::kBlockN - 1) / CfgD::kBlockN;
     const int num_gate_up = gate_up_tiles.num_tiles();
     const int num_units = num_gate_up + down_tiles.num_tiles();
+    int32_t* const next_unit = a.gate_up_done + a.num_local_experts;
     GateUp gate_up;
     gate_up.init(tc_dynamic_smem);
-    const int first = int(blockIdx.x), step = int(gridDim.x);
     // arrivals that complete an expert's gate/up tiles
     auto arrivals = [&](int expert) {
       return (gate_up_tiles.tile_prefix[expert + 1] - gate_up_tiles.tile_prefix[expert]) *
              gate_up_tiles.num_n_tiles * GateUp::kConsumerWarps;
     };
-    const auto gate_up_row = [&](const gemm::TileCoord& tile, int r) {
-      return gate_up_a_row(a, tile, r);
-    };
-    const auto down_row = [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); };
     if (GateUp::is_producer()) {
       gemm::sm90_setmaxnreg_dec<GateUp::kProducerRegs>();
-      if (GateUp::is_tma_issuer()) {
+      const bool leader = GateUp::is_tma_issuer();  // producer thread 0
+      if (leader) {
         gemm::sm90_prefetch_tensor_map(&w13_map);
         gemm::sm90_prefetch_tensor_map(&w2_map);
       }
-      int u = first;
-      for (; u < num_gate_up; u += step) {
+      // the next unit: claimed by the leader, read by every producer thread (double-buffered:
+      // a slot is rewritten two claims later, after the barrier that follows every read of it)
+      int claim = 0;
+      auto claim_next = [&]() {
+        if (leader) claims[claim & 1] = atomicAdd(next_unit, 1);
+        gemm::sm90_named_barrier_sync(kFusedClaimBarrierId, GateUp::kProducerThreads);
+        return claims[claim++ & 1];
+      };
+      int u = claim_next();
+      for (; u < num_gate_up; u = claim_next()) {
         const gemm::TileCoord tile = gate_up_tiles.tile(u);
         typename GateUp::LoaderA a_loader;
-        a_loader.init([&](int r) { return gate_up_row(tile, r); }, a.x);
+        a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
         typename GateUp::LoaderB b_loader;
         b_loader.init(&w13_map, tile.expert, tile.n_tile * CfgG::kBlockN);
-        gate_up.produce(a_loader, b_loader, a.hidden, 0, false);
+        gate_up.produce(a_loader, b_loader, a.hidden, 0, false, 0, -1, stage_tags, u);
       }
       Down down;
       down.continue_from(gate_up);
-      for (; u < num_units; u += step) {
+      for (; u < num_units; u = claim_next()) {
         const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
         fused_wait_gate_up(a.gate_up_done, tile.expert, arrivals(tile.expert));
         typename Down::LoaderA a_loader;
-        a_loader.init([&](int r) { return down_row(tile, r); }, a.act);
+        a_loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
         typename Down::LoaderB b_loader;
         b_loader.init(&w2_map, tile.expert, tile.n_tile * CfgD::kBlockN);
-        down.produce(a_loader, b_loader, a.intermediate, 0, false);
+        down.produce(a_loader, b_loader, a.intermediate, 0, false, 0, -1, stage_tags, u);
       }
+      down.produce_end(stage_tags, -1);
       gemm::cp_async_wait_all();  // no copy outlives its thread
     } else {
       gemm::sm90_setmaxnreg_inc<GateUp::kConsumerRegs>();
-      int u = first;
+      int u = gate_up.peek_tag(stage_tags);
       {
         const gemm::SiluMulEpilogue<CfgG> epilogue{a.act, a.intermediate};
-        for (; u < num_gate_up; u += step) {
+        for (; u >= 0 && u < num_gate_up; u = gate_up.peek_tag(stage_tags)) {
           const gemm::TileCoord tile = gate_up_tiles.tile(u);
           gate_up.consume(a.hidden);
           epilogue.apply(gate_up.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
@@ -711,7 +731,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
       down.continue_from(gate_up);
       const gemm::WeightedEntryEpilogue<CfgD> epilogue{a.partial, a.sorted_entries,
                                                        a.topk_weights, a.hidden};
-      for (; u < num_units; u += step) {
+      for (; u >= 0; u = down.peek_tag(stage_tags)) {
         const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
         down.consume(a.intermediate);
         epilogue.apply(down.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,

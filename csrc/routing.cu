@@ -50,6 +50,7 @@ PETIT_GLOBAL void __launch_bounds__(kMaxExperts) row_list_scan_kernel(RowListArg
     a.expert_counts[e] = running;
     if (a.expert_done != nullptr) a.expert_done[e] = 0;
   }
+  if (e == 0 && a.expert_done != nullptr) a.expert_done[a.num_local_experts] = 0;
   const int32_t count[1] = {e < a.num_local_experts ? running : 0};
   int32_t total;
   const int32_t before = block_exclusive_scan<kMaxExperts, 1>(count, thread_sums, &total);
@@ -143,7 +144,10 @@ PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_one_block_kernel(R
     }
     position += counts[i];
   }
-  if (threadIdx.x == 0) a.expert_offsets[a.num_local_experts] = total;
+  if (threadIdx.x == 0) {
+    a.expert_offsets[a.num_local_experts] = total;
+    if (a.expert_done != nullptr) a.expert_done[a.num_local_experts] = 0;
+  }
   __syncthreads();
   scatter_chunk(a, 0, total, running, warp_hist);
 }

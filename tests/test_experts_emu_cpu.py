@@ -391,21 +391,22 @@ def decode_routing(seed):
     return ids.contiguous()
 
 
-# The fused GEMMs run with num_sms = 1 here: the emulation runs blocks one after another, so a
-# down tile must find its expert's gate/up arrivals complete when it starts (it traps
-# otherwise: an arrival count that never matches is caught too).
+# The emulation runs blocks one after another, so the first block of a fused launch claims
+# every tile (its producer waiting for its own consumers' gate/up arrivals before each down
+# tile) and the others claim none: one tagged end stage each.
 @pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws"])
-def test_fused_gemms_equal_the_two_launches(sm90, monkeypatch, tiles):
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_fused_gemms_equal_the_two_launches(sm90, monkeypatch, tiles, num_sms):
     """PETIT_MOE_FUSED_GEMMS=1 (the 64-row ws families): gate/up and down tiles in one launch
     on one ring, each down tile after its expert's gate/up arrivals; bit-equal to the two
     launches, with partial last column tiles (hidden 392, intermediate 72) and an expert with
     no row."""
     problem = make_problem(decode_routing(91), 392, 72, 5, seed=92)
     monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
-    fused, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=1)
+    fused, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
     assert used == tiles and sm90.petit_emu_fused_gemms() == 1
     monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "0")
-    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=1)
+    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
     assert sm90.petit_emu_fused_gemms() == 0
     assert torch.equal(fused, plain)
     check_against_reference(fused, problem)

@@ -107,12 +107,12 @@ def test_global_ids_with_expert_map(emu, num_rows, top_k, num_global, num_local)
 
 @pytest.mark.parametrize("num_rows", [3, 128, 129, 300])
 def test_row_lists_zero_the_fused_gemm_counters(emu, num_rows):
-    """The fused expert GEMMs' per-expert arrival counters (RowListArgs::expert_done) are set
-    to 0 by both launch paths (one block up to 1024 entries, three launches above), garbage
+    """The fused expert GEMMs' per-expert arrival counters and claim counter
+    (RowListArgs::expert_done, L + 1 ints) are set to 0 by both launch paths (one block up to 1024 entries, three launches above), garbage
     before; the row lists themselves are unchanged."""
     ids = random_ids(num_rows, 8, 37, seed=300 + num_rows)
-    done = torch.full((37,), 0x5A5A5A5A, dtype=torch.int32)
+    done = torch.full((38,), 0x5A5A5A5A, dtype=torch.int32)  # 37 experts + the claim counter
     with_done = run_emulated(emu, ids, 37, expert_done=done)
-    assert torch.equal(done, torch.zeros(37, dtype=torch.int32))
+    assert torch.equal(done, torch.zeros(38, dtype=torch.int32))
     for got, want in zip(with_done, run_emulated(emu, ids, 37)):
         assert torch.equal(got, want)

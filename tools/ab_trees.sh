@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # On a GPU machine: same-run A/B of two source trees of this repository with the
-# dispatch/combine benchmark, so a kernel change is measured against its parent on the same
+# dispatch/combine benchmark (or AB_BENCH=examples/bench_experts.py, the expert GEMMs: give
+# it AB_ARGS and AB_METRIC=us), so a kernel change is measured against its parent on the same
 # GPUs in the same call. AB_OLD names a folder holding the other tree, made before the call
-# with `git archive <commit> csrc vllm_petit_moe setup.py examples/bench_dispatch_combine.py |
+# with `git archive <commit> csrc vllm_petit_moe setup.py examples/<the benchmark> |
 # tar -x -C <folder>` (untracked, so it travels with the working tree, which must stay under
 # the device call's 64 MiB; delete it afterwards). Both trees are built at once (half the cores each); then every
 # run of AB_RUNS, repeated AB_REPEATS times in interleaved order, runs
-# examples/bench_dispatch_combine.py $AB_ARGS from its own tree. A run is
+# $AB_BENCH $AB_ARGS from its own tree. A run is
 # TREE[:NAME=VALUE[,NAME=VALUE...]] with TREE `old` (AB_OLD) or `new` (this tree); its results go to
 # $OUT/ab-<tree>[_<setting>][_rN]/, and tools/ab_compare.py compares each run with the first.
 # Without AB_OLD only `new` runs are allowed (a sweep of settings of this tree).
@@ -30,6 +31,7 @@ if [ -n "${AB_OLD:-}" ]; then
   [ -f "$OLD/setup.py" ] || { echo "AB_OLD=$AB_OLD holds no source tree"; exit 1; }
 fi
 RUNS=${AB_RUNS:-old new}
+BENCH=${AB_BENCH:-examples/bench_dispatch_combine.py}
 case " $RUNS" in *" old"*) [ -n "$OLD" ] || { echo "AB_RUNS has old runs but no AB_OLD"; exit 2; } ;; esac
 jobs=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
 [ -n "$OLD" ] || jobs=$(nproc)
@@ -55,7 +57,7 @@ for _ in $(seq "${AB_REPEATS:-2}"); do
     echo "=== $run ($tag)" | tee -a "$OUT/ab.log"
     # shellcheck disable=SC2086
     (cd "$dir" && env ${setting:+${setting//,/ }} PYTHONPATH="$dir:${PYTHONPATH:-}" \
-      timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py \
+      timeout ${BENCH_TIMEOUT:-300} $PY "$BENCH" \
       ${AB_ARGS:---routings uniform --tokens 128 4096 16384 --num-sms 24 0 --iters 20} \
       --out-dir "$OUT/ab-$tag") 2>&1 | grep -vi "warn" >> "$OUT/ab.log"
     [ "${PIPESTATUS[0]}" = 0 ] || bench_rc=1

@@ -311,8 +311,12 @@ struct Sm90WgmmaWsMainloop {
   // Producer threads: the k-tiles of one output tile into the ring (rank: this CTA's cluster
   // rank, which picks its share of the weight boxes when the cluster shares them: multicast).
   // k-tiles [kt_begin, kt_end) of the tile (kt_end < 0: to the last one): a split-K share.
+  // stage_tags (a kernel that hands its consumers the tiles it picks, expert_fused_ws_kernel):
+  // the TMA issuer writes `tag` to stage_tags[s] of the tile's first stage s before the
+  // stage's arrival, which publishes it to the consumers that wait for the stage.
   PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim, int rank,
-                            bool multicast, int kt_begin = 0, int kt_end = -1) {
+                            bool multicast, int kt_begin = 0, int kt_end = -1,
+                            volatile int* stage_tags = nullptr, int tag = 0) {
     const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
     const bool tma_issuer = is_tma_issuer();
     for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
@@ -322,6 +326,7 @@ struct Sm90WgmmaWsMainloop {
       sm90_mbarrier_wait_parity(empty + 8 * s, ((it / Cfg::kStages) & 1u) ^ 1u);
       const uint32_t stage = ring + s * kStageBytes;
       if (tma_issuer) {
+        if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
         // The expected bytes (the whole stage's, whichever CTA of the cluster loads them)
         // before this CTA's copies that complete them.
         sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes);
@@ -343,6 +348,27 @@ struct Sm90WgmmaWsMainloop {
       for (int q = 0; q < kClusterM; ++q)
         sm90_mbarrier_arrive_cluster(sm90_map_shared_rank(empty_bar, q));
     }
+  }
+
+  // Producer threads, after their last tile: one more stage with no data whose tag is `tag`
+  // (e.g. -1: no more tiles), completed by plain arrivals of every producer thread.
+  PETIT_DEVICE void produce_end(volatile int* stage_tags, int tag) {
+    const uint32_t s = it % Cfg::kStages;
+    sm90_mbarrier_wait_parity(empty + 8 * s, ((it / Cfg::kStages) & 1u) ^ 1u);
+    if (is_tma_issuer()) {
+      stage_tags[s] = tag;
+      sm90_mbarrier_arrive(full + 8 * s);  // the issuer's second arrival of a stage
+    }
+    sm90_mbarrier_arrive(full + 8 * s);
+    ++it;
+  }
+
+  // Consumer threads: the tag of the next stage (waits until it is full; consume then finds
+  // the stage full without waiting).
+  PETIT_DEVICE int peek_tag(const volatile int* stage_tags) const {
+    const uint32_t s = it % Cfg::kStages;
+    sm90_mbarrier_wait_parity(full + 8 * s, (it / Cfg::kStages) & 1u);
+    return stage_tags[s];
   }
 
   // Consumer threads: the reduction over k_dim (> 0, a multiple of 8) of one output tile, or

@@ -60,10 +60,9 @@ extern "C" int petit_emu_experts(const uint16_t* x, const int32_t* topk_ids,
   petit::expert_split_k_attach(&a, partials.data(), split_floats, counters.data(),
                                split_counters);
   // fused GEMMs (PETIT_MOE_FUSED_GEMMS), as the binding allocates them: one arrival counter per
-  // local expert, zeroed there by the row-list kernels and here. (Blocks run one after
-  // another in this emulation, so a fused call must have a grid of 1: num_sms = 1; otherwise
-  // the first down tile whose gate/up tiles are not all in traps.)
-  std::vector<int32_t> done(petit::expert_fused_gemms(a) ? size_t(num_local_experts) : 0, 0);
+  // local expert and the tile claim counter, zeroed there by the row-list kernels and here.
+  // (Blocks run one after another in this emulation, so the first block claims every tile.)
+  std::vector<int32_t> done(petit::expert_fused_gemms(a) ? size_t(num_local_experts) + 1 : 0, 0);
   if (!done.empty()) a.gate_up_done = done.data();
   g_fused_gemms = !done.empty();
   const int rc = int(petit::launch_experts(a, nullptr));
