@@ -92,11 +92,12 @@ case "$1" in
   setup.py) exit 0 ;;
   tools/ab_compare.py) shift; exec "$REAL_PYTHON" "$AB_COMPARE" "$@" ;;
 esac
+bench=$1
 while [ $# -gt 0 ]; do [ "$1" = --out-dir ] && out=$2; shift; done
 mkdir -p "$out"
 us=400; [ -f OLD_TREE ] || us=300; [ -n "${PETIT_X:-}" ] && us=$((us - PETIT_X * 100))
 [ -n "${PETIT_Y:-}" ] && us=$((us - PETIT_Y))
-echo "{\"preset\": \"deepseek-v3\", \"routing\": \"uniform\", \"tokens\": 4096, \"num_sms\": 24, \"dispatch_us\": 236.0, \"combine_us\": $us, \"cwd\": \"$PWD\"}" > "$out/r.jsonl"
+echo "{\"preset\": \"deepseek-v3\", \"routing\": \"uniform\", \"tokens\": 4096, \"num_sms\": 24, \"dispatch_us\": 236.0, \"combine_us\": $us, \"cwd\": \"$PWD\", \"bench\": \"$bench\"}" > "$out/r.jsonl"
 """
 
 
@@ -128,6 +129,7 @@ def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
     for folder in sorted(out.glob("ab-*")):
         record = json.loads((folder / "r.jsonl").read_text())
         runs[folder.name] = (record["combine_us"], record["cwd"])
+        assert record["bench"] == "examples/bench_dispatch_combine.py"
     assert runs == {
         "ab-old": (400, str(old)), "ab-old_r2": (400, str(old)),
         "ab-new": (300, str(new)), "ab-new_r2": (300, str(new)),
@@ -143,3 +145,13 @@ def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
     refused = subprocess.run(["bash", str(new / "tools" / "ab_trees.sh")], env=env,
                              capture_output=True, text=True)
     assert refused.returncode == 2 and "no AB_OLD" in refused.stdout
+    # AB_BENCH: another benchmark (the expert GEMMs), here a sweep of this tree alone
+    env.update(AB_RUNS="new new:PETIT_X=1", AB_REPEATS="1", AB_BENCH="examples/bench_experts.py",
+               OUT=str(tmp_path / "out2"))
+    swept = subprocess.run(["bash", str(new / "tools" / "ab_trees.sh")], env=env,
+                           capture_output=True, text=True)
+    assert swept.returncode == 0, swept.stdout + swept.stderr
+    benches = {f.name: json.loads((f / "r.jsonl").read_text())["bench"]
+               for f in (tmp_path / "out2").glob("ab-*")}
+    assert benches == {"ab-new": "examples/bench_experts.py",
+                       "ab-new_PETIT_X_1": "examples/bench_experts.py"}
