@@ -598,7 +598,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
 // finish it without waiting on anything: no deadlock, whatever the grid or the residency
 // (blocks that start late just claim later units), and the units spread over the blocks by
 // how fast each one drains its ring, not by a fixed stride.
-constexpr uint64_t kFusedWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;  // then trap, not hang
 constexpr int kFusedClaimBarrierId = 3;  // producer named barrier (consumers' ids: 1, 2)
 
 PETIT_DEVICE int32_t fused_load_acquire(const int32_t* p) {
@@ -622,14 +621,14 @@ PETIT_DEVICE void fused_gate_up_arrive(int32_t* done, int expert) {
   }
 }
 
-// Producer thread, before the act rows of a down tile of `expert` (bounded: traps after
-// kFusedWaitTimeoutNs). The CPU emulation runs blocks one after another and threads
-// concurrently, so there the wait may only spin while this block's own consumers finish.
+// Producer thread, before the act rows of a down tile of `expert` (bounded like the ring's
+// waits: traps after kMbarrierTimeoutNs). The CPU emulation runs blocks one after another and
+// threads concurrently, so there it only ever waits for this block's own consumers.
 PETIT_DEVICE void fused_wait_gate_up(const int32_t* done, int expert, int32_t arrivals) {
   if (fused_load_acquire(done + expert) == arrivals) return;
   const uint64_t start = gemm::sm90_globaltimer_ns();
   while (fused_load_acquire(done + expert) != arrivals)
-    if (gemm::sm90_globaltimer_ns() - start > kFusedWaitTimeoutNs) {
+    if (gemm::sm90_globaltimer_ns() - start > gemm::kMbarrierTimeoutNs) {
 #if PETIT_EMU_PTX
       emu_ptx::trap("fused expert GEMMs: a down tile's gate/up arrivals never completed");
 #else
