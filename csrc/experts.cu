@@ -377,8 +377,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kM
 // Opt-in (PETIT_MOE_SPLIT_K = the most shares per tile, read at every call): on H200 it was
 // no faster wherever it split (0.99-1.54x the unsplit time at 1-8 tokens/rank, README).
 
-// Device-scope fence (the CPU emulation runs blocks one after another: a host fence).
-PETIT_DEVICE void split_k_fence() {
+// Device-scope fence (split-K's and the fused GEMMs' counters; the CPU emulation: a host
+// fence).
+PETIT_DEVICE void device_fence() {
 #if PETIT_EMU_PTX
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 #else
@@ -431,11 +432,11 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
   // Every consumer's stores, then one fence and the arrival by the first consumer thread.
   gemm::sm90_named_barrier_sync(kSplitBarrierId, kThreads);
   if (t == 0) {
-    split_k_fence();
+    device_fence();
     const int arrived = atomicAdd(a.split_counters + tile_index, 1);
     const bool last = arrived == splits - 1;
     if (last) a.split_counters[tile_index] = 0;  // for the next launch
-    split_k_fence();
+    device_fence();
     *last_flag = last ? 1 : 0;
   }
   gemm::sm90_named_barrier_sync(kSplitBarrierId, kThreads);
@@ -616,7 +617,7 @@ PETIT_DEVICE int32_t fused_load_acquire(const int32_t* p) {
 PETIT_DEVICE void fused_gate_up_arrive(int32_t* done, int expert) {
   petit_syncwarp();
   if (petit_lane_id() == 0) {
-    split_k_fence();  // the warp's act stores before the arrival
+    device_fence();  // the warp's act stores before the arrival
     atomicAdd(done + expert, 1);
   }
 }
@@ -628,13 +629,8 @@ PETIT_DEVICE void fused_wait_gate_up(const int32_t* done, int expert, int32_t ar
   if (fused_load_acquire(done + expert) == arrivals) return;
   const uint64_t start = gemm::sm90_globaltimer_ns();
   while (fused_load_acquire(done + expert) != arrivals)
-    if (gemm::sm90_globaltimer_ns() - start > gemm::kMbarrierTimeoutNs) {
-#if PETIT_EMU_PTX
-      emu_ptx::trap("fused expert GEMMs: a down tile's gate/up arrivals never completed");
-#else
-      __trap();
-#endif
-    }
+    if (gemm::sm90_globaltimer_ns() - start > gemm::kMbarrierTimeoutNs)
+      gemm::sm90_wait_timed_out("fused expert GEMMs: a down tile's gate/up arrivals never came");
 }
 
 template <class GateUp, class Down>

@@ -112,20 +112,26 @@ PETIT_DEVICE uint64_t sm90_globaltimer_ns() {
 // No pipeline wait of a healthy kernel comes near this; a stuck one traps after it.
 constexpr uint64_t kMbarrierTimeoutNs = 10ull * 1000 * 1000 * 1000;
 
-// Until the phase of `bar` with parity `parity` has completed (bounded, see above). No printf
-// on expiry: a call anywhere in the kernel, even on the producer's side, makes ptxas serialize
-// the consumers' wgmma (warning C7510, which tests/test_ptxas_cpu.py rejects).
+// What a wait of the expert kernels does once it has waited kMbarrierTimeoutNs: trap (under
+// the CPU emulation, with `what` printed). No printf on the GPU: a call anywhere in the
+// kernel, even on the producer's side, makes ptxas serialize the consumers' wgmma (warning
+// C7510, which tests/test_ptxas_cpu.py rejects).
+PETIT_DEVICE void sm90_wait_timed_out(const char* what) {
+#if PETIT_EMU_PTX
+  emu_ptx::trap(what);
+#else
+  (void)what;
+  __trap();
+#endif
+}
+
+// Until the phase of `bar` with parity `parity` has completed (bounded, see above).
 PETIT_DEVICE void sm90_mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
   if (sm90_mbarrier_try_wait_parity(bar, parity)) return;
   const uint64_t start = sm90_globaltimer_ns();
   while (!sm90_mbarrier_try_wait_parity(bar, parity))
-    if (sm90_globaltimer_ns() - start > kMbarrierTimeoutNs) {
-#if PETIT_EMU_PTX
-      emu_ptx::trap("expert GEMM pipeline wait timed out");
-#else
-      __trap();
-#endif
-    }
+    if (sm90_globaltimer_ns() - start > kMbarrierTimeoutNs)
+      sm90_wait_timed_out("expert GEMM pipeline wait timed out");
 }
 
 // ------------------------------------------------------------------ clusters (sm_90)

@@ -252,7 +252,6 @@ inline petit_lanemask_t petit_match_any(int value) {
   return emu::warp_mask(value, [value](int v) { return v == value; });
 }
 inline void petit_syncwarp() { emu::warp_mask(0, [](int) { return false; }); }  // lanes meet
-inline uint4 petit_load_cg(const uint4* ptr) { return *ptr; }
 inline void petit_grid_dependency_sync() {}  // blocks and launches run one after another
 inline int atomicAdd(int* address, int value) {
   return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
