@@ -1,4 +1,4 @@
-# Shell helpers shared by tools/gpu_check.sh and tools/vllm_gpu_check.sh (sourced, from the
+# Shell helpers shared by tools/gpu_check.sh, tools/vllm_gpu_check.sh and tools/ab_trees.sh (sourced,
 # repository root).
 
 # sweep_tag DIR_PREFIX SETTING: SETTING (NAME=VALUE) as a folder-name tag, with _r2, _r3, ...
