@@ -1,5 +1,5 @@
-# Shell helpers shared by tools/gpu_check.sh, tools/vllm_gpu_check.sh and tools/ab_trees.sh (sourced,
-# repository root).
+# Shell helpers shared by tools/gpu_check.sh, tools/vllm_gpu_check.sh and tools/ab_trees.sh
+# (sourced, from the repository root).
 
 # sweep_tag DIR_PREFIX SETTING: SETTING (NAME=VALUE) as a folder-name tag, with _r2, _r3, ...
 # when DIR_PREFIX<tag> already exists (a setting repeated in a sweep, as interleaved A/B
