@@ -235,7 +235,9 @@ struct DispatchArgs {
   int top_k;                  // K <= layout.max_top_k
   int region_stride;          // R <= layout.max_tokens, equal on all ranks
   int quant;                  // DispatchQuant, equal on all ranks
-  int num_chunks;             // set by the launcher
+  int num_chunks;             // set by the launcher: hidden chunks (flags) per (group, peer)
+  int num_whole_pairs;        // set by the launcher: (group, peer) pairs [0, this) go out as
+                              // one send item each, the rest as num_chunks items each
 };
 
 struct CombineArgs {
@@ -245,7 +247,9 @@ struct CombineArgs {
   int num_tokens;
   int top_k;
   int region_stride;
-  int num_chunks;             // set by the launcher
+  int num_chunks;             // set by the launcher: hidden chunks (flags) per (group, peer)
+  int num_whole_pairs;        // set by the launcher: (group, peer) pairs [0, this) go out as
+                              // one send item each, the rest as num_chunks items each
   int num_send_blocks;        // set by the launcher: blocks [0, this) push rows back
   int num_reduce_chunks;      // set by the launcher: hidden chunks of one reduce item
   int static_reduce;          // set by the launcher: 1 = reduce-only block b owns item

@@ -572,6 +572,7 @@ py::dict combine_plan(int64_t world_size, int64_t hidden, int64_t num_tokens,
   PETIT_CHECK_OK(plan_combine(&a, &grid), "combine plan");
   py::dict d;
   d["send_chunks"] = a.num_chunks;
+  d["whole_pairs"] = a.num_whole_pairs;
   d["send_blocks"] = a.num_send_blocks;
   d["reduce_chunks"] = a.num_reduce_chunks;
   d["static_reduce"] = bool(a.static_reduce);
@@ -611,8 +612,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("heap_layout", &petit::heap_layout, "Byte offsets of the heap regions (layout.h)",
         py::arg("world_size"), py::arg("max_tokens"), py::arg("hidden"), py::arg("max_top_k"));
   m.def("combine_plan", &petit::combine_plan,
-        "What a combine launches (host-side plan, no GPU needed): {send_chunks, send_blocks, "
-        "reduce_chunks, static_reduce, grid}",
+        "What a combine launches (host-side plan, no GPU needed): {send_chunks, whole_pairs, "
+        "send_blocks, reduce_chunks, static_reduce, grid}",
         py::arg("world_size"), py::arg("hidden"), py::arg("num_tokens"),
         py::arg("region_stride"), py::arg("num_blocks"));
   m.def("float_to_e4m3", &petit::float_to_e4m3,

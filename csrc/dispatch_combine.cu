@@ -420,14 +420,20 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const char* my_heap = rank_heap(c, c.rank);
   const int32_t* recv_ids = reinterpret_cast<const int32_t*>(my_heap + l.dispatch_ids);
 
-  // ---- send: reduced rows of remote source `src`'s tokens go back to src's combine region,
-  // item = ((group * (W-1)) + peer_step) * num_chunks + chunk, so groups complete in order.
-  const int num_items = num_groups * (W - 1) * num_chunks;
+  // ---- send: reduced rows of remote source `src`'s tokens go back to src's combine region.
+  // Pairs (group, peer_step), pair = group * (W-1) + peer_step, go out in order, so groups
+  // complete in order: pairs [0, num_whole_pairs) as one item each (all num_chunks chunks,
+  // one fence, a flag per chunk), the rest as num_chunks items of one chunk each.
+  const int num_pairs = num_groups * (W - 1);
+  const int num_whole = a.num_whole_pairs;
+  const int num_items = num_whole + (num_pairs - num_whole) * num_chunks;
   const int send_stride = a.num_send_blocks;
   for (int item = blockIdx.x; blockIdx.x < send_stride && item < num_items; item += send_stride) {
-    const int chunk = item % num_chunks;
-    const int peer_step = (item / num_chunks) % (W - 1);
-    const int group = item / (num_chunks * (W - 1));
+    const bool whole = item < num_whole;
+    const int pair = whole ? item : num_whole + (item - num_whole) / num_chunks;
+    const int chunk = whole ? 0 : (item - num_whole) % num_chunks;
+    const int peer_step = pair % (W - 1);
+    const int group = pair / (W - 1);
     const int src = (c.rank + 1 + peer_step) % W;
     char* src_heap = rank_heap(c, src);
     if (warp == 0) {
@@ -442,8 +448,8 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     }
     __syncthreads();
     const uint32_t route_mask = s_route_mask;
-    int begin, end;
-    chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
+    int begin = 0, end = num_vectors;
+    if (!whole) chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
     const int num_routed = __popc(route_mask);
     const int parts = row_parts(num_routed, end - begin, 1);
     for (int unit = warp; unit < num_routed * parts; unit += kWarps) {
@@ -456,14 +462,20 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
                        (int64_t(c.rank) * R + token) * num_vectors;
       warp_copy(dst_row, row, part_begin, part_end, lane);
     }
-    __syncthreads();  // the block's row writes, then one system fence + release by thread 0
+    __syncthreads();  // the block's row writes, then one system fence by thread 0
     if (threadIdx.x == 0) {
       // Every chunk its own flag (the reductions wait for the chunks they read): no
-      // completion counter and no second fence between the last chunk and the flag.
+      // completion counter and no second fence between the last chunk and the flag. A whole
+      // pair raises all its chunks' flags after the one fence.
       petit_fence_sys();
-      petit_store_release_sys(reinterpret_cast<uint64_t*>(src_heap + l.combine_flags) +
-                                  (int64_t(c.rank) * l.max_groups + group) * l.max_chunks + chunk,
-                              make_flag(epoch, __popc(route_mask)));
+      uint64_t* flags = reinterpret_cast<uint64_t*>(src_heap + l.combine_flags) +
+                        (int64_t(c.rank) * l.max_groups + group) * l.max_chunks;
+      const uint64_t value = make_flag(epoch, __popc(route_mask));
+      if (whole) {
+        for (int f = 0; f < num_chunks; ++f) petit_store_relaxed_sys(flags + f, value);
+      } else {
+        petit_store_release_sys(flags + chunk, value);
+      }
     }
   }
 
@@ -615,6 +627,28 @@ int combine_send_chunks(int region_stride, int num_peers, int num_vectors, int m
   return wanted > chunks ? wanted : chunks;
 }
 
+// Tail split of large combines (PETIT_MOE_COMBINE_TAIL_CHUNKS, default 4; 0 or 1 = off; read
+// once per process): when every (group, peer) pair is one send item and the pairs take at
+// most kTailSplitMaxRounds rounds of >= kTailSplitMinSenders senders, the last round's pairs
+// go out in that many hidden chunks each (within the flag slots and the chunk size bound).
+// The last round's rows then land in sub-rounds instead of all at the end, and only the last
+// sub-round's reduction runs after the transfer. Few senders keep every pair whole: each
+// extra item costs its sender a route-mask read, two barriers and a fence, which is what
+// made 4 send chunks throughout 1.65x slower on 24 SMs. Returns the chunks, or 0 for none.
+constexpr int kTailSplitMaxRounds = 3;
+constexpr int kTailSplitMinSenders = 48;
+int combine_tail_chunks(int send_chunks, int64_t rounds, int senders, int region_stride,
+                        int num_vectors, int max_chunks) {
+  static const int tail_chunks = env_knob("PETIT_MOE_COMBINE_TAIL_CHUNKS", 4, 0, 1 << 10);
+  if (send_chunks != 1 || rounds < 1 || rounds > kTailSplitMaxRounds ||
+      senders < kTailSplitMinSenders)
+    return 0;
+  int chunks = tail_chunks < max_chunks ? tail_chunks : max_chunks;
+  const int size_bound = max_size_chunks(region_stride, num_vectors);
+  if (chunks > size_bound) chunks = size_bound;
+  return chunks >= 2 ? chunks : 0;
+}
+
 petitError_t check_context(const EpContextArgs& c, int region_stride, int num_tokens,
                            int top_k) {
   if (c.num_blocks < 1 || c.world_size < 1 || c.world_size > kMaxWorldSize) return petitErrorInvalidValue;
@@ -661,20 +695,31 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   a.num_chunks = combine_send_chunks(a.region_stride, a.ctx.world_size - 1,
                                      a.ctx.layout.hidden / kVecElems, max_senders,
                                      a.ctx.layout.max_chunks);
-  if (a.num_chunks > a.ctx.layout.max_chunks) return petitErrorInvalidValue;  // flag slots
   // Senders: no more than send items; reduce-only blocks: the rest of the grid, but no more
   // than reduce items (small calls launch, fence and count less).
-  const int64_t send_items = int64_t(ceil_div(a.region_stride, kTokenGroupSize)) *
-                             (a.ctx.world_size - 1) * a.num_chunks;
-  const int reduce_groups = ceil_div(a.num_tokens, kTokenGroupSize);
-  a.num_reduce_chunks = combine_reduce_chunks(a.num_chunks, a.ctx.layout.hidden / kVecElems,
-                                              reduce_groups, a.ctx.num_blocks);
-  const int64_t reduce_items = int64_t(reduce_groups) * a.num_reduce_chunks;
+  const int num_vectors = a.ctx.layout.hidden / kVecElems;
+  const int64_t num_pairs =
+      int64_t(ceil_div(a.region_stride, kTokenGroupSize)) * (a.ctx.world_size - 1);
+  const int64_t send_items = num_pairs * a.num_chunks;
   // Equal rounds: e.g. 128 items on at most 99 senders would leave a second round of 29
   // blocks, too few to keep the links busy; 64 senders do two full rounds and the other
   // blocks reduce.
   const int64_t rounds = (send_items + max_senders - 1) / max_senders;
   a.num_send_blocks = int(rounds > 0 ? (send_items + rounds - 1) / rounds : 0);
+  // The tail split: the last round's pairs (as many as senders) in chunks, the others whole.
+  a.num_whole_pairs = 0;
+  const int tail_chunks = combine_tail_chunks(a.num_chunks, rounds, a.num_send_blocks,
+                                              a.region_stride, num_vectors,
+                                              a.ctx.layout.max_chunks);
+  if (tail_chunks > 0) {
+    a.num_whole_pairs = int(num_pairs - a.num_send_blocks);
+    a.num_chunks = tail_chunks;
+  }
+  if (a.num_chunks > a.ctx.layout.max_chunks) return petitErrorInvalidValue;  // flag slots
+  const int reduce_groups = ceil_div(a.num_tokens, kTokenGroupSize);
+  a.num_reduce_chunks =
+      combine_reduce_chunks(a.num_chunks, num_vectors, reduce_groups, a.ctx.num_blocks);
+  const int64_t reduce_items = int64_t(reduce_groups) * a.num_reduce_chunks;
   const int64_t reducers_left = a.ctx.num_blocks - a.num_send_blocks;
   const int64_t reducers = reduce_items < reducers_left ? reduce_items : reducers_left;
   static const int static_reduce = env_knob("PETIT_MOE_COMBINE_STATIC_REDUCE", 1, 0, 1);

@@ -11,6 +11,10 @@
 //                                    visible to this thread (and, through a following
 //                                    barrier, to its block) after the load returns.
 //   petit_fence_sys()              : full fence at system scope.
+//   petit_store_relaxed_sys(p, v)  : a strong store at system scope with no ordering of its
+//                                    own; right after petit_fence_sys by the same thread it
+//                                    publishes like petit_store_release_sys (one fence, then
+//                                    several flags).
 #pragma once
 
 #include <stdint.h>
@@ -400,6 +404,14 @@ PETIT_DEVICE void petit_store_release_sys(uint64_t* ptr, uint64_t value) {
   __hip_atomic_store(ptr, value, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 #else
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+#endif
+}
+
+PETIT_DEVICE void petit_store_relaxed_sys(uint64_t* ptr, uint64_t value) {
+#if PETIT_HIP
+  __hip_atomic_store(ptr, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 #endif
 }
 

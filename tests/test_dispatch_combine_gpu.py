@@ -300,6 +300,20 @@ def test_combine_reduce_items_straddle_send_chunks(rank_pools):
     pool.run(_rank_round_trip, cfg, 81, [1024, 600], 8, None, 2, None, False)
 
 
+@pytest.mark.parametrize("num_sms,max_tokens,tokens", [(132, 4096, [4096, 4096]),
+                                                       (100, 6000, [6000, 2500])])
+def test_combine_tail_split(rank_pools, num_sms, max_tokens, tokens):
+    # Large combines send their last round of (group, peer) pairs in hidden chunks, the
+    # earlier pairs whole with a flag per chunk (plan_combine's tail split; the plans are
+    # pinned in tests/test_layout_cpu.py): 132 SMs and 4096 tokens: groups 0-63 whole, 64-127
+    # in 4 chunks, two rounds of 64 senders; 100 SMs and a 6000-token stride: 125 of 188
+    # groups whole, three rounds of 63 senders, rank 1's reduction over fewer groups.
+    pool = rank_pools(2)
+    cfg = _cfg(hidden=7168, max_tokens=max_tokens)
+    cfg["num_sms"] = num_sms
+    pool.run(_rank_round_trip, cfg, 91, tokens, 8, None, 2, None, False)
+
+
 def test_max_tokens_4096_and_region_stride(rank_pools):
     pool = rank_pools(2)
     pool.run(_rank_round_trip, _cfg(hidden=2048, max_tokens=4096), 11, [4096, 4096], 8, None,

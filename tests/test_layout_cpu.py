@@ -143,7 +143,7 @@ def test_validate_config_rejects(overrides, pattern):
 # expected values below hold only with none of them set.
 _COMBINE_KNOBS = ("PETIT_MOE_COMBINE_REDUCE_PCT", "PETIT_MOE_COMBINE_REDUCE_VECTORS",
                   "PETIT_MOE_COMBINE_REDUCE_ITEMS", "PETIT_MOE_COMBINE_SEND_CHUNKS",
-                  "PETIT_MOE_COMBINE_STATIC_REDUCE")
+                  "PETIT_MOE_COMBINE_STATIC_REDUCE", "PETIT_MOE_COMBINE_TAIL_CHUNKS")
 
 
 def _combine_plan_ext():
@@ -157,22 +157,29 @@ def _combine_plan_ext():
 @pytest.mark.parametrize("tokens,num_blocks,expected", [
     # DeepSeek-V3 rows (hidden 7168: 896 vectors, 14 send chunks at most), 2 ranks.
     # 1 token: one send item, 7 reduce items of 128 vectors, each its own reduce-only block.
-    (1, 132, dict(send_chunks=1, send_blocks=1, reduce_chunks=7, static_reduce=True, grid=8)),
+    (1, 132, dict(send_chunks=1, whole_pairs=0, send_blocks=1, reduce_chunks=7,
+                  static_reduce=True, grid=8)),
     # 128 tokens: 4 groups of 14 send chunks; reduce items as fine as the send chunks.
-    (128, 132, dict(send_chunks=14, send_blocks=56, reduce_chunks=14, static_reduce=True,
-                    grid=112)),
-    # 4096 tokens: 128 group items on 64 senders (two equal rounds of the 99 allowed),
+    (128, 132, dict(send_chunks=14, whole_pairs=0, send_blocks=56, reduce_chunks=14,
+                    static_reduce=True, grid=112)),
+    # 4096 tokens: 128 group items on 64 senders (two equal rounds of the 99 allowed); the
+    # tail split sends groups 0-63 whole and groups 64-127 in 4 chunks each (4 sub-rounds);
     # reduction cut into 7 chunks of 128 vectors, claimed by the whole grid.
-    (4096, 132, dict(send_chunks=1, send_blocks=64, reduce_chunks=7, static_reduce=False,
-                     grid=132)),
-    # 24 SMs: 18 senders allowed, 8 rounds of 16; the reduce chunking bounded at ~8 items per
-    # block (2 chunks, not 7: the 24-SM slowdown fixed at 23c8603).
-    (4096, 24, dict(send_chunks=1, send_blocks=16, reduce_chunks=2, static_reduce=False,
-                    grid=24)),
-    (16384, 132, dict(send_chunks=1, send_blocks=86, reduce_chunks=3, static_reduce=False,
-                      grid=132)),
-    (16384, 24, dict(send_chunks=1, send_blocks=18, reduce_chunks=1, static_reduce=False,
-                     grid=24)),
+    (4096, 132, dict(send_chunks=4, whole_pairs=64, send_blocks=64, reduce_chunks=7,
+                     static_reduce=False, grid=132)),
+    # 8192 tokens: 256 groups, three rounds of 86 senders; the last 86 groups split.
+    (8192, 132, dict(send_chunks=4, whole_pairs=170, send_blocks=86, reduce_chunks=5,
+                     static_reduce=False, grid=132)),
+    # 24 SMs: 18 senders allowed, 8 rounds of 16, no tail split (too few senders); the
+    # reduce chunking bounded at ~8 items per block (2 chunks, not 7: the 24-SM slowdown
+    # fixed at 23c8603).
+    (4096, 24, dict(send_chunks=1, whole_pairs=0, send_blocks=16, reduce_chunks=2,
+                    static_reduce=False, grid=24)),
+    # 16384 tokens: six rounds, no tail split.
+    (16384, 132, dict(send_chunks=1, whole_pairs=0, send_blocks=86, reduce_chunks=3,
+                      static_reduce=False, grid=132)),
+    (16384, 24, dict(send_chunks=1, whole_pairs=0, send_blocks=18, reduce_chunks=1,
+                     static_reduce=False, grid=24)),
 ])
 def test_combine_plan_deepseek_v3(tokens, num_blocks, expected):
     ext = _combine_plan_ext()
@@ -197,6 +204,11 @@ def test_combine_plan_invariants(world, hidden):
                 assert 1 <= plan["grid"] <= num_blocks, where
                 assert 0 <= plan["send_blocks"] <= plan["grid"], where
                 assert plan["reduce_chunks"] >= plan["send_chunks"], where
+                pairs = -(-stride // 32) * (world - 1)
+                if plan["whole_pairs"]:  # the tail split: the last round's pairs in chunks
+                    assert plan["send_blocks"] >= 48, where
+                    assert pairs - plan["whole_pairs"] == plan["send_blocks"], where
+                    assert plan["whole_pairs"] <= 2 * plan["send_blocks"], where  # <= 3 rounds
                 groups = -(-tokens // 32)
                 reduce_items = groups * plan["reduce_chunks"]
                 if plan["reduce_chunks"] > plan["send_chunks"] and groups:
@@ -218,15 +230,23 @@ def test_combine_plan_rejects_bad_sizes():
 @pytest.mark.parametrize("env,tokens,num_blocks,expected", [
     # the bound off: the 128-vector chunking alone (7 reduce chunks on 24 SMs, the slowdown)
     ({"PETIT_MOE_COMBINE_REDUCE_ITEMS": "0"}, 4096, 24, dict(send_chunks=1, reduce_chunks=7)),
-    ({"PETIT_MOE_COMBINE_REDUCE_VECTORS": "0"}, 4096, 132, dict(send_chunks=1, reduce_chunks=1)),
-    # at least 4 send chunks: 512 items in six rounds of 86 senders; reduce chunks stay 7
+    # reduce items as the send chunks (the tail split's 4)
+    ({"PETIT_MOE_COMBINE_REDUCE_VECTORS": "0"}, 4096, 132, dict(send_chunks=4, reduce_chunks=4)),
+    # at least 4 send chunks: 512 items in six rounds of 86 senders (no tail split: the
+    # pairs are already chunked); reduce chunks stay 7
     ({"PETIT_MOE_COMBINE_SEND_CHUNKS": "4"}, 4096, 132,
-     dict(send_chunks=4, send_blocks=86, reduce_chunks=7)),
+     dict(send_chunks=4, whole_pairs=0, send_blocks=86, reduce_chunks=7)),
+    # the tail split off, or as fine as the flag slots allow (14 for hidden 7168)
+    ({"PETIT_MOE_COMBINE_TAIL_CHUNKS": "0"}, 4096, 132,
+     dict(send_chunks=1, whole_pairs=0, send_blocks=64)),
+    ({"PETIT_MOE_COMBINE_TAIL_CHUNKS": "99"}, 4096, 132,
+     dict(send_chunks=14, whole_pairs=64, send_blocks=64, reduce_chunks=14)),
     # ... never beyond the flag slots / 32 KB items (14 for hidden 7168)
     ({"PETIT_MOE_COMBINE_SEND_CHUNKS": "99"}, 4096, 132, dict(send_chunks=14)),
     ({"PETIT_MOE_COMBINE_STATIC_REDUCE": "0"}, 128, 132, dict(static_reduce=False)),
     ({"PETIT_MOE_COMBINE_REDUCE_PCT": "50"}, 4096, 132, dict(send_blocks=64)),  # 66 allowed
-    ({"PETIT_MOE_COMBINE_REDUCE_PCT": "60"}, 4096, 132, dict(send_blocks=43)),  # 53: 3 rounds
+    # 53 allowed: 3 rounds of 43 senders, too few for the tail split
+    ({"PETIT_MOE_COMBINE_REDUCE_PCT": "60"}, 4096, 132, dict(send_blocks=43, whole_pairs=0)),
 ])
 def test_combine_plan_tuning_knobs(env, tokens, num_blocks, expected):
     """The combine's tuning knobs are read once per process: each case plans in a fresh

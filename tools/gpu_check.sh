@@ -13,6 +13,7 @@
 #                                            #   (BENCH_SWEEP_ARGS; tables in $OUT/sweep.log)
 #   PACK=1 bash tools/gpu_check.sh       # logs and results packed into $OUT/gpu_check.tgz
 #   PYTEST_ARGS='-k "fp8 or graph"' bash tools/gpu_check.sh   # shell-quoted, like a command line
+#   TEST_PATHS="tests/test_dispatch_combine_gpu.py" bash tools/gpu_check.sh  # some test files
 # The device copy of the tree has no .git: pass PETIT_COMMIT=<hash> to stamp results.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -60,7 +61,7 @@ if [ $build_rc -eq 0 ]; then
   t1=$(date +%s)
   pytest_args=()
   eval "pytest_args=(${PYTEST_ARGS:-})"  # keeps quoted words (-k "a or b") together
-  timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -rs "${pytest_args[@]}" tests 2>&1 | tee "$OUT/pytest.log"
+  timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -rs "${pytest_args[@]}" ${TEST_PATHS:-tests} 2>&1 | tee "$OUT/pytest.log"
   test_rc=${PIPESTATUS[0]}
   test_s=$(( $(date +%s) - t1 ))
 fi
