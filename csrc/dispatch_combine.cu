@@ -492,6 +492,15 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     const int group = item / num_reduce_chunks, reduce_chunk = item % num_reduce_chunks;
     int begin, end;
     chunk_range(num_vectors, reduce_chunk, num_reduce_chunks, &begin, &end);
+    if (a.prefetch_own) {  // the own rows are there already: into L2 while the peers' land
+      const int first_token = group * kTokenGroupSize;
+      const int rows = min(kTokenGroupSize, a.num_tokens - first_token);
+      constexpr int kLineVectors = 128 / 16;
+      const int lines = ceil_div(end - begin, kLineVectors);
+      for (int t = threadIdx.x; t < rows * lines; t += blockDim.x)
+        petit_prefetch_l2(own_rows + int64_t(first_token + t / lines) * num_vectors + begin +
+                          (t % lines) * kLineVectors);
+    }
     for (int t = threadIdx.x; t < W * num_chunks; t += blockDim.x) {
       const int peer = t / num_chunks, chunk = t % num_chunks;
       int send_begin, send_end;
@@ -724,6 +733,8 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   const int64_t reducers = reduce_items < reducers_left ? reduce_items : reducers_left;
   static const int static_reduce = env_knob("PETIT_MOE_COMBINE_STATIC_REDUCE", 1, 0, 1);
   a.static_reduce = static_reduce && reduce_items <= reducers_left ? 1 : 0;
+  static const int prefetch_own = env_knob("PETIT_MOE_COMBINE_PREFETCH", 0, 0, 1);
+  a.prefetch_own = prefetch_own;
   *grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);
   return petitSuccess;
 }
