@@ -338,7 +338,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
 // combine region, or my own expert_out for d == rank), accumulated in fp32. Work unit =
 // (row, span of kReduceUnroll * warp-size vectors), one per warp at a time, so even a single
 // token's row is spread over the block's warps; a row's rank mask is warp-uniform.
-constexpr int kReduceUnroll = 4;  // x2 (next rank's loads): 5 spills at the 128-register cap
+constexpr int kReduceUnroll = 6;  // 8 spills at the 128-register cap
 
 PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
                               const uint4* own_rows, int group, int chunk, int num_vectors) {
@@ -363,9 +363,9 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
     for (int u = 0; u < kReduceUnroll; ++u)
 #pragma unroll
       for (int e = 0; e < kVecElems; ++e) acc[u][e] = 0.f;
-    // Rank order, fp32 accumulation; the next rank's vectors are loaded before the current
-    // rank's are summed, so a row's ranks cost one memory latency, not one each.
-    auto load_rank = [&](int d, uint4 (&packed)[kReduceUnroll]) {
+    for (int d = 0; d < W; ++d) {  // rank order, fp32 accumulation
+      if (!((mask >> d) & 1u)) continue;
+      uint4 packed[kReduceUnroll];
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; ++u) {
         const int v = v0 + u * PETIT_WARP_SIZE;
@@ -374,14 +374,6 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
                                   : petit_load_cg(combine_rows + int64_t(d) * R * num_vectors +
                                                   row_offset + v);
       }
-    };
-    uint4 packed[kReduceUnroll], next[kReduceUnroll];
-    int d = mask ? __ffs(mask) - 1 : W;
-    if (d < W) load_rank(d, packed);
-    while (d < W) {
-      const uint32_t rest = d + 1 < 32 ? mask >> (d + 1) : 0u;
-      const int next_d = rest ? d + __ffs(rest) : W;
-      if (next_d < W) load_rank(next_d, next);
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; ++u) {
         if (v0 + u * PETIT_WARP_SIZE >= span_end) continue;
@@ -389,9 +381,6 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
 #pragma unroll
         for (int e = 0; e < kVecElems; ++e) acc[u][e] += petit_bf16_to_float(h[e]);
       }
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) packed[u] = next[u];
-      d = next_d;
     }
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u) {
