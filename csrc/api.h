@@ -235,9 +235,7 @@ struct DispatchArgs {
   int top_k;                  // K <= layout.max_top_k
   int region_stride;          // R <= layout.max_tokens, equal on all ranks
   int quant;                  // DispatchQuant, equal on all ranks
-  int num_chunks;             // set by the launcher: hidden chunks (flags) per (group, peer)
-  int num_whole_pairs;        // set by the launcher: (group, peer) pairs [0, this) go out as
-                              // one send item each, the rest as num_chunks items each
+  int num_chunks;             // set by the launcher
 };
 
 struct CombineArgs {
