@@ -252,7 +252,7 @@ struct CombineArgs {
   int num_reduce_chunks;      // set by the launcher: hidden chunks of one reduce item
   int static_reduce;          // set by the launcher: 1 = reduce-only block b owns item
                               // b - num_send_blocks (a block per item), no claim counter
-  int prefetch_own;           // set by the launcher: 1 = a claimed reduce item's own rows
+  int prefetch_own;           // set by the launcher: 1 = a reduce item's own rows
                               // are prefetched into L2 before its flags are awaited
 };
 

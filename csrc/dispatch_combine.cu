@@ -733,10 +733,11 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   const int64_t reducers = reduce_items < reducers_left ? reduce_items : reducers_left;
   static const int static_reduce = env_knob("PETIT_MOE_COMBINE_STATIC_REDUCE", 1, 0, 1);
   a.static_reduce = static_reduce && reduce_items <= reducers_left ? 1 : 0;
-  // PETIT_MOE_COMBINE_PREFETCH (default 1; 0 = off; read once per process): claimed reduce
-  // items prefetch their own rows into L2 before awaiting the peers'. Same-run A/B on 2x
-  // H200 (examples/results/sweeps/combine_ab_44483d6): combine at 4096 tokens/rank on 132
-  // SMs 184.7 -> 181.5 us, 8192 353.6 -> 350.4, the other sizes and 24 SMs within the spread.
+  // PETIT_MOE_COMBINE_PREFETCH (default 1; 0 = off; read once per process): reduce items
+  // (claimed or static) prefetch their own rows into L2 before awaiting the peers'. Same-run
+  // A/B on 2x H200 (examples/results/sweeps/combine_ab_44483d6): combine at 4096 tokens/rank
+  // on 132 SMs 184.7 -> 181.5 us, 8192 353.6 -> 350.4, the other sizes and 24 SMs within the
+  // spread.
   static const int prefetch_own = env_knob("PETIT_MOE_COMBINE_PREFETCH", 1, 0, 1);
   a.prefetch_own = prefetch_own;
   *grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);

@@ -10,7 +10,7 @@
 #include "routing.cu"
 
 // Runs launch_expert_row_lists on host memory (workspace: row_list_workspace_ints ints;
-// expert_done: L ints the kernels set to 0, or nullptr).
+// expert_done: L+1 ints the kernels set to 0, or nullptr).
 // Returns the petitError_t as an int (0 = success).
 extern "C" int petit_emu_row_lists(const int32_t* topk_ids, const int32_t* expert_map,
                                    int num_global_experts, int num_entries,
