@@ -626,11 +626,8 @@ PETIT_DEVICE void fused_gate_up_arrive(int32_t* done, int expert) {
 // waits: traps after kMbarrierTimeoutNs). The CPU emulation runs blocks one after another and
 // threads concurrently, so there it only ever waits for this block's own consumers.
 PETIT_DEVICE void fused_wait_gate_up(const int32_t* done, int expert, int32_t arrivals) {
-  if (fused_load_acquire(done + expert) == arrivals) return;
-  const uint64_t start = gemm::sm90_globaltimer_ns();
-  while (fused_load_acquire(done + expert) != arrivals)
-    if (gemm::sm90_globaltimer_ns() - start > gemm::kMbarrierTimeoutNs)
-      gemm::sm90_wait_timed_out("fused expert GEMMs: a down tile's gate/up arrivals never came");
+  gemm::sm90_wait_bounded([&] { return fused_load_acquire(done + expert) == arrivals; },
+                          "fused expert GEMMs: a down tile's gate/up arrivals never came");
 }
 
 template <class GateUp, class Down>
@@ -1154,26 +1151,32 @@ petitError_t launch_tc_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                           stream);
 }
 
-// The weight tensor's map is encoded per launch (host only, ~microseconds; a CUDA graph keeps
-// the parameter it captured, valid while the weights stay where they are). kStagedDown: the
-// down GEMM with the staged epilogue (expert_down_ws_kernel<Down, true>).
+// The weight tensors' maps, dims {H, I, 2, L} for w13 and {I, H, 1, L} for w2, in boxes of the
+// main loop's B rows. Encoded per launch (host only, ~microseconds; a CUDA graph keeps the
+// parameter it captured, valid while the weights stay where they are).
+template <class Mainloop>
+petitError_t encode_w13_map(CUtensorMap* map, const ExpertGemmArgs& a) {
+  return gemm::sm90_encode_weight_map(map, a.w13, a.hidden, a.intermediate, 2,
+                                      a.num_local_experts, Mainloop::LoaderB::kBoxRows);
+}
+template <class Mainloop>
+petitError_t encode_w2_map(CUtensorMap* map, const ExpertGemmArgs& a) {
+  return gemm::sm90_encode_weight_map(map, a.w2, a.intermediate, a.hidden, 1,
+                                      a.num_local_experts, Mainloop::LoaderB::kBoxRows);
+}
+
+// kStagedDown: the down GEMM with the staged epilogue (expert_down_ws_kernel<Down, true>).
 template <class GateUp, class Down, bool kStagedDown = false>
 petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                             petitStream_t stream) {
   CUtensorMap map;
   petitError_t err;
   if (gate_up) {
-    if ((err = gemm::sm90_encode_weight_map(&map, a.w13, a.hidden, a.intermediate, 2,
-                                            a.num_local_experts, GateUp::LoaderB::kBoxRows)) !=
-        petitSuccess)
-      return err;
+    if ((err = encode_w13_map<GateUp>(&map, a)) != petitSuccess) return err;
     return launch_tc_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate, num_sms,
                                     stream, map);
   }
-  if ((err = gemm::sm90_encode_weight_map(&map, a.w2, a.intermediate, a.hidden, 1,
-                                          a.num_local_experts, Down::LoaderB::kBoxRows)) !=
-      petitSuccess)
-    return err;
+  if ((err = encode_w2_map<Down>(&map, a)) != petitSuccess) return err;
   return launch_tc_kernel<Down>(expert_down_ws_kernel<Down, kStagedDown>, a, a.hidden, num_sms,
                                 stream, map);
 }
@@ -1183,12 +1186,8 @@ template <class GateUp, class Down>
 petitError_t launch_fused_ws(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
   CUtensorMap w13_map, w2_map;
   petitError_t err;
-  if ((err = gemm::sm90_encode_weight_map(&w13_map, a.w13, a.hidden, a.intermediate, 2,
-                                          a.num_local_experts, GateUp::LoaderB::kBoxRows)) !=
-          petitSuccess ||
-      (err = gemm::sm90_encode_weight_map(&w2_map, a.w2, a.intermediate, a.hidden, 1,
-                                          a.num_local_experts, Down::LoaderB::kBoxRows)) !=
-          petitSuccess)
+  if ((err = encode_w13_map<GateUp>(&w13_map, a)) != petitSuccess ||
+      (err = encode_w2_map<Down>(&w2_map, a)) != petitSuccess)
     return err;
   const auto kernel = expert_fused_ws_kernel<GateUp, Down>;
   if ((err = petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize,

@@ -125,13 +125,19 @@ PETIT_DEVICE void sm90_wait_timed_out(const char* what) {
 #endif
 }
 
+// Polls until done() holds; after kMbarrierTimeoutNs, sm90_wait_timed_out(what).
+template <class Done>
+PETIT_DEVICE void sm90_wait_bounded(const Done& done, const char* what) {
+  if (done()) return;
+  const uint64_t start = sm90_globaltimer_ns();
+  while (!done())
+    if (sm90_globaltimer_ns() - start > kMbarrierTimeoutNs) sm90_wait_timed_out(what);
+}
+
 // Until the phase of `bar` with parity `parity` has completed (bounded, see above).
 PETIT_DEVICE void sm90_mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
-  if (sm90_mbarrier_try_wait_parity(bar, parity)) return;
-  const uint64_t start = sm90_globaltimer_ns();
-  while (!sm90_mbarrier_try_wait_parity(bar, parity))
-    if (sm90_globaltimer_ns() - start > kMbarrierTimeoutNs)
-      sm90_wait_timed_out("expert GEMM pipeline wait timed out");
+  sm90_wait_bounded([&] { return sm90_mbarrier_try_wait_parity(bar, parity); },
+                    "expert GEMM pipeline wait timed out");
 }
 
 // ------------------------------------------------------------------ clusters (sm_90)
