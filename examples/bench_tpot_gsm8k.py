@@ -77,6 +77,7 @@ import atexit
 import contextlib
 import dataclasses
 import datetime
+import gzip
 import json
 import math
 import os
@@ -125,6 +126,19 @@ LOG_PETIT_NOT_USED = "vllm-petit-moe: not used for these MoE layers"
 LOG_PLUGIN_DISABLED = "vllm-petit-moe: installed, not enabled"
 # vLLM's own MoE kernel choice, e.g. "Using TRITON Unquantized MoE backend".
 LOG_VLLM_MOE_RE = re.compile(r"Using \S+ .*MoE backend.*")
+
+# --profile-steps: engine steps skipped after /start_profile (the wave's prefills, ramp-up).
+PROFILE_DELAY_STEPS = 20
+# Kernel categories of the server profile, after device_env.PROFILE_CATEGORIES (the MoE
+# layer's kernels): first match wins, case-insensitive substrings of the kernel name.
+SERVER_PROFILE_CATEGORIES = (
+    ("attention", ("attention", "attn", "reshape_and_cache")),
+    ("dense_gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitk")),
+    ("norm_rope", ("rms_norm", "rotary", "layernorm", "layer_norm")),
+    ("moe_routing", ("topkgating", "topk_softmax", "grouped_topk", "moe_fused_gate")),
+    ("sampling", ("sample", "argmax", "softmax", "topk", "top_k")),
+    ("copy_memset", ("memcpy", "memset", "copy")),
+)
 
 # Fields every row starts with (the issue's schema); more follow.
 ROW_FIELDS = ("gpu", "world", "model", "commit", "date", "vllm_version", "backend",
@@ -218,6 +232,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and the server commands, start nothing")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="after the timed requests of the --profile-concurrency level, send one "
+                        "more (untimed) wave of requests under vLLM's torch profiler and record "
+                        "N engine steps per DP rank (after 20 steps of ramp-up); the kernel time "
+                        "per step by category and the step's GPU idle time go to "
+                        "profile_<results name>.jsonl and the log. 0: off (default); the server "
+                        "then runs without --profiler-config")
+    p.add_argument("--profile-concurrency", type=int, nargs="+", default=None,
+                   help="the level(s) profiled by --profile-steps (default: the highest)")
     p.add_argument("--report", metavar="JSONL",
                    help="only print the table and redraw the plot of a results file")
     # For tests and other launchers: a command run instead of `vllm serve`, formatted with
@@ -254,6 +277,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         problems.append("--waves and --num-layers must be >= 0")
     if len(set(args.backends)) != len(args.backends):
         problems.append("--backends lists a backend twice")
+    if args.profile_steps < 0:
+        problems.append("--profile-steps must be >= 0")
+    stray = sorted(set(args.profile_concurrency or ()) - set(args.concurrency))
+    if args.profile_steps and stray:
+        problems.append(f"--profile-concurrency {stray} not among the levels {args.concurrency}")
     if args.max_num_seqs and args.max_num_seqs < max(args.concurrency):
         problems.append(f"--max-num-seqs {args.max_num_seqs} < highest concurrency "
                         f"{max(args.concurrency)}")
@@ -261,6 +289,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("; ".join(problems))
     if not args.max_num_seqs:
         args.max_num_seqs = max(args.concurrency)
+    if args.profile_steps and not args.profile_concurrency:
+        args.profile_concurrency = [max(args.concurrency)]
     return args
 
 
@@ -643,18 +673,108 @@ def vllm_serve_command(python: str, model_dir: Path, served_name: str, port: int
                "--disable-uvicorn-access-log"])
 
 
+def profiler_config(profile_dir: Path, steps: int) -> str:
+    """vLLM's --profiler-config (JSON) for --profile-steps: torch profiler, traces of the
+    workers only (no API-server trace), no Python stacks, `steps` engine steps after
+    PROFILE_DELAY_STEPS once /start_profile is posted."""
+    return json.dumps({"profiler": "torch", "torch_profiler_dir": str(profile_dir),
+                       "ignore_frontend": True, "torch_profiler_with_stack": False,
+                       "torch_profiler_dump_cuda_time_total": False,
+                       "delay_iterations": PROFILE_DELAY_STEPS, "max_iterations": steps})
+
+
+def post_local(url: str, timeout: float) -> int:
+    """POST with an empty body, no proxy (the server is on 127.0.0.1); the HTTP status."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    req = urllib.request.Request(url, data=b"", method="POST")
+    with opener.open(req, timeout=timeout) as resp:
+        return resp.status
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (kernels of several streams overlap)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def summarize_trace(path, top: int = 12) -> dict:
+    """One worker's torch-profiler trace (vLLM --profiler-config, .json or .json.gz) as per
+    engine-step figures, over the steps between the first and the last
+    "gpu_model_runner: forward" range: ``steps``, ``step_us`` (mean interval between forward
+    starts), ``gpu_busy_us`` (union of the kernels' and copies' device time, per step),
+    ``gpu_idle_us`` (step_us - gpu_busy_us: launch gaps, host work, waits), ``categories``
+    (device time per step by kernel category, ``device_env.kernel_breakdown``) and
+    ``top_kernels`` ([name, us per step], the longest first). Raises ValueError when the
+    trace has fewer than two forward ranges."""
+    from vllm_petit_moe.device_env import PROFILE_CATEGORIES, kernel_breakdown
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    forwards = sorted(float(e["ts"]) for e in events
+                      if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                      and e.get("name") == "gpu_model_runner: forward")
+    if len(forwards) < 2:
+        raise ValueError(f"{path}: {len(forwards)} 'gpu_model_runner: forward' range(s); "
+                         f"need 2 or more engine steps")
+    lo, hi = forwards[0], forwards[-1]
+    steps = len(forwards) - 1
+    kernels, intervals = [], []
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        if lo <= ts < hi:
+            kernels.append((str(e.get("name", "?")), dur))
+            intervals.append((ts, ts + dur))
+    per_name: dict[str, float] = {}
+    for name, dur in kernels:
+        per_name[name] = per_name.get(name, 0.0) + dur
+    step_us = (hi - lo) / steps
+    busy = _busy_us(intervals) / steps
+    rank = re.search(r"dp(\d+)", Path(path).name)
+    return {"trace": Path(path).name, "dp_rank": int(rank.group(1)) if rank else None,
+            "steps": steps, "step_us": step_us, "gpu_busy_us": busy,
+            "gpu_idle_us": step_us - busy,
+            "categories": kernel_breakdown(
+                kernels, steps, PROFILE_CATEGORIES + SERVER_PROFILE_CATEGORIES),
+            "top_kernels": [[n, us / steps] for n, us in
+                            sorted(per_name.items(), key=lambda kv: -kv[1])[:top]]}
+
+
+def format_profile(backend: str, s: dict) -> str:
+    cats = ", ".join(f"{k} {v:.0f}" for k, v in s["categories"].items() if k != "kernels_total")
+    return (f"{backend} dp{s['dp_rank']}: {s['steps']} steps, step {s['step_us']:.0f} us = "
+            f"GPU busy {s['gpu_busy_us']:.0f} + idle {s['gpu_idle_us']:.0f}; kernel us/step: "
+            f"{cats}")
+
+
 def serve_command(args, model_dir: Path, served_name: str, port: int, dp: int,
-                  attention_backend: str) -> list[str]:
+                  attention_backend: str, profile_dir: Path | None = None) -> list[str]:
     if args.server_cmd:
         fields = dict(python=args.python, port=port, host=HOST, model_dir=str(model_dir),
                       served_name=served_name, dp=dp)
-        return [tok.format(**fields) for tok in shlex.split(args.server_cmd)]
+        cmd = [tok.format(**fields) for tok in shlex.split(args.server_cmd)]
+        if profile_dir is not None:
+            cmd += ["--profiler-config", profiler_config(profile_dir, args.profile_steps)]
+        return cmd
     cmd = vllm_serve_command(args.python, model_dir, served_name, port, dp, attention_backend,
                              max_model_len=args.max_model_len,
                              gpu_memory_utilization=args.gpu_memory_utilization,
                              load_format="dummy", max_num_seqs=args.max_num_seqs)
     if not has_tokenizer(model_dir):
         raise ValueError(f"{model_dir} has no tokenizer files: text prompts need them")
+    if profile_dir is not None:
+        cmd += ["--profiler-config", profiler_config(profile_dir, args.profile_steps)]
     return cmd + shlex.split(args.serve_args)
 
 
@@ -1153,6 +1273,7 @@ class Bench:
         self.level_tpot: dict[int, float] = {}  # concurrency -> last measured TPOT (s)
         self.out_of_time = False  # once something is skipped, keep the interleaved order
         self.ran_any = False      # a server was started by this invocation
+        self.profile_rows: Path | None = None  # --profile-steps results file
 
     # --- time budget (--max-runtime) ---
     def elapsed(self) -> float:
@@ -1300,7 +1421,12 @@ class Bench:
         while log_path.exists():  # never overwrite an earlier server's log
             log_path = log_path.with_name(f"server_{self.tag}_{backend}_r{rep}_{stamp}-{n}.log")
             n += 1
-        cmd = serve_command(a, self.model_dir, self.tag, port, self.dp, self.attention)
+        profile_dir = None
+        if a.profile_steps and set(a.profile_concurrency) & set(levels):
+            profile_dir = Path(a.log_dir) / log_path.stem.replace("server_", "profile_", 1)
+            profile_dir.mkdir(parents=True, exist_ok=True)
+        cmd = serve_command(a, self.model_dir, self.tag, port, self.dp, self.attention,
+                            profile_dir)
         env = server_env(backend, a.strict)
         server = Server(cmd, env, log_path, port, a.stop_timeout)
         log(f"{backend}#{rep}: starting server on port {port} "
@@ -1329,6 +1455,8 @@ class Bench:
                     self.skipped.append(f"{backend}#{rep} c={conc}")
                     continue
                 self.level(server, backend, rep, conc, start_s, evidence, log_path)
+                if profile_dir is not None and conc in a.profile_concurrency:
+                    self.profile_level(server, backend, rep, conc, profile_dir)
         finally:
             how = server.stop()
             log(f"{backend}#{rep}: server {how}")
@@ -1390,6 +1518,46 @@ class Bench:
             f"{_fmt(metrics['output_tok_s'], 0)} tok/s, {_fmt(metrics['req_s'])} req/s; "
             f"server: {format_counters(counters)}")
 
+    def profile_level(self, server: Server, backend: str, rep: int, conc: int,
+                      profile_dir: Path) -> None:
+        """--profile-steps: two more waves at `conc` (untimed) with vLLM's profiler started
+        before them; the workers' traces are summarized (``summarize_trace``) into
+        profile_<results name>.jsonl. A failure here is logged, not fatal: the level's row
+        is already written."""
+        a = self.args
+        prompts = (self.prompts * 2)[:2 * conc]
+        earlier = set(profile_dir.glob("*.pt.trace.json*"))  # another level's, same server
+        try:
+            post_local(server.base_url + "/start_profile", timeout=120)
+            results, duration = asyncio.run(run_level(
+                server.base_url, self.tag, prompts, conc, a.output_len, a.request_timeout,
+                a.read_timeout))
+            post_local(server.base_url + "/stop_profile", timeout=600)
+        except (urllib.error.URLError, OSError) as e:
+            log(f"WARNING {backend}#{rep} c={conc}: profiling failed: {e}")
+            return
+        if not all(r.ok for r in results):
+            log(f"WARNING {backend}#{rep} c={conc}: a profiled request failed")
+        traces = sorted(set(profile_dir.glob("*.pt.trace.json*")) - earlier)
+        if not traces:
+            log(f"WARNING {backend}#{rep} c={conc}: no trace in {profile_dir}")
+            return
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        path = self.jsonl.with_name("profile_" + self.jsonl.name)
+        rows = read_rows(path)
+        for trace in traces:
+            try:
+                summary = summarize_trace(trace)
+            except (ValueError, OSError, json.JSONDecodeError) as e:
+                log(f"WARNING {backend}#{rep} c={conc}: {e}")
+                continue
+            log(format_profile(f"{backend}#{rep} c={conc}", summary))
+            rows.append(dict(self.meta, date=date, backend=backend, repeat=rep,
+                             concurrency=conc, output_len=a.output_len,
+                             wave_s=round(duration, 2), **summary))
+        write_rows(path, rows)
+        self.profile_rows = path
+
     def finish(self, todo) -> int:
         a = self.args
         missing = [(b, c, rep) for (rep, b), levels in todo.items() for c in levels
@@ -1406,6 +1574,8 @@ class Bench:
         if a.out_dir:
             out = Path(a.out_dir)
             out.mkdir(parents=True, exist_ok=True)
+            if self.profile_rows and self.profile_rows.is_file():
+                shutil.copyfile(self.profile_rows, out / self.profile_rows.name)
             for f in self.logs:
                 if f.is_file():
                     shutil.copyfile(f, out / f.name)

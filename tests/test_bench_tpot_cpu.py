@@ -30,13 +30,39 @@ FAKE = f"{{python}} {Path(__file__).resolve()} fake-server --port {{port}} --dp 
 # The fake server (run as a script)
 # ------------------------------------------------------------------------------------------
 
+def fake_trace(steps: int, rank: int) -> dict:
+    """A torch-profiler trace of `steps` engine steps of 1000 us each (plus one forward range
+    closing the window): per step a 100 us dispatch, a 300 us Triton MoE GEMM on one stream
+    overlapping a 200 us dense GEMM on another by 100 us, a 50 us memcpy; rank 1's dispatch
+    takes 150 us. Before the window, a kernel that must not be counted."""
+    ev = [{"ph": "X", "cat": "kernel", "name": "dispatch_kernel<early>", "ts": 0, "dur": 999}]
+    for i in range(steps + 1):
+        t = 10_000 + 1000 * i
+        ev.append({"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: forward",
+                   "ts": t, "dur": 400})
+        if i == steps:
+            break
+        ev += [{"ph": "X", "cat": "kernel", "name": "dispatch_kernel<bf16>", "ts": t + 10,
+                "dur": 150 if rank else 100},
+               {"ph": "X", "cat": "kernel", "name": "fused_moe_kernel", "ts": t + 200,
+                "dur": 300},
+               {"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8", "ts": t + 400,
+                "dur": 200},
+               {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": t + 700,
+                "dur": 50},
+               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t + 5, "dur": 30}]
+    return {"traceEvents": ev}
+
+
 def fake_server_main(argv) -> int:
     import http.server
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--profiler-config", default=None)
     args = ap.parse_args(argv)
+    profiler = json.loads(args.profiler_config) if args.profiler_config else None
     mode = os.environ.get("FAKE_MODE", "normal")
     petit = os.environ.get("VLLM_USE_PETIT_MOE") == "1"
     tpot = float(os.environ.get("FAKE_TPOT_MS_PETIT" if petit else "FAKE_TPOT_MS", "3")) / 1e3
@@ -102,6 +128,18 @@ def fake_server_main(argv) -> int:
             self.end_headers()
 
         def do_POST(self):
+            if self.path in ("/start_profile", "/stop_profile"):  # vLLM's, if configured
+                code = 200 if profiler else 404
+                if profiler and self.path == "/stop_profile":
+                    for rank in range(args.dp):  # what each DP rank's worker would write
+                        name = (f"dp{rank}_pp0_tp0_dcp0_ep{rank}_rank{rank}."
+                                f"{time.monotonic_ns()}.pt.trace.json")
+                        with open(Path(profiler["torch_profiler_dir"]) / name, "w") as f:
+                            json.dump(fake_trace(profiler["max_iterations"], rank), f)
+                self.send_response(code)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             ok = (self.path == "/v1/completions" and body.get("stream") is True
                   and body.get("ignore_eos") is True and body.get("temperature") == 0
@@ -617,6 +655,60 @@ def test_petit_experts_backend_end_to_end(tmp_path, model_dir, fake_env, capsys)
     assert "VLLM_PETIT_MOE_EXPERTS=1" in experts_log.read_text()
     assert "VLLM_PETIT_MOE_EXPERTS=None" in petit_log.read_text()
     assert not any(_alive(p) for p in _pids(fake_env))
+
+
+def test_summarize_trace(tmp_path):
+    import gzip
+    path = tmp_path / "dp1_pp0_tp0_dcp0_ep1_rank1.1.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(fake_trace(4, 1), f)
+    s = bench.summarize_trace(path)
+    assert (s["dp_rank"], s["steps"], s["step_us"]) == (1, 4, 1000.0)
+    # 150 dispatch + (300 + 200 - 100 overlap) GEMMs + 50 copy; the early kernel is outside
+    assert s["gpu_busy_us"] == pytest.approx(600.0) and s["gpu_idle_us"] == pytest.approx(400.0)
+    c = s["categories"]
+    assert (c["dispatch"], c["triton_gemm"], c["dense_gemm"], c["copy_memset"]) == \
+        (150.0, 300.0, 200.0, 50.0)
+    assert c["kernels_total"] == pytest.approx(700.0) and "other" not in c
+    assert s["top_kernels"][0] == ["fused_moe_kernel", 300.0]
+    assert "dp1: 4 steps, step 1000 us = GPU busy 600 + idle 400" in \
+        bench.format_profile("petit", s)
+    (tmp_path / "one.json").write_text(json.dumps(
+        {"traceEvents": fake_trace(4, 0)["traceEvents"][:3]}))
+    with pytest.raises(ValueError, match="1 'gpu_model_runner: forward' range"):
+        bench.summarize_trace(tmp_path / "one.json")
+
+
+def test_profile_steps_end_to_end(tmp_path, model_dir, fake_env, capsys):
+    """--profile-steps: only the profiled level's servers get --profiler-config; the extra wave
+    is not a row; each DP rank's trace becomes a row of profile_<results>.jsonl."""
+    out = tmp_path / "out"
+    args = _fake_args(tmp_path, model_dir, "--concurrency", "2", "4", "--num-prompts", "4",
+                      "--output-len", "4", "--repeats", "1", "--profile-steps", "3",
+                      "--profile-concurrency", "2", "4", "--out-dir", str(out))
+    assert bench.main(args) == 0
+    text = capsys.readouterr().out
+    rows = bench.read_rows(tmp_path / "results" / "tpot_gsm8k_TESTx2_tiny-model.jsonl")
+    assert len(rows) == 4
+    prof = bench.read_rows(tmp_path / "results" / "profile_tpot_gsm8k_TESTx2_tiny-model.jsonl")
+    assert [(r["backend"], r["dp_rank"], r["concurrency"], r["steps"]) for r in prof] == [
+        (b, rank, c, 3) for b in ("petit", "default") for c in (2, 4) for rank in (0, 1)]
+    assert all(r["commit"] == "abc1234" and r["gpu"] == "TEST" for r in prof)
+    assert prof[1]["categories"]["dispatch"] == 150.0
+    assert "petit#0 c=4 dp1: 3 steps, step 1000 us" in text and "default#0 c=2 dp0" in text
+    assert (out / "profile_tpot_gsm8k_TESTx2_tiny-model.jsonl").is_file()
+    for log_file in (tmp_path / "logs").glob("server_*.log"):
+        assert "fake vllm serve" in log_file.read_text()
+    dirs = sorted(p.name for p in (tmp_path / "logs").glob("profile_*"))
+    assert len(dirs) == 2 and all(d.startswith("profile_tiny-model_") for d in dirs)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--profile-steps", "3", "--concurrency", "2", "4",
+                          "--profile-concurrency", "8"])
+    a = bench.parse_args(["--profile-steps", "3", "--concurrency", "2", "4"])
+    assert a.profile_concurrency == [4]
+    cfg = json.loads(bench.profiler_config(tmp_path, 3))
+    assert cfg["profiler"] == "torch" and cfg["max_iterations"] == 3
+    assert cfg["delay_iterations"] == bench.PROFILE_DELAY_STEPS and cfg["ignore_frontend"]
 
 
 def test_flag_on_server_without_petit_log_is_an_error(tmp_path, model_dir, fake_env, capsys,

@@ -90,18 +90,18 @@ PROFILE_CATEGORIES = (
 )
 
 
-def kernel_breakdown(kernels, replays: int) -> dict[str, float]:
-    """Device time per call (us) by ``PROFILE_CATEGORIES`` (+ ``other``) and their sum
-    ``kernels_total``, from ``(kernel name, total device us)`` pairs over ``replays`` calls.
-    Categories with no kernel are left out."""
+def kernel_breakdown(kernels, replays: int, categories=PROFILE_CATEGORIES) -> dict[str, float]:
+    """Device time per call (us) by ``categories`` (default ``PROFILE_CATEGORIES``; + ``other``)
+    and their sum ``kernels_total``, from ``(kernel name, total device us)`` pairs over
+    ``replays`` calls. Categories with no kernel are left out."""
     if replays < 1:
         raise ValueError(f"replays must be >= 1, got {replays}")
     totals: dict[str, float] = {}
     for name, us in kernels:
         low = name.lower()
-        cat = next((c for c, keys in PROFILE_CATEGORIES if any(k in low for k in keys)), "other")
+        cat = next((c for c, keys in categories if any(k in low for k in keys)), "other")
         totals[cat] = totals.get(cat, 0.0) + us
-    order = [c for c, _ in PROFILE_CATEGORIES] + ["other"]
+    order = [c for c, _ in categories] + ["other"]
     out = {c: totals[c] / replays for c in order if totals.get(c, 0.0) > 0}
     out["kernels_total"] = sum(out.values())
     return out
