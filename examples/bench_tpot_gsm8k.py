@@ -724,8 +724,9 @@ def summarize_trace(path, top: int = 12) -> dict:
                       if e.get("ph") == "X" and e.get("cat") == "user_annotation"
                       and e.get("name") == "gpu_model_runner: forward")
     if len(forwards) < 2:
-        raise ValueError(f"{path}: {len(forwards)} 'gpu_model_runner: forward' range(s); "
-                         f"need 2 or more engine steps")
+        raise ValueError(f"{path}: {len(forwards)} 'gpu_model_runner: forward' range(s) "
+                         f"(the server needs VLLM_CUSTOM_SCOPES_FOR_PROFILING=1); need 2 or "
+                         f"more engine steps")
     lo, hi = forwards[0], forwards[-1]
     steps = len(forwards) - 1
     kernels, intervals = [], []
@@ -1428,6 +1429,8 @@ class Bench:
         cmd = serve_command(a, self.model_dir, self.tag, port, self.dp, self.attention,
                             profile_dir)
         env = server_env(backend, a.strict)
+        if profile_dir is not None:  # the per-step ranges summarize_trace counts steps by
+            env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
         server = Server(cmd, env, log_path, port, a.stop_timeout)
         log(f"{backend}#{rep}: starting server on port {port} "
             f"(VLLM_USE_PETIT_MOE={env.get('VLLM_USE_PETIT_MOE', 'unset')}), log {log_path}")

@@ -72,7 +72,8 @@ def fake_server_main(argv) -> int:
                                              "NVSHMEM_DISABLE_NVLS", "VLLM_ALLREDUCE_USE_SYMM_MEM",
                                              "VLLM_USE_FLASHINFER_SAMPLER", "HF_HUB_OFFLINE",
                                              "TRANSFORMERS_OFFLINE", "VLLM_USE_PETIT_MOE",
-                                             "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS")),
+                                             "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS",
+                                             "VLLM_CUSTOM_SCOPES_FOR_PROFILING")),
           flush=True)
     if mode == "crash":
         print("Traceback (most recent call last):\nRuntimeError: fake engine failed", flush=True)
@@ -697,8 +698,8 @@ def test_profile_steps_end_to_end(tmp_path, model_dir, fake_env, capsys):
     assert prof[1]["categories"]["dispatch"] == 150.0
     assert "petit#0 c=4 dp1: 3 steps, step 1000 us" in text and "default#0 c=2 dp0" in text
     assert (out / "profile_tpot_gsm8k_TESTx2_tiny-model.jsonl").is_file()
-    for log_file in (tmp_path / "logs").glob("server_*.log"):
-        assert "fake vllm serve" in log_file.read_text()
+    for log_file in (tmp_path / "logs").glob("server_*.log"):  # the step ranges are on
+        assert "VLLM_CUSTOM_SCOPES_FOR_PROFILING=1" in log_file.read_text()
     dirs = sorted(p.name for p in (tmp_path / "logs").glob("profile_*"))
     assert len(dirs) == 2 and all(d.startswith("profile_tiny-model_") for d in dirs)
     with pytest.raises(SystemExit):
