@@ -138,7 +138,15 @@ SERVER_PROFILE_CATEGORIES = (
     ("moe_routing", ("topkgating", "topk_softmax", "grouped_topk", "moe_fused_gate")),
     ("sampling", ("sample", "argmax", "softmax", "topk", "top_k")),
     ("copy_memset", ("memcpy", "memset", "copy")),
+    # torch's bf16 sum: in the Qwen3-MoE profiles only vLLM's default MoE path runs one (the
+    # sum over each token's top-k expert outputs), so it counts as MoE time below
+    ("torch_sum", ("sum_functor",)),
 )
+# The categories whose kernels are the MoE layers' (their union is `moe_busy_us`): the layer's
+# own kernels of device_env.PROFILE_CATEGORIES, the router's top-k and the default's sum.
+MOE_PROFILE_CATEGORIES = ("dispatch", "combine", "nccl", "petit_gemm", "petit_reduce",
+                          "petit_row_lists", "triton_gemm", "triton_align_sum_act",
+                          "moe_routing", "torch_sum")
 
 # Fields every row starts with (the issue's schema); more follow.
 ROW_FIELDS = ("gpu", "world", "model", "commit", "date", "vllm_version", "backend",
@@ -711,11 +719,15 @@ def summarize_trace(path, top: int = 12) -> dict:
     engine-step figures, over the steps between the first and the last
     "gpu_model_runner: forward" range: ``steps``, ``step_us`` (mean interval between forward
     starts), ``gpu_busy_us`` (union of the kernels' and copies' device time, per step),
-    ``gpu_idle_us`` (step_us - gpu_busy_us: launch gaps, host work, waits), ``categories``
-    (device time per step by kernel category, ``device_env.kernel_breakdown``) and
+    ``gpu_idle_us`` (step_us - gpu_busy_us: launch gaps, host work, waits), ``moe_busy_us``
+    (union of the MOE_PROFILE_CATEGORIES kernels, per step: a kernel launched early by
+    programmatic dependent launch overlaps the one before it, so the categories' sum
+    overstates the layer's time and this union does not), ``categories`` (device time per
+    step by kernel category, ``device_env.kernel_breakdown``; a kernel's time includes its
+    waits: on a peer in dispatch or NCCL, on the previous kernel under PDL) and
     ``top_kernels`` ([name, us per step], the longest first). Raises ValueError when the
     trace has fewer than two forward ranges."""
-    from vllm_petit_moe.device_env import PROFILE_CATEGORIES, kernel_breakdown
+    from vllm_petit_moe.device_env import PROFILE_CATEGORIES, kernel_breakdown, kernel_category
 
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -729,14 +741,18 @@ def summarize_trace(path, top: int = 12) -> dict:
                          f"more engine steps")
     lo, hi = forwards[0], forwards[-1]
     steps = len(forwards) - 1
-    kernels, intervals = [], []
+    categories = PROFILE_CATEGORIES + SERVER_PROFILE_CATEGORIES
+    kernels, intervals, moe_intervals = [], [], []
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
         if lo <= ts < hi:
-            kernels.append((str(e.get("name", "?")), dur))
+            name = str(e.get("name", "?"))
+            kernels.append((name, dur))
             intervals.append((ts, ts + dur))
+            if kernel_category(name, categories) in MOE_PROFILE_CATEGORIES:
+                moe_intervals.append((ts, ts + dur))
     per_name: dict[str, float] = {}
     for name, dur in kernels:
         per_name[name] = per_name.get(name, 0.0) + dur
@@ -745,9 +761,8 @@ def summarize_trace(path, top: int = 12) -> dict:
     rank = re.search(r"dp(\d+)", Path(path).name)
     return {"trace": Path(path).name, "dp_rank": int(rank.group(1)) if rank else None,
             "steps": steps, "step_us": step_us, "gpu_busy_us": busy,
-            "gpu_idle_us": step_us - busy,
-            "categories": kernel_breakdown(
-                kernels, steps, PROFILE_CATEGORIES + SERVER_PROFILE_CATEGORIES),
+            "gpu_idle_us": step_us - busy, "moe_busy_us": _busy_us(moe_intervals) / steps,
+            "categories": kernel_breakdown(kernels, steps, categories),
             "top_kernels": [[n, us / steps] for n, us in
                             sorted(per_name.items(), key=lambda kv: -kv[1])[:top]]}
 
@@ -755,8 +770,8 @@ def summarize_trace(path, top: int = 12) -> dict:
 def format_profile(backend: str, s: dict) -> str:
     cats = ", ".join(f"{k} {v:.0f}" for k, v in s["categories"].items() if k != "kernels_total")
     return (f"{backend} dp{s['dp_rank']}: {s['steps']} steps, step {s['step_us']:.0f} us = "
-            f"GPU busy {s['gpu_busy_us']:.0f} + idle {s['gpu_idle_us']:.0f}; kernel us/step: "
-            f"{cats}")
+            f"GPU busy {s['gpu_busy_us']:.0f} (MoE kernels {s['moe_busy_us']:.0f}) + idle "
+            f"{s['gpu_idle_us']:.0f}; kernel us/step: {cats}")
 
 
 def serve_command(args, model_dir: Path, served_name: str, port: int, dp: int,

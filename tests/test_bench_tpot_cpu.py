@@ -667,12 +667,14 @@ def test_summarize_trace(tmp_path):
     assert (s["dp_rank"], s["steps"], s["step_us"]) == (1, 4, 1000.0)
     # 150 dispatch + (300 + 200 - 100 overlap) GEMMs + 50 copy; the early kernel is outside
     assert s["gpu_busy_us"] == pytest.approx(600.0) and s["gpu_idle_us"] == pytest.approx(400.0)
+    # MoE kernels: the dispatch and the Triton GEMM (150 + 300), not the dense GEMM's overlap
+    assert s["moe_busy_us"] == pytest.approx(450.0)
     c = s["categories"]
     assert (c["dispatch"], c["triton_gemm"], c["dense_gemm"], c["copy_memset"]) == \
         (150.0, 300.0, 200.0, 50.0)
     assert c["kernels_total"] == pytest.approx(700.0) and "other" not in c
     assert s["top_kernels"][0] == ["fused_moe_kernel", 300.0]
-    assert "dp1: 4 steps, step 1000 us = GPU busy 600 + idle 400" in \
+    assert "dp1: 4 steps, step 1000 us = GPU busy 600 (MoE kernels 450) + idle 400" in \
         bench.format_profile("petit", s)
     (tmp_path / "one.json").write_text(json.dumps(
         {"traceEvents": fake_trace(4, 0)["traceEvents"][:3]}))

@@ -90,6 +90,13 @@ PROFILE_CATEGORIES = (
 )
 
 
+def kernel_category(name: str, categories=PROFILE_CATEGORIES) -> str:
+    """The first of ``categories`` ((name, substrings) pairs) with a substring in the kernel
+    name (case-insensitive), else ``other``."""
+    low = name.lower()
+    return next((c for c, keys in categories if any(k in low for k in keys)), "other")
+
+
 def kernel_breakdown(kernels, replays: int, categories=PROFILE_CATEGORIES) -> dict[str, float]:
     """Device time per call (us) by ``categories`` (default ``PROFILE_CATEGORIES``; + ``other``)
     and their sum ``kernels_total``, from ``(kernel name, total device us)`` pairs over
@@ -98,8 +105,7 @@ def kernel_breakdown(kernels, replays: int, categories=PROFILE_CATEGORIES) -> di
         raise ValueError(f"replays must be >= 1, got {replays}")
     totals: dict[str, float] = {}
     for name, us in kernels:
-        low = name.lower()
-        cat = next((c for c, keys in categories if any(k in low for k in keys)), "other")
+        cat = kernel_category(name, categories)
         totals[cat] = totals.get(cat, 0.0) + us
     order = [c for c, _ in categories] + ["other"]
     out = {c: totals[c] / replays for c in order if totals.get(c, 0.0) > 0}
