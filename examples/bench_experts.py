@@ -9,7 +9,8 @@ The problem is what rank 0 of an EP world of W ranks receives from the dispatch:
 experts per token), ``skewed`` (``skew="hot_rank"``: each token-expert pair lands on rank 0's
 experts with probability --hot-fraction, default 0.6, so rank 0 is the hot rank) or, on
 request, ``hot_expert`` (``skew="one_expert"``: every token's first choice is expert 0, so one
-local expert gets all rows).
+local expert gets all rows) or ``same`` (``skew="same_experts"``: every token picks the same K
+experts, so rank 0's few of them get all rows, as in a dummy-weight server's decode).
 
 - petit: ``vllm_petit_moe.ops.experts_forward`` (row lists + gate/up GEMM with SiLU·mul +
   down GEMM with the routing weight + deterministic local reduction), captured in a CUDA graph;
@@ -71,7 +72,8 @@ PRESETS = {
     "qwen3-30b-a3b": dict(hidden=2048, intermediate=768, num_experts=128, top_k=8),
 }
 ROUTINGS = ("uniform", "skewed")  # the default set
-SKEWS = {"uniform": None, "skewed": "hot_rank", "hot_expert": "one_expert"}
+SKEWS = {"uniform": None, "skewed": "hot_rank", "hot_expert": "one_expert",
+         "same": "same_experts"}
 TOKENS = [1, 2, 8, 32, 128, 512, 2048, 8192]
 QUICK_TOKENS = [1, 128, 2048]
 L2_FLUSH_BYTES = 256 << 20
@@ -410,7 +412,7 @@ def plot(rows, path, title):
         hbm = None
         # one petit line per requested family (files from before --tiles took several: one)
         families = list(dict.fromkeys(r.get("tiles_requested", "") for r in rows))
-        for routing, marker in zip(SKEWS, ["o", "s", "^"]):
+        for routing, marker in zip(SKEWS, ["o", "s", "^", "D"]):
             for index, family in enumerate(families):
                 sel = sorted((r for r in rows if r["preset"] == preset and r["routing"] == routing
                               and r.get("tiles_requested", "") == family),

@@ -22,7 +22,9 @@ of the same inputs are compared too (``rel_diff``: relative Frobenius difference
 Routing: ``uniform`` (K distinct experts per token) or ``skewed`` (``reference.random_topk(
 skew="hot_rank", hot_fraction=...)``: each token-expert pair lands on rank 0's experts with
 probability hot_fraction; ``hot_share`` records the share rank 0 actually got; at W=2 the
-default 0.5 equals an even split of pairs, so pass a larger one for skew there).
+default 0.5 equals an even split of pairs, so pass a larger one for skew there), or ``same``
+(``skew="same_experts"``: every token of every rank picks the same K experts, as in the decode
+steps of a dummy-weight `vllm serve`; not in the default set).
 
     python examples/bench_moe_layer.py                  # both presets, tokens 1..4096
     python examples/bench_moe_layer.py --quick          # tokens 1, 8, 64, 512, 4096
@@ -59,7 +61,9 @@ import vllm_moe_harness as harness  # noqa: E402
 PRESETS = harness.PRESETS
 TOKENS = [2**i for i in range(13)]  # 1, 2, 4, ..., 4096 tokens per rank
 QUICK_TOKENS = [1, 8, 64, 512, 4096]
-ROUTINGS = ("uniform", "skewed")
+ROUTINGS = ("uniform", "skewed")  # the default set
+# reference.random_topk's skew per routing ("same": every token the same K experts)
+SKEWS = {"uniform": None, "skewed": "hot_rank", "same": "same_experts"}
 
 # --------------------------------------------------------------------------------------------
 # Rank side
@@ -95,7 +99,7 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed, profile_r
     layer = state.cache["layer"]
     shape, world, rank = layer.shape, state.world_size, state.rank
     counts = [num_tokens] * world
-    skew = None if routing == "uniform" else "hot_rank"
+    skew = SKEWS[routing]
     xs, ids, ws = harness.make_inputs(shape, counts, seed=seed, device=state.device, skew=skew,
                                       hot_fraction=hot_fraction)
     num_local = shape.num_experts // world
@@ -218,7 +222,7 @@ def _plot(rows, path, title):
     presets = sorted({r["preset"] for r in rows})
     fig, axes = plt.subplots(len(presets), 2, figsize=(13, 4.2 * len(presets)), squeeze=False)
     for row_axes, preset in zip(axes, presets):
-        for routing, marker in zip(ROUTINGS, ["o", "s"]):
+        for routing, marker in zip(SKEWS, ["o", "s", "D"]):
             sel = sorted((r for r in rows if r["preset"] == preset and r["routing"] == routing),
                          key=lambda r: r["tokens"])
             if not sel:
@@ -253,7 +257,7 @@ def _plot(rows, path, title):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS))
-    p.add_argument("--routings", nargs="+", default=list(ROUTINGS), choices=ROUTINGS)
+    p.add_argument("--routings", nargs="+", default=list(ROUTINGS), choices=list(SKEWS))
     p.add_argument("--tokens", nargs="+", type=int, default=None,
                    help="tokens per rank (default 1, 2, 4, ..., 4096)")
     p.add_argument("--iters", type=int, default=None, help="timed replays (default 50, quick 20)")

@@ -470,7 +470,7 @@ def test_owner_and_local_ids():
     assert local_expert_ids(ids, 0, 8, 2).dtype == torch.int32
 
 
-@pytest.mark.parametrize("skew", [None, "one_expert", "hot_rank"])
+@pytest.mark.parametrize("skew", [None, "one_expert", "hot_rank", "same_experts"])
 def test_random_topk_properties(skew):
     num_tokens, num_experts, top_k, world_size = 2048, 64, 8, 8
     ids, weights = random_topk(
@@ -499,6 +499,11 @@ def test_random_topk_properties(skew):
     elif skew == "hot_rank":
         assert abs(hot_share - 0.5) < 0.03
         assert ids.unique().numel() == num_experts
+    elif skew == "same_experts":  # one fixed set, whatever the generator's seed
+        assert (ids == ids[0]).all() and ids.unique().numel() == top_k
+        other = random_topk(3, num_experts, top_k, generator=torch.Generator().manual_seed(7),
+                            skew=skew, world_size=world_size)[0]
+        assert (other == ids[0]).all()
     else:
         assert abs(hot_share - 1 / world_size) < 0.03
 

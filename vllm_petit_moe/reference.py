@@ -32,7 +32,9 @@ MAX_TOP_K = 16
 HIDDEN_SIZE_MULTIPLE = 8
 
 Precision = Literal["kernel", "fp32"]
-Skew = Literal["one_expert", "hot_rank"]
+Skew = Literal["one_expert", "hot_rank", "same_experts"]
+# same_experts routing: the experts every token picks, a fixed draw (the same on every rank).
+SAME_EXPERTS_SEED = 20261130
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -211,6 +213,11 @@ def random_topk(
         ``hot_fraction`` (the 40-60% hot rank seen in serving), as far as distinctness allows
         (a token has at most ``L`` pairs on rank 0 and at most ``E-L`` elsewhere). The slot
         order of each token is shuffled.
+      - ``"same_experts"``: every token picks the same ``K`` experts, a fixed random draw
+        (``SAME_EXPERTS_SEED``: the same set for every call and rank, wherever the generator
+        is): every decode token routing alike, which is what the kernel times of a
+        `vllm serve --load-format dummy` decode step point to (README, "Where a decode step's
+        time goes"). Only the weights stay random.
     """
     validate_config(num_experts, world_size, top_k=top_k)
     if top_k > num_experts:
@@ -246,8 +253,13 @@ def random_topk(
         cold_pick = cold.gather(1, (slot_idx - num_hot).clamp(0, cold.shape[1] - 1))
         topk_ids = torch.where(slot_idx < num_hot, hot_pick, cold_pick)
         topk_ids = topk_ids.gather(1, rand(num_tokens, top_k).argsort(dim=1))
+    elif skew == "same_experts":
+        fixed = torch.randperm(num_experts, generator=torch.Generator().manual_seed(
+            SAME_EXPERTS_SEED))[:top_k].to(generator.device)
+        topk_ids = fixed.expand(num_tokens, top_k).clone()
     else:
-        raise ValueError(f"unknown skew {skew!r}; expected None, 'one_expert' or 'hot_rank'")
+        raise ValueError(f"unknown skew {skew!r}; expected None, 'one_expert', 'hot_rank' or "
+                         f"'same_experts'")
 
     raw_weights = rand(num_tokens, top_k) + 0.05
     topk_weights = raw_weights / raw_weights.sum(dim=1, keepdim=True)
