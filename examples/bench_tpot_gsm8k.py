@@ -22,6 +22,12 @@ and after the timed requests (`server_counters` in each row): engine steps and s
 tokens per step, preemptions and vLLM's own mean inter-token latency; they tell a slower step
 from more steps or different batching when two backends' TPOT differ.
 
+--profile-steps N (with --profile-concurrency C ...): after each profiled level's timed
+requests, two more untimed waves under vLLM's torch profiler (the server then starts with
+--profiler-config and VLLM_CUSTOM_SCOPES_FOR_PROFILING=1); N engine steps per DP rank are
+summarized (`summarize_trace`: step time, GPU busy and idle, the MoE kernels' union, kernel
+time by category, top kernels) into profile_<results name>.jsonl and the log.
+
 Noise control: the servers of the backends alternate (--repeats), and the table gives, next
 to every <backend>/default ratio, its min..max over the repeats (ratio of the same repeat).
 
