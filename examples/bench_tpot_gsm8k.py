@@ -247,12 +247,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and the server commands, start nothing")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
-                   help="after the timed requests of the --profile-concurrency level, send one "
-                        "more (untimed) wave of requests under vLLM's torch profiler and record "
-                        "N engine steps per DP rank (after 20 steps of ramp-up); the kernel time "
-                        "per step by category and the step's GPU idle time go to "
-                        "profile_<results name>.jsonl and the log. 0: off (default); the server "
-                        "then runs without --profiler-config")
+                   help="after the timed requests of each --profile-concurrency level, send two "
+                        "more (untimed) waves of requests under vLLM's torch profiler and record "
+                        "N engine steps per DP rank (after 20 steps of ramp-up); per step: GPU "
+                        "busy and idle time, the MoE kernels' union, kernel time by category, "
+                        "to profile_<results name>.jsonl and the log. 0: off (default); the "
+                        "server then runs without --profiler-config")
     p.add_argument("--profile-concurrency", type=int, nargs="+", default=None,
                    help="the level(s) profiled by --profile-steps (default: the highest)")
     p.add_argument("--report", metavar="JSONL",
@@ -782,22 +782,19 @@ def format_profile(backend: str, s: dict) -> str:
 
 def serve_command(args, model_dir: Path, served_name: str, port: int, dp: int,
                   attention_backend: str, profile_dir: Path | None = None) -> list[str]:
+    profiling = ([] if profile_dir is None else
+                 ["--profiler-config", profiler_config(profile_dir, args.profile_steps)])
     if args.server_cmd:
         fields = dict(python=args.python, port=port, host=HOST, model_dir=str(model_dir),
                       served_name=served_name, dp=dp)
-        cmd = [tok.format(**fields) for tok in shlex.split(args.server_cmd)]
-        if profile_dir is not None:
-            cmd += ["--profiler-config", profiler_config(profile_dir, args.profile_steps)]
-        return cmd
+        return [tok.format(**fields) for tok in shlex.split(args.server_cmd)] + profiling
     cmd = vllm_serve_command(args.python, model_dir, served_name, port, dp, attention_backend,
                              max_model_len=args.max_model_len,
                              gpu_memory_utilization=args.gpu_memory_utilization,
                              load_format="dummy", max_num_seqs=args.max_num_seqs)
     if not has_tokenizer(model_dir):
         raise ValueError(f"{model_dir} has no tokenizer files: text prompts need them")
-    if profile_dir is not None:
-        cmd += ["--profiler-config", profiler_config(profile_dir, args.profile_steps)]
-    return cmd + shlex.split(args.serve_args)
+    return cmd + profiling + shlex.split(args.serve_args)
 
 
 def server_env(backend: str, strict: bool) -> dict:
@@ -1310,7 +1307,10 @@ class Bench:
         n = self.per_level[conc]
         tpot = self.level_tpot.get(conc, (2.0 + 0.4 * self.layers) * 1e-3)
         wave = 0.3 + self.args.output_len * tpot
-        return (math.ceil(n / conc) + 1) * wave  # + the warm-up wave
+        extra = 0.0
+        if self.args.profile_steps and conc in self.args.profile_concurrency:
+            extra = 2 * wave * 3 + 30  # two waves slowed by the profiler, writing the traces
+        return (math.ceil(n / conc) + 1) * wave + extra  # + the warm-up wave
 
     def would_fit(self, seconds: float) -> bool:
         limit = self.args.max_runtime
