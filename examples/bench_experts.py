@@ -10,7 +10,8 @@ experts per token), ``skewed`` (``skew="hot_rank"``: each token-expert pair land
 experts with probability --hot-fraction, default 0.6, so rank 0 is the hot rank) or, on
 request, ``hot_expert`` (``skew="one_expert"``: every token's first choice is expert 0, so one
 local expert gets all rows) or ``same`` (``skew="same_experts"``: every token picks the same K
-experts, so rank 0's few of them get all rows, as in a dummy-weight server's decode).
+experts, so rank 0's few of them get all rows, as in a dummy-weight server's decode, where
+every sequence emits the same token: examples/dummy_routing_cpu.py).
 
 - petit: ``vllm_petit_moe.ops.experts_forward`` (row lists + gate/up GEMM with SiLU·mul +
   down GEMM with the routing weight + deterministic local reduction), captured in a CUDA graph;

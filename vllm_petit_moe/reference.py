@@ -215,9 +215,9 @@ def random_topk(
         order of each token is shuffled.
       - ``"same_experts"``: every token picks the same ``K`` experts, a fixed random draw
         (``SAME_EXPERTS_SEED``: the same set for every call and rank, wherever the generator
-        is): every decode token routing alike, which is what the kernel times of a
-        `vllm serve --load-format dummy` decode step point to (README, "Where a decode step's
-        time goes"). Only the weights stay random.
+        is): every decode token routing alike, as in a `vllm serve --load-format dummy`
+        decode step, where every sequence emits the same token (README, "Where a decode
+        step's time goes"; examples/dummy_routing_cpu.py). Only the weights stay random.
     """
     validate_config(num_experts, world_size, top_k=top_k)
     if top_k > num_experts:
