@@ -176,7 +176,7 @@ def _combine(preset, routing, num_tokens, per_rank, info, hot_fraction, iters):
         diffs = [r["petit_experts_rel_diff"] for r in per_rank]
         row["petit_experts_rel_diff"] = None if None in diffs else max(diffs)
     row.update(pairs=first["pairs"], hot_share=first["hot_share"],
-               hot_fraction=hot_fraction if routing != "uniform" else None,
+               hot_fraction=hot_fraction if routing == "skewed" else None,
                rel_diff=max(r["rel_diff"] for r in per_rank),
                max_abs_diff=max(r["max_abs_diff"] for r in per_rank),
                finite=all(r["finite"] for r in per_rank),
