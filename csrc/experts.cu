@@ -630,10 +630,13 @@ PETIT_DEVICE void fused_wait_gate_up(const int32_t* done, int expert, int32_t ar
                           "fused expert GEMMs: a down tile's gate/up arrivals never came");
 }
 
+// b_ahead (PETIT_MOE_FUSED_B_AHEAD, see fused_b_ahead): a down tile's TMA issuer first issues
+// the w2 boxes of up to b_ahead of its k-tiles (produce_b_ahead), then waits for the gate/up
+// arrivals with the others, so those weight bytes stream during the wait; 0: off.
 template <class GateUp, class Down>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
     expert_fused_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
-                           const __grid_constant__ CUtensorMap w2_map) {
+                           const __grid_constant__ CUtensorMap w2_map, int b_ahead) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (GateUp::kCompiled) {
     using CfgG = typename GateUp::Cfg;
@@ -697,12 +700,17 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
       down.continue_from(gate_up);
       for (; u < num_units; u = claim_next()) {
         const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
+        typename Down::LoaderB b_loader;
+        b_loader.init(&w2_map, tile.expert, tile.n_tile * CfgD::kBlockN);
+        const int b_issued =
+            leader && b_ahead > 0
+                ? down.produce_b_ahead(b_loader, a.intermediate, 0, false, b_ahead, stage_tags, u)
+                : 0;
         fused_wait_gate_up(a.gate_up_done, tile.expert, arrivals(tile.expert));
         typename Down::LoaderA a_loader;
         a_loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
-        typename Down::LoaderB b_loader;
-        b_loader.init(&w2_map, tile.expert, tile.n_tile * CfgD::kBlockN);
-        down.produce(a_loader, b_loader, a.intermediate, 0, false, 0, -1, stage_tags, u);
+        down.produce(a_loader, b_loader, a.intermediate, 0, false, 0, -1, stage_tags, u,
+                     b_issued);
       }
       down.produce_end(stage_tags, -1);
       gemm::cp_async_wait_all();  // no copy outlives its thread
@@ -1181,6 +1189,16 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                 stream, map);
 }
 
+// PETIT_MOE_FUSED_B_AHEAD=N (read at every launch, for A/B measurements): the fused kernel's
+// down tiles issue the weight boxes of up to N k-tiles (at most the ring's stages) before they
+// wait for their expert's gate/up tiles. Unset or 0: off (the default until measured).
+static int fused_b_ahead() {
+  const char* env = getenv("PETIT_MOE_FUSED_B_AHEAD");
+  if (env == nullptr || env[0] == '\0') return 0;
+  const int v = atoi(env);
+  return v < 0 ? 0 : v;
+}
+
 // Both GEMMs in one launch (expert_fused_ws_kernel): the grid of the GEMM with more tiles.
 template <class GateUp, class Down>
 petitError_t launch_fused_ws(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
@@ -1200,7 +1218,8 @@ petitError_t launch_fused_ws(const ExpertGemmArgs& a, int num_sms, petitStream_t
   const int down_grid = persistent_grid(a, a.hidden, CfgD::kBlockM, CfgD::kBlockN, 1, num_sms);
   if (gate_up_grid == 0 || down_grid == 0) return petitErrorInvalidValue;
   return launch_kernel(kernel, gate_up_grid > down_grid ? gate_up_grid : down_grid,
-                       GateUp::kThreads, GateUp::kSmemBytes, 1, stream, a, w13_map, w2_map);
+                       GateUp::kThreads, GateUp::kSmemBytes, 1, stream, a, w13_map, w2_map,
+                       fused_b_ahead());
 }
 
 petitError_t launch_fused_family(int tiles, const ExpertGemmArgs& a, int num_sms,

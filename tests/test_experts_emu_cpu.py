@@ -412,6 +412,24 @@ def test_fused_gemms_equal_the_two_launches(sm90, monkeypatch, tiles, num_sms):
     check_against_reference(fused, problem)
 
 
+@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws"])
+@pytest.mark.parametrize("ahead,num_sms", [("1", 1), ("3", 3), ("64", 1)])
+def test_fused_gemms_weights_ahead_of_the_wait(sm90, monkeypatch, tiles, ahead, num_sms):
+    """PETIT_MOE_FUSED_B_AHEAD=N: a down tile's TMA issuer issues the w2 boxes of its first
+    min(N, k-tiles, stages) k-tiles before the gate/up wait, produce() adds only their A rows;
+    bit-equal to the fused launch without it. Intermediate 584: 10 down k-tiles, more than
+    either family's ring (5 / 8 stages), so the ring wraps inside a tile; 64 is clamped."""
+    problem = make_problem(decode_routing(95), 136, 584, 5, seed=96)
+    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
+    monkeypatch.setenv("PETIT_MOE_FUSED_B_AHEAD", ahead)
+    ahead_out, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert used == tiles and sm90.petit_emu_fused_gemms() == 1
+    monkeypatch.delenv("PETIT_MOE_FUSED_B_AHEAD")
+    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert torch.equal(ahead_out, plain)
+    check_against_reference(ahead_out, problem)
+
+
 def test_fused_gemms_many_tiles_per_expert_and_expert_map(sm90, monkeypatch):
     """Several m-tiles per expert (an expert's down tiles wait for all of its gate/up tiles:
     m-tiles x n-tiles x consumer warps arrivals) and global ids through vLLM's expert map."""

@@ -326,9 +326,11 @@ struct Sm90WgmmaWsMainloop {
   // stage_tags (a kernel that hands its consumers the tiles it picks, expert_fused_ws_kernel):
   // the TMA issuer writes `tag` to stage_tags[s] of the tile's first stage s before the
   // stage's arrival, which publishes it to the consumers that wait for the stage.
+  // b_issued: the first b_issued k-tiles' weight boxes (and the first stage's tag) were issued
+  // already by produce_b_ahead (TMA issuer; the other producer threads pass anything).
   PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim, int rank,
                             bool multicast, int kt_begin = 0, int kt_end = -1,
-                            volatile int* stage_tags = nullptr, int tag = 0) {
+                            volatile int* stage_tags = nullptr, int tag = 0, int b_issued = 0) {
     const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
     const bool tma_issuer = is_tma_issuer();
     for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
@@ -337,7 +339,7 @@ struct Sm90WgmmaWsMainloop {
       // the first kStages fills do not wait.
       sm90_mbarrier_wait_parity(empty + 8 * s, ((it / Cfg::kStages) & 1u) ^ 1u);
       const uint32_t stage = ring + s * kStageBytes;
-      if (tma_issuer) {
+      if (tma_issuer && kt - kt_begin >= b_issued) {
         if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
         // The expected bytes (the whole stage's, whichever CTA of the cluster loads them)
         // before this CTA's copies that complete them.
@@ -348,6 +350,29 @@ struct Sm90WgmmaWsMainloop {
       a_loader.issue(stage, kt * Cfg::kBlockK, k_dim);
       sm90_cp_async_mbarrier_arrive_noinc(full + 8 * s);
     }
+  }
+
+  // TMA issuer only, before the produce() of a tile whose A rows are not ready yet (a fused
+  // down tile waiting for its expert's gate/up tiles): the weight boxes of the tile's first
+  // min(max_count, k-tiles, kStages) k-tiles, into the stages produce() will fill next (each
+  // waited empty, the first tagged, its expected bytes arrived), so they stream during the
+  // wait. Returns how many; produce(..., b_issued = that) then adds only the A rows there.
+  PETIT_DEVICE int produce_b_ahead(const LoaderB& b_loader, int k_dim, int rank, bool multicast,
+                                   int max_count, volatile int* stage_tags = nullptr,
+                                   int tag = 0) {
+    const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
+    int count = max_count < num_k_tiles ? max_count : num_k_tiles;
+    if (count > Cfg::kStages) count = Cfg::kStages;
+    for (int j = 0; j < count; ++j) {
+      const uint32_t i = it + uint32_t(j);
+      const uint32_t s = i % Cfg::kStages;
+      sm90_mbarrier_wait_parity(empty + 8 * s, ((i / Cfg::kStages) & 1u) ^ 1u);
+      if (stage_tags != nullptr && j == 0) stage_tags[s] = tag;
+      sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes);
+      b_loader.issue(ring + s * kStageBytes + LoaderA::kStageBytes, j * Cfg::kBlockK, full + 8 * s,
+                     rank, multicast);
+    }
+    return count > 0 ? count : 0;
   }
 
   // A consumer warp hands a stage back: on its `empty` barrier, and with clusters on that of
