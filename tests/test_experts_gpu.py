@@ -379,6 +379,37 @@ def test_fused_gemms_equal_the_two_launches(monkeypatch, tiles, num_rows, hidden
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
+@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws"])
+@pytest.mark.parametrize("ahead", ["2", "64"])
+@pytest.mark.parametrize("routing,num_rows,hidden,intermediate,num_local", [
+    ("same", 64, 2048, 768, 64),      # a dummy-weight decode: every row the same 4 local experts
+    ("random", 16, 2048, 768, 64),    # Qwen3-30B-A3B decode
+    ("random", 8, 7168, 2048, 16),    # DeepSeek-V3 shapes
+    ("random", 600, 264, 136, 3),     # many m-tiles per expert
+])
+def test_fused_gemms_weights_ahead_of_the_wait(monkeypatch, tiles, ahead, routing, num_rows,
+                                                hidden, intermediate, num_local):
+    """PETIT_MOE_FUSED_B_AHEAD=N: a down tile's w2 boxes of its first min(N, k-tiles, stages)
+    k-tiles are issued before it waits for its expert's gate/up tiles; with NaN-poisoned
+    workspaces and 3 rounds of fresh data, bit-equal to the fused launch without it."""
+    monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
+    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
+    for round_ in range(3):
+        seed = 900 + 17 * round_ + num_rows
+        if routing == "same":
+            ids = torch.full((num_rows, 8), -1, dtype=torch.int32)
+            ids[:, [0, 2, 3, 6]] = torch.tensor([5, 17, 40, 63], dtype=torch.int32)
+        else:
+            ids = random_ids(num_rows, 8, num_local, seed=seed)
+        problem = make_problem(ids, hidden, intermediate, num_local, seed=seed + 1)
+        monkeypatch.setenv("PETIT_MOE_FUSED_B_AHEAD", ahead)
+        ahead_out = run_petit(problem, tiles)
+        monkeypatch.delenv("PETIT_MOE_FUSED_B_AHEAD")
+        assert torch.equal(ahead_out, run_petit(problem, tiles)), f"round {round_}"
+        check(ahead_out, problem, name=f"{tiles} weights ahead {ahead}, round {round_}")
+
+
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
 def test_fused_gemms_in_a_cuda_graph(monkeypatch):
     """The fused GEMMs captured in a CUDA graph (their per-expert counters are zeroed by the
     row lists inside it) and replayed with fresh routing, rows and weights, against the two
