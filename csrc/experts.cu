@@ -1294,11 +1294,24 @@ petitError_t launch_fused_family(int, const ExpertGemmArgs&, int, petitStream_t)
 // kWgmmaM64MaxRowsPerExpert, the clustered ones from
 // kWsMcMinRowsPerExpert at large hidden sizes; elsewhere the small SIMT tiles below the
 // rows-per-expert bound and above it mma.sync (sm_80+) or the large SIMT tiles.
+// PETIT_MOE_NARROW_MAX_ROWS=R (read at every call, for A/B measurements of the auto rule): auto
+// picks wgmma_narrow_ws below R routing entries per local expert instead of below
+// kWgmmaNarrowMaxRowsPerExpert; 0 never; at most kWgmmaM64MaxRowsPerExpert (the 64-row
+// family's range). Few experts holding all the rows (a dummy-weight server's decode) give
+// narrow's twice as many tiles per expert more SMs to stream on (README, "Where a decode
+// step's time goes").
+static int narrow_max_rows_per_expert() {
+  const char* env = getenv("PETIT_MOE_NARROW_MAX_ROWS");
+  if (env == nullptr || env[0] == '\0') return kWgmmaNarrowMaxRowsPerExpert;
+  const int v = atoi(env);
+  return v < 0 ? 0 : v > kWgmmaM64MaxRowsPerExpert ? kWgmmaM64MaxRowsPerExpert : v;
+}
+
 int resolve_expert_tiles(const ExpertGemmArgs& a) {
   if (a.tiles != kExpertTilesAuto) return a.tiles;
   const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
   if (wgmma_path_supported() == petitSuccess) {
-    if (num_entries < int64_t(kWgmmaNarrowMaxRowsPerExpert) * a.num_local_experts)
+    if (num_entries < int64_t(narrow_max_rows_per_expert()) * a.num_local_experts)
       return kExpertTilesWgmmaNarrowWs;
     if (num_entries < int64_t(kWgmmaM64MaxRowsPerExpert) * a.num_local_experts)
       return kExpertTilesWgmmaM64Ws;

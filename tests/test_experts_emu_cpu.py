@@ -430,6 +430,30 @@ def test_fused_gemms_weights_ahead_of_the_wait(sm90, monkeypatch, tiles, ahead, 
     check_against_reference(ahead_out, problem)
 
 
+def test_auto_narrow_bound_from_the_environment(sm90, monkeypatch):
+    """PETIT_MOE_NARROW_MAX_ROWS=R moves auto's wgmma_narrow_ws / wgmma_m64_ws bound (default
+    2 routing entries per local expert; 0: never narrow; clamped to 96). 40 rows x top-4 over
+    5 experts is 32 entries per expert; 2 rows x top-4 is 1.6."""
+    many = make_problem(torch.randint(0, 5, (40, 4), generator=torch.Generator().manual_seed(3),
+                                      dtype=torch.int32), 136, 40, 5, seed=98)
+    few = make_problem(torch.tensor([[3, -1, 0, 4], [1, 3, -1, -1]], dtype=torch.int32), 136,
+                       40, 5, seed=99)
+    for value, want_many, want_few in [(None, "wgmma_m64_ws", "wgmma_narrow_ws"),
+                                       ("33", "wgmma_narrow_ws", "wgmma_narrow_ws"),
+                                       ("1000", "wgmma_narrow_ws", "wgmma_narrow_ws"),
+                                       ("0", "wgmma_m64_ws", "wgmma_m64_ws")]:
+        if value is None:
+            monkeypatch.delenv("PETIT_MOE_NARROW_MAX_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("PETIT_MOE_NARROW_MAX_ROWS", value)
+        out, used = run_emulated(sm90, *many, tiles="auto", num_sms=2)
+        assert used == want_many, value
+        check_against_reference(out, many)
+        assert run_emulated(sm90, *few, tiles="auto", num_sms=2)[1] == want_few, value
+    monkeypatch.setenv("PETIT_MOE_NARROW_MAX_ROWS", "32")  # the bound is exclusive
+    assert run_emulated(sm90, *many, tiles="auto", num_sms=2)[1] == "wgmma_m64_ws"
+
+
 def test_fused_gemms_many_tiles_per_expert_and_expert_map(sm90, monkeypatch):
     """Several m-tiles per expert (an expert's down tiles wait for all of its gate/up tiles:
     m-tiles x n-tiles x consumer warps arrivals) and global ids through vLLM's expert map."""
