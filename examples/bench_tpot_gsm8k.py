@@ -543,6 +543,11 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def local_opener() -> urllib.request.OpenerDirector:
+    """urllib without the environment's proxies: the server is on 127.0.0.1."""
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _libc_prctl():
     try:
         import ctypes
@@ -607,7 +612,7 @@ class Server:
     def wait_healthy(self, timeout: float, poll: float = 2.0) -> float:
         """Seconds until GET /health answered 200; BenchError if the server died or timed out."""
         t0 = time.monotonic()
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        opener = local_opener()
         while True:
             rc = self.proc.poll()
             if rc is not None:
@@ -699,9 +704,8 @@ def profiler_config(profile_dir: Path, steps: int) -> str:
 
 def post_local(url: str, timeout: float) -> int:
     """POST with an empty body, no proxy (the server is on 127.0.0.1); the HTTP status."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(url, data=b"", method="POST")
-    with opener.open(req, timeout=timeout) as resp:
+    with local_opener().open(req, timeout=timeout) as resp:
         return resp.status
 
 
