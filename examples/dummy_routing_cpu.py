@@ -32,8 +32,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+from bench_tpot_gsm8k import load_prompts  # noqa: E402  (the TPOT benchmark's prompts)
+
 DUMMY_LOW, DUMMY_HIGH, DUMMY_SEED = -1e-3, 1e-3, 1234  # vLLM's initialize_dummy_weights
-PROMPT_FORMAT = "Question: {question}\nAnswer:"        # examples/bench_tpot_gsm8k.py's
 
 
 def dummy_init_(model) -> int:
@@ -121,9 +123,7 @@ def main(argv=None) -> int:
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    questions = [json.loads(line)["question"] for line in open(args.data) if line.strip()]
-    prompts = [PROMPT_FORMAT.format(question=q) for q in questions[:args.prompts]]
-    batch = tok(prompts, return_tensors="pt", padding=True)
+    batch = tok(load_prompts(args.data, args.prompts), return_tensors="pt", padding=True)
 
     record: list[list] = []  # per forward call: per layer the [tokens, K] expert ids
     current: dict[int, list] = {}
