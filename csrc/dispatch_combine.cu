@@ -574,20 +574,12 @@ int choose_num_chunks(int region_stride, int num_peers, int num_vectors, int num
   return chunks < 1 ? 1 : (chunks > max_chunks ? (max_chunks > 1 ? max_chunks : 1) : chunks);
 }
 
-// Benchmark tuning knob: integer environment variable `name` clamped to [lo, hi], or
-// `fallback` when unset.
-int env_knob(const char* name, int fallback, int lo, int hi) {
-  const char* env = getenv(name);
-  const int value = env ? atoi(env) : fallback;
-  return value < lo ? lo : (value > hi ? hi : value);
-}
-
 // Blocks of the combine grid that may push rows (the rest only reduce, from the start): by
 // default 3/4 of the grid, since at large sizes about that many SMs already saturate the
 // peer links while the reduction needs the rest; PETIT_MOE_COMBINE_REDUCE_PCT (0..90, read
 // once per process) sets the reduce-only share for tuning.
 int combine_send_blocks(int num_blocks) {
-  static const int reduce_pct = env_knob("PETIT_MOE_COMBINE_REDUCE_PCT", 25, 0, 90);
+  static const int reduce_pct = petit_env_knob("PETIT_MOE_COMBINE_REDUCE_PCT", 25, 0, 90);
   const int senders = num_blocks - num_blocks * reduce_pct / 100;
   return senders < 1 ? 1 : senders;
 }
@@ -609,8 +601,10 @@ int combine_send_blocks(int num_blocks) {
 // size on 132 SMs within the run-to-run spread. The chunking does not change any output bit
 // (every element is summed in the same fixed order).
 int combine_reduce_chunks(int num_chunks, int num_vectors, int num_groups, int num_blocks) {
-  static const int reduce_vectors = env_knob("PETIT_MOE_COMBINE_REDUCE_VECTORS", 128, 0, 1 << 20);
-  static const int items_per_block = env_knob("PETIT_MOE_COMBINE_REDUCE_ITEMS", 8, 0, 1 << 20);
+  static const int reduce_vectors =
+      petit_env_knob("PETIT_MOE_COMBINE_REDUCE_VECTORS", 128, 0, 1 << 20);
+  static const int items_per_block =
+      petit_env_knob("PETIT_MOE_COMBINE_REDUCE_ITEMS", 8, 0, 1 << 20);
   if (reduce_vectors <= 0) return num_chunks;
   int chunks = ceil_div(num_vectors, reduce_vectors);
   if (items_per_block > 0 && num_groups > 0) {
@@ -628,7 +622,7 @@ int combine_reduce_chunks(int num_chunks, int num_vectors, int num_groups, int n
 // send item costs its sender a route-mask read, two barriers and a system fence).
 int combine_send_chunks(int region_stride, int num_peers, int num_vectors, int max_senders,
                         int max_chunks) {
-  static const int min_chunks = env_knob("PETIT_MOE_COMBINE_SEND_CHUNKS", 0, 0, 1 << 10);
+  static const int min_chunks = petit_env_knob("PETIT_MOE_COMBINE_SEND_CHUNKS", 0, 0, 1 << 10);
   const int chunks = choose_num_chunks(region_stride, num_peers, num_vectors, max_senders);
   const int size_bound = max_size_chunks(region_stride, num_vectors);
   int wanted = min_chunks < max_chunks ? min_chunks : max_chunks;
@@ -648,7 +642,7 @@ constexpr int kTailSplitMaxRounds = 3;
 constexpr int kTailSplitMinSenders = 48;
 int combine_tail_chunks(int send_chunks, int64_t rounds, int senders, int region_stride,
                         int num_vectors, int max_chunks) {
-  static const int tail_chunks = env_knob("PETIT_MOE_COMBINE_TAIL_CHUNKS", 4, 0, 1 << 10);
+  static const int tail_chunks = petit_env_knob("PETIT_MOE_COMBINE_TAIL_CHUNKS", 4, 0, 1 << 10);
   if (send_chunks != 1 || rounds < 1 || rounds > kTailSplitMaxRounds ||
       senders < kTailSplitMinSenders)
     return 0;
@@ -731,14 +725,14 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   const int64_t reduce_items = int64_t(reduce_groups) * a.num_reduce_chunks;
   const int64_t reducers_left = a.ctx.num_blocks - a.num_send_blocks;
   const int64_t reducers = reduce_items < reducers_left ? reduce_items : reducers_left;
-  static const int static_reduce = env_knob("PETIT_MOE_COMBINE_STATIC_REDUCE", 1, 0, 1);
+  static const int static_reduce = petit_env_knob("PETIT_MOE_COMBINE_STATIC_REDUCE", 1, 0, 1);
   a.static_reduce = static_reduce && reduce_items <= reducers_left ? 1 : 0;
   // PETIT_MOE_COMBINE_PREFETCH (default 1; 0 = off; read once per process): reduce items
   // (claimed or static) prefetch their own rows into L2 before awaiting the peers'. Same-run
   // A/B on 2x H200 (examples/results/sweeps/combine_ab_44483d6): combine at 4096 tokens/rank
   // on 132 SMs 184.7 -> 181.5 us, 8192 353.6 -> 350.4, the other sizes and 24 SMs within the
   // spread.
-  static const int prefetch_own = env_knob("PETIT_MOE_COMBINE_PREFETCH", 1, 0, 1);
+  static const int prefetch_own = petit_env_knob("PETIT_MOE_COMBINE_PREFETCH", 1, 0, 1);
   a.prefetch_own = prefetch_own;
   *grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);
   return petitSuccess;

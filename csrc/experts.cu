@@ -70,15 +70,6 @@ constexpr int kWsMcMinHidden = 4096;
 constexpr int kReduceThreads = 256;
 constexpr int kReduceBlocksPerSm = 8;
 
-// The integer tuning knobs read from the environment at every call (for A/B measurements):
-// `fallback` when unset or empty, else the value clamped to [lo, hi].
-static int env_int_clamped(const char* name, int fallback, int lo, int hi) {
-  const char* env = getenv(name);
-  if (env == nullptr || env[0] == '\0') return fallback;
-  const int v = atoi(env);
-  return v < lo ? lo : v > hi ? hi : v;
-}
-
 // ------------------------------------------------------------------ operand rows
 // The rows every tile family reads (nullptr: a row past the tile or the output width, which the
 // loaders treat as zeros and the epilogues skip).
@@ -1201,7 +1192,7 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
 // PETIT_MOE_FUSED_B_AHEAD=N: the fused kernel's down tiles issue the weight boxes of up to N
 // k-tiles (at most the ring's stages, which the kernel enforces) before they wait for their
 // expert's gate/up tiles. Unset or 0: off (the default until measured).
-static int fused_b_ahead() { return env_int_clamped("PETIT_MOE_FUSED_B_AHEAD", 0, 0, 1 << 30); }
+static int fused_b_ahead() { return petit_env_knob("PETIT_MOE_FUSED_B_AHEAD", 0, 0, 1 << 30); }
 
 // Both GEMMs in one launch (expert_fused_ws_kernel): the grid of the GEMM with more tiles.
 template <class GateUp, class Down>
@@ -1305,7 +1296,7 @@ petitError_t launch_fused_family(int, const ExpertGemmArgs&, int, petitStream_t)
 // narrow's twice as many tiles per expert more SMs to stream on (README, "Where a decode
 // step's time goes").
 static int narrow_max_rows_per_expert() {
-  return env_int_clamped("PETIT_MOE_NARROW_MAX_ROWS", kWgmmaNarrowMaxRowsPerExpert, 0,
+  return petit_env_knob("PETIT_MOE_NARROW_MAX_ROWS", kWgmmaNarrowMaxRowsPerExpert, 0,
                          kWgmmaM64MaxRowsPerExpert);
 }
 
@@ -1395,7 +1386,7 @@ int64_t split_k_slot_floats() {
 }
 
 // PETIT_MOE_SPLIT_K: the most k-shares per tile (1, the default: no split-K).
-static int expert_split_k_max() { return env_int_clamped("PETIT_MOE_SPLIT_K", 1, 1, kSplitKMax); }
+static int expert_split_k_max() { return petit_env_knob("PETIT_MOE_SPLIT_K", 1, 1, kSplitKMax); }
 
 void expert_split_k_workspace(const ExpertGemmArgs& a, int64_t* floats, int* counters) {
   *floats = 0;

@@ -19,6 +19,7 @@
 
 #include <stdint.h>
 #include <stddef.h>
+#include <stdlib.h>
 
 #if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
 #define PETIT_HIP 1
@@ -513,4 +514,12 @@ PETIT_HOST_DEVICE petit_bf16_bits petit_float_to_bf16(float value) {
   if ((v.u & 0x7fffffffu) > 0x7f800000u) return petit_bf16_bits((v.u >> 16) | 0x40u);
   uint32_t rounding_bias = 0x7fffu + ((v.u >> 16) & 1u);
   return petit_bf16_bits((v.u + rounding_bias) >> 16);
+}
+
+// Host: a tuning knob, the integer environment variable `name` clamped to [lo, hi], or
+// `fallback` when unset (benchmark A/Bs; callers decide whether to read it once or per call).
+inline int petit_env_knob(const char* name, int fallback, int lo, int hi) {
+  const char* env = getenv(name);
+  const int value = env ? atoi(env) : fallback;
+  return value < lo ? lo : (value > hi ? hi : value);
 }
