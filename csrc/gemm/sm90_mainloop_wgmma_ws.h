@@ -334,22 +334,32 @@ struct Sm90WgmmaWsMainloop {
     const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
     const bool tma_issuer = is_tma_issuer();
     for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
-      const uint32_t s = it % Cfg::kStages;
-      // A fresh barrier counts as having completed the phase before its first (parity 1), so
-      // the first kStages fills do not wait.
-      sm90_mbarrier_wait_parity(empty + 8 * s, ((it / Cfg::kStages) & 1u) ^ 1u);
-      const uint32_t stage = ring + s * kStageBytes;
+      const uint32_t s = wait_empty(it);
       if (tma_issuer && kt - kt_begin >= b_issued) {
         if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
-        // The expected bytes (the whole stage's, whichever CTA of the cluster loads them)
-        // before this CTA's copies that complete them.
-        sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes);
-        b_loader.issue(stage + LoaderA::kStageBytes, kt * Cfg::kBlockK, full + 8 * s, rank,
-                       multicast);
+        issue_weights(b_loader, s, kt, rank, multicast);
       }
-      a_loader.issue(stage, kt * Cfg::kBlockK, k_dim);
+      a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, k_dim);
       sm90_cp_async_mbarrier_arrive_noinc(full + 8 * s);
     }
+  }
+
+  // Producer threads: waits until the stage of the block's i-th k-tile is empty; returns its
+  // index. A fresh barrier counts as having completed the phase before its first (parity 1),
+  // so the first kStages fills do not wait.
+  PETIT_DEVICE uint32_t wait_empty(uint32_t i) const {
+    const uint32_t s = i % Cfg::kStages;
+    sm90_mbarrier_wait_parity(empty + 8 * s, ((i / Cfg::kStages) & 1u) ^ 1u);
+    return s;
+  }
+
+  // TMA issuer: the weight boxes of k-tile kt into stage s, after the stage's expected bytes
+  // (the whole stage's, whichever CTA of the cluster loads them) that those copies complete.
+  PETIT_DEVICE void issue_weights(const LoaderB& b_loader, uint32_t s, int kt, int rank,
+                                  bool multicast) const {
+    sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes);
+    b_loader.issue(ring + s * kStageBytes + LoaderA::kStageBytes, kt * Cfg::kBlockK, full + 8 * s,
+                   rank, multicast);
   }
 
   // TMA issuer only, before the produce() of a tile whose A rows are not ready yet (a fused
@@ -364,13 +374,9 @@ struct Sm90WgmmaWsMainloop {
     int count = max_count < num_k_tiles ? max_count : num_k_tiles;
     if (count > Cfg::kStages) count = Cfg::kStages;
     for (int j = 0; j < count; ++j) {
-      const uint32_t i = it + uint32_t(j);
-      const uint32_t s = i % Cfg::kStages;
-      sm90_mbarrier_wait_parity(empty + 8 * s, ((i / Cfg::kStages) & 1u) ^ 1u);
+      const uint32_t s = wait_empty(it + uint32_t(j));
       if (stage_tags != nullptr && j == 0) stage_tags[s] = tag;
-      sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes);
-      b_loader.issue(ring + s * kStageBytes + LoaderA::kStageBytes, j * Cfg::kBlockK, full + 8 * s,
-                     rank, multicast);
+      issue_weights(b_loader, s, j, rank, multicast);
     }
     return count > 0 ? count : 0;
   }
@@ -390,8 +396,7 @@ struct Sm90WgmmaWsMainloop {
   // Producer threads, after their last tile: one more stage with no data whose tag is `tag`
   // (e.g. -1: no more tiles), completed by plain arrivals of every producer thread.
   PETIT_DEVICE void produce_end(volatile int* stage_tags, int tag) {
-    const uint32_t s = it % Cfg::kStages;
-    sm90_mbarrier_wait_parity(empty + 8 * s, ((it / Cfg::kStages) & 1u) ^ 1u);
+    const uint32_t s = wait_empty(it);
     if (is_tma_issuer()) {
       stage_tags[s] = tag;
       sm90_mbarrier_arrive(full + 8 * s);  // the issuer's second arrival of a stage
