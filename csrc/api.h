@@ -208,6 +208,8 @@ struct EpContextArgs {
   uint32_t* group_done;       // [W, G_max] completion counters of the dispatch's chunks
   int32_t* recv_group_counts; // [W, G_max] rows received per (source, group), last dispatch
   int num_blocks;             // persistent grid; must be co-resident (<= SM count)
+  int sc_fences;              // set by the launchers: 1 = publish with sequentially
+                              // consistent fences (PETIT_MOE_SC_FENCES, for A/B runs)
 };
 
 // Wire format of dispatched rows. fp8 modes quantize at the source inside dispatch (fp8.h):

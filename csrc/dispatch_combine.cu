@@ -190,18 +190,40 @@ PETIT_DEVICE uint64_t wait_flag(const EpContextArgs& c, const uint64_t* flag, ui
   }
 }
 
-// Called by thread 0 after the block's barrier and a system fence over the block's writes of
+// Thread 0's fence between its block's writes (observed through the block barrier) and the
+// flags that publish them, which follow as strong relaxed stores (publish_flag): an
+// acquire-release fence at system scope, all that message passing needs. With
+// PETIT_MOE_SC_FENCES=1 (read once per process, for A/B runs) the sequentially consistent
+// fence and release stores used before: on sm_90 two MEMBAR.SYS instead of one per flag,
+// the first with an L1 invalidation.
+PETIT_DEVICE void publish_fence(const EpContextArgs& c) {
+  if (c.sc_fences)
+    petit_fence_sys();
+  else
+    petit_fence_acq_rel_sys();
+}
+
+PETIT_DEVICE void publish_flag(const EpContextArgs& c, uint64_t* flag, uint64_t value) {
+  if (c.sc_fences)
+    petit_store_release_sys(flag, value);
+  else
+    petit_store_relaxed_sys(flag, value);
+}
+
+// Called by thread 0 after the block's barrier and publish_fence over the block's writes of
 // item (peer, group) (the barrier makes them thread 0's to publish): the last of
 // `num_chunks` items of that (peer, group) publishes the flag. The counter is local and
-// reset by its last user, so it is zero again for the next epoch.
-PETIT_DEVICE void publish_item(uint32_t* done_counter, int num_chunks, uint64_t* remote_flag,
-                               uint64_t flag_value) {
+// reset by its last user, so it is zero again for the next epoch. The other items' fences
+// precede their increments, and this block's fence follows its increment, so their writes
+// are ordered before the flag too.
+PETIT_DEVICE void publish_item(const EpContextArgs& c, uint32_t* done_counter, int num_chunks,
+                               uint64_t* remote_flag, uint64_t flag_value) {
   if (num_chunks > 1) {
     if (petit_atomic_add_gpu(done_counter, 1) != uint32_t(num_chunks - 1)) return;
     *done_counter = 0;
-    petit_fence_sys();  // order the other blocks' (fenced) writes before the flag
+    publish_fence(c);  // order the other blocks' (fenced) writes before the flag
   }
-  petit_store_release_sys(remote_flag, flag_value);
+  publish_flag(c, remote_flag, flag_value);
 }
 
 template <typename IdT, int kQuant>
@@ -301,12 +323,12 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
                            part_end, num_vectors, lane);
       }
     }
-    __syncthreads();  // the block's row writes, then one system fence + release by thread 0
+    __syncthreads();  // the block's row writes, then one system fence + flag by thread 0
     if (threadIdx.x == 0) {
-      petit_fence_sys();
+      publish_fence(c);
       uint64_t* flag = reinterpret_cast<uint64_t*>(dst_heap + l.dispatch_flags) +
                        int64_t(c.rank) * l.max_groups + group;
-      publish_item(c.group_done + int64_t(dst) * l.max_groups + group, num_chunks, flag,
+      publish_item(c, c.group_done + int64_t(dst) * l.max_groups + group, num_chunks, flag,
                    make_flag(epoch, __popc(route_mask)));
     }
   }
@@ -467,14 +489,14 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       // Every chunk its own flag (the reductions wait for the chunks they read): no
       // completion counter and no second fence between the last chunk and the flag. A whole
       // pair raises all its chunks' flags after the one fence.
-      petit_fence_sys();
+      publish_fence(c);
       uint64_t* flags = reinterpret_cast<uint64_t*>(src_heap + l.combine_flags) +
                         (int64_t(c.rank) * l.max_groups + group) * l.max_chunks;
       const uint64_t value = make_flag(epoch, __popc(route_mask));
       if (whole) {
         for (int f = 0; f < num_chunks; ++f) petit_store_relaxed_sys(flags + f, value);
       } else {
-        petit_store_release_sys(flags + chunk, value);
+        publish_flag(c, flags + chunk, value);
       }
     }
   }
@@ -652,6 +674,12 @@ int combine_tail_chunks(int send_chunks, int64_t rounds, int senders, int region
   return chunks >= 2 ? chunks : 0;
 }
 
+// PETIT_MOE_SC_FENCES (default 0; read once per process): see publish_fence.
+int sc_fences() {
+  static const int sc = petit_env_knob("PETIT_MOE_SC_FENCES", 0, 0, 1);
+  return sc;
+}
+
 petitError_t check_context(const EpContextArgs& c, int region_stride, int num_tokens,
                            int top_k) {
   if (c.num_blocks < 1 || c.world_size < 1 || c.world_size > kMaxWorldSize) return petitErrorInvalidValue;
@@ -670,6 +698,7 @@ petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
   if (is_block_quant(args.quant) && args.ctx.layout.hidden % kFp8ScaleBlock != 0)
     return petitErrorInvalidValue;
   DispatchArgs a = args;
+  a.ctx.sc_fences = sc_fences();
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size,
                                    a.ctx.layout.hidden / kVecElems, a.ctx.num_blocks);
   // No more blocks than send items (small calls launch, fence and count less).
@@ -694,6 +723,7 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   petitError_t err = check_context(args->ctx, args->region_stride, args->num_tokens, args->top_k);
   if (err != petitSuccess) return err;
   CombineArgs& a = *args;
+  a.ctx.sc_fences = sc_fences();
   const int max_senders = combine_send_blocks(a.ctx.num_blocks);
   a.num_chunks = combine_send_chunks(a.region_stride, a.ctx.world_size - 1,
                                      a.ctx.layout.hidden / kVecElems, max_senders,

@@ -10,11 +10,17 @@
 //   petit_load_acquire_sys(p)      : writes ordered before the matching release are
 //                                    visible to this thread (and, through a following
 //                                    barrier, to its block) after the load returns.
-//   petit_fence_sys()              : full fence at system scope.
+//   petit_fence_sys()              : full (sequentially consistent) fence at system scope.
+//   petit_fence_acq_rel_sys()      : acquire-release fence at system scope: enough for message
+//                                    passing (the PTX model's release pattern is a fence.sc
+//                                    or fence.acq_rel followed by a strong write), not for
+//                                    store-buffering patterns; on sm_90 a MEMBAR.ALL.SYS
+//                                    without MEMBAR.SC's L1 invalidation.
 //   petit_store_relaxed_sys(p, v)  : a strong store at system scope with no ordering of its
-//                                    own; right after petit_fence_sys by the same thread it
-//                                    publishes like petit_store_release_sys (one fence, then
-//                                    several flags).
+//                                    own; right after petit_fence_sys or
+//                                    petit_fence_acq_rel_sys by the same thread it publishes
+//                                    like petit_store_release_sys (one fence, then several
+//                                    flags).
 #pragma once
 
 #include <stdint.h>
@@ -421,6 +427,14 @@ PETIT_DEVICE void petit_fence_sys() {
   __atomic_thread_fence(__ATOMIC_SEQ_CST);  // system scope is the default for HIP fences
 #else
   __threadfence_system();
+#endif
+}
+
+PETIT_DEVICE void petit_fence_acq_rel_sys() {
+#if PETIT_HIP
+  __atomic_thread_fence(__ATOMIC_ACQ_REL);
+#else
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
 #endif
 }
 
