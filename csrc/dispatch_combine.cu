@@ -194,8 +194,8 @@ PETIT_DEVICE uint64_t wait_flag(const EpContextArgs& c, const uint64_t* flag, ui
 // flags that publish them, which follow as strong relaxed stores (publish_flag): an
 // acquire-release fence at system scope, all that message passing needs. With
 // PETIT_MOE_SC_FENCES=1 (read once per process, for A/B runs) the sequentially consistent
-// fence and release stores used before: on sm_90 two MEMBAR.SYS instead of one per flag,
-// the first with an L1 invalidation.
+// system fences and release stores used before: on sm_90 two MEMBAR.SYS instead of one per
+// flag (MEMBAR.SC.SYS, then MEMBAR.ALL.SYS), and a system-scope fence at the dispatch's end.
 PETIT_DEVICE void publish_fence(const EpContextArgs& c) {
   if (c.sc_fences)
     petit_fence_sys();
@@ -344,10 +344,15 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
     c.recv_group_counts[int64_t(src) * l.max_groups + group] = int32_t(flag_count(value));
   }
 
-  // ---- advance the epoch once every block has read it (the last block to finish).
+  // ---- advance the epoch once every block has read it (the last block to finish). Only
+  // this GPU reads the epoch and the counts, so a device-scope fence orders them (the rows'
+  // and flags' system-scope ordering is done above).
   __syncthreads();
   if (threadIdx.x == 0) {
-    petit_fence_sys();
+    if (c.sc_fences)
+      petit_fence_sys();
+    else
+      __threadfence();
     if (petit_atomic_add_gpu(&c.state->blocks_done, 1) == gridDim.x - 1) {
       c.state->blocks_done = 0;
       *((volatile uint64_t*)&c.state->epoch) = epoch;
