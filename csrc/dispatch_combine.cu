@@ -434,7 +434,7 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const EpContextArgs& c = a.ctx;
   const HeapLayout& l = c.layout;
-  __shared__ uint32_t s_route_masks[kWarps];
+  __shared__ uint32_t s_route_mask;
   __shared__ int s_claim;
   // The epoch of the dispatch this combine answers (advanced by that dispatch).
   const uint64_t epoch = *((volatile uint64_t*)&c.state->epoch);
@@ -450,28 +450,20 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   // ---- send: reduced rows of remote source `src`'s tokens go back to src's combine region.
   // Pairs (group, peer_step), pair = group * (W-1) + peer_step, go out in order, so groups
   // complete in order: pairs [0, num_whole_pairs) as one item each (all num_chunks chunks,
-  // one fence, a flag per chunk), the rest as num_chunks items of one chunk each. A block's
-  // items are block, block + S, ... (S senders), taken kWarps at a time: first warp w reads
-  // the routing of item w of the batch (which of the group's tokens the source routed here),
-  // then the items go out one after another, each ended by one barrier, after which thread 0
-  // fences and raises the item's flags while the other warps start on the next item.
+  // one fence, a flag per chunk), the rest as num_chunks items of one chunk each.
   const int num_pairs = num_groups * (W - 1);
   const int num_whole = a.num_whole_pairs;
   const int num_items = num_whole + (num_pairs - num_whole) * num_chunks;
   const int send_stride = a.num_send_blocks;
-  auto item_pair = [&](int item, int* group, int* chunk, int* src) {
+  for (int item = blockIdx.x; blockIdx.x < send_stride && item < num_items; item += send_stride) {
     const bool whole = item < num_whole;
     const int pair = whole ? item : num_whole + (item - num_whole) / num_chunks;
-    *chunk = whole ? -1 : (item - num_whole) % num_chunks;
-    *group = pair / (W - 1);
-    *src = (c.rank + 1 + pair % (W - 1)) % W;
-  };
-  for (int batch = blockIdx.x; blockIdx.x < send_stride && batch < num_items;
-       batch += kWarps * send_stride) {
-    const int mask_item = batch + warp * send_stride;
-    if (mask_item < num_items) {  // warp-uniform
-      int group, chunk, src;
-      item_pair(mask_item, &group, &chunk, &src);
+    const int chunk = whole ? 0 : (item - num_whole) % num_chunks;
+    const int peer_step = pair % (W - 1);
+    const int group = pair / (W - 1);
+    const int src = (c.rank + 1 + peer_step) % W;
+    char* src_heap = rank_heap(c, src);
+    if (warp == 0) {
       const int token = group * kTokenGroupSize + lane;
       bool routed = false;
       if (lane < kTokenGroupSize && token < R) {
@@ -479,46 +471,37 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
         for (int k = 0; k < K; ++k) routed |= (row_ids[k] >= 0);
       }
       const uint32_t mask = uint32_t(petit_ballot(routed));
-      if (lane == 0) s_route_masks[warp] = mask;
+      if (lane == 0) s_route_mask = mask;
     }
     __syncthreads();
-    for (int j = 0; j < kWarps; ++j) {
-      const int item = batch + j * send_stride;
-      if (item >= num_items) break;  // block-uniform
-      int group, chunk, src;
-      item_pair(item, &group, &chunk, &src);
-      char* src_heap = rank_heap(c, src);
-      const uint32_t route_mask = s_route_masks[j];
-      int begin = 0, end = num_vectors;
-      if (chunk >= 0) chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
-      const int num_routed = __popc(route_mask);
-      const int parts = row_parts(num_routed, end - begin, 1);
-      for (int unit = warp; unit < num_routed * parts; unit += kWarps) {
-        const int token = group * kTokenGroupSize + nth_set_bit(route_mask, unit / parts);
-        int part_begin, part_end;
-        part_range(begin, end, 1, unit % parts, parts, &part_begin, &part_end);
-        const uint4* row = reinterpret_cast<const uint4*>(a.expert_out) +
-                           (int64_t(src) * R + token) * num_vectors;
-        uint4* dst_row = reinterpret_cast<uint4*>(src_heap + l.combine_rows) +
-                         (int64_t(c.rank) * R + token) * num_vectors;
-        warp_copy(dst_row, row, part_begin, part_end, lane);
-      }
-      // The block's row writes, then one system fence by thread 0 (this barrier also keeps
-      // the next batch's routing reads from overwriting s_route_masks before all have read).
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        // Every chunk its own flag (the reductions wait for the chunks they read): no
-        // completion counter and no second fence between the last chunk and the flag. A
-        // whole pair raises all its chunks' flags after the one fence.
-        publish_fence(c);
-        uint64_t* flags = reinterpret_cast<uint64_t*>(src_heap + l.combine_flags) +
-                          (int64_t(c.rank) * l.max_groups + group) * l.max_chunks;
-        const uint64_t value = make_flag(epoch, __popc(route_mask));
-        if (chunk < 0) {
-          for (int f = 0; f < num_chunks; ++f) petit_store_relaxed_sys(flags + f, value);
-        } else {
-          publish_flag(c, flags + chunk, value);
-        }
+    const uint32_t route_mask = s_route_mask;
+    int begin = 0, end = num_vectors;
+    if (!whole) chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
+    const int num_routed = __popc(route_mask);
+    const int parts = row_parts(num_routed, end - begin, 1);
+    for (int unit = warp; unit < num_routed * parts; unit += kWarps) {
+      const int token = group * kTokenGroupSize + nth_set_bit(route_mask, unit / parts);
+      int part_begin, part_end;
+      part_range(begin, end, 1, unit % parts, parts, &part_begin, &part_end);
+      const uint4* row = reinterpret_cast<const uint4*>(a.expert_out) +
+                         (int64_t(src) * R + token) * num_vectors;
+      uint4* dst_row = reinterpret_cast<uint4*>(src_heap + l.combine_rows) +
+                       (int64_t(c.rank) * R + token) * num_vectors;
+      warp_copy(dst_row, row, part_begin, part_end, lane);
+    }
+    __syncthreads();  // the block's row writes, then one system fence by thread 0
+    if (threadIdx.x == 0) {
+      // Every chunk its own flag (the reductions wait for the chunks they read): no
+      // completion counter and no second fence between the last chunk and the flag. A whole
+      // pair raises all its chunks' flags after the one fence.
+      publish_fence(c);
+      uint64_t* flags = reinterpret_cast<uint64_t*>(src_heap + l.combine_flags) +
+                        (int64_t(c.rank) * l.max_groups + group) * l.max_chunks;
+      const uint64_t value = make_flag(epoch, __popc(route_mask));
+      if (whole) {
+        for (int f = 0; f < num_chunks; ++f) petit_store_relaxed_sys(flags + f, value);
+      } else {
+        publish_flag(c, flags + chunk, value);
       }
     }
   }
