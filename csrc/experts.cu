@@ -633,11 +633,11 @@ PETIT_DEVICE void fused_wait_gate_up(const int32_t* done, int expert, int32_t ar
 // b_ahead (PETIT_MOE_FUSED_B_AHEAD, see fused_b_ahead): a down tile's TMA issuer first issues
 // the w2 boxes of up to b_ahead of its k-tiles (produce_b_ahead), then waits for the gate/up
 // arrivals with the others, so those weight bytes stream during the wait; 0: off.
+// The fused kernel's body for one tile family (the maps: the kernel's __grid_constant__
+// parameters, whose addresses TMA takes).
 template <class GateUp, class Down>
-PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
-    expert_fused_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
-                           const __grid_constant__ CUtensorMap w2_map, int b_ahead) {
-  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
+PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13_map,
+                                 const CUtensorMap* w2_map, int b_ahead) {
   if constexpr (GateUp::kCompiled) {
     using CfgG = typename GateUp::Cfg;
     using CfgD = typename Down::Cfg;
@@ -676,8 +676,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
       gemm::sm90_setmaxnreg_dec<GateUp::kProducerRegs>();
       const bool leader = GateUp::is_tma_issuer();  // producer thread 0
       if (leader) {
-        gemm::sm90_prefetch_tensor_map(&w13_map);
-        gemm::sm90_prefetch_tensor_map(&w2_map);
+        gemm::sm90_prefetch_tensor_map(w13_map);
+        gemm::sm90_prefetch_tensor_map(w2_map);
       }
       // the next unit: claimed by the leader, read by every producer thread (double-buffered:
       // a slot is rewritten two claims later, after the barrier that follows every read of it)
@@ -693,7 +693,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
         typename GateUp::LoaderA a_loader;
         a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
         typename GateUp::LoaderB b_loader;
-        b_loader.init(&w13_map, tile.expert, tile.n_tile * CfgG::kBlockN);
+        b_loader.init(w13_map, tile.expert, tile.n_tile * CfgG::kBlockN);
         gate_up.produce(a_loader, b_loader, a.hidden, 0, false, 0, -1, stage_tags, u);
       }
       Down down;
@@ -701,7 +701,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
       for (; u < num_units; u = claim_next()) {
         const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
         typename Down::LoaderB b_loader;
-        b_loader.init(&w2_map, tile.expert, tile.n_tile * CfgD::kBlockN);
+        b_loader.init(w2_map, tile.expert, tile.n_tile * CfgD::kBlockN);
         const int b_issued =
             leader && b_ahead > 0
                 ? down.produce_b_ahead(b_loader, a.intermediate, 0, false, b_ahead, stage_tags, u)
@@ -738,6 +738,54 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
                        tile.num_rows, tile.n_tile * CfgD::kBlockN);
       }
     }
+  }
+}
+
+template <class GateUp, class Down>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
+    expert_fused_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
+                           const __grid_constant__ CUtensorMap w2_map, int b_ahead) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  fused_ws_gemms<GateUp, Down>(a, &w13_map, &w2_map, b_ahead);
+}
+
+// Sum of one int per lane, the same in every lane, from ballots only (no shuffles: the CPU
+// emulation has none); values in [0, 2^24).
+PETIT_DEVICE int64_t warp_sum_ballots(int value) {
+  int64_t sum = 0;
+  for (int bit = 0; bit < 24; ++bit)
+    sum += int64_t(petit_popc(petit_ballot((value >> bit) & 1))) << bit;
+  return sum;
+}
+
+// auto's fused GEMMs between 2 and kWgmmaM64MaxRowsPerExpert routing entries per local
+// expert: the m64 tiles (MG, MD), or the narrow ones (NG, ND: same 64 rows, half the columns,
+// twice the tiles) when the m64 gate/up tiles of this call would be no more than num_sms,
+// i.e. leave SMs without a tile. The host cannot tell the two cases apart: they differ in how
+// the entries spread over the experts (a dummy-weight server's decode sends every token to
+// the same few experts), known on the device only (expert_offsets). Every warp counts the
+// m-tiles itself, so every block takes the same branch. Both families give the same bits.
+template <class NG, class ND, class MG, class MD>
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
+    expert_fused_ws_auto_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap narrow_w13,
+                                const __grid_constant__ CUtensorMap narrow_w2,
+                                const __grid_constant__ CUtensorMap m64_w13,
+                                const __grid_constant__ CUtensorMap m64_w2, int b_ahead,
+                                int num_sms) {
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  if constexpr (MG::kCompiled) {
+    static_assert(NG::kThreads == MG::kThreads && NG::Cfg::kBlockM == MG::Cfg::kBlockM,
+                  "one block shape and m-tile for both families");
+    constexpr int kBlockM = MG::Cfg::kBlockM;
+    int m_tiles = 0;
+    for (int e = petit_lane_id(); e < a.num_local_experts; e += PETIT_WARP_SIZE)
+      m_tiles += (a.expert_offsets[e + 1] - a.expert_offsets[e] + kBlockM - 1) / kBlockM;
+    const int64_t m64_tiles = warp_sum_ballots(m_tiles) *
+                              ((a.intermediate + MG::Cfg::kBlockN - 1) / MG::Cfg::kBlockN);
+    if (m64_tiles <= num_sms)
+      fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, b_ahead);
+    else
+      fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, b_ahead);
   }
 }
 
@@ -1217,8 +1265,45 @@ petitError_t launch_fused_ws(const ExpertGemmArgs& a, int num_sms, petitStream_t
                        fused_b_ahead());
 }
 
+// auto's 64-row fused GEMMs (expert_fused_ws_auto_kernel): both families' maps, the larger
+// shared memory and grid of the two.
+petitError_t launch_fused_ws_auto(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
+  using NG = GateUpWgmmaNarrowWs;
+  using ND = DownWgmmaNarrowWs;
+  using MG = GateUpWgmmaM64Ws;
+  using MD = DownWgmmaM64Ws;
+  CUtensorMap narrow_w13, narrow_w2, m64_w13, m64_w2;
+  petitError_t err;
+  if ((err = encode_w13_map<NG>(&narrow_w13, a)) != petitSuccess ||
+      (err = encode_w2_map<ND>(&narrow_w2, a)) != petitSuccess ||
+      (err = encode_w13_map<MG>(&m64_w13, a)) != petitSuccess ||
+      (err = encode_w2_map<MD>(&m64_w2, a)) != petitSuccess)
+    return err;
+  const auto kernel = expert_fused_ws_auto_kernel<NG, ND, MG, MD>;
+  const int smem = NG::kSmemBytes > MG::kSmemBytes ? NG::kSmemBytes : MG::kSmemBytes;
+  if ((err = petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize,
+                                   smem)) != petitSuccess)
+    return err;
+  int grid = 0;
+  for (const int g : {persistent_grid(a, a.intermediate, NG::Cfg::kBlockM, NG::Cfg::kBlockN, 1,
+                                      num_sms),
+                      persistent_grid(a, a.hidden, ND::Cfg::kBlockM, ND::Cfg::kBlockN, 1,
+                                      num_sms),
+                      persistent_grid(a, a.intermediate, MG::Cfg::kBlockM, MG::Cfg::kBlockN, 1,
+                                      num_sms),
+                      persistent_grid(a, a.hidden, MD::Cfg::kBlockM, MD::Cfg::kBlockN, 1,
+                                      num_sms)}) {
+    if (g == 0) return petitErrorInvalidValue;
+    grid = g > grid ? g : grid;
+  }
+  return launch_kernel(kernel, grid, MG::kThreads, smem, 1, stream, a, narrow_w13, narrow_w2,
+                       m64_w13, m64_w2, fused_b_ahead(), num_sms);
+}
+
 petitError_t launch_fused_family(int tiles, const ExpertGemmArgs& a, int num_sms,
                                  petitStream_t stream) {
+  if (tiles == kExpertTilesWgmmaM64Ws && a.tiles == kExpertTilesAuto)
+    return launch_fused_ws_auto(a, num_sms, stream);
   switch (tiles) {
     case kExpertTilesWgmmaM64Ws:
       return launch_fused_ws<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(a, num_sms, stream);
