@@ -759,12 +759,14 @@ PETIT_DEVICE int64_t warp_sum_ballots(int value) {
 }
 
 // auto's fused GEMMs between 2 and kWgmmaM64MaxRowsPerExpert routing entries per local
-// expert: the m64 tiles (MG, MD), or the narrow ones (NG, ND: same 64 rows, half the columns,
-// twice the tiles) when the m64 gate/up tiles of this call would be no more than num_sms,
-// i.e. leave SMs without a tile. The host cannot tell the two cases apart: they differ in how
-// the entries spread over the experts (a dummy-weight server's decode sends every token to
-// the same few experts), known on the device only (expert_offsets). Every warp counts the
-// m-tiles itself, so every block takes the same branch. Both families give the same bits.
+// expert, with PETIT_MOE_DEVICE_TILES=1: the m64 tiles (MG, MD), or the narrow ones (NG, ND:
+// same 64 rows, half the columns, twice the tiles) when even those fill at most one wave of
+// the SMs (2 x the m64 gate/up tiles of this call <= num_sms), so that the m64 tiles would
+// leave more than half of the SMs without one. The host cannot tell such calls apart: they
+// differ in how the entries spread over the experts (a dummy-weight server's decode sends
+// every token to the same few experts), which only the device knows (expert_offsets). Every
+// warp counts the m-tiles itself, so every block takes the same branch. Both families give
+// the same bits.
 template <class NG, class ND, class MG, class MD>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
     expert_fused_ws_auto_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap narrow_w13,
@@ -782,7 +784,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
       m_tiles += (a.expert_offsets[e + 1] - a.expert_offsets[e] + kBlockM - 1) / kBlockM;
     const int64_t m64_tiles = warp_sum_ballots(m_tiles) *
                               ((a.intermediate + MG::Cfg::kBlockN - 1) / MG::Cfg::kBlockN);
-    if (m64_tiles <= num_sms)
+    if (2 * m64_tiles <= num_sms)
       fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, b_ahead);
     else
       fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, b_ahead);
@@ -1300,9 +1302,19 @@ petitError_t launch_fused_ws_auto(const ExpertGemmArgs& a, int num_sms, petitStr
                        m64_w13, m64_w2, fused_b_ahead(), num_sms);
 }
 
+// PETIT_MOE_DEVICE_TILES=1 (read at every call; default 0): auto's m64 fused GEMMs choose
+// between the m64 and the narrow tiles on the device (expert_fused_ws_auto_kernel). Off by
+// default: on one H200 (6c54d5c, examples/bench_experts.py) the choice took 7-20% off the
+// GEMMs where every token goes to the same few experts, but the kernel that holds both
+// families was 1-3% slower than the m64 one on spread routing at Qwen3-30B-A3B 8-64
+// tokens/rank (README, "Where a decode step's time goes").
+static bool device_tiles_enabled() {
+  return petit_env_knob("PETIT_MOE_DEVICE_TILES", 0, 0, 1) == 1;
+}
+
 petitError_t launch_fused_family(int tiles, const ExpertGemmArgs& a, int num_sms,
                                  petitStream_t stream) {
-  if (tiles == kExpertTilesWgmmaM64Ws && a.tiles == kExpertTilesAuto)
+  if (tiles == kExpertTilesWgmmaM64Ws && a.tiles == kExpertTilesAuto && device_tiles_enabled())
     return launch_fused_ws_auto(a, num_sms, stream);
   switch (tiles) {
     case kExpertTilesWgmmaM64Ws:

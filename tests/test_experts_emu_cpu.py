@@ -454,18 +454,19 @@ def test_auto_narrow_bound_from_the_environment(sm90, monkeypatch):
     assert run_emulated(sm90, *many, tiles="auto", num_sms=2)[1] == "wgmma_m64_ws"
 
 
-@pytest.mark.parametrize("num_sms", [1, 9, 10, 64])
+@pytest.mark.parametrize("num_sms", [1, 19, 20, 64])
 def test_auto_fused_gemms_pick_the_tiles_on_the_device(sm90, monkeypatch, num_sms):
-    """auto between 2 and 96 routing entries per local expert resolves to wgmma_m64_ws and fuses
-    in a kernel that runs the narrow tiles when the m64 gate/up tiles (m-tiles x n-tiles of 128
-    columns) are no more than the SMs, else the m64 ones. 40 rows x top-4 over 5 experts (32
-    entries each, one m-tile each) with intermediate 136 (2 n-tiles): 10 m64 tiles, so narrow
-    from 10 SMs, m64 below. Either way bit-equal to both explicit families (fused) and within
-    the reference's tolerance."""
+    """PETIT_MOE_DEVICE_TILES=1: auto between 2 and 96 routing entries per local expert resolves
+    to wgmma_m64_ws and fuses in a kernel that runs the narrow tiles when twice the m64 gate/up
+    tiles (m-tiles x n-tiles of 128 columns) are no more than the SMs, else the m64 ones. 40
+    rows x top-4 over 5 experts (32 entries each, one m-tile each) with intermediate 136 (2
+    n-tiles): 10 m64 tiles, so narrow from 20 SMs, m64 below. Either way bit-equal to both
+    explicit families (fused) and within the reference's tolerance."""
     ids = torch.randint(0, 5, (40, 4), generator=torch.Generator().manual_seed(3),
                         dtype=torch.int32)
     problem = make_problem(ids, 136, 136, 5, seed=101)
     monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
+    monkeypatch.setenv("PETIT_MOE_DEVICE_TILES", "1")
     out, used = run_emulated(sm90, *problem, tiles="auto", num_sms=num_sms)
     assert used == "wgmma_m64_ws" and sm90.petit_emu_fused_gemms() == 1
     check_against_reference(out, problem)
