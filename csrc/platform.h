@@ -15,7 +15,7 @@
 //                                    passing (the PTX model's release pattern is a fence.sc
 //                                    or fence.acq_rel followed by a strong write), not for
 //                                    store-buffering patterns; on sm_90 a MEMBAR.ALL.SYS
-//                                    without MEMBAR.SC's L1 invalidation.
+//                                    where petit_fence_sys is a MEMBAR.SC.SYS.
 //   petit_store_relaxed_sys(p, v)  : a strong store at system scope with no ordering of its
 //                                    own; right after petit_fence_sys or
 //                                    petit_fence_acq_rel_sys by the same thread it publishes
