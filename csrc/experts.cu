@@ -767,6 +767,13 @@ PETIT_DEVICE int64_t warp_sum_ballots(int value) {
 // every token to the same few experts), which only the device knows (expert_offsets). Every
 // warp counts the m-tiles itself, so every block takes the same branch. Both families give
 // the same bits.
+#if PETIT_EMU_PTX
+// The branch of the last expert_fused_ws_auto_kernel (1: narrow, 0: m64; -1 before any), for
+// the emulated tests (tests/emu/experts_emu.cpp): both branches give the same bits, so the
+// output cannot tell which one ran.
+inline int g_emu_fused_auto_narrow = -1;
+#endif
+
 template <class NG, class ND, class MG, class MD>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
     expert_fused_ws_auto_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap narrow_w13,
@@ -784,7 +791,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
       m_tiles += (a.expert_offsets[e + 1] - a.expert_offsets[e] + kBlockM - 1) / kBlockM;
     const int64_t m64_tiles = warp_sum_ballots(m_tiles) *
                               ((a.intermediate + MG::Cfg::kBlockN - 1) / MG::Cfg::kBlockN);
-    if (2 * m64_tiles <= num_sms)
+    const bool narrow = 2 * m64_tiles <= num_sms;
+#if PETIT_EMU_PTX
+    if (blockIdx.x == 0 && threadIdx.x == 0) g_emu_fused_auto_narrow = narrow ? 1 : 0;
+#endif
+    if (narrow)
       fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, b_ahead);
     else
       fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, b_ahead);

@@ -33,6 +33,7 @@ def emu(tmp_path_factory):
     lib.petit_emu_resolve_tiles.restype = ctypes.c_int
     lib.petit_emu_split_floats_written.restype = ctypes.c_int64
     lib.petit_emu_fused_gemms.restype = ctypes.c_int
+    lib.petit_emu_fused_auto_narrow.restype = ctypes.c_int
     return lib
 
 
@@ -467,11 +468,17 @@ def test_auto_fused_gemms_pick_the_tiles_on_the_device(sm90, monkeypatch, num_sm
     problem = make_problem(ids, 136, 136, 5, seed=101)
     monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
     monkeypatch.setenv("PETIT_MOE_DEVICE_TILES", "1")
+    sm90.petit_emu_fused_auto_narrow()  # forget earlier runs
     out, used = run_emulated(sm90, *problem, tiles="auto", num_sms=num_sms)
     assert used == "wgmma_m64_ws" and sm90.petit_emu_fused_gemms() == 1
+    assert sm90.petit_emu_fused_auto_narrow() == (1 if num_sms >= 20 else 0)
     check_against_reference(out, problem)
     for tiles in ("wgmma_narrow_ws", "wgmma_m64_ws"):
         assert torch.equal(out, run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)[0])
+        assert sm90.petit_emu_fused_auto_narrow() == -1  # explicit families: the plain kernels
+    monkeypatch.setenv("PETIT_MOE_DEVICE_TILES", "0")  # off: auto runs the plain m64 kernel
+    assert torch.equal(out, run_emulated(sm90, *problem, tiles="auto", num_sms=num_sms)[0])
+    assert sm90.petit_emu_fused_auto_narrow() == -1
 
 
 def test_fused_gemms_many_tiles_per_expert_and_expert_map(sm90, monkeypatch):
