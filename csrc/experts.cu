@@ -758,6 +758,13 @@ PETIT_DEVICE int64_t warp_sum_ballots(int value) {
   return sum;
 }
 
+#if PETIT_EMU_PTX
+// The branch of the last expert_fused_ws_auto_kernel (1: narrow, 0: m64; -1 before any), for
+// the emulated tests (tests/emu/experts_emu.cpp): both branches give the same bits, so the
+// output cannot tell which one ran.
+inline int g_emu_fused_auto_narrow = -1;
+#endif
+
 // auto's fused GEMMs between 2 and kWgmmaM64MaxRowsPerExpert routing entries per local
 // expert, with PETIT_MOE_DEVICE_TILES=1: the m64 tiles (MG, MD), or the narrow ones (NG, ND:
 // same 64 rows, half the columns, twice the tiles) when even those fill at most one wave of
@@ -767,13 +774,6 @@ PETIT_DEVICE int64_t warp_sum_ballots(int value) {
 // every token to the same few experts), which only the device knows (expert_offsets). Every
 // warp counts the m-tiles itself, so every block takes the same branch. Both families give
 // the same bits.
-#if PETIT_EMU_PTX
-// The branch of the last expert_fused_ws_auto_kernel (1: narrow, 0: m64; -1 before any), for
-// the emulated tests (tests/emu/experts_emu.cpp): both branches give the same bits, so the
-// output cannot tell which one ran.
-inline int g_emu_fused_auto_narrow = -1;
-#endif
-
 template <class NG, class ND, class MG, class MD>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
     expert_fused_ws_auto_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap narrow_w13,
@@ -1255,7 +1255,20 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
 // expert's gate/up tiles. Unset or 0: off (the default until measured).
 static int fused_b_ahead() { return petit_env_knob("PETIT_MOE_FUSED_B_AHEAD", 0, 0, 1 << 30); }
 
-// Both GEMMs in one launch (expert_fused_ws_kernel): the grid of the GEMM with more tiles.
+// The persistent grid of one family's fused GEMMs: that of the GEMM with more tiles (0: too
+// many tiles, as persistent_grid).
+template <class GateUp, class Down>
+int fused_grid(const ExpertGemmArgs& a, int num_sms) {
+  using CfgG = typename GateUp::Cfg;
+  using CfgD = typename Down::Cfg;
+  const int gate_up_grid =
+      persistent_grid(a, a.intermediate, CfgG::kBlockM, CfgG::kBlockN, 1, num_sms);
+  const int down_grid = persistent_grid(a, a.hidden, CfgD::kBlockM, CfgD::kBlockN, 1, num_sms);
+  if (gate_up_grid == 0 || down_grid == 0) return 0;
+  return gate_up_grid > down_grid ? gate_up_grid : down_grid;
+}
+
+// Both GEMMs in one launch (expert_fused_ws_kernel).
 template <class GateUp, class Down>
 petitError_t launch_fused_ws(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
   CUtensorMap w13_map, w2_map;
@@ -1267,15 +1280,10 @@ petitError_t launch_fused_ws(const ExpertGemmArgs& a, int num_sms, petitStream_t
   if ((err = petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize,
                                    GateUp::kSmemBytes)) != petitSuccess)
     return err;
-  using CfgG = typename GateUp::Cfg;
-  using CfgD = typename Down::Cfg;
-  const int gate_up_grid =
-      persistent_grid(a, a.intermediate, CfgG::kBlockM, CfgG::kBlockN, 1, num_sms);
-  const int down_grid = persistent_grid(a, a.hidden, CfgD::kBlockM, CfgD::kBlockN, 1, num_sms);
-  if (gate_up_grid == 0 || down_grid == 0) return petitErrorInvalidValue;
-  return launch_kernel(kernel, gate_up_grid > down_grid ? gate_up_grid : down_grid,
-                       GateUp::kThreads, GateUp::kSmemBytes, 1, stream, a, w13_map, w2_map,
-                       fused_b_ahead());
+  const int grid = fused_grid<GateUp, Down>(a, num_sms);
+  if (grid == 0) return petitErrorInvalidValue;
+  return launch_kernel(kernel, grid, GateUp::kThreads, GateUp::kSmemBytes, 1, stream, a, w13_map,
+                       w2_map, fused_b_ahead());
 }
 
 // auto's 64-row fused GEMMs (expert_fused_ws_auto_kernel): both families' maps, the larger
@@ -1297,18 +1305,10 @@ petitError_t launch_fused_ws_auto(const ExpertGemmArgs& a, int num_sms, petitStr
   if ((err = petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize,
                                    smem)) != petitSuccess)
     return err;
-  int grid = 0;
-  for (const int g : {persistent_grid(a, a.intermediate, NG::Cfg::kBlockM, NG::Cfg::kBlockN, 1,
-                                      num_sms),
-                      persistent_grid(a, a.hidden, ND::Cfg::kBlockM, ND::Cfg::kBlockN, 1,
-                                      num_sms),
-                      persistent_grid(a, a.intermediate, MG::Cfg::kBlockM, MG::Cfg::kBlockN, 1,
-                                      num_sms),
-                      persistent_grid(a, a.hidden, MD::Cfg::kBlockM, MD::Cfg::kBlockN, 1,
-                                      num_sms)}) {
-    if (g == 0) return petitErrorInvalidValue;
-    grid = g > grid ? g : grid;
-  }
+  const int narrow_grid = fused_grid<NG, ND>(a, num_sms);
+  const int m64_grid = fused_grid<MG, MD>(a, num_sms);
+  if (narrow_grid == 0 || m64_grid == 0) return petitErrorInvalidValue;
+  const int grid = narrow_grid > m64_grid ? narrow_grid : m64_grid;
   return launch_kernel(kernel, grid, MG::kThreads, smem, 1, stream, a, narrow_w13, narrow_w2,
                        m64_w13, m64_w2, fused_b_ahead(), num_sms);
 }
