@@ -57,6 +57,17 @@ def routing_with_counts(counts, seed):
     return ids.gather(1, torch.rand(num_rows, top_k, generator=gen).argsort(dim=1))
 
 
+def decode_ids(routing, num_rows, num_local, seed, *, slots, experts):
+    """ids [num_rows, 8] int32: for "same", every row the local `experts` in top-k `slots`
+    (a dummy-weight decode: every token the same few experts; the other slots -1), else
+    random_ids(num_rows, 8, num_local, seed)."""
+    if routing == "same":
+        ids = torch.full((num_rows, 8), -1, dtype=torch.int32)
+        ids[:, slots] = torch.tensor(experts, dtype=torch.int32)
+        return ids
+    return random_ids(num_rows, 8, num_local, seed=seed)
+
+
 def run_petit(problem, tiles, *, with_workspaces=True):
     """ops.experts_forward with NaN-poisoned out (and workspaces)."""
     from vllm_petit_moe import ops
@@ -400,11 +411,8 @@ def test_auto_fused_gemms_equal_both_families(monkeypatch, routing, num_rows, hi
     monkeypatch.setenv("PETIT_MOE_DEVICE_TILES", "1")
     for round_ in range(3):
         seed = 950 + 19 * round_ + num_rows
-        if routing == "same":
-            ids = torch.full((num_rows, 8), -1, dtype=torch.int32)
-            ids[:, [1, 2, 5, 7]] = torch.tensor([3, 17, 40, 63], dtype=torch.int32)
-        else:
-            ids = random_ids(num_rows, 8, num_local, seed=seed)
+        ids = decode_ids(routing, num_rows, num_local, seed, slots=[1, 2, 5, 7],
+                         experts=[3, 17, 40, 63])
         problem = make_problem(ids, hidden, intermediate, num_local, seed=seed + 1)
         auto = run_petit(problem, "auto")
         check(auto, problem, name=f"auto fused GEMMs, {routing}, round {round_}")
@@ -430,11 +438,8 @@ def test_fused_gemms_weights_ahead_of_the_wait(monkeypatch, tiles, ahead, routin
     monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
     for round_ in range(3):
         seed = 900 + 17 * round_ + num_rows
-        if routing == "same":
-            ids = torch.full((num_rows, 8), -1, dtype=torch.int32)
-            ids[:, [0, 2, 3, 6]] = torch.tensor([5, 17, 40, 63], dtype=torch.int32)
-        else:
-            ids = random_ids(num_rows, 8, num_local, seed=seed)
+        ids = decode_ids(routing, num_rows, num_local, seed, slots=[0, 2, 3, 6],
+                         experts=[5, 17, 40, 63])
         problem = make_problem(ids, hidden, intermediate, num_local, seed=seed + 1)
         monkeypatch.setenv("PETIT_MOE_FUSED_B_AHEAD", ahead)
         ahead_out = run_petit(problem, tiles)
