@@ -749,15 +749,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
   fused_ws_gemms<GateUp, Down>(a, &w13_map, &w2_map, b_ahead);
 }
 
-// Sum of one int per lane, the same in every lane, from ballots only (no shuffles: the CPU
-// emulation has none); values in [0, 2^24).
-PETIT_DEVICE int64_t warp_sum_ballots(int value) {
-  int64_t sum = 0;
-  for (int bit = 0; bit < 24; ++bit)
-    sum += int64_t(petit_popc(petit_ballot((value >> bit) & 1))) << bit;
-  return sum;
-}
-
 #if PETIT_EMU_PTX
 // The branch of the last expert_fused_ws_auto_kernel (1: narrow, 0: m64; -1 before any), for
 // the emulated tests (tests/emu/experts_emu.cpp): both branches give the same bits, so the
@@ -772,7 +763,7 @@ inline int g_emu_fused_auto_narrow = -1;
 // leave more than half of the SMs without one. The host cannot tell such calls apart: they
 // differ in how the entries spread over the experts (a dummy-weight server's decode sends
 // every token to the same few experts), which only the device knows (expert_offsets). Every
-// warp counts the m-tiles itself, so every block takes the same branch. Both families give
+// block counts the m-tiles itself, so every block takes the same branch. Both families give
 // the same bits.
 template <class NG, class ND, class MG, class MD>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
@@ -786,11 +777,23 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
     static_assert(NG::kThreads == MG::kThreads && NG::Cfg::kBlockM == MG::Cfg::kBlockM,
                   "one block shape and m-tile for both families");
     constexpr int kBlockM = MG::Cfg::kBlockM;
+    // The block's threads count the m-tiles of the experts the tile scheduler's init gives
+    // them (the same addresses, so its loads then hit L1), in one round of loads.
+    constexpr int kItems = gemm::ExpertTileScheduler<MG::kThreads>::kItemsPerThread;
+    __shared__ int s_m_tiles;
+    if (threadIdx.x == 0) s_m_tiles = 0;
+    __syncthreads();
     int m_tiles = 0;
-    for (int e = petit_lane_id(); e < a.num_local_experts; e += PETIT_WARP_SIZE)
-      m_tiles += (a.expert_offsets[e + 1] - a.expert_offsets[e] + kBlockM - 1) / kBlockM;
-    const int64_t m64_tiles = warp_sum_ballots(m_tiles) *
-                              ((a.intermediate + MG::Cfg::kBlockN - 1) / MG::Cfg::kBlockN);
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int e = int(threadIdx.x) * kItems + i;
+      if (e < a.num_local_experts)
+        m_tiles += (a.expert_offsets[e + 1] - a.expert_offsets[e] + kBlockM - 1) / kBlockM;
+    }
+    if (m_tiles > 0) atomicAdd(&s_m_tiles, m_tiles);
+    __syncthreads();
+    const int64_t m64_tiles =
+        int64_t(s_m_tiles) * ((a.intermediate + MG::Cfg::kBlockN - 1) / MG::Cfg::kBlockN);
     const bool narrow = 2 * m64_tiles <= num_sms;
 #if PETIT_EMU_PTX
     if (blockIdx.x == 0 && threadIdx.x == 0) g_emu_fused_auto_narrow = narrow ? 1 : 0;

@@ -10,7 +10,8 @@
 #                                           #   BENCH_EXPERTS_ARGS, default --quick)
 #   BENCH_SWEEP="PETIT_MOE_COMBINE_REDUCE_PCT=40 PETIT_MOE_COMBINE_REDUCE_VECTORS=128" \
 #     bash tools/gpu_check.sh                # + the dispatch/combine bench once per setting
-#                                            #   (BENCH_SWEEP_ARGS; tables in $OUT/sweep.log)
+#                                            #   (BENCH_SWEEP_ARGS; tables in $OUT/sweep.log;
+#                                            #   A=1,B=2: one setting of two variables)
 #   PACK=1 bash tools/gpu_check.sh       # logs and results packed into $OUT/gpu_check.tgz
 #   PYTEST_ARGS='-k "fp8 or graph"' bash tools/gpu_check.sh   # shell-quoted, like a command line
 #   TEST_PATHS="tests/test_dispatch_combine_gpu.py" bash tools/gpu_check.sh  # some test files
@@ -79,7 +80,7 @@ if [ -n "${BENCH_SWEEP:-}" ] && [ $build_rc -eq 0 ] && [ "$num_gpus" -ge 2 ]; th
     tag=$(sweep_tag "$OUT/sweep-" "$setting")
     echo "=== $setting ($tag)" | tee -a "$OUT/sweep.log"
     # shellcheck disable=SC2086
-    env "$setting" timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py \
+    env ${setting//,/ } timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py \
       ${BENCH_SWEEP_ARGS:---routings uniform --tokens 1 128 4096 16384 --num-sms 0 --iters 20} \
       --out-dir "$OUT/sweep-$tag" 2>&1 | grep -vi "warn" | tee -a "$OUT/sweep.log"
     [ "${PIPESTATUS[0]}" = 0 ] || sweep_rc=1

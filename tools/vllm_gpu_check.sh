@@ -25,7 +25,7 @@
 # Environment: OUT (default /tmp/petit-vllm-check), BUDGET_S (whole run, default 570),
 #   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
 #   EXPERTS_TILES (bench-experts: tile families, default "auto wgmma wgmma_m64"),
-#   EXPERTS_SWEEP (bench-experts once per NAME=VALUE environment setting),
+#   EXPERTS_SWEEP (bench-experts once per NAME=VALUE environment setting; A=1,B=2 sets two),
 #   COMPARE_ARGS (compare: extra examples/compare_serving.py arguments, e.g. --backend
 #   petit-experts),
 #   PACK=1 (pack $OUT into $OUT/vllm_gpu_check.tgz: the device returns <= 8 files),
@@ -164,7 +164,7 @@ if want bench-experts; then
       [ "$experts_steps" = bench-experts ] && experts_steps=""
       experts_steps+=" bench-experts-$tag"
       # shellcheck disable=SC2086
-      run_step "bench-experts-$tag" 300 env "$setting" "$PY" examples/bench_experts.py \
+      run_step "bench-experts-$tag" 300 env ${setting//,/ } "$PY" examples/bench_experts.py \
         ${BENCH_EXPERTS_ARGS:---quick} --tiles $EXPERTS_TILES --out-dir "$OUT/experts-$tag"
     done
   fi
