@@ -633,11 +633,24 @@ PETIT_DEVICE void fused_wait_gate_up(const int32_t* done, int expert, int32_t ar
 // b_ahead (PETIT_MOE_FUSED_B_AHEAD, see fused_b_ahead): a down tile's TMA issuer first issues
 // the w2 boxes of up to b_ahead of its k-tiles (produce_b_ahead), then waits for the gate/up
 // arrivals with the others, so those weight bytes stream during the wait; 0: off.
+// The fused kernels' m-tile prefix of the call's experts (tiles of kBlockM rows), built by
+// every thread of the block into `smem` (the tile scheduler's init, with a barrier).
+template <int kThreads>
+using FusedScheduler = gemm::ExpertTileScheduler<kThreads>;
+template <int kThreads>
+PETIT_DEVICE FusedScheduler<kThreads> fused_m_tiles(
+    const ExpertGemmArgs& a, int block_m, typename FusedScheduler<kThreads>::SharedStorage& smem) {
+  FusedScheduler<kThreads> tiles;
+  tiles.init(a.expert_offsets, a.num_local_experts, block_m, 1, smem);
+  return tiles;
+}
+
 // The fused kernel's body for one tile family (the maps: the kernel's __grid_constant__
-// parameters, whose addresses TMA takes).
+// parameters, whose addresses TMA takes; m_tiles: fused_m_tiles of the family's kBlockM).
 template <class GateUp, class Down>
 PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13_map,
-                                 const CUtensorMap* w2_map, int b_ahead) {
+                                 const CUtensorMap* w2_map, int b_ahead,
+                                 const FusedScheduler<GateUp::kThreads>& m_tiles) {
   if constexpr (GateUp::kCompiled) {
     using CfgG = typename GateUp::Cfg;
     using CfgD = typename Down::Cfg;
@@ -647,20 +660,17 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
                       GateUp::kConsumerRegs == Down::kConsumerRegs &&
                       GateUp::kSmemBytes == Down::kSmemBytes,
                   "one block shape for both GEMMs");
-    using Scheduler = gemm::ExpertTileScheduler<GateUp::kThreads>;
     static_assert(GateUp::kUserBytes >= kSchedulerBytes<CfgG> + (CfgG::kStages + 2) * 4,
                   "the scheduler's storage, the stage tags and the claims are the main loop's "
                   "user shared memory");
     PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // GateUp::kSmemBytes
     unsigned char* user = GateUp::user_smem(tc_dynamic_smem);
-    auto& scheduler_smem = *reinterpret_cast<typename Scheduler::SharedStorage*>(user);
     volatile int* stage_tags = reinterpret_cast<volatile int*>(user + kSchedulerBytes<CfgG>);
     volatile int* claims = stage_tags + CfgG::kStages;  // [2]: the producer's broadcast
     // one m-tile prefix (same kBlockM) for both, with each GEMM's n-tiles
-    Scheduler gate_up_tiles;
-    gate_up_tiles.init(a.expert_offsets, a.num_local_experts, CfgG::kBlockM,
-                       (a.intermediate + CfgG::kBlockN - 1) / CfgG::kBlockN, scheduler_smem);
-    Scheduler down_tiles = gate_up_tiles;
+    FusedScheduler<GateUp::kThreads> gate_up_tiles = m_tiles;
+    gate_up_tiles.num_n_tiles = (a.intermediate + CfgG::kBlockN - 1) / CfgG::kBlockN;
+    FusedScheduler<GateUp::kThreads> down_tiles = m_tiles;
     down_tiles.num_n_tiles = (a.hidden + CfgD::kBlockN - 1) / CfgD::kBlockN;
     const int num_gate_up = gate_up_tiles.num_tiles();
     const int num_units = num_gate_up + down_tiles.num_tiles();
@@ -746,7 +756,13 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
     expert_fused_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
                            const __grid_constant__ CUtensorMap w2_map, int b_ahead) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
-  fused_ws_gemms<GateUp, Down>(a, &w13_map, &w2_map, b_ahead);
+  if constexpr (GateUp::kCompiled) {
+    PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // the scheduler's storage: the user shared memory
+    auto& smem = *reinterpret_cast<typename FusedScheduler<GateUp::kThreads>::SharedStorage*>(
+        GateUp::user_smem(tc_dynamic_smem));
+    fused_ws_gemms<GateUp, Down>(a, &w13_map, &w2_map, b_ahead,
+                                 fused_m_tiles<GateUp::kThreads>(a, GateUp::Cfg::kBlockM, smem));
+  }
 }
 
 #if PETIT_EMU_PTX
@@ -776,32 +792,22 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
   if constexpr (MG::kCompiled) {
     static_assert(NG::kThreads == MG::kThreads && NG::Cfg::kBlockM == MG::Cfg::kBlockM,
                   "one block shape and m-tile for both families");
-    constexpr int kBlockM = MG::Cfg::kBlockM;
-    // The block's threads count the m-tiles of the experts the tile scheduler's init gives
-    // them (the same addresses, so its loads then hit L1), in one round of loads.
-    constexpr int kItems = gemm::ExpertTileScheduler<MG::kThreads>::kItemsPerThread;
-    __shared__ int s_m_tiles;
-    if (threadIdx.x == 0) s_m_tiles = 0;
-    __syncthreads();
-    int m_tiles = 0;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int e = int(threadIdx.x) * kItems + i;
-      if (e < a.num_local_experts)
-        m_tiles += (a.expert_offsets[e + 1] - a.expert_offsets[e] + kBlockM - 1) / kBlockM;
-    }
-    if (m_tiles > 0) atomicAdd(&s_m_tiles, m_tiles);
-    __syncthreads();
-    const int64_t m64_tiles =
-        int64_t(s_m_tiles) * ((a.intermediate + MG::Cfg::kBlockN - 1) / MG::Cfg::kBlockN);
+    // One m-tile prefix serves both families (same kBlockM), built once, before the choice,
+    // in static shared memory (the families' user shared memory lies at different offsets);
+    // its total is the call's m-tiles.
+    __shared__ typename FusedScheduler<MG::kThreads>::SharedStorage scheduler_smem;
+    const FusedScheduler<MG::kThreads> m_tiles =
+        fused_m_tiles<MG::kThreads>(a, MG::Cfg::kBlockM, scheduler_smem);
+    const int64_t m64_tiles = int64_t(m_tiles.tile_prefix[a.num_local_experts]) *
+                              ((a.intermediate + MG::Cfg::kBlockN - 1) / MG::Cfg::kBlockN);
     const bool narrow = 2 * m64_tiles <= num_sms;
 #if PETIT_EMU_PTX
     if (blockIdx.x == 0 && threadIdx.x == 0) g_emu_fused_auto_narrow = narrow ? 1 : 0;
 #endif
     if (narrow)
-      fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, b_ahead);
+      fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, b_ahead, m_tiles);
     else
-      fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, b_ahead);
+      fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, b_ahead, m_tiles);
   }
 }
 
