@@ -451,27 +451,43 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   // Pairs (group, peer_step), pair = group * (W-1) + peer_step, go out in order, so groups
   // complete in order: pairs [0, num_whole_pairs) as one item each (all num_chunks chunks,
   // one fence, a flag per chunk), the rest as num_chunks items of one chunk each.
+  // Warp 0 reads the routing of the block's next item (the local ids the source sent with
+  // token group*32 + lane: is the token routed here) into registers while the block copies the
+  // current one, so an item starts without waiting for those loads.
   const int num_pairs = num_groups * (W - 1);
   const int num_whole = a.num_whole_pairs;
   const int num_items = num_whole + (num_pairs - num_whole) * num_chunks;
   const int send_stride = a.num_send_blocks;
+  auto item_pair = [&](int item) {
+    return item < num_whole ? item : num_whole + (item - num_whole) / num_chunks;
+  };
+  int32_t next_ids[kMaxTopK];  // warp 0: the routing ids of the next item's token `lane`
+  auto load_ids = [&](int item) {
+    const int pair = item_pair(item);
+    const int src = (c.rank + 1 + pair % (W - 1)) % W;
+    const int token = (pair / (W - 1)) * kTokenGroupSize + lane;
+    const bool valid = lane < kTokenGroupSize && token < R;
+    const int32_t* row_ids = recv_ids + (int64_t(src) * R + (valid ? token : 0)) * K;
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) next_ids[k] = valid && k < K ? row_ids[k] : -1;
+  };
+  if (warp == 0 && blockIdx.x < send_stride && int(blockIdx.x) < num_items)
+    load_ids(blockIdx.x);
   for (int item = blockIdx.x; blockIdx.x < send_stride && item < num_items; item += send_stride) {
     const bool whole = item < num_whole;
-    const int pair = whole ? item : num_whole + (item - num_whole) / num_chunks;
+    const int pair = item_pair(item);
     const int chunk = whole ? 0 : (item - num_whole) % num_chunks;
     const int peer_step = pair % (W - 1);
     const int group = pair / (W - 1);
     const int src = (c.rank + 1 + peer_step) % W;
     char* src_heap = rank_heap(c, src);
     if (warp == 0) {
-      const int token = group * kTokenGroupSize + lane;
       bool routed = false;
-      if (lane < kTokenGroupSize && token < R) {
-        const int32_t* row_ids = recv_ids + (int64_t(src) * R + token) * K;
-        for (int k = 0; k < K; ++k) routed |= (row_ids[k] >= 0);
-      }
+#pragma unroll
+      for (int k = 0; k < kMaxTopK; ++k) routed |= (next_ids[k] >= 0);
       const uint32_t mask = uint32_t(petit_ballot(routed));
       if (lane == 0) s_route_mask = mask;
+      if (item + send_stride < num_items) load_ids(item + send_stride);
     }
     __syncthreads();
     const uint32_t route_mask = s_route_mask;
