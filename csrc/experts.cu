@@ -54,12 +54,15 @@ constexpr int kLargeTileMinRowsPerExpert = 256;
 // TFLOPS) and loses at DeepSeek-V3's 1024 (N*K / L = 128: 191 vs 225 TFLOPS).
 constexpr int kWgmmaM64MaxRowsPerExpert = 96;
 // The same estimate from which, at hidden sizes from kWsMcMinHidden, kExpertTilesAuto picks
-// wgmma_ws_mc over wgmma_ws: on H200 (examples/results/sweeps/experts_H200_ws_mc_split.jsonl,
-// 1c52746, one run) it is 4-5% faster at DeepSeek-V3's 4096 and 8192 tokens/rank (N*K / L =
-// 512 and 1024, 2 and 4 m-tiles of 128 rows per expert; hidden 7168, so long weight rows
-// streamed once per cluster), 1-2% slower at 512-1024 and at every Qwen3-30B-A3B size
-// (hidden 2048).
-constexpr int kWsMcMinRowsPerExpert = 512;
+// wgmma_ws_mc over wgmma_ws (2 m-tiles of 128 rows per expert and up; hidden 7168: long weight
+// rows, streamed once per cluster). On H200, DeepSeek-V3 shapes
+// (examples/results/sweeps/experts_ws_mc_bound_06849a9, two runs, 20 iterations): at N*K / L
+// = 256 (2048 tokens/rank) it ties with auto's wgmma_ws on uniform routing (4032-4068 vs
+// 4044-4077 us) and is 5-7% faster on skewed (60% of the pairs here: 5013-5037 vs 5284-5413),
+// at 384 (3072 tokens/rank) 5-11% faster; at 128 (1024) 5% slower. Before that run the bound
+// was 512 (1c52746: 4-5% faster at 4096 and 8192 tokens/rank, 1-2% slower at 512-1024 and at
+// every Qwen3-30B-A3B size, hidden 2048).
+constexpr int kWsMcMinRowsPerExpert = 256;
 // The same estimate below which kExpertTilesAuto picks wgmma_narrow_ws over wgmma_m64_ws: on
 // H200 (examples/results/sweeps/experts_H200_narrow_ws.jsonl, b9b13ba, one run, 20 iterations)
 // it is 1-12% faster at 1-4 tokens/rank (N*K / L = 0.125-1: DeepSeek-V3 1 token 261 vs 275 us,

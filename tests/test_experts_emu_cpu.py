@@ -286,7 +286,7 @@ def test_staged_down_epilogue_equals_the_plain_one(sm90, monkeypatch, tiles, num
 def test_auto_bounds_on_an_sm90_device(sm90):
     """auto's choice by the rows-per-expert estimate N*K / L and the hidden size, where the
     wgmma families run: wgmma_narrow_ws below 2, wgmma_m64_ws below 96, wgmma_ws from there,
-    wgmma_ws_mc from 512 at hidden >= 4096 (the bounds measured on H200, csrc/experts.cu)."""
+    wgmma_ws_mc from 256 at hidden >= 4096 (the bounds measured on H200, csrc/experts.cu)."""
     def auto(num_rows, top_k, num_local, hidden):
         return TILE_NAMES[sm90.petit_emu_resolve_tiles(num_rows, top_k, num_local, hidden, 0)]
 
@@ -296,10 +296,10 @@ def test_auto_bounds_on_an_sm90_device(sm90):
     assert auto(32, 8, L, 7168) == "wgmma_m64_ws"       # 2
     assert auto(1535, 8, L, 7168) == "wgmma_m64_ws"     # 95.9
     assert auto(1536, 8, L, 7168) == "wgmma_ws"         # 96
-    assert auto(8191, 8, L, 7168) == "wgmma_ws"         # 511.9
-    assert auto(8192, 8, L, 7168) == "wgmma_ws_mc"      # 512
-    assert auto(8192, 8, L, 4096) == "wgmma_ws_mc"
-    assert auto(8192, 8, L, 4088) == "wgmma_ws"         # below the hidden bound
+    assert auto(4095, 8, L, 7168) == "wgmma_ws"         # 255.9
+    assert auto(4096, 8, L, 7168) == "wgmma_ws_mc"      # 256
+    assert auto(4096, 8, L, 4096) == "wgmma_ws_mc"
+    assert auto(4096, 8, L, 4088) == "wgmma_ws"         # below the hidden bound
     assert auto(65536, 8, L, 2048) == "wgmma_ws"        # Qwen3's hidden size: never clustered
     for name in ("small", "wgmma_m64", "wgmma_ws_mc"):   # an explicit family stays
         assert TILE_NAMES[sm90.petit_emu_resolve_tiles(4, 8, L, 7168, TILES[name])] == name

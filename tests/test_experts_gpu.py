@@ -269,10 +269,10 @@ def test_auto_picks_the_fastest_family_this_gpu_runs():
     # 95.5 and 96 entries per expert: either side of the 64-row bound
     assert ops.resolve_tiles(191, 8, 16, 7168) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
     assert ops.resolve_tiles(192, 8, 16, 7168) == ("wgmma_ws" if HAS_WGMMA else "small")
-    # 511.5 and 512 entries per expert: either side of the cluster bound, at hidden >= 4096
-    assert ops.resolve_tiles(1023, 8, 16, 7168) == ("wgmma_ws" if HAS_WGMMA else "mma" if sm80
-                                                    else "large")
-    assert ops.resolve_tiles(1024, 8, 16, 7168) == (
+    # 255.5 and 256 entries per expert: either side of the cluster bound, at hidden >= 4096
+    # (and of the 128-row families' bound where wgmma does not run)
+    assert ops.resolve_tiles(511, 8, 16, 7168) == ("wgmma_ws" if HAS_WGMMA else "small")
+    assert ops.resolve_tiles(512, 8, 16, 7168) == (
         "wgmma_ws_mc" if HAS_WGMMA else "mma" if sm80 else "large")
     assert ops.resolve_tiles(4096, 8, 16, 4096) == (
         "wgmma_ws_mc" if HAS_WGMMA else "mma" if sm80 else "large")
