@@ -776,7 +776,7 @@ inline int g_emu_fused_auto_narrow = -1;
 #endif
 
 // auto's fused GEMMs between 2 and kWgmmaM64MaxRowsPerExpert routing entries per local
-// expert, with PETIT_MOE_DEVICE_TILES=1: the m64 tiles (MG, MD), or the narrow ones (NG, ND:
+// expert, unless PETIT_MOE_DEVICE_TILES=0: the m64 tiles (MG, MD), or the narrow ones (NG, ND:
 // same 64 rows, half the columns, twice the tiles) when even those fill at most one wave of
 // the SMs (2 x the m64 gate/up tiles of this call <= num_sms), so that the m64 tiles would
 // leave more than half of the SMs without one. The host cannot tell such calls apart: they
@@ -1325,14 +1325,17 @@ petitError_t launch_fused_ws_auto(const ExpertGemmArgs& a, int num_sms, petitStr
                        m64_w13, m64_w2, fused_b_ahead(), num_sms);
 }
 
-// PETIT_MOE_DEVICE_TILES=1 (read at every call; default 0): auto's m64 fused GEMMs choose
-// between the m64 and the narrow tiles on the device (expert_fused_ws_auto_kernel). Off by
-// default: on one H200 (6c54d5c, examples/bench_experts.py) the choice took 7-20% off the
-// GEMMs where every token goes to the same few experts, but the kernel that holds both
-// families was 1-3% slower than the m64 one on spread routing at Qwen3-30B-A3B 8-64
-// tokens/rank (README, "Where a decode step's time goes").
+// PETIT_MOE_DEVICE_TILES (read at every call; default 1, 0 = off): auto's m64 fused GEMMs
+// choose between the m64 and the narrow tiles on the device (expert_fused_ws_auto_kernel).
+// On one H200 (9680f8e, examples/results/sweeps/experts_device_tiles_9680f8e) the choice
+// takes 14-17% off the GEMMs where every token goes to the same few experts (Qwen3-30B-A3B
+// 8-32 tokens/rank, DeepSeek-V3 16), and the kernel holding both families costs 0.3-0.8%
+// against the m64 kernel on uniform routing (Qwen3-30B-A3B 8-64 tokens/rank; DeepSeek-V3
+// equal) and 2.5-4% at DeepSeek-V3 `same` routing with 64 tokens/rank, where it runs the m64
+// tiles; in the MoE layer on `same` routing it takes Qwen3-30B-A3B 8 tokens/rank from 0.93x
+// vLLM's default to 1.03-1.04x (sweeps/moe_layer_device_tiles_same_8a80e6b).
 static bool device_tiles_enabled() {
-  return petit_env_knob("PETIT_MOE_DEVICE_TILES", 0, 0, 1) == 1;
+  return petit_env_knob("PETIT_MOE_DEVICE_TILES", 1, 0, 1) == 1;
 }
 
 petitError_t launch_fused_family(int tiles, const ExpertGemmArgs& a, int num_sms,

@@ -457,12 +457,12 @@ def test_auto_narrow_bound_from_the_environment(sm90, monkeypatch):
 
 @pytest.mark.parametrize("num_sms", [1, 19, 20, 64])
 def test_auto_fused_gemms_pick_the_tiles_on_the_device(sm90, monkeypatch, num_sms):
-    """PETIT_MOE_DEVICE_TILES=1: auto between 2 and 96 routing entries per local expert resolves
-    to wgmma_m64_ws and fuses in a kernel that runs the narrow tiles when twice the m64 gate/up
-    tiles (m-tiles x n-tiles of 128 columns) are no more than the SMs, else the m64 ones. 40
-    rows x top-4 over 5 experts (32 entries each, one m-tile each) with intermediate 136 (2
-    n-tiles): 10 m64 tiles, so narrow from 20 SMs, m64 below. Either way bit-equal to both
-    explicit families (fused) and within the reference's tolerance."""
+    """PETIT_MOE_DEVICE_TILES=1 (the default; 0 = off): auto between 2 and 96 routing entries
+    per local expert resolves to wgmma_m64_ws and fuses in a kernel that runs the narrow tiles
+    when twice the m64 gate/up tiles (m-tiles x n-tiles of 128 columns) are no more than the
+    SMs, else the m64 ones. 40 rows x top-4 over 5 experts (32 entries each, one m-tile each)
+    with intermediate 136 (2 n-tiles): 10 m64 tiles, so narrow from 20 SMs, m64 below. Either
+    way bit-equal to both explicit families (fused) and within the reference's tolerance."""
     ids = torch.randint(0, 5, (40, 4), generator=torch.Generator().manual_seed(3),
                         dtype=torch.int32)
     problem = make_problem(ids, 136, 136, 5, seed=101)
@@ -479,6 +479,9 @@ def test_auto_fused_gemms_pick_the_tiles_on_the_device(sm90, monkeypatch, num_sm
     monkeypatch.setenv("PETIT_MOE_DEVICE_TILES", "0")  # off: auto runs the plain m64 kernel
     assert torch.equal(out, run_emulated(sm90, *problem, tiles="auto", num_sms=num_sms)[0])
     assert sm90.petit_emu_fused_auto_narrow() == -1
+    monkeypatch.delenv("PETIT_MOE_DEVICE_TILES")  # on by default
+    assert torch.equal(out, run_emulated(sm90, *problem, tiles="auto", num_sms=num_sms)[0])
+    assert sm90.petit_emu_fused_auto_narrow() == (1 if num_sms >= 20 else 0)
 
 
 def test_fused_gemms_many_tiles_per_expert_and_expert_map(sm90, monkeypatch):
