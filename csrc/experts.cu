@@ -633,9 +633,6 @@ PETIT_DEVICE void fused_wait_gate_up(const int32_t* done, int expert, int32_t ar
                           "fused expert GEMMs: a down tile's gate/up arrivals never came");
 }
 
-// b_ahead (PETIT_MOE_FUSED_B_AHEAD, see fused_b_ahead): a down tile's TMA issuer first issues
-// the w2 boxes of up to b_ahead of its k-tiles (produce_b_ahead), then waits for the gate/up
-// arrivals with the others, so those weight bytes stream during the wait; 0: off.
 // The fused kernels' m-tile prefix of the call's experts (tiles of kBlockM rows), built by
 // every thread of the block into `smem` (the tile scheduler's init, with a barrier).
 template <int kThreads>
@@ -648,6 +645,9 @@ PETIT_DEVICE FusedScheduler<kThreads> fused_m_tiles(
   return tiles;
 }
 
+// b_ahead (PETIT_MOE_FUSED_B_AHEAD, see fused_b_ahead): a down tile's TMA issuer first issues
+// the w2 boxes of up to b_ahead of its k-tiles (produce_b_ahead), then waits for the gate/up
+// arrivals with the others, so those weight bytes stream during the wait; 0: off.
 // The fused kernel's body for one tile family (the maps: the kernel's __grid_constant__
 // parameters, whose addresses TMA takes; m_tiles: fused_m_tiles of the family's kBlockM).
 template <class GateUp, class Down>

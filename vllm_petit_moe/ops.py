@@ -36,8 +36,9 @@ for decode steps that touch few experts),
 ``decode`` (portable, <= 8-row tiles, each warp streaming
 whole weight rows; only when asked for explicitly) and ``auto``: where the GPU runs wgmma,
 ``wgmma_narrow_ws`` below 2 routing entries (rows x top_k) per local expert, ``wgmma_m64_ws``
-below 96, ``wgmma_ws`` from there and ``wgmma_ws_mc`` from 256 at hidden sizes >= 4096;
-elsewhere ``small``
+below 96 (its fused GEMMs choosing between it and ``wgmma_narrow_ws`` on the device, by how
+the entries spread over the experts, unless PETIT_MOE_DEVICE_TILES=0), ``wgmma_ws`` from there
+and ``wgmma_ws_mc`` from 256 at hidden sizes >= 4096; elsewhere ``small``
 below 256 entries per local expert and above it ``mma`` (sm_80+) or ``large``. ``mma`` and the
 ``wgmma*`` families fail with
 "operation not supported" where the GPU or the build lacks them (HIP, older GPUs, a build
