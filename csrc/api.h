@@ -256,6 +256,25 @@ struct CombineArgs {
                               // b - num_send_blocks (a block per item), no claim counter
   int prefetch_own;           // set by the launcher: 1 = a reduce item's own rows
                               // are prefetched into L2 before its flags are awaited
+  int64_t* trace;             // optional (nullptr: none): [grid, kCombineTraceSlots], see
+                              // CombineTraceSlot; every launched block writes its row
+};
+
+// The per-block timeline of a traced combine (CombineArgs::trace): petit_timer ticks
+// (petit_timer_ticks_per_second per second; nanoseconds on CUDA) at the block's start, when
+// its first send item starts copying, after its last send item's flags, when the flags of its
+// first reduce item have all been seen, after its last reduction, and at its end; then how
+// many send and reduce items it did. A phase the block had no part in holds 0.
+enum CombineTraceSlot {
+  kTraceStart = 0,
+  kTraceFirstSend,
+  kTraceSendsDone,
+  kTraceFirstReduceReady,
+  kTraceLastReduceDone,
+  kTraceEnd,
+  kTraceSendItems,
+  kTraceReduceItems,
+  kCombineTraceSlots
 };
 
 petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream);

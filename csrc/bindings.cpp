@@ -200,8 +200,10 @@ class EpContext {
                  torch::kFloat32)};
   }
 
+  // trace: optional int64 [num_blocks, kCombineTraceSlots] on this device; each launched
+  // block writes its row (CombineTraceSlot), the others are left as they are.
   void combine(const torch::Tensor& expert_out, torch::Tensor& out, int64_t top_k,
-               int64_t region_stride) {
+               int64_t region_stride, c10::optional<torch::Tensor> trace) {
     check_mapped();
     check_cuda_tensor(expert_out, "expert_out", 2);
     check_cuda_tensor(out, "out", 2);
@@ -224,6 +226,16 @@ class EpContext {
     a.num_tokens = int(out.size(0));
     a.top_k = int(top_k);
     a.region_stride = int(region_stride);
+    if (trace.has_value()) {
+      check_cuda_tensor(*trace, "trace", 2);
+      PETIT_CHECK(trace->scalar_type() == torch::kInt64 &&
+                      trace->size(0) == args_.num_blocks &&
+                      trace->size(1) == kCombineTraceSlots &&
+                      trace->get_device() == device_,
+                  "trace must be int64 [num_blocks, %d] = [%d, %d] on this buffer's device",
+                  int(kCombineTraceSlots), args_.num_blocks, int(kCombineTraceSlots));
+      a.trace = trace->data_ptr<int64_t>();
+    }
     PETIT_CHECK_OK(launch_combine(a, c10::cuda::getCurrentCUDAStream()), "combine launch");
   }
 
@@ -609,6 +621,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("kMaxTopK") = petit::kMaxTopK;
   m.attr("kMaxWorldSize") = petit::kMaxWorldSize;
   m.attr("kMaxExperts") = petit::kMaxExperts;
+  m.attr("kCombineTraceSlots") = int(petit::kCombineTraceSlots);
+  m.attr("kTimerTicksPerSecond") = petit_timer_ticks_per_second();
   m.def("heap_layout", &petit::heap_layout, "Byte offsets of the heap regions (layout.h)",
         py::arg("world_size"), py::arg("max_tokens"), py::arg("hidden"), py::arg("max_top_k"));
   m.def("combine_plan", &petit::combine_plan,
@@ -660,7 +674,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("dispatch", &EpContext::dispatch, py::arg("x"), py::arg("topk_ids"),
            py::arg("topk_weights"), py::arg("region_stride"), py::arg("quant") = 0)
       .def("combine", &EpContext::combine, py::arg("expert_out"), py::arg("out"),
-           py::arg("top_k"), py::arg("region_stride"))
+           py::arg("top_k"), py::arg("region_stride"), py::arg("trace") = py::none())
       .def("peer_write", &EpContext::peer_write, py::arg("src"), py::arg("bytes_per_peer"),
            py::arg("num_blocks"))
       .def("recv_group_counts", &EpContext::recv_group_counts)

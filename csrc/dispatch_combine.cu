@@ -422,6 +422,30 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
   }
 }
 
+// The combine's optional timeline (CombineArgs::trace), written by thread 0 of each block into
+// its row. Nothing is kept in registers (the trace pointer is read from the kernel parameters
+// at each call), so the untraced kernel keeps its register allocation.
+PETIT_DEVICE int64_t* combine_trace_row(const CombineArgs& a) {
+  return a.trace != nullptr && threadIdx.x == 0
+             ? a.trace + int64_t(blockIdx.x) * kCombineTraceSlots
+             : nullptr;
+}
+PETIT_DEVICE void combine_trace_start(const CombineArgs& a) {
+  if (int64_t* row = combine_trace_row(a)) {
+    row[kTraceStart] = int64_t(petit_timer());
+    for (int slot = kTraceFirstSend; slot < kCombineTraceSlots; ++slot) row[slot] = 0;
+  }
+}
+PETIT_DEVICE void combine_trace_stamp(const CombineArgs& a, int slot) {
+  if (int64_t* row = combine_trace_row(a)) row[slot] = int64_t(petit_timer());
+}
+// An item starts: the first one of its kind stamps `first_slot`; counted in `count_slot`.
+PETIT_DEVICE void combine_trace_item(const CombineArgs& a, int first_slot, int count_slot) {
+  if (int64_t* row = combine_trace_row(a)) {
+    if (row[count_slot]++ == 0) row[first_slot] = int64_t(petit_timer());
+  }
+}
+
 // Combine: blocks [0, num_send_blocks) push this rank's reduced rows back to their (remote)
 // sources, group by group, each (group, hidden chunk) with its own flag; the other blocks,
 // and each sender once its sends are done, claim reduce items (own group, chunk) in group
@@ -438,6 +462,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   __shared__ int s_claim;
   // The epoch of the dispatch this combine answers (advanced by that dispatch).
   const uint64_t epoch = *((volatile uint64_t*)&c.state->epoch);
+  combine_trace_start(a);
 
   const int R = a.region_stride, K = a.top_k, W = c.world_size;
   const int num_groups = ceil_div(R, kTokenGroupSize);
@@ -490,6 +515,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       if (item + send_stride < num_items) load_ids(item + send_stride);
     }
     __syncthreads();
+    combine_trace_item(a, kTraceFirstSend, kTraceSendItems);
     const uint32_t route_mask = s_route_mask;
     int begin = 0, end = num_vectors;
     if (!whole) chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
@@ -519,6 +545,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       } else {
         publish_flag(c, flags + chunk, value);
       }
+      combine_trace_stamp(a, kTraceSendsDone);
     }
   }
 
@@ -553,7 +580,9 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
                   epoch, peer, 1, group);
     }
     __syncthreads();  // the rows are visible (and, claiming, every thread has read s_claim)
+    combine_trace_item(a, kTraceFirstReduceReady, kTraceReduceItems);
     reduce_item(a, combine_rows, own_rows, group, reduce_chunk, num_vectors);
+    combine_trace_stamp(a, kTraceLastReduceDone);
   };
   // A reduce-only block for every item (small calls): each block its own item, no claim
   // counter to read first and none to reset last, so the kernel ends when the last
@@ -561,6 +590,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   if (a.static_reduce) {
     const int item = int(blockIdx.x) - a.num_send_blocks;
     if (item >= 0 && item < num_reduce) wait_and_reduce(item);
+    combine_trace_stamp(a, kTraceEnd);
     return;
   }
   // Otherwise every block claims items in group order until none is left.
@@ -581,6 +611,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       c.state->combine_done = 0;
     }
   }
+  combine_trace_stamp(a, kTraceEnd);
 }
 
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) peer_write_kernel(PeerWriteArgs a) {

@@ -10,7 +10,13 @@ combine_reference of all ranks simulated on one GPU).
 
     python examples/bench_dispatch_combine.py                     # DeepSeek-V3 preset
     python examples/bench_dispatch_combine.py --quick             # fewer sizes
+    python examples/bench_dispatch_combine.py --tokens 4096 --trace   # + the combine's timeline
 Writes examples/results/dispatch_combine_<gpu>x<W>.jsonl and a PNG plot next to it.
+
+--trace: after the timed replays, a second graph of the same step whose combine writes its
+per-block timeline (vllm_petit_moe.combine_trace) is replayed a few times; the last replay's
+timeline of every rank is printed and stored in the row (``combine_trace``, one summary per
+rank: microseconds after the rank's earliest block start).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from vllm_petit_moe.combine_trace import format_combine_trace  # noqa: E402
 from vllm_petit_moe.device_env import commit_stamp, replot, utc_date, write_results  # noqa: E402
 
 PRESETS = {
@@ -71,7 +78,7 @@ def _event_time_us(fn, iters, warmup=3):
     return statistics.median(times)
 
 
-def _bench_one(buf, rank, world, preset, routing, num_tokens, iters, group):
+def _bench_one(buf, rank, world, preset, routing, num_tokens, iters, group, trace=False):
     from vllm_petit_moe import reference as ref
     cfg = PRESETS[preset]
     hidden, num_experts, top_k = cfg["hidden"], cfg["num_experts"], cfg["top_k"]
@@ -99,9 +106,9 @@ def _bench_one(buf, rank, world, preset, routing, num_tokens, iters, group):
     y = torch.empty_like(x)
     expert_out = torch.randn(world * num_tokens, hidden, device=dev).bfloat16()
 
-    def step():
+    def step(combine_trace=None):
         out = buf.dispatch(x, topk_ids, topk_w, region_stride=num_tokens)
-        buf.combine(expert_out, out.handle, out=y)
+        buf.combine(expert_out, out.handle, out=y, trace=combine_trace)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -158,7 +165,24 @@ def _bench_one(buf, rank, world, preset, routing, num_tokens, iters, group):
                phys_send_bytes=phys_send, phys_back_bytes=phys_back)
     row["dispatch_ratio"] = row["dispatch_phys_gbps"] / ceiling_gbps
     row["combine_ratio"] = row["combine_phys_gbps"] / ceiling_gbps
+    if trace:
+        row["combine_trace"] = _combine_timeline(buf, step, group)
     return row
+
+
+def _combine_timeline(buf, step, group, replays=3):
+    """The combine's per-block timeline in a graph replay of `step` (the last of `replays`)."""
+    from vllm_petit_moe import _C
+    from vllm_petit_moe.combine_trace import summarize_combine_trace
+    trace = buf.new_combine_trace()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(trace)
+    for _ in range(replays):
+        dist.barrier(group)
+        graph.replay()
+        torch.cuda.synchronize()
+    return summarize_combine_trace(trace, _C.kTimerTicksPerSecond)
 
 
 def _worker(rank, world, port, args, results):
@@ -179,12 +203,15 @@ def _worker(rank, world, port, args, results):
             for routing in args.routings:
                 for tokens in args.tokens:
                     row = _bench_one(buf, rank, world, preset, routing, tokens, args.iters,
-                                     group)
+                                     group, trace=args.trace)
                     gathered = [None] * world
                     dist.all_gather_object(gathered, row, group=group)
                     if rank == 0:
                         rows.append(_average(gathered))
                         _print_row(rows[-1])
+                        for r, summary in enumerate(rows[-1].get("combine_trace", [])):
+                            print(f"  combine timeline, rank {r}: "
+                                  f"{format_combine_trace(summary)}", flush=True)
             dist.barrier(group)
             buf.close()
     if rank == 0:
@@ -198,6 +225,8 @@ def _average(per_rank):
     for key, value in row.items():
         if isinstance(value, float):
             row[key] = statistics.fmean(r[key] for r in per_rank)
+    if "combine_trace" in row:  # one timeline per rank (their timers are not comparable)
+        row["combine_trace"] = [r["combine_trace"] for r in per_rank]
     return row
 
 
@@ -260,6 +289,8 @@ def main():
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 10 iters")
     p.add_argument("--out-dir", default=None, help="also copy the results here")
     p.add_argument("--replot", metavar="JSONL", help="only redraw the plot of a results file")
+    p.add_argument("--trace", action="store_true",
+                   help="also record and print the combine's per-block timeline")
     args = p.parse_args()
     if args.replot:
         return replot(args.replot, _plot, lambda r: f"EpBuffer dispatch/combine, {r['gpu']} "

@@ -203,6 +203,61 @@ def _rank_cuda_graph(state, cfg, seed, num_tokens, top_k, replays):
     return replays
 
 
+def _rank_traced_combine(state, cfg, seed, tokens_per_rank, top_k):
+    """A combine with its per-block timeline: the output is the untraced one's (bit-exact
+    against the reference), the launched rows are the planned grid, every send and reduce
+    item is counted once, and each block's stamps are in phase order."""
+    from vllm_petit_moe import _C
+    from vllm_petit_moe.combine_trace import COMBINE_TRACE_SLOTS, summarize_combine_trace
+    rank, world, device = state["rank"], state["world_size"], state["device"]
+    buf = get_buffer(state, **cfg)
+    hidden, num_experts = cfg["hidden_size"], cfg["num_experts"]
+    stride = max(tokens_per_rank)
+    xs, ids, ws = _inputs(seed, tokens_per_rank, hidden, top_k, num_experts, world, None,
+                          device)
+    out = buf.dispatch(xs[rank], ids[rank], ws[rank], region_stride=stride)
+    expected = ref.dispatch_reference(xs, ids, ws, num_experts, stride)
+    expert_out = _scaled_experts(out.recv_x, out.recv_topk_ids, out.recv_topk_weights)
+    y = torch.full_like(xs[rank], POISON)
+    trace = buf.new_combine_trace()
+    for bad in (trace[:, :4], trace.int(), trace.cpu(), trace[:1]):  # refused before a launch
+        with pytest.raises(ValueError, match="trace must be"):
+            buf.combine(expert_out, out.handle, out=y, trace=bad)
+    buf.combine(expert_out, out.handle, out=y, trace=trace)
+    expert_outs = [_scaled_experts(e.recv_x, e.recv_topk_ids, e.recv_topk_weights)
+                   for e in expected]
+    want = ref.combine_reference(expert_outs, ids, num_experts)[rank]
+    assert torch.equal(y, want), f"traced combine differs on rank {rank}"
+
+    plan = _C.combine_plan(world, hidden, tokens_per_rank[rank], stride, buf.num_sms)
+    rows = trace.cpu().tolist()
+    launched = [dict(zip(COMBINE_TRACE_SLOTS, r)) for r in rows if r[0] != -1]
+    assert len(launched) == plan["grid"] and all(r[0] == -1 for r in rows[plan["grid"]:])
+    pairs = -(-stride // 32) * (world - 1)
+    whole = plan["whole_pairs"]
+    send_items = whole + (pairs - whole) * plan["send_chunks"]
+    reduce_items = -(-tokens_per_rank[rank] // 32) * plan["reduce_chunks"]
+    assert sum(r["send_items"] for r in launched) == send_items
+    assert sum(r["reduce_items"] for r in launched) == reduce_items
+    for b, r in enumerate(launched):
+        assert 0 < r["start"] <= r["end"], f"block {b}: {r}"
+        assert (r["send_items"] > 0) == (b < plan["send_blocks"] and b < send_items)
+        if r["send_items"]:
+            assert r["start"] <= r["first_send"] <= r["sends_done"] <= r["end"], f"block {b}: {r}"
+        else:
+            assert r["first_send"] == r["sends_done"] == 0, f"block {b}: {r}"
+        if r["reduce_items"]:
+            assert r["start"] <= r["first_reduce_ready"] <= r["last_reduce_done"] <= r["end"], \
+                f"block {b}: {r}"
+        else:
+            assert r["first_reduce_ready"] == r["last_reduce_done"] == 0, f"block {b}: {r}"
+    summary = summarize_combine_trace(trace, _C.kTimerTicksPerSecond)
+    assert summary["blocks"] == plan["grid"] and summary["send_items"] == send_items
+    assert 0 <= summary["kernel_us"] < cfg["timeout_s"] * 1e6
+    torch.distributed.barrier(group=state["group"])
+    return True
+
+
 def _rank_bad_inputs(state, cfg):
     buf = get_buffer(state, **cfg)
     dev, H, T = state["device"], cfg["hidden_size"], 4
@@ -312,6 +367,21 @@ def test_combine_tail_split(rank_pools, num_sms, max_tokens, tokens):
     cfg = _cfg(hidden=7168, max_tokens=max_tokens)
     cfg["num_sms"] = num_sms
     pool.run(_rank_round_trip, cfg, 91, tokens, 8, None, 2, None, False)
+
+
+@pytest.mark.parametrize("num_sms,max_tokens,tokens", [(132, 4096, [4096, 3000]),
+                                                       (24, 512, [512, 512]),
+                                                       (132, 64, [7, 64])])
+def test_combine_trace(rank_pools, num_sms, max_tokens, tokens):
+    # The optional timeline (EpBuffer.combine(trace=...)): at 4096 tokens/rank the tail split
+    # with claimed reduce items, on 24 SMs whole pairs, at decode sizes a reduce-only block
+    # per item (static reduce). Skipped where the GPU has fewer SMs than asked for.
+    pool = rank_pools(2)  # skips without GPUs
+    if torch.cuda.get_device_properties(0).multi_processor_count < num_sms:
+        pytest.skip(f"needs {num_sms} SMs")
+    cfg = _cfg(hidden=7168, max_tokens=max_tokens)
+    cfg["num_sms"] = num_sms
+    pool.run(_rank_traced_combine, cfg, 95, tokens, 8)
 
 
 def test_max_tokens_4096_and_region_stride(rank_pools):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .combine_trace import COMBINE_TRACE_SLOTS, check_combine_trace
 from .heap import check_single_node, exchange_fds
 from .reference import FP8_BLOCK_MODES, FP8_SCALE_BLOCK
 
@@ -228,7 +229,8 @@ class EpBuffer:
                               recv_scales if quant else None)
 
     def combine(self, expert_out: torch.Tensor, handle: CombineHandle,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None,
+                trace: torch.Tensor | None = None) -> torch.Tensor:
         """Return each destination's reduced row to its source and sum them there.
 
         Args:
@@ -237,6 +239,11 @@ class EpBuffer:
                 routed here are read).
             handle: from the dispatch this answers (the latest one on this buffer).
             out: optional [T, H] bfloat16 output.
+            trace: optional int64 [num_sms, len(COMBINE_TRACE_SLOTS)] on this buffer's device
+                (see :meth:`new_combine_trace`): each block of the kernel writes its timeline
+                into its row (``combine_trace.COMBINE_TRACE_SLOTS``;
+                ``combine_trace.summarize_combine_trace`` reads it).
+                For diagnosis: the untraced combine is the one to time.
         Returns y [T, H] bfloat16: y[i] = sum over ranks d routed by token i of
         expert_out_d[rank*R + i], accumulated in fp32.
         """
@@ -252,8 +259,17 @@ class EpBuffer:
         elif out.dtype != torch.bfloat16 or tuple(out.shape) != (handle.num_tokens, self.hidden_size):
             raise ValueError(f"petit_moe: out must be bfloat16 [{handle.num_tokens}, "
                              f"{self.hidden_size}], got {out.dtype} {list(out.shape)}")
-        self._ctx.combine(expert_out.contiguous(), out, handle.top_k, handle.region_stride)
+        if trace is not None:
+            check_combine_trace(trace, self.num_sms, self.device)
+        self._ctx.combine(expert_out.contiguous(), out, handle.top_k, handle.region_stride,
+                          trace)
         return out
+
+    def new_combine_trace(self) -> torch.Tensor:
+        """A trace tensor for :meth:`combine`: int64 [num_sms, slots], filled with -1 (rows
+        of blocks the combine does not launch stay -1)."""
+        return torch.full((self.num_sms, len(COMBINE_TRACE_SLOTS)), -1, dtype=torch.int64,
+                          device=self.device)
 
     def _validate_dispatch(self, x, topk_ids, topk_weights, region_stride) -> None:
         if x.dim() != 2 or x.dtype != torch.bfloat16:
