@@ -3,12 +3,12 @@ merged over the ranks (timings averaged, the combine timelines kept one per rank
 parts need >= 2 GPUs."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_PATH = ROOT / "examples" / "bench_dispatch_combine.py"
@@ -16,10 +16,7 @@ BENCH_PATH = ROOT / "examples" / "bench_dispatch_combine.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_dispatch_combine", BENCH_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/bench_dispatch_combine.py")
 
 
 def test_help_runs_without_a_gpu():

@@ -3,7 +3,6 @@ against the reference, and the plot of a results file. The GPU parts (timing, pe
 run on a GPU machine only."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 import torch
 
 from vllm_petit_moe import reference
@@ -21,10 +21,7 @@ BENCH_PATH = ROOT / "examples" / "bench_experts.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_experts", BENCH_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/bench_experts.py")
 
 
 def test_help_runs_without_a_gpu():

@@ -2,10 +2,10 @@
 kernel breakdown (vllm_petit_moe.device_env)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 BENCH_PATH = Path(__file__).resolve().parent.parent / "examples" / "bench_moe_layer.py"
 
@@ -13,10 +13,7 @@ BENCH_PATH = Path(__file__).resolve().parent.parent / "examples" / "bench_moe_la
 @pytest.fixture(scope="module")
 def bench():
     pytest.importorskip("vllm")  # the harness it imports builds on vLLM
-    spec = importlib.util.spec_from_file_location("bench_moe_layer", BENCH_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/bench_moe_layer.py")
 
 
 def test_kernel_breakdown_categories():

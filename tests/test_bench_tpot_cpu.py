@@ -12,7 +12,6 @@ aiohttp client, the metrics, the JSONL writer, the table and the plot.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -195,11 +194,8 @@ import pytest  # noqa: E402
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_tpot_gsm8k", BENCH_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up
-    spec.loader.exec_module(module)
-    return module
+    from script_module import load_script
+    return load_script("examples/bench_tpot_gsm8k.py")
 
 
 bench = _load_bench()

@@ -2,23 +2,18 @@
 arithmetic, and a whole run on a tiny Qwen3-MoE config (the project's Qwen3 tokenizer)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC = importlib.util.spec_from_file_location("dummy_routing_cpu",
-                                              ROOT / "examples" / "dummy_routing_cpu.py")
-dr = importlib.util.module_from_spec(SPEC)
-sys.modules[SPEC.name] = dr
-SPEC.loader.exec_module(dr)
+dr = load_script("examples/dummy_routing_cpu.py")
 
 
 def test_expected_distinct_experts():

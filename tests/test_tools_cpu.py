@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([*ROOT.glob("tools/*.sh"), ROOT / ".ci" / "run", ROOT / "examples" / "serve.sh"])
@@ -30,11 +31,7 @@ def _write_run(folder: Path, records: list) -> None:
 
 
 def _ab_compare():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("ab_compare", ROOT / "tools" / "ab_compare.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
-    return ab
+    return load_script("tools/ab_compare.py")
 
 
 def _experts(times: dict) -> list:

@@ -1,0 +1,20 @@
+"""Load one of the repository's scripts (examples/*.py, tools/*.py) as a module, for the CPU
+tests of their helpers."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(relpath: str):
+    """The script at ROOT/relpath, executed as the module named after its file (registered in
+    sys.modules, where dataclasses and pickling look a module up)."""
+    path = ROOT / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
