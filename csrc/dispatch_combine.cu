@@ -364,13 +364,15 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
 // y[i] = sum over ranks d in mask(i), in rank order, of row i of d (the peer's push into my
 // combine region, or my own expert_out for d == rank), accumulated in fp32. Work unit =
 // (row, span of kReduceUnroll * warp-size vectors), one per warp at a time, so even a single
-// token's row is spread over the block's warps; a row's rank mask is warp-uniform.
-constexpr int kReduceUnroll = 6;  // 8 spills at the 128-register cap
+// token's row is spread over the block's warps; a row's rank mask is warp-uniform. The rows of
+// two ranks are loaded before either is added (one memory round trip per two ranks, the
+// additions still in rank order), so at two ranks a unit waits for memory once, not twice.
+constexpr int kReduceUnroll = 4;
 
 PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
                               const uint4* own_rows, int group, int chunk, int num_vectors) {
   const EpContextArgs& c = a.ctx;
-  const int W = c.world_size, R = a.region_stride;
+  const int R = a.region_stride;
   const int lane = petit_lane_id(), warp = petit_warp_id();
   int begin, end;
   chunk_range(num_vectors, chunk, a.num_reduce_chunks, &begin, &end);
@@ -382,25 +384,20 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
     const int token = first_token + unit / spans;
     const int span_begin = begin + (unit % spans) * kSpan;
     const int span_end = min(end, span_begin + kSpan);
-    const uint32_t mask = c.token_rank_mask[token];
     const int64_t row_offset = int64_t(token) * num_vectors;
     const int v0 = span_begin + lane;
+    // Row `v` of rank d: my own expert_out, or the peer's push into my combine region.
+    auto row_vector = [&](int d, int v) {
+      return d == c.rank ? own_rows[row_offset + v]
+                         : petit_load_cg(combine_rows + int64_t(d) * R * num_vectors +
+                                         row_offset + v);
+    };
     float acc[kReduceUnroll][kVecElems];
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u)
 #pragma unroll
       for (int e = 0; e < kVecElems; ++e) acc[u][e] = 0.f;
-    for (int d = 0; d < W; ++d) {  // rank order, fp32 accumulation
-      if (!((mask >> d) & 1u)) continue;
-      uint4 packed[kReduceUnroll];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        const int v = v0 + u * PETIT_WARP_SIZE;
-        if (v < span_end)
-          packed[u] = d == c.rank ? own_rows[row_offset + v]
-                                  : petit_load_cg(combine_rows + int64_t(d) * R * num_vectors +
-                                                  row_offset + v);
-      }
+    auto accumulate = [&](const uint4 (&packed)[kReduceUnroll]) {
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; ++u) {
         if (v0 + u * PETIT_WARP_SIZE >= span_end) continue;
@@ -408,6 +405,24 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
 #pragma unroll
         for (int e = 0; e < kVecElems; ++e) acc[u][e] += petit_bf16_to_float(h[e]);
       }
+    };
+    uint32_t mask = c.token_rank_mask[token];
+    while (mask != 0) {  // two ranks at a time, lowest first (rank order)
+      const int d0 = __ffs(mask) - 1;
+      mask &= mask - 1;
+      const int d1 = mask != 0 ? __ffs(mask) - 1 : -1;
+      if (d1 >= 0) mask &= mask - 1;
+      uint4 first[kReduceUnroll], second[kReduceUnroll];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        const int v = v0 + u * PETIT_WARP_SIZE;
+        if (v < span_end) {
+          first[u] = row_vector(d0, v);
+          if (d1 >= 0) second[u] = row_vector(d1, v);
+        }
+      }
+      accumulate(first);
+      if (d1 >= 0) accumulate(second);
     }
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u) {
