@@ -178,8 +178,7 @@ struct EpState {
   uint32_t blocks_done;   // grid-completion counter of the running dispatch
   uint32_t reduce_next;   // combine: next reduce item to claim (reset by its last block)
   uint32_t combine_done;  // grid-completion counter of the running combine
-  uint32_t send_next;     // combine: send items claimed beyond the senders' first ones
-                          // (CombineArgs::claim_sends; reset by the combine's last block)
+  uint32_t pad;
 };
 
 // Written by a kernel whose bounded wait expired (host-visible pinned memory).
@@ -257,9 +256,6 @@ struct CombineArgs {
                               // b - num_send_blocks (a block per item), no claim counter
   int prefetch_own;           // set by the launcher: 1 = a reduce item's own rows
                               // are prefetched into L2 before its flags are awaited
-  int claim_sends;            // set by the launcher: 1 = a sender's items after its first
-                              // are claimed in order from EpState::send_next (0: sender b
-                              // sends items b, b + num_send_blocks, ...)
   int64_t* trace;             // optional (nullptr: none): [grid, kCombineTraceSlots], see
                               // CombineTraceSlot; every launched block writes its row
 };

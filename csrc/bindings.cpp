@@ -588,7 +588,6 @@ py::dict combine_plan(int64_t world_size, int64_t hidden, int64_t num_tokens,
   d["send_blocks"] = a.num_send_blocks;
   d["reduce_chunks"] = a.num_reduce_chunks;
   d["static_reduce"] = bool(a.static_reduce);
-  d["claim_sends"] = bool(a.claim_sends);
   d["grid"] = grid;
   return d;
 }
@@ -628,7 +627,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("world_size"), py::arg("max_tokens"), py::arg("hidden"), py::arg("max_top_k"));
   m.def("combine_plan", &petit::combine_plan,
         "What a combine launches (host-side plan, no GPU needed): {send_chunks, whole_pairs, "
-        "send_blocks, reduce_chunks, static_reduce, claim_sends, grid}",
+        "send_blocks, reduce_chunks, static_reduce, grid}",
         py::arg("world_size"), py::arg("hidden"), py::arg("num_tokens"),
         py::arg("region_stride"), py::arg("num_blocks"));
   m.def("float_to_e4m3", &petit::float_to_e4m3,

@@ -367,7 +367,9 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
 // token's row is spread over the block's warps; a row's rank mask is warp-uniform. The rows of
 // two ranks are loaded before either is added (one memory round trip per two ranks, the
 // additions still in rank order), so at two ranks a unit waits for memory once, not twice.
-constexpr int kReduceUnroll = 4;
+// 5 vectors per lane (126 registers): a 4-vector span cut the 24-SM reduce chunks (150 or 448
+// vectors at DeepSeek-V3 hidden) into more, partly empty units, 1.03-1.22x slower there.
+constexpr int kReduceUnroll = 5;
 
 PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
                               const uint4* own_rows, int group, int chunk, int num_vectors) {
@@ -475,7 +477,6 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const HeapLayout& l = c.layout;
   __shared__ uint32_t s_route_mask;
   __shared__ int s_claim;
-  __shared__ int s_next_send;
   // The epoch of the dispatch this combine answers (advanced by that dispatch).
   const uint64_t epoch = *((volatile uint64_t*)&c.state->epoch);
   combine_trace_start(a);
@@ -494,10 +495,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   // one fence, a flag per chunk), the rest as num_chunks items of one chunk each.
   // Warp 0 reads the routing of the block's next item (the local ids the source sent with
   // token group*32 + lane: is the token routed here) into registers while the block copies the
-  // current one, so an item starts without waiting for those loads. A sender's first item is
-  // its block index; the next ones are either every num_send_blocks-th (static) or, with
-  // claim_sends, claimed in order from a counter one item ahead, so that senders the links
-  // serve faster take more items and none is left with a backlog at the end.
+  // current one, so an item starts without waiting for those loads.
   const int num_pairs = num_groups * (W - 1);
   const int num_whole = a.num_whole_pairs;
   const int num_items = num_whole + (num_pairs - num_whole) * num_chunks;
@@ -515,9 +513,9 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
 #pragma unroll
     for (int k = 0; k < kMaxTopK; ++k) next_ids[k] = valid && k < K ? row_ids[k] : -1;
   };
-  int item = int(blockIdx.x) < send_stride ? int(blockIdx.x) : num_items;
-  if (warp == 0 && item < num_items) load_ids(item);
-  while (item < num_items) {  // block-uniform
+  if (warp == 0 && blockIdx.x < send_stride && int(blockIdx.x) < num_items)
+    load_ids(blockIdx.x);
+  for (int item = blockIdx.x; blockIdx.x < send_stride && item < num_items; item += send_stride) {
     const bool whole = item < num_whole;
     const int pair = item_pair(item);
     const int chunk = whole ? 0 : (item - num_whole) % num_chunks;
@@ -526,26 +524,16 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     const int src = (c.rank + 1 + peer_step) % W;
     char* src_heap = rank_heap(c, src);
     if (warp == 0) {
-      int following = item + send_stride;
-      if (a.claim_sends) {
-        if (lane == 0)
-          following = send_stride + int(petit_atomic_add_gpu(&c.state->send_next, 1));
-        following = petit_shfl(following, 0);
-      }
       bool routed = false;
 #pragma unroll
       for (int k = 0; k < kMaxTopK; ++k) routed |= (next_ids[k] >= 0);
       const uint32_t mask = uint32_t(petit_ballot(routed));
-      if (lane == 0) {
-        s_route_mask = mask;
-        s_next_send = following;
-      }
-      if (following < num_items) load_ids(following);
+      if (lane == 0) s_route_mask = mask;
+      if (item + send_stride < num_items) load_ids(item + send_stride);
     }
     __syncthreads();
     combine_trace_item(a, kTraceFirstSend, kTraceSendItems);
     const uint32_t route_mask = s_route_mask;
-    const int next_item = s_next_send;
     int begin = 0, end = num_vectors;
     if (!whole) chunk_range(num_vectors, chunk, num_chunks, &begin, &end);
     const int num_routed = __popc(route_mask);
@@ -576,7 +564,6 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       }
       combine_trace_stamp(a, kTraceSendsDone);
     }
-    item = next_item;
   }
 
   // ---- reduce
@@ -638,7 +625,6 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     __threadfence();
     if (petit_atomic_add_gpu(&c.state->combine_done, 1) == gridDim.x - 1) {
       c.state->reduce_next = 0;
-      c.state->send_next = 0;
       c.state->combine_done = 0;
     }
   }
@@ -847,12 +833,6 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   // spread.
   static const int prefetch_own = petit_env_knob("PETIT_MOE_COMBINE_PREFETCH", 1, 0, 1);
   a.prefetch_own = prefetch_own;
-  // PETIT_MOE_COMBINE_CLAIM_SENDS (default 1; 0 = static order; read once per process):
-  // senders claim their items after the first from a counter when they have more than one
-  // round (only with the claimed reduction, whose last block resets the counter).
-  static const int claim_sends = petit_env_knob("PETIT_MOE_COMBINE_CLAIM_SENDS", 1, 0, 1);
-  const int64_t items = a.num_whole_pairs + (num_pairs - a.num_whole_pairs) * a.num_chunks;
-  a.claim_sends = claim_sends && !a.static_reduce && items > a.num_send_blocks ? 1 : 0;
   *grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);
   return petitSuccess;
 }

@@ -143,8 +143,7 @@ def test_validate_config_rejects(overrides, pattern):
 # expected values below hold only with none of them set.
 _COMBINE_KNOBS = ("PETIT_MOE_COMBINE_REDUCE_PCT", "PETIT_MOE_COMBINE_REDUCE_VECTORS",
                   "PETIT_MOE_COMBINE_REDUCE_ITEMS", "PETIT_MOE_COMBINE_SEND_CHUNKS",
-                  "PETIT_MOE_COMBINE_STATIC_REDUCE", "PETIT_MOE_COMBINE_TAIL_CHUNKS",
-                  "PETIT_MOE_COMBINE_CLAIM_SENDS")
+                  "PETIT_MOE_COMBINE_STATIC_REDUCE", "PETIT_MOE_COMBINE_TAIL_CHUNKS")
 
 
 def _combine_plan_ext():
@@ -159,28 +158,28 @@ def _combine_plan_ext():
     # DeepSeek-V3 rows (hidden 7168: 896 vectors, 14 send chunks at most), 2 ranks.
     # 1 token: one send item, 7 reduce items of 128 vectors, each its own reduce-only block.
     (1, 132, dict(send_chunks=1, whole_pairs=0, send_blocks=1, reduce_chunks=7,
-                  static_reduce=True, claim_sends=False, grid=8)),
+                  static_reduce=True, grid=8)),
     # 128 tokens: 4 groups of 14 send chunks; reduce items as fine as the send chunks.
     (128, 132, dict(send_chunks=14, whole_pairs=0, send_blocks=56, reduce_chunks=14,
-                    static_reduce=True, claim_sends=False, grid=112)),
+                    static_reduce=True, grid=112)),
     # 4096 tokens: 128 group items on 64 senders (two equal rounds of the 99 allowed); the
     # tail split sends groups 0-63 whole and groups 64-127 in 4 chunks each (4 sub-rounds);
     # reduction cut into 7 chunks of 128 vectors, claimed by the whole grid.
     (4096, 132, dict(send_chunks=4, whole_pairs=64, send_blocks=64, reduce_chunks=7,
-                     static_reduce=False, claim_sends=True, grid=132)),
+                     static_reduce=False, grid=132)),
     # 8192 tokens: 256 groups, three rounds of 86 senders; the last 86 groups split.
     (8192, 132, dict(send_chunks=4, whole_pairs=170, send_blocks=86, reduce_chunks=5,
-                     static_reduce=False, claim_sends=True, grid=132)),
+                     static_reduce=False, grid=132)),
     # 24 SMs: 18 senders allowed, 8 rounds of 16, no tail split (too few senders); the
     # reduce chunking bounded at ~8 items per block (2 chunks, not 7: the 24-SM slowdown
     # fixed at 23c8603).
     (4096, 24, dict(send_chunks=1, whole_pairs=0, send_blocks=16, reduce_chunks=2,
-                    static_reduce=False, claim_sends=True, grid=24)),
+                    static_reduce=False, grid=24)),
     # 16384 tokens: six rounds, no tail split.
     (16384, 132, dict(send_chunks=1, whole_pairs=0, send_blocks=86, reduce_chunks=3,
-                      static_reduce=False, claim_sends=True, grid=132)),
+                      static_reduce=False, grid=132)),
     (16384, 24, dict(send_chunks=1, whole_pairs=0, send_blocks=18, reduce_chunks=1,
-                     static_reduce=False, claim_sends=True, grid=24)),
+                     static_reduce=False, grid=24)),
 ])
 def test_combine_plan_deepseek_v3(tokens, num_blocks, expected):
     ext = _combine_plan_ext()
@@ -216,7 +215,6 @@ def test_combine_plan_invariants(world, hidden):
                     assert reduce_items <= 8 * num_blocks + groups, where
                 if plan["static_reduce"]:
                     assert plan["grid"] - plan["send_blocks"] >= reduce_items, where
-                    assert not plan["claim_sends"], where  # no last block resets the counter
 
 
 def test_combine_plan_rejects_bad_sizes():
@@ -245,11 +243,7 @@ def test_combine_plan_rejects_bad_sizes():
      dict(send_chunks=14, whole_pairs=64, send_blocks=64, reduce_chunks=14)),
     # ... never beyond the flag slots / 32 KB items (14 for hidden 7168)
     ({"PETIT_MOE_COMBINE_SEND_CHUNKS": "99"}, 4096, 132, dict(send_chunks=14)),
-    # the claimed reduction at 128 tokens: still one round of sends (4 groups of 14 chunks on
-    # 56 senders), so no send claims
-    ({"PETIT_MOE_COMBINE_STATIC_REDUCE": "0"}, 128, 132,
-     dict(static_reduce=False, claim_sends=False)),
-    ({"PETIT_MOE_COMBINE_CLAIM_SENDS": "0"}, 4096, 132, dict(claim_sends=False)),  # static order
+    ({"PETIT_MOE_COMBINE_STATIC_REDUCE": "0"}, 128, 132, dict(static_reduce=False)),
     ({"PETIT_MOE_COMBINE_REDUCE_PCT": "50"}, 4096, 132, dict(send_blocks=64)),  # 66 allowed
     # 53 allowed: 3 rounds of 43 senders, too few for the tail split
     ({"PETIT_MOE_COMBINE_REDUCE_PCT": "60"}, 4096, 132, dict(send_blocks=43, whole_pairs=0)),
