@@ -363,12 +363,12 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
 // Combine reduction of one item (own token group, hidden chunk) whose peer rows have landed:
 // y[i] = sum over ranks d in mask(i), in rank order, of row i of d (the peer's push into my
 // combine region, or my own expert_out for d == rank), accumulated in fp32. Work unit =
-// (row, span of kReduceUnroll * warp-size vectors), one per warp at a time, so even a single
-// token's row is spread over the block's warps; a row's rank mask is warp-uniform. The rows of
-// two ranks are loaded before either is added (one memory round trip per two ranks, the
+// (row, span of at most kReduceUnroll * warp-size vectors), one per warp at a time, so even a
+// single token's row is spread over the block's warps; a row's rank mask is warp-uniform. The
+// rows of two ranks are loaded before either is added (one memory round trip per two ranks, the
 // additions still in rank order), so at two ranks a unit waits for memory once, not twice.
-// 5 vectors per lane (126 registers): a 4-vector span cut the 24-SM reduce chunks (150 or 448
-// vectors at DeepSeek-V3 hidden) into more, partly empty units, 1.03-1.22x slower there.
+// 5 vectors per lane: 124 registers (6 spill); 4 cut the reduce chunks of DeepSeek-V3's hidden
+// size on 24 SMs (150 or 448 vectors) into more units, 1.03-1.22x slower there.
 constexpr int kReduceUnroll = 5;
 
 PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
@@ -380,12 +380,14 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
   chunk_range(num_vectors, chunk, a.num_reduce_chunks, &begin, &end);
   const int first_token = group * kTokenGroupSize;
   const int group_tokens = min(kTokenGroupSize, a.num_tokens - first_token);
-  constexpr int kSpan = kReduceUnroll * PETIT_WARP_SIZE;
-  const int spans = ceil_div(end - begin, kSpan);
+  // Spans of equal length, each <= kReduceUnroll * warp-size vectors (179 vectors: two of 90,
+  // not 160 and 19, which would double the units of a short second span).
+  const int spans = ceil_div(end - begin, kReduceUnroll * PETIT_WARP_SIZE);
+  const int span_len = ceil_div(end - begin, spans);
   for (int unit = warp; unit < group_tokens * spans; unit += kWarps) {
     const int token = first_token + unit / spans;
-    const int span_begin = begin + (unit % spans) * kSpan;
-    const int span_end = min(end, span_begin + kSpan);
+    const int span_begin = begin + (unit % spans) * span_len;
+    const int span_end = min(end, span_begin + span_len);
     const int64_t row_offset = int64_t(token) * num_vectors;
     const int v0 = span_begin + lane;
     // Row `v` of rank d: my own expert_out, or the peer's push into my combine region.
