@@ -264,7 +264,9 @@ struct CombineArgs {
 // (petit_timer_ticks_per_second per second; nanoseconds on CUDA) at the block's start, when
 // its first send item starts copying, after its last send item's flags, when the flags of its
 // first reduce item have all been seen, after its last reduction, and at its end; then how
-// many send and reduce items it did. A phase the block had no part in holds 0.
+// many send and reduce items it did; then the ticks its thread 0 spent, summed over its
+// reduce items, from claiming an item to seeing its flags (waiting for the peers' rows) and
+// in the reduction itself. A phase the block had no part in holds 0.
 enum CombineTraceSlot {
   kTraceStart = 0,
   kTraceFirstSend,
@@ -274,6 +276,8 @@ enum CombineTraceSlot {
   kTraceEnd,
   kTraceSendItems,
   kTraceReduceItems,
+  kTraceReduceWait,
+  kTraceReduceWork,
   kCombineTraceSlots
 };
 

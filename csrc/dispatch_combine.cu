@@ -458,6 +458,14 @@ PETIT_DEVICE void combine_trace_start(const CombineArgs& a) {
 PETIT_DEVICE void combine_trace_stamp(const CombineArgs& a, int slot) {
   if (int64_t* row = combine_trace_row(a)) row[slot] = int64_t(petit_timer());
 }
+// The timer for a later combine_trace_add (0 when not traced).
+PETIT_DEVICE int64_t combine_trace_now(const CombineArgs& a) {
+  return combine_trace_row(a) != nullptr ? int64_t(petit_timer()) : 0;
+}
+// Adds the ticks since `since` (a combine_trace_now) to `slot`.
+PETIT_DEVICE void combine_trace_add(const CombineArgs& a, int slot, int64_t since) {
+  if (int64_t* row = combine_trace_row(a)) row[slot] += int64_t(petit_timer()) - since;
+}
 // An item starts: the first one of its kind stamps `first_slot`; counted in `count_slot`.
 PETIT_DEVICE void combine_trace_item(const CombineArgs& a, int first_slot, int count_slot) {
   if (int64_t* row = combine_trace_row(a)) {
@@ -581,6 +589,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     const int group = item / num_reduce_chunks, reduce_chunk = item % num_reduce_chunks;
     int begin, end;
     chunk_range(num_vectors, reduce_chunk, num_reduce_chunks, &begin, &end);
+    const int64_t claimed_at = combine_trace_now(a);
     if (a.prefetch_own) {  // the own rows are there already: into L2 while the peers' land
       const int first_token = group * kTokenGroupSize;
       const int rows = min(kTokenGroupSize, a.num_tokens - first_token);
@@ -599,8 +608,11 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
                   epoch, peer, 1, group);
     }
     __syncthreads();  // the rows are visible (and, claiming, every thread has read s_claim)
+    combine_trace_add(a, kTraceReduceWait, claimed_at);
     combine_trace_item(a, kTraceFirstReduceReady, kTraceReduceItems);
+    const int64_t ready_at = combine_trace_now(a);
     reduce_item(a, combine_rows, own_rows, group, reduce_chunk, num_vectors);
+    combine_trace_add(a, kTraceReduceWork, ready_at);
     combine_trace_stamp(a, kTraceLastReduceDone);
   };
   // A reduce-only block for every item (small calls): each block its own item, no claim

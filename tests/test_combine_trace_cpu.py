@@ -16,17 +16,20 @@ def test_slots_match_the_extension():
 
 
 def _row(start, first_send=0, sends_done=0, first_ready=0, last_done=0, end=0, sends=0,
-         reduces=0):
-    return [start, first_send, sends_done, first_ready, last_done, end, sends, reduces]
+         reduces=0, wait=0, work=0):
+    return [start, first_send, sends_done, first_ready, last_done, end, sends, reduces, wait,
+            work]
 
 
 def test_summary_of_a_hand_made_trace():
     t = 1_000_000  # ns
     rows = [
-        _row(t + 0, t + 1000, t + 90_000, t + 95_000, t + 99_000, t + 100_000, 5, 2),  # sender
-        _row(t + 2000, t + 3000, t + 88_000, 0, 0, t + 88_500, 5, 0),               # sender only
-        _row(t + 500, 0, 0, t + 20_000, t + 101_000, t + 102_000, 0, 9),            # reducer
-        _row(-1, -1, -1, -1, -1, -1, -1, -1),                                       # not launched
+        _row(t + 0, t + 1000, t + 90_000, t + 95_000, t + 99_000, t + 100_000, 5, 2,
+             5000, 3000),                                                   # sender
+        _row(t + 2000, t + 3000, t + 88_000, 0, 0, t + 88_500, 5, 0),       # sender only
+        _row(t + 500, 0, 0, t + 20_000, t + 101_000, t + 102_000, 0, 9,
+             54_000, 27_000),                                               # reducer
+        _row(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1),                       # not launched
     ]
     s = summarize_combine_trace(torch.tensor(rows, dtype=torch.int64))
     assert (s["blocks"], s["senders"], s["reducers"]) == (3, 2, 2)
@@ -38,8 +41,13 @@ def test_summary_of_a_hand_made_trace():
     assert s["first_reduce_ready"] == {"n": 2, "min": 20.0, "median": 57.5, "max": 95.0}
     assert s["last_reduce_done"]["max"] == pytest.approx(101.0)
     assert s["tail_us"] == pytest.approx(11.0)  # last reduction 101 us, last send flag 90 us
+    assert s["reduce_only"] == {"blocks": 1, "items": 9, "wait_us": pytest.approx(54.0),
+                                "work_us": pytest.approx(27.0)}
+    assert s["senders_reducing"] == {"blocks": 1, "items": 2, "wait_us": pytest.approx(5.0),
+                                     "work_us": pytest.approx(3.0)}
     text = format_combine_trace(s)
     assert "kernel 102.0 us, 3 blocks" in text and "11.0 us" in text
+    assert "1 did 9 items; per item 6.0 us waiting, 3.0 us reducing" in text
     # Nested lists work too, and another timer rate scales every time.
     s100 = summarize_combine_trace(rows, ticks_per_second=100e6)
     assert s100["kernel_us"] == pytest.approx(1020.0)
@@ -48,7 +56,7 @@ def test_summary_of_a_hand_made_trace():
 def test_summary_refuses_empty_or_malformed_traces():
     with pytest.raises(ValueError, match="no launched block"):
         summarize_combine_trace([_row(-1)])
-    with pytest.raises(ValueError, match="8 slots"):
+    with pytest.raises(ValueError, match="10 slots"):
         summarize_combine_trace([[1, 2, 3]])
 
 

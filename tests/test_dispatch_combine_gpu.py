@@ -249,8 +249,12 @@ def _rank_traced_combine(state, cfg, seed, tokens_per_rank, top_k):
         if r["reduce_items"]:
             assert r["start"] <= r["first_reduce_ready"] <= r["last_reduce_done"] <= r["end"], \
                 f"block {b}: {r}"
+            # waiting and reducing: thread 0's spans inside the block's life
+            assert r["reduce_wait"] >= 0 and r["reduce_work"] >= 0, f"block {b}: {r}"
+            assert r["reduce_wait"] + r["reduce_work"] <= r["end"] - r["start"], f"block {b}: {r}"
         else:
             assert r["first_reduce_ready"] == r["last_reduce_done"] == 0, f"block {b}: {r}"
+            assert r["reduce_wait"] == r["reduce_work"] == 0, f"block {b}: {r}"
     summary = summarize_combine_trace(trace, _C.kTimerTicksPerSecond)
     assert summary["blocks"] == plan["grid"] and summary["send_items"] == send_items
     assert 0 <= summary["kernel_us"] < cfg["timeout_s"] * 1e6

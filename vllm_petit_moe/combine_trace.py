@@ -4,15 +4,17 @@ Each block of a traced combine writes one row of ``COMBINE_TRACE_SLOTS`` (the or
 ``CombineTraceSlot`` in csrc/api.h): timer ticks (``kTimerTicksPerSecond`` of the extension;
 nanoseconds on CUDA) when the block starts, when its first send item starts copying, after its
 last send item's flags, when the flags of its first reduce item have all been seen, after its
-last reduction and at its end, then how many send and reduce items it did. A phase the block
-had no part in holds 0; rows of blocks the kernel did not launch keep what the tensor held (-1
+last reduction and at its end, then how many send and reduce items it did, then the ticks its
+thread 0 spent over all its reduce items waiting (from claiming an item to seeing its flags)
+and reducing. A phase the block had no part in holds 0; rows of blocks the kernel did not launch keep what the tensor held (-1
 from `EpBuffer.new_combine_trace`). The timer is the GPU's global timer, so the stamps of one
 rank's blocks are comparable with each other (1 us resolution on some GPUs), not with another
 GPU's.
 
 `summarize_combine_trace` turns one rank's trace into microseconds after the earliest block
 start: where the call's time goes (start spread, the senders' copies, the last flags, the
-reductions after the transfer).
+reductions after the transfer, and how the reducing blocks split their time between waiting
+for rows and reducing them).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from typing import Sequence
 import torch
 
 COMBINE_TRACE_SLOTS = ("start", "first_send", "sends_done", "first_reduce_ready",
-                       "last_reduce_done", "end", "send_items", "reduce_items")
+                       "last_reduce_done", "end", "send_items", "reduce_items", "reduce_wait",
+                       "reduce_work")
 _TIME_SLOTS = COMBINE_TRACE_SLOTS[:6]
 
 
@@ -59,7 +62,9 @@ def summarize_combine_trace(trace, ticks_per_second: float = 1e9) -> dict:
     ``first_send``, ``sends_done`` over senders; ``first_reduce_ready``, ``last_reduce_done``
     over reducers; ``end`` over all), each {n, min, median, max}; ``tail_us``: the last
     reduction's end after the last of this rank's send flags (the reductions left once this
-    rank's transfer is out).
+    rank's transfer is out); ``reduce_only`` and ``senders_reducing``: for the blocks that
+    only reduce and for the senders that also reduced, {blocks, items, wait_us, work_us}
+    (thread 0's time, summed over their items, waiting for an item's rows and reducing it).
     """
     rows = trace.tolist() if isinstance(trace, torch.Tensor) else [list(r) for r in trace]
     if any(len(r) != len(COMBINE_TRACE_SLOTS) for r in rows):
@@ -87,6 +92,11 @@ def summarize_combine_trace(trace, ticks_per_second: float = 1e9) -> dict:
         out[slot] = phase(slot, senders if slot in ("first_send", "sends_done")
                           else reducers if slot in ("first_reduce_ready", "last_reduce_done")
                           else rows)
+    for name, blocks in (("reduce_only", [r for r in reducers if r["send_items"] == 0]),
+                         ("senders_reducing", [r for r in reducers if r["send_items"] > 0])):
+        out[name] = {"blocks": len(blocks), "items": sum(r["reduce_items"] for r in blocks),
+                     "wait_us": sum(r["reduce_wait"] for r in blocks) * us,
+                     "work_us": sum(r["reduce_work"] for r in blocks) * us}
     if senders and reducers:
         out["tail_us"] = (max(r["last_reduce_done"] for r in reducers)
                           - max(r["sends_done"] for r in senders)) * us
@@ -104,6 +114,13 @@ def format_combine_trace(summary: dict) -> str:
              f"{summary['reducers']} reduced {summary['reduce_items']})"]
     lines += [f"  {slot:<18} min / median / max us: {fmt(summary[slot])}"
               for slot in _TIME_SLOTS]
+    for name, label in (("reduce_only", "reduce-only blocks"),
+                        ("senders_reducing", "senders reducing")):
+        part = summary.get(name, {})
+        if part.get("items"):
+            lines.append(f"  {label + ':':<19} {part['blocks']} did {part['items']} items; per "
+                         f"item {part['wait_us'] / part['items']:.1f} us waiting, "
+                         f"{part['work_us'] / part['items']:.1f} us reducing")
     if "tail_us" in summary:
         lines.append(f"  last reduction after the last send flag: {summary['tail_us']:.1f} us")
     return "\n".join(lines)
