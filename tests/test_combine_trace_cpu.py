@@ -62,14 +62,15 @@ def test_summary_refuses_empty_or_malformed_traces():
 
 def test_trace_tensor_checks():
     dev = torch.device("cpu")
-    good = torch.full((4, len(COMBINE_TRACE_SLOTS)), -1, dtype=torch.int64)
+    n = len(COMBINE_TRACE_SLOTS)
+    good = torch.full((4, n), -1, dtype=torch.int64)
     check_combine_trace(good, 4, dev)
     cases = [
         (good.int(), "int64"),
-        (good[:3], r"\[4, 8\]"),
-        (good[:, :4], r"\[4, 8\]"),
-        (torch.full((8, 4), -1, dtype=torch.int64).t(), "contiguous"),
-        ([[0] * 8] * 4, "got list"),
+        (good[:3], rf"\[4, {n}\]"),
+        (good[:, :4], rf"\[4, {n}\]"),
+        (torch.full((n, 4), -1, dtype=torch.int64).t(), "contiguous"),
+        ([[0] * n] * 4, "got list"),
     ]
     for trace, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
