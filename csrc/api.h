@@ -256,6 +256,8 @@ struct CombineArgs {
                               // b - num_send_blocks (a block per item), no claim counter
   int prefetch_own;           // set by the launcher: 1 = a reduce item's own rows
                               // are prefetched into L2 before its flags are awaited
+  int reduce_ahead;           // set by the launcher: 1 = a claiming block holds two reduce
+                              // items and reduces whichever has landed first
   int64_t* trace;             // optional (nullptr: none): [grid, kCombineTraceSlots], see
                               // CombineTraceSlot; every launched block writes its row
 };

@@ -482,6 +482,9 @@ PETIT_DEVICE void combine_trace_item(const CombineArgs& a, int first_slot, int c
 // SMs the transfer does not need, and no wait can precede one of this rank's sends (a block
 // only waits after its sends). A token's own-rank row is read straight from expert_out
 // (never copied).
+// kReduceAhead: CombineArgs::reduce_ahead's claiming loop (a kernel of its own, so that its
+// extra live values do not change the default kernel's register allocation).
+template <bool kReduceAhead>
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const EpContextArgs& c = a.ctx;
   const HeapLayout& l = c.layout;
@@ -583,37 +586,63 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       reinterpret_cast<const uint4*>(a.expert_out) + int64_t(c.rank) * R * num_vectors;
   const int num_reduce_chunks = a.num_reduce_chunks;
   const int num_reduce = ceil_div(a.num_tokens, kTokenGroupSize) * num_reduce_chunks;
-  // Waits until the peers' send chunks of `item`'s group that overlap its hidden range have
-  // landed (a reduce chunk lies in one or two send chunks), then reduces it.
-  auto wait_and_reduce = [&](int item) {
-    const int group = item / num_reduce_chunks, reduce_chunk = item % num_reduce_chunks;
-    int begin, end;
-    chunk_range(num_vectors, reduce_chunk, num_reduce_chunks, &begin, &end);
-    const int64_t claimed_at = combine_trace_now(a);
-    if (a.prefetch_own) {  // the own rows are there already: into L2 while the peers' land
-      const int first_token = group * kTokenGroupSize;
-      const int rows = min(kTokenGroupSize, a.num_tokens - first_token);
-      constexpr int kLineVectors = 128 / 16;
-      const int lines = ceil_div(end - begin, kLineVectors);
-      for (int t = threadIdx.x; t < rows * lines; t += blockDim.x)
-        petit_prefetch_l2(own_rows + int64_t(first_token + t / lines) * num_vectors + begin +
-                          (t % lines) * kLineVectors);
-    }
+  // An item's token group and hidden range.
+  auto item_range = [&](int item, int* group, int* begin, int* end) {
+    *group = item / num_reduce_chunks;
+    chunk_range(num_vectors, item % num_reduce_chunks, num_reduce_chunks, begin, end);
+  };
+  // The own rows of an item are there already: into L2 while the peers' land.
+  auto prefetch_own = [&](int item) {
+    if (!a.prefetch_own || item >= num_reduce) return;
+    int group, begin, end;
+    item_range(item, &group, &begin, &end);
+    const int first_token = group * kTokenGroupSize;
+    const int rows = min(kTokenGroupSize, a.num_tokens - first_token);
+    constexpr int kLineVectors = 128 / 16;
+    const int lines = ceil_div(end - begin, kLineVectors);
+    for (int t = threadIdx.x; t < rows * lines; t += blockDim.x)
+      petit_prefetch_l2(own_rows + int64_t(first_token + t / lines) * num_vectors + begin +
+                        (t % lines) * kLineVectors);
+  };
+  // The flags of the peers' send chunks of `item`'s group that overlap its hidden range (a
+  // reduce chunk lies in one or two send chunks), spread over the block's threads: each
+  // thread waits for its flags (bounded; wait = true) or, without waiting, says whether all of
+  // its flags are up. A block barrier after it makes the rows visible to every thread.
+  auto item_flags = [&](int item, bool wait) {
+    int group, begin, end;
+    item_range(item, &group, &begin, &end);
+    bool landed = true;
     for (int t = threadIdx.x; t < W * num_chunks; t += blockDim.x) {
       const int peer = t / num_chunks, chunk = t % num_chunks;
       int send_begin, send_end;
       chunk_range(num_vectors, chunk, num_chunks, &send_begin, &send_end);
-      if (peer != c.rank && send_begin < end && begin < send_end)
-        wait_flag(c, my_flags + (int64_t(peer) * l.max_groups + group) * l.max_chunks + chunk,
-                  epoch, peer, 1, group);
+      if (peer == c.rank || send_end <= begin || end <= send_begin) continue;
+      const uint64_t* flag =
+          my_flags + (int64_t(peer) * l.max_groups + group) * l.max_chunks + chunk;
+      if (wait)
+        wait_flag(c, flag, epoch, peer, 1, group);
+      else
+        landed = landed && flag_epoch(petit_load_acquire_sys(flag)) == epoch;
     }
-    __syncthreads();  // the rows are visible (and, claiming, every thread has read s_claim)
+    return landed;
+  };
+  // Reduces an item whose flags the block has seen (after the barrier that follows them).
+  auto reduce_landed = [&](int item, int64_t claimed_at) {
+    int group, begin, end;
+    item_range(item, &group, &begin, &end);
     combine_trace_add(a, kTraceReduceWait, claimed_at);
     combine_trace_item(a, kTraceFirstReduceReady, kTraceReduceItems);
     const int64_t ready_at = combine_trace_now(a);
-    reduce_item(a, combine_rows, own_rows, group, reduce_chunk, num_vectors);
+    reduce_item(a, combine_rows, own_rows, group, item % num_reduce_chunks, num_vectors);
     combine_trace_add(a, kTraceReduceWork, ready_at);
     combine_trace_stamp(a, kTraceLastReduceDone);
+  };
+  auto wait_and_reduce = [&](int item) {
+    const int64_t claimed_at = combine_trace_now(a);
+    prefetch_own(item);
+    item_flags(item, true);
+    __syncthreads();  // the rows are visible (and, claiming, every thread has read s_claim)
+    reduce_landed(item, claimed_at);
   };
   // A reduce-only block for every item (small calls): each block its own item, no claim
   // counter to read first and none to reset last, so the kernel ends when the last
@@ -624,13 +653,57 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     combine_trace_stamp(a, kTraceEnd);
     return;
   }
-  // Otherwise every block claims items in group order until none is left.
-  while (true) {
-    if (threadIdx.x == 0) s_claim = int(petit_atomic_add_gpu(&c.state->reduce_next, 1));
-    __syncthreads();
-    const int item = s_claim;
-    if (item >= num_reduce) break;  // block-uniform
-    wait_and_reduce(item);
+  if constexpr (kReduceAhead) {
+    // Two claimed items in hand: the block reduces the first of them whose rows have landed
+    // (the lower when both have), then claims the next, so it does not idle on an item whose
+    // rows are late while the other's are there. Claims still go in group order.
+    auto claim = [&] {
+      if (threadIdx.x == 0) s_claim = int(petit_atomic_add_gpu(&c.state->reduce_next, 1));
+      __syncthreads();
+      const int item = s_claim;
+      __syncthreads();  // every thread has read it before the next claim
+      prefetch_own(item);
+      return item;
+    };
+    // (Traced: thread 0 keeps each held item's claim time in shared memory.)
+    __shared__ int64_t s_claimed_at[2];
+    if (threadIdx.x == 0) s_claimed_at[0] = combine_trace_now(a);
+    int first = claim();  // the lower held item
+    if (threadIdx.x == 0) s_claimed_at[1] = combine_trace_now(a);
+    int second = claim();
+    while (first < num_reduce) {  // block-uniform; first < second
+      const uint64_t start = petit_timer();
+      bool take_first = true;
+      while (true) {
+        if (__syncthreads_and(item_flags(first, false))) break;
+        if (second < num_reduce && __syncthreads_and(item_flags(second, false))) {
+          take_first = false;
+          break;
+        }
+        if (__syncthreads_or(petit_timer() - start > c.timeout_ticks)) {
+          item_flags(first, true);  // still missing: the bounded wait reports and traps
+          __syncthreads();
+          break;
+        }
+      }
+      const int slot = take_first ? 0 : 1;
+      reduce_landed(take_first ? first : second, threadIdx.x == 0 ? s_claimed_at[slot] : 0);
+      if (take_first) {
+        first = second;
+        if (threadIdx.x == 0) s_claimed_at[0] = s_claimed_at[1];
+      }
+      if (threadIdx.x == 0) s_claimed_at[1] = combine_trace_now(a);
+      second = claim();
+    }
+  } else {
+    // Otherwise every block claims items in group order until none is left.
+    while (true) {
+      if (threadIdx.x == 0) s_claim = int(petit_atomic_add_gpu(&c.state->reduce_next, 1));
+      __syncthreads();
+      const int item = s_claim;
+      if (item >= num_reduce) break;  // block-uniform
+      wait_and_reduce(item);
+    }
   }
 
   // ---- the last block to finish resets the claim counter for the next combine (every
@@ -847,6 +920,10 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   // spread.
   static const int prefetch_own = petit_env_knob("PETIT_MOE_COMBINE_PREFETCH", 1, 0, 1);
   a.prefetch_own = prefetch_own;
+  // PETIT_MOE_COMBINE_REDUCE_AHEAD (default 0; 1 = on; read once per process): a claiming
+  // block holds two reduce items and reduces whichever has landed first (combine_kernel).
+  static const int reduce_ahead = petit_env_knob("PETIT_MOE_COMBINE_REDUCE_AHEAD", 0, 0, 1);
+  a.reduce_ahead = reduce_ahead && !a.static_reduce ? 1 : 0;
   *grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);
   return petitSuccess;
 }
@@ -856,7 +933,10 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   int grid = 0;
   const petitError_t err = plan_combine(&a, &grid);
   if (err != petitSuccess) return err;
-  petitLaunchKernel(combine_kernel, dim3(grid), dim3(kThreads), 0, stream, a);
+  if (a.reduce_ahead)
+    petitLaunchKernel(combine_kernel<true>, dim3(grid), dim3(kThreads), 0, stream, a);
+  else
+    petitLaunchKernel(combine_kernel<false>, dim3(grid), dim3(kThreads), 0, stream, a);
   return petitGetLastError();
 }
 
