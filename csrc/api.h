@@ -267,7 +267,8 @@ struct CombineArgs {
 // its first send item starts copying, after its last send item's flags, when the flags of its
 // first reduce item have all been seen, after its last reduction, and at its end; then how
 // many send and reduce items it did; then the ticks its thread 0 spent, summed over its
-// reduce items, from claiming an item to seeing its flags (waiting for the peers' rows) and
+// reduce items, waiting for the peers' rows (from claiming an item, or with
+// CombineArgs::reduce_ahead from looking for a landed one of its two, to seeing the flags) and
 // in the reduction itself. A phase the block had no part in holds 0.
 enum CombineTraceSlot {
   kTraceStart = 0,

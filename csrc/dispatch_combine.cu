@@ -665,13 +665,10 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       prefetch_own(item);
       return item;
     };
-    // (Traced: thread 0 keeps each held item's claim time in shared memory.)
-    __shared__ int64_t s_claimed_at[2];
-    if (threadIdx.x == 0) s_claimed_at[0] = combine_trace_now(a);
     int first = claim();  // the lower held item
-    if (threadIdx.x == 0) s_claimed_at[1] = combine_trace_now(a);
     int second = claim();
     while (first < num_reduce) {  // block-uniform; first < second
+      const int64_t looking_at = combine_trace_now(a);  // traced waits: the block's idle time
       const uint64_t start = petit_timer();
       bool take_first = true;
       while (true) {
@@ -686,13 +683,8 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
           break;
         }
       }
-      const int slot = take_first ? 0 : 1;
-      reduce_landed(take_first ? first : second, threadIdx.x == 0 ? s_claimed_at[slot] : 0);
-      if (take_first) {
-        first = second;
-        if (threadIdx.x == 0) s_claimed_at[0] = s_claimed_at[1];
-      }
-      if (threadIdx.x == 0) s_claimed_at[1] = combine_trace_now(a);
+      reduce_landed(take_first ? first : second, looking_at);
+      if (take_first) first = second;
       second = claim();
     }
   } else {
