@@ -256,8 +256,6 @@ struct CombineArgs {
                               // b - num_send_blocks (a block per item), no claim counter
   int prefetch_own;           // set by the launcher: 1 = a reduce item's own rows
                               // are prefetched into L2 before its flags are awaited
-  int reduce_ahead;           // set by the launcher: 1 = a claiming block holds two reduce
-                              // items and reduces whichever has landed first
   int64_t* trace;             // optional (nullptr: none): [grid, kCombineTraceSlots], see
                               // CombineTraceSlot; every launched block writes its row
 };
@@ -267,8 +265,7 @@ struct CombineArgs {
 // its first send item starts copying, after its last send item's flags, when the flags of its
 // first reduce item have all been seen, after its last reduction, and at its end; then how
 // many send and reduce items it did; then the ticks its thread 0 spent, summed over its
-// reduce items, waiting for the peers' rows (from claiming an item, or with
-// CombineArgs::reduce_ahead from looking for a landed one of its two, to seeing the flags) and
+// reduce items, waiting for the peers' rows (from claiming an item to seeing its flags) and
 // in the reduction itself. A phase the block had no part in holds 0.
 enum CombineTraceSlot {
   kTraceStart = 0,

@@ -363,45 +363,44 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
 // Combine reduction of one item (own token group, hidden chunk) whose peer rows have landed:
 // y[i] = sum over ranks d in mask(i), in rank order, of row i of d (the peer's push into my
 // combine region, or my own expert_out for d == rank), accumulated in fp32. Work unit =
-// (row, span of at most kReduceUnroll * warp-size vectors), one per warp at a time, so even a
-// single token's row is spread over the block's warps; a row's rank mask is warp-uniform. The
-// rows of two ranks are loaded before either is added (one memory round trip per two ranks, the
-// additions still in rank order), so at two ranks a unit waits for memory once, not twice.
-// 5 vectors per lane: 124 registers (6 spill); 4 cut the reduce chunks of DeepSeek-V3's hidden
-// size on 24 SMs (150 or 448 vectors) into more units, 1.03-1.22x slower there.
-constexpr int kReduceUnroll = 5;
+// (row, span of kReduceUnroll * warp-size vectors), one per warp at a time, so even a single
+// token's row is spread over the block's warps; a row's rank mask is warp-uniform.
+constexpr int kReduceUnroll = 6;  // 8 spills at the 128-register cap
 
 PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
                               const uint4* own_rows, int group, int chunk, int num_vectors) {
   const EpContextArgs& c = a.ctx;
-  const int R = a.region_stride;
+  const int W = c.world_size, R = a.region_stride;
   const int lane = petit_lane_id(), warp = petit_warp_id();
   int begin, end;
   chunk_range(num_vectors, chunk, a.num_reduce_chunks, &begin, &end);
   const int first_token = group * kTokenGroupSize;
   const int group_tokens = min(kTokenGroupSize, a.num_tokens - first_token);
-  // Spans of equal length, each <= kReduceUnroll * warp-size vectors (179 vectors: two of 90,
-  // not 160 and 19, which would double the units of a short second span).
-  const int spans = ceil_div(end - begin, kReduceUnroll * PETIT_WARP_SIZE);
-  const int span_len = ceil_div(end - begin, spans);
+  constexpr int kSpan = kReduceUnroll * PETIT_WARP_SIZE;
+  const int spans = ceil_div(end - begin, kSpan);
   for (int unit = warp; unit < group_tokens * spans; unit += kWarps) {
     const int token = first_token + unit / spans;
-    const int span_begin = begin + (unit % spans) * span_len;
-    const int span_end = min(end, span_begin + span_len);
+    const int span_begin = begin + (unit % spans) * kSpan;
+    const int span_end = min(end, span_begin + kSpan);
+    const uint32_t mask = c.token_rank_mask[token];
     const int64_t row_offset = int64_t(token) * num_vectors;
     const int v0 = span_begin + lane;
-    // Row `v` of rank d: my own expert_out, or the peer's push into my combine region.
-    auto row_vector = [&](int d, int v) {
-      return d == c.rank ? own_rows[row_offset + v]
-                         : petit_load_cg(combine_rows + int64_t(d) * R * num_vectors +
-                                         row_offset + v);
-    };
     float acc[kReduceUnroll][kVecElems];
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u)
 #pragma unroll
       for (int e = 0; e < kVecElems; ++e) acc[u][e] = 0.f;
-    auto accumulate = [&](const uint4 (&packed)[kReduceUnroll]) {
+    for (int d = 0; d < W; ++d) {  // rank order, fp32 accumulation
+      if (!((mask >> d) & 1u)) continue;
+      uint4 packed[kReduceUnroll];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        const int v = v0 + u * PETIT_WARP_SIZE;
+        if (v < span_end)
+          packed[u] = d == c.rank ? own_rows[row_offset + v]
+                                  : petit_load_cg(combine_rows + int64_t(d) * R * num_vectors +
+                                                  row_offset + v);
+      }
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; ++u) {
         if (v0 + u * PETIT_WARP_SIZE >= span_end) continue;
@@ -409,24 +408,6 @@ PETIT_DEVICE void reduce_item(const CombineArgs& a, const uint4* combine_rows,
 #pragma unroll
         for (int e = 0; e < kVecElems; ++e) acc[u][e] += petit_bf16_to_float(h[e]);
       }
-    };
-    uint32_t mask = c.token_rank_mask[token];
-    while (mask != 0) {  // two ranks at a time, lowest first (rank order)
-      const int d0 = __ffs(mask) - 1;
-      mask &= mask - 1;
-      const int d1 = mask != 0 ? __ffs(mask) - 1 : -1;
-      if (d1 >= 0) mask &= mask - 1;
-      uint4 first[kReduceUnroll], second[kReduceUnroll];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        const int v = v0 + u * PETIT_WARP_SIZE;
-        if (v < span_end) {
-          first[u] = row_vector(d0, v);
-          if (d1 >= 0) second[u] = row_vector(d1, v);
-        }
-      }
-      accumulate(first);
-      if (d1 >= 0) accumulate(second);
     }
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u) {
@@ -482,9 +463,6 @@ PETIT_DEVICE void combine_trace_item(const CombineArgs& a, int first_slot, int c
 // SMs the transfer does not need, and no wait can precede one of this rank's sends (a block
 // only waits after its sends). A token's own-rank row is read straight from expert_out
 // (never copied).
-// kReduceAhead: CombineArgs::reduce_ahead's claiming loop (a kernel of its own, so that its
-// extra live values do not change the default kernel's register allocation).
-template <bool kReduceAhead>
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const EpContextArgs& c = a.ctx;
   const HeapLayout& l = c.layout;
@@ -586,63 +564,37 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       reinterpret_cast<const uint4*>(a.expert_out) + int64_t(c.rank) * R * num_vectors;
   const int num_reduce_chunks = a.num_reduce_chunks;
   const int num_reduce = ceil_div(a.num_tokens, kTokenGroupSize) * num_reduce_chunks;
-  // An item's token group and hidden range.
-  auto item_range = [&](int item, int* group, int* begin, int* end) {
-    *group = item / num_reduce_chunks;
-    chunk_range(num_vectors, item % num_reduce_chunks, num_reduce_chunks, begin, end);
-  };
-  // The own rows of an item are there already: into L2 while the peers' land.
-  auto prefetch_own = [&](int item) {
-    if (!a.prefetch_own || item >= num_reduce) return;
-    int group, begin, end;
-    item_range(item, &group, &begin, &end);
-    const int first_token = group * kTokenGroupSize;
-    const int rows = min(kTokenGroupSize, a.num_tokens - first_token);
-    constexpr int kLineVectors = 128 / 16;
-    const int lines = ceil_div(end - begin, kLineVectors);
-    for (int t = threadIdx.x; t < rows * lines; t += blockDim.x)
-      petit_prefetch_l2(own_rows + int64_t(first_token + t / lines) * num_vectors + begin +
-                        (t % lines) * kLineVectors);
-  };
-  // The flags of the peers' send chunks of `item`'s group that overlap its hidden range (a
-  // reduce chunk lies in one or two send chunks), spread over the block's threads: each
-  // thread waits for its flags (bounded; wait = true) or, without waiting, says whether all of
-  // its flags are up. A block barrier after it makes the rows visible to every thread.
-  auto item_flags = [&](int item, bool wait) {
-    int group, begin, end;
-    item_range(item, &group, &begin, &end);
-    bool landed = true;
+  // Waits until the peers' send chunks of `item`'s group that overlap its hidden range have
+  // landed (a reduce chunk lies in one or two send chunks), then reduces it.
+  auto wait_and_reduce = [&](int item) {
+    const int group = item / num_reduce_chunks, reduce_chunk = item % num_reduce_chunks;
+    int begin, end;
+    chunk_range(num_vectors, reduce_chunk, num_reduce_chunks, &begin, &end);
+    const int64_t claimed_at = combine_trace_now(a);
+    if (a.prefetch_own) {  // the own rows are there already: into L2 while the peers' land
+      const int first_token = group * kTokenGroupSize;
+      const int rows = min(kTokenGroupSize, a.num_tokens - first_token);
+      constexpr int kLineVectors = 128 / 16;
+      const int lines = ceil_div(end - begin, kLineVectors);
+      for (int t = threadIdx.x; t < rows * lines; t += blockDim.x)
+        petit_prefetch_l2(own_rows + int64_t(first_token + t / lines) * num_vectors + begin +
+                          (t % lines) * kLineVectors);
+    }
     for (int t = threadIdx.x; t < W * num_chunks; t += blockDim.x) {
       const int peer = t / num_chunks, chunk = t % num_chunks;
       int send_begin, send_end;
       chunk_range(num_vectors, chunk, num_chunks, &send_begin, &send_end);
-      if (peer == c.rank || send_end <= begin || end <= send_begin) continue;
-      const uint64_t* flag =
-          my_flags + (int64_t(peer) * l.max_groups + group) * l.max_chunks + chunk;
-      if (wait)
-        wait_flag(c, flag, epoch, peer, 1, group);
-      else
-        landed = landed && flag_epoch(petit_load_acquire_sys(flag)) == epoch;
+      if (peer != c.rank && send_begin < end && begin < send_end)
+        wait_flag(c, my_flags + (int64_t(peer) * l.max_groups + group) * l.max_chunks + chunk,
+                  epoch, peer, 1, group);
     }
-    return landed;
-  };
-  // Reduces an item whose flags the block has seen (after the barrier that follows them).
-  auto reduce_landed = [&](int item, int64_t claimed_at) {
-    int group, begin, end;
-    item_range(item, &group, &begin, &end);
+    __syncthreads();  // the rows are visible (and, claiming, every thread has read s_claim)
     combine_trace_add(a, kTraceReduceWait, claimed_at);
     combine_trace_item(a, kTraceFirstReduceReady, kTraceReduceItems);
     const int64_t ready_at = combine_trace_now(a);
-    reduce_item(a, combine_rows, own_rows, group, item % num_reduce_chunks, num_vectors);
+    reduce_item(a, combine_rows, own_rows, group, reduce_chunk, num_vectors);
     combine_trace_add(a, kTraceReduceWork, ready_at);
     combine_trace_stamp(a, kTraceLastReduceDone);
-  };
-  auto wait_and_reduce = [&](int item) {
-    const int64_t claimed_at = combine_trace_now(a);
-    prefetch_own(item);
-    item_flags(item, true);
-    __syncthreads();  // the rows are visible (and, claiming, every thread has read s_claim)
-    reduce_landed(item, claimed_at);
   };
   // A reduce-only block for every item (small calls): each block its own item, no claim
   // counter to read first and none to reset last, so the kernel ends when the last
@@ -653,49 +605,13 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     combine_trace_stamp(a, kTraceEnd);
     return;
   }
-  if constexpr (kReduceAhead) {
-    // Two claimed items in hand: the block reduces the first of them whose rows have landed
-    // (the lower when both have), then claims the next, so it does not idle on an item whose
-    // rows are late while the other's are there. Claims still go in group order.
-    auto claim = [&] {
-      if (threadIdx.x == 0) s_claim = int(petit_atomic_add_gpu(&c.state->reduce_next, 1));
-      __syncthreads();
-      const int item = s_claim;
-      __syncthreads();  // every thread has read it before the next claim
-      prefetch_own(item);
-      return item;
-    };
-    int first = claim();  // the lower held item
-    int second = claim();
-    while (first < num_reduce) {  // block-uniform; first < second
-      const int64_t looking_at = combine_trace_now(a);  // traced waits: the block's idle time
-      const uint64_t start = petit_timer();
-      bool take_first = true;
-      while (true) {
-        if (__syncthreads_and(item_flags(first, false))) break;
-        if (second < num_reduce && __syncthreads_and(item_flags(second, false))) {
-          take_first = false;
-          break;
-        }
-        if (__syncthreads_or(petit_timer() - start > c.timeout_ticks)) {
-          item_flags(first, true);  // still missing: the bounded wait reports and traps
-          __syncthreads();
-          break;
-        }
-      }
-      reduce_landed(take_first ? first : second, looking_at);
-      if (take_first) first = second;
-      second = claim();
-    }
-  } else {
-    // Otherwise every block claims items in group order until none is left.
-    while (true) {
-      if (threadIdx.x == 0) s_claim = int(petit_atomic_add_gpu(&c.state->reduce_next, 1));
-      __syncthreads();
-      const int item = s_claim;
-      if (item >= num_reduce) break;  // block-uniform
-      wait_and_reduce(item);
-    }
+  // Otherwise every block claims items in group order until none is left.
+  while (true) {
+    if (threadIdx.x == 0) s_claim = int(petit_atomic_add_gpu(&c.state->reduce_next, 1));
+    __syncthreads();
+    const int item = s_claim;
+    if (item >= num_reduce) break;  // block-uniform
+    wait_and_reduce(item);
   }
 
   // ---- the last block to finish resets the claim counter for the next combine (every
@@ -912,10 +828,6 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   // spread.
   static const int prefetch_own = petit_env_knob("PETIT_MOE_COMBINE_PREFETCH", 1, 0, 1);
   a.prefetch_own = prefetch_own;
-  // PETIT_MOE_COMBINE_REDUCE_AHEAD (default 0; 1 = on; read once per process): a claiming
-  // block holds two reduce items and reduces whichever has landed first (combine_kernel).
-  static const int reduce_ahead = petit_env_knob("PETIT_MOE_COMBINE_REDUCE_AHEAD", 0, 0, 1);
-  a.reduce_ahead = reduce_ahead && !a.static_reduce ? 1 : 0;
   *grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);
   return petitSuccess;
 }
@@ -925,10 +837,7 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   int grid = 0;
   const petitError_t err = plan_combine(&a, &grid);
   if (err != petitSuccess) return err;
-  if (a.reduce_ahead)
-    petitLaunchKernel(combine_kernel<true>, dim3(grid), dim3(kThreads), 0, stream, a);
-  else
-    petitLaunchKernel(combine_kernel<false>, dim3(grid), dim3(kThreads), 0, stream, a);
+  petitLaunchKernel(combine_kernel, dim3(grid), dim3(kThreads), 0, stream, a);
   return petitGetLastError();
 }
 
