@@ -1,8 +1,9 @@
 """Load one of the repository's scripts (examples/*.py, tools/*.py) as a module, for the CPU
-tests of their helpers."""
+tests of their helpers, or run its --help."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,3 +19,12 @@ def load_script(relpath: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def script_help(relpath: str) -> str:
+    """The --help text of the script at ROOT/relpath, run in a fresh interpreter (asserting it
+    exits 0, with its stderr in the message otherwise)."""
+    result = subprocess.run([sys.executable, str(ROOT / relpath), "--help"],
+                            check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout

@@ -3,15 +3,8 @@ merged over the ranks (timings averaged, the combine timelines kept one per rank
 parts need >= 2 GPUs."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from script_module import load_script
-
-ROOT = Path(__file__).resolve().parent.parent
-BENCH_PATH = ROOT / "examples" / "bench_dispatch_combine.py"
+from script_module import load_script, script_help
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +13,7 @@ def bench():
 
 
 def test_help_runs_without_a_gpu():
-    out = subprocess.run([sys.executable, str(BENCH_PATH), "--help"], capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    out = script_help("examples/bench_dispatch_combine.py")
     assert "--trace" in out and "--num-sms" in out
 
 
