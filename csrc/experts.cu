@@ -285,6 +285,12 @@ using DownWgmmaM64Ws = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
 constexpr int kWsClusterM = 2;
 using GateUpWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM>;
 using DownWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, kWsClusterM>;
+// The same in clusters of 4 CTAs (PETIT_MOE_WS_CLUSTER=4, opt-in, see ws_cluster_size): four
+//   m-tiles of one (expert, n-tile) share each weight box, so each CTA reads a quarter of the
+//   weight bytes of a stage from L2 instead of half (24 instead of 32 KiB per k-tile with the
+//   A rows); an expert's m-tiles beyond a multiple of 4 are split by n-tile as above.
+constexpr int kWsClusterM4 = 4;
+using GateUpWgmmaWsMc4 = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM4>;
 // wgmma_narrow_ws: the wgmma_narrow tiles (64 x 128 x 64: gate/up 64 gate + 64 up rows, down
 //   128 w2 rows; 2 consumer warpgroups of 64 x 64 side by side) on the ws main loop, one block
 //   per SM with an 8-stage ring (the 1-block rule of the ws loop; 8 x 24 KiB keeps as many
@@ -303,6 +309,8 @@ using WsStagedMainloop =
 using DownWgmmaWsStaged = WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>>;
 using DownWgmmaWsMcStaged =
     WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM>;
+using DownWgmmaWsMc4Staged =
+    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM4>;
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
@@ -1360,6 +1368,16 @@ bool staged_epilogue_enabled() {
   return env == nullptr || env[0] != '0';
 }
 
+// PETIT_MOE_WS_CLUSTER=4 (read at every launch, for A/B measurements; default 2): wgmma_ws_mc
+// runs in clusters of 4 CTAs (GateUpWgmmaWsMc4, DownWgmmaWsMc4Staged: always with the staged
+// down epilogue) instead of 2. Any other value: 2.
+static int ws_cluster_size() {
+  return petit_env_knob("PETIT_MOE_WS_CLUSTER", kWsClusterM, kWsClusterM, kWsClusterM4) ==
+                 kWsClusterM4
+             ? kWsClusterM4
+             : kWsClusterM;
+}
+
 // GEMM1 or GEMM2 of a tensor-core family (kExpertTilesMma, kExpertTilesWgmma*), whose path
 // the caller has checked (mma_path_supported, wgmma_path_supported).
 petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, int num_sms,
@@ -1380,6 +1398,9 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
     case kExpertTilesWgmmaM64Ws:
       return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWsMc:
+      if (ws_cluster_size() == kWsClusterM4)
+        return launch_ws_gemm<GateUpWgmmaWsMc4, DownWgmmaWsMc4Staged, true>(gate_up, a, num_sms,
+                                                                            stream);
       return staged_epilogue_enabled()
                  ? launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMcStaged, true>(gate_up, a,
                                                                               num_sms, stream)

@@ -333,6 +333,30 @@ def test_warp_specialized_families_equal_their_tiles(ws, plain, rows_per_expert,
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
+@pytest.mark.parametrize("counts", [[100, 600, 300, 0, 1030, 512, 5, 260],
+                                    [700, 640, 520, 900, 513, 1024, 777, 600]])
+def test_clusters_of_four_equal_wgmma_ws(monkeypatch, counts):
+    """PETIT_MOE_WS_CLUSTER=4: wgmma_ws_mc in clusters of 4 CTAs (four m-tiles sharing each
+    multicast weight box; the m-tiles past a multiple of 4 split by n-tile) gives wgmma_ws's
+    output bit for bit, NaN-poisoned workspaces, experts with 0-9 m-tiles of 128 rows, more
+    units than clusters; launched as whole clusters of 4, at most one CTA per SM."""
+    from vllm_petit_moe import ops
+
+    problem = make_problem(routing_with_counts(counts, seed=81), 1032, 1032, len(counts),
+                           seed=82)
+    want = run_petit(problem, "wgmma_ws")
+    monkeypatch.setenv("PETIT_MOE_WS_CLUSTER", "4")
+    got = run_petit(problem, "wgmma_ws_mc")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for gate_up in (True, False):
+        shape = ops.last_gemm_launch(gate_up)
+        assert shape["cluster"] == 4 and shape["threads"] == 384, shape
+        assert 0 < shape["grid"] <= sms and shape["grid"] % 4 == 0, shape
+    assert torch.equal(got, want)
+    check(got, problem)
+
+
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
 @pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
 @pytest.mark.parametrize("rows_per_expert", [3, 200, 700])
 def test_staged_down_epilogue_equals_the_plain_one(monkeypatch, tiles, rows_per_expert):
