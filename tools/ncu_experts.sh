@@ -21,7 +21,7 @@ PRESET=${NCU_PRESET:-deepseek-v3}
   --tiles "$TILES" --iters 1 --no-triton --out-dir "$OUT/bench" > "$OUT/ncu_petit_run.log" 2>&1
 # cuBLAS on the bench's dense baseline (bench_experts.py: torch.bmm over the local experts with
 # the mean rows per expert of uniform routing at W = 2)
-"$NCU" --set full --import-source no -f -o "$OUT/cublas" --kernel-name "regex:gemm|xmma|cutlass" \
+"$NCU" --set full --import-source no -f -o "$OUT/cublas" --kernel-name "regex:nvjet|gemm|xmma|cutlass" \
   --launch-skip 2 --launch-count 2 "$PY" -c "
 import torch
 hidden, inter, experts, top_k = {'deepseek-v3': (7168, 2048, 256, 8),
@@ -39,9 +39,14 @@ torch.cuda.synchronize()
 for rep in petit cublas; do
   [ -f "$OUT/$rep.ncu-rep" ] || { echo "$rep: no report"; tail -5 "$OUT/ncu_${rep}_run.log"; continue; }
   "$NCU" --import "$OUT/$rep.ncu-rep" --print-details all > "$OUT/${rep}_details.txt" 2>&1
-  "$NCU" --import "$OUT/$rep.ncu-rep" --page source --csv --print-source sass 2> /dev/null |
-    "$PY" tools/ncu_stalls.py --top 25 > "$OUT/${rep}_stalls.txt" 2>&1
+  # one kernel at a time (the source page of a multi-kernel report repeats the first)
+  : > "$OUT/${rep}_stalls.txt"
+  for i in 0 1; do
+    "$NCU" --import "$OUT/$rep.ncu-rep" --launch-skip "$i" --launch-count 1 --page source --csv \
+      --print-source sass 2> /dev/null |
+      "$PY" tools/ncu_stalls.py --top 25 >> "$OUT/${rep}_stalls.txt" 2>&1
+  done
   rm -f "$OUT/$rep.ncu-rep"
   grep -E "^  [a-z_<>]|Duration|SM Frequency|Compute \(SM\) Throughput|L2 Cache Throughput|DRAM Throughput|Registers Per|Cluster Size|Grid Size|Shared Memory Per|Issue Slots|Warp Cycles Per Issued" "$OUT/${rep}_details.txt" | head -60
-  head -40 "$OUT/${rep}_stalls.txt"
+  cat "$OUT/${rep}_stalls.txt"
 done
