@@ -302,13 +302,18 @@ using DownWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 8, 2>
 // Down GEMMs of wgmma_ws / wgmma_ws_mc with the staged epilogue (gemm/sm90_epilogue_staged.h;
 // the default; PETIT_MOE_STAGED_EPILOGUE=0 turns it off): a 3-stage ring (144 KiB) to make room
 // for the 66 KiB staging buffer after the scheduler's storage.
-template <class Cfg, int kClusterM = 1>
-using WsStagedMainloop =
-    gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM,
-                              kSchedulerBytes<Cfg> + gemm::StagedWeightedEntryEpilogue<Cfg>::kBytes>;
+template <class Cfg, int kClusterM = 1, bool kATma = false>
+using WsStagedMainloop = gemm::Sm90WgmmaWsMainloop<
+    Cfg, kClusterM, kSchedulerBytes<Cfg> + gemm::StagedWeightedEntryEpilogue<Cfg>::kBytes, kATma>;
 using DownWgmmaWsStaged = WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>>;
 using DownWgmmaWsMcStaged =
     WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM>;
+// The same with the act rows loaded as TMA boxes (kATma, PETIT_MOE_DOWN_A_TMA=1, see
+// down_a_tma_enabled).
+using DownWgmmaWsStagedATma =
+    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, 1, true>;
+using DownWgmmaWsMcStagedATma =
+    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM, true>;
 using DownWgmmaWsMc4Staged =
     WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM4>;
 
@@ -485,10 +490,13 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
 // n-tiles of an expert's left-over m-tile (scheduler.h).
 // kStaged: Epilogue is gemm::StagedWeightedEntryEpilogue, its staging buffer after the
 // scheduler's storage in the main loop's user shared memory.
+// Mainloop::kATma: the A rows come through `a_map` (the down GEMM's act rows, one box per
+// stage) instead of a_row / a_fallback.
 template <class Mainloop, bool kStaged = false, class Epilogue, class ARow>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
                                  const Epilogue& epilogue, const petit_bf16_bits* a_fallback,
-                                 int k_dim, int out_cols, ARow a_row) {
+                                 int k_dim, int out_cols, ARow a_row,
+                                 const CUtensorMap* a_map = nullptr) {
   using Cfg = typename Mainloop::Cfg;
   using Scheduler = gemm::ExpertTileScheduler<Mainloop::kThreads, Mainloop::kClusterM>;
   static_assert(Mainloop::kUserBytes >= int(sizeof(typename Scheduler::SharedStorage)),
@@ -521,12 +529,18 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
   const int num_units = num_tiles * splits;
   if (Mainloop::is_producer()) {
     gemm::sm90_setmaxnreg_dec<Mainloop::kProducerRegs>();
-    if (Mainloop::is_tma_issuer()) gemm::sm90_prefetch_tensor_map(b_map);
+    if (Mainloop::is_tma_issuer()) {
+      gemm::sm90_prefetch_tensor_map(b_map);
+      if constexpr (Mainloop::kATma) gemm::sm90_prefetch_tensor_map(a_map);
+    }
     for (int u = first; u < num_units; u += step) {
       const int split = u % splits;
       const gemm::TileCoord tile = scheduler.tile(u / splits, rank);
       typename Mainloop::LoaderA a_loader;
-      a_loader.init([&](int r) { return a_row(tile, r); }, a_fallback);
+      if constexpr (Mainloop::kATma)
+        a_loader.init(a_map, tile.row_begin);
+      else
+        a_loader.init([&](int r) { return a_row(tile, r); }, a_fallback);
       typename Mainloop::LoaderB b_loader;
       b_loader.init(b_map, tile.expert, tile.n_tile * Cfg::kBlockN);
       mainloop.produce(a_loader, b_loader, k_dim, rank, tile.multicast,
@@ -579,10 +593,12 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
 }
 
 // kStaged: with the staged epilogue (gemm/sm90_epilogue_staged.h; Mainloop a WsStagedMainloop),
-// same output, bit for bit, as the plain one.
+// same output, bit for bit, as the plain one. act_map: the act rows' tensor map (dims {I, N*K,
+// 1, 1}, boxes of kBlockM rows), read by main loops with kATma.
 template <class Mainloop, bool kStaged = false>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
-    expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map) {
+    expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map,
+                          const __grid_constant__ CUtensorMap act_map) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
@@ -591,7 +607,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_ws_gemm<Mainloop, kStaged>(
         a, &w2_map, Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden}, a.act,
         a.intermediate, a.hidden,
-        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); });
+        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); }, &act_map);
   }
 }
 
@@ -1266,8 +1282,14 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                     stream, map);
   }
   if ((err = encode_w2_map<Down>(&map, a)) != petitSuccess) return err;
+  // the act rows' map (read only by the kATma main loops; the others get it unused)
+  CUtensorMap act_map;
+  if ((err = gemm::sm90_encode_weight_map(&act_map, a.act, a.intermediate,
+                                          a.num_rows * a.top_k, 1, 1, Down::Cfg::kBlockM)) !=
+      petitSuccess)
+    return err;
   return launch_tc_kernel<Down>(expert_down_ws_kernel<Down, kStagedDown>, a, a.hidden, num_sms,
-                                stream, map);
+                                stream, map, act_map);
 }
 
 // PETIT_MOE_FUSED_B_AHEAD=N: the fused kernel's down tiles issue the weight boxes of up to N
@@ -1378,6 +1400,16 @@ static int ws_cluster_size() {
              : kWsClusterM;
 }
 
+// PETIT_MOE_DOWN_A_TMA=1 (read at every launch, for A/B measurements; default 0): the staged
+// down GEMMs of wgmma_ws / wgmma_ws_mc load their act rows as one TMA box per stage
+// (DownWgmmaWsStagedATma, DownWgmmaWsMcStagedATma) instead of the producer warpgroup's cp.async.
+// Nsight Compute on H200 (DeepSeek-V3, 8192 tokens/rank, wgmma_ws_mc): the consumers' wgmma
+// stall on the MIO queue and the tensor pipe is busy 71% of the down kernel's cycles, against
+// 93% for cuBLAS's TMA-fed kernel on equal groups of the same shape.
+static bool down_a_tma_enabled() {
+  return petit_env_knob("PETIT_MOE_DOWN_A_TMA", 0, 0, 1) == 1;
+}
+
 // GEMM1 or GEMM2 of a tensor-core family (kExpertTilesMma, kExpertTilesWgmma*), whose path
 // the caller has checked (mma_path_supported, wgmma_path_supported).
 petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, int num_sms,
@@ -1391,6 +1423,9 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
     case kExpertTilesWgmmaNarrow:
       return launch_tc_gemm<GateUpWgmmaNarrow, DownWgmmaNarrow>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWs:
+      if (!gate_up && staged_epilogue_enabled() && down_a_tma_enabled())
+        return launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWsStagedATma, true>(gate_up, a, num_sms,
+                                                                          stream);
       return staged_epilogue_enabled()
                  ? launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWsStaged, true>(gate_up, a, num_sms,
                                                                           stream)
@@ -1398,6 +1433,10 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
     case kExpertTilesWgmmaM64Ws:
       return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWsMc:
+      if (!gate_up && staged_epilogue_enabled() && down_a_tma_enabled() &&
+          ws_cluster_size() == kWsClusterM)
+        return launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMcStagedATma, true>(gate_up, a,
+                                                                              num_sms, stream);
       if (ws_cluster_size() == kWsClusterM4)
         return launch_ws_gemm<GateUpWgmmaWsMc4, DownWgmmaWsMc4Staged, true>(gate_up, a, num_sms,
                                                                             stream);

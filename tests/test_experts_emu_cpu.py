@@ -312,6 +312,28 @@ def test_staged_down_epilogue_equals_the_plain_one(sm90, monkeypatch, tiles, num
     check_against_reference(staged, problem)
 
 
+@pytest.mark.parametrize("tiles,num_sms", [("wgmma_ws", 1), ("wgmma_ws", 3), ("wgmma_ws_mc", 4)])
+def test_down_act_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms):
+    """PETIT_MOE_DOWN_A_TMA=1: the staged down GEMM of wgmma_ws / wgmma_ws_mc loads its act
+    rows as one TMA box per stage (the TMA issuer the stage's only arrival) instead of the
+    producer warpgroup's cp.async: bit-equal. The boxes also read rows past each tile's last
+    (the next expert's, and NaN-poisoned workspace rows past the last valid entry), which
+    must not reach the output; experts with 0-3 m-tiles, a partial last n-tile and k-tile
+    (hidden 520, intermediate 136)."""
+    counts = [100, 0, 200, 300]
+    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(63))]
+    ids = torch.cat([ids, torch.full_like(ids[:50], -1)])  # unrouted rows: act rows never written
+    problem = make_problem(ids.contiguous(), 520, 136, 4, seed=64)
+    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", "1")
+    by_tma, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert used == tiles
+    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", "0")
+    gathered, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert torch.equal(by_tma, gathered)
+    check_against_reference(by_tma, problem)
+
+
 def test_auto_bounds_on_an_sm90_device(sm90):
     """auto's choice by the rows-per-expert estimate N*K / L and the hidden size, where the
     wgmma families run: wgmma_narrow_ws below 2, wgmma_m64_ws below 96, wgmma_ws from there,

@@ -359,6 +359,24 @@ def test_clusters_of_four_equal_wgmma_ws(monkeypatch, counts):
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
 @pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
 @pytest.mark.parametrize("rows_per_expert", [3, 200, 700])
+def test_down_act_rows_by_tma_equal_the_gather(monkeypatch, tiles, rows_per_expert):
+    """PETIT_MOE_DOWN_A_TMA=1 (the staged down GEMM's act rows as one TMA box per stage):
+    bit-equal to the cp.async gather, with NaN-poisoned workspaces (the boxes also read the
+    next expert's rows and unwritten rows past the last valid entry, which must not reach the
+    output), more tiles than SMs at 700 rows per expert, a partial last n-tile and k-tile."""
+    num_local, top_k = 8, 4
+    ids = random_ids(rows_per_expert * num_local // top_k * 2, top_k, num_local, seed=73)
+    problem = make_problem(ids, 1032, 1032, num_local, seed=74)
+    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", "1")
+    by_tma = run_petit(problem, tiles)
+    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", "0")
+    assert torch.equal(by_tma, run_petit(problem, tiles))
+    check(by_tma, problem)
+
+
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
+@pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
+@pytest.mark.parametrize("rows_per_expert", [3, 200, 700])
 def test_staged_down_epilogue_equals_the_plain_one(monkeypatch, tiles, rows_per_expert):
     """PETIT_MOE_STAGED_EPILOGUE=1 (the down GEMM's tile through shared memory and per-row bulk
     copies): bit-equal to the plain epilogue, with NaN-poisoned workspaces, more tiles than

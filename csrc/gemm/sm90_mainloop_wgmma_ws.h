@@ -220,11 +220,17 @@ PETIT_DEVICE void sm90_setmaxnreg_inc() {
 // kUserBytes: shared memory after the barriers for the kernel's own use (user_smem; the tile
 // scheduler's, which cannot be a static __shared__ variable under the CPU emulation's
 // concurrently running cluster CTAs).
-template <class Cfg_, int kClusterM_ = 1, int kUserBytes_ = 0>
+// kATma: the A rows are consecutive rows of one matrix (the down GEMM's activations) and come
+// as one TMA box per stage (Sm90RowsTmaLoader, issued with the weight boxes by the TMA issuer,
+// the stage's only arrival) instead of the producer warpgroup's cp.async gather: no cp.async
+// (LDGSTS) competing with the consumers' wgmma for the SM's MIO queue, no proxy fence per
+// k-tile. The other producer threads then only wait at the end.
+template <class Cfg_, int kClusterM_ = 1, int kUserBytes_ = 0, bool kATma_ = false>
 struct Sm90WgmmaWsMainloop {
   using Cfg = Cfg_;
   static constexpr int kClusterM = kClusterM_;
   static constexpr int kUserBytes = kUserBytes_;
+  static constexpr bool kATma = kATma_;
   static constexpr bool kCompiled = PETIT_SM90A_BODY;
   static constexpr int kConsumerThreads = Cfg::kThreads;
   static constexpr int kProducerThreads = 128;
@@ -243,7 +249,12 @@ struct Sm90WgmmaWsMainloop {
   static_assert(Cfg::kNumBGroups * Cfg::kBlockN / Cfg::kWgN / 2 + 32 <= kConsumerRegs,
                 "the consumers' accumulators do not fit their registers");
 
-  using LoaderA = CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle, kConsumerThreads>;
+  using LoaderA =
+      std::conditional_t<kATma, Sm90RowsTmaLoader<Cfg::kBlockM>,
+                         CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle, kConsumerThreads>>;
+  // Arrivals per fill of a stage: every producer thread's cp.async arrival and the TMA
+  // issuer's expect_tx one; with kATma only the latter.
+  static constexpr int kFullArrivals = kATma ? 1 : kProducerThreads + 1;
   using LoaderB = Sm90WeightTmaLoader<Cfg, kClusterM>;
   static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
   static constexpr int kStageBytes = LoaderA::kStageBytes + LoaderB::kStageBytes;
@@ -284,7 +295,7 @@ struct Sm90WgmmaWsMainloop {
     it = 0;
     if (threadIdx.x == 0) {
       for (int s = 0; s < Cfg::kStages; ++s) {
-        sm90_mbarrier_init(full + 8 * s, kProducerThreads + 1);
+        sm90_mbarrier_init(full + 8 * s, kFullArrivals);
         sm90_mbarrier_init(empty + 8 * s, kConsumerWarps * kClusterM);
       }
       sm90_fence_mbarrier_init();
@@ -303,7 +314,7 @@ struct Sm90WgmmaWsMainloop {
   PETIT_DEVICE void continue_from(const Other& other) {
     static_assert(Other::kStageBytes == kStageBytes && Other::Cfg::kStages == Cfg::kStages &&
                       Other::kConsumerWarps == kConsumerWarps && Other::kClusterM == kClusterM &&
-                      Other::kProducerThreads == kProducerThreads,
+                      Other::kProducerThreads == kProducerThreads && !Other::kATma && !kATma,
                   "one ring: same stages, stage bytes and arrivals");
     ring = other.ring;
     full = other.full;
@@ -333,6 +344,16 @@ struct Sm90WgmmaWsMainloop {
                             volatile int* stage_tags = nullptr, int tag = 0, int b_issued = 0) {
     const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
     const bool tma_issuer = is_tma_issuer();
+    if constexpr (kATma) {  // the TMA issuer alone: A box and weight boxes, one arrival
+      if (!tma_issuer) return;
+      for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
+        const uint32_t s = wait_empty(it);
+        if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
+        issue_weights(b_loader, s, kt, rank, multicast, LoaderA::kStageBytes);
+        a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, full + 8 * s);
+      }
+      return;
+    }
     for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
       const uint32_t s = wait_empty(it);
       if (tma_issuer && kt - kt_begin >= b_issued) {
@@ -354,10 +375,11 @@ struct Sm90WgmmaWsMainloop {
   }
 
   // TMA issuer: the weight boxes of k-tile kt into stage s, after the stage's expected bytes
-  // (the whole stage's, whichever CTA of the cluster loads them) that those copies complete.
+  // (the whole stage's, whichever CTA of the cluster loads them, plus extra_bytes: kATma's A
+  // box) that those copies complete.
   PETIT_DEVICE void issue_weights(const LoaderB& b_loader, uint32_t s, int kt, int rank,
-                                  bool multicast) const {
-    sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes);
+                                  bool multicast, uint32_t extra_bytes = 0) const {
+    sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes + extra_bytes);
     b_loader.issue(ring + s * kStageBytes + LoaderA::kStageBytes, kt * Cfg::kBlockK, full + 8 * s,
                    rank, multicast);
   }
@@ -370,6 +392,7 @@ struct Sm90WgmmaWsMainloop {
   PETIT_DEVICE int produce_b_ahead(const LoaderB& b_loader, int k_dim, int rank, bool multicast,
                                    int max_count, volatile int* stage_tags = nullptr,
                                    int tag = 0) {
+    static_assert(!kATma, "weights ahead of cp.async A rows only");
     const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
     int count = max_count < num_k_tiles ? max_count : num_k_tiles;
     if (count > Cfg::kStages) count = Cfg::kStages;
@@ -396,6 +419,7 @@ struct Sm90WgmmaWsMainloop {
   // Producer threads, after their last tile: one more stage with no data whose tag is `tag`
   // (e.g. -1: no more tiles), completed by plain arrivals of every producer thread.
   PETIT_DEVICE void produce_end(volatile int* stage_tags, int tag) {
+    static_assert(!kATma, "the fused kernels' rings gather their A rows");
     const uint32_t s = wait_empty(it);
     if (is_tma_issuer()) {
       stage_tags[s] = tag;
@@ -429,8 +453,8 @@ struct Sm90WgmmaWsMainloop {
       const uint32_t s = it % Cfg::kStages;
       sm90_mbarrier_wait_parity(full + 8 * s, (it / Cfg::kStages) & 1u);
       // The producers' cp.async writes of the A rows (generic proxy) before this warpgroup's
-      // wgmma reads (async proxy) of the stage; the TMA's weight rows are async-proxy writes.
-      sm90_fence_proxy_async_smem();
+      // wgmma reads (async proxy) of the stage; the TMA's rows are async-proxy writes.
+      if constexpr (!kATma) sm90_fence_proxy_async_smem();
       sm90_wgmma_k_tile<Cfg>(d, ring + s * kStageBytes + a_wg_offset,
                              ring + s * kStageBytes + LoaderA::kStageBytes + b_wg_offset,
                              kt == kt_begin);
