@@ -3,7 +3,8 @@
 # GEMM kernels of one examples/bench_experts.py configuration and for cuBLAS's bmm on equal
 # groups of the same size (what the vendor GEMM does with these shapes), plus each kernel's
 # most-stalled instructions (tools/ncu_stalls.py). Text under $OUT (default /tmp/petit-ncu).
-#   NCU_TOKENS (default 8192), NCU_TILES (default wgmma_ws_mc), NCU_PRESET (default deepseek-v3)
+#   NCU_TOKENS (default 8192), NCU_TILES (default wgmma_ws_mc), NCU_PRESET (default deepseek-v3),
+#   NCU_CUBLAS=0 (skip the cuBLAS kernels)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/petit-ncu}
@@ -21,7 +22,7 @@ PRESET=${NCU_PRESET:-deepseek-v3}
   --tiles "$TILES" --iters 1 --no-triton --out-dir "$OUT/bench" > "$OUT/ncu_petit_run.log" 2>&1
 # cuBLAS on the bench's dense baseline (bench_experts.py: torch.bmm over the local experts with
 # the mean rows per expert of uniform routing at W = 2)
-"$NCU" --set full --import-source no -f -o "$OUT/cublas" --kernel-name "regex:nvjet|gemm|xmma|cutlass" \
+[ "${NCU_CUBLAS:-1}" = 0 ] || "$NCU" --set full --import-source no -f -o "$OUT/cublas" --kernel-name "regex:nvjet|gemm|xmma|cutlass" \
   --launch-skip 2 --launch-count 2 "$PY" -c "
 import torch
 hidden, inter, experts, top_k = {'deepseek-v3': (7168, 2048, 256, 8),
@@ -37,7 +38,7 @@ for _ in range(2):
 torch.cuda.synchronize()
 " > "$OUT/ncu_cublas_run.log" 2>&1
 for rep in petit cublas; do
-  [ -f "$OUT/$rep.ncu-rep" ] || { echo "$rep: no report"; tail -5 "$OUT/ncu_${rep}_run.log"; continue; }
+  [ -f "$OUT/$rep.ncu-rep" ] || { echo "$rep: no report"; tail -5 "$OUT/ncu_${rep}_run.log" 2>/dev/null; continue; }
   "$NCU" --import "$OUT/$rep.ncu-rep" --print-details all > "$OUT/${rep}_details.txt" 2>&1
   # one kernel at a time (the source page of a multi-kernel report repeats the first)
   : > "$OUT/${rep}_stalls.txt"
