@@ -492,10 +492,11 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
 // scheduler's storage in the main loop's user shared memory.
 // Mainloop::kATma: the A rows come through `a_map` (the down GEMM's act rows, one box per
 // stage) instead of a_row / a_fallback.
+// l2_ahead: the producers' L2 prefetch distance in k-tiles (0: none; Sm90WgmmaWsMainloop::produce).
 template <class Mainloop, bool kStaged = false, class Epilogue, class ARow>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
                                  const Epilogue& epilogue, const petit_bf16_bits* a_fallback,
-                                 int k_dim, int out_cols, ARow a_row,
+                                 int k_dim, int out_cols, ARow a_row, int l2_ahead,
                                  const CUtensorMap* a_map = nullptr) {
   using Cfg = typename Mainloop::Cfg;
   using Scheduler = gemm::ExpertTileScheduler<Mainloop::kThreads, Mainloop::kClusterM>;
@@ -544,7 +545,8 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
       typename Mainloop::LoaderB b_loader;
       b_loader.init(b_map, tile.expert, tile.n_tile * Cfg::kBlockN);
       mainloop.produce(a_loader, b_loader, k_dim, rank, tile.multicast,
-                       k_tiles * split / splits, k_tiles * (split + 1) / splits);
+                       k_tiles * split / splits, k_tiles * (split + 1) / splits, nullptr, 0, 0,
+                       l2_ahead);
     }
     gemm::cp_async_wait_all();  // no copy outlives its thread
   } else {
@@ -581,14 +583,15 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
-    expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map) {
+    expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
+                             int l2_ahead) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     expert_ws_gemm<Mainloop>(
         a, &w13_map, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.x, a.hidden,
         a.intermediate,
-        [&](const gemm::TileCoord& tile, int r) { return gate_up_a_row(a, tile, r); });
+        [&](const gemm::TileCoord& tile, int r) { return gate_up_a_row(a, tile, r); }, l2_ahead);
   }
 }
 
@@ -598,7 +601,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
 template <class Mainloop, bool kStaged = false>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map,
-                          const __grid_constant__ CUtensorMap act_map) {
+                          const __grid_constant__ CUtensorMap act_map, int l2_ahead) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
@@ -607,7 +610,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_ws_gemm<Mainloop, kStaged>(
         a, &w2_map, Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden}, a.act,
         a.intermediate, a.hidden,
-        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); }, &act_map);
+        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); }, l2_ahead,
+        &act_map);
   }
 }
 
@@ -1270,6 +1274,13 @@ petitError_t encode_w2_map(CUtensorMap* map, const ExpertGemmArgs& a) {
                                       a.num_local_experts, Mainloop::LoaderB::kBoxRows);
 }
 
+// PETIT_MOE_L2_AHEAD=P (read at every launch, for A/B measurements; default 0 = off, at most
+// 16): the producers of the warp-specialized GEMM kernels prefetch into L2 what they will load
+// P k-tiles later (Sm90WgmmaWsMainloop::produce). Nsight Compute on H200 (DeepSeek-V3, 8192
+// tokens/rank, wgmma_ws_mc): the down kernel's consumers wait for a full stage a third of
+// their time with the 3-stage ring of the staged epilogue.
+static int l2_ahead_k_tiles() { return petit_env_knob("PETIT_MOE_L2_AHEAD", 0, 0, 16); }
+
 // kStagedDown: the down GEMM with the staged epilogue (expert_down_ws_kernel<Down, true>).
 template <class GateUp, class Down, bool kStagedDown = false>
 petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
@@ -1279,7 +1290,7 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
   if (gate_up) {
     if ((err = encode_w13_map<GateUp>(&map, a)) != petitSuccess) return err;
     return launch_tc_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate, num_sms,
-                                    stream, map);
+                                    stream, map, l2_ahead_k_tiles());
   }
   if ((err = encode_w2_map<Down>(&map, a)) != petitSuccess) return err;
   // the act rows' map (read only by the kATma main loops; the others get it unused)
@@ -1289,7 +1300,7 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
       petitSuccess)
     return err;
   return launch_tc_kernel<Down>(expert_down_ws_kernel<Down, kStagedDown>, a, a.hidden, num_sms,
-                                stream, map, act_map);
+                                stream, map, act_map, l2_ahead_k_tiles());
 }
 
 // PETIT_MOE_FUSED_B_AHEAD=N: the fused kernel's down tiles issue the weight boxes of up to N

@@ -334,6 +334,27 @@ def test_down_act_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms
     check_against_reference(by_tma, problem)
 
 
+@pytest.mark.parametrize("tiles,num_sms,a_tma", [("wgmma_ws", 3, "0"), ("wgmma_ws_mc", 4, "0"),
+                                                 ("wgmma_ws_mc", 4, "1")])
+def test_l2_prefetch_changes_nothing(sm90, monkeypatch, tiles, num_sms, a_tma):
+    """PETIT_MOE_L2_AHEAD=P: the producers also prefetch into L2 what they load P k-tiles later
+    (weight boxes, the act box or one bulk prefetch per gathered row; checked for alignment and
+    size by the emulation); the output stays bit-equal. P = 2 (less than a tile's k-tiles) and
+    16 (more: clipped at the last k-tile), partial last k-tile (hidden 520)."""
+    counts = [100, 0, 200, 300]
+    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(65))]
+    problem = make_problem(ids.contiguous(), 520, 136, 4, seed=66)
+    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", a_tma)
+    monkeypatch.setenv("PETIT_MOE_L2_AHEAD", "0")
+    want, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    for ahead in ("2", "16"):
+        monkeypatch.setenv("PETIT_MOE_L2_AHEAD", ahead)
+        got, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+        assert used == tiles
+        assert torch.equal(got, want), ahead
+
+
 def test_auto_bounds_on_an_sm90_device(sm90):
     """auto's choice by the rows-per-expert estimate N*K / L and the hidden size, where the
     wgmma families run: wgmma_narrow_ws below 2, wgmma_m64_ws below 96, wgmma_ws from there,

@@ -358,6 +358,25 @@ def test_clusters_of_four_equal_wgmma_ws(monkeypatch, counts):
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
 @pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
+@pytest.mark.parametrize("a_tma", ["0", "1"])
+def test_l2_prefetch_changes_nothing(monkeypatch, tiles, a_tma):
+    """PETIT_MOE_L2_AHEAD=P (the producers prefetch into L2 what they load P k-tiles later):
+    bit-equal output for P = 4 and 16, with the act rows gathered or by TMA, NaN-poisoned
+    workspaces, more tiles than SMs."""
+    num_local, top_k = 8, 4
+    ids = random_ids(700 * num_local // top_k * 2, top_k, num_local, seed=75)
+    problem = make_problem(ids, 1032, 1032, num_local, seed=76)
+    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", a_tma)
+    monkeypatch.setenv("PETIT_MOE_L2_AHEAD", "0")
+    want = run_petit(problem, tiles)
+    for ahead in ("4", "16"):
+        monkeypatch.setenv("PETIT_MOE_L2_AHEAD", ahead)
+        assert torch.equal(run_petit(problem, tiles), want), ahead
+    check(want, problem)
+
+
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
+@pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
 @pytest.mark.parametrize("rows_per_expert", [3, 200, 700])
 def test_down_act_rows_by_tma_equal_the_gather(monkeypatch, tiles, rows_per_expert):
     """PETIT_MOE_DOWN_A_TMA=1 (the staged down GEMM's act rows as one TMA box per stage):
