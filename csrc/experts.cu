@@ -285,12 +285,6 @@ using DownWgmmaM64Ws = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
 constexpr int kWsClusterM = 2;
 using GateUpWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM>;
 using DownWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, kWsClusterM>;
-// The same in clusters of 4 CTAs (PETIT_MOE_WS_CLUSTER=4, opt-in, see ws_cluster_size): four
-//   m-tiles of one (expert, n-tile) share each weight box, so each CTA reads a quarter of the
-//   weight bytes of a stage from L2 instead of half (24 instead of 32 KiB per k-tile with the
-//   A rows); an expert's m-tiles beyond a multiple of 4 are split by n-tile as above.
-constexpr int kWsClusterM4 = 4;
-using GateUpWgmmaWsMc4 = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM4>;
 // wgmma_narrow_ws: the wgmma_narrow tiles (64 x 128 x 64: gate/up 64 gate + 64 up rows, down
 //   128 w2 rows; 2 consumer warpgroups of 64 x 64 side by side) on the ws main loop, one block
 //   per SM with an 8-stage ring (the 1-block rule of the ws loop; 8 x 24 KiB keeps as many
@@ -314,8 +308,6 @@ using DownWgmmaWsStagedATma =
     WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, 1, true>;
 using DownWgmmaWsMcStagedATma =
     WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM, true>;
-using DownWgmmaWsMc4Staged =
-    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM4>;
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
@@ -492,11 +484,10 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
 // scheduler's storage in the main loop's user shared memory.
 // Mainloop::kATma: the A rows come through `a_map` (the down GEMM's act rows, one box per
 // stage) instead of a_row / a_fallback.
-// l2_ahead: the producers' L2 prefetch distance in k-tiles (0: none; Sm90WgmmaWsMainloop::produce).
 template <class Mainloop, bool kStaged = false, class Epilogue, class ARow>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
                                  const Epilogue& epilogue, const petit_bf16_bits* a_fallback,
-                                 int k_dim, int out_cols, ARow a_row, int l2_ahead,
+                                 int k_dim, int out_cols, ARow a_row,
                                  const CUtensorMap* a_map = nullptr) {
   using Cfg = typename Mainloop::Cfg;
   using Scheduler = gemm::ExpertTileScheduler<Mainloop::kThreads, Mainloop::kClusterM>;
@@ -545,8 +536,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
       typename Mainloop::LoaderB b_loader;
       b_loader.init(b_map, tile.expert, tile.n_tile * Cfg::kBlockN);
       mainloop.produce(a_loader, b_loader, k_dim, rank, tile.multicast,
-                       k_tiles * split / splits, k_tiles * (split + 1) / splits, nullptr, 0, 0,
-                       l2_ahead);
+                       k_tiles * split / splits, k_tiles * (split + 1) / splits);
     }
     gemm::cp_async_wait_all();  // no copy outlives its thread
   } else {
@@ -583,15 +573,14 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
-    expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
-                             int l2_ahead) {
+    expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     expert_ws_gemm<Mainloop>(
         a, &w13_map, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.x, a.hidden,
         a.intermediate,
-        [&](const gemm::TileCoord& tile, int r) { return gate_up_a_row(a, tile, r); }, l2_ahead);
+        [&](const gemm::TileCoord& tile, int r) { return gate_up_a_row(a, tile, r); });
   }
 }
 
@@ -601,7 +590,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
 template <class Mainloop, bool kStaged = false>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map,
-                          const __grid_constant__ CUtensorMap act_map, int l2_ahead) {
+                          const __grid_constant__ CUtensorMap act_map) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
@@ -610,8 +599,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_ws_gemm<Mainloop, kStaged>(
         a, &w2_map, Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden}, a.act,
         a.intermediate, a.hidden,
-        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); }, l2_ahead,
-        &act_map);
+        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); }, &act_map);
   }
 }
 
@@ -1274,13 +1262,6 @@ petitError_t encode_w2_map(CUtensorMap* map, const ExpertGemmArgs& a) {
                                       a.num_local_experts, Mainloop::LoaderB::kBoxRows);
 }
 
-// PETIT_MOE_L2_AHEAD=P (read at every launch, for A/B measurements; default 0 = off, at most
-// 16): the producers of the warp-specialized GEMM kernels prefetch into L2 what they will load
-// P k-tiles later (Sm90WgmmaWsMainloop::produce). Nsight Compute on H200 (DeepSeek-V3, 8192
-// tokens/rank, wgmma_ws_mc): the down kernel's consumers wait for a full stage a third of
-// their time with the 3-stage ring of the staged epilogue.
-static int l2_ahead_k_tiles() { return petit_env_knob("PETIT_MOE_L2_AHEAD", 0, 0, 16); }
-
 // kStagedDown: the down GEMM with the staged epilogue (expert_down_ws_kernel<Down, true>).
 template <class GateUp, class Down, bool kStagedDown = false>
 petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
@@ -1290,7 +1271,7 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
   if (gate_up) {
     if ((err = encode_w13_map<GateUp>(&map, a)) != petitSuccess) return err;
     return launch_tc_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate, num_sms,
-                                    stream, map, l2_ahead_k_tiles());
+                                    stream, map);
   }
   if ((err = encode_w2_map<Down>(&map, a)) != petitSuccess) return err;
   // the act rows' map (read only by the kATma main loops; the others get it unused)
@@ -1300,7 +1281,7 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
       petitSuccess)
     return err;
   return launch_tc_kernel<Down>(expert_down_ws_kernel<Down, kStagedDown>, a, a.hidden, num_sms,
-                                stream, map, act_map, l2_ahead_k_tiles());
+                                stream, map, act_map);
 }
 
 // PETIT_MOE_FUSED_B_AHEAD=N: the fused kernel's down tiles issue the weight boxes of up to N
@@ -1401,16 +1382,6 @@ bool staged_epilogue_enabled() {
   return env == nullptr || env[0] != '0';
 }
 
-// PETIT_MOE_WS_CLUSTER=4 (read at every launch, for A/B measurements; default 2): wgmma_ws_mc
-// runs in clusters of 4 CTAs (GateUpWgmmaWsMc4, DownWgmmaWsMc4Staged: always with the staged
-// down epilogue) instead of 2. Any other value: 2.
-static int ws_cluster_size() {
-  return petit_env_knob("PETIT_MOE_WS_CLUSTER", kWsClusterM, kWsClusterM, kWsClusterM4) ==
-                 kWsClusterM4
-             ? kWsClusterM4
-             : kWsClusterM;
-}
-
 // PETIT_MOE_DOWN_A_TMA=1 (read at every launch, for A/B measurements; default 0): the staged
 // down GEMMs of wgmma_ws / wgmma_ws_mc load their act rows as one TMA box per stage
 // (DownWgmmaWsStagedATma, DownWgmmaWsMcStagedATma) instead of the producer warpgroup's cp.async.
@@ -1444,13 +1415,9 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
     case kExpertTilesWgmmaM64Ws:
       return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWsMc:
-      if (!gate_up && staged_epilogue_enabled() && down_a_tma_enabled() &&
-          ws_cluster_size() == kWsClusterM)
+      if (!gate_up && staged_epilogue_enabled() && down_a_tma_enabled())
         return launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMcStagedATma, true>(gate_up, a,
                                                                               num_sms, stream);
-      if (ws_cluster_size() == kWsClusterM4)
-        return launch_ws_gemm<GateUpWgmmaWsMc4, DownWgmmaWsMc4Staged, true>(gate_up, a, num_sms,
-                                                                            stream);
       return staged_epilogue_enabled()
                  ? launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMcStaged, true>(gate_up, a,
                                                                               num_sms, stream)

@@ -261,35 +261,6 @@ def test_clusters_with_odd_m_tiles_and_several_clusters(sm90, hidden, inter):
     assert (last_launch(sm90, False)["grid"], last_launch(sm90, False)["cluster"]) == (2, 2)
 
 
-@pytest.mark.parametrize("hidden,inter", [(72, 64), (520, 296)])
-def test_clusters_of_four(sm90, monkeypatch, hidden, inter):
-    """PETIT_MOE_WS_CLUSTER=4: wgmma_ws_mc in clusters of 4 CTAs, four m-tiles of one (expert,
-    n-tile) sharing each weight box (multicast to all four). Experts with 1, 5, 3 and 0 m-tiles
-    of 128 rows: one unit of four paired m-tiles, the rest split by n-tile (1 or 3 n-tiles per
-    GEMM: CTAs past the last n-tile walk the k-tiles with no rows); 2 clusters (8 CTAs) walking
-    several units each: bit-equal to wgmma_ws, and to the clusters of 2."""
-    counts = [100, 600, 300, 0]
-    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(33))]
-    problem = make_problem(ids.contiguous(), hidden, inter, 4, seed=34)
-    want, _ = run_emulated(sm90, *problem, tiles="wgmma_ws", num_sms=8)
-    pairs, _ = run_emulated(sm90, *problem, tiles="wgmma_ws_mc", num_sms=8)
-    assert last_launch(sm90, True)["cluster"] == 2
-    monkeypatch.setenv("PETIT_MOE_WS_CLUSTER", "4")
-    got, used = run_emulated(sm90, *problem, tiles="wgmma_ws_mc", num_sms=8)
-    assert used == "wgmma_ws_mc"
-    for gate_up in (True, False):  # 2 clusters of 4 CTAs of 384 threads
-        shape = last_launch(sm90, gate_up)
-        assert (shape["grid"], shape["threads"], shape["cluster"]) == (8, 384, 4), shape
-    assert torch.equal(got, want)
-    assert torch.equal(got, pairs)
-    check_against_reference(got, problem)
-    # 7 SMs: whole clusters only (1 cluster of 4)
-    again, _ = run_emulated(sm90, *problem, tiles="wgmma_ws_mc", num_sms=7)
-    assert torch.equal(again, got)
-    assert (last_launch(sm90, False)["grid"], last_launch(sm90, False)["cluster"]) == (4, 4)
-
-
 @pytest.mark.parametrize("tiles,num_sms", [("wgmma_ws", 1), ("wgmma_ws", 3), ("wgmma_ws_mc", 2),
                                            ("wgmma_ws_mc", 4)])
 def test_staged_down_epilogue_equals_the_plain_one(sm90, monkeypatch, tiles, num_sms):
@@ -332,27 +303,6 @@ def test_down_act_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms
     gathered, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
     assert torch.equal(by_tma, gathered)
     check_against_reference(by_tma, problem)
-
-
-@pytest.mark.parametrize("tiles,num_sms,a_tma", [("wgmma_ws", 3, "0"), ("wgmma_ws_mc", 4, "0"),
-                                                 ("wgmma_ws_mc", 4, "1")])
-def test_l2_prefetch_changes_nothing(sm90, monkeypatch, tiles, num_sms, a_tma):
-    """PETIT_MOE_L2_AHEAD=P: the producers also prefetch into L2 what they load P k-tiles later
-    (weight boxes, the act box or one bulk prefetch per gathered row; checked for alignment and
-    size by the emulation); the output stays bit-equal. P = 2 (less than a tile's k-tiles) and
-    16 (more: clipped at the last k-tile), partial last k-tile (hidden 520)."""
-    counts = [100, 0, 200, 300]
-    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(65))]
-    problem = make_problem(ids.contiguous(), 520, 136, 4, seed=66)
-    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", a_tma)
-    monkeypatch.setenv("PETIT_MOE_L2_AHEAD", "0")
-    want, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-    for ahead in ("2", "16"):
-        monkeypatch.setenv("PETIT_MOE_L2_AHEAD", ahead)
-        got, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-        assert used == tiles
-        assert torch.equal(got, want), ahead
 
 
 def test_auto_bounds_on_an_sm90_device(sm90):

@@ -333,49 +333,6 @@ def test_warp_specialized_families_equal_their_tiles(ws, plain, rows_per_expert,
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
-@pytest.mark.parametrize("counts", [[100, 600, 300, 0, 1030, 512, 5, 260],
-                                    [700, 640, 520, 900, 513, 1024, 777, 600]])
-def test_clusters_of_four_equal_wgmma_ws(monkeypatch, counts):
-    """PETIT_MOE_WS_CLUSTER=4: wgmma_ws_mc in clusters of 4 CTAs (four m-tiles sharing each
-    multicast weight box; the m-tiles past a multiple of 4 split by n-tile) gives wgmma_ws's
-    output bit for bit, NaN-poisoned workspaces, experts with 0-9 m-tiles of 128 rows, more
-    units than clusters; launched as whole clusters of 4, at most one CTA per SM."""
-    from vllm_petit_moe import ops
-
-    problem = make_problem(routing_with_counts(counts, seed=81), 1032, 1032, len(counts),
-                           seed=82)
-    want = run_petit(problem, "wgmma_ws")
-    monkeypatch.setenv("PETIT_MOE_WS_CLUSTER", "4")
-    got = run_petit(problem, "wgmma_ws_mc")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for gate_up in (True, False):
-        shape = ops.last_gemm_launch(gate_up)
-        assert shape["cluster"] == 4 and shape["threads"] == 384, shape
-        assert 0 < shape["grid"] <= sms and shape["grid"] % 4 == 0, shape
-    assert torch.equal(got, want)
-    check(got, problem)
-
-
-@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
-@pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
-@pytest.mark.parametrize("a_tma", ["0", "1"])
-def test_l2_prefetch_changes_nothing(monkeypatch, tiles, a_tma):
-    """PETIT_MOE_L2_AHEAD=P (the producers prefetch into L2 what they load P k-tiles later):
-    bit-equal output for P = 4 and 16, with the act rows gathered or by TMA, NaN-poisoned
-    workspaces, more tiles than SMs."""
-    num_local, top_k = 8, 4
-    ids = random_ids(700 * num_local // top_k * 2, top_k, num_local, seed=75)
-    problem = make_problem(ids, 1032, 1032, num_local, seed=76)
-    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", a_tma)
-    monkeypatch.setenv("PETIT_MOE_L2_AHEAD", "0")
-    want = run_petit(problem, tiles)
-    for ahead in ("4", "16"):
-        monkeypatch.setenv("PETIT_MOE_L2_AHEAD", ahead)
-        assert torch.equal(run_petit(problem, tiles), want), ahead
-    check(want, problem)
-
-
-@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
 @pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
 @pytest.mark.parametrize("rows_per_expert", [3, 200, 700])
 def test_down_act_rows_by_tma_equal_the_gather(monkeypatch, tiles, rows_per_expert):

@@ -80,10 +80,9 @@ def test_warp_specialized_kernels_launch_with_their_register_budget(nvcc, tmp_pa
     kernels = _ptxas_report(nvcc, "experts.cu", tmp_path)["kernels"]
     ws = {name: k for name, k in kernels.items() if "_ws_kernel" in name}
     # gate/up and down of wgmma_ws, _m64_ws, _ws_mc, _narrow_ws; the staged down of _ws, _ws_mc;
-    # the fused gate/up + down of _m64_ws and _narrow_ws; gate/up and staged down of _ws_mc in
-    # clusters of 4 (PETIT_MOE_WS_CLUSTER=4); the staged down of _ws and _ws_mc with the act rows
-    # by TMA (PETIT_MOE_DOWN_A_TMA=1)
-    assert len(ws) == 16, sorted(kernels)
+    # the fused gate/up + down of _m64_ws and _narrow_ws; the staged down of _ws and _ws_mc with
+    # the act rows by TMA (PETIT_MOE_DOWN_A_TMA=1)
+    assert len(ws) == 14, sorted(kernels)
     assert sum("expert_fused_ws_kernel" in name for name in ws) == 2
     for name, k in ws.items():
         assert k["registers"] == 168, (name, k)
@@ -98,7 +97,7 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
     # The body of each .entry, up to the next one.
     entries = re.split(r"\n(?=\.(?:visible )?\.?entry )", ptx)
     ws_bodies = [e for e in entries if re.match(r"\.(?:visible )?\.?entry \w+_ws_kernel", e)]
-    assert len(ws_bodies) == 16
+    assert len(ws_bodies) == 14
     clustered = a_by_tma = 0
     for body in ws_bodies:
         # the down kernels whose act rows come as TMA boxes: no cp.async gather, its arrivals
@@ -110,7 +109,7 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
             assert "cp.async.bulk.global.shared::cta" in body  # staged epilogue
         else:
             assert "cp.async.cg.shared.global" in body
-        # the multicast kernels (wgmma_ws_mc: Sm90WgmmaWsMainloop<..., 2 or 4, ...>)
+        # the multicast kernels (wgmma_ws_mc: Sm90WgmmaWsMainloop<..., 2, ...>, cluster of 2)
         if "multicast::cluster" in body:
             clustered += 1
             for instruction in ("mapa.shared::cluster", "barrier.cluster.arrive",
@@ -124,9 +123,8 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
                             "prefetch.tensormap"):
             assert instruction in body, instruction
     assert a_by_tma == 2
-    # gate/up, down, staged down and staged down with the act rows by TMA of wgmma_ws_mc;
-    # gate/up and staged down in clusters of 4
-    assert clustered == 6
+    # gate/up, down, staged down and staged down with the act rows by TMA of wgmma_ws_mc
+    assert clustered == 4
     # the fused GEMMs: both weight maps prefetched, gate/up arrivals counted after a fence,
     # down tiles waiting for them with acquire loads bounded by the global timer
     fused = [b for b in ws_bodies if "expert_fused_ws_kernel" in b.split("(", 1)[0]]
@@ -136,9 +134,9 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
         for instruction in ("ld.acquire.gpu.global.b32", "atom.global.add", "membar.gl",
                             "%globaltimer", "trap;"):
             assert instruction in body, instruction
-    # the staged epilogue's bulk copies and named barrier (the five staged down kernels)
+    # the staged epilogue's bulk copies and named barrier (the four staged down kernels)
     staged = [b for b in ws_bodies if "cp.async.bulk.global.shared::cta" in b]
-    assert len(staged) == 5
+    assert len(staged) == 4
     for body in staged:
         for instruction in ("cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read",
                             "cp.async.bulk.wait_group 0", "bar.sync"):

@@ -125,11 +125,6 @@ struct CpAsyncLoader {
     }
   }
 
-  // First chunk pointer of thread-local chunk i (its row's start + the chunk's offset), for
-  // the row-wise L2 prefetches of a warp-specialized main loop: valid when bit i of
-  // valid_mask is set.
-  PETIT_DEVICE const petit_bf16_bits* chunk(int i) const { return chunk_ptr[i]; }
-
   // Issue the copies of the k-tile starting at column k0 into the stage at smem address `dst`.
   PETIT_DEVICE void issue(uint32_t dst, int k0, int k_dim) const {
 #pragma unroll

@@ -239,7 +239,7 @@ struct Sm90WgmmaWsMainloop {
   // The block is launched with kThreads threads of at most 65536 / kThreads registers each;
   // setmaxnreg moves the producer's share to the consumers (multiples of 8, within the pool).
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
-  static constexpr int kProducerRegs = 72;
+  static constexpr int kProducerRegs = kClusterM > 1 ? 64 : 56;
   static constexpr int kConsumerRegs =
       (kLaunchRegs * kThreads - kProducerRegs * kProducerThreads) / kConsumerThreads / 8 * 8 > 240
           ? 240
@@ -339,17 +339,9 @@ struct Sm90WgmmaWsMainloop {
   // stage's arrival, which publishes it to the consumers that wait for the stage.
   // b_issued: the first b_issued k-tiles' weight boxes (and the first stage's tag) were issued
   // already by produce_b_ahead (TMA issuer; the other producer threads pass anything).
-  // l2_ahead > 0: after the loads of k-tile kt the producers also prefetch into L2 (no shared
-  // memory, no barrier) what the loads of k-tile kt + l2_ahead will read (at the tile's first
-  // k-tile: k-tiles 1 .. l2_ahead), so that those loads, issued only once the ring has room,
-  // hit L2 instead of waiting for HBM: the ring's few stages then only have to cover L2's
-  // latency. Weight boxes by the TMA issuer (this CTA's share when the cluster shares them);
-  // A rows as TMA boxes (kATma) or, for the cp.async gather, one 128-byte bulk prefetch per
-  // tile row and producer thread.
   PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim, int rank,
                             bool multicast, int kt_begin = 0, int kt_end = -1,
-                            volatile int* stage_tags = nullptr, int tag = 0, int b_issued = 0,
-                            int l2_ahead = 0) {
+                            volatile int* stage_tags = nullptr, int tag = 0, int b_issued = 0) {
     const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
     const bool tma_issuer = is_tma_issuer();
     if constexpr (kATma) {  // the TMA issuer alone: A box and weight boxes, one arrival
@@ -359,8 +351,6 @@ struct Sm90WgmmaWsMainloop {
         if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
         issue_weights(b_loader, s, kt, rank, multicast, LoaderA::kStageBytes);
         a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, full + 8 * s);
-        prefetch_l2(a_loader, b_loader, k_dim, rank, multicast, kt, kt_begin, num_k_tiles,
-                    l2_ahead);
       }
       return;
     }
@@ -372,35 +362,6 @@ struct Sm90WgmmaWsMainloop {
       }
       a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, k_dim);
       sm90_cp_async_mbarrier_arrive_noinc(full + 8 * s);
-      prefetch_l2(a_loader, b_loader, k_dim, rank, multicast, kt, kt_begin, num_k_tiles,
-                  l2_ahead);
-    }
-  }
-
-  // produce()'s L2 prefetches after the loads of k-tile kt (see there).
-  PETIT_DEVICE static void prefetch_l2(const LoaderA& a_loader, const LoaderB& b_loader,
-                                       int k_dim, int rank, bool multicast, int kt, int kt_begin,
-                                       int num_k_tiles, int l2_ahead) {
-    if (l2_ahead <= 0) return;
-    const int last = kt + l2_ahead < num_k_tiles - 1 ? kt + l2_ahead : num_k_tiles - 1;
-    for (int p = kt == kt_begin ? kt + 1 : kt + l2_ahead; p <= last; ++p) {
-      const int k0 = p * Cfg::kBlockK;
-      if (is_tma_issuer()) {
-        b_loader.prefetch_l2(k0, rank, multicast);
-        if constexpr (kATma) a_loader.prefetch_l2(k0);
-      }
-      if constexpr (!kATma) {
-        // thread t's chunk i = t % 8 is chunk 0 of a row no other thread prefetches (chunk
-        // t + 128 i: row t / 8 + 16 i); the row's 128 bytes of the k-tile, or what is left
-        constexpr int kPerRow = LoaderA::kChunksPerRow;
-        if constexpr (LoaderA::kChunksPerThread == kPerRow && LoaderA::kThreads % kPerRow == 0) {
-          const int t = int(threadIdx.x) - kConsumerThreads;
-          const int i = t % kPerRow;
-          const int bytes = (k_dim - k0 < kPerRow * 8 ? k_dim - k0 : kPerRow * 8) * 2;
-          if ((a_loader.valid_mask >> i) & 1u)
-            sm90_bulk_prefetch_l2(a_loader.chunk(i) - (t % kPerRow) * 8 + k0, bytes);
-        }
-      }
     }
   }
 

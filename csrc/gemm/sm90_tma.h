@@ -89,29 +89,6 @@ PETIT_DEVICE void sm90_tma_load_4d_multicast(uint32_t dst, const CUtensorMap* ma
 #endif
 }
 
-// The box (c0, c1, c2, c3) of `map` into L2 only (no shared memory, no barrier): an early
-// touch so that the box's load a few k-tiles later hits L2 instead of waiting for HBM.
-PETIT_DEVICE void sm90_tma_prefetch_l2_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
-#if PETIT_SM90A_DEVICE
-  asm volatile(
-      "cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
-      "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
-#elif PETIT_EMU_PTX
-  emu_ptx::tma_prefetch_4d(map, c0, c1, c2, c3);
-#endif
-}
-
-// `bytes` (a multiple of 16, 16-byte aligned) of global memory from `src` into L2 only.
-PETIT_DEVICE void sm90_bulk_prefetch_l2(const void* src, int bytes) {
-#if PETIT_SM90A_DEVICE
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-#elif PETIT_EMU_PTX
-  emu_ptx::bulk_prefetch_l2(src, bytes);
-#endif
-}
-
 // Fetches the tensor map into the TMA unit's cache ahead of its first use.
 PETIT_DEVICE void sm90_prefetch_tensor_map(const CUtensorMap* map) {
 #if PETIT_SM90A_DEVICE
@@ -143,9 +120,6 @@ struct Sm90RowsTmaLoader {
   PETIT_DEVICE void issue(uint32_t dst, int k0, uint32_t bar) const {
     sm90_tma_load_4d(dst, map, k0, row_begin, 0, 0, bar);
   }
-
-  // The same box of the k-tile at column k0 into L2 only.
-  PETIT_DEVICE void prefetch_l2(int k0) const { sm90_tma_prefetch_l2_4d(map, k0, row_begin, 0, 0); }
 };
 
 // The B (weight) rows of one output tile of tile config Cfg, as TMA boxes: stage row r holds
@@ -202,17 +176,6 @@ struct Sm90WeightTmaLoader {
         sm90_tma_load_4d(dst + uint32_t(r0) * 128u, map, k0, n_begin + Cfg::b_col_of(r0),
                          Cfg::b_group_of(r0), expert, bar);
       }
-    }
-  }
-
-  // The boxes issue() would load for the k-tile at column k0, into L2 only (this CTA's share
-  // when the cluster shares them).
-  PETIT_DEVICE void prefetch_l2(int k0, int rank = 0, bool multicast = false) const {
-#pragma unroll
-    for (int b = 0; b < kBoxes; ++b) {
-      if (kClusterM > 1 && multicast && b % kClusterM != rank) continue;
-      const int r0 = box_row(b);
-      sm90_tma_prefetch_l2_4d(map, k0, n_begin + Cfg::b_col_of(r0), Cfg::b_group_of(r0), expert);
     }
   }
 };

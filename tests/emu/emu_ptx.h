@@ -347,19 +347,6 @@ inline void tma_load_4d_into(int rank, uint32_t dst, const CUtensorMap* map, int
   mbarrier_tx[tx_key(bar)].copies.push_back(copy);
 }
 
-// L2 prefetches (cp.async.bulk.prefetch[.tensor]): no data moves; the emulation only checks
-// what the hardware requires of the operands.
-inline void tma_prefetch_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
-  TensorMap m;
-  std::memcpy(&m, map, sizeof(TensorMap));
-  if (m.box[0] * 2 != 128) trap("L2 prefetch through a map that is not a weight/act map");
-  (void)c0, (void)c1, (void)c2, (void)c3;  // any coordinates: out-of-bounds parts are skipped
-}
-inline void bulk_prefetch_l2(const void* src, int bytes) {
-  if (bytes <= 0 || bytes % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0)
-    trap("bulk L2 prefetch of a size or address not a multiple of 16 bytes");
-}
-
 inline void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
                         uint32_t bar) {
   tma_load_4d_into(-1, dst, map, c0, c1, c2, c3, bar);

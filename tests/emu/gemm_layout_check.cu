@@ -137,10 +137,6 @@ int main() {
       "wgmma_ws_mc gate/up");
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, 2>>(
       "wgmma_ws_mc down");
-  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, 4>>(
-      "wgmma_ws_mc gate/up, clusters of 4");
-  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, 4>>(
-      "wgmma_ws_mc down, clusters of 4 (staged: 3 stages)");
   check_wgmma<Sm90WgmmaTileConfig<128, 128, 2, 4, 2>>("wgmma 128 rows, 2x2 warpgroups, gated");
   check_wgmma<Sm90WgmmaTileConfig<192, 128, 1, 3, 1>>("wgmma 192 rows, n128");
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "OK", failures);
