@@ -273,9 +273,10 @@ PETIT_DEVICE void sm90_epilogue_view(
 
 // One k-tile of a warpgroup's MMAs, shared by both main loops: the kBlockK / 16 wgmma k16
 // steps on the stage's operand tiles at smem addresses a_stage / b_stage (this warpgroup's rows)
-// as one commit group, then wait until at most that group is in flight (the previous k-tile's
-// group has retired, so its stage may be reused). first_k_tile: d starts from zero.
-template <class Cfg>
+// as one commit group, then wait until at most kPending groups are in flight: 1, the previous
+// k-tile's group has retired (its stage may be reused); 0, this one too. first_k_tile: d starts
+// from zero.
+template <class Cfg, int kPending = 1>
 PETIT_DEVICE void sm90_wgmma_k_tile(float (&d)[Cfg::kWgmmaN / 2], uint32_t a_stage,
                                     uint32_t b_stage, bool first_k_tile) {
 #pragma unroll
@@ -286,7 +287,7 @@ PETIT_DEVICE void sm90_wgmma_k_tile(float (&d)[Cfg::kWgmmaN / 2], uint32_t a_sta
     sm90_wgmma_bf16<Cfg::kWgmmaN>(d, sm90_desc_sw128(a_stage + ks * 32),
                                   sm90_desc_sw128(b_stage + ks * 32), !first_k_tile || ks > 0);
   sm90_wgmma_commit();
-  sm90_wgmma_wait<1>();
+  sm90_wgmma_wait<kPending>();
 #pragma unroll
   for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
 }
