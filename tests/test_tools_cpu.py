@@ -152,3 +152,38 @@ def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
                for f in (tmp_path / "out2").glob("ab-*")}
     assert benches == {"ab-new": "examples/bench_experts.py",
                        "ab-new_PETIT_X_1": "examples/bench_experts.py"}
+
+
+def test_ncu_stalls_ranks_instructions_per_kernel(tmp_path, capsys):
+    """tools/ncu_stalls.py on an Nsight Compute source-page export (one table per kernel, each
+    after its "Kernel Name" line): each kernel's instructions by warp-stall samples, their share
+    of that kernel's samples and the largest per-reason columns (Not-issued ones left out)."""
+    stalls = load_script("tools/ncu_stalls.py")
+    header = ('"Address","Source","Warp Stall Sampling (All Samples)",'
+              '"Warp Stall Sampling (Not-issued Samples)","stall_long_sb","stall_barrier",'
+              '"stall_long_sb (Not Issued)"\n')
+    export = tmp_path / "source.csv"
+    export.write_text(
+        '"Kernel Name","gemm_a",\n' + header
+        + '"0x10","HGMMA.64x256x16.F32.BF16 R24","30","20","0","5","0"\n'
+        + '"0x20","@P0 BRA 0x10","60","50","55","0","50"\n'
+        + '"0x30","NOP","10","5","0","0","0"\n'
+        + '"Kernel Name","gemm_b",\n' + header
+        + '"0x10","WARPGROUP.DEPBAR.LE gsb0, 0x0","1,000","900","0","990","0"\n')
+    stalls.summarize(export.read_text().splitlines(keepends=True), top=2)
+    out = capsys.readouterr().out
+    first, second = out.split("== ")[1:]
+    assert "gemm_a" in first and "100 warp stall samples; top 2" in first
+    lines = [line for line in first.splitlines() if "%" in line]
+    assert len(lines) == 2 and "60.0%" in lines[0] and "@P0 BRA 0x10" in lines[0]
+    assert "stall_long_sb 55.0%" in lines[0] and "Not Issued" not in lines[0]
+    assert "30.0%" in lines[1] and "HGMMA" in lines[1] and "stall_barrier 5.0%" in lines[1]
+    assert "NOP" not in first
+    assert "gemm_b" in second and "100.0%" in second and "stall_barrier 99.0%" in second
+
+
+def test_clock_probe_help_runs_without_a_gpu():
+    """tools/clock_probe.py imports torch and the benchmark only when it runs."""
+    from script_module import script_help
+    out = script_help("tools/clock_probe.py")
+    assert "--tiles" in out and "--seconds" in out

@@ -40,7 +40,7 @@ torch.cuda.synchronize()
 for rep in petit cublas; do
   [ -f "$OUT/$rep.ncu-rep" ] || { echo "$rep: no report"; tail -5 "$OUT/ncu_${rep}_run.log" 2>/dev/null; continue; }
   "$NCU" --import "$OUT/$rep.ncu-rep" --print-details all > "$OUT/${rep}_details.txt" 2>&1
-  # one kernel at a time (the source page of a multi-kernel report repeats the first)
+  # one kernel at a time: unfiltered, the source page repeats the first kernel's table
   : > "$OUT/${rep}_stalls.txt"
   for i in 0 1; do
     "$NCU" --import "$OUT/$rep.ncu-rep" --launch-skip "$i" --launch-count 1 --page source --csv \

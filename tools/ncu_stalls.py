@@ -28,7 +28,12 @@ def summarize(lines: list[str], top: int) -> None:
     title = "kernel"
     current: list[str] = []
     for line in lines:
-        if line.startswith('"Address"') or line.startswith("Address"):
+        if line.startswith('"Kernel Name"') or line.startswith("Kernel Name"):
+            if current:
+                blocks.append((title, current))
+                current = []
+            title = line.strip()
+        elif line.startswith('"Address"') or line.startswith("Address"):
             if current:
                 blocks.append((title, current))
             current = [line]
@@ -45,7 +50,11 @@ def summarize(lines: list[str], top: int) -> None:
     if not blocks:
         print("no source table found (take the report with --set full)")
         return
+    printed = set()
     for title, rows in blocks:
+        if (title, len(rows), rows[-1]) in printed:  # the same kernel's table again
+            continue
+        printed.add((title, len(rows), rows[-1]))
         table = list(csv.reader(io.StringIO("".join(rows))))
         header, body = table[0], table[1:]
         try:
@@ -56,7 +65,7 @@ def summarize(lines: list[str], top: int) -> None:
         src_col = next((i for i, h in enumerate(header) if h == "Source"), 1)
         reason_cols = [i for i, h in enumerate(header)
                        if i != all_col and ("stall" in h.lower() or h.startswith("smsp__pcsamp"))
-                       and "Not-issued" not in h]
+                       and "Not-issued" not in h and "Not Issued" not in h]  # subsets
         total = sum(_num(r[all_col]) for r in body if len(r) > all_col) or 1.0
         print(f"== {title[:160]}")
         print(f"   {int(total)} warp stall samples; top {top} instructions:")
