@@ -1274,12 +1274,14 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                     stream, map);
   }
   if ((err = encode_w2_map<Down>(&map, a)) != petitSuccess) return err;
-  // the act rows' map (read only by the kATma main loops; the others get it unused)
-  CUtensorMap act_map;
-  if ((err = gemm::sm90_encode_weight_map(&act_map, a.act, a.intermediate,
-                                          a.num_rows * a.top_k, 1, 1, Down::Cfg::kBlockM)) !=
-      petitSuccess)
-    return err;
+  // the act rows' map, read only by the kATma main loops (the others get a zeroed one)
+  CUtensorMap act_map{};
+  if constexpr (Down::kATma) {
+    if ((err = gemm::sm90_encode_weight_map(&act_map, a.act, a.intermediate,
+                                            a.num_rows * a.top_k, 1, 1, Down::Cfg::kBlockM)) !=
+        petitSuccess)
+      return err;
+  }
   return launch_tc_kernel<Down>(expert_down_ws_kernel<Down, kStagedDown>, a, a.hidden, num_sms,
                                 stream, map, act_map);
 }
@@ -1385,9 +1387,9 @@ bool staged_epilogue_enabled() {
 // PETIT_MOE_DOWN_A_TMA=1 (read at every launch, for A/B measurements; default 0): the staged
 // down GEMMs of wgmma_ws / wgmma_ws_mc load their act rows as one TMA box per stage
 // (DownWgmmaWsStagedATma, DownWgmmaWsMcStagedATma) instead of the producer warpgroup's cp.async.
-// Nsight Compute on H200 (DeepSeek-V3, 8192 tokens/rank, wgmma_ws_mc): the consumers' wgmma
-// stall on the MIO queue and the tensor pipe is busy 71% of the down kernel's cycles, against
-// 93% for cuBLAS's TMA-fed kernel on equal groups of the same shape.
+// Bit-equal; on one H200 0.96-1.02x the gathered time at 1024-8192 tokens/rank, 0.99 in the
+// geometric mean (examples/results/sweeps/experts_pipeline_e576e9e): within the spread, so
+// off by default.
 static bool down_a_tma_enabled() {
   return petit_env_knob("PETIT_MOE_DOWN_A_TMA", 0, 0, 1) == 1;
 }
