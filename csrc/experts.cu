@@ -296,18 +296,27 @@ using DownWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 8, 2>
 // Down GEMMs of wgmma_ws / wgmma_ws_mc with the staged epilogue (gemm/sm90_epilogue_staged.h;
 // the default; PETIT_MOE_STAGED_EPILOGUE=0 turns it off): a 3-stage ring (144 KiB) to make room
 // for the 66 KiB staging buffer after the scheduler's storage.
-template <class Cfg, int kClusterM = 1, bool kATma = false>
+template <class Cfg, int kClusterM = 1, int kALoad = gemm::kALoadCpAsync>
 using WsStagedMainloop = gemm::Sm90WgmmaWsMainloop<
-    Cfg, kClusterM, kSchedulerBytes<Cfg> + gemm::StagedWeightedEntryEpilogue<Cfg>::kBytes, kATma>;
+    Cfg, kClusterM, kSchedulerBytes<Cfg> + gemm::StagedWeightedEntryEpilogue<Cfg>::kBytes, kALoad>;
 using DownWgmmaWsStaged = WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>>;
 using DownWgmmaWsMcStaged =
     WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM>;
-// The same with the act rows loaded as TMA boxes (kATma, PETIT_MOE_DOWN_A_TMA=1, see
+// The same with the act rows loaded as TMA boxes (kALoadRowsTma, PETIT_MOE_DOWN_A_TMA=1, see
 // down_a_tma_enabled).
 using DownWgmmaWsStagedATma =
-    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, 1, true>;
+    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, 1, gemm::kALoadRowsTma>;
 using DownWgmmaWsMcStagedATma =
-    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM, true>;
+    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM,
+                     gemm::kALoadRowsTma>;
+// The gate/up GEMMs of wgmma_ws / wgmma_ws_mc with the received rows gathered as single-row
+// TMA boxes (kALoadGatherTma, PETIT_MOE_GATE_UP_A_TMA=1, see gate_up_a_tma_enabled).
+template <class Cfg, int kClusterM = 1>
+using WsGatherMainloop = gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM, kSchedulerBytes<Cfg> + kWsExtraBytes,
+                                                   gemm::kALoadGatherTma>;
+using GateUpWgmmaWsATma = WsGatherMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
+using GateUpWgmmaWsMcATma =
+    WsGatherMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM>;
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
@@ -482,12 +491,11 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
 // n-tiles of an expert's left-over m-tile (scheduler.h).
 // kStaged: Epilogue is gemm::StagedWeightedEntryEpilogue, its staging buffer after the
 // scheduler's storage in the main loop's user shared memory.
-// Mainloop::kATma: the A rows come through `a_map` (the down GEMM's act rows, one box per
-// stage) instead of a_row / a_fallback.
-template <class Mainloop, bool kStaged = false, class Epilogue, class ARow>
+// a_init(loader, tile): sets up the producer's A loader (Mainloop::LoaderA) for a tile; a_map:
+// the tensor map the A rows come through when Mainloop::kATma (prefetched by the TMA issuer).
+template <class Mainloop, bool kStaged = false, class Epilogue, class AInit>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
-                                 const Epilogue& epilogue, const petit_bf16_bits* a_fallback,
-                                 int k_dim, int out_cols, ARow a_row,
+                                 const Epilogue& epilogue, int k_dim, int out_cols, AInit a_init,
                                  const CUtensorMap* a_map = nullptr) {
   using Cfg = typename Mainloop::Cfg;
   using Scheduler = gemm::ExpertTileScheduler<Mainloop::kThreads, Mainloop::kClusterM>;
@@ -529,10 +537,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
       const int split = u % splits;
       const gemm::TileCoord tile = scheduler.tile(u / splits, rank);
       typename Mainloop::LoaderA a_loader;
-      if constexpr (Mainloop::kATma)
-        a_loader.init(a_map, tile.row_begin);
-      else
-        a_loader.init([&](int r) { return a_row(tile, r); }, a_fallback);
+      a_init(a_loader, tile);
       typename Mainloop::LoaderB b_loader;
       b_loader.init(b_map, tile.expert, tile.n_tile * Cfg::kBlockN);
       mainloop.produce(a_loader, b_loader, k_dim, rank, tile.multicast,
@@ -571,22 +576,33 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
   mainloop.finish();
 }
 
+// x_map: the received rows' tensor map (dims {H, N, 1, 1}, 1-row boxes), read by main loops
+// whose A rows come by TMA (kALoadGatherTma).
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
-    expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map) {
+    expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
+                             const __grid_constant__ CUtensorMap x_map) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
+    static_assert(Mainloop::kALoad != gemm::kALoadRowsTma, "gate/up rows are gathered");
     expert_ws_gemm<Mainloop>(
-        a, &w13_map, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.x, a.hidden,
-        a.intermediate,
-        [&](const gemm::TileCoord& tile, int r) { return gate_up_a_row(a, tile, r); });
+        a, &w13_map, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.hidden, a.intermediate,
+        [&](typename Mainloop::LoaderA& loader, const gemm::TileCoord& tile) {
+          if constexpr (Mainloop::kALoad == gemm::kALoadGatherTma)
+            loader.init(&x_map,
+                        [&](int r) { return a.sorted_entries[tile.row_begin + r] / a.top_k; },
+                        tile.num_rows);
+          else
+            loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
+        },
+        &x_map);
   }
 }
 
 // kStaged: with the staged epilogue (gemm/sm90_epilogue_staged.h; Mainloop a WsStagedMainloop),
 // same output, bit for bit, as the plain one. act_map: the act rows' tensor map (dims {I, N*K,
-// 1, 1}, boxes of kBlockM rows), read by main loops with kATma.
+// 1, 1}, boxes of kBlockM rows), read by main loops whose A rows come by TMA (kALoadRowsTma).
 template <class Mainloop, bool kStaged = false>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map,
@@ -596,10 +612,17 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     using Cfg = typename Mainloop::Cfg;
     using Epilogue = std::conditional_t<kStaged, gemm::StagedWeightedEntryEpilogue<Cfg>,
                                         gemm::WeightedEntryEpilogue<Cfg>>;
+    static_assert(Mainloop::kALoad != gemm::kALoadGatherTma, "down rows are consecutive");
     expert_ws_gemm<Mainloop, kStaged>(
-        a, &w2_map, Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden}, a.act,
+        a, &w2_map, Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden},
         a.intermediate, a.hidden,
-        [&](const gemm::TileCoord& tile, int r) { return down_a_row(a, tile, r); }, &act_map);
+        [&](typename Mainloop::LoaderA& loader, const gemm::TileCoord& tile) {
+          if constexpr (Mainloop::kALoad == gemm::kALoadRowsTma)
+            loader.init(&act_map, tile.row_begin);
+          else
+            loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
+        },
+        &act_map);
   }
 }
 
@@ -1270,13 +1293,20 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
   petitError_t err;
   if (gate_up) {
     if ((err = encode_w13_map<GateUp>(&map, a)) != petitSuccess) return err;
+    // the received rows' map, read only by the gathering-TMA main loops (others: zeroed)
+    CUtensorMap x_map{};
+    if constexpr (GateUp::kALoad == gemm::kALoadGatherTma) {
+      if ((err = gemm::sm90_encode_weight_map(&x_map, a.x, a.hidden, a.num_rows, 1, 1, 1)) !=
+          petitSuccess)
+        return err;
+    }
     return launch_tc_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate, num_sms,
-                                    stream, map);
+                                    stream, map, x_map);
   }
   if ((err = encode_w2_map<Down>(&map, a)) != petitSuccess) return err;
-  // the act rows' map, read only by the kATma main loops (the others get a zeroed one)
+  // the act rows' map, read only by the main loops that load them as boxes (others: zeroed)
   CUtensorMap act_map{};
-  if constexpr (Down::kATma) {
+  if constexpr (Down::kALoad == gemm::kALoadRowsTma) {
     if ((err = gemm::sm90_encode_weight_map(&act_map, a.act, a.intermediate,
                                             a.num_rows * a.top_k, 1, 1, Down::Cfg::kBlockM)) !=
         petitSuccess)
@@ -1394,6 +1424,16 @@ static bool down_a_tma_enabled() {
   return petit_env_knob("PETIT_MOE_DOWN_A_TMA", 0, 0, 1) == 1;
 }
 
+// PETIT_MOE_GATE_UP_A_TMA=1 (read at every launch, for A/B measurements; default 0): the gate/up
+// GEMMs of wgmma_ws / wgmma_ws_mc gather their received rows as one single-row TMA box per row
+// and stage (GateUpWgmmaWsATma, GateUpWgmmaWsMcATma) instead of the producer warpgroup's 8
+// cp.async per thread and stage: on H200 the consumers' wgmma of the cp.async kernels stall on
+// the MIO queue those copies also use (Nsight Compute, examples/results/sweeps/
+// experts_pipeline_e576e9e). Not measured yet.
+static bool gate_up_a_tma_enabled() {
+  return petit_env_knob("PETIT_MOE_GATE_UP_A_TMA", 0, 0, 1) == 1;
+}
+
 // GEMM1 or GEMM2 of a tensor-core family (kExpertTilesMma, kExpertTilesWgmma*), whose path
 // the caller has checked (mma_path_supported, wgmma_path_supported).
 petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, int num_sms,
@@ -1407,6 +1447,8 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
     case kExpertTilesWgmmaNarrow:
       return launch_tc_gemm<GateUpWgmmaNarrow, DownWgmmaNarrow>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWs:
+      if (gate_up && gate_up_a_tma_enabled())
+        return launch_ws_gemm<GateUpWgmmaWsATma, DownWgmmaWs>(gate_up, a, num_sms, stream);
       if (!gate_up && staged_epilogue_enabled() && down_a_tma_enabled())
         return launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWsStagedATma, true>(gate_up, a, num_sms,
                                                                           stream);
@@ -1417,6 +1459,8 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
     case kExpertTilesWgmmaM64Ws:
       return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWsMc:
+      if (gate_up && gate_up_a_tma_enabled())
+        return launch_ws_gemm<GateUpWgmmaWsMcATma, DownWgmmaWsMc>(gate_up, a, num_sms, stream);
       if (!gate_up && staged_epilogue_enabled() && down_a_tma_enabled())
         return launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMcStagedATma, true>(gate_up, a,
                                                                               num_sms, stream);

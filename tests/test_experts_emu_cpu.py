@@ -305,6 +305,27 @@ def test_down_act_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms
     check_against_reference(by_tma, problem)
 
 
+@pytest.mark.parametrize("tiles,num_sms", [("wgmma_ws", 1), ("wgmma_ws", 3), ("wgmma_ws_mc", 4)])
+def test_gate_up_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms):
+    """PETIT_MOE_GATE_UP_A_TMA=1: the gate/up GEMM of wgmma_ws / wgmma_ws_mc gathers its
+    received rows as single-row TMA boxes (one per producer thread and stage, placed by the
+    address-based 128-byte swizzle; the TMA issuer's expect_tx of the weight and the tile's row
+    bytes the stage's only arrival): bit-equal to the cp.async gather. Experts with 0-3 m-tiles
+    (rows missing from a tile are not loaded), clusters of 2 with an odd m-tile (a CTA with no
+    rows), a partial last k-tile (hidden 520) and n-tile (intermediate 136)."""
+    counts = [100, 0, 200, 300]
+    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(67))]
+    problem = make_problem(ids.contiguous(), 520, 136, 4, seed=68)
+    monkeypatch.setenv("PETIT_MOE_GATE_UP_A_TMA", "1")
+    by_tma, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert used == tiles
+    monkeypatch.setenv("PETIT_MOE_GATE_UP_A_TMA", "0")
+    gathered, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert torch.equal(by_tma, gathered)
+    check_against_reference(by_tma, problem)
+
+
 def test_auto_bounds_on_an_sm90_device(sm90):
     """auto's choice by the rows-per-expert estimate N*K / L and the hidden size, where the
     wgmma families run: wgmma_narrow_ws below 2, wgmma_m64_ws below 96, wgmma_ws from there,

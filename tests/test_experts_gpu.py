@@ -335,6 +335,24 @@ def test_warp_specialized_families_equal_their_tiles(ws, plain, rows_per_expert,
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
 @pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
 @pytest.mark.parametrize("rows_per_expert", [3, 200, 700])
+def test_gate_up_rows_by_tma_equal_the_gather(monkeypatch, tiles, rows_per_expert):
+    """PETIT_MOE_GATE_UP_A_TMA=1 (the gate/up GEMM's received rows as single-row TMA boxes,
+    placed by the hardware's address-based 128-byte swizzle): bit-equal to the cp.async
+    gather, NaN-poisoned unrouted rows and workspaces, more tiles than SMs at 700 rows per
+    expert, a partial last k-tile and n-tile."""
+    num_local, top_k = 8, 4
+    ids = random_ids(rows_per_expert * num_local // top_k * 2, top_k, num_local, seed=77)
+    problem = make_problem(ids, 1032, 1032, num_local, seed=78)
+    monkeypatch.setenv("PETIT_MOE_GATE_UP_A_TMA", "1")
+    by_tma = run_petit(problem, tiles)
+    monkeypatch.setenv("PETIT_MOE_GATE_UP_A_TMA", "0")
+    assert torch.equal(by_tma, run_petit(problem, tiles))
+    check(by_tma, problem)
+
+
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
+@pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
+@pytest.mark.parametrize("rows_per_expert", [3, 200, 700])
 def test_down_act_rows_by_tma_equal_the_gather(monkeypatch, tiles, rows_per_expert):
     """PETIT_MOE_DOWN_A_TMA=1 (the staged down GEMM's act rows as one TMA box per stage):
     bit-equal to the cp.async gather, with NaN-poisoned workspaces (the boxes also read the

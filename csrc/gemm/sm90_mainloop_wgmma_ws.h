@@ -220,17 +220,26 @@ PETIT_DEVICE void sm90_setmaxnreg_inc() {
 // kUserBytes: shared memory after the barriers for the kernel's own use (user_smem; the tile
 // scheduler's, which cannot be a static __shared__ variable under the CPU emulation's
 // concurrently running cluster CTAs).
-// kATma: the A rows are consecutive rows of one matrix (the down GEMM's activations) and come
-// as one TMA box per stage (Sm90RowsTmaLoader, issued with the weight boxes by the TMA issuer,
-// the stage's only arrival) instead of the producer warpgroup's cp.async gather: no cp.async
-// (LDGSTS) competing with the consumers' wgmma for the SM's MIO queue, no proxy fence per
-// k-tile. The other producer threads then only wait at the end.
-template <class Cfg_, int kClusterM_ = 1, int kUserBytes_ = 0, bool kATma_ = false>
+// kALoad: how the A rows reach a stage.
+//   kALoadCpAsync: the producer warpgroup gathers them with cp.async (CpAsyncLoader), each
+//     thread arriving on the stage's barrier once its copies landed;
+//   kALoadRowsTma: consecutive rows of one matrix (the down GEMM's activations) as one TMA box
+//     per stage (Sm90RowsTmaLoader), issued with the weight boxes by the TMA issuer, the
+//     stage's only arrival; the other producer threads only wait at the end;
+//   kALoadGatherTma: gathered rows as one single-row TMA box each (Sm90GatherTmaLoader), one
+//     per producer thread, the TMA issuer's expect_tx (the weight and the tile's A bytes) the
+//     stage's only arrival.
+// With either TMA mode no cp.async (LDGSTS) competes with the consumers' wgmma for the SM's
+// MIO queue, and the consumers need no proxy fence per k-tile.
+enum : int { kALoadCpAsync = 0, kALoadRowsTma = 1, kALoadGatherTma = 2 };
+
+template <class Cfg_, int kClusterM_ = 1, int kUserBytes_ = 0, int kALoad_ = kALoadCpAsync>
 struct Sm90WgmmaWsMainloop {
   using Cfg = Cfg_;
   static constexpr int kClusterM = kClusterM_;
   static constexpr int kUserBytes = kUserBytes_;
-  static constexpr bool kATma = kATma_;
+  static constexpr int kALoad = kALoad_;
+  static constexpr bool kATma = kALoad != kALoadCpAsync;
   static constexpr bool kCompiled = PETIT_SM90A_BODY;
   static constexpr int kConsumerThreads = Cfg::kThreads;
   static constexpr int kProducerThreads = 128;
@@ -249,11 +258,14 @@ struct Sm90WgmmaWsMainloop {
   static_assert(Cfg::kNumBGroups * Cfg::kBlockN / Cfg::kWgN / 2 + 32 <= kConsumerRegs,
                 "the consumers' accumulators do not fit their registers");
 
-  using LoaderA =
-      std::conditional_t<kATma, Sm90RowsTmaLoader<Cfg::kBlockM>,
-                         CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle, kConsumerThreads>>;
+  using LoaderA = std::conditional_t<
+      kALoad == kALoadRowsTma, Sm90RowsTmaLoader<Cfg::kBlockM>,
+      std::conditional_t<kALoad == kALoadGatherTma,
+                         Sm90GatherTmaLoader<Cfg::kBlockM, kProducerThreads, kConsumerThreads>,
+                         CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle,
+                                       kConsumerThreads>>>;
   // Arrivals per fill of a stage: every producer thread's cp.async arrival and the TMA
-  // issuer's expect_tx one; with kATma only the latter.
+  // issuer's expect_tx one; with the A rows by TMA only the latter.
   static constexpr int kFullArrivals = kATma ? 1 : kProducerThreads + 1;
   using LoaderB = Sm90WeightTmaLoader<Cfg, kClusterM>;
   static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
@@ -344,7 +356,20 @@ struct Sm90WgmmaWsMainloop {
                             volatile int* stage_tags = nullptr, int tag = 0, int b_issued = 0) {
     const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
     const bool tma_issuer = is_tma_issuer();
-    if constexpr (kATma) {  // the TMA issuer alone: A box and weight boxes, one arrival
+    if constexpr (kALoad == kALoadGatherTma) {  // a row box per thread, one arrival
+      for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
+        const uint32_t s = wait_empty(it);
+        if (tma_issuer) {
+          if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
+          issue_weights(b_loader, s, kt, rank, multicast, a_loader.bytes());
+        }
+        // (a row may land before the issuer's expect_tx: the transaction count goes negative,
+        // and the phase cannot complete before that arrival)
+        a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, full + 8 * s);
+      }
+      return;
+    }
+    if constexpr (kALoad == kALoadRowsTma) {  // the TMA issuer alone: A box and weight boxes
       if (!tma_issuer) return;
       for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
         const uint32_t s = wait_empty(it);
@@ -375,8 +400,8 @@ struct Sm90WgmmaWsMainloop {
   }
 
   // TMA issuer: the weight boxes of k-tile kt into stage s, after the stage's expected bytes
-  // (the whole stage's, whichever CTA of the cluster loads them, plus extra_bytes: kATma's A
-  // box) that those copies complete.
+  // (the whole stage's, whichever CTA of the cluster loads them, plus extra_bytes: the A rows'
+  // when they come by TMA) that those copies complete.
   PETIT_DEVICE void issue_weights(const LoaderB& b_loader, uint32_t s, int kt, int rank,
                                   bool multicast, uint32_t extra_bytes = 0) const {
     sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes + extra_bytes);
