@@ -187,3 +187,22 @@ def test_clock_probe_help_runs_without_a_gpu():
     from script_module import script_help
     out = script_help("tools/clock_probe.py")
     assert "--tiles" in out and "--seconds" in out
+
+
+def test_clock_probe_parses_nvidia_smi_samples_and_phase_medians():
+    """tools/clock_probe.py: nvidia-smi's timestamped samples (an unreadable "[N/A]" line
+    skipped) and the median clock and power of the samples inside a phase, past its first
+    half second."""
+    probe = load_script("tools/clock_probe.py")
+    text = ("2026/12/01 02:59:01.000, 1980, 120.5\n"
+            "2026/12/01 02:59:01.250, 1530, 690.0\n"
+            "2026/12/01 02:59:01.500, [N/A], [N/A]\n"
+            "2026/12/01 02:59:01.750, 1510, 694.0\n"
+            "2026/12/01 02:59:02.000, 1520, 692.0\n")
+    samples = probe.parse_samples(text)
+    assert [c for _, c, _ in samples] == [1980.0, 1530.0, 1510.0, 1520.0]
+    t0 = samples[0][0]
+    assert abs(samples[1][0] - t0 - 0.25) < 1e-6 and abs(samples[3][0] - t0 - 1.0) < 1e-6
+    # phase from t0 - 0.25: the samples from t0 + 0.25 on count
+    assert probe.phase_medians(samples, t0 - 0.25, t0 + 1.0) == (1520.0, 692.0, 3)
+    assert probe.phase_medians(samples, t0 + 2.0, t0 + 3.0) is None

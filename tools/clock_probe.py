@@ -36,6 +36,32 @@ def run_for(fn, seconds):
     return start, time.time(), calls
 
 
+def parse_samples(text: str) -> list[tuple[float, float, float]]:
+    """(time.time() seconds, SM MHz, W) of each `nvidia-smi --query-gpu=timestamp,clocks.sm,
+    power.draw --format=csv,noheader,nounits` line (local-time stamps such as
+    "2026/12/01 02:59:01.250"); lines that do not parse (a "[N/A]" reading) are skipped."""
+    samples = []
+    for line in text.splitlines():
+        try:
+            stamp, clock, power = (f.strip() for f in line.split(","))
+            t = time.mktime(time.strptime(stamp.split(".")[0], "%Y/%m/%d %H:%M:%S"))
+            t += float("0." + stamp.split(".")[1]) if "." in stamp else 0.0
+            samples.append((t, float(clock), float(power)))
+        except ValueError:
+            continue
+    return samples
+
+
+def phase_medians(samples, start: float, end: float, settle: float = 0.5):
+    """(median SM MHz, median W, sample count) of the samples in [start + settle, end] (the
+    clocks settle in the phase's first half second), or None when there are none."""
+    inside = [(c, w) for t, c, w in samples if start + settle <= t <= end]
+    if not inside:
+        return None
+    return (statistics.median(c for c, _ in inside), statistics.median(w for _, w in inside),
+            len(inside))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="deepseek-v3")
@@ -79,27 +105,16 @@ def main() -> None:
         phases[name] = (start, end, calls * flops / (end - start) / 1e12)
         time.sleep(0.5)
     sampler.terminate()
-    samples = []
-    for line in sampler.communicate()[0].splitlines():
-        try:
-            stamp, clock, power = (f.strip() for f in line.split(","))
-            t = time.mktime(time.strptime(stamp.split(".")[0], "%Y/%m/%d %H:%M:%S"))
-            t += float("0." + stamp.split(".")[1]) if "." in stamp else 0.0
-            samples.append((t, float(clock), float(power)))
-        except ValueError:
-            continue
+    samples = parse_samples(sampler.communicate()[0])
     print(f"{args.preset} {args.routing} {args.tokens} tokens/rank, petit tiles {args.tiles}, "
           f"{torch.cuda.get_device_name()}")
     print(f"{'phase':12s} {'TFLOPS':>7s} {'SM MHz (median)':>16s} {'W (median)':>11s} samples")
     for name, (start, end, tflops) in phases.items():
-        # the middle of the phase (past the first half second: clocks settle)
-        inside = [(c, w) for t, c, w in samples if start + 0.5 <= t <= end]
-        if inside:
-            print(f"{name:12s} {tflops:7.1f} {statistics.median(c for c, _ in inside):16.0f} "
-                  f"{statistics.median(w for _, w in inside):11.1f} {len(inside)}")
+        medians = phase_medians(samples, start, end)
+        if medians:
+            print(f"{name:12s} {tflops:7.1f} {medians[0]:16.0f} {medians[1]:11.1f} {medians[2]}")
         else:
             print(f"{name:12s} {tflops:7.1f} {'-':>16s} {'-':>11s} 0")
-
 
 if __name__ == "__main__":
     main()
