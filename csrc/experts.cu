@@ -312,8 +312,8 @@ using DownWgmmaWsMcStagedATma =
 // The gate/up GEMMs of wgmma_ws / wgmma_ws_mc with the received rows gathered as single-row
 // TMA boxes (kALoadGatherTma, PETIT_MOE_GATE_UP_A_TMA=1, see gate_up_a_tma_enabled).
 template <class Cfg, int kClusterM = 1>
-using WsGatherMainloop = gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM, kSchedulerBytes<Cfg> + kWsExtraBytes,
-                                                   gemm::kALoadGatherTma>;
+using WsGatherMainloop = gemm::Sm90WgmmaWsMainloop<
+    Cfg, kClusterM, kSchedulerBytes<Cfg> + kWsExtraBytes, gemm::kALoadGatherTma>;
 using GateUpWgmmaWsATma = WsGatherMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
 using GateUpWgmmaWsMcATma =
     WsGatherMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM>;

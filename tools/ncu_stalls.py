@@ -58,7 +58,8 @@ def summarize(lines: list[str], top: int) -> None:
         table = list(csv.reader(io.StringIO("".join(rows))))
         header, body = table[0], table[1:]
         try:
-            all_col = next(i for i, h in enumerate(header) if h.startswith("Warp Stall Sampling (All"))
+            all_col = next(i for i, h in enumerate(header)
+                           if h.startswith("Warp Stall Sampling (All"))
         except StopIteration:
             print(f"{title}: no warp stall sampling column; columns: {header}")
             continue
