@@ -367,26 +367,23 @@ struct Sm90WgmmaWsMainloop {
         // and the phase cannot complete before that arrival)
         a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, full + 8 * s);
       }
-      return;
-    }
-    if constexpr (kALoad == kALoadRowsTma) {  // the TMA issuer alone: A box and weight boxes
-      if (!tma_issuer) return;
-      for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
+    } else if constexpr (kALoad == kALoadRowsTma) {  // the TMA issuer alone: A and weight boxes
+      for (int kt = kt_begin; tma_issuer && kt < num_k_tiles; ++kt, ++it) {
         const uint32_t s = wait_empty(it);
         if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
         issue_weights(b_loader, s, kt, rank, multicast, LoaderA::kStageBytes);
         a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, full + 8 * s);
       }
-      return;
-    }
-    for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
-      const uint32_t s = wait_empty(it);
-      if (tma_issuer && kt - kt_begin >= b_issued) {
-        if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
-        issue_weights(b_loader, s, kt, rank, multicast);
+    } else {
+      for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
+        const uint32_t s = wait_empty(it);
+        if (tma_issuer && kt - kt_begin >= b_issued) {
+          if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
+          issue_weights(b_loader, s, kt, rank, multicast);
+        }
+        a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, k_dim);
+        sm90_cp_async_mbarrier_arrive_noinc(full + 8 * s);
       }
-      a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, k_dim);
-      sm90_cp_async_mbarrier_arrive_noinc(full + 8 * s);
     }
   }
 
