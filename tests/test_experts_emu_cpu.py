@@ -108,6 +108,20 @@ def routing_with_counts(counts, seed):
     return ids.gather(1, slot_order).contiguous()
 
 
+def top1_ids(counts, seed):
+    """ids [sum(counts), 1]: counts[e] rows routed to local expert e alone, in random order."""
+    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
+    return ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(seed))]
+
+
+def run_with_knob(lib, monkeypatch, knob, value, problem, tiles, num_sms):
+    """run_emulated with the environment knob set to value, asserting it ran `tiles`."""
+    monkeypatch.setenv(knob, value)
+    out, used = run_emulated(lib, *problem, tiles=tiles, num_sms=num_sms)
+    assert used == tiles
+    return out
+
+
 def check_against_reference(out, problem):
     kernel_ref = reference.experts_reference(*problem, precision="kernel")
     fp32_ref = reference.experts_reference(*problem, precision="fp32")
@@ -243,8 +257,7 @@ def test_clusters_with_odd_m_tiles_and_several_clusters(sm90, hidden, inter):
     walks the unit's k-tiles) or 3 (an odd count: the last split unit's second CTA again has
     none); 2 clusters (4 CTAs) walking several units each: bit-equal to wgmma_ws."""
     counts = [100, 200, 300]
-    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(31))]
+    ids = top1_ids(counts, seed=31)
     problem = make_problem(ids.contiguous(), hidden, inter, 3, seed=32)
     got, used = run_emulated(sm90, *problem, tiles="wgmma_ws_mc", num_sms=4)
     assert used == "wgmma_ws_mc"
@@ -270,15 +283,12 @@ def test_staged_down_epilogue_equals_the_plain_one(sm90, monkeypatch, tiles, num
     previous tile's copies may still read it), a partial last n-tile (hidden 520: 8 columns),
     experts with 1-3 m-tiles of rows, one with none."""
     counts = [100, 0, 200, 300]
-    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(61))]
+    ids = top1_ids(counts, seed=61)
     problem = make_problem(ids.contiguous(), 520, 136, 4, seed=62)
-    monkeypatch.setenv("PETIT_MOE_STAGED_EPILOGUE", "1")
-    staged, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-    assert used == tiles
+    knob = "PETIT_MOE_STAGED_EPILOGUE"
+    staged = run_with_knob(sm90, monkeypatch, knob, "1", problem, tiles, num_sms)
     assert last_launch(sm90, False)["smem_bytes"] > last_launch(sm90, True)["smem_bytes"]
-    monkeypatch.setenv("PETIT_MOE_STAGED_EPILOGUE", "0")
-    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    plain = run_with_knob(sm90, monkeypatch, knob, "0", problem, tiles, num_sms)
     assert torch.equal(staged, plain)
     check_against_reference(staged, problem)
 
@@ -292,15 +302,12 @@ def test_down_act_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms
     must not reach the output; experts with 0-3 m-tiles, a partial last n-tile and k-tile
     (hidden 520, intermediate 136)."""
     counts = [100, 0, 200, 300]
-    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(63))]
+    ids = top1_ids(counts, seed=63)
     ids = torch.cat([ids, torch.full_like(ids[:50], -1)])  # unrouted rows: act rows never written
     problem = make_problem(ids.contiguous(), 520, 136, 4, seed=64)
-    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", "1")
-    by_tma, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-    assert used == tiles
-    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", "0")
-    gathered, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    knob = "PETIT_MOE_DOWN_A_TMA"
+    by_tma = run_with_knob(sm90, monkeypatch, knob, "1", problem, tiles, num_sms)
+    gathered = run_with_knob(sm90, monkeypatch, knob, "0", problem, tiles, num_sms)
     assert torch.equal(by_tma, gathered)
     check_against_reference(by_tma, problem)
 
@@ -314,14 +321,11 @@ def test_gate_up_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms)
     (rows missing from a tile are not loaded), clusters of 2 with an odd m-tile (a CTA with no
     rows), a partial last k-tile (hidden 520) and n-tile (intermediate 136)."""
     counts = [100, 0, 200, 300]
-    ids = torch.cat([torch.full((c, 1), e, dtype=torch.int32) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(67))]
+    ids = top1_ids(counts, seed=67)
     problem = make_problem(ids.contiguous(), 520, 136, 4, seed=68)
-    monkeypatch.setenv("PETIT_MOE_GATE_UP_A_TMA", "1")
-    by_tma, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-    assert used == tiles
-    monkeypatch.setenv("PETIT_MOE_GATE_UP_A_TMA", "0")
-    gathered, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    knob = "PETIT_MOE_GATE_UP_A_TMA"
+    by_tma = run_with_knob(sm90, monkeypatch, knob, "1", problem, tiles, num_sms)
+    gathered = run_with_knob(sm90, monkeypatch, knob, "0", problem, tiles, num_sms)
     assert torch.equal(by_tma, gathered)
     check_against_reference(by_tma, problem)
 

@@ -88,6 +88,20 @@ def run_petit(problem, tiles, *, with_workspaces=True):
     return out
 
 
+def knob_on_equals_off(monkeypatch, knob, tiles, rows_per_expert, *, seed):
+    """ops.experts_forward with the environment knob at 1 and at 0 on the same problem (8 local
+    experts, top-4, hidden and intermediate 1032, ~rows_per_expert rows each, NaN-poisoned
+    workspaces): asserts bit-equal outputs, returns the one with the knob on."""
+    num_local, top_k = 8, 4
+    ids = random_ids(rows_per_expert * num_local // top_k * 2, top_k, num_local, seed=seed)
+    problem = make_problem(ids, 1032, 1032, num_local, seed=seed + 1)
+    monkeypatch.setenv(knob, "1")
+    on = run_petit(problem, tiles)
+    monkeypatch.setenv(knob, "0")
+    assert torch.equal(on, run_petit(problem, tiles))
+    return on, problem
+
+
 def check(out, problem, name="experts"):
     recv_x, ids, weights, w13, w2 = problem
     kernel_ref = reference.experts_reference(recv_x.nan_to_num(), ids, weights, w13, w2, "kernel")
@@ -340,13 +354,8 @@ def test_gate_up_rows_by_tma_equal_the_gather(monkeypatch, tiles, rows_per_exper
     placed by the hardware's address-based 128-byte swizzle): bit-equal to the cp.async
     gather, NaN-poisoned unrouted rows and workspaces, more tiles than SMs at 700 rows per
     expert, a partial last k-tile and n-tile."""
-    num_local, top_k = 8, 4
-    ids = random_ids(rows_per_expert * num_local // top_k * 2, top_k, num_local, seed=77)
-    problem = make_problem(ids, 1032, 1032, num_local, seed=78)
-    monkeypatch.setenv("PETIT_MOE_GATE_UP_A_TMA", "1")
-    by_tma = run_petit(problem, tiles)
-    monkeypatch.setenv("PETIT_MOE_GATE_UP_A_TMA", "0")
-    assert torch.equal(by_tma, run_petit(problem, tiles))
+    by_tma, problem = knob_on_equals_off(monkeypatch, "PETIT_MOE_GATE_UP_A_TMA", tiles,
+                                        rows_per_expert, seed=77)
     check(by_tma, problem)
 
 
@@ -358,13 +367,8 @@ def test_down_act_rows_by_tma_equal_the_gather(monkeypatch, tiles, rows_per_expe
     bit-equal to the cp.async gather, with NaN-poisoned workspaces (the boxes also read the
     next expert's rows and unwritten rows past the last valid entry, which must not reach the
     output), more tiles than SMs at 700 rows per expert, a partial last n-tile and k-tile."""
-    num_local, top_k = 8, 4
-    ids = random_ids(rows_per_expert * num_local // top_k * 2, top_k, num_local, seed=73)
-    problem = make_problem(ids, 1032, 1032, num_local, seed=74)
-    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", "1")
-    by_tma = run_petit(problem, tiles)
-    monkeypatch.setenv("PETIT_MOE_DOWN_A_TMA", "0")
-    assert torch.equal(by_tma, run_petit(problem, tiles))
+    by_tma, problem = knob_on_equals_off(monkeypatch, "PETIT_MOE_DOWN_A_TMA", tiles,
+                                        rows_per_expert, seed=73)
     check(by_tma, problem)
 
 
@@ -375,13 +379,8 @@ def test_staged_down_epilogue_equals_the_plain_one(monkeypatch, tiles, rows_per_
     """PETIT_MOE_STAGED_EPILOGUE=1 (the down GEMM's tile through shared memory and per-row bulk
     copies): bit-equal to the plain epilogue, with NaN-poisoned workspaces, more tiles than
     SMs at 700 rows per expert, a partial last n-tile (hidden 1032)."""
-    num_local, top_k = 8, 4
-    ids = random_ids(rows_per_expert * num_local // top_k * 2, top_k, num_local, seed=71)
-    problem = make_problem(ids, 1032, 1032, num_local, seed=72)
-    monkeypatch.setenv("PETIT_MOE_STAGED_EPILOGUE", "1")
-    staged = run_petit(problem, tiles)
-    monkeypatch.setenv("PETIT_MOE_STAGED_EPILOGUE", "0")
-    assert torch.equal(staged, run_petit(problem, tiles))
+    staged, problem = knob_on_equals_off(monkeypatch, "PETIT_MOE_STAGED_EPILOGUE", tiles,
+                                        rows_per_expert, seed=71)
     check(staged, problem)
 
 
