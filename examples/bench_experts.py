@@ -165,6 +165,29 @@ def petit_fn(recv_x, local_ids, weights, w13, w2, tiles):
     return run
 
 
+def dense_fn(local_ids, w13, w2):
+    """cuBLAS's reference for the same work: ``torch.bmm`` over the touched experts' weights
+    with the mean rows per expert for every one of them (contiguous rows, no gather, no
+    activation or weighting). Returns (call, its FLOPs), or (None, 0) when no pair is local."""
+    import torch
+
+    valid = local_ids >= 0
+    pairs = int(valid.sum())
+    if not pairs:
+        return None, 0
+    touched = int(torch.unique(local_ids[valid]).numel())
+    rows = -(-pairs // touched)
+    hidden, inter = w13.shape[2], w2.shape[2]
+    a1 = torch.randn(touched, rows, hidden, dtype=torch.bfloat16, device="cuda")
+    a2 = torch.randn(touched, rows, inter, dtype=torch.bfloat16, device="cuda")
+    w13_t, w2_t = w13[:touched].transpose(1, 2), w2[:touched].transpose(1, 2)
+
+    def run():
+        return torch.bmm(a1, w13_t), torch.bmm(a2, w2_t)
+
+    return run, 2 * 3 * hidden * inter * rows * touched
+
+
 _triton_note: list[str] = []
 
 
@@ -329,18 +352,11 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
                           max(3, args.iters // 5), flush, graph=False)
 
     dense_us = dense_tflops = None
-    if pairs:
-        rows_per_expert = -(-pairs // experts_touched)
-        a1 = torch.randn(experts_touched, rows_per_expert, hidden, dtype=torch.bfloat16,
-                         device="cuda")
-        a2 = torch.randn(experts_touched, rows_per_expert, inter, dtype=torch.bfloat16,
-                         device="cuda")
-        w13_t, w2_t = w13[:experts_touched].transpose(1, 2), w2[:experts_touched].transpose(1, 2)
-        dense_us, _ = time_us(lambda: (torch.bmm(a1, w13_t), torch.bmm(a2, w2_t)), args.iters,
-                              flush)
-        dense_flops = 2 * 3 * hidden * inter * rows_per_expert * experts_touched
+    run_dense, dense_flops = dense_fn(local_ids, w13, w2)
+    if run_dense is not None:
+        dense_us, _ = time_us(run_dense, args.iters, flush)
         dense_tflops = dense_flops / (dense_us * 1e-6) / 1e12
-        del a1, a2
+        del run_dense
 
     def tflops(us):
         return flops / (us * 1e-6) / 1e12 if us and pairs else 0.0
