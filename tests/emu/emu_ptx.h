@@ -24,7 +24,8 @@
 //   - mbarrier init / arrive / arrive.expect_tx / try_wait.parity: a phase counter and pending
 //     count under one mutex, in the barrier's 8 bytes of shared memory, plus the barrier's
 //     expected transaction bytes and queued TMA copies in a table beside it; a phase completes
-//     when its arrivals and its transaction bytes are both done; a failed try_wait yields;
+//     when its arrivals and its transaction bytes are both done; a failed try_wait yields
+//     (sleeps, after kPollsBeforeSleep failures in a row);
 //   - TMA tile loads (cp.async.bulk.tensor, 4-D, 128-byte swizzle, zero fill out of bounds)
 //     through a tensor map that tensor_map_encode writes in its own format into the 128 bytes
 //     of a CUtensorMap: queued on their mbarrier, performed (and their bytes completed) when
@@ -37,7 +38,8 @@
 //     thread; commit_group closes a group; wait_group(.read) N performs all but the newest N
 //     groups, reading shared memory then (so staging rewritten before the wait is caught);
 //   - bar.sync id, count (named barriers): a barrier of `count` threads of the block;
-//   - %globaltimer: the host's steady clock; trap: a message and abort().
+//   - %globaltimer: the host's steady clock, kTimerSlowdown times slower; trap: a message
+//     (also to $PETIT_EMU_TRAP_LOG) and abort().
 // What it checks: the data path (loaders, swizzle, descriptors, stage and phase indexing,
 // epilogues) and the ordering the kernels rely on (copies waited for before use, a stage not
 // refilled before the MMAs that read it retired, no deadlock). What it cannot show: the
@@ -80,9 +82,19 @@ inline unsigned char* smem_ptr(uint32_t addr) {
   return emu::cluster_smem[rank_plus_one - 1] + (addr & ((1u << kClusterRankShift) - 1));
 }
 
+// The message goes to stderr and, with PETIT_EMU_TRAP_LOG set, is appended to that file too
+// (pytest's capture of stderr is lost when the process aborts; .ci/run prints the file).
 [[noreturn]] inline void trap(const char* what) {
-  std::fprintf(stderr, "emu_ptx: trap: %s (block %u, thread %u)\n", what,
-               unsigned(emu::block_idx.x), unsigned(emu::thread_idx.x));
+  char line[256];
+  std::snprintf(line, sizeof(line), "emu_ptx: trap: %s (block %u, thread %u)\n", what,
+                unsigned(emu::block_idx.x), unsigned(emu::thread_idx.x));
+  std::fputs(line, stderr);
+  if (const char* path = std::getenv("PETIT_EMU_TRAP_LOG")) {
+    if (std::FILE* f = std::fopen(path, "a")) {
+      std::fputs(line, f);
+      std::fclose(f);
+    }
+  }
   std::abort();
 }
 
@@ -397,6 +409,8 @@ inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   mbarrier_arrive_locked(bar);
 }
 
+constexpr int kPollsBeforeSleep = 1024;
+
 // The phase with parity `parity` has completed: the current phase has the other parity. The
 // barrier's queued TMA copies land first (a waiter is the latest they can be needed by).
 inline bool mbarrier_try_wait_parity(uint32_t bar, uint32_t parity) {
@@ -414,7 +428,16 @@ inline bool mbarrier_try_wait_parity(uint32_t bar, uint32_t parity) {
     }
     done = (m->phase & 1u) != parity;
   }
-  if (!done) std::this_thread::yield();
+  // Polling threads give the cores to the ones that make progress: a yield, then after
+  // kPollsBeforeSleep failed polls in a row a short sleep per poll.
+  thread_local int failed_polls = 0;
+  if (done) {
+    failed_polls = 0;
+  } else if (++failed_polls <= kPollsBeforeSleep) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
   return done;
 }
 
@@ -442,10 +465,17 @@ inline void cp_async_mbarrier_arrive(uint32_t bar) {
   mbarrier_arrive(bar);
 }
 
+// The emulated %globaltimer runs kTimerSlowdown times slower than the host's steady clock: a
+// block is hundreds of OS threads that poll on few cores, so a wait the GPU finishes in
+// microseconds can take seconds here (seen: pipeline waits of the gate/up TMA test past the
+// kernels' 10 s bound in CI on 2 cores, and with 6 test processes on one core), while a real
+// deadlock still traps, only later.
+constexpr uint64_t kTimerSlowdown = 30;
 inline uint64_t globaltimer_ns() {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now().time_since_epoch())
-                      .count());
+                      .count()) /
+         kTimerSlowdown;
 }
 
 }  // namespace emu_ptx
