@@ -13,6 +13,10 @@ the CUDA headers (for uint4/float4/dim3 only).
 from __future__ import annotations
 
 import ctypes
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -328,6 +332,22 @@ def test_gate_up_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms)
     gathered = run_with_knob(sm90, monkeypatch, knob, "0", problem, tiles, num_sms)
     assert torch.equal(by_tma, gathered)
     check_against_reference(by_tma, problem)
+
+
+def test_a_trap_reports_to_stderr_and_appends_to_the_trap_log(emu, tmp_path):
+    """A trap of the emulation (a pipeline wait past its bound, a bad barrier, ...) aborts the
+    process, which loses pytest's capture of stderr: the message also goes to the file
+    $PETIT_EMU_TRAP_LOG (appended; .ci/run prints it)."""
+    log = tmp_path / "trap.log"
+    log.write_text("earlier\n")
+    code = f"import ctypes; ctypes.CDLL({emu._name!r}).petit_emu_trap(b'test trap')"
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                            text=True, env={**os.environ, "PETIT_EMU_TRAP_LOG": str(log)},
+                            timeout=120)
+    assert result.returncode == -signal.SIGABRT, result
+    line = "emu_ptx: trap: test trap (block 0, thread 0)"
+    assert line in result.stderr
+    assert log.read_text() == f"earlier\n{line}\n"
 
 
 def test_auto_bounds_on_an_sm90_device(sm90):

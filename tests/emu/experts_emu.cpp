@@ -21,6 +21,8 @@ extern "C" int petit_emu_fused_auto_narrow() {
   petit::g_emu_fused_auto_narrow = -1;
   return branch;
 }
+// emu_ptx::trap(what) on this thread: for the test of what a trap reports (it aborts).
+extern "C" void petit_emu_trap(const char* what) { emu_ptx::trap(what); }
 // Whether the last petit_emu_experts call ran both GEMMs as one launch (expert_fused_gemms).
 static bool g_fused_gemms = false;
 extern "C" int petit_emu_fused_gemms() { return g_fused_gemms ? 1 : 0; }
