@@ -4,8 +4,13 @@
 # uses. Sources that include torch/pybind headers (csrc/bindings.cpp) are skipped: they need
 # a ROCm torch build. Fails on the first compile error after trying every file.
 #
-#   bash tools/hip_compile_check.sh                      # gfx90a
+#   bash tools/hip_compile_check.sh                      # gfx90a + CDNA3 (+ gfx950), see below
 #   HIP_ARCHS="gfx90a gfx942" bash tools/hip_compile_check.sh
+#
+# Default targets: gfx90a (MI200, CDNA2), the MI300 family (CDNA3) as gfx942 or, with a hipcc
+# too old to know it (ROCm 5.x, as on CI's Debian), as gfx940, the CDNA3 target ID such a
+# hipcc does know, and gfx950 (MI350, CDNA4) when the hipcc knows it; what it does not know is
+# named, not checked.
 #
 # Needs hipcc (Debian/Ubuntu: apt-get install -y hipcc libamdhip64-dev). Objects and logs go
 # to $OUT (default: a fresh temporary folder).
@@ -13,7 +18,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 HIPCC=${HIPCC:-hipcc}
-HIP_ARCHS=${HIP_ARCHS:-gfx90a}
 OUT=${OUT:-$(mktemp -d /tmp/petit-hip-check.XXXXXX)}
 mkdir -p "$OUT"
 export HIP_PLATFORM=amd
@@ -22,7 +26,30 @@ if ! command -v "$HIPCC" >/dev/null 2>&1; then
   echo "hip_compile_check: '$HIPCC' not found (apt-get install -y hipcc libamdhip64-dev)" >&2
   exit 2
 fi
+
+# Whether this hipcc compiles an empty kernel for offload arch $1.
+knows_arch() {
+  printf '#include <hip/hip_runtime.h>\n__global__ void k() {}\n' > "$OUT/probe.hip"
+  "$HIPCC" --offload-arch="$1" -x hip -c "$OUT/probe.hip" -o "$OUT/probe.$1.o" \
+    > "$OUT/probe.$1.log" 2>&1
+}
+not_checked=()
+if [ -z "${HIP_ARCHS:-}" ]; then
+  HIP_ARCHS=gfx90a
+  if knows_arch gfx942; then
+    HIP_ARCHS+=" gfx942"
+  elif knows_arch gfx940; then
+    HIP_ARCHS+=" gfx940"
+    not_checked+=("gfx942 (MI300X; CDNA3 checked as gfx940)")
+  else
+    not_checked+=("gfx942/gfx940 (MI300, CDNA3)")
+  fi
+  if knows_arch gfx950; then HIP_ARCHS+=" gfx950"; else not_checked+=("gfx950 (MI350)"); fi
+fi
 echo "hip_compile_check: $("$HIPCC" --version 2>/dev/null | head -1); archs: $HIP_ARCHS; out: $OUT"
+if [ ${#not_checked[@]} -gt 0 ]; then
+  echo "hip_compile_check: not known to this hipcc, not checked: ${not_checked[*]}"
+fi
 
 shopt -s nullglob
 sources=(csrc/*.cu csrc/*.cpp)
