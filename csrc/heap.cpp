@@ -121,21 +121,24 @@ petitError_t SymmetricHeap::map_all(const int* peer_fds, int world_size, int ran
 }
 
 void SymmetricHeap::release() {
-  // Teardown in reverse: unmap, free the range, release imported and local handles.
-  for (int r = 0; r < num_mapped_; ++r) petit_vmm_unmap(base_ + int64_t(r) * stride_, size_t(stride_));
+  // Teardown in reverse: unmap, free the range, release imported and local handles. Best
+  // effort (also run by the destructor): a failed step does not stop the later ones.
+  for (int r = 0; r < num_mapped_; ++r)
+    (void)petit_vmm_unmap(base_ + int64_t(r) * stride_, size_t(stride_));
   num_mapped_ = 0;
   mapped_ = false;
-  if (base_ != nullptr) petit_vmm_address_free(base_, size_t(stride_) * size_t(world_size_));
+  if (base_ != nullptr)
+    (void)petit_vmm_address_free(base_, size_t(stride_) * size_t(world_size_));
   base_ = nullptr;
   if (peer_handles_ != nullptr) {
     for (int r = 0; r < world_size_; ++r)
-      if (imported_[r]) petit_vmm_release(peer_handles_[r]);
+      if (imported_[r]) (void)petit_vmm_release(peer_handles_[r]);
     delete[] peer_handles_;
     delete[] imported_;
     peer_handles_ = nullptr;
     imported_ = nullptr;
   }
-  if (has_local_handle_) petit_vmm_release(local_handle_);
+  if (has_local_handle_) (void)petit_vmm_release(local_handle_);
   has_local_handle_ = false;
 }
 
