@@ -265,8 +265,11 @@ struct Sm90WgmmaWsMainloop {
                          CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle,
                                        kConsumerThreads>>>;
   // Arrivals per fill of a stage: every producer thread's cp.async arrival and the TMA
-  // issuer's expect_tx one; with the A rows by TMA only the latter.
-  static constexpr int kFullArrivals = kATma ? 1 : kProducerThreads + 1;
+  // issuer's expect_tx one; with the rows as one box the latter only; with the gathered rows
+  // by TMA one per producer warp (the issuer's expect_tx that of the first warp, see produce).
+  static constexpr int kFullArrivals = kALoad == kALoadCpAsync    ? kProducerThreads + 1
+                                       : kALoad == kALoadRowsTma ? 1
+                                                                 : kProducerThreads / 32;
   using LoaderB = Sm90WeightTmaLoader<Cfg, kClusterM>;
   static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
   static constexpr int kStageBytes = LoaderA::kStageBytes + LoaderB::kStageBytes;
@@ -356,7 +359,7 @@ struct Sm90WgmmaWsMainloop {
                             volatile int* stage_tags = nullptr, int tag = 0, int b_issued = 0) {
     const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
     const bool tma_issuer = is_tma_issuer();
-    if constexpr (kALoad == kALoadGatherTma) {  // a row box per thread, one arrival
+    if constexpr (kALoad == kALoadGatherTma) {  // a row box per thread, an arrival per warp
       for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
         const uint32_t s = wait_empty(it);
         if (tma_issuer) {
@@ -366,6 +369,13 @@ struct Sm90WgmmaWsMainloop {
         // (a row may land before the issuer's expect_tx: the transaction count goes negative,
         // and the phase cannot complete before that arrival)
         a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, full + 8 * s);
+        // Each producer warp arrives once its lanes are all past this fill's wait_empty (the
+        // first warp's arrival is the issuer's expect_tx). Without it a thread with no row in
+        // the tile neither arrives nor adds bytes, so the others could run a whole ring ahead
+        // of it, and its next parity wait would take a later phase for its own (a deadlock the
+        // CPU emulation hit under load).
+        petit_syncwarp();
+        if (threadIdx.x % 32 == 0 && !tma_issuer) sm90_mbarrier_arrive(full + 8 * s);
       }
     } else if constexpr (kALoad == kALoadRowsTma) {  // the TMA issuer alone: A and weight boxes
       for (int kt = kt_begin; tma_issuer && kt < num_k_tiles; ++kt, ++it) {

@@ -82,16 +82,21 @@ inline unsigned char* smem_ptr(uint32_t addr) {
   return emu::cluster_smem[rank_plus_one - 1] + (addr & ((1u << kClusterRankShift) - 1));
 }
 
-// The message goes to stderr and, with PETIT_EMU_TRAP_LOG set, is appended to that file too
-// (pytest's capture of stderr is lost when the process aborts; .ci/run prints the file).
+inline void describe_mbarriers(std::FILE* f);  // below
+
+// The message, then the state of the mbarriers with transactions (describe_mbarriers), go to
+// stderr and, with PETIT_EMU_TRAP_LOG set, are appended to that file too (pytest's capture of
+// stderr is lost when the process aborts; .ci/run prints the file).
 [[noreturn]] inline void trap(const char* what) {
   char line[256];
   std::snprintf(line, sizeof(line), "emu_ptx: trap: %s (block %u, thread %u)\n", what,
                 unsigned(emu::block_idx.x), unsigned(emu::thread_idx.x));
   std::fputs(line, stderr);
+  describe_mbarriers(stderr);
   if (const char* path = std::getenv("PETIT_EMU_TRAP_LOG")) {
     if (std::FILE* f = std::fopen(path, "a")) {
       std::fputs(line, f);
+      describe_mbarriers(f);
       std::fclose(f);
     }
   }
@@ -439,6 +444,29 @@ inline bool mbarrier_try_wait_parity(uint32_t bar, uint32_t parity) {
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
   return done;
+}
+
+// For a trap's report: each mbarrier that has had TMA transactions (its offset in its block's
+// shared memory, phases completed, arrivals missing, bytes not completed, copies queued); not
+// when the trapping thread holds the table's mutex.
+inline void describe_mbarriers(std::FILE* f) {
+  std::unique_lock<std::mutex> lock(mbarrier_mutex, std::try_to_lock);
+  if (!lock.owns_lock()) return;
+  for (const auto& [location, tx] : mbarrier_tx) {
+    const auto* m = reinterpret_cast<const Mbarrier*>(location);
+    long offset = -1;
+    int rank = -1;
+    for (int q = 0; q < emu::cluster_size && emu::cluster_smem != nullptr; ++q) {
+      const unsigned char* base = emu::cluster_smem[q];  // the nearest block below it
+      if (base != nullptr && location >= base && (offset < 0 || location - base < offset)) {
+        offset = long(location - base);
+        rank = q;
+      }
+    }
+    std::fprintf(f, "  mbarrier rank %d offset %ld: phase %u, pending %d of %d, bytes %lld, "
+                    "copies queued %zu\n", rank, offset, unsigned(m->phase), int(m->pending),
+                 int(m->expected), static_cast<long long>(tx.bytes), tx.copies.size());
+  }
 }
 
 // A block (a cluster's blocks) that ends with TMA copies nobody waited for, or expected bytes
