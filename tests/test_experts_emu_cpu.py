@@ -320,8 +320,9 @@ def test_down_act_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms
 def test_gate_up_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms):
     """PETIT_MOE_GATE_UP_A_TMA=1: the gate/up GEMM of wgmma_ws / wgmma_ws_mc gathers its
     received rows as single-row TMA boxes (one per producer thread and stage, placed by the
-    address-based 128-byte swizzle; the TMA issuer's expect_tx of the weight and the tile's row
-    bytes the stage's only arrival): bit-equal to the cp.async gather. Experts with 0-3 m-tiles
+    address-based 128-byte swizzle; the stage completed by the TMA issuer's expect_tx of the
+    weight and the tile's row bytes and one arrival per other producer warp): bit-equal to the
+    cp.async gather. Experts with 0-3 m-tiles
     (rows missing from a tile are not loaded), clusters of 2 with an odd m-tile (a CTA with no
     rows), a partial last k-tile (hidden 520) and n-tile (intermediate 136)."""
     counts = [100, 0, 200, 300]

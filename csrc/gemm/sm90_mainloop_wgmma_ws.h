@@ -227,8 +227,8 @@ PETIT_DEVICE void sm90_setmaxnreg_inc() {
 //     per stage (Sm90RowsTmaLoader), issued with the weight boxes by the TMA issuer, the
 //     stage's only arrival; the other producer threads only wait at the end;
 //   kALoadGatherTma: gathered rows as one single-row TMA box each (Sm90GatherTmaLoader), one
-//     per producer thread, the TMA issuer's expect_tx (the weight and the tile's A bytes) the
-//     stage's only arrival.
+//     per producer thread; the TMA issuer's expect_tx (the weight and the tile's A bytes) and
+//     one arrival per other producer warp complete the stage (see produce()).
 // With either TMA mode no cp.async (LDGSTS) competes with the consumers' wgmma for the SM's
 // MIO queue, and the consumers need no proxy fence per k-tile.
 enum : int { kALoadCpAsync = 0, kALoadRowsTma = 1, kALoadGatherTma = 2 };

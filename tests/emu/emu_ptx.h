@@ -495,9 +495,9 @@ inline void cp_async_mbarrier_arrive(uint32_t bar) {
 
 // The emulated %globaltimer runs kTimerSlowdown times slower than the host's steady clock: a
 // block is hundreds of OS threads that poll on few cores, so a wait the GPU finishes in
-// microseconds can take seconds here (seen: the gate/up TMA test aborted in CI on 2 cores, and
-// with 6 test processes on one core it trapped on the kernels' 10 s pipeline-wait bound), while
-// a real deadlock still traps, only later.
+// microseconds can take seconds here (seen with 6 test processes on one core: first-stage waits
+// of a cluster launch, the cp.async path included, past the kernels' 10 s bound while the
+// block's other threads had not run yet), while a real deadlock still traps, only later.
 constexpr uint64_t kTimerSlowdown = 30;
 inline uint64_t globaltimer_ns() {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
