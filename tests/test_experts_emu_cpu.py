@@ -126,6 +126,15 @@ def run_with_knob(lib, monkeypatch, knob, value, problem, tiles, num_sms):
     return out
 
 
+def knob_on_equals_off(lib, monkeypatch, knob, problem, tiles, num_sms):
+    """run_with_knob at 1 and at 0 on the same problem: asserts bit-equal outputs, checks the
+    one with the knob on against the reference and returns it."""
+    on = run_with_knob(lib, monkeypatch, knob, "1", problem, tiles, num_sms)
+    assert torch.equal(on, run_with_knob(lib, monkeypatch, knob, "0", problem, tiles, num_sms))
+    check_against_reference(on, problem)
+    return on
+
+
 def check_against_reference(out, problem):
     kernel_ref = reference.experts_reference(*problem, precision="kernel")
     fp32_ref = reference.experts_reference(*problem, precision="fp32")
@@ -309,11 +318,7 @@ def test_down_act_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms
     ids = top1_ids(counts, seed=63)
     ids = torch.cat([ids, torch.full_like(ids[:50], -1)])  # unrouted rows: act rows never written
     problem = make_problem(ids.contiguous(), 520, 136, 4, seed=64)
-    knob = "PETIT_MOE_DOWN_A_TMA"
-    by_tma = run_with_knob(sm90, monkeypatch, knob, "1", problem, tiles, num_sms)
-    gathered = run_with_knob(sm90, monkeypatch, knob, "0", problem, tiles, num_sms)
-    assert torch.equal(by_tma, gathered)
-    check_against_reference(by_tma, problem)
+    knob_on_equals_off(sm90, monkeypatch, "PETIT_MOE_DOWN_A_TMA", problem, tiles, num_sms)
 
 
 @pytest.mark.parametrize("tiles,num_sms", [("wgmma_ws", 1), ("wgmma_ws", 3), ("wgmma_ws_mc", 4)])
@@ -322,17 +327,13 @@ def test_gate_up_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms)
     received rows as single-row TMA boxes (one per producer thread and stage, placed by the
     address-based 128-byte swizzle; the stage completed by the TMA issuer's expect_tx of the
     weight and the tile's row bytes and one arrival per other producer warp): bit-equal to the
-    cp.async gather. Experts with 0-3 m-tiles
-    (rows missing from a tile are not loaded), clusters of 2 with an odd m-tile (a CTA with no
-    rows), a partial last k-tile (hidden 520) and n-tile (intermediate 136)."""
+    cp.async gather. Experts with 0-3 m-tiles (rows missing from a tile are not loaded),
+    clusters of 2 with an odd m-tile (a CTA with no rows), a partial last k-tile (hidden 520)
+    and n-tile (intermediate 136)."""
     counts = [100, 0, 200, 300]
     ids = top1_ids(counts, seed=67)
     problem = make_problem(ids.contiguous(), 520, 136, 4, seed=68)
-    knob = "PETIT_MOE_GATE_UP_A_TMA"
-    by_tma = run_with_knob(sm90, monkeypatch, knob, "1", problem, tiles, num_sms)
-    gathered = run_with_knob(sm90, monkeypatch, knob, "0", problem, tiles, num_sms)
-    assert torch.equal(by_tma, gathered)
-    check_against_reference(by_tma, problem)
+    knob_on_equals_off(sm90, monkeypatch, "PETIT_MOE_GATE_UP_A_TMA", problem, tiles, num_sms)
 
 
 def test_a_trap_reports_to_stderr_and_appends_to_the_trap_log(emu, tmp_path):
