@@ -77,11 +77,17 @@ constexpr int kReduceBlocksPerSm = 8;
 // The rows every tile family reads (nullptr: a row past the tile or the output width, which the
 // loaders treat as zeros and the epilogues skip).
 
-// GEMM1 A: tile row r, gathered through the row list (entry -> received row entry / K).
+// GEMM1 A: the received row of tile row r < tile.num_rows, through the row list (entry ->
+// received row entry / K).
+PETIT_DEVICE int gate_up_a_row_index(const ExpertGemmArgs& a, const gemm::TileCoord& tile,
+                                     int r) {
+  return a.sorted_entries[tile.row_begin + r] / a.top_k;
+}
+// ... and that row itself.
 PETIT_DEVICE const petit_bf16_bits* gate_up_a_row(const ExpertGemmArgs& a,
                                                   const gemm::TileCoord& tile, int r) {
   if (r >= tile.num_rows) return nullptr;
-  return a.x + int64_t(a.sorted_entries[tile.row_begin + r] / a.top_k) * a.hidden;
+  return a.x + int64_t(gate_up_a_row_index(a, tile, r)) * a.hidden;
 }
 
 // GEMM1 B: w13 of the tile's expert; row n of the gate (group 0) or up (group 1) half.
@@ -590,8 +596,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
         a, &w13_map, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.hidden, a.intermediate,
         [&](typename Mainloop::LoaderA& loader, const gemm::TileCoord& tile) {
           if constexpr (Mainloop::kALoad == gemm::kALoadGatherTma)
-            loader.init(&x_map,
-                        [&](int r) { return a.sorted_entries[tile.row_begin + r] / a.top_k; },
+            loader.init(&x_map, [&](int r) { return gate_up_a_row_index(a, tile, r); },
                         tile.num_rows);
           else
             loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
