@@ -7,9 +7,9 @@ last send item's flags, when the flags of its first reduce item have all been se
 last reduction and at its end, then how many send and reduce items it did, then the ticks its
 thread 0 spent over all its reduce items waiting (from claiming an item to seeing its flags)
 and reducing. A phase the block had no part in holds 0; rows of blocks the kernel did not
-launch keep what the tensor held (-1 from `EpBuffer.new_combine_trace`). The timer is the GPU's global timer, so the stamps of one
-rank's blocks are comparable with each other (1 us resolution on some GPUs), not with another
-GPU's.
+launch keep what the tensor held (-1 from `EpBuffer.new_combine_trace`). The timer is the
+GPU's global timer, so the stamps of one rank's blocks are comparable with each other (1 us
+resolution on some GPUs), not with another GPU's.
 
 `summarize_combine_trace` turns one rank's trace into microseconds after the earliest block
 start: where the call's time goes (start spread, the senders' copies, the last flags, the
