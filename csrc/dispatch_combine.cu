@@ -230,8 +230,8 @@ template <typename IdT, int kQuant>
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   const EpContextArgs& c = a.ctx;
   const HeapLayout& l = c.layout;
-  __shared__ uint64_t s_epoch;
-  __shared__ uint32_t s_route_mask;
+  PETIT_SHARED(uint64_t, s_epoch);
+  PETIT_SHARED(uint32_t, s_route_mask);
   if (threadIdx.x == 0) s_epoch = *((volatile uint64_t*)&c.state->epoch) + 1;
   __syncthreads();
   const uint64_t epoch = s_epoch;
@@ -466,8 +466,8 @@ PETIT_DEVICE void combine_trace_item(const CombineArgs& a, int first_slot, int c
 PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const EpContextArgs& c = a.ctx;
   const HeapLayout& l = c.layout;
-  __shared__ uint32_t s_route_mask;
-  __shared__ int s_claim;
+  PETIT_SHARED(uint32_t, s_route_mask);
+  PETIT_SHARED(int, s_claim);
   // The epoch of the dispatch this combine answers (advanced by that dispatch).
   const uint64_t epoch = *((volatile uint64_t*)&c.state->epoch);
   combine_trace_start(a);

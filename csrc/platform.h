@@ -511,6 +511,14 @@ inline double petit_timer_ticks_per_second() {
 #endif
 }
 
+// A block-shared variable declared in a kernel body: `PETIT_SHARED(uint32_t, s_mask);` is
+// `__shared__ uint32_t s_mask;` in every real build. The CPU emulation (tests/emu) defines it
+// to give each block its own instance, as it runs the blocks of a persistent grid at once
+// (plain static __shared__ variables are one instance per kernel there).
+#ifndef PETIT_SHARED
+#define PETIT_SHARED(type, name) __shared__ type name
+#endif
+
 // bf16 storage type: kernels only move bf16 bits or convert through fp32, so a
 // 16-bit carrier plus two conversions is all they need on either platform.
 typedef uint16_t petit_bf16_bits;

@@ -16,18 +16,28 @@
 // emu::cc_major.emu::cc_minor (default 2.0: no tensor-core family is taken; 9.0 with the
 // sm_90a build flag set below makes the wgmma families run).
 //
+// Several grids may run at once, one per host thread that launches (the emulated ranks of
+// tests/emu/ep_emu.cpp): the launch shape and error are per launching thread, and a thread
+// that sets emu::grid_at_once runs every block of its grids at the same time (a persistent
+// grid whose blocks wait for each other's or other grids' writes, as co-resident blocks do on
+// the GPU). Such kernels declare their block-shared variables with PETIT_SHARED (platform.h),
+// which here gives every block its own instance.
+//
 // Include this, then the kernel source (e.g. "experts.cu"); compile with
 //   g++ -std=c++17 -O1 -shared -fPIC -pthread -I csrc -I $CUDA_HOME/include <file>.cpp
 // (the CUDA headers only provide uint4/float4/dim3 and friends; nothing links against CUDA).
 #pragma once
 
-#include <condition_variable>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -35,6 +45,8 @@
 #define PETIT_SM90A_BUILT 1
 
 #define __shared__ static            // before cuda_runtime.h, which keeps a prior definition
+// before platform.h: a block's own instance (emu::block_static), for blocks that run at once
+#define PETIT_SHARED(type, name) type& name = emu::block_static<type>(__COUNTER__)
 #define __launch_bounds__(...)
 #define __grid_constant__            // likewise (a kernel parameter held in constant memory)
 #include <cuda_runtime.h>
@@ -48,7 +60,8 @@ namespace emu {
 
 thread_local uint3 thread_idx;
 thread_local uint3 block_idx;
-dim3 block_dim, grid_dim;
+thread_local dim3 block_dim, grid_dim;  // set for the launching thread and each of its blocks'
+thread_local bool grid_at_once = false;  // this thread's launches: all blocks at the same time
 
 class Barrier {
  public:
@@ -107,7 +120,34 @@ class NamedBarriers {
   State state_[kIds];
 };
 thread_local NamedBarriers* named_barriers = nullptr;  // this thread's block's
-int last_error = 0;
+thread_local int last_error = 0;  // of this thread's launches
+
+// The PETIT_SHARED variables of one block: a 0xFF-poisoned slot per declaration (keyed by its
+// __COUNTER__), made by the first of the block's threads to reach it.
+class BlockStatics {
+ public:
+  void* slot(int key, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& p = slots_[key];
+    if (!p) {
+      p.reset(new (std::align_val_t(16)) unsigned char[(bytes + 15) / 16 * 16]);
+      std::memset(p.get(), 0xFF, bytes);
+    }
+    return p.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(unsigned char* p) const { ::operator delete[](p, std::align_val_t(16)); }
+  };
+  std::mutex mutex_;
+  std::map<int, std::unique_ptr<unsigned char[], Free>> slots_;
+};
+thread_local BlockStatics* block_statics = nullptr;  // this thread's block's
+template <class T>
+T& block_static(int key) {
+  return *static_cast<T*>(block_statics->slot(key, sizeof(T)));
+}
 thread_local unsigned char* dynamic_smem = nullptr;  // this thread's block's
 int cc_major = 2, cc_minor = 0, sm_count = 2;
 // Thread-block clusters (launch_cluster): this thread's rank in its cluster, the dynamic shared
@@ -156,6 +196,7 @@ void launch_cluster(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, int
   }
   block_dim = block;
   grid_dim = grid;
+  if (grid_at_once) cluster = int(grid.x);  // every block at once (clusters unused then)
   const size_t smem_alloc = (smem_bytes + 1023) / 1024 * 1024;
   std::vector<unsigned char*> smem(size_t(cluster), nullptr);
   for (auto& buffer : smem)
@@ -168,6 +209,7 @@ void launch_cluster(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, int
     std::vector<std::unique_ptr<Barrier>> barriers;
     std::vector<std::unique_ptr<NamedBarriers>> named(static_cast<size_t>(cluster));
     std::vector<std::vector<Warp>> warps(static_cast<size_t>(cluster));
+    std::vector<BlockStatics> statics(static_cast<size_t>(cluster));
     for (int q = 0; q < cluster; ++q) {
       named[size_t(q)] = std::make_unique<NamedBarriers>();
       barriers.push_back(std::make_unique<Barrier>(int(block.x)));
@@ -180,6 +222,9 @@ void launch_cluster(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, int
         threads.emplace_back([&, t, q] {
           thread_idx = make_uint3(t, 0, 0);
           block_idx = make_uint3(first + unsigned(q), 0, 0);
+          block_dim = block;
+          grid_dim = grid;
+          block_statics = &statics[size_t(q)];
           warp = warps[size_t(q)].empty() ? nullptr : &warps[size_t(q)][t / kWarpSize];
           block_barrier = barriers[size_t(q)].get();
           named_barriers = named[size_t(q)].get();
@@ -251,10 +296,71 @@ inline petit_lanemask_t petit_ballot(bool pred) {
 inline petit_lanemask_t petit_match_any(int value) {
   return emu::warp_mask(value, [value](int v) { return v == value; });
 }
+// Lane `src_lane`'s value (32-bit types; every lane of the warp calls it, as on the GPU).
+template <typename T>
+T petit_shfl(T value, int src_lane) {
+  static_assert(sizeof(T) == 4, "32-bit values");
+  uint32_t mine[1], all[1][emu::kWarpSize];
+  std::memcpy(mine, &value, 4);
+  if (!emu::warp_gather(mine, all)) emu::last_error = 1;
+  T result;
+  std::memcpy(&result, &all[0][src_lane & (emu::kWarpSize - 1)], 4);
+  return result;
+}
+template <typename T>
+T petit_shfl_xor(T value, int lane_mask) {
+  return petit_shfl(value, petit_lane_id() ^ lane_mask);
+}
 inline void petit_syncwarp() { emu::warp_mask(0, [](int) { return false; }); }  // lanes meet
 inline void petit_grid_dependency_sync() {}  // blocks and launches run one after another
 inline int atomicAdd(int* address, int value) {
   return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
+
+// ---- the scoped memory operations, timer and trap of platform.h (used by the dispatch and
+// combine kernels). Host atomics: x86 is TSO, so this checks the flag protocol's logic (what
+// is published when, and what is waited for) but cannot show a missing fence.
+inline uint64_t petit_load_acquire_sys(const uint64_t* ptr) {
+  return __atomic_load_n(ptr, __ATOMIC_ACQUIRE);
+}
+inline void petit_store_release_sys(uint64_t* ptr, uint64_t value) {
+  __atomic_store_n(ptr, value, __ATOMIC_RELEASE);
+}
+inline void petit_store_relaxed_sys(uint64_t* ptr, uint64_t value) {
+  __atomic_store_n(ptr, value, __ATOMIC_RELAXED);
+}
+inline void petit_fence_sys() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void petit_fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline uint32_t petit_atomic_add_gpu(uint32_t* ptr, uint32_t value) {
+  return __atomic_fetch_add(ptr, value, __ATOMIC_SEQ_CST);
+}
+inline int atomicCAS(int* address, int compare, int value) {
+  __atomic_compare_exchange_n(address, &compare, value, false, __ATOMIC_SEQ_CST,
+                              __ATOMIC_SEQ_CST);
+  return compare;  // the old value
+}
+inline uint4 petit_load_cg(const uint4* ptr) { return *ptr; }
+inline void petit_prefetch_l2(const void*) {}
+inline int __popc(uint32_t x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+// The emulated %globaltimer (kTimerSlowdown times slower than the host clock). Spin-waits
+// read it once per poll, so each read also yields the core for a moment: thousands of
+// emulated threads poll on a few cores while the threads they wait for need to run.
+inline uint64_t petit_timer() {
+  std::this_thread::sleep_for(std::chrono::microseconds(20));
+  return emu_ptx::globaltimer_ns();
+}
+// A kernel prints its diagnostic (printf, buffered here) before trapping, and only one of the
+// threads whose wait expired prints: every trapping thread flushes and gives the printer a
+// moment before the process aborts.
+[[noreturn]] inline void petit_trap() {
+  std::fflush(stdout);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  std::fflush(stdout);
+  emu_ptx::trap("trap (a bounded wait expired)");
 }
 
 #undef petitLaunchKernel

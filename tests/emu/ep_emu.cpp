@@ -1,0 +1,234 @@
+// CPU emulation of the dispatch and combine kernels (csrc/dispatch_combine.cu) across W ranks,
+// for tests without GPUs: the kernel source and its host launchers run unchanged on the
+// thread-per-GPU-thread runtime of emu_runtime.h.
+//
+// One process holds the ranks: the linearized symmetric heap is one host allocation of W
+// heaps at a fixed stride (rank r's at heap + r * stride, the layout of layout.h), each rank
+// has its own device state (epoch, counters, masks, diagnostics), and each rank's launches run
+// on a host thread of its own with every block of a grid at once (emu::grid_at_once), as the
+// persistent grids are co-resident on the GPU. The ranks' grids therefore run concurrently
+// and wait for each other's flags through the heap exactly as they do over NVLink.
+// What this checks: the data layout, routing, dedup, chunking, the flag/epoch protocol across
+// back-to-back calls and its bounded waits. What it cannot: performance, or a missing fence
+// (host atomics on x86 are stronger than the GPU's memory model).
+//
+// Built by tests/test_dispatch_combine_emu_cpu.py:
+//   g++ -std=c++17 -O1 -shared -fPIC -pthread -I csrc -I $CUDA_HOME/include \
+//       tests/emu/ep_emu.cpp -o ep_emu.so
+#include "emu_runtime.h"
+
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "dispatch_combine.cu"
+
+namespace {
+
+constexpr int64_t kHeapAlignment = 4096;
+constexpr uint8_t kHeapPoison = 0xA5;  // the heap's bytes before any kernel wrote them
+
+struct RankState {
+  petit::EpState state{};
+  petit::EpDiagnostics diagnostics{};
+  std::vector<uint32_t> token_rank_mask, group_done;
+  std::vector<int32_t> recv_group_counts;
+};
+
+struct EpEmu {
+  int world_size = 0, num_experts = 0, num_blocks = 0;
+  uint64_t timeout_ticks = 0;
+  petit::HeapLayout layout{};
+  int64_t stride = 0;
+  unsigned char* heap = nullptr;
+  std::vector<std::unique_ptr<RankState>> ranks;
+
+  ~EpEmu() { std::free(heap); }
+
+  petit::EpContextArgs context(int rank) {
+    RankState& r = *ranks[size_t(rank)];
+    petit::EpContextArgs c{};
+    c.heap_base = reinterpret_cast<char*>(heap);
+    c.heap_stride = stride;
+    c.layout = layout;
+    c.rank = rank;
+    c.world_size = world_size;
+    c.num_experts = num_experts;
+    c.num_local_experts = num_experts / world_size;
+    c.state = &r.state;
+    c.diagnostics = &r.diagnostics;
+    c.timeout_ticks = timeout_ticks;
+    c.token_rank_mask = r.token_rank_mask.data();
+    c.group_done = r.group_done.data();
+    c.recv_group_counts = r.recv_group_counts.data();
+    c.num_blocks = num_blocks;
+    return c;
+  }
+};
+
+// fn(rank) on one host thread per rank whose bit is set in `ranks_mask`, all at once; each
+// thread's launches run their blocks at once. Returns the first nonzero result (0: all ok).
+template <class Fn>
+int on_ranks(const EpEmu& ep, uint32_t ranks_mask, int* results, Fn fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ep.world_size; ++r) {
+    results[r] = 0;
+    if ((ranks_mask >> r) & 1u)
+      threads.emplace_back([&, r] {
+        emu::grid_at_once = true;
+        results[r] = fn(r);
+      });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < ep.world_size; ++r)
+    if (results[r] != 0) return results[r];
+  return 0;
+}
+
+int dispatch_one(EpEmu& ep, int rank, const void* x, const void* ids, int ids_int64,
+                 const float* weights, int num_tokens, int top_k, int region_stride, int quant) {
+  emu::last_error = 0;
+  petit::DispatchArgs a{};
+  a.ctx = ep.context(rank);
+  a.x = static_cast<const petit_bf16_bits*>(x);
+  a.topk_ids = ids;
+  a.ids_are_int64 = ids_int64 != 0;
+  a.topk_weights = weights;
+  a.num_tokens = num_tokens;
+  a.top_k = top_k;
+  a.region_stride = region_stride;
+  a.quant = quant;
+  return int(petit::launch_dispatch(a, nullptr));
+}
+
+int combine_one(EpEmu& ep, int rank, const void* expert_out, void* out, int num_tokens,
+                int top_k, int region_stride) {
+  emu::last_error = 0;
+  petit::CombineArgs a{};
+  a.ctx = ep.context(rank);
+  a.expert_out = static_cast<const petit_bf16_bits*>(expert_out);
+  a.out = static_cast<petit_bf16_bits*>(out);
+  a.num_tokens = num_tokens;
+  a.top_k = top_k;
+  a.region_stride = region_stride;
+  return int(petit::launch_combine(a, nullptr));
+}
+
+}  // namespace
+
+// A context of `world_size` ranks (num_experts / world_size local experts each); the flags are
+// zeroed, every other heap byte is kHeapPoison. timeout_s: the kernels' wait bound in seconds
+// of the emulated timer (emu_ptx::kTimerSlowdown times slower than the host clock).
+extern "C" void* petit_emu_ep_create(int world_size, int max_tokens, int hidden, int max_top_k,
+                                     int num_experts, int num_blocks, double timeout_s) {
+  if (world_size < 1 || world_size > petit::kMaxWorldSize || max_tokens < 1 || hidden < 8 ||
+      hidden % 8 != 0 || max_top_k < 1 || max_top_k > petit::kMaxTopK || num_experts < 1 ||
+      num_experts % world_size != 0 || num_blocks < 1)
+    return nullptr;
+  auto ep = std::make_unique<EpEmu>();
+  ep->world_size = world_size;
+  ep->num_experts = num_experts;
+  ep->num_blocks = num_blocks;
+  ep->timeout_ticks = uint64_t(timeout_s * petit_timer_ticks_per_second());
+  ep->layout = petit::make_heap_layout(world_size, max_tokens, hidden, max_top_k);
+  ep->stride = petit::align_up(ep->layout.total_bytes, kHeapAlignment);
+  ep->heap = static_cast<unsigned char*>(
+      std::aligned_alloc(size_t(kHeapAlignment), size_t(ep->stride * world_size)));
+  if (ep->heap == nullptr) return nullptr;
+  std::memset(ep->heap, kHeapPoison, size_t(ep->stride * world_size));
+  const int max_groups = ep->layout.max_groups;
+  for (int r = 0; r < world_size; ++r) {
+    std::memset(ep->heap + r * ep->stride + ep->layout.flags_begin, 0,
+                size_t(ep->layout.flags_end - ep->layout.flags_begin));
+    auto state = std::make_unique<RankState>();
+    state->token_rank_mask.assign(size_t(max_tokens), 0xFFFFFFFFu);  // written by dispatch
+    state->group_done.assign(size_t(world_size) * max_groups, 0u);   // zero, as allocated
+    state->recv_group_counts.assign(size_t(world_size) * max_groups, -1);
+    ep->ranks.push_back(std::move(state));
+  }
+  return ep.release();
+}
+
+extern "C" void petit_emu_ep_destroy(void* ep) { delete static_cast<EpEmu*>(ep); }
+
+// Byte offsets of the heap layout (identical on every rank) and the heap stride:
+// 0 dispatch_rows, 1 dispatch_ids, 2 dispatch_weights, 3 dispatch_scales, 4 combine_rows,
+// 5 dispatch_flags, 6 combine_flags, 7 stride, 8 max_chunks.
+extern "C" long long petit_emu_ep_offset(void* handle, int which) {
+  const EpEmu& ep = *static_cast<EpEmu*>(handle);
+  const petit::HeapLayout& l = ep.layout;
+  const int64_t values[] = {l.dispatch_rows, l.dispatch_ids,  l.dispatch_weights,
+                            l.dispatch_scales, l.combine_rows, l.dispatch_flags,
+                            l.combine_flags, ep.stride,       l.max_chunks};
+  return which >= 0 && which < int(sizeof(values) / sizeof(values[0])) ? values[which] : -1;
+}
+
+// Rank `rank`'s heap (heap + rank * stride).
+extern "C" void* petit_emu_ep_heap(void* handle, int rank) {
+  EpEmu& ep = *static_cast<EpEmu*>(handle);
+  return ep.heap + rank * ep.stride;
+}
+
+// Rank `rank`'s [W, max_groups] rows-per-(source, group) counts of its last dispatch.
+extern "C" const int32_t* petit_emu_ep_recv_group_counts(void* handle, int rank) {
+  return static_cast<EpEmu*>(handle)->ranks[size_t(rank)]->recv_group_counts.data();
+}
+
+extern "C" unsigned long long petit_emu_ep_epoch(void* handle, int rank) {
+  return static_cast<EpEmu*>(handle)->ranks[size_t(rank)]->state.epoch;
+}
+
+// Dispatch on the ranks of ranks_mask at once; per-rank arguments are arrays indexed by rank.
+// results[r]: rank r's petitError_t. Returns the first nonzero one (0: all succeeded).
+extern "C" int petit_emu_ep_dispatch(void* handle, uint32_t ranks_mask, const void* const* xs,
+                                     const void* const* ids, int ids_int64,
+                                     const float* const* weights, const int* num_tokens,
+                                     int top_k, int region_stride, int quant, int* results) {
+  EpEmu& ep = *static_cast<EpEmu*>(handle);
+  return on_ranks(ep, ranks_mask, results, [&](int r) {
+    return dispatch_one(ep, r, xs[r], ids[r], ids_int64, weights[r], num_tokens[r], top_k,
+                        region_stride, quant);
+  });
+}
+
+// Combine on every rank at once: expert_outs[r] [W*R, H] bf16, outs[r] [num_tokens[r], H].
+extern "C" int petit_emu_ep_combine(void* handle, const void* const* expert_outs,
+                                    void* const* outs, const int* num_tokens, int top_k,
+                                    int region_stride, int* results) {
+  EpEmu& ep = *static_cast<EpEmu*>(handle);
+  return on_ranks(ep, (1u << ep.world_size) - 1u, results, [&](int r) {
+    return combine_one(ep, r, expert_outs[r], outs[r], num_tokens[r], top_k, region_stride);
+  });
+}
+
+// num_rounds back-to-back layers with no barrier between ranks: every rank, on its own thread,
+// runs for each round dispatch, then the identity experts (expert_out = its received rows, in
+// a buffer of its own), then combine, and goes straight on to the next round, as ranks do in
+// a serving loop. Inputs [round][rank] padded to region_stride rows: xs [.., R, H] bf16, ids
+// [.., R, K] int32, weights [.., R, K] f32, num_tokens [round][rank]; outs [.., R, H] bf16.
+extern "C" int petit_emu_ep_rounds(void* handle, int num_rounds, const uint16_t* xs,
+                                   const int32_t* ids, const float* weights,
+                                   const int* num_tokens, int top_k, int region_stride,
+                                   uint16_t* outs, int* results) {
+  EpEmu& ep = *static_cast<EpEmu*>(handle);
+  const int W = ep.world_size, H = ep.layout.hidden;
+  const int64_t R = region_stride, row_elems = R * H, route_elems = R * top_k;
+  return on_ranks(ep, (1u << W) - 1u, results, [&](int r) {
+    std::vector<uint16_t> expert_out(size_t(W * row_elems));
+    const uint16_t* recv = reinterpret_cast<const uint16_t*>(ep.heap + r * ep.stride +
+                                                             ep.layout.dispatch_rows);
+    for (int round = 0; round < num_rounds; ++round) {
+      const int64_t at = int64_t(round) * W + r;
+      int rc = dispatch_one(ep, r, xs + at * row_elems, ids + at * route_elems, 0,
+                            weights + at * route_elems, num_tokens[at], top_k, region_stride,
+                            petit::kQuantNone);
+      if (rc != 0) return rc;
+      std::memcpy(expert_out.data(), recv, expert_out.size() * sizeof(uint16_t));
+      rc = combine_one(ep, r, expert_out.data(), outs + at * row_elems, num_tokens[at], top_k,
+                       region_stride);
+      if (rc != 0) return rc;
+    }
+    return 0;
+  });
+}

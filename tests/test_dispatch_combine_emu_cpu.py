@@ -1,0 +1,348 @@
+"""CPU: the dispatch and combine kernels (csrc/dispatch_combine.cu) and their host launchers
+run unchanged across W emulated ranks (tests/emu/ep_emu.cpp on the thread-per-GPU-thread
+runtime), against the torch reference.
+
+The ranks share one host allocation as the linearized symmetric heap, each rank's grids run on
+a thread of their own with all blocks at once, so the ranks wait for each other's flags as on
+the GPU. Checks routing, dedup, chunking, the flag/epoch protocol over back-to-back calls with
+no barrier between ranks, unequal token counts, 2, 4 and 8 ranks (on GPUs, 8 ranks need at
+least 2: tests/test_dispatch_combine_gpu.py), fp8 dispatch and the bounded waits. Says nothing
+about performance or the GPU memory model (host atomics are stronger). Needs g++ and the CUDA
+headers (uint4/dim3 only).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_emu_library
+from vllm_petit_moe import reference as ref
+
+NUM_EXPERTS = 32
+QUANT = {None: 0, "fp8_block128": 1, "fp8_per_token": 2, "fp8_block128_ue8m0": 3}
+# heap layout fields (petit_emu_ep_offset)
+DISPATCH_ROWS, DISPATCH_IDS, DISPATCH_WEIGHTS, DISPATCH_SCALES = 0, 1, 2, 3
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return _load(build_emu_library(tmp_path_factory, "ep_emu"))
+
+
+def _load(lib):
+    lib.petit_emu_ep_create.restype = ctypes.c_void_p
+    lib.petit_emu_ep_create.argtypes = [ctypes.c_int] * 6 + [ctypes.c_double]
+    lib.petit_emu_ep_destroy.argtypes = [ctypes.c_void_p]
+    lib.petit_emu_ep_offset.restype = ctypes.c_longlong
+    lib.petit_emu_ep_offset.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.petit_emu_ep_heap.restype = ctypes.c_void_p
+    lib.petit_emu_ep_heap.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.petit_emu_ep_recv_group_counts.restype = ctypes.c_void_p
+    lib.petit_emu_ep_recv_group_counts.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.petit_emu_ep_epoch.restype = ctypes.c_ulonglong
+    lib.petit_emu_ep_epoch.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.petit_emu_ep_dispatch.argtypes = [p, ctypes.c_uint32, p, p, i, p, p, i, i, i, p]
+    lib.petit_emu_ep_combine.argtypes = [p, p, p, p, i, i, p]
+    lib.petit_emu_ep_rounds.argtypes = [p, i, p, p, p, p, i, i, p, p]
+    return lib
+
+
+def _ptrs(tensors):
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def _ints(values):
+    return (ctypes.c_int * len(values))(*values)
+
+
+def _host_view(address, num_bytes):
+    """A uint8 tensor over emulated device memory (no copy)."""
+    return torch.frombuffer((ctypes.c_uint8 * num_bytes).from_address(address),
+                            dtype=torch.uint8)
+
+
+class EmuEp:
+    """W emulated ranks with one EpBuffer-like context each (tests/emu/ep_emu.cpp)."""
+
+    def __init__(self, lib, world_size, max_tokens, hidden, max_top_k=8,
+                 num_experts=NUM_EXPERTS, num_blocks=2, timeout_s=5.0):
+        self.lib, self.world_size = lib, world_size
+        self.max_tokens, self.hidden = max_tokens, hidden
+        self.handle = lib.petit_emu_ep_create(world_size, max_tokens, hidden, max_top_k,
+                                              num_experts, num_blocks, timeout_s)
+        assert self.handle, "petit_emu_ep_create rejected its arguments"
+
+    def close(self):
+        if self.handle:
+            self.lib.petit_emu_ep_destroy(self.handle)
+            self.handle = None
+
+    def region(self, rank, field, count, dtype):
+        """`count` elements of `dtype` at a layout field of rank `rank`'s heap (a copy)."""
+        address = self.lib.petit_emu_ep_heap(self.handle, rank) + \
+            self.lib.petit_emu_ep_offset(self.handle, field)
+        num_bytes = count * torch.empty((), dtype=dtype).element_size()
+        return _host_view(address, num_bytes).view(dtype).clone()
+
+    def dispatch(self, xs, ids, weights, region_stride, quant=None, ranks=None):
+        """Every rank's dispatch at once; returns per rank (recv_x, recv_ids, recv_weights,
+        recv_scales or None, recv_group_counts [W, groups])."""
+        world, H = self.world_size, self.hidden
+        K = ids[0].shape[1]
+        results = _ints([0] * world)
+        mask = sum(1 << r for r in (ranks if ranks is not None else range(world)))
+        xs, ids, weights = ([t.contiguous() for t in ts] for ts in (xs, ids, weights))
+        rc = self.lib.petit_emu_ep_dispatch(
+            self.handle, mask, _ptrs(xs), _ptrs(ids), int(ids[0].dtype == torch.int64),
+            _ptrs(weights), _ints([x.shape[0] for x in xs]), K, region_stride, QUANT[quant],
+            results)
+        if rc != 0:
+            return rc
+        rows = world * region_stride
+        groups = -(-self.max_tokens // 32)
+        outs = []
+        for r in range(world):
+            if quant is None:
+                recv_x = self.region(r, DISPATCH_ROWS, rows * H, torch.bfloat16).view(rows, H)
+                scales = None
+            else:
+                recv_x = self.region(r, DISPATCH_ROWS, rows * H, torch.uint8).view(rows, H)
+                recv_x = recv_x.view(torch.float8_e4m3fn)
+                num_scales = H // 128 if quant.startswith("fp8_block128") else 1
+                scales = self.region(r, DISPATCH_SCALES, rows * num_scales,
+                                     torch.float32).view(rows, num_scales)
+            recv_ids = self.region(r, DISPATCH_IDS, rows * K, torch.int32).view(rows, K)
+            recv_w = self.region(r, DISPATCH_WEIGHTS, rows * K, torch.float32).view(rows, K)
+            counts_at = self.lib.petit_emu_ep_recv_group_counts(self.handle, r)
+            counts = _host_view(counts_at, world * groups * 4).view(torch.int32).clone()
+            outs.append((recv_x, recv_ids, recv_w, scales, counts.view(world, groups)))
+        return outs
+
+    def combine(self, expert_outs, num_tokens, top_k, region_stride):
+        """Every rank's combine at once; outputs poisoned with NaN first."""
+        ys = [torch.full((t, self.hidden), float("nan"), dtype=torch.bfloat16)
+              for t in num_tokens]
+        expert_outs = [e.contiguous() for e in expert_outs]
+        results = _ints([0] * self.world_size)
+        rc = self.lib.petit_emu_ep_combine(self.handle, _ptrs(expert_outs), _ptrs(ys),
+                                           _ints(num_tokens), top_k, region_stride, results)
+        assert rc == 0, f"combine launch returned {list(results)}"
+        return ys
+
+    def epochs(self):
+        return [self.lib.petit_emu_ep_epoch(self.handle, r) for r in range(self.world_size)]
+
+
+def _inputs(seed, tokens_per_rank, hidden, top_k, world_size, skew=None, id_dtype=torch.int64):
+    """Every rank's (x, topk_ids, topk_weights), fresh random data from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    xs, ids, weights = [], [], []
+    for t in tokens_per_rank:
+        xs.append(torch.randn(t, hidden, generator=gen).to(torch.bfloat16))
+        i, w = ref.random_topk(t, NUM_EXPERTS, top_k, generator=gen, skew=skew,
+                               world_size=world_size)
+        if t > 0:  # some unused slots (-1), as vLLM's padding rows have
+            i[torch.rand(t, top_k, generator=gen) < 0.1] = -1
+        ids.append(i.to(id_dtype))
+        weights.append(w)
+    return xs, ids, weights
+
+
+def _scaled_experts(recv_x, recv_ids, recv_weights, routed_mask):
+    """Expert e scales by (1 + e/8); rows not routed here are NaN (the combine must not read
+    them)."""
+    scale = torch.where(recv_ids >= 0, recv_weights * (1 + recv_ids.float() / 8), 0.0)
+    out = (recv_x.float() * scale.sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    return torch.where(routed_mask[:, None], out, float("nan")).to(torch.bfloat16)
+
+
+def _check_round(ep, xs, ids, weights, region_stride, quant=None, tag=""):
+    """One dispatch + combine on every rank, checked against the reference."""
+    world, K = ep.world_size, ids[0].shape[1]
+    got = ep.dispatch(xs, ids, weights, region_stride, quant=quant)
+    assert not isinstance(got, int), f"{tag}: dispatch launch returned {got}"
+    expected = ref.dispatch_reference(xs, ids, weights, NUM_EXPERTS, region_stride, quant=quant)
+    for rank, ((recv_x, recv_ids, recv_w, scales, counts), e) in enumerate(zip(got, expected)):
+        assert torch.equal(recv_ids, e.recv_topk_ids), f"{tag}: ids differ on rank {rank}"
+        assert torch.equal(recv_w, e.recv_topk_weights), f"{tag}: weights differ on rank {rank}"
+        m = e.routed_mask
+        if quant is None:
+            assert torch.equal(recv_x[m], e.recv_x[m]), f"{tag}: rows differ on rank {rank}"
+        else:
+            assert torch.equal(recv_x[m].view(torch.uint8), e.recv_x[m].view(torch.uint8)), \
+                f"{tag}: fp8 bytes differ on rank {rank}"
+            assert torch.equal(scales[m], e.recv_x_scales[m]), f"{tag}: scales on rank {rank}"
+        for src in range(world):
+            routed = e.routed_mask[src * region_stride:(src + 1) * region_stride]
+            per_group = [int(routed[g * 32:(g + 1) * 32].sum())
+                         for g in range(-(-region_stride // 32))]
+            assert counts[src, :len(per_group)].tolist() == per_group, \
+                f"{tag}: group counts from rank {src} differ on rank {rank}"
+    if quant is None:
+        recv = [g[0] for g in got]
+    else:
+        recv = [ref.dequantize_fp8_reference(g[0], g[3]) for g in got]
+    expert_outs = [_scaled_experts(x, e.recv_topk_ids, e.recv_topk_weights, e.routed_mask)
+                   for x, e in zip(recv, expected)]
+    ys = ep.combine(expert_outs, [x.shape[0] for x in xs], K, region_stride)
+    want = ref.combine_reference(expert_outs, ids, NUM_EXPERTS)  # reads routed rows only
+    for rank, (y, w) in enumerate(zip(ys, want)):
+        # the same fp32 rank-order sum and one rounding: bit-exact
+        assert torch.equal(y, w), f"{tag}: combine differs on rank {rank}: max err " \
+            f"{(y.float() - w.float()).abs().max().item() if y.numel() else 0}"
+
+
+@pytest.mark.parametrize("world_size,tokens,top_k,skew,hidden,num_blocks,id_dtype", [
+    (2, [7, 40], 4, None, 136, 2, torch.int64),
+    (2, [0, 33], 8, "one_expert", 72, 3, torch.int32),          # a rank with no tokens
+    (4, [1, 5, 0, 64], 8, "hot_rank", 136, 2, torch.int64),     # EP4, unequal T
+    (8, [3, 0, 9, 1, 2, 33, 4, 1], 8, None, 64, 2, torch.int32),  # EP8
+    (2, [32, 20], 2, None, 2048, 4, torch.int64),                # hidden chunks per group
+])
+def test_dispatch_and_combine_match_reference(emu, world_size, tokens, top_k, skew, hidden,
+                                              num_blocks, id_dtype):
+    ep = EmuEp(emu, world_size, max_tokens=max(max(tokens), 1) + 3, hidden=hidden,
+               num_blocks=num_blocks)
+    try:
+        for round_ in range(2):  # the second call checks the epoch advance and the flags' reuse
+            seed = 1000 * world_size + 17 * hidden + round_
+            xs, ids, ws = _inputs(seed, tokens, hidden, top_k, world_size, skew, id_dtype)
+            _check_round(ep, xs, ids, ws, region_stride=max(max(tokens), 1),
+                         tag=f"round {round_}")
+        assert ep.epochs() == [2] * world_size
+    finally:
+        ep.close()
+
+
+def test_one_rank_receives_everything(emu):
+    """Every token of every rank routed to rank 0's experts only (top-k within them)."""
+    world, hidden, tokens = 4, 96, [12, 40, 1, 7]
+    ep = EmuEp(emu, world, max_tokens=40, hidden=hidden)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        local = NUM_EXPERTS // world
+        xs = [torch.randn(t, hidden, generator=gen).to(torch.bfloat16) for t in tokens]
+        ids = [torch.rand(t, local, generator=gen).argsort(dim=1)[:, :4] for t in tokens]
+        ws = [torch.rand(t, 4, generator=gen) for t in tokens]
+        _check_round(ep, xs, ids, ws, region_stride=40)
+    finally:
+        ep.close()
+
+
+@pytest.mark.parametrize("quant", ["fp8_block128", "fp8_per_token", "fp8_block128_ue8m0"])
+def test_fp8_dispatch_matches_reference(emu, quant):
+    world, hidden, tokens = 2, 256, [9, 40]
+    ep = EmuEp(emu, world, max_tokens=40, hidden=hidden)
+    try:
+        xs, ids, ws = _inputs(77, tokens, hidden, 4, world)
+        xs = [x * torch.logspace(-3, 3, x.shape[0])[:, None].to(x.dtype) for x in xs]
+        _check_round(ep, xs, ids, ws, region_stride=40, quant=quant, tag=quant)
+    finally:
+        ep.close()
+
+
+def test_back_to_back_rounds_without_barriers(emu):
+    """Each rank runs dispatch -> identity experts -> combine round after round on its own
+    thread, with no barrier between ranks (the buffer-reuse invariant alone keeps them
+    apart), fresh data and token counts every round."""
+    world, hidden, top_k, rounds, stride = 4, 64, 6, 5, 24
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, stride + 1, (rounds, world), generator=gen, dtype=torch.int32)
+    x = torch.zeros(rounds, world, stride, hidden, dtype=torch.bfloat16)
+    ids = torch.full((rounds, world, stride, top_k), -1, dtype=torch.int32)
+    ws = torch.zeros(rounds, world, stride, top_k)
+    per_round = []
+    for r in range(rounds):
+        xs_r, ids_r, ws_r = _inputs(500 + r, tokens[r].tolist(), hidden, top_k, world,
+                                    id_dtype=torch.int32)
+        for rank in range(world):
+            t = int(tokens[r, rank])
+            x[r, rank, :t], ids[r, rank, :t], ws[r, rank, :t] = xs_r[rank], ids_r[rank], ws_r[rank]
+        per_round.append((xs_r, ids_r, ws_r))
+    outs = torch.full((rounds, world, stride, hidden), float("nan"), dtype=torch.bfloat16)
+    ep = EmuEp(emu, world, max_tokens=stride, hidden=hidden)
+    try:
+        results = _ints([0] * world)
+        rc = emu.petit_emu_ep_rounds(ep.handle, rounds, x.data_ptr(), ids.data_ptr(),
+                                     ws.data_ptr(), tokens.data_ptr(), top_k, stride,
+                                     outs.data_ptr(), results)
+        assert rc == 0, f"launches returned {list(results)}"
+        assert ep.epochs() == [rounds] * world
+    finally:
+        ep.close()
+    for r, (xs_r, ids_r, ws_r) in enumerate(per_round):
+        expected = ref.dispatch_reference(xs_r, ids_r, ws_r, NUM_EXPERTS, stride)
+        want = ref.combine_reference([e.recv_x for e in expected], ids_r, NUM_EXPERTS)
+        for rank in range(world):
+            t = int(tokens[r, rank])
+            assert torch.equal(outs[r, rank, :t], want[rank]), f"round {r}, rank {rank}"
+
+
+def test_launchers_reject_bad_arguments(emu):
+    """The launchers' own checks (the Python layer checks first and names the limit)."""
+    ep = EmuEp(emu, 2, max_tokens=16, hidden=72, max_top_k=4)
+    try:
+        xs, ids, ws = _inputs(3, [4, 4], 72, 4, 2)
+        assert ep.dispatch(xs, ids, ws, region_stride=17) != 0  # region stride > max tokens
+        xs8, ids8, ws8 = _inputs(3, [4, 4], 72, 8, 2)
+        assert ep.dispatch(xs8, ids8, ws8, region_stride=4) != 0  # top-k > the buffer's 4
+        # fp8 1x128 blocks need hidden % 128 == 0
+        assert ep.dispatch(xs, ids, ws, region_stride=4, quant="fp8_block128") != 0
+        assert ep.epochs() == [0, 0], "a rejected call must not launch"
+    finally:
+        ep.close()
+
+
+def test_create_rejects_bad_configurations(emu):
+    for args in [(0, 8, 64, 4, 32, 2), (33, 8, 64, 4, 33 * 2, 2), (2, 8, 60, 4, 32, 2),
+                 (2, 8, 64, 17, 32, 2), (3, 8, 64, 4, 32, 2), (2, 8, 64, 4, 32, 0)]:
+        assert not emu.petit_emu_ep_create(*args, 1.0), args
+
+
+# ---- run in a subprocess: a trap aborts the process, and the knobs are read once per process
+def _subprocess(lib_path, case, env=None):
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import test_dispatch_combine_emu_cpu as t; t._case({str(lib_path)!r}, {case!r})")
+    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, **(env or {})})
+
+
+def _case(lib_path, case):
+    lib = _load(ctypes.CDLL(lib_path))
+    if case == "missing_rank":  # rank 1 never dispatches: rank 0's wait must expire
+        ep = EmuEp(lib, 2, max_tokens=8, hidden=64, timeout_s=0.05)
+        xs, ids, ws = _inputs(9, [4, 4], 64, 2, 2)
+        ep.dispatch(xs, ids, ws, region_stride=4, ranks=[0])
+        print("dispatch returned")
+    elif case == "claimed_reduce":  # the combine's claimed reduce items, few reduce blocks
+        ep = EmuEp(lib, 2, max_tokens=96, hidden=2048, num_blocks=3)
+        for round_ in range(2):
+            xs, ids, ws = _inputs(40 + round_, [96, 70], 2048, 4, 2)
+            _check_round(ep, xs, ids, ws, region_stride=96, tag=f"round {round_}")
+        print("ok")
+
+
+def test_a_missing_rank_times_out_naming_rank_peer_and_epoch(emu):
+    result = _subprocess(emu._name, "missing_rank")
+    assert result.returncode != 0, "a dispatch without its peer must trap, not return"
+    assert "dispatch returned" not in result.stdout
+    out = result.stdout + result.stderr
+    assert "dispatch timed out on rank 0 waiting for rank 1, token group 0: expected epoch 1, " \
+        "flag holds epoch 0" in out, out[-2000:]
+
+
+def test_combine_with_claimed_reduce_items(emu):
+    """PETIT_MOE_COMBINE_STATIC_REDUCE=0 (the claim counter every block draws reduce items
+    from), with a send-only share of 50% so senders claim items after their sends."""
+    result = _subprocess(emu._name, "claimed_reduce",
+                         env={"PETIT_MOE_COMBINE_STATIC_REDUCE": "0",
+                              "PETIT_MOE_COMBINE_REDUCE_PCT": "50"})
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
+        (result.stdout + result.stderr)[-3000:]
