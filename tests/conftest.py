@@ -26,9 +26,15 @@ def extension_available() -> bool:
         return False
 
 
+_emu_libraries: dict[str, ctypes.CDLL] = {}
+
+
 def build_emu_library(tmp_path_factory, source: str) -> ctypes.CDLL:
     """tests/emu/<source>.cpp (kernel sources on the CPU emulation runtime) built with g++ into
-    a shared library and loaded; skips without g++ or the CUDA headers (uint4/dim3 only)."""
+    a shared library and loaded, once per test session; skips without g++ or the CUDA headers
+    (uint4/dim3 only)."""
+    if source in _emu_libraries:
+        return _emu_libraries[source]
     root = Path(__file__).resolve().parent.parent
     cuda_include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
     compiler = shutil.which(os.environ.get("CXX", "g++"))
@@ -40,7 +46,8 @@ def build_emu_library(tmp_path_factory, source: str) -> ctypes.CDLL:
            "-o", str(lib_path)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
-    return ctypes.CDLL(str(lib_path))
+    _emu_libraries[source] = ctypes.CDLL(str(lib_path))
+    return _emu_libraries[source]
 
 
 requires_gpu = pytest.mark.skipif(num_gpus() == 0, reason="needs a CUDA GPU")

@@ -285,6 +285,38 @@ def test_back_to_back_rounds_without_barriers(emu):
             assert torch.equal(outs[r, rank, :t], want[rank]), f"round {r}, rank {rank}"
 
 
+@pytest.mark.parametrize("world_size,tokens", [(2, [9, 20]), (4, [3, 0, 17, 6])])
+def test_moe_layer_on_emulated_ranks(emu, tmp_path_factory, world_size, tokens):
+    """The whole layer as the plugin runs it, every kernel emulated: dispatch, each rank's
+    experts on what it received (the expert emulation's launch_experts with its routing ids
+    and weights as dispatched, local ids or -1), combine; against the reference layer."""
+    from test_experts_emu_cpu import load_experts_emu, run_emulated
+
+    experts = load_experts_emu(tmp_path_factory)
+    hidden, inter, top_k, stride = 64, 32, 4, max(tokens)
+    gen = torch.Generator().manual_seed(23 + world_size)
+    xs, ids, ws = _inputs(31 * world_size, tokens, hidden, top_k, world_size)
+    w13 = (torch.randn(NUM_EXPERTS, 2 * inter, hidden, generator=gen) / hidden**0.5)
+    w2 = (torch.randn(NUM_EXPERTS, hidden, inter, generator=gen) / inter**0.5)
+    w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    local = NUM_EXPERTS // world_size
+    ep = EmuEp(emu, world_size, max_tokens=stride, hidden=hidden)
+    try:
+        got = ep.dispatch(xs, ids, ws, stride)
+        assert not isinstance(got, int), f"dispatch launch returned {got}"
+        expert_outs = [
+            run_emulated(experts, recv_x, recv_ids, recv_w,
+                         w13[d * local:(d + 1) * local].contiguous(),
+                         w2[d * local:(d + 1) * local].contiguous())[0]
+            for d, (recv_x, recv_ids, recv_w, _, _) in enumerate(got)]
+        ys = ep.combine(expert_outs, tokens, top_k, stride)
+    finally:
+        ep.close()
+    kernel_ref = ref.ep_moe_reference(xs, ids, ws, w13, w2, world_size, "kernel", stride)
+    fp32_ref = ref.ep_moe_reference(xs, ids, ws, w13, w2, world_size, "fp32", stride)
+    ref.check_close(ys, fp32_ref, ref.tolerance(kernel_ref, fp32_ref), name="emulated layer")
+
+
 def test_launchers_reject_bad_arguments(emu):
     """The launchers' own checks (the Python layer checks first and names the limit)."""
     ep = EmuEp(emu, 2, max_tokens=16, hidden=72, max_top_k=4)

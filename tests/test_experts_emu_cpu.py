@@ -30,6 +30,11 @@ TENSOR_CORE = ("mma",) + tuple(t for t in TILES if t.startswith("wgmma"))
 
 @pytest.fixture(scope="session")
 def emu(tmp_path_factory):
+    return load_experts_emu(tmp_path_factory)
+
+
+def load_experts_emu(tmp_path_factory):
+    """tests/emu/experts_emu.cpp built (once per session) and its result types set."""
     lib = build_emu_library(tmp_path_factory, "experts_emu")
     lib.petit_emu_experts.restype = ctypes.c_int
     lib.petit_emu_set_compute_capability.restype = None
