@@ -60,7 +60,7 @@ namespace emu {
 
 thread_local uint3 thread_idx;
 thread_local uint3 block_idx;
-thread_local dim3 block_dim, grid_dim;  // set for the launching thread and each of its blocks'
+thread_local dim3 block_dim, grid_dim;  // of the launch: on its launching and its blocks' threads
 thread_local bool grid_at_once = false;  // this thread's launches: all blocks at the same time
 
 class Barrier {
