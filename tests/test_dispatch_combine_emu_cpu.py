@@ -285,7 +285,8 @@ def test_back_to_back_rounds_without_barriers(emu):
             assert torch.equal(outs[r, rank, :t], want[rank]), f"round {r}, rank {rank}"
 
 
-@pytest.mark.parametrize("world_size,tokens", [(2, [9, 20]), (4, [3, 0, 17, 6])])
+@pytest.mark.parametrize("world_size,tokens", [(2, [9, 20]), (4, [3, 0, 17, 6]),
+                                               (8, [5, 1, 0, 12, 3, 7, 2, 9])])
 def test_moe_layer_on_emulated_ranks(emu, tmp_path_factory, world_size, tokens):
     """The whole layer as the plugin runs it, every kernel emulated: dispatch, each rank's
     experts on what it received (the expert emulation's launch_experts with its routing ids
