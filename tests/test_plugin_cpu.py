@@ -7,9 +7,10 @@ Runs with the real vLLM (0.24.0 tested) and no GPU. vLLM's config objects, prepa
 classes, Triton experts object, expert maps and ``FusedMoEKernel`` are the real ones. Faked,
 because they need a GPU: the ``EpBuffer`` (``FakeEpBuffer`` below: the architecture.md layout
 computed with ``vllm_petit_moe.reference``, every rank's inputs known to every rank, as in
-pplx-kernels' tests), the runtime facts of the EP group (``EpRuntime``), and the Triton GEMMs
-(``ReferenceExperts``: vLLM's experts contract, expert_map lookup included, on the
-reference). The compiled extension is never imported.
+pplx-kernels' tests; ``EmulatedEpBuffer``: the same with the real dispatch and combine kernels
+on the CPU emulation of tests/emu), the runtime facts of the EP group (``EpRuntime``), and
+the Triton GEMMs (``ReferenceExperts``: vLLM's experts contract, expert_map lookup included,
+on the reference). The compiled extension is never imported.
 
 Tests that need a fresh process (plugin loading, lazy patching) run a short script in a
 subprocess.
@@ -163,6 +164,69 @@ class FakeEpBuffer:
 
     def close(self):
         pass
+
+
+class EmulatedEpBuffer(FakeEpBuffer):
+    """``FakeEpBuffer`` whose dispatch and combine run the real kernels on the CPU emulation
+    (tests/emu/ep_emu.cpp) for all W ranks at once: this rank's tensors as the layer hands them
+    over, the other ranks' inputs from the call and their experts on the reference."""
+
+    def __init__(self, lib, rank: int, world_size: int, num_experts: int, call: SimulatedCall,
+                 max_tokens: int = 64):
+        from test_dispatch_combine_emu_cpu import EmuEp
+
+        super().__init__(rank, world_size, num_experts, call)
+        self.ep = EmuEp(lib, world_size, max_tokens, hidden=call.xs[0].shape[1],
+                        max_top_k=call.topk_ids[0].shape[1], num_experts=num_experts)
+        self._received = None
+
+    def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
+        call, rank = self.call, self.rank
+        assert torch.equal(x, call.xs[rank])
+        assert torch.equal(topk_ids.long(), call.topk_ids[rank].long())
+        self.region_strides.append(region_stride)
+        xs, ws = list(call.xs), list(call.topk_weights)
+        ids = [i.to(topk_ids.dtype) for i in call.topk_ids]
+        xs[rank], ids[rank], ws[rank] = x, topk_ids, topk_weights
+        received = self.ep.dispatch(xs, ids, ws, region_stride, quant=quant)
+        assert not isinstance(received, int), f"dispatch launch returned {received}"
+        self._received = (received, quant)
+        recv_x, recv_ids, recv_w, scales, _ = received[rank]
+        return FakeDispatchOutput(recv_x, recv_ids, recv_w,
+                                  handle=("emulated-handle", rank, region_stride),
+                                  recv_x_scales=scales)
+
+    def combine(self, expert_out, handle, out=None):
+        call, rank = self.call, self.rank
+        assert handle == ("emulated-handle", rank, self.region_strides[-1])
+        (received, quant), region_stride = self._received, handle[2]
+        expert_outs = []
+        for dst, (recv_x, recv_ids, recv_w, scales, _) in enumerate(received):
+            if dst == rank:
+                expert_outs.append(expert_out)
+                continue
+            if quant is not None:
+                recv_x = reference.dequantize_fp8_reference(recv_x, scales).to(torch.bfloat16)
+            w13, w2 = call.local_weights(dst, self.world_size)
+            expert_outs.append(reference.experts_reference(recv_x, recv_ids, recv_w, w13, w2))
+        top_k = call.topk_ids[0].shape[1]
+        y = self.ep.combine(expert_outs, [t.shape[0] for t in call.xs], top_k,
+                            region_stride)[rank]
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+    def close(self):
+        self.ep.close()
+
+
+@pytest.fixture(scope="module")
+def ep_emu_lib(tmp_path_factory):
+    from conftest import build_emu_library
+    from test_dispatch_combine_emu_cpu import _load
+
+    return _load(build_emu_library(tmp_path_factory, "ep_emu"))
 
 
 class ReferenceExperts(mk.FusedMoEExpertsModular):
@@ -774,28 +838,36 @@ def workspace():
         vllm_workspace.init_workspace_manager(torch.device("cpu"))
 
 
-def run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config, experts_class):
+def run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config, experts_class,
+                                    ep_emu_lib=None):
     """Rank `rank`'s forward of `call` through vLLM's FusedMoEKernel with our prepare/finalize
-    (over a FakeEpBuffer) and `experts_class`, with vLLM's linear expert_map. Returns the
-    output and the buffer."""
+    (over a FakeEpBuffer, or with `ep_emu_lib` an EmulatedEpBuffer: the real dispatch and
+    combine kernels on the CPU emulation) and `experts_class`, with vLLM's linear expert_map.
+    Returns the output and the buffer."""
     world_size = len(num_tokens)
     num_experts, top_k = call.num_experts, call.topk_ids[0].shape[1]
     parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
                                     ep_rank=rank)
     moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
                                  hidden_dim=call.xs[0].shape[1], intermediate_size=24)
-    buffer = FakeEpBuffer(rank, world_size, num_experts, call)
+    if ep_emu_lib is None:
+        buffer = FakeEpBuffer(rank, world_size, num_experts, call)
+    else:
+        buffer = EmulatedEpBuffer(ep_emu_lib, rank, world_size, num_experts, call)
     pf = PetitPrepareAndFinalize(buffer, num_experts=num_experts, max_tokens_per_rank=64)
     with set_current_vllm_config(vllm_config):
         kernel = mk.FusedMoEKernel(pf, experts_class(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG))
     _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
     w13, w2 = call.local_weights(rank, world_size)
-    with dp_step(vllm_config, num_tokens):
-        out = kernel.apply(
-            call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
-            activation=MoEActivation.SILU, global_num_experts=num_experts,
-            expert_map=expert_map, apply_router_weight_on_input=False,
-        )
+    try:
+        with dp_step(vllm_config, num_tokens):
+            out = kernel.apply(
+                call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
+                activation=MoEActivation.SILU, global_num_experts=num_experts,
+                expert_map=expert_map, apply_router_weight_on_input=False,
+            )
+    finally:
+        buffer.close()
     return out, buffer
 
 
@@ -803,14 +875,19 @@ def run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config, experts
     "world_size, num_tokens",
     [(2, [5, 3]), (2, [1, 1]), (2, [0, 4]), (4, [2, 7, 0, 3])],
 )
-def test_modular_kernel_matches_reference(world_size, num_tokens, vllm_config, workspace):
+@pytest.mark.parametrize("kernels", ["reference", "emulated"])
+def test_modular_kernel_matches_reference(world_size, num_tokens, kernels, vllm_config, workspace,
+                                          request):
+    """With "emulated" the dispatch and combine are the real kernels on the CPU emulation:
+    the prepare/finalize and the kernels agree on the layout, bit-exactly."""
     call = make_call(world_size, num_tokens)
     expected = reference.ep_moe_reference(
         call.xs, call.topk_ids, call.topk_weights, call.w13, call.w2, world_size
     )
+    lib = request.getfixturevalue("ep_emu_lib") if kernels == "emulated" else None
     for rank in range(world_size):
         out, buffer = run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config,
-                                                      ReferenceExperts)
+                                                      ReferenceExperts, lib)
         assert buffer.region_strides == [max(num_tokens)]
         assert out.shape == call.xs[rank].shape
         assert torch.equal(out, expected[rank]), f"rank {rank}"
@@ -1033,8 +1110,11 @@ def test_hook_keeps_triton_experts_for_layers_petit_experts_cannot_run(kernel_ho
     "world_size, num_tokens",
     [(2, [5, 3]), (2, [0, 4]), (4, [2, 7, 0, 3])],
 )
-def test_modular_kernel_with_petit_experts_matches_reference(world_size, num_tokens, vllm_config,
-                                                             workspace, monkeypatch):
+@pytest.mark.parametrize("kernels", ["reference", "emulated"])
+def test_modular_kernel_with_petit_experts_matches_reference(world_size, num_tokens, kernels,
+                                                             vllm_config, workspace, monkeypatch,
+                                                             request):
+    """With "emulated", dispatch and combine are the real kernels on the CPU emulation."""
     from vllm_petit_moe import ops
 
     monkeypatch.setattr(ops, "experts_forward", emulated_experts_forward)
@@ -1046,8 +1126,9 @@ def test_modular_kernel_with_petit_experts_matches_reference(world_size, num_tok
         call.xs, call.topk_ids, call.topk_weights, call.w13, call.w2, world_size, "fp32"
     )
     tol = reference.tolerance(expected_kernel, expected_fp32)
+    lib = request.getfixturevalue("ep_emu_lib") if kernels == "emulated" else None
     for rank in range(world_size):
         out, _ = run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config,
-                                                 petit_experts.PetitExperts)
+                                                 petit_experts.PetitExperts, lib)
         assert out.shape == call.xs[rank].shape and out.dtype == torch.bfloat16
         reference.check_close(out, expected_fp32[rank], tol, name=f"rank {rank}")
