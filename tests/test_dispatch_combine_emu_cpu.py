@@ -163,12 +163,13 @@ def _scaled_experts(recv_x, recv_ids, recv_weights, routed_mask):
     return torch.where(routed_mask[:, None], out, float("nan")).to(torch.bfloat16)
 
 
-def _check_round(ep, xs, ids, weights, region_stride, quant=None, tag=""):
+def _check_round(ep, xs, ids, weights, region_stride, quant=None, tag="",
+                 num_experts=NUM_EXPERTS):
     """One dispatch + combine on every rank, checked against the reference."""
     world, K = ep.world_size, ids[0].shape[1]
     got = ep.dispatch(xs, ids, weights, region_stride, quant=quant)
     assert not isinstance(got, int), f"{tag}: dispatch launch returned {got}"
-    expected = ref.dispatch_reference(xs, ids, weights, NUM_EXPERTS, region_stride, quant=quant)
+    expected = ref.dispatch_reference(xs, ids, weights, num_experts, region_stride, quant=quant)
     for rank, ((recv_x, recv_ids, recv_w, scales, counts), e) in enumerate(zip(got, expected)):
         assert torch.equal(recv_ids, e.recv_topk_ids), f"{tag}: ids differ on rank {rank}"
         assert torch.equal(recv_w, e.recv_topk_weights), f"{tag}: weights differ on rank {rank}"
@@ -192,7 +193,7 @@ def _check_round(ep, xs, ids, weights, region_stride, quant=None, tag=""):
     expert_outs = [_scaled_experts(x, e.recv_topk_ids, e.recv_topk_weights, e.routed_mask)
                    for x, e in zip(recv, expected)]
     ys = ep.combine(expert_outs, [x.shape[0] for x in xs], K, region_stride)
-    want = ref.combine_reference(expert_outs, ids, NUM_EXPERTS)  # reads routed rows only
+    want = ref.combine_reference(expert_outs, ids, num_experts)  # reads routed rows only
     for rank, (y, w) in enumerate(zip(ys, want)):
         # the same fp32 rank-order sum and one rounding: bit-exact
         assert torch.equal(y, w), f"{tag}: combine differs on rank {rank}: max err " \
@@ -217,6 +218,35 @@ def test_dispatch_and_combine_match_reference(emu, world_size, tokens, top_k, sk
             _check_round(ep, xs, ids, ws, region_stride=max(max(tokens), 1),
                          tag=f"round {round_}")
         assert ep.epochs() == [2] * world_size
+    finally:
+        ep.close()
+
+
+def test_the_limits_top_k_16_512_experts_hidden_over_8192(emu):
+    """The issue's limits at once: top-k 16, 512 experts, a hidden size past 8192 that is a
+    multiple of 8 but not of 16 or 128 (8200), 4 ranks, unequal T."""
+    world, hidden, top_k, experts, tokens = 4, 8200, 16, 512, [5, 0, 3, 9]
+    ep = EmuEp(emu, world, max_tokens=9, hidden=hidden, max_top_k=top_k, num_experts=experts)
+    try:
+        gen = torch.Generator().manual_seed(8200)
+        xs = [torch.randn(t, hidden, generator=gen).to(torch.bfloat16) for t in tokens]
+        ids = [torch.rand(t, experts, generator=gen).argsort(dim=1)[:, :top_k] for t in tokens]
+        ws = [torch.rand(t, top_k, generator=gen) + 0.05 for t in tokens]
+        _check_round(ep, xs, ids, ws, region_stride=9, num_experts=experts)
+    finally:
+        ep.close()
+
+
+@pytest.mark.parametrize("world_size,tokens", [(3, [4, 33, 0]), (6, [2, 7, 1, 0, 5, 3])])
+def test_world_sizes_that_are_not_powers_of_two(emu, world_size, tokens):
+    experts, top_k, hidden = 8 * world_size, 5, 72
+    ep = EmuEp(emu, world_size, max_tokens=33, hidden=hidden, num_experts=experts)
+    try:
+        gen = torch.Generator().manual_seed(world_size)
+        xs = [torch.randn(t, hidden, generator=gen).to(torch.bfloat16) for t in tokens]
+        ids = [torch.rand(t, experts, generator=gen).argsort(dim=1)[:, :top_k] for t in tokens]
+        ws = [torch.rand(t, top_k, generator=gen) + 0.05 for t in tokens]
+        _check_round(ep, xs, ids, ws, region_stride=max(tokens), num_experts=experts)
     finally:
         ep.close()
 
