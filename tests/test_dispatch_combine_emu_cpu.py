@@ -237,6 +237,18 @@ def test_the_limits_top_k_16_512_experts_hidden_over_8192(emu):
         ep.close()
 
 
+def test_4096_tokens_per_rank_and_a_region_stride_past_them(emu):
+    """T = 4096 (128 token groups per source) and T = max tokens on the other rank, with a
+    region stride above both (the rows past T are padding every rank skips)."""
+    world, hidden, tokens, stride = 2, 32, [4096, 4100], 4104
+    ep = EmuEp(emu, world, max_tokens=4104, hidden=hidden)
+    try:
+        xs, ids, ws = _inputs(4096, tokens, hidden, 8, world, id_dtype=torch.int32)
+        _check_round(ep, xs, ids, ws, region_stride=stride)
+    finally:
+        ep.close()
+
+
 @pytest.mark.parametrize("world_size,tokens", [(3, [4, 33, 0]), (6, [2, 7, 1, 0, 5, 3])])
 def test_world_sizes_that_are_not_powers_of_two(emu, world_size, tokens):
     experts, top_k, hidden = 8 * world_size, 5, 72
