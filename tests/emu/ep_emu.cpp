@@ -67,6 +67,10 @@ struct EpEmu {
   }
 };
 
+uint32_t all_ranks(const EpEmu& ep) {
+  return ep.world_size >= 32 ? ~0u : (1u << ep.world_size) - 1u;
+}
+
 // fn(rank) on one host thread per rank whose bit is set in `ranks_mask`, all at once; each
 // thread's launches run their blocks at once. Returns the first nonzero result (0: all ok).
 template <class Fn>
@@ -197,7 +201,7 @@ extern "C" int petit_emu_ep_combine(void* handle, const void* const* expert_outs
                                     void* const* outs, const int* num_tokens, int top_k,
                                     int region_stride, int* results) {
   EpEmu& ep = *static_cast<EpEmu*>(handle);
-  return on_ranks(ep, (1u << ep.world_size) - 1u, results, [&](int r) {
+  return on_ranks(ep, all_ranks(ep), results, [&](int r) {
     return combine_one(ep, r, expert_outs[r], outs[r], num_tokens[r], top_k, region_stride);
   });
 }
@@ -214,7 +218,7 @@ extern "C" int petit_emu_ep_rounds(void* handle, int num_rounds, const uint16_t*
   EpEmu& ep = *static_cast<EpEmu*>(handle);
   const int W = ep.world_size, H = ep.layout.hidden;
   const int64_t R = region_stride, row_elems = R * H, route_elems = R * top_k;
-  return on_ranks(ep, (1u << W) - 1u, results, [&](int r) {
+  return on_ranks(ep, all_ranks(ep), results, [&](int r) {
     std::vector<uint16_t> expert_out(size_t(W * row_elems));
     const uint16_t* recv = reinterpret_cast<const uint16_t*>(ep.heap + r * ep.stride +
                                                              ep.layout.dispatch_rows);
