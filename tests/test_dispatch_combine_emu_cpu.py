@@ -396,12 +396,26 @@ def _case(lib_path, case):
         xs, ids, ws = _inputs(9, [4, 4], 64, 2, 2)
         ep.dispatch(xs, ids, ws, region_stride=4, ranks=[0])
         print("dispatch returned")
-    elif case == "claimed_reduce":  # the combine's claimed reduce items, few reduce blocks
+    elif case == "chunked_rounds":  # hidden chunks, 3 token groups, 3 blocks per rank
         ep = EmuEp(lib, 2, max_tokens=96, hidden=2048, num_blocks=3)
         for round_ in range(2):
             xs, ids, ws = _inputs(40 + round_, [96, 70], 2048, 4, 2)
             _check_round(ep, xs, ids, ws, region_stride=96, tag=f"round {round_}")
         print("ok")
+
+
+@pytest.mark.parametrize("knobs", [
+    {"PETIT_MOE_COMBINE_SEND_CHUNKS": "3"},      # send items of one hidden chunk each
+    {"PETIT_MOE_COMBINE_REDUCE_VECTORS": "0"},   # reduce items = the send chunks
+    {"PETIT_MOE_COMBINE_REDUCE_ITEMS": "0", "PETIT_MOE_COMBINE_REDUCE_VECTORS": "64"},
+    {"PETIT_MOE_SC_FENCES": "1", "PETIT_MOE_COMBINE_PREFETCH": "0"},
+])
+def test_the_tuning_knobs_keep_the_results(emu, knobs):
+    """The combine's planning knobs (read once per process, hence a subprocess each) change
+    how the work is cut, never a result bit."""
+    result = _subprocess(emu._name, "chunked_rounds", env=knobs)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
+        (result.stdout + result.stderr)[-3000:]
 
 
 def test_a_missing_rank_times_out_naming_rank_peer_and_epoch(emu):
@@ -416,7 +430,7 @@ def test_a_missing_rank_times_out_naming_rank_peer_and_epoch(emu):
 def test_combine_with_claimed_reduce_items(emu):
     """PETIT_MOE_COMBINE_STATIC_REDUCE=0 (the claim counter every block draws reduce items
     from), with a send-only share of 50% so senders claim items after their sends."""
-    result = _subprocess(emu._name, "claimed_reduce",
+    result = _subprocess(emu._name, "chunked_rounds",
                          env={"PETIT_MOE_COMBINE_STATIC_REDUCE": "0",
                               "PETIT_MOE_COMBINE_REDUCE_PCT": "50"})
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
