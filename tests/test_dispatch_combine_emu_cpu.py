@@ -27,7 +27,7 @@ from vllm_petit_moe import reference as ref
 NUM_EXPERTS = 32
 QUANT = {None: 0, "fp8_block128": 1, "fp8_per_token": 2, "fp8_block128_ue8m0": 3}
 # heap layout fields (petit_emu_ep_offset)
-DISPATCH_ROWS, DISPATCH_IDS, DISPATCH_WEIGHTS, DISPATCH_SCALES = 0, 1, 2, 3
+DISPATCH_ROWS, DISPATCH_IDS, DISPATCH_WEIGHTS, DISPATCH_SCALES, COMBINE_ROWS = 0, 1, 2, 3, 4
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,7 @@ def _load(lib):
     lib.petit_emu_ep_dispatch.argtypes = [p, ctypes.c_uint32, p, p, i, p, p, i, i, i, p]
     lib.petit_emu_ep_combine.argtypes = [p, p, p, p, i, i, p]
     lib.petit_emu_ep_rounds.argtypes = [p, i, p, p, p, p, i, i, p, p]
+    lib.petit_emu_ep_peer_write.argtypes = [p, p, ctypes.c_longlong, i, p]
     return lib
 
 
@@ -358,6 +359,34 @@ def test_moe_layer_on_emulated_ranks(emu, tmp_path_factory, world_size, tokens):
     kernel_ref = ref.ep_moe_reference(xs, ids, ws, w13, w2, world_size, "kernel", stride)
     fp32_ref = ref.ep_moe_reference(xs, ids, ws, w13, w2, world_size, "fp32", stride)
     ref.check_close(ys, fp32_ref, ref.tolerance(kernel_ref, fp32_ref), name="emulated layer")
+
+
+@pytest.mark.parametrize("world_size,num_blocks", [(2, 1), (4, 3)])
+def test_peer_write_fills_every_peers_combine_region(emu, world_size, num_blocks):
+    """The benchmark ceiling's kernel (bench_dispatch_combine's peer-write rate): rank r's
+    source goes to every other rank's combine region, in 4 KB spans of 16-byte vectors (the
+    last span partial), and nothing to its own. With more than one writer per region each
+    vector holds one of the writers' (they race, as on the GPU: the kernel only measures the
+    rate)."""
+    num_bytes = 16 * 1000  # 3.9 spans of 4 KB per peer
+    ep = EmuEp(emu, world_size, max_tokens=64, hidden=128)
+    try:
+        gen = torch.Generator().manual_seed(world_size)
+        srcs = [torch.randint(0, 256, (num_bytes,), generator=gen, dtype=torch.uint8)
+                for _ in range(world_size)]
+        results = _ints([0] * world_size)
+        assert emu.petit_emu_ep_peer_write(ep.handle, _ptrs(srcs), num_bytes, num_blocks,
+                                           results) == 0, list(results)
+        for r in range(world_size):
+            got = ep.region(r, COMBINE_ROWS, num_bytes, torch.uint8).view(-1, 16)
+            from_peer = torch.zeros(got.shape[0], dtype=torch.bool)
+            for s in range(world_size):
+                if s != r:
+                    from_peer |= (got == srcs[s].view(-1, 16)).all(dim=1)
+            assert bool(from_peer.all()), \
+                f"rank {r}: {int((~from_peer).sum())} vectors hold no peer's bytes"
+    finally:
+        ep.close()
 
 
 def test_launchers_reject_bad_arguments(emu):

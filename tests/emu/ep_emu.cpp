@@ -236,3 +236,23 @@ extern "C" int petit_emu_ep_rounds(void* handle, int num_rounds, const uint16_t*
     return 0;
   });
 }
+
+// The benchmark's ceiling kernel on every rank at once: rank r pushes bytes_per_peer bytes of
+// srcs[r] into the combine region of every other rank (what EpBuffer.peer_write launches).
+extern "C" int petit_emu_ep_peer_write(void* handle, const void* const* srcs,
+                                       long long bytes_per_peer, int num_blocks, int* results) {
+  EpEmu& ep = *static_cast<EpEmu*>(handle);
+  return on_ranks(ep, all_ranks(ep), results, [&](int r) {
+    emu::last_error = 0;
+    petit::PeerWriteArgs a{};
+    a.heap_base = reinterpret_cast<char*>(ep.heap);
+    a.heap_stride = ep.stride;
+    a.rank = r;
+    a.world_size = ep.world_size;
+    a.src = srcs[r];
+    a.heap_offset = ep.layout.combine_rows;
+    a.bytes_per_peer = bytes_per_peer;
+    a.num_blocks = num_blocks;
+    return int(petit::launch_peer_write(a, nullptr));
+  });
+}
