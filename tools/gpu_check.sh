@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# On a GPU machine: build the extension with every core, run the whole test suite (GPU and
+# On a GPU machine: build the extension with every core, run the GPU test files (tests/*_gpu.py,
 # multi-rank tests included: W ranks share the GPUs when there are fewer GPUs than ranks),
 # optionally the benchmarks, and print a short summary last. Logs go to $OUT (default
-# /tmp/petit-gpu-check).
+# /tmp/petit-gpu-check). The CPU tests (the kernels' emulation among them, minutes of CPU) are
+# CI's and would only spend device time here: TEST_PATHS=tests runs the whole suite.
 #
-#   bash tools/gpu_check.sh                 # build + tests
+#   bash tools/gpu_check.sh                 # build + GPU tests
 #   BENCH=1 bash tools/gpu_check.sh         # + examples/bench_dispatch_combine.py (>= 2 GPUs)
 #   BENCH_EXPERTS=1 bash tools/gpu_check.sh # + examples/bench_experts.py (1 GPU;
 #                                           #   BENCH_EXPERTS_ARGS, default --quick)
@@ -62,7 +63,7 @@ if [ $build_rc -eq 0 ]; then
   t1=$(date +%s)
   pytest_args=()
   eval "pytest_args=(${PYTEST_ARGS:-})"  # keeps quoted words (-k "a or b") together
-  timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -rs "${pytest_args[@]}" ${TEST_PATHS:-tests} 2>&1 | tee "$OUT/pytest.log"
+  timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -rs "${pytest_args[@]}" ${TEST_PATHS:-tests/*_gpu.py} 2>&1 | tee "$OUT/pytest.log"
   test_rc=${PIPESTATUS[0]}
   test_s=$(( $(date +%s) - t1 ))
 fi
