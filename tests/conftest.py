@@ -6,6 +6,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,26 @@ def build_emu_library(tmp_path_factory, source: str) -> ctypes.CDLL:
     assert result.returncode == 0, result.stderr[-4000:]
     _emu_libraries[source] = ctypes.CDLL(str(lib_path))
     return _emu_libraries[source]
+
+
+def run_case(test_file: str, *args, env: dict | None = None,
+             timeout: float = 900) -> subprocess.CompletedProcess:
+    """``_case(*args)`` of the test module at ``test_file`` (pass its ``__file__``) in a fresh
+    Python process, with ``env`` added to the environment: for what must not share the test
+    process (a trap aborts it, a GPU fault ends its CUDA context, knobs are read once per
+    process)."""
+    path = Path(test_file)
+    code = (f"import sys; sys.path.insert(0, {str(path.parent)!r}); "
+            f"import {path.stem} as t; t._case(*{args!r})")
+    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_case_ok(result: subprocess.CompletedProcess, what: str) -> None:
+    """A run_case process exited 0 after printing "ok" last."""
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
+        f"{what} failed in its own process (exit {result.returncode}):\n"
+        + (result.stdout + result.stderr)[-3000:])
 
 
 requires_gpu = pytest.mark.skipif(num_gpus() == 0, reason="needs a CUDA GPU")

@@ -13,15 +13,11 @@ headers (uint4/dim3 only).
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import build_emu_library
+from conftest import assert_case_ok, build_emu_library, run_case
 from vllm_petit_moe import reference as ref
 
 NUM_EXPERTS = 32
@@ -141,13 +137,14 @@ class EmuEp:
         return [self.lib.petit_emu_ep_epoch(self.handle, r) for r in range(self.world_size)]
 
 
-def _inputs(seed, tokens_per_rank, hidden, top_k, world_size, skew=None, id_dtype=torch.int64):
+def _inputs(seed, tokens_per_rank, hidden, top_k, world_size, skew=None, id_dtype=torch.int64,
+            num_experts=NUM_EXPERTS):
     """Every rank's (x, topk_ids, topk_weights), fresh random data from `seed`."""
     gen = torch.Generator().manual_seed(seed)
     xs, ids, weights = [], [], []
     for t in tokens_per_rank:
         xs.append(torch.randn(t, hidden, generator=gen).to(torch.bfloat16))
-        i, w = ref.random_topk(t, NUM_EXPERTS, top_k, generator=gen, skew=skew,
+        i, w = ref.random_topk(t, num_experts, top_k, generator=gen, skew=skew,
                                world_size=world_size)
         if t > 0:  # some unused slots (-1), as vLLM's padding rows have
             i[torch.rand(t, top_k, generator=gen) < 0.1] = -1
@@ -229,10 +226,7 @@ def test_the_limits_top_k_16_512_experts_hidden_over_8192(emu):
     world, hidden, top_k, experts, tokens = 4, 8200, 16, 512, [5, 0, 3, 9]
     ep = EmuEp(emu, world, max_tokens=9, hidden=hidden, max_top_k=top_k, num_experts=experts)
     try:
-        gen = torch.Generator().manual_seed(8200)
-        xs = [torch.randn(t, hidden, generator=gen).to(torch.bfloat16) for t in tokens]
-        ids = [torch.rand(t, experts, generator=gen).argsort(dim=1)[:, :top_k] for t in tokens]
-        ws = [torch.rand(t, top_k, generator=gen) + 0.05 for t in tokens]
+        xs, ids, ws = _inputs(8200, tokens, hidden, top_k, world, num_experts=experts)
         _check_round(ep, xs, ids, ws, region_stride=9, num_experts=experts)
     finally:
         ep.close()
@@ -255,10 +249,7 @@ def test_world_sizes_that_are_not_powers_of_two(emu, world_size, tokens):
     experts, top_k, hidden = 8 * world_size, 5, 72
     ep = EmuEp(emu, world_size, max_tokens=33, hidden=hidden, num_experts=experts)
     try:
-        gen = torch.Generator().manual_seed(world_size)
-        xs = [torch.randn(t, hidden, generator=gen).to(torch.bfloat16) for t in tokens]
-        ids = [torch.rand(t, experts, generator=gen).argsort(dim=1)[:, :top_k] for t in tokens]
-        ws = [torch.rand(t, top_k, generator=gen) + 0.05 for t in tokens]
+        xs, ids, ws = _inputs(world_size, tokens, hidden, top_k, world_size, num_experts=experts)
         _check_round(ep, xs, ids, ws, region_stride=max(tokens), num_experts=experts)
     finally:
         ep.close()
@@ -410,15 +401,9 @@ def test_create_rejects_bad_configurations(emu):
         assert not emu.petit_emu_ep_create(*args, 1.0), args
 
 
-# ---- run in a subprocess: a trap aborts the process, and the knobs are read once per process
-def _subprocess(lib_path, case, env=None):
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import test_dispatch_combine_emu_cpu as t; t._case({str(lib_path)!r}, {case!r})")
-    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, **(env or {})})
-
-
+# ---- in a fresh process (run_case): a trap aborts the process, knobs are read once per process
 def _case(lib_path, case):
+    """Run by run_case in a fresh process."""
     lib = _load(ctypes.CDLL(lib_path))
     if case == "missing_rank":  # rank 1 never dispatches: rank 0's wait must expire
         ep = EmuEp(lib, 2, max_tokens=8, hidden=64, timeout_s=0.05)
@@ -431,6 +416,8 @@ def _case(lib_path, case):
             xs, ids, ws = _inputs(40 + round_, [96, 70], 2048, 4, 2)
             _check_round(ep, xs, ids, ws, region_stride=96, tag=f"round {round_}")
         print("ok")
+    else:
+        raise ValueError(case)
 
 
 @pytest.mark.parametrize("knobs", [
@@ -442,13 +429,11 @@ def _case(lib_path, case):
 def test_the_tuning_knobs_keep_the_results(emu, knobs):
     """The combine's planning knobs (read once per process, hence a subprocess each) change
     how the work is cut, never a result bit."""
-    result = _subprocess(emu._name, "chunked_rounds", env=knobs)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
-        (result.stdout + result.stderr)[-3000:]
+    assert_case_ok(run_case(__file__, emu._name, "chunked_rounds", env=knobs), f"{knobs}")
 
 
 def test_a_missing_rank_times_out_naming_rank_peer_and_epoch(emu):
-    result = _subprocess(emu._name, "missing_rank")
+    result = run_case(__file__, emu._name, "missing_rank")
     assert result.returncode != 0, "a dispatch without its peer must trap, not return"
     assert "dispatch returned" not in result.stdout
     out = result.stdout + result.stderr
@@ -459,8 +444,5 @@ def test_a_missing_rank_times_out_naming_rank_peer_and_epoch(emu):
 def test_combine_with_claimed_reduce_items(emu):
     """PETIT_MOE_COMBINE_STATIC_REDUCE=0 (the claim counter every block draws reduce items
     from), with a send-only share of 50% so senders claim items after their sends."""
-    result = _subprocess(emu._name, "chunked_rounds",
-                         env={"PETIT_MOE_COMBINE_STATIC_REDUCE": "0",
-                              "PETIT_MOE_COMBINE_REDUCE_PCT": "50"})
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
-        (result.stdout + result.stderr)[-3000:]
+    knobs = {"PETIT_MOE_COMBINE_STATIC_REDUCE": "0", "PETIT_MOE_COMBINE_REDUCE_PCT": "50"}
+    assert_case_ok(run_case(__file__, emu._name, "chunked_rounds", env=knobs), f"{knobs}")

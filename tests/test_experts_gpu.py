@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import requires_extension, requires_gpu
+from conftest import assert_case_ok, requires_extension, requires_gpu, run_case
 from vllm_petit_moe import reference
 from vllm_petit_moe.ops import TILES
 
@@ -357,36 +357,17 @@ def test_gate_up_rows_by_tma_equal_the_gather(tiles, rows_per_expert):
     128-byte offsets inside a swizzle atom, which the PTX ISA's text does not promise to work
     (docs/architecture.md), and a fault there would end this process's CUDA context and with
     it every later test of the run."""
-    run_isolated("gate_up_rows_by_tma", tiles, rows_per_expert)
+    assert_case_ok(run_case(__file__, "gate_up_rows_by_tma", tiles, rows_per_expert, timeout=600),
+                   f"gate/up rows by TMA ({tiles}, {rows_per_expert} rows per expert)")
 
 
-def run_isolated(case, *args):
-    """_isolated_case(case, *args) in a fresh Python process: passes if it printed "ok"."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import test_experts_gpu as t; t._isolated_case({case!r}, *{args!r})")
-    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
-        f"{case}{args} failed in its own process (exit {result.returncode}):\n"
-        + (result.stdout + result.stderr)[-3000:])
-
-
-def _isolated_case(case, *args):
-    import os
-
-    class Env:  # monkeypatch's setenv, for knob_on_equals_off outside pytest
-        @staticmethod
-        def setenv(name, value):
-            os.environ[name] = value
-
+def _case(case, *args):
+    """Run by run_case in a fresh process; prints "ok" last."""
     if case == "gate_up_rows_by_tma":
         tiles, rows_per_expert = args
-        by_tma, problem = knob_on_equals_off(Env, "PETIT_MOE_GATE_UP_A_TMA", tiles,
-                                            rows_per_expert, seed=77)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            by_tma, problem = knob_on_equals_off(monkeypatch, "PETIT_MOE_GATE_UP_A_TMA", tiles,
+                                                rows_per_expert, seed=77)
         check(by_tma, problem)
         torch.cuda.synchronize()
     else:

@@ -120,12 +120,30 @@ class FakeEpBuffer:
         self.call = call
         self.region_strides: list[int] = []
 
-    def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
+    def _record_dispatch(self, x, topk_ids, topk_weights, region_stride):
+        """The layer hands over this rank's inputs of the call; the stride is recorded."""
         call = self.call
         assert torch.equal(x, call.xs[self.rank])
         assert torch.equal(topk_ids.long(), call.topk_ids[self.rank].long())
         assert topk_weights.dtype == torch.float32
         self.region_strides.append(region_stride)
+
+    def _expert_outs(self, expert_out, received):
+        """Every destination's expert output: this rank's `expert_out`, the others' on the
+        reference from what they received (received[d] = (recv_x bf16, ids, weights))."""
+        expert_outs = []
+        for dst_rank, (recv_x, recv_ids, recv_weights) in enumerate(received):
+            if dst_rank == self.rank:
+                expert_outs.append(expert_out)
+                continue
+            w13, w2 = self.call.local_weights(dst_rank, self.world_size)
+            expert_outs.append(
+                reference.experts_reference(recv_x, recv_ids, recv_weights, w13, w2))
+        return expert_outs
+
+    def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
+        call = self.call
+        self._record_dispatch(x, topk_ids, topk_weights, region_stride)
         received = reference.dispatch_reference(
             call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride, quant
         )[self.rank]
@@ -145,17 +163,8 @@ class FakeEpBuffer:
         dispatched = reference.dispatch_reference(
             call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride
         )
-        expert_outs = []
-        for dst_rank, received in enumerate(dispatched):
-            if dst_rank == self.rank:
-                expert_outs.append(expert_out)
-                continue
-            w13, w2 = call.local_weights(dst_rank, self.world_size)
-            expert_outs.append(
-                reference.experts_reference(
-                    received.recv_x, received.recv_topk_ids, received.recv_topk_weights, w13, w2
-                )
-            )
+        expert_outs = self._expert_outs(
+            expert_out, [(d.recv_x, d.recv_topk_ids, d.recv_topk_weights) for d in dispatched])
         y = reference.combine_reference(expert_outs, call.topk_ids, self.num_experts)[self.rank]
         if out is None:
             return y
@@ -182,9 +191,7 @@ class EmulatedEpBuffer(FakeEpBuffer):
 
     def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
         call, rank = self.call, self.rank
-        assert torch.equal(x, call.xs[rank])
-        assert torch.equal(topk_ids.long(), call.topk_ids[rank].long())
-        self.region_strides.append(region_stride)
+        self._record_dispatch(x, topk_ids, topk_weights, region_stride)
         xs, ws = list(call.xs), list(call.topk_weights)
         ids = [i.to(topk_ids.dtype) for i in call.topk_ids]
         xs[rank], ids[rank], ws[rank] = x, topk_ids, topk_weights
@@ -200,15 +207,11 @@ class EmulatedEpBuffer(FakeEpBuffer):
         call, rank = self.call, self.rank
         assert handle == ("emulated-handle", rank, self.region_strides[-1])
         (received, quant), region_stride = self._received, handle[2]
-        expert_outs = []
-        for dst, (recv_x, recv_ids, recv_w, scales, _) in enumerate(received):
-            if dst == rank:
-                expert_outs.append(expert_out)
-                continue
-            if quant is not None:
-                recv_x = reference.dequantize_fp8_reference(recv_x, scales).to(torch.bfloat16)
-            w13, w2 = call.local_weights(dst, self.world_size)
-            expert_outs.append(reference.experts_reference(recv_x, recv_ids, recv_w, w13, w2))
+        expert_outs = self._expert_outs(expert_out, [
+            (recv_x if quant is None
+             else reference.dequantize_fp8_reference(recv_x, scales).to(torch.bfloat16),
+             recv_ids, recv_w)
+            for recv_x, recv_ids, recv_w, scales, _ in received])
         top_k = call.topk_ids[0].shape[1]
         y = self.ep.combine(expert_outs, [t.shape[0] for t in call.xs], top_k,
                             region_stride)[rank]
