@@ -77,17 +77,11 @@ constexpr int kReduceBlocksPerSm = 8;
 // The rows every tile family reads (nullptr: a row past the tile or the output width, which the
 // loaders treat as zeros and the epilogues skip).
 
-// GEMM1 A: the received row of tile row r < tile.num_rows, through the row list (entry ->
-// received row entry / K).
-PETIT_DEVICE int gate_up_a_row_index(const ExpertGemmArgs& a, const gemm::TileCoord& tile,
-                                     int r) {
-  return a.sorted_entries[tile.row_begin + r] / a.top_k;
-}
-// ... and that row itself.
+// GEMM1 A: tile row r, gathered through the row list (entry -> received row entry / K).
 PETIT_DEVICE const petit_bf16_bits* gate_up_a_row(const ExpertGemmArgs& a,
                                                   const gemm::TileCoord& tile, int r) {
   if (r >= tile.num_rows) return nullptr;
-  return a.x + int64_t(gate_up_a_row_index(a, tile, r)) * a.hidden;
+  return a.x + int64_t(a.sorted_entries[tile.row_begin + r] / a.top_k) * a.hidden;
 }
 
 // GEMM1 B: w13 of the tile's expert; row n of the gate (group 0) or up (group 1) half.
@@ -302,27 +296,18 @@ using DownWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 8, 2>
 // Down GEMMs of wgmma_ws / wgmma_ws_mc with the staged epilogue (gemm/sm90_epilogue_staged.h;
 // the default; PETIT_MOE_STAGED_EPILOGUE=0 turns it off): a 3-stage ring (144 KiB) to make room
 // for the 66 KiB staging buffer after the scheduler's storage.
-template <class Cfg, int kClusterM = 1, int kALoad = gemm::kALoadCpAsync>
+template <class Cfg, int kClusterM = 1, bool kATma = false>
 using WsStagedMainloop = gemm::Sm90WgmmaWsMainloop<
-    Cfg, kClusterM, kSchedulerBytes<Cfg> + gemm::StagedWeightedEntryEpilogue<Cfg>::kBytes, kALoad>;
+    Cfg, kClusterM, kSchedulerBytes<Cfg> + gemm::StagedWeightedEntryEpilogue<Cfg>::kBytes, kATma>;
 using DownWgmmaWsStaged = WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>>;
 using DownWgmmaWsMcStaged =
     WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM>;
-// The same with the act rows loaded as TMA boxes (kALoadRowsTma, PETIT_MOE_DOWN_A_TMA=1, see
+// The same with the act rows loaded as TMA boxes (kATma, PETIT_MOE_DOWN_A_TMA=1, see
 // down_a_tma_enabled).
 using DownWgmmaWsStagedATma =
-    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, 1, gemm::kALoadRowsTma>;
+    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, 1, true>;
 using DownWgmmaWsMcStagedATma =
-    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM,
-                     gemm::kALoadRowsTma>;
-// The gate/up GEMMs of wgmma_ws / wgmma_ws_mc with the received rows gathered as single-row
-// TMA boxes (kALoadGatherTma, PETIT_MOE_GATE_UP_A_TMA=1, see gate_up_a_tma_enabled).
-template <class Cfg, int kClusterM = 1>
-using WsGatherMainloop = gemm::Sm90WgmmaWsMainloop<
-    Cfg, kClusterM, kSchedulerBytes<Cfg> + kWsExtraBytes, gemm::kALoadGatherTma>;
-using GateUpWgmmaWsATma = WsGatherMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
-using GateUpWgmmaWsMcATma =
-    WsGatherMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM>;
+    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM, true>;
 
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
@@ -582,32 +567,24 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
   mainloop.finish();
 }
 
-// x_map: the received rows' tensor map (dims {H, N, 1, 1}, 1-row boxes), read by main loops
-// whose A rows come by TMA (kALoadGatherTma).
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
-    expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
-                             const __grid_constant__ CUtensorMap x_map) {
+    expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
-    static_assert(Mainloop::kALoad != gemm::kALoadRowsTma, "gate/up rows are gathered");
+    static_assert(!Mainloop::kATma, "gate/up rows are gathered");
     expert_ws_gemm<Mainloop>(
         a, &w13_map, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.hidden, a.intermediate,
         [&](typename Mainloop::LoaderA& loader, const gemm::TileCoord& tile) {
-          if constexpr (Mainloop::kALoad == gemm::kALoadGatherTma)
-            loader.init(&x_map, [&](int r) { return gate_up_a_row_index(a, tile, r); },
-                        tile.num_rows);
-          else
-            loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
-        },
-        &x_map);
+          loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
+        });
   }
 }
 
 // kStaged: with the staged epilogue (gemm/sm90_epilogue_staged.h; Mainloop a WsStagedMainloop),
 // same output, bit for bit, as the plain one. act_map: the act rows' tensor map (dims {I, N*K,
-// 1, 1}, boxes of kBlockM rows), read by main loops whose A rows come by TMA (kALoadRowsTma).
+// 1, 1}, boxes of kBlockM rows), read by main loops with kATma.
 template <class Mainloop, bool kStaged = false>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map,
@@ -617,12 +594,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     using Cfg = typename Mainloop::Cfg;
     using Epilogue = std::conditional_t<kStaged, gemm::StagedWeightedEntryEpilogue<Cfg>,
                                         gemm::WeightedEntryEpilogue<Cfg>>;
-    static_assert(Mainloop::kALoad != gemm::kALoadGatherTma, "down rows are consecutive");
     expert_ws_gemm<Mainloop, kStaged>(
         a, &w2_map, Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden},
         a.intermediate, a.hidden,
         [&](typename Mainloop::LoaderA& loader, const gemm::TileCoord& tile) {
-          if constexpr (Mainloop::kALoad == gemm::kALoadRowsTma)
+          if constexpr (Mainloop::kATma)
             loader.init(&act_map, tile.row_begin);
           else
             loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
@@ -1298,20 +1274,13 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
   petitError_t err;
   if (gate_up) {
     if ((err = encode_w13_map<GateUp>(&map, a)) != petitSuccess) return err;
-    // the received rows' map, read only by the gathering-TMA main loops (others: zeroed)
-    CUtensorMap x_map{};
-    if constexpr (GateUp::kALoad == gemm::kALoadGatherTma) {
-      if ((err = gemm::sm90_encode_weight_map(&x_map, a.x, a.hidden, a.num_rows, 1, 1, 1)) !=
-          petitSuccess)
-        return err;
-    }
     return launch_tc_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate, num_sms,
-                                    stream, map, x_map);
+                                    stream, map);
   }
   if ((err = encode_w2_map<Down>(&map, a)) != petitSuccess) return err;
   // the act rows' map, read only by the main loops that load them as boxes (others: zeroed)
   CUtensorMap act_map{};
-  if constexpr (Down::kALoad == gemm::kALoadRowsTma) {
+  if constexpr (Down::kATma) {
     if ((err = gemm::sm90_encode_weight_map(&act_map, a.act, a.intermediate,
                                             a.num_rows * a.top_k, 1, 1, Down::Cfg::kBlockM)) !=
         petitSuccess)
@@ -1429,16 +1398,6 @@ static bool down_a_tma_enabled() {
   return petit_env_knob("PETIT_MOE_DOWN_A_TMA", 0, 0, 1) == 1;
 }
 
-// PETIT_MOE_GATE_UP_A_TMA=1 (read at every launch, for A/B measurements; default 0): the gate/up
-// GEMMs of wgmma_ws / wgmma_ws_mc gather their received rows as one single-row TMA box per row
-// and stage (GateUpWgmmaWsATma, GateUpWgmmaWsMcATma) instead of the producer warpgroup's 8
-// cp.async per thread and stage: on H200 the consumers' wgmma of the cp.async kernels stall on
-// the MIO queue those copies also use (Nsight Compute, examples/results/sweeps/
-// experts_pipeline_e576e9e). Not measured yet.
-static bool gate_up_a_tma_enabled() {
-  return petit_env_knob("PETIT_MOE_GATE_UP_A_TMA", 0, 0, 1) == 1;
-}
-
 // GEMM1 or GEMM2 of a tensor-core family (kExpertTilesMma, kExpertTilesWgmma*), whose path
 // the caller has checked (mma_path_supported, wgmma_path_supported).
 petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, int num_sms,
@@ -1452,8 +1411,6 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
     case kExpertTilesWgmmaNarrow:
       return launch_tc_gemm<GateUpWgmmaNarrow, DownWgmmaNarrow>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWs:
-      if (gate_up && gate_up_a_tma_enabled())
-        return launch_ws_gemm<GateUpWgmmaWsATma, DownWgmmaWs>(gate_up, a, num_sms, stream);
       if (!gate_up && staged_epilogue_enabled() && down_a_tma_enabled())
         return launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWsStagedATma, true>(gate_up, a, num_sms,
                                                                           stream);
@@ -1464,8 +1421,6 @@ petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, 
     case kExpertTilesWgmmaM64Ws:
       return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmmaWsMc:
-      if (gate_up && gate_up_a_tma_enabled())
-        return launch_ws_gemm<GateUpWgmmaWsMcATma, DownWgmmaWsMc>(gate_up, a, num_sms, stream);
       if (!gate_up && staged_epilogue_enabled() && down_a_tma_enabled())
         return launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMcStagedATma, true>(gate_up, a,
                                                                               num_sms, stream);

@@ -326,21 +326,6 @@ def test_down_act_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms
     knob_on_equals_off(sm90, monkeypatch, "PETIT_MOE_DOWN_A_TMA", problem, tiles, num_sms)
 
 
-@pytest.mark.parametrize("tiles,num_sms", [("wgmma_ws", 1), ("wgmma_ws", 3), ("wgmma_ws_mc", 4)])
-def test_gate_up_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms):
-    """PETIT_MOE_GATE_UP_A_TMA=1: the gate/up GEMM of wgmma_ws / wgmma_ws_mc gathers its
-    received rows as single-row TMA boxes (one per producer thread and stage, placed by the
-    address-based 128-byte swizzle; the stage completed by the TMA issuer's expect_tx of the
-    weight and the tile's row bytes and one arrival per other producer warp): bit-equal to the
-    cp.async gather. Experts with 0-3 m-tiles (rows missing from a tile are not loaded),
-    clusters of 2 with an odd m-tile (a CTA with no rows), a partial last k-tile (hidden 520)
-    and n-tile (intermediate 136)."""
-    counts = [100, 0, 200, 300]
-    ids = top1_ids(counts, seed=67)
-    problem = make_problem(ids.contiguous(), 520, 136, 4, seed=68)
-    knob_on_equals_off(sm90, monkeypatch, "PETIT_MOE_GATE_UP_A_TMA", problem, tiles, num_sms)
-
-
 def test_a_trap_reports_to_stderr_and_appends_to_the_trap_log(emu, tmp_path):
     """A trap of the emulation (a pipeline wait past its bound, a bad barrier, ...) aborts the
     process, which loses pytest's capture of stderr: the message also goes to the file

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_case_ok, requires_extension, requires_gpu, run_case
+from conftest import requires_extension, requires_gpu
 from vllm_petit_moe import reference
 from vllm_petit_moe.ops import TILES
 
@@ -344,35 +344,6 @@ def test_warp_specialized_families_equal_their_tiles(ws, plain, rows_per_expert,
     ids = random_ids(rows_per_expert * num_local // top_k * 2, top_k, num_local, seed=51)
     problem = make_problem(ids, 1032, 1032, num_local, seed=52)
     assert torch.equal(run_petit(problem, ws), run_petit(problem, plain))
-
-
-@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
-@pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
-@pytest.mark.parametrize("rows_per_expert", [3, 200, 700])
-def test_gate_up_rows_by_tma_equal_the_gather(tiles, rows_per_expert):
-    """PETIT_MOE_GATE_UP_A_TMA=1 (the gate/up GEMM's received rows as single-row TMA boxes,
-    placed by the hardware's address-based 128-byte swizzle): bit-equal to the cp.async
-    gather, NaN-poisoned unrouted rows and workspaces, more tiles than SMs at 700 rows per
-    expert, a partial last k-tile and n-tile. In a process of its own: the boxes start at
-    128-byte offsets inside a swizzle atom, which the PTX ISA's text does not promise to work
-    (docs/architecture.md), and a fault there would end this process's CUDA context and with
-    it every later test of the run."""
-    assert_case_ok(run_case(__file__, "gate_up_rows_by_tma", tiles, rows_per_expert, timeout=600),
-                   f"gate/up rows by TMA ({tiles}, {rows_per_expert} rows per expert)")
-
-
-def _case(case, *args):
-    """Run by run_case in a fresh process; prints "ok" last."""
-    if case == "gate_up_rows_by_tma":
-        tiles, rows_per_expert = args
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            by_tma, problem = knob_on_equals_off(monkeypatch, "PETIT_MOE_GATE_UP_A_TMA", tiles,
-                                                rows_per_expert, seed=77)
-        check(by_tma, problem)
-        torch.cuda.synchronize()
-    else:
-        raise ValueError(case)
-    print("ok")
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")

@@ -81,9 +81,8 @@ def test_warp_specialized_kernels_launch_with_their_register_budget(nvcc, tmp_pa
     ws = {name: k for name, k in kernels.items() if "_ws_kernel" in name}
     # gate/up and down of wgmma_ws, _m64_ws, _ws_mc, _narrow_ws; the staged down of _ws, _ws_mc;
     # the fused gate/up + down of _m64_ws and _narrow_ws; the staged down of _ws and _ws_mc with
-    # the act rows by TMA (PETIT_MOE_DOWN_A_TMA=1); the gate/up of _ws and _ws_mc with the
-    # received rows gathered by TMA (PETIT_MOE_GATE_UP_A_TMA=1)
-    assert len(ws) == 16, sorted(kernels)
+    # the act rows by TMA (PETIT_MOE_DOWN_A_TMA=1)
+    assert len(ws) == 14, sorted(kernels)
     assert sum("expert_fused_ws_kernel" in name for name in ws) == 2
     for name, k in ws.items():
         assert k["registers"] == 168, (name, k)
@@ -98,11 +97,11 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
     # The body of each .entry, up to the next one.
     entries = re.split(r"\n(?=\.(?:visible )?\.?entry )", ptx)
     ws_bodies = [e for e in entries if re.match(r"\.(?:visible )?\.?entry \w+_ws_kernel", e)]
-    assert len(ws_bodies) == 16
+    assert len(ws_bodies) == 14
     clustered = a_by_tma = 0
     for body in ws_bodies:
-        # the kernels whose A rows come as TMA boxes: no cp.async gather, its arrivals and its
-        # proxy fence per k-tile; both tensor maps prefetched; the down ones staged
+        # the down kernels whose act rows come as TMA boxes: no cp.async gather, its arrivals
+        # and its proxy fence per k-tile; both tensor maps prefetched; staged
         if "cp.async.mbarrier.arrive.noinc" not in body:
             a_by_tma += 1
             assert "cp.async.cg.shared.global" not in body
@@ -124,10 +123,9 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
                             "mbarrier.arrive.expect_tx", "cp.async.bulk.tensor.4d",
                             "prefetch.tensormap"):
             assert instruction in body, instruction
-    assert a_by_tma == 4
-    # gate/up, down, staged down, staged down with the act rows by TMA and gate/up with the rows
-    # gathered by TMA of wgmma_ws_mc
-    assert clustered == 5
+    assert a_by_tma == 2
+    # gate/up, down, staged down and staged down with the act rows by TMA of wgmma_ws_mc
+    assert clustered == 4
     # the fused GEMMs: both weight maps prefetched, gate/up arrivals counted after a fence,
     # down tiles waiting for them with acquire loads bounded by the global timer
     fused = [b for b in ws_bodies if "expert_fused_ws_kernel" in b.split("(", 1)[0]]

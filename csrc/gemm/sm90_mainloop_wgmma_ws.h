@@ -220,26 +220,19 @@ PETIT_DEVICE void sm90_setmaxnreg_inc() {
 // kUserBytes: shared memory after the barriers for the kernel's own use (user_smem; the tile
 // scheduler's, which cannot be a static __shared__ variable under the CPU emulation's
 // concurrently running cluster CTAs).
-// kALoad: how the A rows reach a stage.
-//   kALoadCpAsync: the producer warpgroup gathers them with cp.async (CpAsyncLoader), each
-//     thread arriving on the stage's barrier once its copies landed;
-//   kALoadRowsTma: consecutive rows of one matrix (the down GEMM's activations) as one TMA box
-//     per stage (Sm90RowsTmaLoader), issued with the weight boxes by the TMA issuer, the
-//     stage's only arrival; the other producer threads only wait at the end;
-//   kALoadGatherTma: gathered rows as one single-row TMA box each (Sm90GatherTmaLoader), one
-//     per producer thread; the TMA issuer's expect_tx (the weight and the tile's A bytes) and
-//     one arrival per other producer warp complete the stage (see produce()).
-// With either TMA mode no cp.async (LDGSTS) competes with the consumers' wgmma for the SM's
-// MIO queue, and the consumers need no proxy fence per k-tile.
-enum : int { kALoadCpAsync = 0, kALoadRowsTma = 1, kALoadGatherTma = 2 };
-
-template <class Cfg_, int kClusterM_ = 1, int kUserBytes_ = 0, int kALoad_ = kALoadCpAsync>
+// kATma: the A rows are consecutive rows of one matrix (the down GEMM's activations) and come
+// as one TMA box per stage (Sm90RowsTmaLoader, issued with the weight boxes by the TMA issuer,
+// the stage's only arrival) instead of the producer warpgroup's cp.async gather: no cp.async
+// (LDGSTS) competing with the consumers' wgmma for the SM's MIO queue, no proxy fence per
+// k-tile. The other producer threads then only wait at the end. (The gate/up GEMM's gathered
+// rows as one single-row TMA box each, bit-equal, were 1.22x slower than its cp.async on H200
+// and were removed: examples/results/sweeps/experts_pipeline_e576e9e/.)
+template <class Cfg_, int kClusterM_ = 1, int kUserBytes_ = 0, bool kATma_ = false>
 struct Sm90WgmmaWsMainloop {
   using Cfg = Cfg_;
   static constexpr int kClusterM = kClusterM_;
   static constexpr int kUserBytes = kUserBytes_;
-  static constexpr int kALoad = kALoad_;
-  static constexpr bool kATma = kALoad != kALoadCpAsync;
+  static constexpr bool kATma = kATma_;
   static constexpr bool kCompiled = PETIT_SM90A_BODY;
   static constexpr int kConsumerThreads = Cfg::kThreads;
   static constexpr int kProducerThreads = 128;
@@ -259,17 +252,11 @@ struct Sm90WgmmaWsMainloop {
                 "the consumers' accumulators do not fit their registers");
 
   using LoaderA = std::conditional_t<
-      kALoad == kALoadRowsTma, Sm90RowsTmaLoader<Cfg::kBlockM>,
-      std::conditional_t<kALoad == kALoadGatherTma,
-                         Sm90GatherTmaLoader<Cfg::kBlockM, kProducerThreads, kConsumerThreads>,
-                         CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle,
-                                       kConsumerThreads>>>;
+      kATma, Sm90RowsTmaLoader<Cfg::kBlockM>,
+      CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle, kConsumerThreads>>;
   // Arrivals per fill of a stage: every producer thread's cp.async arrival and the TMA
-  // issuer's expect_tx one; with the rows as one box the latter only; with the gathered rows
-  // by TMA one per producer warp (the issuer's expect_tx that of the first warp, see produce).
-  static constexpr int kFullArrivals = kALoad == kALoadCpAsync    ? kProducerThreads + 1
-                                       : kALoad == kALoadRowsTma ? 1
-                                                                 : kProducerThreads / 32;
+  // issuer's expect_tx one; with kATma only the latter.
+  static constexpr int kFullArrivals = kATma ? 1 : kProducerThreads + 1;
   using LoaderB = Sm90WeightTmaLoader<Cfg, kClusterM>;
   static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
   static constexpr int kStageBytes = LoaderA::kStageBytes + LoaderB::kStageBytes;
@@ -359,25 +346,7 @@ struct Sm90WgmmaWsMainloop {
                             volatile int* stage_tags = nullptr, int tag = 0, int b_issued = 0) {
     const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
     const bool tma_issuer = is_tma_issuer();
-    if constexpr (kALoad == kALoadGatherTma) {  // a row box per thread, an arrival per warp
-      for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
-        const uint32_t s = wait_empty(it);
-        if (tma_issuer) {
-          if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
-          issue_weights(b_loader, s, kt, rank, multicast, a_loader.bytes());
-        }
-        // (a row may land before the issuer's expect_tx: the transaction count goes negative,
-        // and the phase cannot complete before that arrival)
-        a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, full + 8 * s);
-        // Each producer warp arrives once its lanes are all past this fill's wait_empty (the
-        // first warp's arrival is the issuer's expect_tx). Without it a thread with no row in
-        // the tile neither arrives nor adds bytes, so the others could run a whole ring ahead
-        // of it, and its next parity wait would take a later phase for its own (a deadlock the
-        // CPU emulation hit under load).
-        petit_syncwarp();
-        if (threadIdx.x % 32 == 0 && !tma_issuer) sm90_mbarrier_arrive(full + 8 * s);
-      }
-    } else if constexpr (kALoad == kALoadRowsTma) {  // the TMA issuer alone: A and weight boxes
+    if constexpr (kATma) {  // the TMA issuer alone: A box and weight boxes, one arrival
       for (int kt = kt_begin; tma_issuer && kt < num_k_tiles; ++kt, ++it) {
         const uint32_t s = wait_empty(it);
         if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
@@ -407,8 +376,8 @@ struct Sm90WgmmaWsMainloop {
   }
 
   // TMA issuer: the weight boxes of k-tile kt into stage s, after the stage's expected bytes
-  // (the whole stage's, whichever CTA of the cluster loads them, plus extra_bytes: the A rows'
-  // when they come by TMA) that those copies complete.
+  // (the whole stage's, whichever CTA of the cluster loads them, plus extra_bytes: kATma's A
+  // box) that those copies complete.
   PETIT_DEVICE void issue_weights(const LoaderB& b_loader, uint32_t s, int kt, int rank,
                                   bool multicast, uint32_t extra_bytes = 0) const {
     sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes + extra_bytes);

@@ -122,45 +122,6 @@ struct Sm90RowsTmaLoader {
   }
 };
 
-// The A rows of one output tile gathered through a row list (the gate/up GEMM's received rows,
-// x[entry / K]) as single-row TMA boxes: producer thread t (of kThreads, after kThreadOffset
-// consumer threads) loads tile row t < kRows, if the tile has it, into stage row t. The map is
-// sm90_encode_weight_map's with dims {K, rows, 1, 1} and 1-row boxes; the 128-byte swizzle is a
-// function of the shared-memory address (16-byte chunk bits 4-6 XOR address bits 7-9), so a
-// row box at stage offset 128 t lands where the whole 1024-byte-aligned tile's box would put
-// that row. Rows the tile lacks are not loaded (their stage rows keep stale data: a wgmma
-// output row depends only on its own A row, and the epilogues skip those rows), so a stage
-// expects bytes() of A.
-template <int kRows, int kThreads, int kThreadOffset>
-struct Sm90GatherTmaLoader {
-  static constexpr int kRowBytes = kTmaBoxK * int(sizeof(petit_bf16_bits));
-  static constexpr int kStageBytes = kRows * kRowBytes;
-  static_assert(kRows <= kThreads, "one producer thread per tile row");
-
-  const CUtensorMap* map;
-  int src_row;   // this thread's tile row's row of the source matrix, or -1
-  int num_rows;  // rows of the tile
-
-  // row_of(r) -> the source row of tile row r < tile_rows.
-  template <class RowOf>
-  PETIT_DEVICE void init(const CUtensorMap* tensor_map, RowOf row_of, int tile_rows) {
-    map = tensor_map;
-    num_rows = tile_rows;
-    const int t = int(threadIdx.x) - kThreadOffset;
-    src_row = t < tile_rows && t < kRows ? row_of(t) : -1;
-  }
-
-  // The A bytes a stage of this tile expects.
-  PETIT_DEVICE uint32_t bytes() const { return uint32_t(num_rows) * kRowBytes; }
-
-  // This thread's row of the k-tile starting at column k0, into the stage at `dst`.
-  PETIT_DEVICE void issue(uint32_t dst, int k0, uint32_t bar) const {
-    if (src_row >= 0)
-      sm90_tma_load_4d(dst + uint32_t(int(threadIdx.x) - kThreadOffset) * kRowBytes, map, k0,
-                       src_row, 0, 0, bar);
-  }
-};
-
 // The B (weight) rows of one output tile of tile config Cfg, as TMA boxes: stage row r holds
 // row n_begin + Cfg::b_col_of(r) of group Cfg::b_group_of(r) of the expert, and the config
 // keeps runs of kRunRows = Cfg::kGroupCols stage rows in one group with consecutive columns

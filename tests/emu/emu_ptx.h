@@ -352,10 +352,7 @@ inline int64_t perform(const TmaCopy& c) {
 // Into the block of cluster rank `rank` (-1: this thread's block).
 inline void tma_load_4d_into(int rank, uint32_t dst, const CUtensorMap* map, int c0, int c1,
                              int c2, int c3, uint32_t bar) {
-  // 128-byte aligned (a box row); the swizzle below is a function of the address, so a box
-  // that starts inside a 1024-byte atom (the single-row boxes of a gather) lands where the
-  // atom's whole box would put its rows
-  if (dst % 128 != 0) trap("TMA box with the 128-byte swizzle not 128-byte aligned");
+  if (dst % 1024 != 0) trap("TMA box with the 128-byte swizzle not 1024-byte aligned");
   if (rank >= 0) {
     dst = map_shared_rank(dst, rank);
     bar = map_shared_rank(bar, rank);
