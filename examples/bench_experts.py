@@ -38,6 +38,12 @@ difference of petit's output to the torch loop's.
     python examples/bench_experts.py --profile --tokens 1 8 32 --tiles wgmma_m64 wgmma_m64_ws
 Each row also records ``launch``: grid, threads, dynamic shared memory and CTAs per cluster of
 the two GEMM kernels as launched (``ops.last_gemm_launch``).
+--chain N: at decode sizes (tokens <= CHAIN_MAX_TOKENS) also the time per call of N calls back
+to back in one CUDA graph, each on its own copy of the weights (made once per preset, as many
+as fit the free memory: field ``chain``), so no call finds another's weights in L2: what each
+of a decode step's MoE layers pays once the graph launch is amortized and the kernels of
+consecutive calls overlap as in a served step (fields ``us_chain``, ``weight_gbps_chain``,
+``triton_us_chain``; the single-call ``us`` keeps its L2 flush and graph launch).
 PETIT_MOE_PDL=0 in the environment: petit's kernels launched without programmatic dependent
 launch (field ``pdl``), for an A/B of the gaps between its kernels. PETIT_MOE_STAGED_EPILOGUE=0:
 the down GEMMs of wgmma_ws / wgmma_ws_mc with the plain epilogue instead of the staged one (field
@@ -80,6 +86,8 @@ QUICK_TOKENS = [1, 128, 2048]
 L2_FLUSH_BYTES = 256 << 20
 PROFILE_CALLS = 10  # calls per path under --profile
 HBM_COPY_BYTES = 2 << 30
+CHAIN_MAX_TOKENS = 128  # --chain applies to the configurations up to this many tokens/rank
+CHAIN_RESERVE_BYTES = 8 << 30  # free memory --chain leaves for the runs
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,6 +133,23 @@ def make_weights(preset, world, seed):
         w13[e] = (torch.randn(2 * inter, hidden, generator=gen, device="cuda") / hidden**0.5)
         w2[e] = (torch.randn(hidden, inter, generator=gen, device="cuda") / inter**0.5)
     return w13, w2
+
+
+def chain_length(requested, copy_bytes, free_bytes, reserve_bytes=CHAIN_RESERVE_BYTES):
+    """Calls per chain for --chain: ``requested``, or fewer when the weight copies (one per call
+    beyond the first, ``copy_bytes`` each) would leave less than ``reserve_bytes`` of
+    ``free_bytes``; 0 (no chain) below 2."""
+    if requested < 2:
+        return 0
+    fit = 1 + max(free_bytes - reserve_bytes, 0) // max(copy_bytes, 1)
+    n = min(requested, fit)
+    return n if n >= 2 else 0
+
+
+def chain_us(fns, iters, flush):
+    """Median device time per call (us) of ``fns`` run back to back in one CUDA graph."""
+    us, captured = time_us(lambda: [fn() for fn in fns], iters, flush)
+    return us / len(fns), captured
 
 
 def make_routing(preset, routing, tokens, world, hot_fraction, seed):
@@ -306,9 +331,10 @@ def hbm_copy_gbps(iters=10):
 # --------------------------------------------------------------------------------------------
 
 
-def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
+def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps, copies=()):
     """One configuration: every family of --tiles on the same rows, against vLLM's Triton
-    experts and the torch loop (each measured once). Returns one row per family."""
+    experts and the torch loop (each measured once). ``copies``: further (w13, w2) copies for
+    --chain (used up to CHAIN_MAX_TOKENS tokens/rank). Returns one row per family."""
     import torch
 
     from vllm_petit_moe import ops
@@ -323,27 +349,36 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
     hot_share = pairs / local_ids.numel()  # share of all W ranks' pairs that rank 0 serves
     flops = 2 * 3 * hidden * inter * pairs
     weight_bytes = experts_touched * 3 * hidden * inter * 2
+    chain = [(w13, w2), *copies] if copies and tokens <= CHAIN_MAX_TOKENS and pairs else []
 
-    petit = []  # (requested family, resolved family, us, output, breakdown)
+    petit = []  # (requested family, resolved family, us, output, breakdown, launch, us_chain)
     for family in args.tiles:
         run_petit = petit_fn(recv_x, local_ids, weights, w13, w2, family)
         out = run_petit().clone()
         launch = ({"gate_up": ops.last_gemm_launch(True), "down": ops.last_gemm_launch(False)}
                   if pairs else None)  # no rows: nothing was launched
         us, _ = time_us(run_petit, args.iters, flush)
+        us_chain = None
+        if chain:
+            us_chain, _ = chain_us([petit_fn(recv_x, local_ids, weights, c13, c2, family)
+                                    for c13, c2 in chain], args.iters, flush)
         breakdown = None
         if args.profile:  # eager calls, warmed up by the timing above
             breakdown = profile_without_pdl(run_petit, PROFILE_CALLS)
         resolved = ops.resolve_tiles(recv_x.shape[0], local_ids.shape[1], w13.shape[0],
                                      recv_x.shape[1], family)
-        petit.append((family, resolved, us, out, breakdown, launch))
+        petit.append((family, resolved, us, out, breakdown, launch, us_chain))
         del run_petit
 
-    triton_us = triton_breakdown = None
+    triton_us = triton_breakdown = triton_us_chain = None
     run_triton = None if args.no_triton else triton_fn(recv_x, local_ids, weights, w13, w2,
                                                        p["num_experts"], args.world)
     if run_triton is not None:
         triton_us, _ = time_us(run_triton, args.iters, flush)
+        if chain:
+            triton_us_chain, _ = chain_us(
+                [triton_fn(recv_x, local_ids, weights, c13, c2, p["num_experts"], args.world)
+                 for c13, c2 in chain], args.iters, flush)
         if args.profile:
             triton_breakdown = profile_kernels(run_triton, PROFILE_CALLS)
 
@@ -362,7 +397,7 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
         return flops / (us * 1e-6) / 1e12 if us and pairs else 0.0
 
     rows = []
-    for family, resolved, petit_us, petit_out, breakdown, launch in petit:
+    for family, resolved, petit_us, petit_out, breakdown, launch, us_chain in petit:
         diff = (petit_out.float() - torch_out.float()).norm()
         row = dict(
             preset=preset, routing=routing, tokens=tokens, world=args.world,
@@ -386,6 +421,9 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
             rel_diff=float(diff / torch_out.float().norm().clamp_min(1e-30)),
             finite=bool(torch.isfinite(petit_out).all()),
         )
+        if chain:
+            row.update(chain=len(chain), us_chain=us_chain, triton_us_chain=triton_us_chain,
+                       weight_gbps_chain=weight_bytes / (us_chain * 1e-6) / 1e9)
         if args.profile:
             row.update(breakdown=breakdown, breakdown_pdl=False,
                        triton_breakdown=triton_breakdown)
@@ -412,6 +450,12 @@ def print_row(r):
           f"{_fmt(r['speedup_vs_triton'], '7.2f')} {r['weight_gbps']:11.0f} "
           f"{r['hbm_gbps']:8.0f} {_fmt(r.get('dense_tflops'), '8.1f')} {r['rel_diff']:8.1e}{flag}",
           flush=True)
+    if r.get("chain"):
+        print(f"    chain of {r['chain']} calls: petit {r['us_chain']:.1f} us/call "
+              f"({r['weight_gbps_chain']:.0f} GB/s of weights, "
+              f"{r['weight_gbps_chain'] / r['hbm_gbps']:.2f} of the HBM copy)"
+              + (f", Triton {r['triton_us_chain']:.1f} us/call"
+                 if r.get("triton_us_chain") else ""), flush=True)
     for key, name in (("breakdown", "petit"), ("triton_breakdown", "triton")):
         if r.get(key):
             print(f"    {name}: {format_breakdown(r[key])}", flush=True)
@@ -483,6 +527,9 @@ def parse_args(argv=None):
     p.add_argument("--no-triton", action="store_true", help="skip vLLM's Triton experts")
     p.add_argument("--profile", action="store_true",
                    help="also sum each path's kernel time by category (torch.profiler)")
+    p.add_argument("--chain", type=int, default=1, metavar="N",
+                   help=f"at <= {CHAIN_MAX_TOKENS} tokens/rank also time N calls back to back "
+                        "in one CUDA graph, each on its own weight copy (default 1: off)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 10 iters")
     p.add_argument("--out-dir", default=None, help="also write the results here")
@@ -496,6 +543,8 @@ def parse_args(argv=None):
         p.error("--tokens must be >= 1")
     if args.iters < 1:
         p.error("--iters must be >= 1")
+    if args.chain < 1:
+        p.error("--chain must be >= 1")
     if not 0.0 <= args.hot_fraction <= 1.0:
         p.error("--hot-fraction must be in [0, 1]")
     for preset in args.presets:
@@ -526,13 +575,21 @@ def main(argv=None):
         w13, w2 = make_weights(preset, args.world, args.seed)
         print(f"# {preset}: {PRESETS[preset]}, {w13.shape[0]} local experts, weights "
               f"{(w13.numel() + w2.numel()) * 2 / 2**30:.1f} GiB", flush=True)
+        copies = []
+        if args.chain > 1 and min(args.tokens) <= CHAIN_MAX_TOKENS:
+            copy_bytes = (w13.numel() + w2.numel()) * 2
+            n = chain_length(args.chain, copy_bytes, torch.cuda.mem_get_info()[0])
+            copies = [(w13.clone(), w2.clone()) for _ in range(max(n - 1, 0))]
+            print(f"# --chain {args.chain}: {n or 'no'} calls per chain "
+                  f"({len(copies)} weight copies)", flush=True)
         print(HEADER, flush=True)
         for routing in args.routings:
             for tokens in args.tokens:
-                for row in bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps):
+                for row in bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps,
+                                     copies):
                     rows.append(row)
                     print_row(row)
-        del w13, w2
+        del w13, w2, copies
         torch.cuda.empty_cache()
 
     write_results(ROOT, f"experts_{gpu}", rows, dict(gpu=gpu, commit=commit, date=date), plot,

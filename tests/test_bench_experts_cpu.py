@@ -34,9 +34,21 @@ def test_parse_args(bench):
     assert quick.tokens == bench.QUICK_TOKENS and quick.iters == 10
     assert quick.presets == ["qwen3-30b-a3b"] and quick.world == 8
     for bad in (["--world", "3"], ["--tokens", "0"], ["--hot-fraction", "1.5"],
-                ["--routings", "zipf"], ["--iters", "0"]):
+                ["--routings", "zipf"], ["--iters", "0"], ["--chain", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_chain_length_fits_the_copies_in_free_memory(bench):
+    gib = 1 << 30
+    assert bench.parse_args([]).chain == 1 and bench.parse_args(["--chain", "8"]).chain == 8
+    assert bench.chain_length(1, gib, 100 * gib) == 0  # off
+    assert bench.chain_length(8, gib, 100 * gib) == 8
+    # 10.5 GiB copies (DeepSeek-V3 at W=2) in 80 GiB free with 8 GiB reserved: 1 + 6
+    assert bench.chain_length(8, int(10.5 * gib), 80 * gib, 8 * gib) == 7
+    assert bench.chain_length(8, 20 * gib, 27 * gib, 8 * gib) == 0  # not even one copy
+    assert bench.chain_length(8, 20 * gib, 28 * gib, 8 * gib) == 2
+    assert bench.chain_length(4, gib, 0, 8 * gib) == 0
 
 
 def test_torch_baseline_matches_reference(bench):

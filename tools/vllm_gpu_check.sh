@@ -26,6 +26,7 @@
 #   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
 #   EXPERTS_TILES (bench-experts: tile families, default "auto wgmma wgmma_m64"),
 #   EXPERTS_SWEEP (bench-experts once per NAME=VALUE environment setting; A=1,B=2 sets two),
+#   EXPERTS_LIMIT_S (bench-experts: the time limit of each run, default 300 s),
 #   COMPARE_ARGS (compare: extra examples/compare_serving.py arguments, e.g. --backend
 #   petit-experts),
 #   PACK=1 (pack $OUT into $OUT/vllm_gpu_check.tgz: the device returns <= 8 files),
@@ -156,7 +157,7 @@ experts_steps=bench-experts  # the steps' names, for the summary
 if want bench-experts; then
   if [ -z "${EXPERTS_SWEEP:-}" ]; then
     # shellcheck disable=SC2086
-    run_step bench-experts 300 "$PY" examples/bench_experts.py ${BENCH_EXPERTS_ARGS:---quick} \
+    run_step bench-experts "${EXPERTS_LIMIT_S:-300}" "$PY" examples/bench_experts.py ${BENCH_EXPERTS_ARGS:---quick} \
       --tiles $EXPERTS_TILES --out-dir "$OUT/experts"
   else
     for setting in $EXPERTS_SWEEP; do
@@ -164,7 +165,7 @@ if want bench-experts; then
       [ "$experts_steps" = bench-experts ] && experts_steps=""
       experts_steps+=" bench-experts-$tag"
       # shellcheck disable=SC2086
-      run_step "bench-experts-$tag" 300 env ${setting//,/ } "$PY" examples/bench_experts.py \
+      run_step "bench-experts-$tag" "${EXPERTS_LIMIT_S:-300}" env ${setting//,/ } "$PY" examples/bench_experts.py \
         ${BENCH_EXPERTS_ARGS:---quick} --tiles $EXPERTS_TILES --out-dir "$OUT/experts-$tag"
     done
   fi
