@@ -70,8 +70,10 @@ constexpr int kWsMcMinRowsPerExpert = 256;
 constexpr int kWgmmaNarrowMaxRowsPerExpert = 2;
 constexpr int kWsMcMinHidden = 4096;
 
+// The local reduction's grid: at most the blocks that fit an SM at once (its 40 registers per
+// thread, ptxas of nvcc 13.0 for sm_90a: 6 blocks of 256 threads), times the SMs.
 constexpr int kReduceThreads = 256;
-constexpr int kReduceBlocksPerSm = 8;
+constexpr int kReduceBlocksPerSm = 6;
 
 // ------------------------------------------------------------------ operand rows
 // The rows every tile family reads (nullptr: a row past the tile or the output width, which the
@@ -111,20 +113,40 @@ PETIT_DEVICE const petit_bf16_bits* w2_row(const ExpertGemmArgs& a, const petit_
 }
 
 // The local weighted reduction of `row` at columns [col, col + 8): its local slots' bf16
-// partials summed in fp32 in slot order, rounded to bf16 once.
+// partials summed in fp32 in slot order, rounded to bf16 once. The slots' validity comes first
+// (id loads that do not wait for each other), then the valid slots' partial vectors
+// kSlotSumBatch at a time, so a thread waits for a few memory round trips rather than for two
+// per slot (a decode call's reduction is that latency).
+constexpr int kSlotSumBatch = 4;
 PETIT_DEVICE uint4 local_slot_sum8(const ExpertGemmArgs& a, int row, int col) {
-  float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int k = 0; k < a.top_k; ++k) {
-    const int entry = row * a.top_k + k;
-    // the validity rule of the row lists (expert_ids.h)
+  const int64_t first_entry = int64_t(row) * a.top_k;
+  uint32_t valid = 0;  // bit k: slot k is served here (the validity rule of the row lists)
+#pragma unroll 4
+  for (int k = 0; k < a.top_k; ++k)
     if (local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, a.num_local_experts,
-                        entry) < 0)
-      continue;
-    const uint4* src = reinterpret_cast<const uint4*>(a.partial + int64_t(entry) * a.hidden + col);
-    const uint4 bits = *src;
-    const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits);
+                        first_entry + k) >= 0)
+      valid |= 1u << k;
+  float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  while (valid != 0) {
+    uint4 bits[kSlotSumBatch] = {};
+    int loaded = 0;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
+    for (int j = 0; j < kSlotSumBatch; ++j) {
+      if (valid != 0) {
+        const int k = __ffs(int(valid)) - 1;  // the lowest slot left: slot order
+        valid &= valid - 1;
+        bits[j] = *reinterpret_cast<const uint4*>(a.partial + (first_entry + k) * a.hidden + col);
+        loaded = j + 1;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kSlotSumBatch; ++j) {
+      if (j < loaded) {
+        const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits[j]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
+      }
+    }
   }
   uint4 packed;
   packed.x = uint32_t(petit_float_to_bf16(sum[0])) | (uint32_t(petit_float_to_bf16(sum[1])) << 16);

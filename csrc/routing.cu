@@ -11,7 +11,6 @@ namespace {
 
 constexpr int kRowListThreads = 256;
 constexpr int kRowListWarps = kRowListThreads / PETIT_WARP_SIZE;
-constexpr int kRowListRounds = kRowListChunk / kRowListThreads;
 
 PETIT_DEVICE int valid_expert(const RowListArgs& a, int entry) {
   if (entry >= a.num_entries) return -1;
@@ -62,11 +61,16 @@ PETIT_GLOBAL void __launch_bounds__(kMaxExperts) row_list_scan_kernel(RowListArg
 // entry's rank among equal experts = (equal lanes below it in its warp) + (equal entries of
 // the warps before it) + (equal entries of earlier rounds and chunks). running[e]: position of
 // the chunk's first entry of expert e (advanced here); warp_hist: zeros (left zeroed); total:
-// offsets[L]. Positions of the chunk past the total get -1 (no scatter writes them).
+// offsets[L]. Positions of the chunk past the total get -1 (no scatter writes them). Only the
+// rounds that hold entries run (a decode call's few entries: one).
 PETIT_DEVICE void scatter_chunk(const RowListArgs& a, int chunk_begin, int total,
                                 int32_t* running, int32_t (*warp_hist)[kMaxExperts]) {
   const int warp = petit_warp_id();
-  for (int round = 0; round < kRowListRounds; ++round) {
+  const int chunk_entries = a.num_entries - chunk_begin < kRowListChunk
+                                ? a.num_entries - chunk_begin
+                                : kRowListChunk;
+  const int rounds = (chunk_entries + kRowListThreads - 1) / kRowListThreads;  // block-uniform
+  for (int round = 0; round < rounds; ++round) {
     const int entry = chunk_begin + round * kRowListThreads + threadIdx.x;
     const int e = valid_expert(a, entry);
     const petit_lanemask_t same = petit_match_any(e);

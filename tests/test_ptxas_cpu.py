@@ -88,6 +88,19 @@ def test_warp_specialized_kernels_launch_with_their_register_budget(nvcc, tmp_pa
         assert k["registers"] == 168, (name, k)
 
 
+def test_the_reduction_fits_its_blocks_per_sm(nvcc, tmp_path):
+    """experts.cu launches at most kReduceBlocksPerSm blocks of kReduceThreads threads per SM
+    for the local reduction: their registers must fit the 64K register file at once, or a
+    second partial wave of blocks would trail every large call."""
+    source = (ROOT / "csrc" / "experts.cu").read_text()
+    blocks = int(re.search(r"constexpr int kReduceBlocksPerSm = (\d+);", source).group(1))
+    threads = int(re.search(r"constexpr int kReduceThreads = (\d+);", source).group(1))
+    kernels = _ptxas_report(nvcc, "experts.cu", tmp_path)["kernels"]
+    reduce = [k for name, k in kernels.items() if "expert_reduce_kernel" in name]
+    assert len(reduce) == 1, sorted(kernels)
+    assert reduce[0]["registers"] * threads * blocks <= 65536, (reduce[0], blocks, threads)
+
+
 def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
     ptx_path = tmp_path / "experts.ptx"
     result = subprocess.run([nvcc, *FLAGS, "-ptx", str(ROOT / "csrc" / "experts.cu"),

@@ -60,6 +60,29 @@ def test_ab_compare_experts_medians_ratios_and_verdict(tmp_path, capsys):
     assert ab.main([str(tmp_path / "x_1"), str(tmp_path / "nothing")]) == 2
 
 
+def test_ab_compare_experts_chained_metric(tmp_path, capsys):
+    """us_chain (bench_experts --chain, decode sizes only) as a second metric: compared where
+    both settings have it, "-" elsewhere, the verdict on it with --metric us_chain."""
+    ab = _ab_compare()
+    one = ("qwen3-30b-a3b", "uniform", 1, "wgmma_narrow_ws")
+    big = ("qwen3-30b-a3b", "uniform", 8192, "wgmma_ws")
+
+    def rows(us_one, chain_one, us_big):
+        recs = _experts({one: us_one, big: us_big})
+        recs[0]["us_chain"] = chain_one
+        recs[1]["us_chain"] = None  # past --chain's sizes
+        return recs
+    _write_run(tmp_path / "old", rows(44.0, 38.0, 1260.0))
+    _write_run(tmp_path / "new", rows(44.0, 34.2, 1260.0))
+    assert ab.main([str(tmp_path / "old"), str(tmp_path / "new")]) == 1  # us: equal
+    assert "of us over 2 configurations: 1.000" in capsys.readouterr().out
+    assert ab.main([str(tmp_path / "old"), str(tmp_path / "new"), "--metric", "us_chain"]) == 0
+    out = capsys.readouterr().out
+    assert "of us_chain over 1 configurations: 0.900" in out
+    big_line = next(line for line in out.splitlines() if " 8192 " in line)
+    assert big_line.split()[-3:] == ["-", "-", "-"]
+
+
 def test_ab_compare_dispatch_combine_metric_and_sm_filter(tmp_path, capsys):
     """tools/ab_compare.py on dispatch/combine results: both metrics per (tokens, num_sms), the
     verdict on --metric (default combine_us) over the chosen SM counts, an unknown metric

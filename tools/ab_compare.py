@@ -11,7 +11,9 @@ omitted).
     python3 tools/ab_compare.py OUT/ab-old OUT/ab-new --metric combine_us [--num-sms 24]
 
 A and B are directory prefixes: A matches A, A_r2, A_r3, ... The kind of results is read from
-the records: expert results (key preset, routing, tokens, tiles; metric `us`) or
+the records: expert results (key preset, routing, tokens, tiles; metrics us and, from
+bench_experts --chain, us_chain; the verdict on --metric, default us, over the configurations
+that have it) or
 dispatch/combine results (key preset, routing, tokens, num_sms; metrics dispatch_us and
 combine_us, the verdict on --metric, default combine_us). Exit status 0 when B is faster
 (geometric mean < 1), 1 when it is not, 2 when there is nothing to compare.
@@ -24,9 +26,11 @@ import os
 import statistics
 import sys
 
-KINDS = {  # kind: (key fields, metrics)
-    "experts": (("preset", "routing", "tokens", "tiles"), ("us",)),
-    "dispatch_combine": (("preset", "routing", "tokens", "num_sms"), ("dispatch_us", "combine_us")),
+KINDS = {  # kind: (key fields, metrics, the verdict's default metric)
+    # us_chain: bench_experts --chain (decode sizes only; a configuration without it shows -)
+    "experts": (("preset", "routing", "tokens", "tiles"), ("us", "us_chain"), "us"),
+    "dispatch_combine": (("preset", "routing", "tokens", "num_sms"),
+                         ("dispatch_us", "combine_us"), "combine_us"),
 }
 
 
@@ -44,10 +48,11 @@ def load(prefix):
                 for line in f:
                     r = json.loads(line)
                     kind = kind or kind_of(r)
-                    fields, metrics = KINDS[kind]
+                    fields, metrics, _ = KINDS[kind]
                     per_key = values.setdefault(tuple(r[k] for k in fields), {})
                     for m in metrics:
-                        per_key.setdefault(m, []).append(r[m])
+                        if r.get(m) is not None:
+                            per_key.setdefault(m, []).append(r[m])
     return kind, values
 
 
@@ -57,15 +62,16 @@ def main(argv=None):
     p.add_argument("b")
     p.add_argument("--tokens", type=int, nargs="*", help="configurations in the mean")
     p.add_argument("--num-sms", type=int, nargs="*", help="dispatch/combine: SM counts in the mean")
-    p.add_argument("--metric", help="the verdict's metric (us; dispatch_us or combine_us)")
+    p.add_argument("--metric",
+                   help="the verdict's metric (us or us_chain; dispatch_us or combine_us)")
     args = p.parse_args(argv)
     (kind_a, a), (kind_b, b) = load(args.a), load(args.b)
     keys = sorted(set(a) & set(b))
     if not keys or kind_a != kind_b:
         print(f"nothing to compare: {args.a} and {args.b} share no configuration")
         return 2
-    fields, metrics = KINDS[kind_a]
-    metric = args.metric or metrics[-1]
+    fields, metrics, default_metric = KINDS[kind_a]
+    metric = args.metric or default_metric
     if metric not in metrics:
         print(f"--metric {metric}: these results have {', '.join(metrics)}")
         return 2
@@ -77,6 +83,9 @@ def main(argv=None):
     for key in keys:
         row = " ".join(f"{str(v):>14s}" for v in key)
         for m in metrics:
+            if m not in a[key] or m not in b[key]:
+                row += f" {'-':>14s} {'-':>14s} {'-':>6s}"
+                continue
             ta, tb = statistics.median(a[key][m]), statistics.median(b[key][m])
             ratio = tb / ta
             row += f" {ta:14.1f} {tb:14.1f} {ratio:6.3f}"
