@@ -70,10 +70,18 @@ constexpr int kWsMcMinRowsPerExpert = 256;
 constexpr int kWgmmaNarrowMaxRowsPerExpert = 2;
 constexpr int kWsMcMinHidden = 4096;
 
-// The local reduction's grid: at most the blocks that fit an SM at once (its 40 registers per
-// thread, ptxas of nvcc 13.0 for sm_90a: 6 blocks of 256 threads), times the SMs.
+// The local reduction (expert_reduce_kernel<kBatch>): 256-thread blocks, one thread per 8
+// columns of a row. A call whose chunks fit one wave of the batched kernel (kReduceBatch slots'
+// loads in flight per thread: 40 registers under ptxas of nvcc 13.0 for sm_90a, so 6 blocks per
+// SM) runs it, since there a thread's memory round trips are the time; larger calls are bound
+// by HBM and run the kernel of one load at a time (31 registers: 8 blocks per SM) over a grid of
+// as many blocks as fit at once. Measured on H200 (README, "Expert GEMMs"): the batched kernel
+// is 1-2 us faster at decode sizes and was 10% slower than one load at a time at DeepSeek-V3
+// 8192 tokens/rank.
 constexpr int kReduceThreads = 256;
-constexpr int kReduceBlocksPerSm = 6;
+constexpr int kReduceBatch = 4;
+constexpr int kReduceBlocksPerSmBatched = 6;
+constexpr int kReduceBlocksPerSm = 8;
 
 // ------------------------------------------------------------------ operand rows
 // The rows every tile family reads (nullptr: a row past the tile or the output width, which the
@@ -114,10 +122,10 @@ PETIT_DEVICE const petit_bf16_bits* w2_row(const ExpertGemmArgs& a, const petit_
 
 // The local weighted reduction of `row` at columns [col, col + 8): its local slots' bf16
 // partials summed in fp32 in slot order, rounded to bf16 once. The slots' validity comes first
-// (id loads that do not wait for each other), then the valid slots' partial vectors
-// kSlotSumBatch at a time, so a thread waits for a few memory round trips rather than for two
-// per slot (a decode call's reduction is that latency).
-constexpr int kSlotSumBatch = 4;
+// (id loads that do not wait for each other), then the valid slots' partial vectors kBatch at a
+// time: with kBatch > 1 a thread waits for a few memory round trips rather than for two per
+// slot (a decode call's reduction is that latency).
+template <int kBatch>
 PETIT_DEVICE uint4 local_slot_sum8(const ExpertGemmArgs& a, int row, int col) {
   const int64_t first_entry = int64_t(row) * a.top_k;
   uint32_t valid = 0;  // bit k: slot k is served here (the validity rule of the row lists)
@@ -128,10 +136,10 @@ PETIT_DEVICE uint4 local_slot_sum8(const ExpertGemmArgs& a, int row, int col) {
       valid |= 1u << k;
   float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   while (valid != 0) {
-    uint4 bits[kSlotSumBatch] = {};
+    uint4 bits[kBatch] = {};
     int loaded = 0;
 #pragma unroll
-    for (int j = 0; j < kSlotSumBatch; ++j) {
+    for (int j = 0; j < kBatch; ++j) {
       if (valid != 0) {
         const int k = __ffs(int(valid)) - 1;  // the lowest slot left: slot order
         valid &= valid - 1;
@@ -140,7 +148,7 @@ PETIT_DEVICE uint4 local_slot_sum8(const ExpertGemmArgs& a, int row, int col) {
       }
     }
 #pragma unroll
-    for (int j = 0; j < kSlotSumBatch; ++j) {
+    for (int j = 0; j < kBatch; ++j) {
       if (j < loaded) {
         const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits[j]);
 #pragma unroll
@@ -1001,7 +1009,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
 // ------------------------------------------------------------------ local reduction
 
 // One thread per (row, 8 columns): sum the row's local entries (bf16) in fp32 in slot order,
-// round once.
+// round once (kBatch: local_slot_sum8's loads in flight; the same sums for every kBatch).
+template <int kBatch>
 PETIT_GLOBAL void __launch_bounds__(kReduceThreads) expert_reduce_kernel(ExpertGemmArgs a) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   const int chunks_per_row = a.hidden / 8;
@@ -1011,7 +1020,7 @@ PETIT_GLOBAL void __launch_bounds__(kReduceThreads) expert_reduce_kernel(ExpertG
     const int row = int(idx / chunks_per_row);
     const int col = int(idx % chunks_per_row) * 8;
     *reinterpret_cast<uint4*>(a.out + int64_t(row) * a.hidden + col) =
-        local_slot_sum8(a, row, col);
+        local_slot_sum8<kBatch>(a, row, col);
   }
 }
 
@@ -1561,9 +1570,12 @@ petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream)
   if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
   const int64_t num_chunks = int64_t(a.num_rows) * (a.hidden / 8);
   const int64_t needed = (num_chunks + kReduceThreads - 1) / kReduceThreads;
+  if (needed <= int64_t(num_sms) * kReduceBlocksPerSmBatched)  // one wave: latency-bound
+    return launch_kernel(expert_reduce_kernel<kReduceBatch>, int(needed), kReduceThreads, 0, 1,
+                         stream, a);
   const int64_t resident = int64_t(num_sms) * kReduceBlocksPerSm;
   const int grid = int(needed < resident ? needed : resident);
-  return launch_kernel(expert_reduce_kernel, grid, kReduceThreads, 0, 1, stream, a);
+  return launch_kernel(expert_reduce_kernel<1>, grid, kReduceThreads, 0, 1, stream, a);
 }
 
 // Split-K workspace of the families that have it (see split_k_fixup): slots of the larger of

@@ -400,6 +400,25 @@ def test_reduction_maps_global_ids_through_the_expert_map(emu):
     assert torch.equal(got, want)
 
 
+def test_reduction_kernels_one_wave_and_grid_agree(emu):
+    """The local reduction runs batched loads in one wave when the call's 8-column chunks fit
+    kReduceBlocksPerSmBatched (6) blocks of 256 threads per SM, else one load at a time over
+    a grid (experts.cu, launch_expert_reduce). Same problem, 2600 chunks (40 rows, hidden 520):
+    11 blocks > 6 on 1 SM (the grid kernel), <= 12 on 2 SMs (one wave): bit-equal (the GEMMs
+    do not depend on the grid), and right against the reference, with 1-8 valid slots per row
+    (top-k 8: a wave's batches of 4 and their remainder)."""
+    gen = torch.Generator().manual_seed(17)
+    ids = torch.randint(0, 6, (40, 8), generator=gen, dtype=torch.int32)
+    ids = torch.where(torch.rand(40, 8, generator=gen) < 0.4, -1, ids)
+    ids[0] = torch.arange(8, dtype=torch.int32) % 6  # every slot valid
+    ids[1, 1:] = -1
+    problem = make_problem(ids, 520, 24, 6, seed=18)
+    on_grid, _ = run_emulated(emu, *problem, tiles="small", num_sms=1)
+    one_wave, _ = run_emulated(emu, *problem, tiles="small", num_sms=2)
+    assert torch.equal(on_grid, one_wave)
+    check_against_reference(one_wave, problem)
+
+
 @pytest.mark.parametrize("tiles,num_sms", [("wgmma_narrow_ws", 16), ("wgmma_m64_ws", 8),
                                            ("wgmma_m64_ws", 3)])
 def test_split_k_matches_the_reference(sm90, monkeypatch, tiles, num_sms):

@@ -88,17 +88,26 @@ def test_warp_specialized_kernels_launch_with_their_register_budget(nvcc, tmp_pa
         assert k["registers"] == 168, (name, k)
 
 
-def test_the_reduction_fits_its_blocks_per_sm(nvcc, tmp_path):
-    """experts.cu launches at most kReduceBlocksPerSm blocks of kReduceThreads threads per SM
-    for the local reduction: their registers must fit the 64K register file at once, or a
-    second partial wave of blocks would trail every large call."""
+def test_the_reductions_fit_their_blocks_per_sm(nvcc, tmp_path):
+    """experts.cu runs its local reduction as one wave of kReduceBlocksPerSmBatched blocks per SM
+    (expert_reduce_kernel<kReduceBatch>) or over a grid of kReduceBlocksPerSm blocks per SM
+    (expert_reduce_kernel<1>), kReduceThreads threads each: their registers must fit the 64K
+    register file at once, or the wave would not be one, or a partial second wave of blocks
+    would trail every large call."""
     source = (ROOT / "csrc" / "experts.cu").read_text()
-    blocks = int(re.search(r"constexpr int kReduceBlocksPerSm = (\d+);", source).group(1))
-    threads = int(re.search(r"constexpr int kReduceThreads = (\d+);", source).group(1))
+
+    def constant(name):
+        return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
+    threads, batch = constant("kReduceThreads"), constant("kReduceBatch")
     kernels = _ptxas_report(nvcc, "experts.cu", tmp_path)["kernels"]
-    reduce = [k for name, k in kernels.items() if "expert_reduce_kernel" in name]
-    assert len(reduce) == 1, sorted(kernels)
-    assert reduce[0]["registers"] * threads * blocks <= 65536, (reduce[0], blocks, threads)
+    reduce = {name: k for name, k in kernels.items() if "expert_reduce_kernel" in name}
+    # mangled template arguments: ILi1E (kBatch = 1) and ILi<batch>E
+    one = [k for name, k in reduce.items() if "ILi1E" in name]
+    batched = [k for name, k in reduce.items() if f"ILi{batch}E" in name]
+    assert len(reduce) == 2 and len(one) == 1 and len(batched) == 1, sorted(reduce)
+    assert one[0]["registers"] * threads * constant("kReduceBlocksPerSm") <= 65536, one[0]
+    assert (batched[0]["registers"] * threads * constant("kReduceBlocksPerSmBatched")
+            <= 65536), batched[0]
 
 
 def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
