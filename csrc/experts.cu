@@ -76,7 +76,7 @@ constexpr int kWsMcMinHidden = 4096;
 // SM) runs it, since there a thread's memory round trips are the time; larger calls are bound
 // by HBM and run the kernel of one load at a time (31 registers: 8 blocks per SM) over a grid of
 // as many blocks as fit at once. Measured on H200 (README, "Expert GEMMs"): the batched kernel
-// is 1-2 us faster at decode sizes and was 10% slower than one load at a time at DeepSeek-V3
+// is 1-2 us faster at decode sizes and 10-17% slower than the slot-by-slot one at DeepSeek-V3
 // 8192 tokens/rank.
 constexpr int kReduceThreads = 256;
 constexpr int kReduceBatch = 4;
@@ -121,38 +121,54 @@ PETIT_DEVICE const petit_bf16_bits* w2_row(const ExpertGemmArgs& a, const petit_
 }
 
 // The local weighted reduction of `row` at columns [col, col + 8): its local slots' bf16
-// partials summed in fp32 in slot order, rounded to bf16 once. The slots' validity comes first
-// (id loads that do not wait for each other), then the valid slots' partial vectors kBatch at a
-// time: with kBatch > 1 a thread waits for a few memory round trips rather than for two per
-// slot (a decode call's reduction is that latency).
+// partials summed in fp32 in slot order, rounded to bf16 once.
+//   kBatch == 1: slot by slot, its id, then its partial vector (HBM-bound calls: fastest there);
+//   kBatch > 1: the slots' validity first (id loads that do not wait for each other), then the
+//     valid slots' partial vectors kBatch at a time, so a thread waits for a few memory round
+//     trips rather than for two per slot (a decode call's reduction is that latency).
 template <int kBatch>
 PETIT_DEVICE uint4 local_slot_sum8(const ExpertGemmArgs& a, int row, int col) {
   const int64_t first_entry = int64_t(row) * a.top_k;
-  uint32_t valid = 0;  // bit k: slot k is served here (the validity rule of the row lists)
-#pragma unroll 4
-  for (int k = 0; k < a.top_k; ++k)
-    if (local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, a.num_local_experts,
-                        first_entry + k) >= 0)
-      valid |= 1u << k;
   float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  while (valid != 0) {
-    uint4 bits[kBatch] = {};
-    int loaded = 0;
+  if constexpr (kBatch == 1) {
+    for (int k = 0; k < a.top_k; ++k) {
+      // the validity rule of the row lists (expert_ids.h)
+      if (local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, a.num_local_experts,
+                          first_entry + k) < 0)
+        continue;
+      const uint4 bits =
+          *reinterpret_cast<const uint4*>(a.partial + (first_entry + k) * a.hidden + col);
+      const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits);
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      if (valid != 0) {
-        const int k = __ffs(int(valid)) - 1;  // the lowest slot left: slot order
-        valid &= valid - 1;
-        bits[j] = *reinterpret_cast<const uint4*>(a.partial + (first_entry + k) * a.hidden + col);
-        loaded = j + 1;
-      }
+      for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
     }
+  } else {
+    uint32_t valid = 0;  // bit k: slot k is served here
+#pragma unroll 4
+    for (int k = 0; k < a.top_k; ++k)
+      if (local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, a.num_local_experts,
+                          first_entry + k) >= 0)
+        valid |= 1u << k;
+    while (valid != 0) {
+      uint4 bits[kBatch] = {};
+      int loaded = 0;
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      if (j < loaded) {
-        const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits[j]);
+      for (int j = 0; j < kBatch; ++j) {
+        if (valid != 0) {
+          const int k = __ffs(int(valid)) - 1;  // the lowest slot left: slot order
+          valid &= valid - 1;
+          bits[j] =
+              *reinterpret_cast<const uint4*>(a.partial + (first_entry + k) * a.hidden + col);
+          loaded = j + 1;
+        }
+      }
 #pragma unroll
-        for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
+      for (int j = 0; j < kBatch; ++j) {
+        if (j < loaded) {
+          const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits[j]);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
+        }
       }
     }
   }

@@ -11,6 +11,7 @@ namespace {
 
 constexpr int kRowListThreads = 256;
 constexpr int kRowListWarps = kRowListThreads / PETIT_WARP_SIZE;
+constexpr int kRowListRounds = kRowListChunk / kRowListThreads;
 
 PETIT_DEVICE int valid_expert(const RowListArgs& a, int entry) {
   if (entry >= a.num_entries) return -1;
@@ -66,11 +67,9 @@ PETIT_GLOBAL void __launch_bounds__(kMaxExperts) row_list_scan_kernel(RowListArg
 PETIT_DEVICE void scatter_chunk(const RowListArgs& a, int chunk_begin, int total,
                                 int32_t* running, int32_t (*warp_hist)[kMaxExperts]) {
   const int warp = petit_warp_id();
-  const int chunk_entries = a.num_entries - chunk_begin < kRowListChunk
-                                ? a.num_entries - chunk_begin
-                                : kRowListChunk;
-  const int rounds = (chunk_entries + kRowListThreads - 1) / kRowListThreads;  // block-uniform
-  for (int round = 0; round < rounds; ++round) {
+  const int chunk_entries = a.num_entries - chunk_begin;  // block-uniform
+  for (int round = 0; round < kRowListRounds; ++round) {
+    if (round * kRowListThreads >= chunk_entries) break;  // no entry left in the chunk
     const int entry = chunk_begin + round * kRowListThreads + threadIdx.x;
     const int e = valid_expert(a, entry);
     const petit_lanemask_t same = petit_match_any(e);
