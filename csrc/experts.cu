@@ -128,21 +128,22 @@ PETIT_DEVICE const petit_bf16_bits* w2_row(const ExpertGemmArgs& a, const petit_
 //     trips rather than for two per slot (a decode call's reduction is that latency).
 template <int kBatch>
 PETIT_DEVICE uint4 local_slot_sum8(const ExpertGemmArgs& a, int row, int col) {
-  const int64_t first_entry = int64_t(row) * a.top_k;
   float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if constexpr (kBatch == 1) {
     for (int k = 0; k < a.top_k; ++k) {
+      const int entry = row * a.top_k + k;
       // the validity rule of the row lists (expert_ids.h)
       if (local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, a.num_local_experts,
-                          first_entry + k) < 0)
+                          entry) < 0)
         continue;
       const uint4 bits =
-          *reinterpret_cast<const uint4*>(a.partial + (first_entry + k) * a.hidden + col);
+          *reinterpret_cast<const uint4*>(a.partial + int64_t(entry) * a.hidden + col);
       const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&bits);
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum[e] += petit_bf16_to_float(h[e]);
     }
   } else {
+    const int64_t first_entry = int64_t(row) * a.top_k;
     uint32_t valid = 0;  // bit k: slot k is served here
 #pragma unroll 4
     for (int k = 0; k < a.top_k; ++k)

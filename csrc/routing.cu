@@ -62,14 +62,11 @@ PETIT_GLOBAL void __launch_bounds__(kMaxExperts) row_list_scan_kernel(RowListArg
 // entry's rank among equal experts = (equal lanes below it in its warp) + (equal entries of
 // the warps before it) + (equal entries of earlier rounds and chunks). running[e]: position of
 // the chunk's first entry of expert e (advanced here); warp_hist: zeros (left zeroed); total:
-// offsets[L]. Positions of the chunk past the total get -1 (no scatter writes them). Only the
-// rounds that hold entries run (a decode call's few entries: one).
+// offsets[L]. Positions of the chunk past the total get -1 (no scatter writes them).
 PETIT_DEVICE void scatter_chunk(const RowListArgs& a, int chunk_begin, int total,
                                 int32_t* running, int32_t (*warp_hist)[kMaxExperts]) {
   const int warp = petit_warp_id();
-  const int chunk_entries = a.num_entries - chunk_begin;  // block-uniform
   for (int round = 0; round < kRowListRounds; ++round) {
-    if (round * kRowListThreads >= chunk_entries) break;  // no entry left in the chunk
     const int entry = chunk_begin + round * kRowListThreads + threadIdx.x;
     const int e = valid_expert(a, entry);
     const petit_lanemask_t same = petit_match_any(e);
