@@ -712,42 +712,14 @@ PETIT_DEVICE FusedScheduler<kThreads> fused_m_tiles(
   return tiles;
 }
 
-// The fused kernels' knobs (read on the host at every launch, fused_knobs).
-struct FusedKnobs {
-  // PETIT_MOE_FUSED_B_AHEAD: a down tile's TMA issuer first issues the w2 boxes of up to
-  // b_ahead of its k-tiles (produce_b_ahead), then waits for the gate/up arrivals with the
-  // others, so those weight bytes stream during the wait; 0: off.
-  int b_ahead;
-  // PETIT_MOE_FUSED_L2_PREFETCH: when the call has P = grid - gate/up tiles > 0 (as many
-  // blocks find only a down tile at their first claim and would wait for its expert's gate/up
-  // tiles with nothing to load), the TMA issuers of blocks [gate/up tiles, grid) prefetch into
-  // L2 the w2 rows of the down units (each expert's rows once: its first m-tile's units;
-  // block b those congruent to b - gate/up tiles modulo P) before their first claim, so that
-  // these rows stream from HBM while the gate/up tiles stream w13; and the gate/up tiles of
-  // experts with one m-tile, whose w13 rows no other tile reads, load them with L2 priority
-  // evict_first, so that they do not push the prefetched rows out. 0: off.
-  int l2_prefetch;
-};
-
-// A down unit's w2 rows into L2 (fused_ws_gemms, FusedKnobs::l2_prefetch): rows
-// [n_begin, n_begin + block_n) of expert `expert` (clipped to H), which are one contiguous
-// range of w2 [L, H, I] since a down tile covers all of I; in bulk prefetches of <= 32 KiB.
-PETIT_DEVICE void fused_prefetch_w2_rows(const ExpertGemmArgs& a, int expert, int n_begin,
-                                         int block_n) {
-  const int rows = a.hidden - n_begin < block_n ? a.hidden - n_begin : block_n;
-  const unsigned char* p = reinterpret_cast<const unsigned char*>(
-      a.w2 + (int64_t(expert) * a.hidden + n_begin) * a.intermediate);
-  int64_t left = int64_t(rows) * a.intermediate * int64_t(sizeof(petit_bf16_bits));
-  constexpr int64_t kChunk = 32 * 1024;  // I % 8 == 0: every range is 16-byte sized, aligned
-  for (; left > 0; p += kChunk, left -= kChunk)
-    gemm::sm90_prefetch_l2(p, uint32_t(left < kChunk ? left : kChunk));
-}
-
+// b_ahead (PETIT_MOE_FUSED_B_AHEAD, see fused_b_ahead): a down tile's TMA issuer first issues
+// the w2 boxes of up to b_ahead of its k-tiles (produce_b_ahead), then waits for the gate/up
+// arrivals with the others, so those weight bytes stream during the wait; 0: off.
 // The fused kernel's body for one tile family (the maps: the kernel's __grid_constant__
 // parameters, whose addresses TMA takes; m_tiles: fused_m_tiles of the family's kBlockM).
 template <class GateUp, class Down>
 PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13_map,
-                                 const CUtensorMap* w2_map, const FusedKnobs& knobs,
+                                 const CUtensorMap* w2_map, int b_ahead,
                                  const FusedScheduler<GateUp::kThreads>& m_tiles) {
   if constexpr (GateUp::kCompiled) {
     using CfgG = typename GateUp::Cfg;
@@ -772,8 +744,6 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
     down_tiles.num_n_tiles = (a.hidden + CfgD::kBlockN - 1) / CfgD::kBlockN;
     const int num_gate_up = gate_up_tiles.num_tiles();
     const int num_units = num_gate_up + down_tiles.num_tiles();
-    // the blocks that prefetch the down units' w2 rows (FusedKnobs::l2_prefetch)
-    const int prefetchers = knobs.l2_prefetch ? int(gridDim.x) - num_gate_up : 0;
     int32_t* const next_unit = a.gate_up_done + a.num_local_experts;
     GateUp gate_up;
     gate_up.init(tc_dynamic_smem);
@@ -797,25 +767,13 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
         gemm::sm90_named_barrier_sync(kFusedClaimBarrierId, GateUp::kProducerThreads);
         return claims[claim++ & 1];
       };
-      if (prefetchers > 0 && leader && int(blockIdx.x) >= num_gate_up) {
-        for (int v = int(blockIdx.x) - num_gate_up; v < num_units - num_gate_up;
-             v += prefetchers) {
-          const gemm::TileCoord tile = down_tiles.tile(v);
-          if (v / down_tiles.num_n_tiles == down_tiles.tile_prefix[tile.expert])  // 1st m-tile
-            fused_prefetch_w2_rows(a, tile.expert, tile.n_tile * CfgD::kBlockN, CfgD::kBlockN);
-        }
-      }
       int u = claim_next();
       for (; u < num_gate_up; u = claim_next()) {
         const gemm::TileCoord tile = gate_up_tiles.tile(u);
         typename GateUp::LoaderA a_loader;
         a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
         typename GateUp::LoaderB b_loader;
-        const bool one_m_tile =
-            gate_up_tiles.tile_prefix[tile.expert + 1] - gate_up_tiles.tile_prefix[tile.expert] ==
-            1;
-        b_loader.init(w13_map, tile.expert, tile.n_tile * CfgG::kBlockN,
-                      prefetchers > 0 && one_m_tile);
+        b_loader.init(w13_map, tile.expert, tile.n_tile * CfgG::kBlockN);
         gate_up.produce(a_loader, b_loader, a.hidden, 0, false, 0, -1, stage_tags, u);
       }
       Down down;
@@ -824,10 +782,10 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
         const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
         typename Down::LoaderB b_loader;
         b_loader.init(w2_map, tile.expert, tile.n_tile * CfgD::kBlockN);
-        const int b_issued = leader && knobs.b_ahead > 0
-                                 ? down.produce_b_ahead(b_loader, a.intermediate, 0, false,
-                                                        knobs.b_ahead, stage_tags, u)
-                                 : 0;
+        const int b_issued =
+            leader && b_ahead > 0
+                ? down.produce_b_ahead(b_loader, a.intermediate, 0, false, b_ahead, stage_tags, u)
+                : 0;
         fused_wait_gate_up(a.gate_up_done, tile.expert, arrivals(tile.expert));
         typename Down::LoaderA a_loader;
         a_loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
@@ -866,13 +824,13 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
 template <class GateUp, class Down>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
     expert_fused_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
-                           const __grid_constant__ CUtensorMap w2_map, FusedKnobs knobs) {
+                           const __grid_constant__ CUtensorMap w2_map, int b_ahead) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (GateUp::kCompiled) {
     PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // the scheduler's storage: the user shared memory
     auto& smem = *reinterpret_cast<typename FusedScheduler<GateUp::kThreads>::SharedStorage*>(
         GateUp::user_smem(tc_dynamic_smem));
-    fused_ws_gemms<GateUp, Down>(a, &w13_map, &w2_map, knobs,
+    fused_ws_gemms<GateUp, Down>(a, &w13_map, &w2_map, b_ahead,
                                  fused_m_tiles<GateUp::kThreads>(a, GateUp::Cfg::kBlockM, smem));
   }
 }
@@ -898,7 +856,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
     expert_fused_ws_auto_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap narrow_w13,
                                 const __grid_constant__ CUtensorMap narrow_w2,
                                 const __grid_constant__ CUtensorMap m64_w13,
-                                const __grid_constant__ CUtensorMap m64_w2, FusedKnobs knobs,
+                                const __grid_constant__ CUtensorMap m64_w2, int b_ahead,
                                 int num_sms) {
   petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (MG::kCompiled) {
@@ -917,9 +875,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
     if (blockIdx.x == 0 && threadIdx.x == 0) g_emu_fused_auto_narrow = narrow ? 1 : 0;
 #endif
     if (narrow)
-      fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, knobs, m_tiles);
+      fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, b_ahead, m_tiles);
     else
-      fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, knobs, m_tiles);
+      fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, b_ahead, m_tiles);
   }
 }
 
@@ -1380,16 +1338,10 @@ petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                                 stream, map, act_map);
 }
 
-// The fused kernels' knobs (FusedKnobs), read at every launch.
 // PETIT_MOE_FUSED_B_AHEAD=N: the fused kernel's down tiles issue the weight boxes of up to N
 // k-tiles (at most the ring's stages, which the kernel enforces) before they wait for their
-// expert's gate/up tiles. Unset or 0: off (measured no faster).
-// PETIT_MOE_FUSED_L2_PREFETCH=1: the idle blocks' w2 prefetch into L2 and the evict_first
-// w13 loads (FusedKnobs::l2_prefetch). Unset or 0: off (the default until measured).
-static FusedKnobs fused_knobs() {
-  return FusedKnobs{petit_env_knob("PETIT_MOE_FUSED_B_AHEAD", 0, 0, 1 << 30),
-                    petit_env_knob("PETIT_MOE_FUSED_L2_PREFETCH", 0, 0, 1)};
-}
+// expert's gate/up tiles. Unset or 0: off (the default until measured).
+static int fused_b_ahead() { return petit_env_knob("PETIT_MOE_FUSED_B_AHEAD", 0, 0, 1 << 30); }
 
 // The persistent grid of one family's fused GEMMs: that of the GEMM with more tiles (0: too
 // many tiles, as persistent_grid).
@@ -1419,7 +1371,7 @@ petitError_t launch_fused_ws(const ExpertGemmArgs& a, int num_sms, petitStream_t
   const int grid = fused_grid<GateUp, Down>(a, num_sms);
   if (grid == 0) return petitErrorInvalidValue;
   return launch_kernel(kernel, grid, GateUp::kThreads, GateUp::kSmemBytes, 1, stream, a, w13_map,
-                       w2_map, fused_knobs());
+                       w2_map, fused_b_ahead());
 }
 
 // auto's 64-row fused GEMMs (expert_fused_ws_auto_kernel): both families' maps, the larger
@@ -1446,7 +1398,7 @@ petitError_t launch_fused_ws_auto(const ExpertGemmArgs& a, int num_sms, petitStr
   if (narrow_grid == 0 || m64_grid == 0) return petitErrorInvalidValue;
   const int grid = narrow_grid > m64_grid ? narrow_grid : m64_grid;
   return launch_kernel(kernel, grid, MG::kThreads, smem, 1, stream, a, narrow_w13, narrow_w2,
-                       m64_w13, m64_w2, fused_knobs(), num_sms);
+                       m64_w13, m64_w2, fused_b_ahead(), num_sms);
 }
 
 // PETIT_MOE_DEVICE_TILES (read at every call; default 1, 0 = off): auto's m64 fused GEMMs

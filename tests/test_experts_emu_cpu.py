@@ -43,7 +43,6 @@ def load_experts_emu(tmp_path_factory):
     lib.petit_emu_split_floats_written.restype = ctypes.c_int64
     lib.petit_emu_fused_gemms.restype = ctypes.c_int
     lib.petit_emu_fused_auto_narrow.restype = ctypes.c_int
-    lib.petit_emu_take_l2_record.restype = ctypes.c_int
     return lib
 
 
@@ -508,60 +507,6 @@ def test_fused_gemms_weights_ahead_of_the_wait(sm90, monkeypatch, tiles, ahead, 
     plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
     assert torch.equal(ahead_out, plain)
     check_against_reference(ahead_out, problem)
-
-
-def take_l2_record(lib, w2):
-    """The emulation's L2 requests since the last take: ([(w2 byte offset, bytes)] of the bulk
-    prefetches, [expert of each evict_first weight box])."""
-    cap = 4096
-    pairs = (ctypes.c_int64 * (2 * cap))()
-    experts = (ctypes.c_int32 * cap)()
-    num_evict = ctypes.c_int(0)
-    n = lib.petit_emu_take_l2_record(ctypes.c_void_p(w2.data_ptr()), pairs, experts, cap,
-                                     ctypes.byref(num_evict))
-    assert n <= cap and num_evict.value <= cap
-    return ([(pairs[2 * i], pairs[2 * i + 1]) for i in range(n)],
-            [experts[i] for i in range(num_evict.value)])
-
-
-@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws", "auto"])
-def test_fused_gemms_l2_prefetch(sm90, monkeypatch, tiles):
-    """PETIT_MOE_FUSED_L2_PREFETCH=1: with more blocks than gate/up tiles, blocks [gate/up
-    tiles, grid) prefetch the w2 rows of every expert with rows exactly once, in whole 16-byte
-    multiples of at most 32 KiB, and the gate/up weight boxes of the experts with one m-tile
-    (not of expert 0, with two) carry evict_first; bit-equal to the launch without it. With
-    fewer blocks than gate/up tiles, or the knob off, nothing is prefetched or hinted.
-    Experts 0 / 1 / 3 get 70 / 3 / 5 entries (2 + 1 + 1 m-tiles), hidden 136, intermediate
-    200: at most 16 gate/up tiles (narrow: 4 n-tiles per m-tile), so 24 SMs leave blocks to
-    prefetch and 4 do not."""
-    problem = make_problem(routing_with_counts([70, 3, 0, 5, 0], seed=102), 136, 200, 5,
-                           seed=103)
-    w2 = problem[4]
-    row_bytes = 200 * 2
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
-    monkeypatch.delenv("PETIT_MOE_FUSED_L2_PREFETCH", raising=False)
-    take_l2_record(sm90, w2)  # forget earlier runs
-    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=24)
-    assert take_l2_record(sm90, w2) == ([], [])
-    monkeypatch.setenv("PETIT_MOE_FUSED_L2_PREFETCH", "1")
-    out, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=24)
-    assert sm90.petit_emu_fused_gemms() == 1
-    assert torch.equal(out, plain)
-    check_against_reference(out, problem)
-    prefetches, evict_experts = take_l2_record(sm90, w2)
-    covered = torch.zeros(w2.numel() * 2, dtype=torch.int32)
-    for offset, size in prefetches:
-        assert offset % 16 == 0 and size % 16 == 0 and 0 < size <= 32 * 1024
-        covered[offset:offset + size] += 1
-    want = torch.zeros_like(covered)
-    for expert in (0, 1, 3):
-        want[expert * 136 * row_bytes:(expert + 1) * 136 * row_bytes] = 1
-    assert torch.equal(covered, want)
-    assert evict_experts and set(evict_experts) == {1, 3}
-    # no blocks beyond the gate/up tiles: neither prefetch nor hint
-    out4, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=4)
-    assert torch.equal(out4, plain)
-    assert take_l2_record(sm90, w2) == ([], [])
 
 
 def test_auto_narrow_bound_from_the_environment(sm90, monkeypatch):

@@ -471,35 +471,6 @@ def test_fused_gemms_weights_ahead_of_the_wait(monkeypatch, tiles, ahead, routin
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
-@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws", "auto"])
-@pytest.mark.parametrize("routing,num_rows,hidden,intermediate,num_local", [
-    ("same", 64, 2048, 768, 64),      # every row the same 4 local experts: few gate/up tiles
-    ("random", 1, 2048, 768, 64),     # Qwen3-30B-A3B decode at 1 token/rank
-    ("same", 8, 7168, 2048, 128),     # DeepSeek-V3 shapes, 4 experts
-    ("random", 600, 264, 136, 3),     # many m-tiles per expert, more gate/up tiles than SMs
-])
-def test_fused_gemms_l2_prefetch(monkeypatch, tiles, routing, num_rows, hidden, intermediate,
-                                 num_local):
-    """PETIT_MOE_FUSED_L2_PREFETCH=1: the blocks beyond the gate/up tiles prefetch the down
-    units' w2 rows into L2 and the one-m-tile experts' w13 boxes load with evict_first; with
-    NaN-poisoned workspaces and 3 rounds of fresh data, bit-equal to the fused launch without
-    it and within the reference's tolerance."""
-    monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
-    monkeypatch.delenv("PETIT_MOE_FUSED_B_AHEAD", raising=False)
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
-    for round_ in range(3):
-        seed = 1300 + 23 * round_ + num_rows
-        ids = decode_ids(routing, num_rows, num_local, seed, slots=[0, 3, 4, 7],
-                         experts=[2, 17, 40, 63])
-        problem = make_problem(ids, hidden, intermediate, num_local, seed=seed + 1)
-        monkeypatch.setenv("PETIT_MOE_FUSED_L2_PREFETCH", "1")
-        prefetched = run_petit(problem, tiles)
-        monkeypatch.setenv("PETIT_MOE_FUSED_L2_PREFETCH", "0")
-        assert torch.equal(prefetched, run_petit(problem, tiles)), f"round {round_}"
-        check(prefetched, problem, name=f"{tiles} L2 prefetch, {routing}, round {round_}")
-
-
-@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
 def test_fused_gemms_in_a_cuda_graph(monkeypatch):
     """The fused GEMMs captured in a CUDA graph (their per-expert counters are zeroed by the
     row lists inside it) and replayed with fresh routing, rows and weights, against the two

@@ -73,42 +73,6 @@ PETIT_DEVICE void sm90_tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0,
 #endif
 }
 
-// sm90_tma_load_4d with the L2 eviction priority evict_first for the box's lines (an
-// L2::cache_hint policy of fraction 1.0): for weight rows that no other tile of the launch
-// reads again, so that they are the first lines L2 gives up, before those another block
-// prefetched for later (sm90_prefetch_l2).
-PETIT_DEVICE void sm90_tma_load_4d_evict_first(uint32_t dst, const CUtensorMap* map, int c0,
-                                               int c1, int c2, int c3, uint32_t bar) {
-#if PETIT_SM90A_DEVICE
-  asm volatile(
-      "{\n.reg .b64 policy;\n"
-      "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], policy;\n}\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-      : "memory");
-#elif PETIT_EMU_PTX
-  emu_ptx::tma_load_4d_evict_first(dst, map, c0, c1, c2, c3, bar);  // no L2: recorded
-#endif
-}
-
-// Asks L2 to fetch `bytes` (a multiple of 16, `src` 16-byte aligned) of global memory from
-// `src` (a bulk prefetch: no completion to wait for, no register or shared memory written;
-// recorded under the CPU emulation, which has no L2).
-PETIT_DEVICE void sm90_prefetch_l2(const void* src, uint32_t bytes) {
-#if PETIT_SM90A_DEVICE
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(
-                   reinterpret_cast<uint64_t>(src)),
-               "r"(bytes)
-               : "memory");
-#elif PETIT_EMU_PTX
-  emu_ptx::prefetch_l2(src, bytes);
-#else
-  (void)src;
-  (void)bytes;
-#endif
-}
-
 // The same box into shared memory at `dst` of every CTA of the cluster in `cta_mask`, each
 // completing the bytes on its own mbarrier at offset `bar` (multicast, sm_90 clusters).
 PETIT_DEVICE void sm90_tma_load_4d_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1,
@@ -188,14 +152,11 @@ struct Sm90WeightTmaLoader {
   const CUtensorMap* map;
   int expert;
   int n_begin;
-  bool evict_first;  // the boxes' L2 lines first to go (sm90_tma_load_4d_evict_first)
 
-  PETIT_DEVICE void init(const CUtensorMap* tensor_map, int tile_expert, int tile_n_begin,
-                         bool l2_evict_first = false) {
+  PETIT_DEVICE void init(const CUtensorMap* tensor_map, int tile_expert, int tile_n_begin) {
     map = tensor_map;
     expert = tile_expert;
     n_begin = tile_n_begin;
-    evict_first = l2_evict_first;
   }
 
   // The boxes of the k-tile starting at column k0 into the stage at `dst`, completing on
@@ -211,10 +172,6 @@ struct Sm90WeightTmaLoader {
           sm90_tma_load_4d_multicast(dst + uint32_t(r0) * 128u, map, k0,
                                      n_begin + Cfg::b_col_of(r0), Cfg::b_group_of(r0), expert,
                                      bar, uint16_t((1u << kClusterM) - 1));
-      } else if (evict_first) {
-        sm90_tma_load_4d_evict_first(dst + uint32_t(r0) * 128u, map, k0,
-                                     n_begin + Cfg::b_col_of(r0), Cfg::b_group_of(r0), expert,
-                                     bar);
       } else {
         sm90_tma_load_4d(dst + uint32_t(r0) * 128u, map, k0, n_begin + Cfg::b_col_of(r0),
                          Cfg::b_group_of(r0), expert, bar);

@@ -55,7 +55,6 @@
 #include <map>
 #include <mutex>
 #include <thread>
-#include <utility>
 #include <vector>
 
 namespace emu {
@@ -368,29 +367,6 @@ inline void tma_load_4d_into(int rank, uint32_t dst, const CUtensorMap* map, int
 inline void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
                         uint32_t bar) {
   tma_load_4d_into(-1, dst, map, c0, c1, c2, c3, bar);
-}
-
-// The emulation has no L2: what the kernels asked of it is recorded for the tests.
-struct L2Record {
-  std::mutex mutex;
-  std::vector<std::pair<const void*, uint32_t>> prefetches;  // bulk prefetches (src, bytes)
-  std::vector<int> evict_first_experts;  // c3 (the expert) of each evict_first box load
-};
-inline L2Record l2_record;
-
-inline void prefetch_l2(const void* src, uint32_t bytes) {
-  if (reinterpret_cast<uintptr_t>(src) % 16 != 0 || bytes % 16 != 0 || bytes == 0)
-    trap("bulk L2 prefetch of a range not 16-byte aligned and sized");
-  std::lock_guard<std::mutex> lock(l2_record.mutex);
-  l2_record.prefetches.emplace_back(src, bytes);
-}
-
-// tma_load_4d with an L2 eviction hint: the same copy, recorded.
-inline void tma_load_4d_evict_first(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
-                                    int c3, uint32_t bar) {
-  tma_load_4d(dst, map, c0, c1, c2, c3, bar);
-  std::lock_guard<std::mutex> lock(l2_record.mutex);
-  l2_record.evict_first_experts.push_back(c3);
 }
 
 // The same box into every block of the cluster in cta_mask, at the same offsets.

@@ -21,26 +21,6 @@ extern "C" int petit_emu_fused_auto_narrow() {
   petit::g_emu_fused_auto_narrow = -1;
   return branch;
 }
-// The L2 requests recorded since the last call (emu_ptx::l2_record), then forgotten: up to
-// `max` bulk prefetches as (byte offset from `base`, bytes) pairs into offsets_bytes[2 * i],
-// their count returned; the experts of the evict_first weight boxes (up to `max`) into
-// evict_experts, their count into *num_evict.
-extern "C" int petit_emu_take_l2_record(const void* base, int64_t* offsets_bytes,
-                                        int32_t* evict_experts, int max, int* num_evict) {
-  auto& r = emu_ptx::l2_record;
-  std::lock_guard<std::mutex> lock(r.mutex);
-  const int n = int(r.prefetches.size());
-  for (int i = 0; i < n && i < max; ++i) {
-    offsets_bytes[2 * i] = static_cast<const char*>(r.prefetches[i].first) -
-                           static_cast<const char*>(base);
-    offsets_bytes[2 * i + 1] = r.prefetches[i].second;
-  }
-  *num_evict = int(r.evict_first_experts.size());
-  for (int i = 0; i < *num_evict && i < max; ++i) evict_experts[i] = r.evict_first_experts[i];
-  r.prefetches.clear();
-  r.evict_first_experts.clear();
-  return n;
-}
 // emu_ptx::trap(what) on this thread: for the test of what a trap reports (it aborts).
 extern "C" void petit_emu_trap(const char* what) { emu_ptx::trap(what); }
 // Whether the last petit_emu_experts call ran both GEMMs as one launch (expert_fused_gemms).
