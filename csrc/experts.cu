@@ -1306,8 +1306,7 @@ petitError_t launch_tc_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
 template <class Mainloop>
 petitError_t encode_w13_map(CUtensorMap* map, const ExpertGemmArgs& a) {
   return gemm::sm90_encode_weight_map(map, a.w13, a.hidden, a.intermediate, 2,
-                                      a.num_local_experts, Mainloop::LoaderB::kBoxRows,
-                                      Mainloop::LoaderB::kBoxGroups);
+                                      a.num_local_experts, Mainloop::LoaderB::kBoxRows);
 }
 template <class Mainloop>
 petitError_t encode_w2_map(CUtensorMap* map, const ExpertGemmArgs& a) {

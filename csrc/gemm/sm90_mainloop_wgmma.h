@@ -232,19 +232,19 @@ struct Sm90WgmmaTileConfig {
 
   // ty = tx = threadIdx.x: warpgroup w = ty / 128 = wm * kWgN + wn, warp (ty / 32) % 4 of it,
   // lane ty % 32.
-  PETIT_HOST_DEVICE static constexpr int row_of(int ty, int i) {
+  PETIT_HOST_DEVICE static int row_of(int ty, int i) {
     return (ty / 128 / kWgN) * 64 + ((ty / 32) % 4) * 16 + (ty % 32) / 4 + 8 * i;
   }
-  PETIT_HOST_DEVICE static constexpr int col_of(int tx, int j) {
+  PETIT_HOST_DEVICE static int col_of(int tx, int j) {
     return ((tx / 128) % kWgN) * kGroupCols + (j / 2) * 8 + (tx % 4) * 2 + j % 2;
   }
   // smem B row r: B group and tile column of the weight row it holds (kWgN = 1: all gate rows,
   // then all up rows).
-  PETIT_HOST_DEVICE static constexpr int b_group_of(int r) {
+  PETIT_HOST_DEVICE static int b_group_of(int r) {
     if constexpr (kWgN == 1) return r / kGroupCols;
     return (r % kWgmmaN) / kGroupCols;
   }
-  PETIT_HOST_DEVICE static constexpr int b_col_of(int r) {
+  PETIT_HOST_DEVICE static int b_col_of(int r) {
     if constexpr (kWgN == 1) return r % kGroupCols;
     return (r / kWgmmaN) * kGroupCols + r % kGroupCols;
   }

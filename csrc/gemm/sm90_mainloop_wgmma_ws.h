@@ -258,8 +258,6 @@ struct Sm90WgmmaWsMainloop {
   // issuer's expect_tx one; with kATma only the latter.
   static constexpr int kFullArrivals = kATma ? 1 : kProducerThreads + 1;
   using LoaderB = Sm90WeightTmaLoader<Cfg, kClusterM>;
-  static_assert(LoaderB::boxes_match_config(),
-                "a weight box's stage rows are not the columns and groups the config names");
   static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
   static constexpr int kStageBytes = LoaderA::kStageBytes + LoaderB::kStageBytes;
   static_assert(LoaderA::kStageBytes % 1024 == 0 && kStageBytes % 1024 == 0,

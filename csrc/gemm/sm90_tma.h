@@ -28,22 +28,20 @@ namespace gemm {
 constexpr int kTmaBoxK = 64;  // bf16 per box row: 128 bytes, the 128-byte swizzle's row
 
 // Host: the tensor map of a [experts][groups][rows][k] bf16 weight tensor (k contiguous, every
-// dimension dense), boxes of kTmaBoxK x box_rows x box_groups x 1, 128-byte swizzle,
-// out-of-bounds elements read as zeros. petitErrorInvalidValue for shapes TMA cannot describe
-// (k not a multiple of 8, a base not 16-byte aligned, box_rows outside 1..256, box_groups
-// outside 1..groups), petitErrorNotSupported when the driver lacks the call.
+// dimension dense), boxes of kTmaBoxK x box_rows x 1 x 1, 128-byte swizzle, out-of-bounds
+// elements read as zeros. petitErrorInvalidValue for shapes TMA cannot describe (k not a
+// multiple of 8, a base not 16-byte aligned, box_rows outside 1..256), petitErrorNotSupported
+// when the driver lacks the call.
 inline petitError_t sm90_encode_weight_map(CUtensorMap* map, const petit_bf16_bits* base, int k,
-                                           int rows, int groups, int experts, int box_rows,
-                                           int box_groups = 1) {
+                                           int rows, int groups, int experts, int box_rows) {
   if (k <= 0 || k % 8 != 0 || rows <= 0 || groups <= 0 || experts <= 0 || box_rows <= 0 ||
-      box_rows > 256 || box_groups <= 0 || box_groups > groups ||
-      reinterpret_cast<uintptr_t>(base) % 16 != 0)
+      box_rows > 256 || reinterpret_cast<uintptr_t>(base) % 16 != 0)
     return petitErrorInvalidValue;
   const cuuint64_t dims[4] = {cuuint64_t(k), cuuint64_t(rows), cuuint64_t(groups),
                               cuuint64_t(experts)};
   const cuuint64_t row_bytes = cuuint64_t(k) * sizeof(petit_bf16_bits);
   const cuuint64_t strides[3] = {row_bytes, row_bytes * rows, row_bytes * rows * groups};
-  const cuuint32_t box[4] = {kTmaBoxK, cuuint32_t(box_rows), cuuint32_t(box_groups), 1};
+  const cuuint32_t box[4] = {kTmaBoxK, cuuint32_t(box_rows), 1, 1};
 #if PETIT_EMU_PTX
   emu_ptx::tensor_map_encode(map, base, dims, strides, box);
   return petitSuccess;
@@ -128,56 +126,26 @@ struct Sm90RowsTmaLoader {
 // row n_begin + Cfg::b_col_of(r) of group Cfg::b_group_of(r) of the expert, and the config
 // keeps runs of kRunRows = Cfg::kGroupCols stage rows in one group with consecutive columns
 // (host-checked by tests/emu/gemm_layout_check.cu), so a stage is kRuns runs of kRunRows rows.
-// Without clusters a box covers as many runs as the tensor map can: in a gated config (gate
-// run, then the up run of the same columns, as every warpgroup's B rows are) a box is one
-// such pair, kRunRows rows x 2 groups (the box's group dimension is 2, and TMA writes it
-// group-major: the gate rows, then the up rows); in a plain config, whose runs are
-// consecutive columns (checked below), one box is the whole stage. Fewer, larger boxes: the
-// TMA unit of an SM has a cost per box, which bounds how fast one SM streams weights when
-// a call has fewer tiles than SMs (decode steps whose tokens share few experts).
 // With kClusterM > 1 each run is cut into kClusterM boxes of kBoxRows rows. In a tile whose
 // weight rows the CTAs of the cluster share (scheduler.h, TileCoord::multicast) the CTA of
 // cluster rank q loads boxes q, q + kClusterM, ... once, multicast into every CTA of the
 // cluster; in any other tile each CTA loads all the boxes, into its own shared memory only.
+// Without clusters a box is a run.
 template <class Cfg, int kClusterM = 1>
 struct Sm90WeightTmaLoader {
   static constexpr int kRunRows = Cfg::kGroupCols;
   static constexpr int kRuns = Cfg::kBRows / kRunRows;
-  static constexpr bool kPairBoxes = kClusterM == 1 && Cfg::kNumBGroups == 2;
-  static constexpr bool kStageBox = kClusterM == 1 && Cfg::kNumBGroups == 1;
-  // a box: kBoxRows rows of each of kBoxGroups groups (the tensor map's box)
-  static constexpr int kBoxRows =
-      kStageBox ? Cfg::kBRows : (kPairBoxes ? kRunRows : kRunRows / kClusterM);
-  static constexpr int kBoxGroups = kPairBoxes ? 2 : 1;
-  // per stage, all CTAs of a cluster together
-  static constexpr int kBoxes = kStageBox ? 1 : (kPairBoxes ? kRuns / 2 : kRuns * kClusterM);
+  static constexpr int kBoxRows = kRunRows / kClusterM;
+  static constexpr int kBoxes = kRuns * kClusterM;  // per stage, all CTAs of a cluster together
   static constexpr int kStageBytes = Cfg::kBRows * kTmaBoxK * int(sizeof(petit_bf16_bits));
   static_assert(Cfg::kBlockK == kTmaBoxK, "one box row per stage row");
   static_assert(kRunRows % 8 == 0 && kRunRows <= 256 && Cfg::kBRows % kRunRows == 0,
                 "runs of whole 8-row swizzle atoms, at most 256 rows");
   static_assert(kClusterM >= 1 && kRunRows % (8 * kClusterM) == 0,
                 "each CTA's box of a run is whole 8-row swizzle atoms");
-  static_assert(kBoxRows <= 256 && kBoxes * kBoxRows * kBoxGroups == Cfg::kBRows,
-                "the boxes tile the stage, at most 256 rows per box dimension");
-
-  // Whether the stage rows of every box are what b_group_of / b_col_of name: group g of box
-  // b's rows kBoxRows * g + i is b_group_of(box_row(b)) + g, column b_col_of(box_row(b)) + i.
-  PETIT_HOST_DEVICE static constexpr bool boxes_match_config() {
-    for (int b = 0; b < kBoxes; ++b)
-      for (int g = 0; g < kBoxGroups; ++g)
-        for (int i = 0; i < kBoxRows; ++i) {
-          const int r0 = box_row(b), r = r0 + g * kBoxRows + i;
-          if (Cfg::b_group_of(r) != Cfg::b_group_of(r0) + g ||
-              Cfg::b_col_of(r) != Cfg::b_col_of(r0) + i)
-            return false;
-        }
-    return true;
-  }
 
   // Stage row of box b's first row.
   PETIT_HOST_DEVICE static constexpr int box_row(int b) {
-    if constexpr (kStageBox) return 0;
-    if constexpr (kPairBoxes) return b * 2 * kRunRows;
     return (b / kClusterM) * kRunRows + (b % kClusterM) * kBoxRows;
   }
 

@@ -66,40 +66,37 @@ void check_wgmma(const char* name) {
 }
 
 // Warp-specialized main loop (sm90_mainloop_wgmma_ws.h): its producer loads a stage's weight
-// rows as TMA boxes (sm90_tma.h), box b = kBoxGroups blocks of kBoxRows stage rows from
-// box_row(b), block g from rows b_col_of(box_row(b)).. of group b_group_of(box_row(b)) + g.
-// That is right only if every stage row of a box is the next column of its block's group, as
-// b_group_of / b_col_of name it, and the boxes tile the stage.
+// rows as TMA boxes (sm90_tma.h), box `run` = stage rows [run * kRunRows, (run + 1) *
+// kRunRows) from rows b_col_of(run * kRunRows).. of group b_group_of(run * kRunRows). That is
+// right only if every stage row of a box is the next column of the same group, as b_group_of /
+// b_col_of name it, and the boxes tile the stage.
 template <class Mainloop>
 void check_wgmma_ws(const char* name) {
   using Cfg = typename Mainloop::Cfg;
   using Loader = typename Mainloop::LoaderB;
   check_wgmma<Cfg>(name);
-  expect(Loader::kRuns * Loader::kRunRows == Cfg::kBRows, name, "runs do not tile the stage",
+  expect(Loader::kRuns * Loader::kRunRows == Cfg::kBRows, name, "boxes do not tile the stage",
          -1, Loader::kRuns, Loader::kRunRows);
   std::vector<int> covered(Cfg::kBRows, 0);
   for (int b = 0; b < Loader::kBoxes; ++b) {  // with clusters: each CTA's share of a run
     const int r0 = Loader::box_row(b);
-    for (int g = 0; g < Loader::kBoxGroups; ++g)
-      for (int i = 0; i < Loader::kBoxRows; ++i) {
-        const int r = r0 + g * Loader::kBoxRows + i;
-        expect(r < Cfg::kBRows, name, "weight box past the stage", -1, r, b);
-        if (r >= Cfg::kBRows) continue;
-        ++covered[r];
-        expect(Cfg::b_group_of(r) == Cfg::b_group_of(r0) + g &&
-                   Cfg::b_col_of(r) == Cfg::b_col_of(r0) + i,
-               name, "weight box row is not the next column of its block's group", -1, r,
-               Cfg::b_col_of(r));
-      }
+    for (int i = 0; i < Loader::kBoxRows; ++i) {
+      expect(r0 + i < Cfg::kBRows, name, "weight box past the stage", -1, r0 + i, b);
+      if (r0 + i >= Cfg::kBRows) continue;
+      ++covered[r0 + i];
+      expect(Cfg::b_group_of(r0 + i) == Cfg::b_group_of(r0) &&
+                 Cfg::b_col_of(r0 + i) == Cfg::b_col_of(r0) + i,
+             name, "weight box row is not the next column of the box's group", -1, r0 + i,
+             Cfg::b_col_of(r0 + i));
+    }
   }
   for (int r = 0; r < Cfg::kBRows; ++r)
     expect(covered[r] == 1, name, "stage row not loaded by exactly one box", -1, r, covered[r]);
   std::printf("%s: %d producer + %d consumer threads, consumers at %d registers (setmaxnreg), "
-              "%d-stage ring %d bytes, %d weight box(es) of %d rows x %d group(s), cluster of "
-              "%d\n",
+              "%d-stage ring %d bytes, %d weight box(es) of %d rows, cluster of %d\n",
               name, Mainloop::kProducerThreads, Mainloop::kConsumerThreads,
               Mainloop::kConsumerRegs, Cfg::kStages, Mainloop::kSmemBytes, Loader::kBoxes,
-              Loader::kBoxRows, Loader::kBoxGroups, Mainloop::kClusterM);
+              Loader::kBoxRows, Mainloop::kClusterM);
 }
 
 template <class Cfg>
