@@ -770,19 +770,11 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
       int u = claim_next();
       for (; u < num_gate_up; u = claim_next()) {
         const gemm::TileCoord tile = gate_up_tiles.tile(u);
-        typename GateUp::LoaderB b_loader;
-        b_loader.init(w13_map, tile.expert, tile.n_tile * CfgG::kBlockN);
-        // The block's first tile finds the ring empty: its TMA issuer sends the weight boxes
-        // of a whole ring of k-tiles before the A rows' entries are read (a dependent global
-        // load), so the weights' first bytes are on their way during it. (Later tiles: the
-        // ring is busy, and waiting for all of it to drain would stall the consumers.)
-        const int b_issued = leader && gate_up.it == 0
-                                 ? gate_up.produce_b_ahead(b_loader, a.hidden, 0, false,
-                                                           CfgG::kStages, stage_tags, u)
-                                 : 0;
         typename GateUp::LoaderA a_loader;
         a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
-        gate_up.produce(a_loader, b_loader, a.hidden, 0, false, 0, -1, stage_tags, u, b_issued);
+        typename GateUp::LoaderB b_loader;
+        b_loader.init(w13_map, tile.expert, tile.n_tile * CfgG::kBlockN);
+        gate_up.produce(a_loader, b_loader, a.hidden, 0, false, 0, -1, stage_tags, u);
       }
       Down down;
       down.continue_from(gate_up);
