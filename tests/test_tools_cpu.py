@@ -229,3 +229,23 @@ def test_clock_probe_parses_nvidia_smi_samples_and_phase_medians():
     # phase from t0 - 0.25: the samples from t0 + 0.25 on count
     assert probe.phase_medians(samples, t0 - 0.25, t0 + 1.0) == (1520.0, 692.0, 3)
     assert probe.phase_medians(samples, t0 + 2.0, t0 + 3.0) is None
+
+
+def test_expert_kernel_times_help_runs_without_a_gpu():
+    """tools/expert_kernel_times.py imports torch and the benchmark only when it runs."""
+    from script_module import script_help
+    out = script_help("tools/expert_kernel_times.py")
+    assert "--fused" in out and "--tiles" in out
+
+
+def test_expert_kernel_times_counts_the_tiles_of_each_gemm():
+    """m-tiles from the rows per local expert (-1: no expert), times each GEMM's n-tiles:
+    experts with 70 / 3 / 0 / 5 entries are 2 + 1 + 0 + 1 m-tiles of 64 rows; Qwen3-30B-A3B's
+    intermediate 768 and hidden 2048 are 12 / 16 narrow and 6 / 8 m64 n-tiles."""
+    import torch
+    tool = load_script("tools/expert_kernel_times.py")
+    ids = torch.cat([torch.full((70,), 0), torch.full((3,), 1), torch.full((5,), 3),
+                     torch.full((9,), -1)]).reshape(-1, 1)
+    assert tool.expected_tiles("wgmma_narrow_ws", ids, 2048, 768) == (4 * 12, 4 * 16)
+    assert tool.expected_tiles("wgmma_m64_ws", ids, 2048, 768) == (4 * 6, 4 * 8)
+    assert tool.expected_tiles("wgmma_ws", ids, 2048, 768) == (3 * 6, 3 * 8)
