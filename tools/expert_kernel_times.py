@@ -13,33 +13,21 @@ Needs a GPU with the extension built; programmatic dependent launch is turned of
 profiling (PETIT_MOE_PDL=0), so kernels do not overlap and each time is its own.
 """
 import argparse
-import importlib.util
 import json
 import math
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
 
-# tile shapes per family: (gate/up block_n per group, down block_n), rows per m-tile
+# per family: (gate/up block_n per group, down block_n, rows per m-tile)
 TILE_N = {"wgmma_narrow_ws": (64, 128, 64), "wgmma_m64_ws": (128, 256, 64),
           "wgmma_ws": (128, 256, 128)}
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_experts", os.path.join(REPO, "examples", "bench_experts.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def short_name(kernel):
-    for key in ("row_list", "expert_fused", "expert_gate_up", "expert_down", "expert_reduce"):
-        if key in kernel:
-            return key
-    return kernel[:40]
+# device_env.profile_kernels categories: one per kernel of a call (anything else: "other")
+KERNELS = tuple((name, (name,)) for name in (
+    "row_list", "expert_fused", "expert_gate_up", "expert_down", "expert_reduce"))
 
 
 def expected_tiles(family, local_ids, hidden, inter):
@@ -67,9 +55,9 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    bench = load_bench()
+    import bench_experts as bench
+    from vllm_petit_moe.device_env import profile_kernels
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     os.environ["PETIT_MOE_PDL"] = "0"
@@ -96,19 +84,11 @@ def main(argv=None):
                         call = bench.petit_fn(recv_x, local_ids, weights, w13, w2, family)
                         for _ in range(3):
                             call()
-                        torch.cuda.synchronize()
-                        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                            for _ in range(args.calls):
-                                flush.zero_()
-                                call()
-                            torch.cuda.synchronize()
-                        times = {}
-                        for evt in prof.key_averages():
-                            us = getattr(evt, "self_device_time_total", 0.0)
-                            name = short_name(evt.key)
-                            if us > 0 and name.startswith(("row_list", "expert")):
-                                times[name] = times.get(name, 0.0) + us / args.calls
+                        times = profile_kernels(lambda: (flush.zero_(), call()), args.calls,
+                                                KERNELS)
                         for name, us in times.items():
+                            if name in ("other", "kernels_total"):  # the flush, the sum
+                                continue
                             mb = gemm_bytes.get(name, 0) / 1e6
                             busy = min(tiles.get(name, 0), num_sms)
                             gbps = mb * 1e3 / us if mb else 0.0

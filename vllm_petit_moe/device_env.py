@@ -118,10 +118,10 @@ def format_breakdown(breakdown: dict[str, float]) -> str:
     return ", ".join(parts) + f" (kernels {breakdown.get('kernels_total', 0.0):.1f} us)"
 
 
-def profile_kernels(call, replays: int) -> dict[str, float]:
-    """``kernel_breakdown`` of ``replays`` calls of ``call()`` (e.g. a CUDA graph's replay:
-    CUPTI traces the kernels inside graph replays like launched ones), under torch.profiler
-    with CUDA activity only. The caller warms ``call`` up first."""
+def profile_kernels(call, replays: int, categories=PROFILE_CATEGORIES) -> dict[str, float]:
+    """``kernel_breakdown`` (by ``categories``) of ``replays`` calls of ``call()`` (e.g. a CUDA
+    graph's replay: CUPTI traces the kernels inside graph replays like launched ones), under
+    torch.profiler with CUDA activity only. The caller warms ``call`` up first."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -137,4 +137,4 @@ def profile_kernels(call, replays: int) -> dict[str, float]:
             us = getattr(evt, "self_cuda_time_total", 0.0)
         if us > 0:
             kernels.append((evt.key, float(us)))
-    return kernel_breakdown(kernels, replays)
+    return kernel_breakdown(kernels, replays, categories)
