@@ -57,8 +57,10 @@ def main(argv=None):
     import torch
 
     import bench_experts as bench
-    from vllm_petit_moe.device_env import profile_kernels
+    from vllm_petit_moe.device_env import commit_stamp, profile_kernels, utc_date
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    stamp = dict(gpu=torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-"),
+                 world=args.world, commit=commit_stamp(ROOT), date=utc_date())
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     os.environ["PETIT_MOE_PDL"] = "0"
     rows = []
@@ -92,7 +94,7 @@ def main(argv=None):
                             mb = gemm_bytes.get(name, 0) / 1e6
                             busy = min(tiles.get(name, 0), num_sms)
                             gbps = mb * 1e3 / us if mb else 0.0
-                            row = dict(preset=preset, routing=routing, tokens=tokens,
+                            row = dict(**stamp, preset=preset, routing=routing, tokens=tokens,
                                        tiles=family, fused=fused, kernel=name, us=round(us, 2),
                                        gemm_tiles=tiles.get(name), weight_mb=round(mb, 2),
                                        weight_gbps=round(gbps, 1),
