@@ -170,6 +170,10 @@ struct ExpertLaunchShape {
   int grid, threads, smem_bytes, cluster;
 };
 ExpertLaunchShape last_expert_gemm_launch(bool gate_up);
+// The start-up probe of the warp-specialized expert kernels (probe.h; a build with
+// PETIT_MOE_PROBE=1): waits for the device, copies its kProbeBlocks x kProbeSlots timestamps
+// (ns; 0: not reached) into `out` and zeroes them. petitErrorNotSupported without the probe.
+petitError_t expert_probe_read(unsigned long long* out);
 
 // -------------------------------------------------------- dispatch_combine.cu
 // Device-side state of one EpBuffer (local memory, not in the heap).

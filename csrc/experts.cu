@@ -21,6 +21,7 @@
 #include "gemm/epilogues.h"
 #include "gemm/mainloop_simt.h"
 #include "gemm/scheduler.h"
+#include "probe.h"
 #if PETIT_SM80_PATH
 #include "gemm/sm80_mainloop_mma.h"
 #include "gemm/sm90_mainloop_wgmma.h"
@@ -442,6 +443,14 @@ PETIT_DEVICE void device_fence() {
 #endif
 }
 
+// petit_grid_dependency_sync with the start-up probe's first two marks (probe.h; nothing in
+// a build without it).
+PETIT_DEVICE void probed_grid_dependency_sync() {
+  probe_first(kProbeEntry, threadIdx.x == 0);
+  petit_grid_dependency_sync();
+  probe_first(kProbeWaited, threadIdx.x == 0);
+}
+
 // One thread's run of four partials: through L2 (other SMs write and read them within the
 // launch), coalesced: a slot holds element e of consumer thread t at
 // ((e / 4) * kConsumerThreads + t) * 4 + e % 4, so a warp's float4 accesses are 512
@@ -531,6 +540,13 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
 // scheduler's storage in the main loop's user shared memory.
 // a_init(loader, tile): sets up the producer's A loader (Mainloop::LoaderA) for a tile; a_map:
 // the tensor map the A rows come through when Mainloop::kATma (prefetched by the TMA issuer).
+// Consumer thread 0 after a tile's epilogue: the probe's stored marks and tile count.
+PETIT_DEVICE void probe_stored() {
+  probe_first(kProbeFirstStored, threadIdx.x == 0);
+  probe_last(kProbeLastStored, threadIdx.x == 0);
+  probe_count(kProbeTiles, threadIdx.x == 0);
+}
+
 template <class Mainloop, bool kStaged = false, class Epilogue, class AInit>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
                                  const Epilogue& epilogue, int k_dim, int out_cols, AInit a_init,
@@ -546,6 +562,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
   Scheduler scheduler;
   scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
                  (out_cols + Cfg::kBlockN - 1) / Cfg::kBlockN, scheduler_smem);
+  probe_first(kProbeScheduled, threadIdx.x == 0);
   Mainloop mainloop;
   mainloop.init(tc_dynamic_smem);
   const int num_tiles = scheduler.num_tiles();
@@ -574,6 +591,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
     for (int u = first; u < num_units; u += step) {
       const int split = u % splits;
       const gemm::TileCoord tile = scheduler.tile(u / splits, rank);
+      probe_first(kProbeFirstClaim, Mainloop::is_tma_issuer());
       typename Mainloop::LoaderA a_loader;
       a_init(a_loader, tile);
       typename Mainloop::LoaderB b_loader;
@@ -589,6 +607,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
       const gemm::TileCoord tile = scheduler.tile(u / splits, rank);
       if constexpr (kSplitCapable) {
         mainloop.consume(k_dim, k_tiles * split / splits, k_tiles * (split + 1) / splits);
+        probe_first(kProbeFirstConsumed, threadIdx.x == 0);
         if (splits > 1 &&
             !split_k_fixup<Mainloop>(a, mainloop.acc, u / splits, split, splits, tile.num_rows,
                                      reinterpret_cast<int*>(Mainloop::user_smem(tc_dynamic_smem) +
@@ -596,20 +615,26 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
           continue;  // another block sums this tile
         epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                        tile.num_rows, tile.n_tile * Cfg::kBlockN);
+        probe_stored();
       } else if constexpr (kStaged) {
         static_assert(Mainloop::kUserBytes >= kSchedulerBytes<Cfg> + Epilogue::kBytes,
                       "the staging buffer is the main loop's user shared memory");
         const typename Epilogue::Rows rows = epilogue.prefetch(tile.row_begin, tile.num_rows);
         mainloop.consume(k_dim);
+        probe_first(kProbeFirstConsumed, threadIdx.x == 0);
         epilogue.apply(mainloop.acc, rows, tile.num_rows, tile.n_tile * Cfg::kBlockN,
                        Mainloop::user_smem(tc_dynamic_smem) + kSchedulerBytes<Cfg>);
+        probe_stored();
       } else {
         mainloop.consume(k_dim);
+        probe_first(kProbeFirstConsumed, threadIdx.x == 0);
         epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                        tile.num_rows, tile.n_tile * Cfg::kBlockN);
+        probe_stored();
       }
     }
     if constexpr (kStaged) Epilogue::finish();
+    probe_last(kProbeExit, threadIdx.x == 0);
   }
   mainloop.finish();
 }
@@ -617,7 +642,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map) {
-  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     static_assert(!Mainloop::kATma, "gate/up rows are gathered");
@@ -636,7 +661,7 @@ template <class Mainloop, bool kStaged = false>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map,
                           const __grid_constant__ CUtensorMap act_map) {
-  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     using Epilogue = std::conditional_t<kStaged, gemm::StagedWeightedEntryEpilogue<Cfg>,
@@ -733,6 +758,7 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
     static_assert(GateUp::kUserBytes >= kSchedulerBytes<CfgG> + (CfgG::kStages + 2) * 4,
                   "the scheduler's storage, the stage tags and the claims are the main loop's "
                   "user shared memory");
+    probe_first(kProbeScheduled, threadIdx.x == 0);  // m_tiles: built by the caller
     PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // GateUp::kSmemBytes
     unsigned char* user = GateUp::user_smem(tc_dynamic_smem);
     volatile int* stage_tags = reinterpret_cast<volatile int*>(user + kSchedulerBytes<CfgG>);
@@ -768,6 +794,7 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
         return claims[claim++ & 1];
       };
       int u = claim_next();
+      probe_first(kProbeFirstClaim, leader);
       for (; u < num_gate_up; u = claim_next()) {
         const gemm::TileCoord tile = gate_up_tiles.tile(u);
         typename GateUp::LoaderA a_loader;
@@ -779,6 +806,7 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
       Down down;
       down.continue_from(gate_up);
       for (; u < num_units; u = claim_next()) {
+        probe_first(kProbeDownClaim, leader);
         const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
         typename Down::LoaderB b_loader;
         b_loader.init(w2_map, tile.expert, tile.n_tile * CfgD::kBlockN);
@@ -787,6 +815,7 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
                 ? down.produce_b_ahead(b_loader, a.intermediate, 0, false, b_ahead, stage_tags, u)
                 : 0;
         fused_wait_gate_up(a.gate_up_done, tile.expert, arrivals(tile.expert));
+        probe_first(kProbeDownReady, leader);
         typename Down::LoaderA a_loader;
         a_loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
         down.produce(a_loader, b_loader, a.intermediate, 0, false, 0, -1, stage_tags, u,
@@ -802,9 +831,11 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
         for (; u >= 0 && u < num_gate_up; u = gate_up.peek_tag(stage_tags)) {
           const gemm::TileCoord tile = gate_up_tiles.tile(u);
           gate_up.consume(a.hidden);
+          probe_first(kProbeFirstConsumed, threadIdx.x == 0);
           epilogue.apply(gate_up.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                          tile.num_rows, tile.n_tile * CfgG::kBlockN);
           fused_gate_up_arrive(a.gate_up_done, tile.expert);
+          probe_stored();
         }
       }
       Down down;
@@ -812,11 +843,15 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
       const gemm::WeightedEntryEpilogue<CfgD> epilogue{a.partial, a.sorted_entries,
                                                        a.topk_weights, a.hidden};
       for (; u >= 0; u = down.peek_tag(stage_tags)) {
+        probe_first(kProbeDownFull, threadIdx.x == 0);  // the tile's first stage: full
         const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
         down.consume(a.intermediate);
+        probe_first(kProbeDownConsumed, threadIdx.x == 0);
         epilogue.apply(down.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                        tile.num_rows, tile.n_tile * CfgD::kBlockN);
+        probe_stored();
       }
+      probe_last(kProbeExit, threadIdx.x == 0);
     }
   }
 }
@@ -825,7 +860,7 @@ template <class GateUp, class Down>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
     expert_fused_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
                            const __grid_constant__ CUtensorMap w2_map, int b_ahead) {
-  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (GateUp::kCompiled) {
     PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // the scheduler's storage: the user shared memory
     auto& smem = *reinterpret_cast<typename FusedScheduler<GateUp::kThreads>::SharedStorage*>(
@@ -858,7 +893,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
                                 const __grid_constant__ CUtensorMap m64_w13,
                                 const __grid_constant__ CUtensorMap m64_w2, int b_ahead,
                                 int num_sms) {
-  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (MG::kCompiled) {
     static_assert(NG::kThreads == MG::kThreads && NG::Cfg::kBlockM == MG::Cfg::kBlockM,
                   "one block shape and m-tile for both families");
@@ -1570,6 +1605,22 @@ petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStre
 
 ExpertLaunchShape last_expert_gemm_launch(bool gate_up) {
   return g_gemm_launch_shape[gate_up ? 1 : 0];
+}
+
+petitError_t expert_probe_read(unsigned long long* out) {
+#if PETIT_PROBE_BUILT
+  constexpr size_t kBytes = sizeof(g_petit_probe);
+  cudaError_t err = cudaDeviceSynchronize();
+  if (err == cudaSuccess) err = cudaMemcpyFromSymbol(out, g_petit_probe, kBytes);
+  void* device = nullptr;
+  if (err == cudaSuccess) err = cudaGetSymbolAddress(&device, g_petit_probe);
+  if (err == cudaSuccess) err = cudaMemset(device, 0, kBytes);
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  return err;
+#else
+  (void)out;
+  return petitErrorNotSupported;
+#endif
 }
 
 petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream) {

@@ -249,3 +249,44 @@ def test_expert_kernel_times_counts_the_tiles_of_each_gemm():
     assert tool.expected_tiles("wgmma_narrow_ws", ids, 2048, 768) == (4 * 12, 4 * 16)
     assert tool.expected_tiles("wgmma_m64_ws", ids, 2048, 768) == (4 * 6, 4 * 8)
     assert tool.expected_tiles("wgmma_ws", ids, 2048, 768) == (3 * 6, 3 * 8)
+
+
+def test_expert_startup_probe_help_runs_without_a_gpu():
+    """tools/expert_startup_probe.py imports torch and the extension only when it runs."""
+    from script_module import script_help
+    out = script_help("tools/expert_startup_probe.py")
+    assert "--pdl" in out and "PETIT_MOE_PROBE=1" in out
+
+
+def test_expert_startup_probe_names_every_slot_of_probe_h():
+    """The tool's points are csrc/probe.h's ProbeSlot enumerators, in order, and as many as
+    kProbeSlots."""
+    import re
+    tool = load_script("tools/expert_startup_probe.py")
+    text = (ROOT / "csrc" / "probe.h").read_text()
+    enum = text[text.index("enum ProbeSlot"):]
+    enum = enum[:enum.index("};")]
+    names = re.findall(r"^\s*(kProbe\w+)", enum, re.M)
+    slots = int(re.search(r"kProbeSlots = (\d+)", text).group(1))
+    assert len(names) == len(tool.POINTS) == slots
+    assert names[0] == "kProbeEntry" and names[-2:] == ["kProbeTiles", "kProbeKTiles"]
+    assert [k for _, k in tool.POINTS].count("count") == 2
+
+
+def test_expert_startup_probe_summarizes_a_call():
+    """Times in us after the earliest entry over the blocks that reached a point (0: not
+    reached); counts stay counts; a call with no entry gives None."""
+    import torch
+    tool = load_script("tools/expert_startup_probe.py")
+    probe = torch.zeros(4, len(tool.POINTS), dtype=torch.int64)
+    probe[0, 0], probe[1, 0], probe[2, 0] = 5_000, 3_000, 4_000      # block 3: never ran
+    probe[0, 1], probe[1, 1], probe[2, 1] = 6_000, 7_000, 11_000
+    probe[0, 14], probe[1, 14], probe[2, 14] = 2, 1, 1                 # tiles
+    s = tool.summarize(probe)
+    assert s["entry"] == (0.0, 1.0, 2.0, 3)
+    assert s["waited"] == (3.0, 4.0, 8.0, 3)
+    assert s["tiles"] == (1, 1, 2, 3)
+    assert "exit" not in s
+    assert tool.summarize(torch.zeros(4, len(tool.POINTS), dtype=torch.int64)) is None
+    med = tool.median_summary([s, s, {k: v for k, v in s.items() if k != "tiles"}])
+    assert med["waited"] == (3.0, 4.0, 8.0, 3) and "tiles" not in med

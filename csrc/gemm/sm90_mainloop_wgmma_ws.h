@@ -28,6 +28,7 @@
 // CPU emulation (PETIT_EMU_PTX) the mbarriers and TMA copies are tests/emu/emu_ptx.h's.
 #pragma once
 
+#include "../probe.h"
 #include "sm90_mainloop_wgmma.h"
 #include "sm90_tma.h"
 
@@ -383,6 +384,7 @@ struct Sm90WgmmaWsMainloop {
     sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes + extra_bytes);
     b_loader.issue(ring + s * kStageBytes + LoaderA::kStageBytes, kt * Cfg::kBlockK, full + 8 * s,
                    rank, multicast);
+    probe_first(kProbeFirstIssue, true);  // the TMA issuer (start-up probe, ../probe.h)
   }
 
   // TMA issuer only, before the produce() of a tile whose A rows are not ready yet (a fused
@@ -435,6 +437,7 @@ struct Sm90WgmmaWsMainloop {
   PETIT_DEVICE int peek_tag(const volatile int* stage_tags) const {
     const uint32_t s = it % Cfg::kStages;
     sm90_mbarrier_wait_parity(full + 8 * s, (it / Cfg::kStages) & 1u);
+    probe_first(kProbeFirstFull, threadIdx.x == 0);
     return stage_tags[s];
   }
 
@@ -453,6 +456,8 @@ struct Sm90WgmmaWsMainloop {
     for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
       const uint32_t s = it % Cfg::kStages;
       sm90_mbarrier_wait_parity(full + 8 * s, (it / Cfg::kStages) & 1u);
+      probe_first(kProbeFirstFull, threadIdx.x == 0);
+      probe_count(kProbeKTiles, threadIdx.x == 0);
       // The producers' cp.async writes of the A rows (generic proxy) before this warpgroup's
       // wgmma reads (async proxy) of the stage; the TMA's rows are async-proxy writes.
       if constexpr (!kATma) sm90_fence_proxy_async_smem();
