@@ -341,16 +341,6 @@ using DownWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, k
 //   (e.g. 9 experts x 16 gate/up tiles = 144 on 132 SMs: 2 rounds of 3.7 MB slices).
 using GateUpWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 64, 2, 8, 2>>;
 using DownWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 8, 2>>;
-// The narrower tiles of the device's choice (expert_fused_ws_auto_kernel, no family of their
-// own): half the narrow tiles' columns (gate/up 32 gate + 32 up rows, down 64 w2 rows; two
-// consumer warpgroups of 64 x 32, m64n32k16), so twice the tiles, with a 12-stage ring of
-// 16 KiB stages (the narrow ring's bytes). For decode steps whose few experts give even the
-// narrow tiles one per SM for fewer than half of the SMs (a dummy-weight server's decode:
-// Qwen3-30B-A3B's 5 experts x 12 narrow gate/up tiles = 60 of 132 SMs): the start-up probe
-// (tools/expert_startup_probe.py) measured each busy SM streaming ~41 GB/s there, 2.5 TB/s in
-// all, against ~29 GB/s x 120 SMs = 3.5 TB/s with the narrow tiles' k-tiles split in two.
-using GateUpWgmmaNarrowerWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 32, 2, 12, 2>>;
-using DownWgmmaNarrowerWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 64, 1, 12, 2>>;
 // Down GEMMs of wgmma_ws / wgmma_ws_mc with the staged epilogue (gemm/sm90_epilogue_staged.h;
 // the default; PETIT_MOE_STAGED_EPILOGUE=0 turns it off): a 3-stage ring (144 KiB) to make room
 // for the 66 KiB staging buffer after the scheduler's storage.
@@ -881,59 +871,45 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
 }
 
 #if PETIT_EMU_PTX
-// The branch of the last expert_fused_ws_auto_kernel (2: narrower, 1: narrow, 0: m64; -1
-// before any), for the emulated tests (tests/emu/experts_emu.cpp): every branch gives the same
-// bits, so the output cannot tell which one ran.
+// The branch of the last expert_fused_ws_auto_kernel (1: narrow, 0: m64; -1 before any), for
+// the emulated tests (tests/emu/experts_emu.cpp): both branches give the same bits, so the
+// output cannot tell which one ran.
 inline int g_emu_fused_auto_narrow = -1;
 #endif
 
-// auto's fused 64-row GEMMs, unless PETIT_MOE_DEVICE_TILES=0: a kernel holding three tile
-// families that picks one on the device, from the m-tiles of this call (which only the device
-// knows: they depend on how the entries spread over the experts, and a dummy-weight server's
-// decode sends every token to the same few experts):
-//   - the narrower tiles (XG, XD) when their gate/up tiles fit one wave of the SMs
-//     (m-tiles x ceil(I / 32) <= num_sms): the most SMs streaming weights;
-//   - else the narrow ones (NG, ND: same 64 rows, half the m64 tiles' columns) when the host
-//     resolved wgmma_narrow_ws (narrow_floor: fewer than 2 routing entries per local expert)
-//     or when 2 x the m64 gate/up tiles <= num_sms, so that the m64 tiles would leave more
-//     than half of the SMs without one;
-//   - else the m64 tiles (MG, MD).
-// Every block counts the m-tiles itself, so every block takes the same branch. All three give
+// auto's fused GEMMs between 2 and kWgmmaM64MaxRowsPerExpert routing entries per local
+// expert, unless PETIT_MOE_DEVICE_TILES=0: the m64 tiles (MG, MD), or the narrow ones (NG, ND:
+// same 64 rows, half the columns, twice the tiles) when even those fill at most one wave of
+// the SMs (2 x the m64 gate/up tiles of this call <= num_sms), so that the m64 tiles would
+// leave more than half of the SMs without one. The host cannot tell such calls apart: they
+// differ in how the entries spread over the experts (a dummy-weight server's decode sends
+// every token to the same few experts), which only the device knows (expert_offsets). Every
+// block counts the m-tiles itself, so every block takes the same branch. Both families give
 // the same bits.
-template <class XG, class XD, class NG, class ND, class MG, class MD>
+template <class NG, class ND, class MG, class MD>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
-    expert_fused_ws_auto_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap narrower_w13,
-                                const __grid_constant__ CUtensorMap narrower_w2,
-                                const __grid_constant__ CUtensorMap narrow_w13,
+    expert_fused_ws_auto_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap narrow_w13,
                                 const __grid_constant__ CUtensorMap narrow_w2,
                                 const __grid_constant__ CUtensorMap m64_w13,
                                 const __grid_constant__ CUtensorMap m64_w2, int b_ahead,
-                                int num_sms, int narrow_floor) {
+                                int num_sms) {
   probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (MG::kCompiled) {
-    static_assert(NG::kThreads == MG::kThreads && XG::kThreads == MG::kThreads &&
-                      NG::Cfg::kBlockM == MG::Cfg::kBlockM && XG::Cfg::kBlockM == MG::Cfg::kBlockM,
-                  "one block shape and m-tile for every family");
-    // One m-tile prefix serves all families (same kBlockM), built once, before the choice,
+    static_assert(NG::kThreads == MG::kThreads && NG::Cfg::kBlockM == MG::Cfg::kBlockM,
+                  "one block shape and m-tile for both families");
+    // One m-tile prefix serves both families (same kBlockM), built once, before the choice,
     // in static shared memory (the families' user shared memory lies at different offsets);
     // its total is the call's m-tiles.
     __shared__ typename FusedScheduler<MG::kThreads>::SharedStorage scheduler_smem;
     const FusedScheduler<MG::kThreads> m_tiles =
         fused_m_tiles<MG::kThreads>(a, MG::Cfg::kBlockM, scheduler_smem);
-    const int64_t total_m_tiles = m_tiles.tile_prefix[a.num_local_experts];
-    const int64_t m64_tiles =
-        total_m_tiles * ((a.intermediate + MG::Cfg::kBlockN - 1) / MG::Cfg::kBlockN);
-    const int64_t narrower_tiles =
-        total_m_tiles * ((a.intermediate + XG::Cfg::kBlockN - 1) / XG::Cfg::kBlockN);
-    const int branch = narrower_tiles <= num_sms                   ? 2
-                       : narrow_floor != 0 || 2 * m64_tiles <= num_sms ? 1
-                                                                  : 0;
+    const int64_t m64_tiles = int64_t(m_tiles.tile_prefix[a.num_local_experts]) *
+                              ((a.intermediate + MG::Cfg::kBlockN - 1) / MG::Cfg::kBlockN);
+    const bool narrow = 2 * m64_tiles <= num_sms;
 #if PETIT_EMU_PTX
-    if (blockIdx.x == 0 && threadIdx.x == 0) g_emu_fused_auto_narrow = branch;
+    if (blockIdx.x == 0 && threadIdx.x == 0) g_emu_fused_auto_narrow = narrow ? 1 : 0;
 #endif
-    if (branch == 2)
-      fused_ws_gemms<XG, XD>(a, &narrower_w13, &narrower_w2, b_ahead, m_tiles);
-    else if (branch == 1)
+    if (narrow)
       fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, b_ahead, m_tiles);
     else
       fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, b_ahead, m_tiles);
@@ -1433,43 +1409,31 @@ petitError_t launch_fused_ws(const ExpertGemmArgs& a, int num_sms, petitStream_t
                        w2_map, fused_b_ahead());
 }
 
-// auto's 64-row fused GEMMs (expert_fused_ws_auto_kernel): the three families' maps, the
-// largest shared memory and grid of the three. narrow_floor: the host resolved
-// wgmma_narrow_ws (the kernel then never takes the m64 tiles).
-petitError_t launch_fused_ws_auto(const ExpertGemmArgs& a, int num_sms, bool narrow_floor,
-                                  petitStream_t stream) {
-  using XG = GateUpWgmmaNarrowerWs;
-  using XD = DownWgmmaNarrowerWs;
+// auto's 64-row fused GEMMs (expert_fused_ws_auto_kernel): both families' maps, the larger
+// shared memory and grid of the two.
+petitError_t launch_fused_ws_auto(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
   using NG = GateUpWgmmaNarrowWs;
   using ND = DownWgmmaNarrowWs;
   using MG = GateUpWgmmaM64Ws;
   using MD = DownWgmmaM64Ws;
-  CUtensorMap narrower_w13, narrower_w2, narrow_w13, narrow_w2, m64_w13, m64_w2;
+  CUtensorMap narrow_w13, narrow_w2, m64_w13, m64_w2;
   petitError_t err;
-  if ((err = encode_w13_map<XG>(&narrower_w13, a)) != petitSuccess ||
-      (err = encode_w2_map<XD>(&narrower_w2, a)) != petitSuccess ||
-      (err = encode_w13_map<NG>(&narrow_w13, a)) != petitSuccess ||
+  if ((err = encode_w13_map<NG>(&narrow_w13, a)) != petitSuccess ||
       (err = encode_w2_map<ND>(&narrow_w2, a)) != petitSuccess ||
       (err = encode_w13_map<MG>(&m64_w13, a)) != petitSuccess ||
       (err = encode_w2_map<MD>(&m64_w2, a)) != petitSuccess)
     return err;
-  const auto kernel = expert_fused_ws_auto_kernel<XG, XD, NG, ND, MG, MD>;
-  int smem = XG::kSmemBytes;
-  if (NG::kSmemBytes > smem) smem = NG::kSmemBytes;
-  if (MG::kSmemBytes > smem) smem = MG::kSmemBytes;
+  const auto kernel = expert_fused_ws_auto_kernel<NG, ND, MG, MD>;
+  const int smem = NG::kSmemBytes > MG::kSmemBytes ? NG::kSmemBytes : MG::kSmemBytes;
   if ((err = petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize,
                                    smem)) != petitSuccess)
     return err;
-  const int grids[3] = {fused_grid<XG, XD>(a, num_sms), fused_grid<NG, ND>(a, num_sms),
-                        fused_grid<MG, MD>(a, num_sms)};
-  int grid = 0;
-  for (int g : grids) {
-    if (g == 0) return petitErrorInvalidValue;
-    if (g > grid) grid = g;
-  }
-  return launch_kernel(kernel, grid, MG::kThreads, smem, 1, stream, a, narrower_w13,
-                       narrower_w2, narrow_w13, narrow_w2, m64_w13, m64_w2, fused_b_ahead(),
-                       num_sms, narrow_floor ? 1 : 0);
+  const int narrow_grid = fused_grid<NG, ND>(a, num_sms);
+  const int m64_grid = fused_grid<MG, MD>(a, num_sms);
+  if (narrow_grid == 0 || m64_grid == 0) return petitErrorInvalidValue;
+  const int grid = narrow_grid > m64_grid ? narrow_grid : m64_grid;
+  return launch_kernel(kernel, grid, MG::kThreads, smem, 1, stream, a, narrow_w13, narrow_w2,
+                       m64_w13, m64_w2, fused_b_ahead(), num_sms);
 }
 
 // PETIT_MOE_DEVICE_TILES (read at every call; default 1, 0 = off): auto's m64 fused GEMMs
@@ -1487,9 +1451,8 @@ static bool device_tiles_enabled() {
 
 petitError_t launch_fused_family(int tiles, const ExpertGemmArgs& a, int num_sms,
                                  petitStream_t stream) {
-  if (a.tiles == kExpertTilesAuto && device_tiles_enabled() &&
-      (tiles == kExpertTilesWgmmaM64Ws || tiles == kExpertTilesWgmmaNarrowWs))
-    return launch_fused_ws_auto(a, num_sms, tiles == kExpertTilesWgmmaNarrowWs, stream);
+  if (tiles == kExpertTilesWgmmaM64Ws && a.tiles == kExpertTilesAuto && device_tiles_enabled())
+    return launch_fused_ws_auto(a, num_sms, stream);
   switch (tiles) {
     case kExpertTilesWgmmaM64Ws:
       return launch_fused_ws<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(a, num_sms, stream);

@@ -414,23 +414,19 @@ def test_fused_gemms_equal_the_two_launches(monkeypatch, tiles, num_rows, hidden
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
 @pytest.mark.parametrize("routing,num_rows,hidden,intermediate,num_local", [
     # every row the same 4 local experts (m64 gate/up tiles: 4 x m-tiles x intermediate/128;
-    # narrow where twice that is at most the SMs; narrower where 4 x m-tiles x
-    # intermediate/32 is)
-    ("same", 16, 2048, 768, 64),     # Qwen3-30B-A3B: 4 x 1 x 24 = 96 narrower tiles: narrower
-    ("same", 2, 2048, 768, 64),      # auto resolves narrow (< 2 entries per expert): narrower
+    # narrow where twice that is at most the SMs)
+    ("same", 16, 2048, 768, 64),     # Qwen3-30B-A3B: 4 x 1 x 6 = 24 tiles: narrow on H200
     ("same", 64, 7168, 2048, 128),   # DeepSeek-V3: 4 x 1 x 16 = 64, 128 <= 132 SMs: narrow
     ("same", 96, 7168, 2048, 128),   # 4 x 2 x 16 = 128: m64
     ("random", 16, 2048, 768, 64),   # spread decode routing: ~50 experts x 6 tiles: m64
     ("random", 40, 7168, 2048, 128),
-    ("random", 2, 7168, 2048, 128),  # auto resolves narrow; ~8 experts x 64: narrow
 ])
 def test_auto_fused_gemms_equal_both_families(monkeypatch, routing, num_rows, hidden,
                                               intermediate, num_local):
-    """PETIT_MOE_DEVICE_TILES=1: auto's 64-row fused GEMMs run in one kernel that picks, on
-    the device, the narrower tiles when their gate/up tiles fit in one wave of the SMs, else
-    the narrow tiles when they do (or when auto resolved narrow), else the m64 tiles; on fresh
-    data each round its output is bit-equal to both explicit fused families and within the
-    reference's tolerance."""
+    """PETIT_MOE_DEVICE_TILES=1: auto in the 64-row range fuses in one kernel that picks, on
+    the device, the narrow tiles when they fit in one wave of the SMs (few experts with rows)
+    and the m64 tiles otherwise; on fresh data each round its output is bit-equal to both
+    explicit fused families and within the reference's tolerance."""
     monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
     monkeypatch.delenv("PETIT_MOE_NARROW_MAX_ROWS", raising=False)
     monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")

@@ -14,8 +14,8 @@
 // Split-K partial floats the last petit_emu_experts call wrote (0: no tile was split).
 static int64_t g_split_floats_written = 0;
 extern "C" int64_t petit_emu_split_floats_written() { return g_split_floats_written; }
-// The branch the last expert_fused_ws_auto_kernel took (2: narrower tiles, 1: narrow, 0: m64),
-// then -1 until the next one runs.
+// The branch the last expert_fused_ws_auto_kernel took (1: narrow tiles, 0: m64), then -1
+// until the next one runs.
 extern "C" int petit_emu_fused_auto_narrow() {
   const int branch = petit::g_emu_fused_auto_narrow;
   petit::g_emu_fused_auto_narrow = -1;
