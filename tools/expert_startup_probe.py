@@ -65,7 +65,9 @@ def median_summary(summaries):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Needs a GPU and the extension built with PETIT_MOE_PROBE=1 in the environment.")
     p.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
     p.add_argument("--routings", nargs="+", default=["same", "uniform"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 4])
