@@ -737,16 +737,6 @@ PETIT_DEVICE FusedScheduler<kThreads> fused_m_tiles(
   return tiles;
 }
 
-// The TMA issuer's first claim of a unit (fused_ws_gemms' first claim_next; 0 in the other
-// threads), made right after griddepcontrol.wait: the atomic's round trip then overlaps the
-// m-tile prefix's load and scan, which do not depend on it (a block claims units only in the
-// order it runs them, so claiming before the prefix changes nothing of the order argument
-// above).
-template <class GateUp>
-PETIT_DEVICE int fused_first_claim(const ExpertGemmArgs& a) {
-  return GateUp::is_tma_issuer() ? atomicAdd(a.gate_up_done + a.num_local_experts, 1) : 0;
-}
-
 // b_ahead (PETIT_MOE_FUSED_B_AHEAD, see fused_b_ahead): a down tile's TMA issuer first issues
 // the w2 boxes of up to b_ahead of its k-tiles (produce_b_ahead), then waits for the gate/up
 // arrivals with the others, so those weight bytes stream during the wait; 0: off.
@@ -755,8 +745,7 @@ PETIT_DEVICE int fused_first_claim(const ExpertGemmArgs& a) {
 template <class GateUp, class Down>
 PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13_map,
                                  const CUtensorMap* w2_map, int b_ahead,
-                                 const FusedScheduler<GateUp::kThreads>& m_tiles,
-                                 int first_claim) {
+                                 const FusedScheduler<GateUp::kThreads>& m_tiles) {
   if constexpr (GateUp::kCompiled) {
     using CfgG = typename GateUp::Cfg;
     using CfgD = typename Down::Cfg;
@@ -800,7 +789,7 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
       // a slot is rewritten two claims later, after the barrier that follows every read of it)
       int claim = 0;
       auto claim_next = [&]() {
-        if (leader) claims[claim & 1] = claim == 0 ? first_claim : atomicAdd(next_unit, 1);
+        if (leader) claims[claim & 1] = atomicAdd(next_unit, 1);
         gemm::sm90_named_barrier_sync(kFusedClaimBarrierId, GateUp::kProducerThreads);
         return claims[claim++ & 1];
       };
@@ -873,13 +862,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
                            const __grid_constant__ CUtensorMap w2_map, int b_ahead) {
   probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (GateUp::kCompiled) {
-    const int first_claim = fused_first_claim<GateUp>(a);
     PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // the scheduler's storage: the user shared memory
     auto& smem = *reinterpret_cast<typename FusedScheduler<GateUp::kThreads>::SharedStorage*>(
         GateUp::user_smem(tc_dynamic_smem));
     fused_ws_gemms<GateUp, Down>(a, &w13_map, &w2_map, b_ahead,
-                                 fused_m_tiles<GateUp::kThreads>(a, GateUp::Cfg::kBlockM, smem),
-                                 first_claim);
+                                 fused_m_tiles<GateUp::kThreads>(a, GateUp::Cfg::kBlockM, smem));
   }
 }
 
@@ -913,7 +900,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
     // One m-tile prefix serves both families (same kBlockM), built once, before the choice,
     // in static shared memory (the families' user shared memory lies at different offsets);
     // its total is the call's m-tiles.
-    const int first_claim = fused_first_claim<MG>(a);
     __shared__ typename FusedScheduler<MG::kThreads>::SharedStorage scheduler_smem;
     const FusedScheduler<MG::kThreads> m_tiles =
         fused_m_tiles<MG::kThreads>(a, MG::Cfg::kBlockM, scheduler_smem);
@@ -924,9 +910,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
     if (blockIdx.x == 0 && threadIdx.x == 0) g_emu_fused_auto_narrow = narrow ? 1 : 0;
 #endif
     if (narrow)
-      fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, b_ahead, m_tiles, first_claim);
+      fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, b_ahead, m_tiles);
     else
-      fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, b_ahead, m_tiles, first_claim);
+      fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, b_ahead, m_tiles);
   }
 }
 

@@ -46,11 +46,10 @@ struct ExpertTileScheduler {
 
   struct SharedStorage {
     int32_t tile_prefix[kMaxExperts + 1];  // units of experts [0, e) (kClusterM 1: m-tiles)
-    int32_t offsets[kMaxExperts + 1];      // a copy of expert_offsets (tile() reads no global)
     int32_t thread_sums[kThreads];
   };
 
-  const int32_t* expert_offsets;  // [L+1] shared: SharedStorage::offsets
+  const int32_t* expert_offsets;  // [L+1] global
   const int32_t* tile_prefix;     // [L+1] shared
   int num_experts;
   int num_n_tiles;
@@ -59,7 +58,7 @@ struct ExpertTileScheduler {
   // Block-wide: every thread of the block must call it (it contains barriers).
   PETIT_DEVICE void init(const int32_t* offsets, int num_local_experts, int tile_rows,
                          int n_tiles, SharedStorage& smem) {
-    expert_offsets = smem.offsets;
+    expert_offsets = offsets;
     tile_prefix = smem.tile_prefix;
     num_experts = num_local_experts;
     num_n_tiles = n_tiles;
@@ -70,12 +69,8 @@ struct ExpertTileScheduler {
     for (int i = 0; i < kItemsPerThread; ++i) {
       const int e = threadIdx.x * kItemsPerThread + i;
       tiles[i] = 0;
-      if (e < num_local_experts) {
-        const int32_t begin = offsets[e], end = offsets[e + 1];
-        smem.offsets[e] = begin;
-        if (e == num_local_experts - 1) smem.offsets[e + 1] = end;
-        tiles[i] = num_units((end - begin + tile_rows - 1) / tile_rows, n_tiles);
-      }
+      if (e < num_local_experts)
+        tiles[i] = num_units((offsets[e + 1] - offsets[e] + tile_rows - 1) / tile_rows, n_tiles);
     }
     int32_t total;
     int32_t running =
