@@ -451,6 +451,13 @@ PETIT_DEVICE void probed_grid_dependency_sync() {
   probe_first(kProbeWaited, threadIdx.x == 0);
 }
 
+// Consumer thread 0 after a tile's epilogue: the probe's stored marks and tile count.
+PETIT_DEVICE void probe_stored() {
+  probe_first(kProbeFirstStored, threadIdx.x == 0);
+  probe_last(kProbeLastStored, threadIdx.x == 0);
+  probe_count(kProbeTiles, threadIdx.x == 0);
+}
+
 // One thread's run of four partials: through L2 (other SMs write and read them within the
 // launch), coalesced: a slot holds element e of consumer thread t at
 // ((e / 4) * kConsumerThreads + t) * 4 + e % 4, so a warp's float4 accesses are 512
@@ -540,13 +547,6 @@ PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_inde
 // scheduler's storage in the main loop's user shared memory.
 // a_init(loader, tile): sets up the producer's A loader (Mainloop::LoaderA) for a tile; a_map:
 // the tensor map the A rows come through when Mainloop::kATma (prefetched by the TMA issuer).
-// Consumer thread 0 after a tile's epilogue: the probe's stored marks and tile count.
-PETIT_DEVICE void probe_stored() {
-  probe_first(kProbeFirstStored, threadIdx.x == 0);
-  probe_last(kProbeLastStored, threadIdx.x == 0);
-  probe_count(kProbeTiles, threadIdx.x == 0);
-}
-
 template <class Mainloop, bool kStaged = false, class Epilogue, class AInit>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
                                  const Epilogue& epilogue, int k_dim, int out_cols, AInit a_init,
