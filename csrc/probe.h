@@ -34,8 +34,7 @@ enum ProbeSlot : int {
   kProbeKTiles,            // consumer thread 0: k-tiles it multiplied (count)
 };
 
-#if defined(PETIT_MOE_PROBE) && PETIT_CUDA && !PETIT_EMU_PTX && \
-    (defined(__CUDACC__) || defined(__HIPCC__))
+#if defined(PETIT_MOE_PROBE) && PETIT_CUDA && !PETIT_EMU_PTX && defined(__CUDACC__)
 #define PETIT_PROBE_BUILT 1
 __device__ unsigned long long g_petit_probe[kProbeBlocks * kProbeSlots];
 
