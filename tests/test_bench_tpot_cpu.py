@@ -739,11 +739,13 @@ def test_max_runtime_runs_what_fits_then_resume_completes(tmp_path, model_dir, f
     monkeypatch.setenv("FAKE_TPOT_MS", "20")
     monkeypatch.setenv("FAKE_TPOT_MS_PETIT", "20")
     args = _fake_args(tmp_path, model_dir, "--concurrency", "2", "--num-prompts", "4",
-                      "--output-len", "20", "--repeats", "1", "--startup-guess", "0.1",
+                      "--output-len", "40", "--repeats", "1", "--startup-guess", "0.1",
                       "--stop-timeout", "0.5")
-    # petit#0 is expected to fit (guessed start 0.1 s + 3 waves of 0.3 s + 20 x 4.4 ms); once
-    # it ran (~1.5 s), default#0 is not (measured 20 ms per token: 3 x 0.7 s + 0.5 s > 3 s)
-    assert bench.main(args + ["--max-runtime", "3"]) == 3
+    # petit#0 is expected to fit (guessed start 0.1 s + 3 waves of 0.3 s + 40 x 4.4 ms + the
+    # 0.5 s stop: 2.0 s, so up to ~3 s of this process's own start-up still fits in 5 s); once
+    # it ran (3 waves of 40 x 20 ms: > 2.4 s), default#0 is not (measured 20 ms per token:
+    # 3 x 1.1 s + 0.5 s after > 2.4 s already spent is > 5 s)
+    assert bench.main(args + ["--max-runtime", "5"]) == 3
     out = capsys.readouterr().out
     assert "INCOMPLETE: 1 measurement(s) left" in out and "default#0 [2]" in out
     jsonl = tmp_path / "results" / "tpot_gsm8k_TESTx2_tiny-model.jsonl"
