@@ -13,7 +13,6 @@ Needs a GPU with the extension built; programmatic dependent launch is turned of
 profiling (PETIT_MOE_PDL=0), so kernels do not overlap and each time is its own.
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -57,10 +56,9 @@ def main(argv=None):
     import torch
 
     import bench_experts as bench
-    from vllm_petit_moe.device_env import commit_stamp, profile_kernels, utc_date
+    from vllm_petit_moe.device_env import device_stamp, profile_kernels, write_jsonl
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    stamp = dict(gpu=torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-"),
-                 world=args.world, commit=commit_stamp(ROOT), date=utc_date())
+    stamp = device_stamp(ROOT, args.world)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     os.environ["PETIT_MOE_PDL"] = "0"
     rows = []
@@ -106,9 +104,7 @@ def main(argv=None):
                                   f"{gbps:6.0f} {gbps / busy if busy else 0:8.1f}")
     os.environ.pop("PETIT_MOE_FUSED_GEMMS", None)
     if args.out:
-        with open(args.out, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        write_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ the two GEMM launches (large calls, or --fused 0) both kernels write the same sl
 "first" points are then the gate/up kernel's and "last stored" / "exit" the down kernel's.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -84,11 +83,10 @@ def main(argv=None):
 
     import bench_experts as bench
     from vllm_petit_moe import _C
-    from vllm_petit_moe.device_env import commit_stamp, utc_date
+    from vllm_petit_moe.device_env import device_stamp, write_jsonl
 
     _C.expert_probe_read()  # raises in a build without the probe; clears it otherwise
-    stamp = dict(gpu=torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-"),
-                 world=args.world, commit=commit_stamp(ROOT), date=utc_date(), pdl=args.pdl)
+    stamp = device_stamp(ROOT, args.world, pdl=args.pdl)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     if not args.pdl:
         os.environ["PETIT_MOE_PDL"] = "0"
@@ -137,9 +135,7 @@ def main(argv=None):
                                              calls=len(summaries)))
     os.environ.pop("PETIT_MOE_FUSED_GEMMS", None)
     if args.out:
-        with open(args.out, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        write_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":

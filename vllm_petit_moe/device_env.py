@@ -46,18 +46,32 @@ def utc_date() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def device_stamp(repo_root, world, **extra) -> dict:
+    """The fields that lead every results line of a one-GPU tool: gpu (the current CUDA
+    device's name without "NVIDIA ", spaces as dashes), world, commit, date, then `extra`."""
+    import torch
+    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    return dict(gpu=gpu, world=world, commit=commit_stamp(repo_root), date=utc_date(), **extra)
+
+
+def write_jsonl(path, rows, stamp=None) -> None:
+    """`rows` to `path`, one JSON line each, led by the fields of `stamp` when given (a field
+    in both is an error)."""
+    import json
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(dict(**stamp, **r) if stamp else r) + "\n")
+
+
 def write_results(repo_root, name, rows, stamp, plot, title, out_dir=None):
     """Write `rows` to <repo_root>/examples/results/<name>.jsonl (and to `out_dir` when given),
     one line per row led by the fields of `stamp` (gpu, world, commit, date, ...), and
     `plot(rows, <same folder>/<name>.png, title)` next to each. Returns the repo's .jsonl."""
-    import json
     from pathlib import Path
     out_dirs = [Path(repo_root) / "examples" / "results"] + ([Path(out_dir)] if out_dir else [])
     for folder in out_dirs:
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"{name}.jsonl", "w") as f:
-            for r in rows:
-                f.write(json.dumps(dict(**stamp, **r)) + "\n")  # a clash is an error
+        write_jsonl(folder / f"{name}.jsonl", rows, stamp)
         plot(rows, folder / f"{name}.png", title)
     print(f"wrote {out_dirs[0] / name}.jsonl and .png")
     return out_dirs[0] / f"{name}.jsonl"
