@@ -18,7 +18,7 @@ ROOT = Path(__file__).parent.resolve()
 CSRC = ROOT / "csrc"
 
 # Sources of the extension: framework-free kernels + the one torch binding file.
-KERNEL_SOURCES = ["heap.cpp", "routing.cu", "dispatch_combine.cu", "experts.cu"]
+KERNEL_SOURCES = ["comm/heap.cpp", "comm/dispatch_combine.cu", "experts/routing.cu", "experts/experts.cu"]
 BINDING_SOURCES = ["bindings.cpp"]
 
 
@@ -38,7 +38,7 @@ def _extension_modules():
     archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
     if "9.0a" in (a.strip().removesuffix("+PTX") for a in archs):
         nvcc_flags.append("-DPETIT_SM90A_BUILT=1")
-    # A diagnostics build: the expert kernels' start-up probe (csrc/probe.h,
+    # A diagnostics build: the expert kernels' start-up probe (csrc/common/probe.h,
     # tools/expert_startup_probe.py); never for serving.
     if os.environ.get("PETIT_MOE_PROBE") == "1":
         nvcc_flags.append("-DPETIT_MOE_PROBE=1")

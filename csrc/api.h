@@ -3,7 +3,7 @@
 // (petitSuccess or the launch error). No torch types cross this header.
 #pragma once
 
-#include "layout.h"
+#include "common/layout.h"
 
 namespace petit {
 

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "api.h"
-#include "fp8.h"
-#include "probe.h"
+#include "common/fp8.h"
+#include "common/probe.h"
 
 namespace petit {
 namespace {
@@ -632,7 +632,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("world_size"), py::arg("hidden"), py::arg("num_tokens"),
         py::arg("region_stride"), py::arg("num_blocks"));
   m.def("float_to_e4m3", &petit::float_to_e4m3,
-        "Host run of dispatch's float32 -> fp8 e4m3fn conversion (csrc/fp8.h): uint8 codes",
+        "Host run of dispatch's float32 -> fp8 e4m3fn conversion (csrc/common/fp8.h): uint8 codes",
         py::arg("values"));
   m.def("expert_row_lists", &petit::expert_row_lists,
         "Routing block [N,K] int32 (local ids, or global ids with expert_map [E] int32) -> "
@@ -675,7 +675,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         PETIT_CHECK_OK(err, "expert_probe_read");
         return t;
       },
-      "The expert kernels' start-up probe (csrc/probe.h, a PETIT_MOE_PROBE=1 build): [blocks, "
+      "The expert kernels' start-up probe (csrc/common/probe.h, a PETIT_MOE_PROBE=1 build): [blocks, "
       "slots] int64 %globaltimer ns of each block's marked points (0: not reached), zeroed on "
       "the device by the read; waits for the device first");
   py::class_<EpContext>(m, "EpContext")

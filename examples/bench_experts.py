@@ -48,7 +48,7 @@ PETIT_MOE_PDL=0 in the environment: petit's kernels launched without programmati
 launch (field ``pdl``), for an A/B of the gaps between its kernels. PETIT_MOE_STAGED_EPILOGUE=0:
 the down GEMMs of wgmma_ws / wgmma_ws_mc with the plain epilogue instead of the staged one (field
 ``staged_epilogue``). PETIT_MOE_SPLIT_K=N (field ``split_k``): wgmma_narrow_ws / wgmma_m64_ws
-may cut tiles into up to N k-shares when there are few tiles (opt-in, see csrc/experts.cu).
+may cut tiles into up to N k-shares when there are few tiles (opt-in, see csrc/experts/experts.cu).
 --profile: after timing, 10 more calls of petit's and of Triton's path run under torch.profiler
 (CUDA activity only); their kernel time per call by category (``device_env.PROFILE_CATEGORIES``:
 petit row lists / GEMMs / reduce, Triton GEMM / align+sum+activation, other) is printed under

@@ -1,4 +1,4 @@
-"""CPU: the dispatch and combine kernels (csrc/dispatch_combine.cu) and their host launchers
+"""CPU: the dispatch and combine kernels (csrc/comm/dispatch_combine.cu) and their host launchers
 run unchanged across W emulated ranks (tests/emu/ep_emu.cpp on the thread-per-GPU-thread
 runtime), against the torch reference.
 

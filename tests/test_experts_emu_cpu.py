@@ -1,4 +1,4 @@
-"""CPU: the expert kernels (csrc/experts.cu) run unchanged under a thread-per-GPU-thread
+"""CPU: the expert kernels (csrc/experts/experts.cu) run unchanged under a thread-per-GPU-thread
 emulation (tests/emu/experts_emu.cpp), against the torch reference.
 
 This checks the kernels' index math, bounds handling, persistent tile loop, scheduler scan and
@@ -345,7 +345,7 @@ def test_a_trap_reports_to_stderr_and_appends_to_the_trap_log(emu, tmp_path):
 def test_auto_bounds_on_an_sm90_device(sm90):
     """auto's choice by the rows-per-expert estimate N*K / L and the hidden size, where the
     wgmma families run: wgmma_narrow_ws below 2, wgmma_m64_ws below 96, wgmma_ws from there,
-    wgmma_ws_mc from 256 at hidden >= 4096 (the bounds measured on H200, csrc/experts.cu)."""
+    wgmma_ws_mc from 256 at hidden >= 4096 (the bounds measured on H200, csrc/experts/experts.cu)."""
     def auto(num_rows, top_k, num_local, hidden):
         return TILE_NAMES[sm90.petit_emu_resolve_tiles(num_rows, top_k, num_local, hidden, 0)]
 
@@ -382,7 +382,7 @@ def test_tensor_core_families_need_their_device(emu, tiles):
 
 def test_reduction_maps_global_ids_through_the_expert_map(emu):
     """With vLLM's expert_map the local reduction applies the same validity rule to global ids
-    as the row lists (csrc/expert_ids.h): bit-equal to the run on the mapped local ids."""
+    as the row lists (csrc/common/expert_ids.h): bit-equal to the run on the mapped local ids."""
     num_local, num_global = 6, 20
     gen = torch.Generator().manual_seed(5)
     owned = torch.randperm(num_global, generator=gen)[:num_local]

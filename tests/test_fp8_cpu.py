@@ -1,6 +1,6 @@
 """CPU tests of the fp8 e4m3 quantization that dispatch applies at the source.
 
-- csrc/fp8.h ``petit_float_to_e4m3`` (the portable conversion the kernels use where the GPU
+- csrc/common/fp8.h ``petit_float_to_e4m3`` (the portable conversion the kernels use where the GPU
   has no fp8 convert instruction), run on the host through ``_C.float_to_e4m3``, must equal
   torch's round-to-nearest-even ``float8_e4m3fn`` cast bit for bit, and saturate to +-448.
 - ``reference.quantize_fp8_reference`` (the oracle the GPU tests compare dispatch with):

@@ -1,7 +1,7 @@
 """CPU tests of the symmetric-heap layout and the buffer configuration limits.
 
 `vllm_petit_moe.buffer.heap_bytes` (Python, used for sizing and messages) must agree with
-`csrc/layout.h make_heap_layout` (what the allocator and the kernels use), exposed as
+`csrc/common/layout.h make_heap_layout` (what the allocator and the kernels use), exposed as
 `_C.heap_layout`. The compiled extension imports without a GPU (it resolves the CUDA driver at
 run time), so these run on a CPU-only machine; they skip only when `_C` was not built.
 The region shapes below are the table of docs/architecture.md ("Symmetric heap").
@@ -137,7 +137,7 @@ def test_validate_config_rejects(overrides, pattern):
 
 
 # --------------------------------------------------------------------- combine launch plan
-# _C.combine_plan runs the combine's host-side planning (csrc/dispatch_combine.cu
+# _C.combine_plan runs the combine's host-side planning (csrc/comm/dispatch_combine.cu
 # plan_combine: send chunks and senders, reduce chunks, static or claimed reduction, grid)
 # without a GPU. Its tuning knobs are read once per process from the environment, so the
 # expected values below hold only with none of them set.

@@ -956,7 +956,7 @@ def emulated_experts_forward(recv_x, recv_topk_ids, recv_topk_weights, w13, w2, 
     act in sorted order -> per-entry bf16 partials -> slot-order fp32 sum into ``out``. ``out``
     may
     alias ``act_workspace`` (vLLM's fused output shares workspace13). Ids follow the kernels'
-    rule (csrc/expert_ids.h): global ids through ``expert_map`` when given, then anything
+    rule (csrc/common/expert_ids.h): global ids through ``expert_map`` when given, then anything
     outside ``[0, L)`` is a slot this rank does not serve."""
     num_rows, hidden = recv_x.shape
     top_k = recv_topk_ids.shape[1]

@@ -38,7 +38,7 @@ def _ptxas_report(nvcc: str, source: str, tmp_path: Path) -> dict[str, dict]:
     """Per kernel (mangled name): registers, spill store / load bytes; plus the raw log."""
     result = subprocess.run(
         [nvcc, *FLAGS, "-Xptxas", "-v", "-c", str(ROOT / "csrc" / source),
-         "-o", str(tmp_path / (source + ".o"))],
+         "-o", str(tmp_path / (Path(source).name + ".o"))],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     kernels: dict[str, dict] = {}
@@ -65,7 +65,7 @@ def nvcc():
     return path
 
 
-@pytest.mark.parametrize("source", ["experts.cu", "dispatch_combine.cu", "routing.cu"])
+@pytest.mark.parametrize("source", ["experts/experts.cu", "comm/dispatch_combine.cu", "experts/routing.cu"])
 def test_no_kernel_spills_and_no_serialized_wgmma(nvcc, source, tmp_path):
     report = _ptxas_report(nvcc, source, tmp_path)
     kernels = report["kernels"]
@@ -94,7 +94,7 @@ def test_the_reductions_fit_their_blocks_per_sm(nvcc, tmp_path):
     (expert_reduce_kernel<1>), kReduceThreads threads each: their registers must fit the 64K
     register file at once, or the wave would not be one, or a partial second wave of blocks
     would trail every large call."""
-    source = (ROOT / "csrc" / "experts.cu").read_text()
+    source = (ROOT / "csrc" / "experts" / "experts.cu").read_text()
 
     def constant(name):
         return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
@@ -112,7 +112,7 @@ def test_the_reductions_fit_their_blocks_per_sm(nvcc, tmp_path):
 
 def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
     ptx_path = tmp_path / "experts.ptx"
-    result = subprocess.run([nvcc, *FLAGS, "-ptx", str(ROOT / "csrc" / "experts.cu"),
+    result = subprocess.run([nvcc, *FLAGS, "-ptx", str(ROOT / "csrc" / "experts" / "experts.cu"),
                              "-o", str(ptx_path)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     ptx = ptx_path.read_text()
@@ -173,7 +173,7 @@ def test_probe_build_marks_every_warp_specialized_kernel(nvcc, tmp_path):
     into it (the serving build has neither: see the test above)."""
     ptx_path = tmp_path / "experts_probe.ptx"
     result = subprocess.run([nvcc, *FLAGS, "-DPETIT_MOE_PROBE=1", "-ptx",
-                             str(ROOT / "csrc" / "experts.cu"), "-o", str(ptx_path)],
+                             str(ROOT / "csrc" / "experts" / "experts.cu"), "-o", str(ptx_path)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     ptx = ptx_path.read_text()

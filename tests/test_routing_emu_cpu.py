@@ -1,4 +1,4 @@
-"""CPU: the row-list kernels (csrc/routing.cu) run unchanged under the thread-per-GPU-thread
+"""CPU: the row-list kernels (csrc/experts/routing.cu) run unchanged under the thread-per-GPU-thread
 emulation (tests/emu/routing_emu.cpp, warp primitives included), against the reference.
 
 Both launch paths: one block (<= kRowListChunk entries, decode sizes) and the three launches

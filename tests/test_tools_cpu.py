@@ -259,11 +259,11 @@ def test_expert_startup_probe_help_runs_without_a_gpu():
 
 
 def test_expert_startup_probe_names_every_slot_of_probe_h():
-    """The tool's points are csrc/probe.h's ProbeSlot enumerators, in order, and as many as
+    """The tool's points are csrc/common/probe.h's ProbeSlot enumerators, in order, and as many as
     kProbeSlots."""
     import re
     tool = load_script("tools/expert_startup_probe.py")
-    text = (ROOT / "csrc" / "probe.h").read_text()
+    text = (ROOT / "csrc" / "common" / "probe.h").read_text()
     enum = text[text.index("enum ProbeSlot"):]
     enum = enum[:enum.index("};")]
     names = re.findall(r"^\s*(kProbe\w+)", enum, re.M)

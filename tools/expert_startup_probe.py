@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where the first microseconds of an expert call go, block by block: the start-up probe of
-the warp-specialized expert kernels (csrc/probe.h) on examples/bench_experts.py's rows and
+the warp-specialized expert kernels (csrc/common/probe.h) on examples/bench_experts.py's rows and
 weights, with the L2 flushed before every call. Each block records the %globaltimer at marked
 points (kernel entry, after griddepcontrol.wait, tile scheduler built, first tile claimed,
 first weight boxes issued, first stage full, first tile multiplied and stored, the fused
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 
-# csrc/probe.h's ProbeSlot, in order: (name, kind) with kind "time" or "count"
+# csrc/common/probe.h's ProbeSlot, in order: (name, kind) with kind "time" or "count"
 POINTS = (
     ("entry", "time"), ("waited", "time"), ("scheduled", "time"), ("first claim", "time"),
     ("first weights issued", "time"), ("first stage full", "time"),

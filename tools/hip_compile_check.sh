@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # AMD gate (no AMD GPU needed): compile every framework-free kernel source in csrc/ with hipcc
-# for an AMD target, through the same portability header (csrc/platform.h) the CUDA build
+# for an AMD target, through the same portability header (csrc/common/platform.h) the CUDA build
 # uses. Sources that include torch/pybind headers (csrc/bindings.cpp) are skipped: they need
 # a ROCm torch build. Fails on the first compile error after trying every file.
 #
@@ -52,7 +52,7 @@ if [ ${#not_checked[@]} -gt 0 ]; then
 fi
 
 shopt -s nullglob
-sources=(csrc/*.cu csrc/*.cpp)
+sources=(csrc/*/*.cu csrc/*/*.cpp)
 num_ok=0 num_failed=0 num_skipped=0
 failed=()
 for src in "${sources[@]}"; do

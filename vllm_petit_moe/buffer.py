@@ -27,8 +27,8 @@ MAX_TOP_K = 16
 MAX_EXPERTS = 512
 MAX_WORLD_SIZE = 32
 TOKEN_GROUP_SIZE = 32
-MIN_CHUNK_VECTORS = 2048  # 16-byte vectors of a send chunk, at least (csrc/layout.h)
-# Wire formats of dispatch (csrc/api.h DispatchQuant); the fp8 math is in csrc/fp8.h and
+MIN_CHUNK_VECTORS = 2048  # 16-byte vectors of a send chunk, at least (csrc/common/layout.h)
+# Wire formats of dispatch (csrc/api.h DispatchQuant); the fp8 math is in csrc/common/fp8.h and
 # reference.quantize_fp8_reference.
 DISPATCH_QUANT = {None: 0, "fp8_block128": 1, "fp8_per_token": 2, "fp8_block128_ue8m0": 3}
 
@@ -71,14 +71,14 @@ class DispatchOutput:
 def max_group_chunks(hidden_size: int) -> int:
     """Combine flags per (rank, token group): the most hidden chunks of a group's bf16 rows
     (a full group of TOKEN_GROUP_SIZE rows, MIN_CHUNK_VECTORS 16-byte vectors per chunk).
-    Mirrors csrc/layout.h max_group_chunks."""
+    Mirrors csrc/common/layout.h max_group_chunks."""
     return max(1, TOKEN_GROUP_SIZE * (hidden_size // 8) // MIN_CHUNK_VECTORS)
 
 
 def heap_bytes(world_size: int, max_tokens_per_rank: int, hidden_size: int,
                max_top_k: int) -> int:
     """Bytes of one rank's heap (before rounding to the allocation granularity). Mirrors
-    csrc/layout.h make_heap_layout; tests check the two agree."""
+    csrc/common/layout.h make_heap_layout; tests check the two agree."""
     align = lambda n: (n + 255) // 256 * 256  # noqa: E731
     rows = world_size * max_tokens_per_rank
     groups = -(-max_tokens_per_rank // TOKEN_GROUP_SIZE)

@@ -13,7 +13,7 @@
 // under the CPU emulation (PETIT_EMU_PTX) the copies are tests/emu/emu_ptx.h's.
 #pragma once
 
-#include "../platform.h"
+#include "../common/platform.h"
 
 namespace petit {
 namespace gemm {

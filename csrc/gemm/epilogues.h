@@ -10,7 +10,7 @@
 // check per run, vector stores.
 #pragma once
 
-#include "../platform.h"
+#include "../common/platform.h"
 
 namespace petit {
 namespace gemm {

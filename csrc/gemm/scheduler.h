@@ -25,8 +25,8 @@
 // without clusters (plus at most c - 1 per left-over m-tile when N % c != 0).
 #pragma once
 
-#include "../block_scan.h"
-#include "../layout.h"
+#include "../common/block_scan.h"
+#include "../common/layout.h"
 
 namespace petit {
 namespace gemm {

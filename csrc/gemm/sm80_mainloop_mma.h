@@ -24,7 +24,7 @@
 // (__CUDA_ARCH__ >= 800); the launchers refuse the family elsewhere.
 #pragma once
 
-#include "../platform.h"
+#include "../common/platform.h"
 #include "cp_async.h"
 
 namespace petit {

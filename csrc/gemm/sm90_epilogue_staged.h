@@ -20,7 +20,7 @@
 // copies and the named barrier are tests/emu/emu_ptx.h's.
 #pragma once
 
-#include "../platform.h"
+#include "../common/platform.h"
 #include "cp_async.h"
 #include "epilogues.h"
 #include "sm90_mainloop_wgmma.h"

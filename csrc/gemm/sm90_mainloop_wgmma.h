@@ -20,7 +20,7 @@
 // (PETIT_EMU_PTX) the kernels have a body and the wgmma is tests/emu/emu_ptx.h's.
 #pragma once
 
-#include "../platform.h"
+#include "../common/platform.h"
 #include "cp_async.h"
 
 namespace petit {

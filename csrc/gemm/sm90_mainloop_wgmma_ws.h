@@ -28,7 +28,7 @@
 // CPU emulation (PETIT_EMU_PTX) the mbarriers and TMA copies are tests/emu/emu_ptx.h's.
 #pragma once
 
-#include "../probe.h"
+#include "../common/probe.h"
 #include "sm90_mainloop_wgmma.h"
 #include "sm90_tma.h"
 

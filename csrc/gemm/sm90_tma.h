@@ -19,7 +19,7 @@
 // (PETIT_EMU_PTX) encoding and copies are tests/emu/emu_ptx.h's.
 #pragma once
 
-#include "../platform.h"
+#include "../common/platform.h"
 #include "sm90_mainloop_wgmma.h"
 
 namespace petit {

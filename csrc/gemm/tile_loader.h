@@ -15,7 +15,7 @@
 // Framework-free: written against platform.h only, compiles with nvcc and hipcc.
 #pragma once
 
-#include "../platform.h"
+#include "../common/platform.h"
 
 namespace petit {
 namespace gemm {

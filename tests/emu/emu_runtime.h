@@ -264,7 +264,7 @@ inline int device_attribute(int attr) {
 #define gridDim emu::grid_dim
 inline void __syncthreads() { emu::block_barrier->wait(); }
 
-#include "platform.h"
+#include "common/platform.h"
 #include "emu_ptx.h"
 
 // ---- warp primitives and atomics (platform.h defines them for nvcc / hipcc only)

@@ -1,4 +1,4 @@
-// CPU emulation of the dispatch and combine kernels (csrc/dispatch_combine.cu) across W ranks,
+// CPU emulation of the dispatch and combine kernels (csrc/comm/dispatch_combine.cu) across W ranks,
 // for tests without GPUs: the kernel source and its host launchers run unchanged on the
 // thread-per-GPU-thread runtime of emu_runtime.h.
 //
@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "dispatch_combine.cu"
+#include "comm/dispatch_combine.cu"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// CPU emulation of the expert kernels (csrc/experts.cu), for tests without a GPU: the kernel
+// CPU emulation of the expert kernels (csrc/experts/experts.cu), for tests without a GPU: the kernel
 // source runs unchanged on the thread-per-GPU-thread runtime of emu_runtime.h.
 //
 // Built by tests/test_experts_emu_cpu.py:
@@ -9,7 +9,7 @@
 #include <cmath>
 #include <vector>
 
-#include "experts.cu"
+#include "experts/experts.cu"
 
 // Split-K partial floats the last petit_emu_experts call wrote (0: no tile was split).
 static int64_t g_split_floats_written = 0;

@@ -114,7 +114,7 @@ void check_mma(const char* name) {
 int main() {
   using petit::gemm::Sm80MmaTileConfig;
   using petit::gemm::Sm90WgmmaTileConfig;
-  // The configurations csrc/experts.cu instantiates (keep in sync), plus variants.
+  // The configurations csrc/experts/experts.cu instantiates (keep in sync), plus variants.
   check_mma<Sm80MmaTileConfig<64, 2, 3, 2>>("mma gate/up");
   check_mma<Sm80MmaTileConfig<128, 1, 3, 2>>("mma down");
   check_wgmma<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>("wgmma gate/up");

@@ -1,4 +1,4 @@
-// CPU emulation of the row-list kernels (csrc/routing.cu), for tests without a GPU: the
+// CPU emulation of the row-list kernels (csrc/experts/routing.cu), for tests without a GPU: the
 // kernel source runs unchanged on the thread-per-GPU-thread runtime of emu_runtime.h (warp
 // primitives included).
 //
@@ -7,7 +7,7 @@
 //       tests/emu/routing_emu.cpp -o routing_emu.so
 #include "emu_runtime.h"
 
-#include "routing.cu"
+#include "experts/routing.cu"
 
 // Runs launch_expert_row_lists on host memory (workspace: row_list_workspace_ints ints;
 // expert_done: L+1 ints the kernels set to 0, or nullptr).

@@ -57,7 +57,7 @@ def kernel_expert_ids(
     contiguous ids, and vLLM's EP map (global -> local id, ``-1`` for other ranks' experts)
     as a contiguous ``[E] int32`` tensor on the ids' device, or None (the ids are local ids).
 
-    The kernels apply the map themselves (``csrc/expert_ids.h``; ids outside ``[0, E)`` and map
+    The kernels apply the map themselves (``csrc/common/expert_ids.h``; ids outside ``[0, E)`` and map
     values outside ``[0, L)`` are slots this rank does not serve), so with vLLM's usual int32
     ids and map this returns its inputs and launches nothing.
     """

@@ -3,7 +3,7 @@
 // rank serves. Framework-free (platform.h only), CUDA and HIP.
 #pragma once
 
-#include "platform.h"
+#include "common/platform.h"
 
 namespace petit {
 

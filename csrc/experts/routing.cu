@@ -2,8 +2,8 @@
 // device-side counts only. Up to kRowListChunk entries (decode sizes) one block does it all in
 // one launch; beyond, three launches (chunk histograms, one scan block, chunk scatter).
 #include "api.h"
-#include "block_scan.h"
-#include "expert_ids.h"
+#include "common/block_scan.h"
+#include "common/expert_ids.h"
 
 namespace petit {
 

@@ -2,7 +2,7 @@
 // (device), so the two can never disagree on an offset. See docs/architecture.md.
 #pragma once
 
-#include "platform.h"
+#include "common/platform.h"
 
 namespace petit {
 

@@ -17,11 +17,11 @@
 #include <type_traits>
 
 #include "api.h"
-#include "expert_ids.h"
+#include "common/expert_ids.h"
 #include "gemm/epilogues.h"
 #include "gemm/mainloop_simt.h"
 #include "gemm/scheduler.h"
-#include "probe.h"
+#include "common/probe.h"
 #if PETIT_SM80_PATH
 #include "gemm/sm80_mainloop_mma.h"
 #include "gemm/sm90_mainloop_wgmma.h"

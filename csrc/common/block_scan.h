@@ -2,7 +2,7 @@
 // prefix over experts) and the row lists (routing.cu: entry offsets over experts).
 #pragma once
 
-#include "platform.h"
+#include "common/platform.h"
 
 namespace petit {
 

@@ -6,7 +6,7 @@
 // unchanged; expert_probe_read (api.h) then says so.
 #pragma once
 
-#include "platform.h"
+#include "common/platform.h"
 
 namespace petit {
 

@@ -9,7 +9,7 @@
 // with sat = clamp to [-448, 448] in fp32, then round to nearest even.
 #pragma once
 
-#include "layout.h"
+#include "common/layout.h"
 
 namespace petit {
 

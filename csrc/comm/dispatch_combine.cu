@@ -9,7 +9,7 @@
 #include <stdlib.h>
 
 #include "api.h"
-#include "fp8.h"
+#include "common/fp8.h"
 
 namespace petit {
 
