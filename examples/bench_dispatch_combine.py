@@ -14,8 +14,8 @@ combine_reference of all ranks simulated on one GPU).
 Writes examples/results/dispatch_combine_<gpu>x<W>.jsonl and a PNG plot next to it.
 
 --trace: after the timed replays, a second graph of the same step whose combine writes its
-per-block timeline (vllm_petit_moe.combine_trace) is replayed a few times; the last replay's
-timeline of every rank is printed and stored in the row (``combine_trace``, one summary per
+per-block timeline (vllm_petit_moe.testing.combine_trace) is replayed a few times; the last
+replay's timeline of every rank is printed and stored in the row (``combine_trace``, one summary per
 rank: microseconds after the rank's earliest block start).
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from vllm_petit_moe.combine_trace import format_combine_trace  # noqa: E402
-from vllm_petit_moe.device_env import commit_stamp, replot, utc_date, write_results  # noqa: E402
+from bench_env import commit_stamp, replot, utc_date, write_results  # noqa: E402
+from vllm_petit_moe.testing.combine_trace import format_combine_trace  # noqa: E402
 
 PRESETS = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, top_k=8),
@@ -79,7 +79,7 @@ def _event_time_us(fn, iters, warmup=3):
 
 
 def _bench_one(buf, rank, world, preset, routing, num_tokens, iters, group, trace=False):
-    from vllm_petit_moe import reference as ref
+    from vllm_petit_moe.testing import reference as ref
     cfg = PRESETS[preset]
     hidden, num_experts, top_k = cfg["hidden"], cfg["num_experts"], cfg["top_k"]
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -173,7 +173,7 @@ def _bench_one(buf, rank, world, preset, routing, num_tokens, iters, group, trac
 def _combine_timeline(buf, step, group, replays=3):
     """The combine's per-block timeline in a graph replay of `step` (the last of `replays`)."""
     from vllm_petit_moe import _C
-    from vllm_petit_moe.combine_trace import summarize_combine_trace
+    from vllm_petit_moe.testing.combine_trace import summarize_combine_trace
     trace = buf.new_combine_trace()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -186,7 +186,7 @@ def _combine_timeline(buf, step, group, replays=3):
 
 
 def _worker(rank, world, port, args, results):
-    from vllm_petit_moe.device_env import MULTICAST_OFF_ENV
+    from bench_env import MULTICAST_OFF_ENV
     os.environ.update(MULTICAST_OFF_ENV)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

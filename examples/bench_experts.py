@@ -50,7 +50,7 @@ the down GEMMs of wgmma_ws / wgmma_ws_mc with the plain epilogue instead of the 
 ``staged_epilogue``). PETIT_MOE_SPLIT_K=N (field ``split_k``): wgmma_narrow_ws / wgmma_m64_ws
 may cut tiles into up to N k-shares when there are few tiles (opt-in, see csrc/experts/experts.cu).
 --profile: after timing, 10 more calls of petit's and of Triton's path run under torch.profiler
-(CUDA activity only); their kernel time per call by category (``device_env.PROFILE_CATEGORIES``:
+(CUDA activity only); their kernel time per call by category (``bench_env.PROFILE_CATEGORIES``:
 petit row lists / GEMMs / reduce, Triton GEMM / align+sum+activation, other) is printed under
 each row and stored as ``breakdown`` / ``triton_breakdown``. Petit's profiled calls run with
 programmatic dependent launch off (PETIT_MOE_PDL=0 for them only; field ``breakdown_pdl``):
@@ -70,7 +70,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from vllm_petit_moe.device_env import (  # noqa: E402
+from bench_env import (  # noqa: E402
     commit_stamp, format_breakdown, profile_kernels, replot, utc_date, write_results)
 from vllm_petit_moe.ops import TILES  # noqa: E402
 
@@ -156,7 +156,7 @@ def make_routing(preset, routing, tokens, world, hot_fraction, seed):
     """Rank 0's received rows: recv_x [W*T, H] bf16, local ids [W*T, K] int32, weights f32."""
     import torch
 
-    from vllm_petit_moe import reference
+    from vllm_petit_moe.testing import reference
 
     p = PRESETS[preset]
     gen = torch.Generator(device="cuda").manual_seed(seed)

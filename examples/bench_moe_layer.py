@@ -33,7 +33,7 @@ steps of a dummy-weight `vllm serve`; not in the default set).
 
 --profile: after timing, each rank replays each path's graph --profile-replays times under
 torch.profiler (CUDA activity only) and sums the device time of its kernels by category
-(``device_env.PROFILE_CATEGORIES``: dispatch, combine, nccl, petit GEMMs / reduce / row
+(``bench_env.PROFILE_CATEGORIES``: dispatch, combine, nccl, petit GEMMs / reduce / row
 lists, Triton GEMM, Triton align/sum/activation, other); per replay, in us, stored per rank as
 ``<path>_breakdown`` and printed for the slowest rank. ``kernels_total`` below the replay time
 is time with no kernel running (gaps between graph nodes).
@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from vllm_petit_moe.device_env import (  # noqa: E402
+from bench_env import (  # noqa: E402
     commit_stamp, format_breakdown, profile_kernels, replot, utc_date, write_results)
 from vllm_petit_moe.ops import TILES  # noqa: E402
 

@@ -44,8 +44,7 @@ sys.path.insert(0, str(ROOT))
 import bench_tpot_gsm8k as bench  # noqa: E402  (prompts)
 import compare_serving  # noqa: E402  (the comparison itself)
 import make_seeded_checkpoint as seeded  # noqa: E402
-
-from vllm_petit_moe.device_env import commit_stamp, utc_date  # noqa: E402
+from bench_env import commit_stamp, utc_date  # noqa: E402
 
 REDUCTIONS = ("petit", "triton")
 

@@ -51,8 +51,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 import bench_tpot_gsm8k as bench  # noqa: E402  (server lifecycle, plugin checks, prompts)
 import make_seeded_checkpoint as seeded  # noqa: E402
-
-from vllm_petit_moe.device_env import commit_stamp, utc_date  # noqa: E402
+from bench_env import commit_stamp, utc_date  # noqa: E402
 
 DEFAULT_DATA = ROOT / "examples" / "data" / "gsm8k_test.jsonl"
 

@@ -19,12 +19,19 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from vllm_petit_moe.device_env import MULTICAST_OFF_ENV
+# examples/bench_env.py holds the GPU hosts' environment rules, for the tests as for the
+# benchmarks; spawned workers inherit this sys.path.
+_EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
+if _EXAMPLES not in sys.path:
+    sys.path.insert(0, _EXAMPLES)
+from bench_env import MULTICAST_OFF_ENV  # noqa: E402
 
 
 class RankPoolError(RuntimeError):

@@ -12,8 +12,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def load_script(relpath: str):
     """The script at ROOT/relpath, executed as the module named after its file (registered in
-    sys.modules, where dataclasses and pickling look a module up)."""
+    sys.modules, where dataclasses and pickling look a module up), with its folder on sys.path
+    as when it runs as a script (examples import each other and bench_env that way)."""
     path = ROOT / relpath
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -10,7 +10,7 @@ import pytest
 from script_module import load_script, script_help
 import torch
 
-from vllm_petit_moe import reference
+from vllm_petit_moe.testing import reference
 
 
 @pytest.fixture(scope="module")

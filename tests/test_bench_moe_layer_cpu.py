@@ -1,5 +1,5 @@
 """CPU tests of examples/bench_moe_layer.py (arguments) and of the benchmarks' --profile
-kernel breakdown (vllm_petit_moe.device_env)."""
+kernel breakdown (examples/bench_env.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,7 +17,7 @@ def bench():
 
 
 def test_kernel_breakdown_categories():
-    from vllm_petit_moe import device_env
+    import bench_env  # examples/, put on sys.path by conftest's rank_pool
 
     kernels = [
         ("void petit::(anonymous namespace)::dispatch_kernel(petit::DispatchArgs)", 300.0),
@@ -35,19 +35,19 @@ def test_kernel_breakdown_categories():
         ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", 8.0),
         ("Memset (Device)", 2.0),
     ]
-    out = device_env.kernel_breakdown(kernels, replays=10)
+    out = bench_env.kernel_breakdown(kernels, replays=10)
     assert out == pytest.approx({
         "dispatch": 30.0, "combine": 50.0, "nccl": 7.0, "petit_gemm": 160.0,
         "petit_reduce": 4.0, "petit_row_lists": 2.0, "triton_gemm": 200.0,
         "triton_align_sum_act": 5.0, "other": 1.0, "kernels_total": 459.0})
     assert list(out)[:2] == ["dispatch", "combine"] and list(out)[-1] == "kernels_total"
     # empty categories are left out; nothing traced gives a zero total
-    assert device_env.kernel_breakdown([("combine_kernel", 4.0)], 2) == {
+    assert bench_env.kernel_breakdown([("combine_kernel", 4.0)], 2) == {
         "combine": 2.0, "kernels_total": 2.0}
-    assert device_env.kernel_breakdown([], 3) == {"kernels_total": 0.0}
+    assert bench_env.kernel_breakdown([], 3) == {"kernels_total": 0.0}
     with pytest.raises(ValueError, match="replays"):
-        device_env.kernel_breakdown(kernels, 0)
-    text = device_env.format_breakdown(out)
+        bench_env.kernel_breakdown(kernels, 0)
+    text = bench_env.format_breakdown(out)
     assert text.startswith("dispatch 30.0, combine 50.0") and text.endswith("(kernels 459.0 us)")
 
 

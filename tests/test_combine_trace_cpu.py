@@ -1,12 +1,13 @@
-"""The combine timeline's host side (vllm_petit_moe.combine_trace): slot order against the
-extension, the trace tensor's checks and the summary's arithmetic, on hand-made traces."""
+"""The combine timeline's host side (buffer.COMBINE_TRACE_SLOTS, buffer.check_combine_trace,
+vllm_petit_moe.testing.combine_trace): slot order against csrc/api.h and the extension, the
+trace tensor's checks and the summary's arithmetic, on hand-made traces."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_petit_moe.combine_trace import (COMBINE_TRACE_SLOTS, check_combine_trace,
-                                          format_combine_trace, summarize_combine_trace)
+from vllm_petit_moe.buffer import COMBINE_TRACE_SLOTS, check_combine_trace
+from vllm_petit_moe.testing.combine_trace import format_combine_trace, summarize_combine_trace
 
 
 def test_slots_match_the_extension():

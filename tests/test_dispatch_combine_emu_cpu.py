@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import assert_case_ok, build_emu_library, run_case
-from vllm_petit_moe import reference as ref
+from vllm_petit_moe.testing import reference as ref
 
 NUM_EXPERTS = 32
 QUANT = {None: 0, "fp8_block128": 1, "fp8_per_token": 2, "fp8_block128_ue8m0": 3}

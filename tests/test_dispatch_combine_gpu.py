@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rank_pool import get_buffer
-from vllm_petit_moe import reference as ref
+from vllm_petit_moe.testing import reference as ref
 
 NUM_EXPERTS = 32
 POISON = float("nan")
@@ -208,7 +208,7 @@ def _rank_traced_combine(state, cfg, seed, tokens_per_rank, top_k):
     against the reference), the launched rows are the planned grid, every send and reduce
     item is counted once, and each block's stamps are in phase order."""
     from vllm_petit_moe import _C
-    from vllm_petit_moe.combine_trace import COMBINE_TRACE_SLOTS, summarize_combine_trace
+    from vllm_petit_moe.testing.combine_trace import COMBINE_TRACE_SLOTS, summarize_combine_trace
     rank, world, device = state["rank"], state["world_size"], state["device"]
     buf = get_buffer(state, **cfg)
     hidden, num_experts = cfg["hidden_size"], cfg["num_experts"]

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import build_emu_library
-from vllm_petit_moe import reference
+from vllm_petit_moe.testing import reference
 from vllm_petit_moe.ops import TILE_NAMES, TILES
 
 TENSOR_CORE = ("mma",) + tuple(t for t in TILES if t.startswith("wgmma"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import requires_extension, requires_gpu
-from vllm_petit_moe import reference
+from vllm_petit_moe.testing import reference
 from vllm_petit_moe.ops import TILES
 
 pytestmark = [requires_gpu, requires_extension]

@@ -13,7 +13,8 @@ import importlib.util
 import pytest
 import torch
 
-from vllm_petit_moe import reference as ref
+from vllm_petit_moe import limits
+from vllm_petit_moe.testing import reference as ref
 
 
 def _extension():
@@ -64,7 +65,7 @@ def test_conversion_saturates_and_keeps_nan():
     assert got[7] & 0x7F == 0x7F  # NaN
 
 
-@pytest.mark.parametrize("mode", ref.FP8_QUANT_MODES)
+@pytest.mark.parametrize("mode", limits.FP8_QUANT_MODES)
 def test_reference_quantizer_layout_and_error(mode):
     gen = torch.Generator().manual_seed(7)
     x = (torch.randn(37, 512, generator=gen)
@@ -87,8 +88,8 @@ def test_reference_quantizer_layout_and_error(mode):
     err = (back.view_as(group) - group).abs()
     assert torch.all(err <= bound)
     # a group's largest element maps to +-448 unless its scale is the minimum one
-    unclamped = (amax[..., 0] / 448.0 > (ref.FP8_TOKEN_MIN_SCALE if mode == "fp8_per_token"
-                                         else ref.FP8_BLOCK_MIN_AMAX / 448.0))
+    unclamped = (amax[..., 0] / 448.0 > (limits.FP8_TOKEN_MIN_SCALE if mode == "fp8_per_token"
+                                         else limits.FP8_BLOCK_MIN_AMAX / 448.0))
     top = q.float().view_as(group).abs().amax(dim=-1)
     if mode.endswith("ue8m0"):  # a power-of-two scale >= amax/448: the top lands in [224, 448]
         assert torch.all(top[unclamped] >= 224) and torch.all(top <= 448)

@@ -6,8 +6,8 @@ of the three kernel steps, ``emulated_experts_forward``).
 Runs with the real vLLM (0.24.0 tested) and no GPU. vLLM's config objects, prepare/finalize
 classes, Triton experts object, expert maps and ``FusedMoEKernel`` are the real ones. Faked,
 because they need a GPU: the ``EpBuffer`` (``FakeEpBuffer`` below: the architecture.md layout
-computed with ``vllm_petit_moe.reference``, every rank's inputs known to every rank, as in
-pplx-kernels' tests; ``EmulatedEpBuffer``: the same with the real dispatch and combine kernels
+computed with ``vllm_petit_moe.testing.reference``, every rank's inputs known to every rank, as
+in pplx-kernels' tests; ``EmulatedEpBuffer``: the same with the real dispatch and combine kernels
 on the CPU emulation of tests/emu), the runtime facts of the EP group (``EpRuntime``), and
 the Triton GEMMs (``ReferenceExperts``: vLLM's experts contract, expert_map lookup included,
 on the reference). The compiled extension is never imported.
@@ -63,7 +63,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (  # noq
     TopKWeightAndReduceNoOP,
 )
 
-from vllm_petit_moe import reference  # noqa: E402
+from vllm_petit_moe.testing import reference  # noqa: E402
 from vllm_petit_moe.vllm_glue import buffers, compat, envs, hook  # noqa: E402
 from vllm_petit_moe.vllm_glue import experts as petit_experts  # noqa: E402
 from vllm_petit_moe.vllm_glue.prepare_finalize import (  # noqa: E402

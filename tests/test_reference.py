@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_petit_moe.reference import (
-    MAX_TOP_K,
+from vllm_petit_moe.limits import MAX_TOP_K
+from vllm_petit_moe.testing.reference import (
     Tolerance,
     check_close,
     combine_reference,

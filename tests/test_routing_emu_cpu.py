@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import build_emu_library
-from vllm_petit_moe.reference import expert_row_lists_reference
+from vllm_petit_moe.testing.reference import expert_row_lists_reference
 
 POISON = -7
 

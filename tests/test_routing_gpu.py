@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import requires_extension, requires_gpu
-from vllm_petit_moe.reference import expert_row_lists_reference
+from vllm_petit_moe.testing.reference import expert_row_lists_reference
 
 pytestmark = [requires_gpu, requires_extension]
 

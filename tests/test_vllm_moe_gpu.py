@@ -11,7 +11,7 @@ one GPU per rank. The layer's two modular kernels are built by vLLM's unquantize
   ``TritonExperts``.
 
 Every rank seeds identically and builds *all* ranks' inputs and the global weights, so it
-computes its own expected output with ``vllm_petit_moe.reference`` without collectives.
+computes its own expected output with ``vllm_petit_moe.testing.reference`` without collectives.
 Outputs are compared with the fp32 reference within ``reference.tolerance`` (derived from the
 reference's own bf16-vs-fp32 error), and petit with vLLM's default path directly.
 
@@ -42,7 +42,7 @@ from vllm_moe_harness import (  # noqa: E402
     random_weights,
 )
 
-from vllm_petit_moe import reference as ref  # noqa: E402
+from vllm_petit_moe.testing import reference as ref  # noqa: E402
 
 WORLD = int(os.environ.get("PETIT_VLLM_TEST_WORLD", "2"))
 

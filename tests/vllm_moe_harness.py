@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from rank_pool import RankPool, RankPoolError, free_port  # noqa: F401 (re-exported)
-from vllm_petit_moe.device_env import VLLM_SAFE_ENV
+from bench_env import VLLM_SAFE_ENV  # examples/, put on sys.path by rank_pool
 
 # Set in every rank process before torch/vLLM touch NCCL.
 SAFE_ENV = VLLM_SAFE_ENV
@@ -582,7 +582,7 @@ def make_inputs(shape: MoEShape, tokens_per_rank: Sequence[int], *, seed: int,
     """Every rank's ``(x [T_s, H] bf16, topk_ids [T_s, K] int32, topk_weights [T_s, K] f32)``,
     identical on every rank that calls it with the same arguments (pplx-style testing: each
     rank knows all inputs, so references need no collectives)."""
-    from vllm_petit_moe import reference as ref
+    from vllm_petit_moe.testing import reference as ref
 
     world_size = world_size or len(tokens_per_rank)
     gen = torch.Generator(device=device).manual_seed(seed)

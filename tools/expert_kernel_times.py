@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 # per family: (gate/up block_n per group, down block_n, rows per m-tile)
 TILE_N = {"wgmma_narrow_ws": (64, 128, 64), "wgmma_m64_ws": (128, 256, 64),
           "wgmma_ws": (128, 256, 128)}
-# device_env.profile_kernels categories: one per kernel of a call (anything else: "other")
+# bench_env.profile_kernels categories: one per kernel of a call (anything else: "other")
 KERNELS = tuple((name, (name,)) for name in (
     "row_list", "expert_fused", "expert_gate_up", "expert_down", "expert_reduce"))
 
@@ -56,7 +56,7 @@ def main(argv=None):
     import torch
 
     import bench_experts as bench
-    from vllm_petit_moe.device_env import device_stamp, profile_kernels, write_jsonl
+    from bench_env import device_stamp, profile_kernels, write_jsonl
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     stamp = device_stamp(ROOT, args.world)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")

@@ -82,8 +82,8 @@ def main(argv=None):
     import torch
 
     import bench_experts as bench
+    from bench_env import device_stamp, write_jsonl
     from vllm_petit_moe import _C
-    from vllm_petit_moe.device_env import device_stamp, write_jsonl
 
     _C.expert_probe_read()  # raises in a build without the probe; clears it otherwise
     stamp = device_stamp(ROOT, args.world, pdl=args.pdl)

@@ -17,20 +17,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .combine_trace import COMBINE_TRACE_SLOTS, check_combine_trace
 from .heap import check_single_node, exchange_fds
-from .reference import FP8_BLOCK_MODES, FP8_SCALE_BLOCK
+from .limits import (FP8_BLOCK_MODES, FP8_SCALE_BLOCK, MAX_EXPERTS, MAX_TOP_K, MAX_WORLD_SIZE,
+                     MIN_CHUNK_VECTORS, REGION_ALIGNMENT, SIZE_MULTIPLE, TOKEN_GROUP_SIZE)
 
 logger = logging.getLogger("vllm.petit_moe.buffer")  # inside vLLM's logger tree
 
-MAX_TOP_K = 16
-MAX_EXPERTS = 512
-MAX_WORLD_SIZE = 32
-TOKEN_GROUP_SIZE = 32
-MIN_CHUNK_VECTORS = 2048  # 16-byte vectors of a send chunk, at least (csrc/common/layout.h)
 # Wire formats of dispatch (csrc/api.h DispatchQuant); the fp8 math is in csrc/common/fp8.h and
-# reference.quantize_fp8_reference.
+# testing.reference.quantize_fp8_reference.
 DISPATCH_QUANT = {None: 0, "fp8_block128": 1, "fp8_per_token": 2, "fp8_block128_ue8m0": 3}
+# The slots of one block's row of a combine trace, in the order of csrc/api.h CombineTraceSlot
+# (see `EpBuffer.combine`; testing.combine_trace summarizes a trace).
+COMBINE_TRACE_SLOTS = ("start", "first_send", "sends_done", "first_reduce_ready",
+                       "last_reduce_done", "end", "send_items", "reduce_items", "reduce_wait",
+                       "reduce_work")
 
 
 def _ops():
@@ -68,18 +68,32 @@ class DispatchOutput:
     recv_x_scales: torch.Tensor | None = None
 
 
+def check_combine_trace(trace: torch.Tensor, num_blocks: int, device: torch.device) -> None:
+    """Raise ValueError unless `trace` is an int64 [num_blocks, slots] contiguous tensor on
+    `device` (what the kernel writes into)."""
+    want = (num_blocks, len(COMBINE_TRACE_SLOTS))
+    if not isinstance(trace, torch.Tensor) or trace.dtype != torch.int64 or \
+            tuple(trace.shape) != want or not trace.is_contiguous():
+        got = (f"{trace.dtype} {list(trace.shape)}" if isinstance(trace, torch.Tensor)
+               else type(trace).__name__)
+        raise ValueError(f"petit_moe: trace must be a contiguous int64 tensor {list(want)} "
+                         f"(num_sms x combine trace slots), got {got}")
+    if trace.device != torch.device(device):
+        raise ValueError(f"petit_moe: trace must be on {device}, got {trace.device}")
+
+
 def max_group_chunks(hidden_size: int) -> int:
     """Combine flags per (rank, token group): the most hidden chunks of a group's bf16 rows
     (a full group of TOKEN_GROUP_SIZE rows, MIN_CHUNK_VECTORS 16-byte vectors per chunk).
     Mirrors csrc/common/layout.h max_group_chunks."""
-    return max(1, TOKEN_GROUP_SIZE * (hidden_size // 8) // MIN_CHUNK_VECTORS)
+    return max(1, TOKEN_GROUP_SIZE * (hidden_size // SIZE_MULTIPLE) // MIN_CHUNK_VECTORS)
 
 
 def heap_bytes(world_size: int, max_tokens_per_rank: int, hidden_size: int,
                max_top_k: int) -> int:
     """Bytes of one rank's heap (before rounding to the allocation granularity). Mirrors
     csrc/common/layout.h make_heap_layout; tests check the two agree."""
-    align = lambda n: (n + 255) // 256 * 256  # noqa: E731
+    align = lambda n: -(-n // REGION_ALIGNMENT) * REGION_ALIGNMENT  # noqa: E731
     rows = world_size * max_tokens_per_rank
     groups = -(-max_tokens_per_rank // TOKEN_GROUP_SIZE)
     chunks = max_group_chunks(hidden_size)
@@ -97,9 +111,9 @@ def validate_config(*, world_size: int, hidden_size: int, num_experts: int,
     """Raise ValueError naming the limit for an unsupported buffer configuration."""
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"petit_moe: world size {world_size} outside [1, {MAX_WORLD_SIZE}]")
-    if hidden_size <= 0 or hidden_size % 8 != 0:
+    if hidden_size <= 0 or hidden_size % SIZE_MULTIPLE != 0:
         raise ValueError(f"petit_moe: hidden size {hidden_size} must be a positive multiple "
-                         "of 8 (16-byte bf16 vectors)")
+                         f"of {SIZE_MULTIPLE} (16-byte bf16 vectors)")
     if not 1 <= num_experts <= MAX_EXPERTS or num_experts % world_size != 0:
         raise ValueError(f"petit_moe: num_experts {num_experts} must be in [1, {MAX_EXPERTS}] "
                          f"and divisible by the world size {world_size}")
@@ -207,7 +221,7 @@ class EpBuffer:
                 vLLM quantizes when its DeepGEMM E8M0 scales are on) or "fp8_per_token" (e4m3
                 + one scale per token): quantized at the source inside dispatch, so the wire
                 carries half the bytes. Equal on every rank. Formulas:
-                reference.quantize_fp8_reference.
+                testing.reference.quantize_fp8_reference.
         No host synchronization (unless validate_ids and not capturing); capturable in a
         CUDA graph. Collective: every rank calls it.
         """
@@ -241,8 +255,8 @@ class EpBuffer:
             out: optional [T, H] bfloat16 output.
             trace: optional int64 [num_sms, len(COMBINE_TRACE_SLOTS)] on this buffer's device
                 (see :meth:`new_combine_trace`): each block of the kernel writes its timeline
-                into its row (``combine_trace.COMBINE_TRACE_SLOTS``;
-                ``combine_trace.summarize_combine_trace`` reads it).
+                into its row (``COMBINE_TRACE_SLOTS``;
+                ``testing.combine_trace.summarize_combine_trace`` reads it).
                 For diagnosis: the untraced combine is the one to time.
         Returns y [T, H] bfloat16: y[i] = sum over ranks d routed by token i of
         expert_out_d[rank*R + i], accumulated in fp32.

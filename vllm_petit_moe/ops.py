@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import torch
 
-MAX_TOP_K = 16
-MAX_LOCAL_EXPERTS = 512
-SIZE_MULTIPLE = 8  # H and I: one 16-byte vector of bf16
-MAX_ENTRIES = 2**31 - 1  # N*K routing entries are indexed with int32
+from .limits import MAX_ENTRIES, MAX_LOCAL_EXPERTS, MAX_TOP_K, SIZE_MULTIPLE
 
 TILES = {"auto": 0, "small": 1, "large": 2, "mma": 3, "decode": 4, "wgmma": 5, "wgmma_m64": 6,
          "wgmma_narrow": 7, "wgmma_ws": 8, "wgmma_m64_ws": 9, "wgmma_ws_mc": 10,

@@ -10,6 +10,7 @@ constexpr int kTokenGroupSize = 32;    // tokens per readiness flag
 constexpr int kMaxTopK = 16;
 constexpr int kMaxWorldSize = 32;      // token -> rank masks are uint32
 constexpr int kMaxExperts = 512;
+constexpr int kSizeMultiple = 8;       // H and I: multiples of one 16-byte vector of bf16
 constexpr int kRegionAlignment = 256;  // bytes; keeps every region 16-byte vector aligned
 constexpr int kFp8ScaleBlock = 128;   // elements per fp8 scale (1x128 block quantization)
 constexpr int kFlagCountBits = 6;      // flag = epoch << 6 | rows routed in the group (0..32)

@@ -27,6 +27,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_petit_moe.limits import MAX_TOP_K
+
 logger = logging.getLogger("vllm.petit_moe.buffers")
 
 
@@ -37,7 +39,7 @@ class BufferConfig:
     hidden_size: int
     num_experts: int
     max_tokens_per_rank: int
-    max_top_k: int = 16
+    max_top_k: int = MAX_TOP_K
     num_sms: int | None = None
     timeout_s: float = 30.0
 

@@ -38,16 +38,13 @@ from typing import Any
 
 import torch
 
+from vllm_petit_moe.limits import MAX_LOCAL_EXPERTS, MAX_TOP_K, SIZE_MULTIPLE
 from vllm_petit_moe.vllm_glue import compat, envs
 
 _ExpertsModular = compat.fused_moe_symbol("ExpertsModular")
 _ActivationFormat = compat.fused_moe_symbol("ActivationFormat")
 _TopKWeightAndReduceNoOP = compat.fused_moe_symbol("TopKWeightAndReduceNoOP")
 _MoEActivation = compat.fused_moe_symbol("MoEActivation")
-
-SIZE_MULTIPLE = 8
-MAX_TOP_K = 16
-MAX_LOCAL_EXPERTS = 512
 
 
 def kernel_expert_ids(

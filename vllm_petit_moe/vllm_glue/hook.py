@@ -29,13 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_petit_moe.limits import MAX_TOP_K, SIZE_MULTIPLE
 from vllm_petit_moe.vllm_glue import buffers, compat, envs
 
 logger = logging.getLogger("vllm.petit_moe.hook")
 
-# Limits of our dispatch/combine (docs/architecture.md).
-MAX_TOP_K = 16
-HIDDEN_SIZE_MULTIPLE = 8
 SUPPORTED_PLATFORMS = ("cuda",)
 
 
@@ -157,8 +155,8 @@ def decide(
         getattr(fused_experts, "quant_config", None), moe.hidden_dim)
     if quant_unsupported is not None:
         return _unsupported(quant_unsupported)
-    if moe.hidden_dim % HIDDEN_SIZE_MULTIPLE != 0:
-        return _unsupported(f"hidden size {moe.hidden_dim} is not a multiple of 8")
+    if moe.hidden_dim % SIZE_MULTIPLE != 0:
+        return _unsupported(f"hidden size {moe.hidden_dim} is not a multiple of {SIZE_MULTIPLE}")
     if moe.experts_per_token > MAX_TOP_K:
         return _unsupported(f"top-k {moe.experts_per_token} > {MAX_TOP_K}")
     even_split = moe.num_experts % mpc.ep_size == 0

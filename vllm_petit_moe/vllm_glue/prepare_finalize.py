@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_petit_moe.reference import FP8_BLOCK_MODES, FP8_SCALE_BLOCK
+from vllm_petit_moe.limits import FP8_BLOCK_MODES, FP8_SCALE_BLOCK
 from vllm_petit_moe.vllm_glue import compat
 
 _PrepareAndFinalizeModular = compat.fused_moe_symbol("PrepareAndFinalizeModular")

@@ -1,7 +1,7 @@
 """The combine kernel's optional per-block timeline (`EpBuffer.combine(..., trace=...)`).
 
-Each block of a traced combine writes one row of ``COMBINE_TRACE_SLOTS`` (the order of
-``CombineTraceSlot`` in csrc/api.h): timer ticks (``kTimerTicksPerSecond`` of the extension;
+Each block of a traced combine writes one row of ``buffer.COMBINE_TRACE_SLOTS`` (the order
+of ``CombineTraceSlot`` in csrc/api.h): timer ticks (``kTimerTicksPerSecond`` of the extension;
 nanoseconds on CUDA) when the block starts, when its first send item starts copying, after its
 last send item's flags, when the flags of its first reduce item have all been seen, after its
 last reduction and at its end, then how many send and reduce items it did, then the ticks its
@@ -23,24 +23,9 @@ from typing import Sequence
 
 import torch
 
-COMBINE_TRACE_SLOTS = ("start", "first_send", "sends_done", "first_reduce_ready",
-                       "last_reduce_done", "end", "send_items", "reduce_items", "reduce_wait",
-                       "reduce_work")
+from vllm_petit_moe.buffer import COMBINE_TRACE_SLOTS
+
 _TIME_SLOTS = COMBINE_TRACE_SLOTS[:6]
-
-
-def check_combine_trace(trace: torch.Tensor, num_blocks: int, device: torch.device) -> None:
-    """Raise ValueError unless `trace` is an int64 [num_blocks, slots] contiguous tensor on
-    `device` (what the kernel writes into)."""
-    want = (num_blocks, len(COMBINE_TRACE_SLOTS))
-    if not isinstance(trace, torch.Tensor) or trace.dtype != torch.int64 or \
-            tuple(trace.shape) != want or not trace.is_contiguous():
-        got = (f"{trace.dtype} {list(trace.shape)}" if isinstance(trace, torch.Tensor)
-               else type(trace).__name__)
-        raise ValueError(f"petit_moe: trace must be a contiguous int64 tensor {list(want)} "
-                         f"(num_sms x combine trace slots), got {got}")
-    if trace.device != torch.device(device):
-        raise ValueError(f"petit_moe: trace must be on {device}, got {trace.device}")
 
 
 def _spread(values: Sequence[float]) -> dict:

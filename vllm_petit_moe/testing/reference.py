@@ -28,8 +28,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-MAX_TOP_K = 16
-HIDDEN_SIZE_MULTIPLE = 8
+from vllm_petit_moe.limits import (FP8_BLOCK_MIN_AMAX, FP8_BLOCK_MODES, FP8_E4M3_MAX,
+                                  FP8_QUANT_MODES, FP8_SCALE_BLOCK, FP8_TOKEN_MIN_SCALE,
+                                  MAX_TOP_K, SIZE_MULTIPLE)
 
 Precision = Literal["kernel", "fp32"]
 Skew = Literal["one_expert", "hot_rank", "same_experts"]
@@ -74,9 +75,9 @@ def _check_top_k(top_k: int) -> None:
 
 
 def _check_hidden_size(hidden_size: int) -> None:
-    if hidden_size <= 0 or hidden_size % HIDDEN_SIZE_MULTIPLE:
+    if hidden_size <= 0 or hidden_size % SIZE_MULTIPLE:
         raise ValueError(
-            f"hidden_size must be a positive multiple of {HIDDEN_SIZE_MULTIPLE}, got {hidden_size}"
+            f"hidden_size must be a positive multiple of {SIZE_MULTIPLE}, got {hidden_size}"
         )
 
 
@@ -289,13 +290,8 @@ class DispatchOutput:
 
 # --------------------------------------------------------------------------- fp8
 
-FP8_E4M3_MAX = 448.0
-FP8_SCALE_BLOCK = 128
-FP8_BLOCK_MIN_AMAX = 1e-10  # vLLM per_token_group_quant eps
-FP8_TOKEN_MIN_SCALE = 1.0 / (448.0 * 512.0)  # vLLM dynamic per-token minimum scale
+# The constants (FP8_E4M3_MAX, FP8_SCALE_BLOCK, ...) and modes come from vllm_petit_moe.limits.
 Fp8Quant = Literal["fp8_block128", "fp8_per_token", "fp8_block128_ue8m0"]
-FP8_QUANT_MODES = ("fp8_block128", "fp8_per_token", "fp8_block128_ue8m0")
-FP8_BLOCK_MODES = ("fp8_block128", "fp8_block128_ue8m0")  # one scale per 1x128 block
 
 
 def pow2_ceil(y: torch.Tensor) -> torch.Tensor:

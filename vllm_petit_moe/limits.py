@@ -1,0 +1,30 @@
+"""Limits and constants of the compiled kernels: the one Python source of them.
+
+Every value mirrors a constant of csrc/common/layout.h or csrc/common/fp8.h (named in the
+comment next to it); tests/test_limits_cpu.py parses those headers and checks the two agree,
+and, where the extension is built, checks the values it exposes as well. The runtime (`ops`,
+`buffer`, `vllm_glue`) and the testing oracle import the values from here, never redefine them.
+"""
+from __future__ import annotations
+
+# --------------------------------------------------------------------------- shapes
+MAX_TOP_K = 16  # kMaxTopK: experts per token
+MAX_WORLD_SIZE = 32  # kMaxWorldSize: token -> rank masks are uint32
+MAX_EXPERTS = 512  # kMaxExperts: experts of an EpBuffer
+MAX_LOCAL_EXPERTS = MAX_EXPERTS  # experts_forward's L, checked against kMaxExperts too
+SIZE_MULTIPLE = 8  # kSizeMultiple: H and I are multiples of one 16-byte vector of bf16
+MAX_ENTRIES = 2**31 - 1  # N*K routing entries of experts_forward are indexed with int32
+
+# --------------------------------------------------------------------------- heap layout
+TOKEN_GROUP_SIZE = 32  # kTokenGroupSize: tokens per readiness flag
+MIN_CHUNK_VECTORS = 2048  # kMinChunkVectors: 16-byte vectors of a combine send chunk, at least
+REGION_ALIGNMENT = 256  # kRegionAlignment: bytes; every heap region starts aligned to it
+
+# --------------------------------------------------------------------------- fp8 dispatch
+FP8_E4M3_MAX = 448.0  # kFp8E4m3Max: largest finite float8_e4m3fn
+FP8_SCALE_BLOCK = 128  # kFp8ScaleBlock: elements per scale of the 1x128 block modes
+FP8_BLOCK_MIN_AMAX = 1e-10  # kFp8BlockMinAmax: vLLM per_token_group_quant eps
+FP8_TOKEN_MIN_SCALE = 1.0 / (448.0 * 512.0)  # kFp8TokenMinScale: vLLM per-token minimum scale
+# The fp8 wire formats of dispatch (csrc/api.h DispatchQuant, buffer.DISPATCH_QUANT).
+FP8_QUANT_MODES = ("fp8_block128", "fp8_per_token", "fp8_block128_ue8m0")
+FP8_BLOCK_MODES = ("fp8_block128", "fp8_block128_ue8m0")  # one scale per 1x128 block
