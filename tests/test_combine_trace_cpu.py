@@ -3,6 +3,8 @@ vllm_petit_moe.testing.combine_trace): slot order against csrc/api.h and the ext
 trace tensor's checks and the summary's arithmetic, on hand-made traces."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ from vllm_petit_moe.testing.combine_trace import format_combine_trace, summarize
 
 
 def test_slots_match_the_extension():
+    if importlib.util.find_spec("vllm_petit_moe._C") is None:  # built but broken: fails below
+        pytest.skip("compiled extension vllm_petit_moe._C not built")
     from vllm_petit_moe import _C
     assert len(COMBINE_TRACE_SLOTS) == _C.kCombineTraceSlots
     assert _C.kTimerTicksPerSecond in (1e9, 100e6)  # CUDA global timer (ns), HIP 100 MHz

@@ -1,4 +1,5 @@
-"""Tests of the pure-torch reference (vllm_petit_moe/reference.py), the oracle of every kernel.
+"""Tests of the pure-torch reference (vllm_petit_moe/testing/reference.py), the oracle of every
+kernel.
 
 CPU only. Every case draws fresh random inputs from a seeded generator (never zeros). The
 layout expectations below are computed independently of the reference (plain Python loops
