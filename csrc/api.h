@@ -3,6 +3,7 @@
 // (petitSuccess or the launch error). No torch types cross this header.
 #pragma once
 
+#include "common/config.h"
 #include "common/layout.h"
 
 namespace petit {
@@ -30,9 +31,9 @@ PETIT_HOST_DEVICE int64_t row_list_workspace_ints(int num_entries, int num_local
 petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stream);
 
 // ------------------------------------------------------------------ experts.cu
-// Expert grouped GEMMs on the row lists above (portable SIMT path; see docs/architecture.md,
-// "Expert kernels"). With pos = a position in sorted_entries order, entry = sorted_entries[pos],
-// e = the local expert of pos, row = entry / K:
+// Expert grouped GEMMs on the row lists above (see docs/architecture.md, "Expert kernels").
+// With pos = a position in sorted_entries order, entry = sorted_entries[pos], e = the local
+// expert of pos, row = entry / K:
 //   gate/up:  act[pos] = bf16(silu(x[row] . w13[e, :I]^T) * (x[row] . w13[e, I:]^T))
 //   down:     partial[entry] = bf16(weight[entry] * (act[pos] . w2[e]^T))
 //   reduce:   out[row] = bf16(sum over k = 0..K-1 with a local id of partial[row*K + k]),
@@ -40,61 +41,34 @@ petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stre
 // Only the rows [0, offsets[L]) of act and the partial rows of valid entries are written and
 // read, so neither workspace needs clearing. Limits: H, I multiples of 8, L <= kMaxExperts,
 // K <= kMaxTopK, N*K < 2^31; every pointer 16-byte aligned.
+//
+// Tile families: one Hopper family (sm_90a, warp-specialized wgmma) in four regimes, and the
+// portable SIMT fallback. kExpertTilesAuto picks one (experts.cu, choose_expert_tiles, with
+// the bounds of ExpertGemmArgs::config); naming another forces it (for tests and debugging).
+// The Hopper regimes return petitErrorNotSupported where the build has no sm_90a image or the
+// device is not compute capability 9.0 (HIP, older GPUs). wgmma_narrow and wgmma_m64 give the
+// same bits, as do wgmma and wgmma_mc; the SIMT family sums in another order.
 enum ExpertTiles : int {
-  // Auto, from the host-known rows-per-expert estimate N*K / L: where the device runs wgmma,
-  // kExpertTilesWgmmaNarrowWs below 2, kExpertTilesWgmmaM64Ws below 96, kExpertTilesWgmmaWs
-  // from there, and kExpertTilesWgmmaWsMc from 512 at hidden sizes >= 4096; elsewhere
-  // kExpertTilesSmall below 256 and above it mma (sm_80+) or large.
   kExpertTilesAuto = 0,
-  kExpertTilesSmall = 1,  // 16-row tiles: decode, few rows per expert (weight-bandwidth bound)
-  kExpertTilesLarge = 2,  // 128-row tiles: prefill
-  // CUDA sm_80+ only (Ampere, Hopper): 128x128x32 tiles on mma.sync bf16 tensor cores with a
-  // cp.async pipeline (gemm/sm80_mainloop_mma.h). petitErrorNotSupported on HIP and where the
-  // running image is older than sm_80. Not bit-identical to the SIMT families (different
-  // fp32 summation order).
-  kExpertTilesMma = 3,
-  // Decode (portable): <= 8 rows per tile, each warp streams whole weight rows (every lane
-  // 16-byte loads of 4 rows at once) and the block reduces the lanes' dot products in shared
-  // memory: built for weight streaming at a few rows per expert. Only when asked for
-  // explicitly (auto never picks it). Not bit-identical to the other families.
-  kExpertTilesDecode = 4,
-  // CUDA sm_90a only (Hopper, built with TORCH_CUDA_ARCH_LIST naming 9.0a, the default):
-  // 128x256x64 tiles on wgmma (m64n256k16, operands from 128-byte swizzled shared memory) with
-  // a 4-stage cp.async ring (gemm/sm90_mainloop_wgmma.h). petitErrorNotSupported elsewhere.
-  // Not bit-identical to the other families.
-  kExpertTilesWgmma = 5,
-  // CUDA sm_90a only, for few rows per expert: 64x256x64 tiles, the two warpgroups side by side
-  // (m64n128k16 each: half of kExpertTilesWgmma's tensor-core work per weight byte), 5-stage
-  // ring.
-  kExpertTilesWgmmaM64 = 6,
-  // CUDA sm_90a only, for very few rows per expert: 64x128x64 tiles (gate/up: 64 gate + 64 up
-  // columns), two warpgroups of m64n64k16 side by side, 4-stage ring, 2 blocks per SM: twice
-  // the tiles of kExpertTilesWgmmaM64. Only when asked for explicitly (measured no faster).
-  kExpertTilesWgmmaNarrow = 7,
-  // CUDA sm_90a only, for many rows per expert: kExpertTilesWgmma's tiles on a warp-specialized
-  // main loop (gemm/sm90_mainloop_wgmma_ws.h: a producer warpgroup loads, the gathered A rows
-  // by cp.async and the weights by TMA, two consumer warpgroups multiply, mbarrier-handed
-  // 4-stage ring running on across tiles). Auto picks it from 96 routing entries per local
-  // expert (below 512 at hidden sizes >= 4096). Bit-identical to kExpertTilesWgmma.
-  kExpertTilesWgmmaWs = 8,
-  // CUDA sm_90a only, for few rows per expert: kExpertTilesWgmmaM64's tiles on the same
-  // warp-specialized main loop (5-stage ring). Auto picks it from 2 to 96 routing entries per
-  // local expert. Bit-identical to kExpertTilesWgmmaM64.
-  kExpertTilesWgmmaM64Ws = 9,
-  // CUDA sm_90a only, for many rows per expert: kExpertTilesWgmmaWs's tiles in thread-block
-  // clusters of 2 CTAs that take two m-tiles of one (expert, n-tile) and load each weight box
-  // once for both (TMA multicast), or two n-tiles of an expert's odd last m-tile. Auto picks it
-  // from 512 routing entries per local expert at hidden sizes >= 4096. Bit-identical to
-  // kExpertTilesWgmmaWs.
-  kExpertTilesWgmmaWsMc = 10,
-  // CUDA sm_90a only, for very few rows per expert: kExpertTilesWgmmaNarrow's tiles (64x128x64,
-  // gate/up 64 + 64 columns, two warpgroups of m64n64k16 side by side) on the warp-specialized
-  // main loop, one block per SM with an 8-stage ring: 4x the tiles of kExpertTilesWgmmaM64Ws
-  // per expert, so the few experts a decode step touches spread over the SMs in whole waves
-  // more evenly. Auto picks it below 2 routing entries per local expert. Bit-identical to
-  // kExpertTilesWgmmaNarrow.
-  kExpertTilesWgmmaNarrowWs = 11,
-  kExpertTilesLast = kExpertTilesWgmmaNarrowWs,
+  // Portable SIMT fallback: 16-row tiles (few rows per expert: weight-bandwidth bound) below
+  // config.simt_large_min_rows routing entries per local expert, 128-row tiles from there.
+  kExpertTilesSimt = 1,
+  // 64 x 128 x 64 tiles, gate/up and down as one fused launch (expert_fused_gemms), for very
+  // few rows per expert. Auto: below config.narrow_max_rows.
+  kExpertTilesWgmmaNarrow = 2,
+  // 64 x 256 x 64 tiles, gate/up and down as one fused launch. Auto: below
+  // config.m64_max_rows, in a kernel that runs the narrow tiles instead where the m64 ones
+  // would leave more than half of the SMs idle (decided on the device).
+  kExpertTilesWgmmaM64 = 3,
+  // 128 x 256 x 64 tiles, a launch per GEMM, the down GEMM with a staged epilogue. Auto: from
+  // config.m64_max_rows.
+  kExpertTilesWgmma = 4,
+  // kExpertTilesWgmma's tiles in clusters of 2 CTAs that take two m-tiles of one (expert,
+  // n-tile) and load each weight box once for both (TMA multicast), or two n-tiles of an
+  // expert's odd last m-tile. Auto: from config.mc_min_rows at hidden sizes from
+  // config.mc_min_hidden.
+  kExpertTilesWgmmaMc = 5,
+  kExpertTilesLast = kExpertTilesWgmmaMc,
 };
 
 struct ExpertGemmArgs {
@@ -118,50 +92,32 @@ struct ExpertGemmArgs {
   int num_local_experts;           // L
   int tiles;                       // ExpertTiles
   int num_sms;                     // persistent grid = num_sms x blocks per SM; 0: query device
-  // Split-K of the decode families (expert_split_k_workspace; all zero: off): fp32 partial
-  // accumulators of split tiles, and one arrival counter per tile (zero at launch).
-  float* split_partials;           // [split_floats]
-  int32_t* split_counters;         // [split_counters_len], zeros
-  int64_t split_floats;
-  int split_counters_len;
-  int split_max;                   // most k-splits of one tile (<= 1: no split)
-  // Fused GEMMs (expert_fused_gemms; nullptr: a gate/up and a down launch): per local expert,
-  // the arrivals of its finished gate/up tiles, then the counter of claimed tiles; all zero at
+  // Fused GEMMs (set where expert_fused_gemms; nullptr otherwise): per local expert, the
+  // arrivals of its finished gate/up tiles, then the counter of claimed tiles; all zero at
   // launch (launch_expert_row_lists zeroes them through RowListArgs::expert_done).
   int32_t* gate_up_done;           // [L+1]
+  ExpertConfig config;             // auto's regime bounds (common/config.h)
 };
-// Fused GEMMs of the 64-row ws families (wgmma_narrow_ws, wgmma_m64_ws): one persistent launch
-// runs the gate/up tiles and then the down tiles of the call through one ring, each block
-// claiming the next tile when its ring has room; a down tile's producer starts loading an
-// expert's act rows once all of that expert's gate/up tiles have arrived (gate_up_done), so
-// the down tiles fill the SMs the last gate/up tiles leave idle and the call has one kernel
-// boundary less. Whether a call with these arguments (num_sms set; tiles resolved or
-// auto) runs them: PETIT_MOE_FUSED_GEMMS unset or 1 (0: two launches; read at every call),
-// one of those families, split-K off.
+// The 64-row regimes (wgmma_narrow, wgmma_m64) run gate/up and down as one persistent launch:
+// the gate/up tiles and then the down tiles of the call through one ring, each block claiming
+// the next tile when its ring has room; a down tile's producer starts loading an expert's act
+// rows once all of that expert's gate/up tiles have arrived (gate_up_done), so the down tiles
+// fill the SMs the last gate/up tiles leave idle and the call has one kernel boundary less.
+// Whether a call with these arguments (num_sms set) runs them, i.e. needs gate_up_done.
 bool expert_fused_gemms(const ExpertGemmArgs& args);
-// Sizes of the split-K workspace for these arguments (num_sms set; tiles resolved or auto):
-// floats of split_partials and ints of split_counters, both 0 when split-K is off
-// (PETIT_MOE_SPLIT_K unset or <= 1, read at every call) or the family has no split-K (only
-// wgmma_narrow_ws and wgmma_m64_ws do). The caller allocates them (counters zeroed) and hands
-// them over with expert_split_k_attach.
-void expert_split_k_workspace(const ExpertGemmArgs& args, int64_t* floats, int* counters);
-// Sets args' split-K fields to that workspace (`floats` > 0) and split_max to
-// PETIT_MOE_SPLIT_K; with floats == 0 leaves split-K off.
-void expert_split_k_attach(ExpertGemmArgs* args, float* partials, int64_t floats,
-                           int32_t* counters, int counters_len);
 PETIT_HOST_DEVICE int64_t expert_act_workspace_elems(int num_rows, int top_k, int intermediate) {
   return int64_t(num_rows) * top_k * intermediate;
 }
 PETIT_HOST_DEVICE int64_t expert_partial_workspace_elems(int num_rows, int top_k, int hidden) {
   return int64_t(num_rows) * top_k * hidden;
 }
-// The three steps, in stream order (each one's inputs are the previous ones' outputs).
-petitError_t launch_expert_gate_up(const ExpertGemmArgs& args, petitStream_t stream);
-petitError_t launch_expert_down(const ExpertGemmArgs& args, petitStream_t stream);
-petitError_t launch_expert_reduce(const ExpertGemmArgs& args, petitStream_t stream);
-// All three (gate/up and down as one launch when args.gate_up_done is set).
+// Gate/up, down (one fused launch in the 64-row regimes) and the local reduction, in stream
+// order.
 petitError_t launch_experts(const ExpertGemmArgs& args, petitStream_t stream);
-// The tile family kExpertTilesAuto resolves to for these sizes.
+// The local reduction alone (the last step of launch_experts).
+petitError_t launch_expert_reduce(const ExpertGemmArgs& args, petitStream_t stream);
+// The tile family launch_experts runs for these arguments (args.tiles, or auto's choice by
+// the sizes and args.config on the current device).
 int resolve_expert_tiles(const ExpertGemmArgs& args);
 // Launch shape of this process's most recent gate/up (gate_up) or down GEMM launch, for
 // diagnostics (the persistent grid a family got on this device; cluster = CTAs per
@@ -212,8 +168,6 @@ struct EpContextArgs {
   uint32_t* group_done;       // [W, G_max] completion counters of the dispatch's chunks
   int32_t* recv_group_counts; // [W, G_max] rows received per (source, group), last dispatch
   int num_blocks;             // persistent grid; must be co-resident (<= SM count)
-  int sc_fences;              // set by the launchers: 1 = publish with sequentially
-                              // consistent fences (PETIT_MOE_SC_FENCES, for A/B runs)
 };
 
 // Wire format of dispatched rows. fp8 modes quantize at the source inside dispatch (fp8.h):
@@ -258,8 +212,7 @@ struct CombineArgs {
   int num_reduce_chunks;      // set by the launcher: hidden chunks of one reduce item
   int static_reduce;          // set by the launcher: 1 = reduce-only block b owns item
                               // b - num_send_blocks (a block per item), no claim counter
-  int prefetch_own;           // set by the launcher: 1 = a reduce item's own rows
-                              // are prefetched into L2 before its flags are awaited
+  CombineConfig config;       // the split of the grid and the work (common/config.h)
   int64_t* trace;             // optional (nullptr: none): [grid, kCombineTraceSlots], see
                               // CombineTraceSlot; every launched block writes its row
 };

@@ -35,6 +35,67 @@ namespace {
     PETIT_CHECK(_err == petitSuccess, "%s failed: %s", what, petitGetErrorString(_err)); \
   } while (0)
 
+// ---- configs (common/config.h) from Python: {field: int} dicts (vllm_petit_moe/config.py);
+// an unknown field or an invalid value is an error, a missing field keeps its default.
+void set_config_field(const char* struct_name, const std::string& key, int value,
+                      std::initializer_list<std::pair<const char*, int*>> fields) {
+  for (const auto& field : fields) {
+    if (key == field.first) {
+      *field.second = value;
+      return;
+    }
+  }
+  PETIT_CHECK(false, "%s has no field %s", struct_name, key.c_str());
+}
+
+ExpertConfig expert_config_from(const py::dict& d) {
+  ExpertConfig c;
+  for (const auto& item : d)
+    set_config_field("ExpertConfig", py::str(item.first), item.second.cast<int>(),
+                     {{"narrow_max_rows", &c.narrow_max_rows},
+                      {"m64_max_rows", &c.m64_max_rows},
+                      {"mc_min_rows", &c.mc_min_rows},
+                      {"mc_min_hidden", &c.mc_min_hidden},
+                      {"simt_large_min_rows", &c.simt_large_min_rows}});
+  PETIT_CHECK(config_valid(c),
+              "ExpertConfig: bounds must be >= 0 with narrow_max_rows (%d) <= m64_max_rows (%d)",
+              c.narrow_max_rows, c.m64_max_rows);
+  return c;
+}
+
+CombineConfig combine_config_from(const py::dict& d) {
+  CombineConfig c;
+  for (const auto& item : d)
+    set_config_field("CombineConfig", py::str(item.first), item.second.cast<int>(),
+                     {{"reduce_pct", &c.reduce_pct},
+                      {"reduce_vectors", &c.reduce_vectors},
+                      {"reduce_items", &c.reduce_items},
+                      {"tail_chunks", &c.tail_chunks}});
+  PETIT_CHECK(config_valid(c),
+              "CombineConfig: reduce_pct in [0, 90], reduce_vectors and reduce_items in "
+              "[0, 2^20], tail_chunks in [0, 1024]");
+  return c;
+}
+
+// The default configs as dicts: what config.py's dataclasses must mirror.
+py::dict config_defaults() {
+  const ExpertConfig e;
+  const CombineConfig c;
+  py::dict expert, combine, d;
+  expert["narrow_max_rows"] = e.narrow_max_rows;
+  expert["m64_max_rows"] = e.m64_max_rows;
+  expert["mc_min_rows"] = e.mc_min_rows;
+  expert["mc_min_hidden"] = e.mc_min_hidden;
+  expert["simt_large_min_rows"] = e.simt_large_min_rows;
+  combine["reduce_pct"] = c.reduce_pct;
+  combine["reduce_vectors"] = c.reduce_vectors;
+  combine["reduce_items"] = c.reduce_items;
+  combine["tail_chunks"] = c.tail_chunks;
+  d["ExpertConfig"] = expert;
+  d["CombineConfig"] = combine;
+  return d;
+}
+
 void check_cuda_tensor(const torch::Tensor& t, const char* name, int64_t dim) {
   PETIT_CHECK(t.is_cuda(), "%s must be a CUDA tensor", name);
   PETIT_CHECK(t.is_contiguous(), "%s must be contiguous", name);
@@ -47,8 +108,8 @@ class EpContext {
  public:
   EpContext(int64_t device, int64_t rank, int64_t world_size, int64_t max_tokens,
             int64_t hidden, int64_t max_top_k, int64_t num_experts, int64_t num_blocks,
-            double timeout_s)
-      : device_(int(device)) {
+            double timeout_s, const py::dict& combine_config)
+      : device_(int(device)), combine_config_(combine_config_from(combine_config)) {
     PETIT_CHECK(world_size >= 1 && world_size <= kMaxWorldSize, "world size %lld outside [1, %d]",
                 (long long)world_size, kMaxWorldSize);
     PETIT_CHECK(rank >= 0 && rank < world_size, "rank %lld outside [0, %lld)", (long long)rank,
@@ -227,6 +288,7 @@ class EpContext {
     a.num_tokens = int(out.size(0));
     a.top_k = int(top_k);
     a.region_stride = int(region_stride);
+    a.config = combine_config_;
     if (trace.has_value()) {
       check_cuda_tensor(*trace, "trace", 2);
       PETIT_CHECK(trace->scalar_type() == torch::kInt64 &&
@@ -310,6 +372,7 @@ class EpContext {
   }
 
   int device_;
+  CombineConfig combine_config_;
   EpContextArgs args_{};
   std::unique_ptr<SymmetricHeap> heap_;
   torch::Tensor state_, token_rank_mask_, group_done_, recv_group_counts_;
@@ -386,7 +449,7 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
                               const torch::Tensor& w2, c10::optional<torch::Tensor> out,
                               c10::optional<torch::Tensor> act_workspace,
                               c10::optional<torch::Tensor> partial_workspace, int64_t tiles,
-                              c10::optional<torch::Tensor> expert_map) {
+                              c10::optional<torch::Tensor> expert_map, const py::dict& config) {
   check_cuda_tensor(recv_x, "recv_x", 2);
   check_cuda_tensor(topk_ids, "recv_topk_ids", 2);
   check_cuda_tensor(topk_weights, "recv_topk_weights", 2);
@@ -419,10 +482,10 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
   PETIT_CHECK(N * K < (int64_t(1) << 31), "N*K = %lld routing entries exceed 2^31 - 1",
               (long long)(N * K));
   PETIT_CHECK(tiles >= kExpertTilesAuto && tiles <= kExpertTilesLast,
-              "tiles %lld must be 0 (auto), 1 (small), 2 (large), 3 (mma), 4 (decode), 5 (wgmma), "
-              "6 (wgmma_m64), 7 (wgmma_narrow), 8 (wgmma_ws), 9 (wgmma_m64_ws), 10 (wgmma_ws_mc) "
-              "or 11 (wgmma_narrow_ws)",
+              "tiles %lld must be 0 (auto), 1 (simt), 2 (wgmma_narrow), 3 (wgmma_m64), "
+              "4 (wgmma) or 5 (wgmma_mc)",
               (long long)tiles);
+  const ExpertConfig expert_config = expert_config_from(config);
   const auto device = recv_x.device();
   PETIT_CHECK(topk_ids.device() == device && topk_weights.device() == device &&
                   w13.device() == device && w2.device() == device,
@@ -514,17 +577,7 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
   a.num_local_experts = int(L);
   a.tiles = int(tiles);
   a.num_sms = num_sms_of(device.index());
-  // split-K of the decode families (PETIT_MOE_SPLIT_K; off by default): per-call workspace
-  int64_t split_floats = 0;
-  int split_counters = 0;
-  expert_split_k_workspace(a, &split_floats, &split_counters);
-  torch::Tensor split_partials, split_counter_tensor;
-  if (split_floats > 0) {
-    split_partials = torch::empty({split_floats}, opts.dtype(torch::kFloat32));
-    split_counter_tensor = torch::zeros({split_counters}, int_opts);
-    expert_split_k_attach(&a, split_partials.data_ptr<float>(), split_floats,
-                          split_counter_tensor.data_ptr<int32_t>(), split_counters);
-  }
+  a.config = expert_config;
   // fused GEMMs (expert_fused_gemms): per-expert arrival counters and the tile claim counter,
   // zeroed by the row lists
   torch::Tensor gate_up_done;
@@ -539,8 +592,9 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
 
 // The tile family experts_forward runs for these sizes (tiles = 0: the automatic choice).
 int64_t resolve_expert_tiles_for(int64_t num_rows, int64_t top_k, int64_t num_local_experts,
-                                 int64_t hidden, int64_t tiles) {
+                                 int64_t hidden, int64_t tiles, const py::dict& config) {
   ExpertGemmArgs a{};
+  a.config = expert_config_from(config);
   a.num_rows = int(num_rows);
   a.top_k = int(top_k);
   a.num_local_experts = int(num_local_experts);
@@ -565,7 +619,7 @@ torch::Tensor float_to_e4m3(const torch::Tensor& values) {
 // What a combine of `num_tokens` own tokens (rows per source region `region_stride`) launches
 // on `num_blocks` SMs: host-side planning only (plan_combine), for diagnostics and CPU tests.
 py::dict combine_plan(int64_t world_size, int64_t hidden, int64_t num_tokens,
-                      int64_t region_stride, int64_t num_blocks) {
+                      int64_t region_stride, int64_t num_blocks, const py::dict& combine_config) {
   PETIT_CHECK(world_size >= 2 && world_size <= kMaxWorldSize, "world size %lld outside [2, %d]",
               (long long)world_size, kMaxWorldSize);
   PETIT_CHECK(hidden > 0 && hidden % 8 == 0, "hidden size %lld must be a positive multiple of 8",
@@ -581,6 +635,7 @@ py::dict combine_plan(int64_t world_size, int64_t hidden, int64_t num_tokens,
   a.num_tokens = int(num_tokens);
   a.top_k = 1;
   a.region_stride = int(region_stride);
+  a.config = combine_config_from(combine_config);
   int grid = 0;
   PETIT_CHECK_OK(plan_combine(&a, &grid), "combine plan");
   py::dict d;
@@ -630,7 +685,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "What a combine launches (host-side plan, no GPU needed): {send_chunks, whole_pairs, "
         "send_blocks, reduce_chunks, static_reduce, grid}",
         py::arg("world_size"), py::arg("hidden"), py::arg("num_tokens"),
-        py::arg("region_stride"), py::arg("num_blocks"));
+        py::arg("region_stride"), py::arg("num_blocks"), py::arg("combine_config") = py::dict());
+  m.def("config_defaults", &petit::config_defaults,
+        "{'ExpertConfig': {...}, 'CombineConfig': {...}}: the defaults of csrc/common/config.h");
   m.def("float_to_e4m3", &petit::float_to_e4m3,
         "Host run of dispatch's float32 -> fp8 e4m3fn conversion (csrc/common/fp8.h): uint8 codes",
         py::arg("values"));
@@ -645,14 +702,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("recv_x"), py::arg("recv_topk_ids"), py::arg("recv_topk_weights"),
         py::arg("w13"), py::arg("w2"), py::arg("out") = py::none(),
         py::arg("act_workspace") = py::none(), py::arg("partial_workspace") = py::none(),
-        py::arg("tiles") = 0, py::arg("expert_map") = py::none());
+        py::arg("tiles") = 0, py::arg("expert_map") = py::none(), py::arg("config") = py::dict());
   m.def("resolve_expert_tiles", &petit::resolve_expert_tiles_for,
-        "Tile family (1 small, 2 large, 3 mma, 4 decode, 5 wgmma, 6 wgmma_m64, 7 wgmma_narrow, "
-        "8 wgmma_ws, 9 wgmma_m64_ws, 10 wgmma_ws_mc, 11 wgmma_narrow_ws) "
-        "experts_forward "
-        "runs for these sizes on the current device",
+        "Tile family (1 simt, 2 wgmma_narrow, 3 wgmma_m64, 4 wgmma, 5 wgmma_mc) experts_forward "
+        "runs for these sizes (and ExpertConfig dict) on the current device",
         py::arg("num_rows"), py::arg("top_k"), py::arg("num_local_experts"), py::arg("hidden"),
-        py::arg("tiles") = 0);
+        py::arg("tiles") = 0, py::arg("config") = py::dict());
   m.def(
       "last_expert_gemm_launch",
       [](bool gate_up) {
@@ -680,10 +735,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "the device by the read; waits for the device first");
   py::class_<EpContext>(m, "EpContext")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                    double>(),
+                    double, const py::dict&>(),
            py::arg("device"), py::arg("rank"), py::arg("world_size"), py::arg("max_tokens"),
            py::arg("hidden"), py::arg("max_top_k"), py::arg("num_experts"),
-           py::arg("num_blocks"), py::arg("timeout_s"))
+           py::arg("num_blocks"), py::arg("timeout_s"), py::arg("combine_config") = py::dict())
       .def("export_fd", &EpContext::export_fd)
       .def("map_peers", &EpContext::map_peers, py::arg("fds"))
       .def("heap_view", &EpContext::heap_view, py::arg("rank"), py::arg("offset"),

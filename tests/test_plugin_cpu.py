@@ -471,11 +471,12 @@ def test_malformed_flag_fails_at_registration(monkeypatch):
     with pytest.raises(ValueError, match="VLLM_PETIT_MOE_EXPERTS"):
         envs.petit_experts()
     assert envs.petit_experts_tiles() == "auto"
-    monkeypatch.setenv(envs.VLLM_PETIT_MOE_EXPERTS_TILES, "Decode")
-    assert envs.petit_experts_tiles() == "decode"
-    monkeypatch.setenv(envs.VLLM_PETIT_MOE_EXPERTS_TILES, "huge")
-    with pytest.raises(ValueError, match="VLLM_PETIT_MOE_EXPERTS_TILES.*decode"):
-        envs.petit_experts_tiles()
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_EXPERTS_TILES, "SIMT")
+    assert envs.petit_experts_tiles() == "simt"
+    for removed in ("huge", "decode", "wgmma_ws"):  # wgmma_ws: the warp-specialized one's old name
+        monkeypatch.setenv(envs.VLLM_PETIT_MOE_EXPERTS_TILES, removed)
+        with pytest.raises(ValueError, match="VLLM_PETIT_MOE_EXPERTS_TILES.*wgmma_mc"):
+            envs.petit_experts_tiles()
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .config import CombineConfig, as_dict
 from .heap import check_single_node, exchange_fds
 from .limits import (FP8_BLOCK_MODES, FP8_SCALE_BLOCK, MAX_EXPERTS, MAX_TOP_K, MAX_WORLD_SIZE,
                      MIN_CHUNK_VECTORS, REGION_ALIGNMENT, SIZE_MULTIPLE, TOKEN_GROUP_SIZE)
@@ -141,12 +142,15 @@ class EpBuffer:
         timeout_s: bound of every spin-wait; on expiry the kernel reports rank, peer, token
             group and epoch (see `diagnostics`) and traps.
         validate_ids: check expert ids on the host (one sync) when not capturing a graph.
+        config: how combine splits its grid and its work
+            (:class:`~vllm_petit_moe.config.CombineConfig`; default: its defaults). Equal on
+            all ranks, like the other arguments: the chunks a peer's flags count follow it.
     """
 
     def __init__(self, group: dist.ProcessGroup, *, hidden_size: int, num_experts: int,
                  max_tokens_per_rank: int, max_top_k: int = MAX_TOP_K,
                  num_sms: int | None = None, timeout_s: float = 30.0,
-                 validate_ids: bool = True):
+                 validate_ids: bool = True, config: CombineConfig | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -160,6 +164,10 @@ class EpBuffer:
         self.max_top_k = max_top_k
         self.timeout_s = timeout_s
         self.validate_ids = validate_ids
+        self.config = CombineConfig() if config is None else config
+        if not isinstance(self.config, CombineConfig):
+            raise TypeError(f"petit_moe: config must be a CombineConfig, got "
+                            f"{type(self.config).__name__}")
         self.device = torch.device("cuda", torch.cuda.current_device())
         sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = sm_count if num_sms is None else num_sms
@@ -169,7 +177,8 @@ class EpBuffer:
         check_single_node(group)
         self._ctx = _ops().EpContext(self.device.index, self.rank, self.world_size,
                                      max_tokens_per_rank, hidden_size, max_top_k, num_experts,
-                                     self.num_sms, timeout_s)
+                                     self.num_sms, timeout_s,
+                                     combine_config=as_dict(self.config))
         try:
             fds = exchange_fds(group, self._ctx.export_fd())
             self._ctx.map_peers(fds)  # zeroes this rank's flags

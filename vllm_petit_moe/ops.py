@@ -12,34 +12,31 @@ from __future__ import annotations
 
 import torch
 
+from .config import ExpertConfig, as_dict
 from .limits import MAX_ENTRIES, MAX_LOCAL_EXPERTS, MAX_TOP_K, SIZE_MULTIPLE
 
-TILES = {"auto": 0, "small": 1, "large": 2, "mma": 3, "decode": 4, "wgmma": 5, "wgmma_m64": 6,
-         "wgmma_narrow": 7, "wgmma_ws": 8, "wgmma_m64_ws": 9, "wgmma_ws_mc": 10,
-         "wgmma_narrow_ws": 11}
-"""Tile families of the GEMMs: ``small`` (16-row SIMT tiles, for few rows per expert, i.e.
-decode), ``large`` (128-row SIMT tiles, prefill), ``mma`` (CUDA sm_80+ tensor cores, mma.sync,
-128x128x32 tiles), ``wgmma`` (Hopper sm_90a tensor cores, wgmma, 128x256x64 tiles),
-``wgmma_m64`` (sm_90a, 64x256x64 tiles with half the tensor-core work per weight byte, for few
-rows per expert), ``wgmma_narrow`` (sm_90a, 64x128x64 tiles, two blocks per SM: twice the
-tiles of ``wgmma_m64`` for very few rows per expert; only when asked for explicitly, measured
-no faster than ``wgmma_m64``), ``wgmma_ws`` (sm_90a, the ``wgmma`` tiles on a warp-specialized
-main loop: a producer warpgroup loads, the weights by TMA, while two consumer warpgroups
-multiply, for many rows per expert), ``wgmma_m64_ws`` (the ``wgmma_m64`` tiles on that main
-loop, for few rows per expert), ``wgmma_ws_mc`` (the ``wgmma_ws`` tiles in clusters of 2 CTAs
-that load each weight tile once for both, TMA multicast), ``wgmma_narrow_ws`` (the
-``wgmma_narrow`` tiles on that main loop, one block per SM: 4x the tiles of ``wgmma_m64_ws``,
-for decode steps that touch few experts),
-``decode`` (portable, <= 8-row tiles, each warp streaming
-whole weight rows; only when asked for explicitly) and ``auto``: where the GPU runs wgmma,
-``wgmma_narrow_ws`` below 2 routing entries (rows x top_k) per local expert, ``wgmma_m64_ws``
-below 96 (its fused GEMMs choosing between it and ``wgmma_narrow_ws`` on the device, by how
-the entries spread over the experts, unless PETIT_MOE_DEVICE_TILES=0), ``wgmma_ws`` from there
-and ``wgmma_ws_mc`` from 256 at hidden sizes >= 4096; elsewhere ``small``
-below 256 entries per local expert and above it ``mma`` (sm_80+) or ``large``. ``mma`` and the
-``wgmma*`` families fail with
-"operation not supported" where the GPU or the build lacks them (HIP, older GPUs, a build
-without 9.0a in TORCH_CUDA_ARCH_LIST)."""
+TILES = {"auto": 0, "simt": 1, "wgmma_narrow": 2, "wgmma_m64": 3, "wgmma": 4, "wgmma_mc": 5}
+"""Tile families of the expert GEMMs (csrc/api.h ExpertTiles). ``auto`` (the default) chooses;
+the others force one, for tests and debugging (``VLLM_PETIT_MOE_EXPERTS_TILES``):
+
+- the Hopper family (sm_90a: H100/H200; warp-specialized wgmma, a producer warpgroup loading
+  the rows by cp.async and the weights by TMA) in four regimes: ``wgmma_narrow`` (64 x 128
+  tiles) and ``wgmma_m64`` (64 x 256 tiles), each running both GEMMs of a call as one fused
+  launch; ``wgmma`` (128 x 256 tiles, a launch per GEMM); ``wgmma_mc`` (the ``wgmma`` tiles in
+  clusters of 2 CTAs that load each weight tile once for both, TMA multicast).
+  ``wgmma_narrow`` and ``wgmma_m64`` give the same bits, as do ``wgmma`` and ``wgmma_mc``.
+  They fail with "operation not supported" where the GPU or the build lacks sm_90a (HIP,
+  other GPUs, a build without 9.0a in TORCH_CUDA_ARCH_LIST);
+- ``simt``: the portable fallback, its 16-row tiles below ``ExpertConfig.simt_large_min_rows``
+  routing entries per local expert and its 128-row tiles from there.
+
+``auto``, by the routing entries (rows x top_k) per local expert and the bounds of
+:class:`~vllm_petit_moe.config.ExpertConfig`: where the GPU runs sm_90a, ``wgmma_narrow`` below
+``narrow_max_rows`` (2), ``wgmma_m64`` below ``m64_max_rows`` (96; its fused kernel runs the
+narrow tiles instead where the m64 ones would leave more than half of the SMs without a tile,
+decided on the device from how the entries spread over the experts), ``wgmma_mc`` from
+``mc_min_rows`` (256) at hidden sizes from ``mc_min_hidden`` (4096), ``wgmma`` otherwise;
+elsewhere ``simt``."""
 TILE_NAMES = {code: name for name, code in TILES.items()}
 
 
@@ -148,6 +145,7 @@ def experts_forward(
     partial_workspace: torch.Tensor | None = None,
     tiles: str = "auto",
     expert_map: torch.Tensor | None = None,
+    config: ExpertConfig | None = None,
 ) -> torch.Tensor:
     """This rank's local experts with the local weighted reduction.
 
@@ -163,10 +161,10 @@ def experts_forward(
     out ``[N, H] bfloat16`` (optional): written in full.
     act_workspace / partial_workspace (optional): contiguous tensors of at least the sizes of
         :func:`experts_workspace_shapes` (bfloat16 / float32, any shape); allocated when absent.
-    tiles: a name of ``TILES`` (``"auto"``, ``"small"``, ``"large"``, ``"mma"``, ``"decode"``,
-        ``"wgmma"``, ``"wgmma_m64"``, ``"wgmma_narrow"``, ``"wgmma_ws"``, ``"wgmma_m64_ws"``,
-        ``"wgmma_ws_mc"``, ``"wgmma_narrow_ws"``;
-        results do not depend on it beyond fp32 rounding order).
+    tiles: a name of ``TILES`` (``"auto"``, ``"simt"``, ``"wgmma_narrow"``, ``"wgmma_m64"``,
+        ``"wgmma"``, ``"wgmma_mc"``); results do not depend on it beyond fp32 rounding order.
+    config: the bounds of ``auto``'s choice (:class:`~vllm_petit_moe.config.ExpertConfig`;
+        default: its defaults).
 
     Returns ``out [N, H] bfloat16``: ``Σ_{k: id valid} w[r,k] · expert_{id}(recv_x[r])``, with
     bf16 GEMM operands, fp32 accumulation, the SiLU·mul activation rounded to bf16 once and
@@ -209,8 +207,16 @@ def experts_forward(
     return _ops().experts_forward(
         recv_x, recv_topk_ids, recv_topk_weights, w13, w2,
         out=out, act_workspace=act_workspace, partial_workspace=partial_workspace,
-        tiles=TILES[tiles], expert_map=expert_map,
+        tiles=TILES[tiles], expert_map=expert_map, config=_config_dict(config),
     )
+
+
+def _config_dict(config: ExpertConfig | None) -> dict[str, int]:
+    if config is None:
+        return {}
+    if not isinstance(config, ExpertConfig):
+        raise TypeError(f"config must be an ExpertConfig, got {type(config).__name__}")
+    return as_dict(config)
 
 
 def last_gemm_launch(gate_up: bool) -> dict[str, int]:
@@ -224,10 +230,12 @@ def last_gemm_launch(gate_up: bool) -> dict[str, int]:
 
 
 def resolve_tiles(num_rows: int, top_k: int, num_local_experts: int, hidden: int,
-                  tiles: str = "auto") -> str:
+                  tiles: str = "auto", config: ExpertConfig | None = None) -> str:
     """The tile family (a name of ``TILES``, never ``"auto"``) :func:`experts_forward` runs for
-    these sizes (received rows, top-k, local experts, hidden size) on the current device."""
+    these sizes (received rows, top-k, local experts, hidden size) and ``config`` on the
+    current device."""
     if tiles not in TILES:
         raise ValueError(f"tiles must be one of {sorted(TILES)}, got {tiles!r}")
-    code = _ops().resolve_expert_tiles(num_rows, top_k, num_local_experts, hidden, TILES[tiles])
+    code = _ops().resolve_expert_tiles(num_rows, top_k, num_local_experts, hidden, TILES[tiles],
+                                       config=_config_dict(config))
     return TILE_NAMES[int(code)]

@@ -6,7 +6,6 @@
 // send items, then waits for its receive items: since all blocks are co-resident and sends
 // never wait, every rank's sends complete and the waits terminate (or time out).
 #include <stdio.h>
-#include <stdlib.h>
 
 #include "api.h"
 #include "common/fp8.h"
@@ -192,22 +191,12 @@ PETIT_DEVICE uint64_t wait_flag(const EpContextArgs& c, const uint64_t* flag, ui
 
 // Thread 0's fence between its block's writes (observed through the block barrier) and the
 // flags that publish them, which follow as strong relaxed stores (publish_flag): an
-// acquire-release fence at system scope, all that message passing needs. With
-// PETIT_MOE_SC_FENCES=1 (read once per process, for A/B runs) the sequentially consistent
-// system fences and release stores used before: on sm_90 two MEMBAR.SYS instead of one per
-// flag (MEMBAR.SC.SYS, then MEMBAR.ALL.SYS), and a system-scope fence at the dispatch's end.
-PETIT_DEVICE void publish_fence(const EpContextArgs& c) {
-  if (c.sc_fences)
-    petit_fence_sys();
-  else
-    petit_fence_acq_rel_sys();
-}
+// acquire-release fence at system scope, all that message passing needs (one MEMBAR.SYS per
+// flag on sm_90, where a sequentially consistent fence is two).
+PETIT_DEVICE void publish_fence() { petit_fence_acq_rel_sys(); }
 
-PETIT_DEVICE void publish_flag(const EpContextArgs& c, uint64_t* flag, uint64_t value) {
-  if (c.sc_fences)
-    petit_store_release_sys(flag, value);
-  else
-    petit_store_relaxed_sys(flag, value);
+PETIT_DEVICE void publish_flag(uint64_t* flag, uint64_t value) {
+  petit_store_relaxed_sys(flag, value);
 }
 
 // Called by thread 0 after the block's barrier and publish_fence over the block's writes of
@@ -216,14 +205,14 @@ PETIT_DEVICE void publish_flag(const EpContextArgs& c, uint64_t* flag, uint64_t 
 // reset by its last user, so it is zero again for the next epoch. The other items' fences
 // precede their increments, and this block's fence follows its increment, so their writes
 // are ordered before the flag too.
-PETIT_DEVICE void publish_item(const EpContextArgs& c, uint32_t* done_counter, int num_chunks,
-                               uint64_t* remote_flag, uint64_t flag_value) {
+PETIT_DEVICE void publish_item(uint32_t* done_counter, int num_chunks, uint64_t* remote_flag,
+                               uint64_t flag_value) {
   if (num_chunks > 1) {
     if (petit_atomic_add_gpu(done_counter, 1) != uint32_t(num_chunks - 1)) return;
     *done_counter = 0;
-    publish_fence(c);  // order the other blocks' (fenced) writes before the flag
+    publish_fence();  // order the other blocks' (fenced) writes before the flag
   }
-  publish_flag(c, remote_flag, flag_value);
+  publish_flag(remote_flag, flag_value);
 }
 
 template <typename IdT, int kQuant>
@@ -325,10 +314,10 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
     }
     __syncthreads();  // the block's row writes, then one system fence + flag by thread 0
     if (threadIdx.x == 0) {
-      publish_fence(c);
+      publish_fence();
       uint64_t* flag = reinterpret_cast<uint64_t*>(dst_heap + l.dispatch_flags) +
                        int64_t(c.rank) * l.max_groups + group;
-      publish_item(c, c.group_done + int64_t(dst) * l.max_groups + group, num_chunks, flag,
+      publish_item(c.group_done + int64_t(dst) * l.max_groups + group, num_chunks, flag,
                    make_flag(epoch, __popc(route_mask)));
     }
   }
@@ -349,10 +338,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
   // and flags' system-scope ordering is done above).
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (c.sc_fences)
-      petit_fence_sys();
-    else
-      __threadfence();
+    __threadfence();
     if (petit_atomic_add_gpu(&c.state->blocks_done, 1) == gridDim.x - 1) {
       c.state->blocks_done = 0;
       *((volatile uint64_t*)&c.state->epoch) = epoch;
@@ -544,14 +530,14 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       // Every chunk its own flag (the reductions wait for the chunks they read): no
       // completion counter and no second fence between the last chunk and the flag. A whole
       // pair raises all its chunks' flags after the one fence.
-      publish_fence(c);
+      publish_fence();
       uint64_t* flags = reinterpret_cast<uint64_t*>(src_heap + l.combine_flags) +
                         (int64_t(c.rank) * l.max_groups + group) * l.max_chunks;
       const uint64_t value = make_flag(epoch, __popc(route_mask));
       if (whole) {
         for (int f = 0; f < num_chunks; ++f) petit_store_relaxed_sys(flags + f, value);
       } else {
-        publish_flag(c, flags + chunk, value);
+        publish_flag(flags + chunk, value);
       }
       combine_trace_stamp(a, kTraceSendsDone);
     }
@@ -571,7 +557,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     int begin, end;
     chunk_range(num_vectors, reduce_chunk, num_reduce_chunks, &begin, &end);
     const int64_t claimed_at = combine_trace_now(a);
-    if (a.prefetch_own) {  // the own rows are there already: into L2 while the peers' land
+    {  // the own rows are there already: into L2 while the peers' land
       const int first_token = group * kTokenGroupSize;
       const int rows = min(kTokenGroupSize, a.num_tokens - first_token);
       constexpr int kLineVectors = 128 / 16;
@@ -660,37 +646,24 @@ int choose_num_chunks(int region_stride, int num_peers, int num_vectors, int num
   return chunks < 1 ? 1 : (chunks > max_chunks ? (max_chunks > 1 ? max_chunks : 1) : chunks);
 }
 
-// Blocks of the combine grid that may push rows (the rest only reduce, from the start): by
-// default 3/4 of the grid, since at large sizes about that many SMs already saturate the
-// peer links while the reduction needs the rest; PETIT_MOE_COMBINE_REDUCE_PCT (0..90, read
-// once per process) sets the reduce-only share for tuning.
-int combine_send_blocks(int num_blocks) {
-  static const int reduce_pct = petit_env_knob("PETIT_MOE_COMBINE_REDUCE_PCT", 25, 0, 90);
-  const int senders = num_blocks - num_blocks * reduce_pct / 100;
+// Blocks of the combine grid that may push rows (the rest only reduce, from the start):
+// all but config.reduce_pct percent of the grid.
+int combine_send_blocks(const CombineConfig& config, int num_blocks) {
+  const int senders = num_blocks - num_blocks * config.reduce_pct / 100;
   return senders < 1 ? 1 : senders;
 }
 
-// PETIT_MOE_COMBINE_STATIC_REDUCE (default 1; 0 = always claim, for A/B runs; read once per
-// process): small calls give each reduce item its own reduce-only block (see combine_kernel).
-
 // Hidden chunks of one reduce item (own token group), at least the send chunks: a group's
-// reduction is cut into chunks of <= PETIT_MOE_COMBINE_REDUCE_VECTORS vectors per row (read
-// once per process; 0 = the send chunks), so that the last groups to land are reduced by
-// many blocks instead of one (at 4096 tokens/rank a whole-group item moves ~1.4 MB). Default
-// 128, measured on 2x H200, DeepSeek-V3 shapes, 132 SMs: combine at 4096 tokens 191.0 us vs
-// 202.1 us with 0 (201.4 with 256), 1, 128 and 16384 tokens unchanged. But every item costs
-// a claim, flag reads and barriers, so the chunks stop at about
-// PETIT_MOE_COMBINE_REDUCE_ITEMS items per block of the grid (default 8; 0 = no such bound;
-// read once per process). On 24 SMs the uncapped chunking gave each block ~37 items at 4096
-// tokens/rank; same-run A/B on 2x H200 (README, Dispatch and combine): combine at 24 SMs
-// 398.7 -> 327.7 us at 4096 tokens/rank and 1586 -> 1224 at 16384, 1024 tokens and every
-// size on 132 SMs within the run-to-run spread. The chunking does not change any output bit
-// (every element is summed in the same fixed order).
-int combine_reduce_chunks(int num_chunks, int num_vectors, int num_groups, int num_blocks) {
-  static const int reduce_vectors =
-      petit_env_knob("PETIT_MOE_COMBINE_REDUCE_VECTORS", 128, 0, 1 << 20);
-  static const int items_per_block =
-      petit_env_knob("PETIT_MOE_COMBINE_REDUCE_ITEMS", 8, 0, 1 << 20);
+// reduction is cut into chunks of <= config.reduce_vectors vectors per row (0: the send
+// chunks), so that the last groups to land are reduced by many blocks instead of one (at 4096
+// tokens/rank a whole-group item moves ~1.4 MB); but every item costs a claim, flag reads and
+// barriers, so the chunks stop at about config.reduce_items items per block of the grid (0: no
+// such bound). The chunking does not change any output bit (every element is summed in the
+// same fixed order).
+int combine_reduce_chunks(const CombineConfig& config, int num_chunks, int num_vectors,
+                          int num_groups, int num_blocks) {
+  const int reduce_vectors = config.reduce_vectors;
+  const int items_per_block = config.reduce_items;
   if (reduce_vectors <= 0) return num_chunks;
   int chunks = ceil_div(num_vectors, reduce_vectors);
   if (items_per_block > 0 && num_groups > 0) {
@@ -700,24 +673,7 @@ int combine_reduce_chunks(int num_chunks, int num_vectors, int num_groups, int n
   return chunks > num_chunks ? chunks : num_chunks;
 }
 
-// Send chunks of the combine: choose_num_chunks's count, or PETIT_MOE_COMBINE_SEND_CHUNKS
-// (read once per process; 0 = off) if that is more, within the flag slots and the chunk size
-// bound. A tuning knob, off by default: on 2x H200 at 4096 tokens/rank and 132 SMs, 4 chunks
-// (six rounds of smaller items, so fewer groups land at the very end) took the combine from
-// 192-193 to 181-185 us, but 16384 tokens got 3-4% slower and 24 SMs 20-65% slower (each
-// send item costs its sender a route-mask read, two barriers and a system fence).
-int combine_send_chunks(int region_stride, int num_peers, int num_vectors, int max_senders,
-                        int max_chunks) {
-  static const int min_chunks = petit_env_knob("PETIT_MOE_COMBINE_SEND_CHUNKS", 0, 0, 1 << 10);
-  const int chunks = choose_num_chunks(region_stride, num_peers, num_vectors, max_senders);
-  const int size_bound = max_size_chunks(region_stride, num_vectors);
-  int wanted = min_chunks < max_chunks ? min_chunks : max_chunks;
-  if (wanted > size_bound) wanted = size_bound;
-  return wanted > chunks ? wanted : chunks;
-}
-
-// Tail split of large combines (PETIT_MOE_COMBINE_TAIL_CHUNKS, default 4; 0 or 1 = off; read
-// once per process): when every (group, peer) pair is one send item and the pairs take at
+// Tail split of large combines (config.tail_chunks; 0 or 1 = off): when every (group, peer) pair is one send item and the pairs take at
 // most kTailSplitMaxRounds rounds of >= kTailSplitMinSenders senders, the last round's pairs
 // go out in that many hidden chunks each (within the flag slots and the chunk size bound).
 // The last round's rows then land in sub-rounds instead of all at the end, and only the last
@@ -726,9 +682,9 @@ int combine_send_chunks(int region_stride, int num_peers, int num_vectors, int m
 // made 4 send chunks throughout 1.65x slower on 24 SMs. Returns the chunks, or 0 for none.
 constexpr int kTailSplitMaxRounds = 3;
 constexpr int kTailSplitMinSenders = 48;
-int combine_tail_chunks(int send_chunks, int64_t rounds, int senders, int region_stride,
-                        int num_vectors, int max_chunks) {
-  static const int tail_chunks = petit_env_knob("PETIT_MOE_COMBINE_TAIL_CHUNKS", 4, 0, 1 << 10);
+int combine_tail_chunks(const CombineConfig& config, int send_chunks, int64_t rounds,
+                        int senders, int region_stride, int num_vectors, int max_chunks) {
+  const int tail_chunks = config.tail_chunks;
   if (send_chunks != 1 || rounds < 1 || rounds > kTailSplitMaxRounds ||
       senders < kTailSplitMinSenders)
     return 0;
@@ -736,12 +692,6 @@ int combine_tail_chunks(int send_chunks, int64_t rounds, int senders, int region
   const int size_bound = max_size_chunks(region_stride, num_vectors);
   if (chunks > size_bound) chunks = size_bound;
   return chunks >= 2 ? chunks : 0;
-}
-
-// PETIT_MOE_SC_FENCES (default 0; read once per process): see publish_fence.
-int sc_fences() {
-  static const int sc = petit_env_knob("PETIT_MOE_SC_FENCES", 0, 0, 1);
-  return sc;
 }
 
 petitError_t check_context(const EpContextArgs& c, int region_stride, int num_tokens,
@@ -762,7 +712,6 @@ petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
   if (is_block_quant(args.quant) && args.ctx.layout.hidden % kFp8ScaleBlock != 0)
     return petitErrorInvalidValue;
   DispatchArgs a = args;
-  a.ctx.sc_fences = sc_fences();
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size,
                                    a.ctx.layout.hidden / kVecElems, a.ctx.num_blocks);
   // No more blocks than send items (small calls launch, fence and count less).
@@ -787,11 +736,10 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   petitError_t err = check_context(args->ctx, args->region_stride, args->num_tokens, args->top_k);
   if (err != petitSuccess) return err;
   CombineArgs& a = *args;
-  a.ctx.sc_fences = sc_fences();
-  const int max_senders = combine_send_blocks(a.ctx.num_blocks);
-  a.num_chunks = combine_send_chunks(a.region_stride, a.ctx.world_size - 1,
-                                     a.ctx.layout.hidden / kVecElems, max_senders,
-                                     a.ctx.layout.max_chunks);
+  if (!config_valid(a.config)) return petitErrorInvalidValue;
+  const int max_senders = combine_send_blocks(a.config, a.ctx.num_blocks);
+  a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size - 1,
+                                   a.ctx.layout.hidden / kVecElems, max_senders);
   // Senders: no more than send items; reduce-only blocks: the rest of the grid, but no more
   // than reduce items (small calls launch, fence and count less).
   const int num_vectors = a.ctx.layout.hidden / kVecElems;
@@ -805,7 +753,7 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   a.num_send_blocks = int(rounds > 0 ? (send_items + rounds - 1) / rounds : 0);
   // The tail split: the last round's pairs (as many as senders) in chunks, the others whole.
   a.num_whole_pairs = 0;
-  const int tail_chunks = combine_tail_chunks(a.num_chunks, rounds, a.num_send_blocks,
+  const int tail_chunks = combine_tail_chunks(a.config, a.num_chunks, rounds, a.num_send_blocks,
                                               a.region_stride, num_vectors,
                                               a.ctx.layout.max_chunks);
   if (tail_chunks > 0) {
@@ -815,19 +763,13 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   if (a.num_chunks > a.ctx.layout.max_chunks) return petitErrorInvalidValue;  // flag slots
   const int reduce_groups = ceil_div(a.num_tokens, kTokenGroupSize);
   a.num_reduce_chunks =
-      combine_reduce_chunks(a.num_chunks, num_vectors, reduce_groups, a.ctx.num_blocks);
+      combine_reduce_chunks(a.config, a.num_chunks, num_vectors, reduce_groups,
+                            a.ctx.num_blocks);
   const int64_t reduce_items = int64_t(reduce_groups) * a.num_reduce_chunks;
   const int64_t reducers_left = a.ctx.num_blocks - a.num_send_blocks;
   const int64_t reducers = reduce_items < reducers_left ? reduce_items : reducers_left;
-  static const int static_reduce = petit_env_knob("PETIT_MOE_COMBINE_STATIC_REDUCE", 1, 0, 1);
-  a.static_reduce = static_reduce && reduce_items <= reducers_left ? 1 : 0;
-  // PETIT_MOE_COMBINE_PREFETCH (default 1; 0 = off; read once per process): reduce items
-  // (claimed or static) prefetch their own rows into L2 before awaiting the peers'. Same-run
-  // A/B on 2x H200 (examples/results/sweeps/combine_ab_44483d6): combine at 4096 tokens/rank
-  // on 132 SMs 184.7 -> 181.5 us, 8192 353.6 -> 350.4, the other sizes and 24 SMs within the
-  // spread.
-  static const int prefetch_own = petit_env_knob("PETIT_MOE_COMBINE_PREFETCH", 1, 0, 1);
-  a.prefetch_own = prefetch_own;
+  // Small calls give each reduce item its own reduce-only block (see combine_kernel).
+  a.static_reduce = reduce_items <= reducers_left ? 1 : 0;
   *grid = int(a.num_send_blocks + reducers > 0 ? a.num_send_blocks + reducers : 1);
   return petitSuccess;
 }

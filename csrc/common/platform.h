@@ -37,12 +37,13 @@
 #endif
 
 // Arch-specific paths. PETIT_SM80_PATH: this translation unit is an nvcc (CUDA) compile, so
-// the sm_80+ tensor-core kernels exist (csrc/gemm/sm80_*.h). PETIT_SM80_DEVICE: this is a
-// device pass for __CUDA_ARCH__ >= 800, the only pass in which those kernels have a body
-// (elsewhere they are empty and their launchers return petitErrorNotSupported).
+// the tensor-core kernels exist (their cp.async pieces need sm_80+, csrc/gemm/cp_async.h).
+// PETIT_SM80_DEVICE: this is a device pass for __CUDA_ARCH__ >= 800, in which the cp.async
+// wrappers emit their asm (elsewhere they are empty).
 // PETIT_EMU_PTX: set (to 1) by the CPU emulation of tests/emu (emu_runtime.h), which compiles
-// the tensor-core sources (sm_80 mma.sync, sm_90a wgmma) as host code and routes every PTX
-// wrapper of csrc/gemm/ to an emulation (tests/emu/emu_ptx.h); 0 in every real build.
+// the tensor-core sources as host code and routes every PTX wrapper of csrc/gemm/ to an
+// emulation (tests/emu/emu_ptx.h, which also emulates ldmatrix / mma.sync); 0 in every real
+// build.
 #ifndef PETIT_EMU_PTX
 #define PETIT_EMU_PTX 0
 #endif
@@ -438,6 +439,18 @@ PETIT_DEVICE void petit_fence_acq_rel_sys() {
 #endif
 }
 
+// Device-scope acquire load of a counter that other blocks of this GPU raise with
+// __threadfence() + atomicAdd (the fused layer's per-expert and per-tile arrival counts).
+PETIT_DEVICE int petit_load_acquire_gpu(const int* ptr) {
+#if PETIT_HIP
+  return __hip_atomic_load(ptr, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+  return value;
+#endif
+}
+
 // Device-scope relaxed atomic add (local memory only: no remote atomics on the hot path).
 PETIT_DEVICE uint32_t petit_atomic_add_gpu(uint32_t* ptr, uint32_t value) {
   return atomicAdd(ptr, value);
@@ -536,12 +549,4 @@ PETIT_HOST_DEVICE petit_bf16_bits petit_float_to_bf16(float value) {
   if ((v.u & 0x7fffffffu) > 0x7f800000u) return petit_bf16_bits((v.u >> 16) | 0x40u);
   uint32_t rounding_bias = 0x7fffu + ((v.u >> 16) & 1u);
   return petit_bf16_bits((v.u + rounding_bias) >> 16);
-}
-
-// Host: a tuning knob, the integer environment variable `name` clamped to [lo, hi], or
-// `fallback` when unset (benchmark A/Bs; callers decide whether to read it once or per call).
-inline int petit_env_knob(const char* name, int fallback, int lo, int hi) {
-  const char* env = getenv(name);
-  const int value = env ? atoi(env) : fallback;
-  return value < lo ? lo : (value > hi ? hi : value);
 }

@@ -1,8 +1,15 @@
-// Expert grouped GEMMs at the destination rank, portable SIMT path (CUDA and HIP alike):
-// gate/up GEMM with SiLU·mul fused into its epilogue, down GEMM with the routing weight fused
-// into its epilogue, and the deterministic local weighted reduction. The pieces (tile loader,
-// main loop, epilogues, scheduler) live in csrc/gemm/ so the fused MegaMoE kernel can compose
-// them. Launch contract and formulas: api.h, "experts.cu"; design: docs/architecture.md.
+// Expert grouped GEMMs at the destination rank: gate/up GEMM with SiLU·mul fused into its
+// epilogue, down GEMM with the routing weight fused into its epilogue, and the deterministic
+// local weighted reduction. Two families:
+//   - Hopper (sm_90a): warp-specialized wgmma kernels (a producer warpgroup loads the gathered
+//     rows by cp.async and the weights by TMA, consumer warpgroups multiply) in four regimes:
+//     narrow and m64 (64-row tiles, both GEMMs of a call in one persistent launch, the choice
+//     between the two made on the device), full (128 x 256 tiles) and multicast (full tiles
+//     in clusters of 2 CTAs sharing weight boxes);
+//   - the portable SIMT fallback (CUDA without an sm_90a image, HIP), 16- or 128-row tiles.
+// choose_expert_tiles is the one place a call's family and regime are chosen. The pieces
+// (tile loaders, main loops, epilogues, scheduler) live in csrc/gemm/. Launch contract and
+// formulas: api.h, "experts.cu"; design: docs/architecture.md.
 //
 // Why a separate reduction instead of accumulating in the down GEMM's epilogue: a token's
 // (up to K) local entries belong to different experts, i.e. to tiles that run in no fixed
@@ -12,8 +19,6 @@
 // needed) and summing them in fp32 in slot order k = 0..K-1 afterwards gives bit-identical
 // results on every run, at the cost of the workspace (N*K*H*2 bytes, see
 // expert_partial_workspace_elems) and one extra pass over it.
-#include <stdlib.h>
-
 #include <type_traits>
 
 #include "api.h"
@@ -23,8 +28,6 @@
 #include "gemm/scheduler.h"
 #include "common/probe.h"
 #if PETIT_SM80_PATH
-#include "gemm/sm80_mainloop_mma.h"
-#include "gemm/sm90_mainloop_wgmma.h"
 #include "gemm/sm90_epilogue_staged.h"
 #include "gemm/sm90_mainloop_wgmma_ws.h"
 #endif
@@ -39,37 +42,11 @@ using gemm::SimtTileConfig;
 // Small: few rows per expert (decode), the cost is streaming the weights, so tiles are short
 // in M and wide in N with a deep (32) k-stage, and more blocks per SM keep more weight bytes
 // in flight. Large: 128-row tiles with 8x(4 or 8) register tiles per thread (prefill).
+// ExpertConfig::simt_large_min_rows picks between them.
 using GateUpSmall = SimtTileConfig<16, 64, 32, 2, 2, 2, 4>;    // B tile: 64 gate + 64 up rows
 using GateUpLarge = SimtTileConfig<128, 64, 16, 8, 4, 2, 2>;   // B tile: 64 gate + 64 up rows
 using DownSmall = SimtTileConfig<16, 128, 32, 2, 4, 1, 4>;
 using DownLarge = SimtTileConfig<128, 128, 16, 8, 8, 1, 2>;
-
-// Rows-per-expert bound (N*K / L) from which kExpertTilesAuto picks the large tiles. N*K / L
-// overestimates the mean rows per local expert by the EP world size (the other ranks' entries
-// are in N*K too), hence the margin over the 128-row tile. A first guess, to be tuned on GPU.
-constexpr int kLargeTileMinRowsPerExpert = 256;
-// The same estimate (N*K / L) below which kExpertTilesAuto picks wgmma_m64 over wgmma. On H200
-// (examples/results/experts_H200.jsonl, c9f960e and 2ec5a32) wgmma_m64 streams the weights
-// faster at every size from 1 to 512 tokens/rank of DeepSeek-V3 (N*K / L <= 64: 0.77-0.99 of
-// HBM against 0.60-0.92), ties at Qwen3-30B-A3B's 512 tokens/rank (N*K / L = 128: 168 vs 170
-// TFLOPS) and loses at DeepSeek-V3's 1024 (N*K / L = 128: 191 vs 225 TFLOPS).
-constexpr int kWgmmaM64MaxRowsPerExpert = 96;
-// The same estimate from which, at hidden sizes from kWsMcMinHidden, kExpertTilesAuto picks
-// wgmma_ws_mc over wgmma_ws (2 m-tiles of 128 rows per expert and up; hidden 7168: long weight
-// rows, streamed once per cluster). On H200, DeepSeek-V3 shapes
-// (examples/results/sweeps/experts_ws_mc_bound_06849a9, two runs, 20 iterations): at N*K / L
-// = 256 (2048 tokens/rank) it ties with auto's wgmma_ws on uniform routing (4032-4068 vs
-// 4044-4077 us) and is 5-7% faster on skewed (60% of the pairs here: 5013-5037 vs 5284-5413),
-// at 384 (3072 tokens/rank) 5-11% faster; at 128 (1024) 5% slower. Before that run the bound
-// was 512 (1c52746: 4-5% faster at 4096 and 8192 tokens/rank, 1-2% slower at 512-1024 and at
-// every Qwen3-30B-A3B size, hidden 2048).
-constexpr int kWsMcMinRowsPerExpert = 256;
-// The same estimate below which kExpertTilesAuto picks wgmma_narrow_ws over wgmma_m64_ws: on
-// H200 (examples/results/sweeps/experts_H200_narrow_ws.jsonl, b9b13ba, one run, 20 iterations)
-// it is 1-12% faster at 1-4 tokens/rank (N*K / L = 0.125-1: DeepSeek-V3 1 token 261 vs 275 us,
-// Qwen3-30B-A3B 44 vs 50 us), even at 8 (N*K / L = 1-2) and 1-2% slower from 16 up.
-constexpr int kWgmmaNarrowMaxRowsPerExpert = 2;
-constexpr int kWsMcMinHidden = 4096;
 
 // The local reduction (expert_reduce_kernel<kBatch>): 256-thread blocks, one thread per 8
 // columns of a row. A call whose chunks fit one wave of the batched kernel (kReduceBatch slots'
@@ -242,199 +219,56 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Cfg::kThreads, Cfg::kMinBlocksPerSm)
   });
 }
 
-// split-K of the ws decode families: constants and the choice of shares per tile (the
-// kernels' part, split_k_fixup, is in the tensor-core path below)
-constexpr int kSplitKMax = 8;
-constexpr int kSplitMinKTiles = 4;    // a share keeps >= 4 k-tiles (256 reduction columns)
-constexpr int kSplitUnitsPerSm = 8;   // workspace: 8 units per SM (wgmma_m64_ws: 64 KiB each)
-constexpr int kSplitBarrierId = 2;    // consumer named barrier (0: __syncthreads, 1: staged)
-
-// Floats of one share's slot (Mainloop: a ws main loop): every consumer thread's accumulators.
-template <class Mainloop>
-constexpr int kSplitSlotFloats =
-    Mainloop::kConsumerThreads * Mainloop::Cfg::kThreadM * Mainloop::kAccCols;
-
-// Shares per tile for `tiles` tiles of `k_tiles` k-tiles on `grid` persistent blocks, at
-// most max_splits and at most `capacity` units: the fewest rounds of work per block, each
-// round of a share costing 1/s of a tile (+3% for writing and summing the partials).
-PETIT_HOST_DEVICE int choose_k_splits(int tiles, int grid, int k_tiles, int max_splits,
-                                      int64_t capacity) {
-  int best = 1;
-  float best_cost = float((tiles + grid - 1) / grid);
-  for (int s = 2; s <= max_splits; ++s) {
-    if (int64_t(tiles) * s > capacity || k_tiles < s * kSplitMinKTiles) break;
-    const float cost = float((tiles * s + grid - 1) / grid) / float(s) * 1.03f;
-    if (cost < best_cost) {
-      best = s;
-      best_cost = cost;
-    }
-  }
-  return best;
-}
-
-// ------------------------------------------------------------------ tensor-core paths
-// kExpertTilesMma (sm_80+: mma.sync main loop of gemm/sm80_mainloop_mma.h) and
-// kExpertTilesWgmma (sm_90a: wgmma main loop of gemm/sm90_mainloop_wgmma.h): the same two
-// GEMMs (same scheduler, same A-row gather, same epilogues) on a tensor-core main loop with a
-// cp.async ring in dynamic shared memory. CUDA only; a kernel has a body only in the device
-// passes that can run its main loop (Mainloop::kCompiled), and the launchers check that the
-// current device runs such an image (mma_path_supported, wgmma_path_supported below).
+// ------------------------------------------------------------------ Hopper: warp-specialized wgmma
+// The four regimes' main loops (gemm/sm90_mainloop_wgmma_ws.h): a producer warpgroup loads
+// (the gathered A rows by cp.async, the weight rows as TMA boxes), the ring is handed over
+// through mbarriers, and the loads run on into the next tile during the epilogue. CUDA only; a
+// kernel has a body only in the sm_90a device passes (Mainloop::kCompiled), and the launchers
+// check that the current device runs that image (wgmma_path_supported below).
 #if PETIT_SM80_PATH
 
-// <kBlockN, kNumBGroups, kStages, kMinBlocksPerSm>: 128 x 128 x 32 block tiles (B tile: 64 gate
-// + 64 up rows for gate/up, 128 w2 rows for down), 8 warps of 64 x 32, 3-stage cp.async ring
-// (48 KiB of dynamic shared memory per block, 2 blocks per SM).
-using GateUpMma = gemm::Sm80MmaMainloop<gemm::Sm80MmaTileConfig<64, 2, 3, 2>>;
-using DownMma = gemm::Sm80MmaMainloop<gemm::Sm80MmaTileConfig<128, 1, 3, 2>>;
-// <kBlockM, kBlockN, kNumBGroups, kStages, kWgN>, 1 block per SM:
-// wgmma: 128 x 256 x 64 block tiles (B tile: 128 gate + 128 up rows for gate/up, 256 w2 rows
-//   for down), 2 warpgroups of 64 x 256 (one above the other), 4-stage ring (193 KiB of
-//   dynamic shared memory).
-// wgmma_m64: 64 x 256 x 64 block tiles, 2 warpgroups of 64 x 128 (side by side: half the
-//   tensor-core work per weight byte of wgmma, for few rows per expert), 5-stage ring (201 KiB).
-// wgmma_narrow: 64 x 128 x 64 block tiles (B tile: 64 gate + 64 up rows for gate/up, 128 w2
-//   rows for down), 2 warpgroups of 64 x 64 side by side, 4-stage ring (97 KiB) and 2 blocks
-//   per SM: twice the tiles of wgmma_m64 for the same rows (more SMs busy when few experts
-//   have rows), and one block's pipeline fill and epilogue overlap the other's copies.
-using GateUpWgmma = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
-using DownWgmma = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
-using GateUpWgmmaM64 = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>;
-using DownWgmmaM64 = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
-using GateUpWgmmaNarrow =
-    gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 64, 2, 4, 2, 2>>;
-using DownWgmmaNarrow = gemm::Sm90WgmmaMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 4, 2, 2>>;
-// wgmma_ws: the wgmma tiles (128 x 256 x 64, 2 consumer warpgroups of 64 x 256, 4-stage ring)
-//   on the warp-specialized main loop (gemm/sm90_mainloop_wgmma_ws.h): a third warpgroup
-//   loads (the gathered A rows by cp.async, the weight rows as TMA boxes), the ring is handed
-//   over through mbarriers, and the loads run on into the next tile during the epilogue.
 // The ws main loops keep the tile scheduler's storage in their shared memory (kUserBytes).
 // (kSchedulerBytes: that storage, rounded to 16 bytes.)
 template <class Cfg>
 constexpr int kSchedulerBytes =
     (int(sizeof(typename gemm::ExpertTileScheduler<Cfg::kThreads + 128>::SharedStorage)) + 15) /
     16 * 16;
-// (+ kWsExtraBytes after it: split-K's "last arrival" flag, see split_k_fixup, or the fused
-// GEMMs' stage tags and claimed units, see expert_fused_ws_kernel.)
+// (+ kWsExtraBytes after it: the fused GEMMs' stage tags and claimed units, see
+// fused_ws_gemms.)
 constexpr int kWsExtraBytes = 64;
 template <class Cfg, int kClusterM = 1>
 using WsMainloop = gemm::Sm90WgmmaWsMainloop<Cfg, kClusterM, kSchedulerBytes<Cfg> + kWsExtraBytes>;
-using GateUpWgmmaWs = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
-using DownWgmmaWs = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>;
-// wgmma_m64_ws: the wgmma_m64 tiles (64 x 256 x 64, 5-stage ring) on the same main loop: for
-//   few rows per expert, where the producer's loads running on into the next tile replace
-//   the per-tile ring restart of wgmma_m64.
-using GateUpWgmmaM64Ws = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>;
-using DownWgmmaM64Ws = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
-// wgmma_ws_mc: the wgmma_ws tiles in clusters of 2 CTAs: two m-tiles of one (expert, n-tile)
-//   with each weight box loaded once for both (TMA multicast: half the L2 reads of the
-//   weights, and the two readers of each weight slice advance together), or, for an expert's
-//   odd last m-tile, two of its n-tiles with their own weights (see gemm/scheduler.h,
+// <kBlockM, kBlockN, kNumBGroups, kStages, kWgN> (Sm90WgmmaTileConfig), one block per SM:
+// wgmma: 128 x 256 x 64 tiles (B tile: 128 gate + 128 up rows for gate/up, 256 w2 rows for
+//   down), 2 consumer warpgroups of 64 x 256 (one above the other), 4-stage ring; the down
+//   GEMM with the staged epilogue (gemm/sm90_epilogue_staged.h) and a 3-stage ring (144 KiB)
+//   to make room for its 66 KiB staging buffer after the scheduler's storage.
+using GateUpWgmma = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>;
+template <class Cfg, int kClusterM = 1>
+using WsStagedMainloop = gemm::Sm90WgmmaWsMainloop<
+    Cfg, kClusterM, kSchedulerBytes<Cfg> + gemm::StagedWeightedEntryEpilogue<Cfg>::kBytes>;
+using DownWgmma = WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>>;
+// wgmma_mc: the wgmma tiles in clusters of 2 CTAs: two m-tiles of one (expert, n-tile) with
+//   each weight box loaded once for both (TMA multicast: half the L2 reads of the weights,
+//   and the two readers of each weight slice advance together), or, for an expert's odd last
+//   m-tile, two of its n-tiles with their own weights (see gemm/scheduler.h,
 //   gemm/sm90_mainloop_wgmma_ws.h).
 constexpr int kWsClusterM = 2;
-using GateUpWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM>;
-using DownWgmmaWsMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, kWsClusterM>;
-// wgmma_narrow_ws: the wgmma_narrow tiles (64 x 128 x 64: gate/up 64 gate + 64 up rows, down
-//   128 w2 rows; 2 consumer warpgroups of 64 x 64 side by side) on the ws main loop, one block
-//   per SM with an 8-stage ring (the 1-block rule of the ws loop; 8 x 24 KiB keeps as many
-//   weight bytes in flight per SM as wgmma_m64_ws's 5 x 48 KiB): 4x the tiles per expert of
-//   wgmma_m64_ws, for decode steps whose few experts would otherwise fill the SMs unevenly
+using GateUpWgmmaMc = WsMainloop<gemm::Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, kWsClusterM>;
+using DownWgmmaMc = WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM>;
+// wgmma_m64: 64 x 256 x 64 tiles, 2 consumer warpgroups of 64 x 128 side by side (half the
+//   tensor-core work per weight byte of wgmma, for few rows per expert), 5-stage ring.
+using GateUpWgmmaM64 = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>;
+using DownWgmmaM64 = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>;
+// wgmma_narrow: 64 x 128 x 64 tiles (gate/up 64 gate + 64 up rows, down 128 w2 rows; 2
+//   consumer warpgroups of 64 x 64 side by side) with an 8-stage ring (8 x 24 KiB keeps as
+//   many weight bytes in flight per SM as wgmma_m64's 5 x 48 KiB): 4x the tiles per expert of
+//   wgmma_m64, for decode steps whose few experts would otherwise fill the SMs unevenly
 //   (e.g. 9 experts x 16 gate/up tiles = 144 on 132 SMs: 2 rounds of 3.7 MB slices).
-using GateUpWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 64, 2, 8, 2>>;
-using DownWgmmaNarrowWs = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 8, 2>>;
-// Down GEMMs of wgmma_ws / wgmma_ws_mc with the staged epilogue (gemm/sm90_epilogue_staged.h;
-// the default; PETIT_MOE_STAGED_EPILOGUE=0 turns it off): a 3-stage ring (144 KiB) to make room
-// for the 66 KiB staging buffer after the scheduler's storage.
-template <class Cfg, int kClusterM = 1, bool kATma = false>
-using WsStagedMainloop = gemm::Sm90WgmmaWsMainloop<
-    Cfg, kClusterM, kSchedulerBytes<Cfg> + gemm::StagedWeightedEntryEpilogue<Cfg>::kBytes, kATma>;
-using DownWgmmaWsStaged = WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>>;
-using DownWgmmaWsMcStaged =
-    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM>;
-// The same with the act rows loaded as TMA boxes (kATma, PETIT_MOE_DOWN_A_TMA=1, see
-// down_a_tma_enabled).
-using DownWgmmaWsStagedATma =
-    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, 1, true>;
-using DownWgmmaWsMcStagedATma =
-    WsStagedMainloop<gemm::Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, kWsClusterM, true>;
+using GateUpWgmmaNarrow = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 64, 2, 8, 2>>;
+using DownWgmmaNarrow = WsMainloop<gemm::Sm90WgmmaTileConfig<64, 128, 1, 8, 2>>;
 
-template <class Mainloop>
-PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
-    expert_gate_up_tc_kernel(ExpertGemmArgs a) {
-  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
-  if constexpr (Mainloop::kCompiled) {
-    using Cfg = typename Mainloop::Cfg;
-    using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
-    __shared__ typename Scheduler::SharedStorage scheduler_smem;
-    PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // Mainloop::kSmemBytes
-
-    const gemm::SiluMulEpilogue<Cfg> epilogue{a.act, a.intermediate};
-    Scheduler::for_each_tile(a.expert_offsets, a.num_local_experts, Cfg::kBlockM, Cfg::kBlockN,
-                             a.intermediate, scheduler_smem,
-                             [&](const gemm::TileCoord& tile, int n_begin) {
-      // A: the tile's rows gathered through the row list (entry -> received row entry / K).
-      typename Mainloop::LoaderA a_loader;
-      a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
-      // B: gate rows [n_begin, n_begin + kBlockN) of w13[e] and the same up rows (+ I), in
-      // the order of the config (b_group_of / b_col_of).
-      const petit_bf16_bits* w13_e = w13_of(a, tile);
-      typename Mainloop::LoaderB b_loader;
-      b_loader.init(
-          [&](int r) { return w13_row(a, w13_e, Cfg::b_group_of(r), n_begin + Cfg::b_col_of(r)); },
-          w13_e);
-      Mainloop mainloop;
-      mainloop.run(a_loader, b_loader, a.hidden, tc_dynamic_smem);
-      epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
-                     tile.num_rows, n_begin);
-    });
-  }
-}
-
-template <class Mainloop>
-PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::Cfg::kThreads, Mainloop::Cfg::kMinBlocksPerSm)
-    expert_down_tc_kernel(ExpertGemmArgs a) {
-  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
-  if constexpr (Mainloop::kCompiled) {
-    using Cfg = typename Mainloop::Cfg;
-    using Scheduler = gemm::ExpertTileScheduler<Cfg::kThreads>;
-    __shared__ typename Scheduler::SharedStorage scheduler_smem;
-    PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // Mainloop::kSmemBytes
-
-    const gemm::WeightedEntryEpilogue<Cfg> epilogue{a.partial, a.sorted_entries, a.topk_weights,
-                                                    a.hidden};
-    Scheduler::for_each_tile(a.expert_offsets, a.num_local_experts, Cfg::kBlockM, Cfg::kBlockN,
-                             a.hidden, scheduler_smem,
-                             [&](const gemm::TileCoord& tile, int n_begin) {
-      // A: the activation rows, already in sorted order (no gather).
-      typename Mainloop::LoaderA a_loader;
-      a_loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
-      const petit_bf16_bits* w2_e = w2_of(a, tile);
-      typename Mainloop::LoaderB b_loader;
-      b_loader.init([&](int r) { return w2_row(a, w2_e, n_begin + r); }, w2_e);
-      Mainloop mainloop;
-      mainloop.run(a_loader, b_loader, a.intermediate, tc_dynamic_smem);
-      epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
-                     tile.num_rows, n_begin);
-    });
-  }
-}
-
-// ------------------------------------------------------------------ split-K (decode)
-// With few tiles (a decode step's experts x n-tiles, fewer than or not a multiple of the
-// SMs), the 64-row ws families (wgmma_narrow_ws, wgmma_m64_ws) can cut each tile's k-tiles
-// into `splits` shares, units of work spread over the persistent grid like tiles: unit u is
-// share u % splits of tile u / splits, so a tile's shares run side by side on neighbouring
-// blocks. Each share writes its fp32 accumulators to its slot of a.split_partials
-// (coalesced float4 runs, see split_k_store4), then the block's first consumer thread counts
-// the share in a.split_counters[tile] (after a fence; the counters are zero at launch and the
-// last arrival resets its counter); the last share of a tile to arrive sums all shares in
-// share order (its own read back from its slot) and runs the epilogue, the others
-// skip it. The sum's order does not depend on which share came last, so a given split is
-// deterministic; it differs from the unsplit sum in the last bits.
-// Opt-in (PETIT_MOE_SPLIT_K = the most shares per tile, read at every call): on H200 it was
-// no faster wherever it split (0.99-1.54x the unsplit time at 1-8 tokens/rank, README).
-
-// Device-scope fence (split-K's and the fused GEMMs' counters; the CPU emulation: a host
-// fence).
+// Device-scope fence (the fused GEMMs' counters; the CPU emulation: a host fence).
 PETIT_DEVICE void device_fence() {
 #if PETIT_EMU_PTX
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -458,99 +292,20 @@ PETIT_DEVICE void probe_stored() {
   probe_count(kProbeTiles, threadIdx.x == 0);
 }
 
-// One thread's run of four partials: through L2 (other SMs write and read them within the
-// launch), coalesced: a slot holds element e of consumer thread t at
-// ((e / 4) * kConsumerThreads + t) * 4 + e % 4, so a warp's float4 accesses are 512
-// contiguous bytes.
-PETIT_DEVICE void split_k_store4(float* p, float4 v) {
-#if PETIT_EMU_PTX || PETIT_HIP
-  *reinterpret_cast<float4*>(p) = v;
-#else
-  __stcg(reinterpret_cast<float4*>(p), v);
-#endif
-}
-
-PETIT_DEVICE float4 split_k_load4(const float* p) {
-#if PETIT_EMU_PTX || PETIT_HIP
-  return *reinterpret_cast<const float4*>(p);
-#else
-  return __ldcg(reinterpret_cast<const float4*>(p));
-#endif
-}
-
-// Consumer threads, after share `split` of tile `tile_index` has been reduced into acc (see
-// above). Returns true in the block that got the tile's last share, with the whole tile in
-// acc; false in the others. `last_flag`: a word of shared memory.
-template <class Mainloop, class Acc>
-PETIT_DEVICE bool split_k_fixup(const ExpertGemmArgs& a, Acc& acc, int tile_index, int split,
-                                int splits, int num_rows, int* last_flag) {
-  using Cfg = typename Mainloop::Cfg;
-  constexpr int kCols = Mainloop::kAccCols;
-  constexpr int kThreads = Mainloop::kConsumerThreads;
-  constexpr int kSlot = kSplitSlotFloats<Mainloop>;
-  static_assert(kCols % 4 == 0, "a thread's accumulators go out in runs of four");
-  const int t = int(threadIdx.x);
-  float* slots = a.split_partials + int64_t(tile_index) * splits * kSlot + t * 4;
-  float* mine = slots + int64_t(split) * kSlot;
-  // Only the tile's rows (a decode tile has a few of its 64): the epilogue skips the others.
-#pragma unroll
-  for (int i = 0; i < Cfg::kThreadM; ++i)
-#pragma unroll
-    for (int j = 0; j < kCols; j += 4)
-      if (Cfg::row_of(t, i) < num_rows)
-        split_k_store4(mine + (i * kCols + j) * kThreads,
-                     make_float4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
-  // Every consumer's stores, then one fence and the arrival by the first consumer thread.
-  gemm::sm90_named_barrier_sync(kSplitBarrierId, kThreads);
-  if (t == 0) {
-    device_fence();
-    const int arrived = atomicAdd(a.split_counters + tile_index, 1);
-    const bool last = arrived == splits - 1;
-    if (last) a.split_counters[tile_index] = 0;  // for the next launch
-    device_fence();
-    *last_flag = last ? 1 : 0;
-  }
-  gemm::sm90_named_barrier_sync(kSplitBarrierId, kThreads);
-  if (*last_flag == 0) return false;
-  // (the flag is written again only after the next unit's first barrier, which every
-  // consumer thread reaches after reading it here)
-  // The sum in share order, whoever arrived last (this block's own share is read back from
-  // its slot: the same values), each share's loads all issued before their adds.
-  for (int s = 0; s < splits; ++s) {
-    const float* share = slots + int64_t(s) * kSlot;
-#pragma unroll
-    for (int i = 0; i < Cfg::kThreadM; ++i) {
-      if (Cfg::row_of(t, i) >= num_rows) continue;
-#pragma unroll
-      for (int j = 0; j < kCols; j += 4) {
-        const float4 v = split_k_load4(share + (i * kCols + j) * kThreads);
-        if (s == 0) {
-          acc[i][j] = v.x, acc[i][j + 1] = v.y, acc[i][j + 2] = v.z, acc[i][j + 3] = v.w;
-        } else {
-          acc[i][j] += v.x, acc[i][j + 1] += v.y, acc[i][j + 2] += v.z, acc[i][j + 3] += v.w;
-        }
-      }
-    }
-  }
-  return true;
-}
-
-// Warp-specialized kernels (Mainloop = Sm90WgmmaWsMainloop): the same tiles, A rows and
-// epilogues as the two kernels above; the weight rows come through `b_map`, the tensor map of
-// w13 (dims {H, I, 2, L}) or w2 ({I, H, 1, L}) that launch_ws_gemm encodes. The scheduler and
-// the ring are set up by the whole block; then the producer warpgroup walks the block's tiles
-// issuing copies and the consumer warpgroups walk the same tiles multiplying and storing.
-// With clusters (Mainloop::kClusterM > 1) the CTAs of a cluster walk the same units, each its
-// own tile of them: the m-tiles of one (expert, n-tile) sharing their weight rows, or the
-// n-tiles of an expert's left-over m-tile (scheduler.h).
+// The wgmma and wgmma_mc kernels, one per GEMM (Mainloop = Sm90WgmmaWsMainloop): the weight
+// rows come through `b_map`, the tensor map of w13 (dims {H, I, 2, L}) or w2 ({I, H, 1, L})
+// that launch_ws_gemm encodes. The scheduler and the ring are set up by the whole block; then
+// the producer warpgroup walks the block's tiles issuing copies and the consumer warpgroups
+// walk the same tiles multiplying and storing. With clusters (Mainloop::kClusterM > 1) the
+// CTAs of a cluster walk the same units, each its own tile of them: the m-tiles of one
+// (expert, n-tile) sharing their weight rows, or the n-tiles of an expert's left-over m-tile
+// (scheduler.h).
 // kStaged: Epilogue is gemm::StagedWeightedEntryEpilogue, its staging buffer after the
 // scheduler's storage in the main loop's user shared memory.
-// a_init(loader, tile): sets up the producer's A loader (Mainloop::LoaderA) for a tile; a_map:
-// the tensor map the A rows come through when Mainloop::kATma (prefetched by the TMA issuer).
+// a_init(loader, tile): sets up the producer's A loader (Mainloop::LoaderA) for a tile.
 template <class Mainloop, bool kStaged = false, class Epilogue, class AInit>
 PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_map,
-                                 const Epilogue& epilogue, int k_dim, int out_cols, AInit a_init,
-                                 const CUtensorMap* a_map = nullptr) {
+                                 const Epilogue& epilogue, int k_dim, int out_cols, AInit a_init) {
   using Cfg = typename Mainloop::Cfg;
   using Scheduler = gemm::ExpertTileScheduler<Mainloop::kThreads, Mainloop::kClusterM>;
   static_assert(Mainloop::kUserBytes >= int(sizeof(typename Scheduler::SharedStorage)),
@@ -569,54 +324,24 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
   const int rank = kClusterM > 1 ? gemm::sm90_cluster_rank() : 0;
   // 1-D clusters: cluster c is blocks [c * kClusterM, (c + 1) * kClusterM)
   const int first = int(blockIdx.x) / kClusterM, step = int(gridDim.x) / kClusterM;
-  // split-K (above): only the 64-row families without clusters or staging
-  constexpr bool kSplitCapable = kClusterM == 1 && !kStaged && Cfg::kBlockM == 64;
-  static_assert(!kSplitCapable || Mainloop::kUserBytes >= kSchedulerBytes<Cfg> + 4,
-                "split-K's flag is the word after the scheduler's storage");
-  const int k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
-  const int splits =
-      kSplitCapable && a.split_max > 1
-          ? choose_k_splits(num_tiles, step, k_tiles, a.split_max,
-                            a.split_floats / kSplitSlotFloats<Mainloop> < a.split_counters_len
-                                ? a.split_floats / kSplitSlotFloats<Mainloop>
-                                : int64_t(a.split_counters_len))
-          : 1;
-  const int num_units = num_tiles * splits;
   if (Mainloop::is_producer()) {
     gemm::sm90_setmaxnreg_dec<Mainloop::kProducerRegs>();
-    if (Mainloop::is_tma_issuer()) {
-      gemm::sm90_prefetch_tensor_map(b_map);
-      if constexpr (Mainloop::kATma) gemm::sm90_prefetch_tensor_map(a_map);
-    }
-    for (int u = first; u < num_units; u += step) {
-      const int split = u % splits;
-      const gemm::TileCoord tile = scheduler.tile(u / splits, rank);
+    if (Mainloop::is_tma_issuer()) gemm::sm90_prefetch_tensor_map(b_map);
+    for (int u = first; u < num_tiles; u += step) {
+      const gemm::TileCoord tile = scheduler.tile(u, rank);
       probe_first(kProbeFirstClaim, Mainloop::is_tma_issuer());
       typename Mainloop::LoaderA a_loader;
       a_init(a_loader, tile);
       typename Mainloop::LoaderB b_loader;
       b_loader.init(b_map, tile.expert, tile.n_tile * Cfg::kBlockN);
-      mainloop.produce(a_loader, b_loader, k_dim, rank, tile.multicast,
-                       k_tiles * split / splits, k_tiles * (split + 1) / splits);
+      mainloop.produce(a_loader, b_loader, k_dim, rank, tile.multicast);
     }
     gemm::cp_async_wait_all();  // no copy outlives its thread
   } else {
     gemm::sm90_setmaxnreg_inc<Mainloop::kConsumerRegs>();
-    for (int u = first; u < num_units; u += step) {
-      const int split = u % splits;
-      const gemm::TileCoord tile = scheduler.tile(u / splits, rank);
-      if constexpr (kSplitCapable) {
-        mainloop.consume(k_dim, k_tiles * split / splits, k_tiles * (split + 1) / splits);
-        probe_first(kProbeFirstConsumed, threadIdx.x == 0);
-        if (splits > 1 &&
-            !split_k_fixup<Mainloop>(a, mainloop.acc, u / splits, split, splits, tile.num_rows,
-                                     reinterpret_cast<int*>(Mainloop::user_smem(tc_dynamic_smem) +
-                                                            kSchedulerBytes<Cfg>)))
-          continue;  // another block sums this tile
-        epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
-                       tile.num_rows, tile.n_tile * Cfg::kBlockN);
-        probe_stored();
-      } else if constexpr (kStaged) {
+    for (int u = first; u < num_tiles; u += step) {
+      const gemm::TileCoord tile = scheduler.tile(u, rank);
+      if constexpr (kStaged) {
         static_assert(Mainloop::kUserBytes >= kSchedulerBytes<Cfg> + Epilogue::kBytes,
                       "the staging buffer is the main loop's user shared memory");
         const typename Epilogue::Rows rows = epilogue.prefetch(tile.row_begin, tile.num_rows);
@@ -645,7 +370,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
   probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
-    static_assert(!Mainloop::kATma, "gate/up rows are gathered");
     expert_ws_gemm<Mainloop>(
         a, &w13_map, gemm::SiluMulEpilogue<Cfg>{a.act, a.intermediate}, a.hidden, a.intermediate,
         [&](typename Mainloop::LoaderA& loader, const gemm::TileCoord& tile) {
@@ -654,32 +378,27 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
   }
 }
 
-// kStaged: with the staged epilogue (gemm/sm90_epilogue_staged.h; Mainloop a WsStagedMainloop),
-// same output, bit for bit, as the plain one. act_map: the act rows' tensor map (dims {I, N*K,
-// 1, 1}, boxes of kBlockM rows), read by main loops with kATma.
-template <class Mainloop, bool kStaged = false>
+// The down GEMM with the staged epilogue (gemm/sm90_epilogue_staged.h; Mainloop a
+// WsStagedMainloop).
+template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
-    expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map,
-                          const __grid_constant__ CUtensorMap act_map) {
+    expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map) {
   probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
-    using Epilogue = std::conditional_t<kStaged, gemm::StagedWeightedEntryEpilogue<Cfg>,
-                                        gemm::WeightedEntryEpilogue<Cfg>>;
-    expert_ws_gemm<Mainloop, kStaged>(
-        a, &w2_map, Epilogue{a.partial, a.sorted_entries, a.topk_weights, a.hidden},
+    expert_ws_gemm<Mainloop, true>(
+        a, &w2_map,
+        gemm::StagedWeightedEntryEpilogue<Cfg>{a.partial, a.sorted_entries, a.topk_weights,
+                                               a.hidden},
         a.intermediate, a.hidden,
         [&](typename Mainloop::LoaderA& loader, const gemm::TileCoord& tile) {
-          if constexpr (Mainloop::kATma)
-            loader.init(&act_map, tile.row_begin);
-          else
-            loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
-        },
-        &act_map);
+          loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
+        });
   }
 }
 
-// ---- fused GEMMs (expert_fused_gemms, api.h): both GEMMs of a call in one persistent launch.
+// ---- fused GEMMs of the 64-row regimes (expert_fused_gemms, api.h): both GEMMs of a call in
+// one persistent launch.
 // The units of the launch are the gate/up tiles [0, U1) and then the down tiles [U1, U1 + U2),
 // both in the scheduler's order (expert-major). Each block's producer claims the next unit
 // from a counter (a.gate_up_done[L]) when it is ready to load it and tags the unit's first
@@ -737,14 +456,11 @@ PETIT_DEVICE FusedScheduler<kThreads> fused_m_tiles(
   return tiles;
 }
 
-// b_ahead (PETIT_MOE_FUSED_B_AHEAD, see fused_b_ahead): a down tile's TMA issuer first issues
-// the w2 boxes of up to b_ahead of its k-tiles (produce_b_ahead), then waits for the gate/up
-// arrivals with the others, so those weight bytes stream during the wait; 0: off.
 // The fused kernel's body for one tile family (the maps: the kernel's __grid_constant__
 // parameters, whose addresses TMA takes; m_tiles: fused_m_tiles of the family's kBlockM).
 template <class GateUp, class Down>
 PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13_map,
-                                 const CUtensorMap* w2_map, int b_ahead,
+                                 const CUtensorMap* w2_map,
                                  const FusedScheduler<GateUp::kThreads>& m_tiles) {
   if constexpr (GateUp::kCompiled) {
     using CfgG = typename GateUp::Cfg;
@@ -801,7 +517,7 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
         a_loader.init([&](int r) { return gate_up_a_row(a, tile, r); }, a.x);
         typename GateUp::LoaderB b_loader;
         b_loader.init(w13_map, tile.expert, tile.n_tile * CfgG::kBlockN);
-        gate_up.produce(a_loader, b_loader, a.hidden, 0, false, 0, -1, stage_tags, u);
+        gate_up.produce(a_loader, b_loader, a.hidden, 0, false, stage_tags, u);
       }
       Down down;
       down.continue_from(gate_up);
@@ -810,16 +526,11 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
         const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
         typename Down::LoaderB b_loader;
         b_loader.init(w2_map, tile.expert, tile.n_tile * CfgD::kBlockN);
-        const int b_issued =
-            leader && b_ahead > 0
-                ? down.produce_b_ahead(b_loader, a.intermediate, 0, false, b_ahead, stage_tags, u)
-                : 0;
         fused_wait_gate_up(a.gate_up_done, tile.expert, arrivals(tile.expert));
         probe_first(kProbeDownReady, leader);
         typename Down::LoaderA a_loader;
         a_loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
-        down.produce(a_loader, b_loader, a.intermediate, 0, false, 0, -1, stage_tags, u,
-                     b_issued);
+        down.produce(a_loader, b_loader, a.intermediate, 0, false, stage_tags, u);
       }
       down.produce_end(stage_tags, -1);
       gemm::cp_async_wait_all();  // no copy outlives its thread
@@ -859,13 +570,13 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
 template <class GateUp, class Down>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
     expert_fused_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
-                           const __grid_constant__ CUtensorMap w2_map, int b_ahead) {
+                           const __grid_constant__ CUtensorMap w2_map) {
   probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (GateUp::kCompiled) {
     PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // the scheduler's storage: the user shared memory
     auto& smem = *reinterpret_cast<typename FusedScheduler<GateUp::kThreads>::SharedStorage*>(
         GateUp::user_smem(tc_dynamic_smem));
-    fused_ws_gemms<GateUp, Down>(a, &w13_map, &w2_map, b_ahead,
+    fused_ws_gemms<GateUp, Down>(a, &w13_map, &w2_map,
                                  fused_m_tiles<GateUp::kThreads>(a, GateUp::Cfg::kBlockM, smem));
   }
 }
@@ -877,8 +588,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
 inline int g_emu_fused_auto_narrow = -1;
 #endif
 
-// auto's fused GEMMs between 2 and kWgmmaM64MaxRowsPerExpert routing entries per local
-// expert, unless PETIT_MOE_DEVICE_TILES=0: the m64 tiles (MG, MD), or the narrow ones (NG, ND:
+// auto's wgmma_m64 regime (choose_expert_tiles: from ExpertConfig::narrow_max_rows to
+// m64_max_rows routing entries per local expert): the m64 tiles (MG, MD), or the narrow ones (NG, ND:
 // same 64 rows, half the columns, twice the tiles) when even those fill at most one wave of
 // the SMs (2 x the m64 gate/up tiles of this call <= num_sms), so that the m64 tiles would
 // leave more than half of the SMs without one. The host cannot tell such calls apart: they
@@ -891,8 +602,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
     expert_fused_ws_auto_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap narrow_w13,
                                 const __grid_constant__ CUtensorMap narrow_w2,
                                 const __grid_constant__ CUtensorMap m64_w13,
-                                const __grid_constant__ CUtensorMap m64_w2, int b_ahead,
-                                int num_sms) {
+                                const __grid_constant__ CUtensorMap m64_w2, int num_sms) {
   probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (MG::kCompiled) {
     static_assert(NG::kThreads == MG::kThreads && NG::Cfg::kBlockM == MG::Cfg::kBlockM,
@@ -910,153 +620,13 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
     if (blockIdx.x == 0 && threadIdx.x == 0) g_emu_fused_auto_narrow = narrow ? 1 : 0;
 #endif
     if (narrow)
-      fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, b_ahead, m_tiles);
+      fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, m_tiles);
     else
-      fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, b_ahead, m_tiles);
+      fused_ws_gemms<MG, MD>(a, &m64_w13, &m64_w2, m_tiles);
   }
 }
 
 #endif  // PETIT_SM80_PATH
-
-// ------------------------------------------------------------------ decode path
-// kExpertTilesDecode: tiles of <= kDecodeRows rows x (8 warps x kDecodeRowsPerWarp weight
-// rows). Warp w owns kDecodeRowsPerWarp weight rows (GEMM1: gate and up rows of
-// kDecodeRowsPerWarp / 2 columns; GEMM2: w2 rows of kDecodeRowsPerWarp columns); lane l
-// accumulates vectors l, l + 32, ... of the K dimension for every tile row, so each step
-// has kDecodeRowsPerWarp 16-byte weight loads in flight per lane and the tile's activation
-// rows are re-read from cache. The 32 lanes' partial dot products are summed in shared
-// memory (fixed order: deterministic), then the epilogue of the family (SiLU·mul, or the
-// routing weight into the entry's partial row) runs with the same formulas as the others.
-constexpr int kDecodeThreads = 256;
-constexpr int kDecodeWarps = kDecodeThreads / 32;  // 32-thread groups (warp-size agnostic)
-constexpr int kDecodeRows = 8;
-constexpr int kDecodeRowsPerWarp = 4;
-constexpr int kDecodeMinBlocksPerSm = 2;  // 3 (85 registers) spills
-
-struct DecodeShared {
-  float partial[kDecodeWarps][kDecodeRowsPerWarp][kDecodeRows][32];
-  float sums[kDecodeWarps][kDecodeRowsPerWarp][kDecodeRows];
-};
-
-// dot products of the tile rows with this warp's weight rows over K (lane-strided vectors),
-// left in smem.sums[warp][wr][r]. a_row(r) / b_row(wr): row pointers (nullptr: absent).
-template <class ARow, class BRow>
-PETIT_DEVICE void decode_dots(ARow a_row, BRow b_row, int k_len, int num_rows,
-                              DecodeShared& smem) {
-  const int group = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int num_vectors = k_len / 8;
-  const petit_bf16_bits* b[kDecodeRowsPerWarp];
-#pragma unroll
-  for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr) b[wr] = b_row(wr);
-  const petit_bf16_bits* a_rows[kDecodeRows];  // resolved once, not per K step
-#pragma unroll
-  for (int r = 0; r < kDecodeRows; ++r) a_rows[r] = a_row(r);  // nullptr past num_rows
-  float acc[kDecodeRows][kDecodeRowsPerWarp];
-#pragma unroll
-  for (int r = 0; r < kDecodeRows; ++r)
-#pragma unroll
-    for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr) acc[r][wr] = 0.f;
-  for (int v = lane; v < num_vectors; v += 32) {
-    uint4 w[kDecodeRowsPerWarp];  // kept packed (bf16 -> fp32 is a shift): fewer registers
-#pragma unroll
-    for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr)
-      w[wr] = b[wr] != nullptr ? reinterpret_cast<const uint4*>(b[wr])[v] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int r = 0; r < kDecodeRows; ++r) {
-      if (r >= num_rows) break;
-      const uint4 packed = reinterpret_cast<const uint4*>(a_rows[r])[v];
-      const petit_bf16_bits* h = reinterpret_cast<const petit_bf16_bits*>(&packed);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float x = petit_bf16_to_float(h[e]);
-#pragma unroll
-        for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr)
-          acc[r][wr] += x * petit_bf16_to_float(reinterpret_cast<const petit_bf16_bits*>(&w[wr])[e]);
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < kDecodeRows; ++r)
-#pragma unroll
-    for (int wr = 0; wr < kDecodeRowsPerWarp; ++wr) smem.partial[group][wr][r][lane] = acc[r][wr];
-  __syncthreads();
-  // One thread per (group, weight row, tile row): the 32 lanes in order.
-  static_assert(kDecodeWarps * kDecodeRowsPerWarp * kDecodeRows == kDecodeThreads, "1:1");
-  const int g = threadIdx.x / (kDecodeRowsPerWarp * kDecodeRows);
-  const int wr = (threadIdx.x / kDecodeRows) % kDecodeRowsPerWarp;
-  const int r = threadIdx.x % kDecodeRows;
-  float sum = 0.f;
-  for (int l = 0; l < 32; ++l) sum += smem.partial[g][wr][r][l];
-  smem.sums[g][wr][r] = sum;
-  __syncthreads();
-}
-
-// GEMM1: tile columns [n_begin, n_begin + kDecodeWarps * kDecodeRowsPerWarp / 2); group g owns
-// columns n_begin + g*2 + {0, 1}: weight rows gate(c0), gate(c1), up(c0), up(c1).
-PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
-    expert_gate_up_decode_kernel(ExpertGemmArgs a) {
-  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
-  constexpr int kColsPerGroup = kDecodeRowsPerWarp / 2;
-  constexpr int kBlockN = kDecodeWarps * kColsPerGroup;
-  using Scheduler = gemm::ExpertTileScheduler<kDecodeThreads>;
-  __shared__ DecodeShared smem;
-  __shared__ typename Scheduler::SharedStorage scheduler_smem;
-  const int group = threadIdx.x / 32;
-  Scheduler::for_each_tile(a.expert_offsets, a.num_local_experts, kDecodeRows, kBlockN,
-                           a.intermediate, scheduler_smem,
-                           [&](const gemm::TileCoord& tile, int n_begin) {
-    const petit_bf16_bits* w13_e = w13_of(a, tile);
-    decode_dots(
-        [&](int r) { return gate_up_a_row(a, tile, r); },
-        [&](int wr) {
-          return w13_row(a, w13_e, wr / kColsPerGroup,
-                         n_begin + group * kColsPerGroup + wr % kColsPerGroup);
-        },
-        a.hidden, tile.num_rows, smem);
-    if (threadIdx.x < kBlockN * kDecodeRows) {
-      const int c = threadIdx.x / kDecodeRows, r = threadIdx.x % kDecodeRows;
-      const int g = c / kColsPerGroup, j = c % kColsPerGroup;
-      const int n = n_begin + c;
-      if (r < tile.num_rows && n < a.intermediate) {
-        const float gate = smem.sums[g][j][r], up = smem.sums[g][kColsPerGroup + j][r];
-        a.act[int64_t(tile.row_begin + r) * a.intermediate + n] =
-            petit_float_to_bf16(gemm::silu(gate) * up);
-      }
-    }
-    __syncthreads();  // smem.sums is rewritten by the next tile
-  });
-}
-
-// GEMM2: tile columns [n_begin, n_begin + kDecodeWarps * kDecodeRowsPerWarp); group g owns
-// columns n_begin + g*4 + {0..3}: w2 rows.
-PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kDecodeThreads, kDecodeMinBlocksPerSm)
-    expert_down_decode_kernel(ExpertGemmArgs a) {
-  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
-  constexpr int kBlockN = kDecodeWarps * kDecodeRowsPerWarp;
-  using Scheduler = gemm::ExpertTileScheduler<kDecodeThreads>;
-  __shared__ DecodeShared smem;
-  __shared__ typename Scheduler::SharedStorage scheduler_smem;
-  const int group = threadIdx.x / 32;
-  Scheduler::for_each_tile(a.expert_offsets, a.num_local_experts, kDecodeRows, kBlockN,
-                           a.hidden, scheduler_smem,
-                           [&](const gemm::TileCoord& tile, int n_begin) {
-    const petit_bf16_bits* w2_e = w2_of(a, tile);
-    decode_dots(
-        [&](int r) { return down_a_row(a, tile, r); },
-        [&](int wr) { return w2_row(a, w2_e, n_begin + group * kDecodeRowsPerWarp + wr); },
-        a.intermediate, tile.num_rows, smem);
-    {
-      const int c = threadIdx.x / kDecodeRows, r = threadIdx.x % kDecodeRows;
-      const int n = n_begin + c;  // c < kBlockN: one thread per (column, row)
-      if (r < tile.num_rows && n < a.hidden) {
-        const int entry = a.sorted_entries[tile.row_begin + r];
-        a.partial[int64_t(entry) * a.hidden + n] = petit_float_to_bf16(
-            a.topk_weights[entry] * smem.sums[c / kDecodeRowsPerWarp][c % kDecodeRowsPerWarp][r]);
-      }
-    }
-    __syncthreads();  // smem.sums is rewritten by the next tile
-  });
-}
 
 // ------------------------------------------------------------------ local reduction
 
@@ -1085,6 +655,7 @@ petitError_t check_args(const ExpertGemmArgs& a) {
       a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
       a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
       a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesLast || a.num_sms < 0 ||
+      !config_valid(a.config) ||
       (a.expert_map != nullptr && a.num_global_experts < 1))
     return petitErrorInvalidValue;
   if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
@@ -1128,12 +699,9 @@ int persistent_grid(const ExpertGemmArgs& a, int out_cols, int block_m, int bloc
 // petit_grid_dependency_sync (platform.h), which waits for the previous kernel's completion
 // and memory before touching global memory. The row lists, gate/up, down and reduce kernels
 // of one call thus follow each other with shorter gaps (most visible at decode sizes, where a
-// call is a few tens of microseconds). PETIT_MOE_PDL=0 in the environment turns it off (read
-// at every launch, for A/B measurements).
+// call is a few tens of microseconds).
 bool programmatic_launch_enabled() {
 #if PETIT_CUDA && !PETIT_EMU_PTX
-  const char* env = getenv("PETIT_MOE_PDL");
-  if (env != nullptr && env[0] == '0') return false;
   int device = 0, major = 0;
   if (petitGetDevice(&device) != petitSuccess ||
       petitDeviceGetAttribute(&major, petitDevAttrComputeCapabilityMajor, device) != petitSuccess)
@@ -1238,7 +806,7 @@ petitError_t launch_persistent(Kernel kernel, const ExpertGemmArgs& a, int out_c
   return launch_kernel(kernel, grid, threads, smem_bytes, cluster, stream, a, extra...);
 }
 
-// ---- SIMT launchers (kExpertTilesSmall, kExpertTilesLarge)
+// ---- SIMT launchers (kExpertTilesSimt: its small or its large tiles)
 template <class GateUp, class Down>
 petitError_t launch_simt_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                               petitStream_t stream) {
@@ -1250,36 +818,21 @@ petitError_t launch_simt_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms
                                      num_sms, 1, stream);
 }
 
-// ---- decode launchers (kExpertTilesDecode)
-petitError_t launch_decode_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
-                                petitStream_t stream) {
-  return gate_up ? launch_persistent(expert_gate_up_decode_kernel, a, a.intermediate,
-                                     kDecodeRows, kDecodeWarps * kDecodeRowsPerWarp / 2,
-                                     kDecodeMinBlocksPerSm, kDecodeThreads, 0, num_sms, 1, stream)
-                 : launch_persistent(expert_down_decode_kernel, a, a.hidden, kDecodeRows,
-                                     kDecodeWarps * kDecodeRowsPerWarp, kDecodeMinBlocksPerSm,
-                                     kDecodeThreads, 0, num_sms, 1, stream);
+// The family and regime of a call (choose_expert_tiles).
+struct ExpertChoice {
+  int tiles;           // ExpertTiles, never auto: what resolve_expert_tiles reports
+  bool simt_large;     // kExpertTilesSimt: the 128-row tiles (else the 16-row ones)
+  bool device_choice;  // kExpertTilesWgmmaM64: the fused kernel that runs the narrow or the
+                       // m64 tiles by the device's count of m-tiles (auto only)
+};
+
+// The regimes whose two GEMMs run as one fused launch (and only so).
+bool fused_regime(int tiles) {
+  return tiles == kExpertTilesWgmmaNarrow || tiles == kExpertTilesWgmmaM64;
 }
 
-// ---- tensor-core launchers (kExpertTilesMma, kExpertTilesWgmma); petitErrorNotSupported
-// where the current device cannot run them.
+// ---- Hopper launchers; petitErrorNotSupported where the current device cannot run them.
 #if PETIT_SM80_PATH
-
-// The kernel image the current device runs was compiled in a device pass for sm_80 or newer
-// (ptxVersion: the compute_XY of that pass, times 10), i.e. its body is the mma path.
-template <class Kernel>
-petitError_t mma_kernel_supported(Kernel kernel) {
-  petitFuncAttributes attr;
-  const petitError_t err = petitFuncGetAttributes(&attr, kernel);
-  if (err != petitSuccess) return err;
-  return attr.ptxVersion >= 80 ? petitSuccess : petitErrorNotSupported;
-}
-
-petitError_t mma_path_supported() {
-  petitError_t err = mma_kernel_supported(expert_gate_up_tc_kernel<GateUpMma>);
-  if (err == petitSuccess) err = mma_kernel_supported(expert_down_tc_kernel<DownMma>);
-  return err;
-}
 
 // sm_90a images exist only on devices of compute capability exactly 9.0, and the kernel
 // attributes do not tell an sm_90a image from an sm_90 one: the build says whether it made
@@ -1296,43 +849,19 @@ petitError_t wgmma_path_supported() {
   return major == 9 && minor == 0 ? petitSuccess : petitErrorNotSupported;
 }
 
-// CTAs per cluster of a main loop: its kClusterM, or 1 for those without clusters.
-template <class Mainloop, class = void>
-struct ClusterOf {
-  static constexpr int value = 1;
-};
-template <class Mainloop>
-struct ClusterOf<Mainloop, std::void_t<decltype(Mainloop::kClusterM)>> {
-  static constexpr int value = Mainloop::kClusterM;
-};
-
+// One launch of a warp-specialized kernel (one block per SM) on its persistent grid.
 template <class Mainloop, class Kernel, class... Extra>
-petitError_t launch_tc_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_cols, int num_sms,
+petitError_t launch_ws_kernel(Kernel kernel, const ExpertGemmArgs& a, int out_cols, int num_sms,
                               petitStream_t stream, const Extra&... extra) {
   using Cfg = typename Mainloop::Cfg;
   constexpr int kSmemBytes = Mainloop::kSmemBytes;
-  // Above the 48 KiB default together with the static (scheduler) shared memory: opt in.
-  petitError_t err =
+  // Above the 48 KiB default: opt in.
+  const petitError_t err =
       petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != petitSuccess) return err;
-  // Several blocks per SM: ask for the largest shared-memory carveout (100%), so that the
-  // driver does not pick a smaller one that fits fewer of them.
-  if (Cfg::kMinBlocksPerSm > 1 &&
-      (err = petitFuncSetAttribute(kernel, petitFuncAttributePreferredSharedMemoryCarveout,
-                                   100)) != petitSuccess)
-    return err;
   return launch_persistent(kernel, a, out_cols, Cfg::kBlockM, Cfg::kBlockN, Cfg::kMinBlocksPerSm,
-                           Mainloop::kThreads, kSmemBytes, num_sms, ClusterOf<Mainloop>::value,
-                           stream, extra...);
-}
-
-template <class GateUp, class Down>
-petitError_t launch_tc_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
-                            petitStream_t stream) {
-  return gate_up ? launch_tc_kernel<GateUp>(expert_gate_up_tc_kernel<GateUp>, a, a.intermediate,
-                                            num_sms, stream)
-                 : launch_tc_kernel<Down>(expert_down_tc_kernel<Down>, a, a.hidden, num_sms,
-                                          stream);
+                           Mainloop::kThreads, kSmemBytes, num_sms, Mainloop::kClusterM, stream,
+                           extra...);
 }
 
 // The weight tensors' maps, dims {H, I, 2, L} for w13 and {I, H, 1, L} for w2, in boxes of the
@@ -1349,34 +878,20 @@ petitError_t encode_w2_map(CUtensorMap* map, const ExpertGemmArgs& a) {
                                       a.num_local_experts, Mainloop::LoaderB::kBoxRows);
 }
 
-// kStagedDown: the down GEMM with the staged epilogue (expert_down_ws_kernel<Down, true>).
-template <class GateUp, class Down, bool kStagedDown = false>
+// GEMM1 (gate_up) or GEMM2 of the wgmma or wgmma_mc regime, one launch each.
+template <class GateUp, class Down>
 petitError_t launch_ws_gemm(bool gate_up, const ExpertGemmArgs& a, int num_sms,
                             petitStream_t stream) {
   CUtensorMap map;
   petitError_t err;
   if (gate_up) {
     if ((err = encode_w13_map<GateUp>(&map, a)) != petitSuccess) return err;
-    return launch_tc_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate, num_sms,
+    return launch_ws_kernel<GateUp>(expert_gate_up_ws_kernel<GateUp>, a, a.intermediate, num_sms,
                                     stream, map);
   }
   if ((err = encode_w2_map<Down>(&map, a)) != petitSuccess) return err;
-  // the act rows' map, read only by the main loops that load them as boxes (others: zeroed)
-  CUtensorMap act_map{};
-  if constexpr (Down::kATma) {
-    if ((err = gemm::sm90_encode_weight_map(&act_map, a.act, a.intermediate,
-                                            a.num_rows * a.top_k, 1, 1, Down::Cfg::kBlockM)) !=
-        petitSuccess)
-      return err;
-  }
-  return launch_tc_kernel<Down>(expert_down_ws_kernel<Down, kStagedDown>, a, a.hidden, num_sms,
-                                stream, map, act_map);
+  return launch_ws_kernel<Down>(expert_down_ws_kernel<Down>, a, a.hidden, num_sms, stream, map);
 }
-
-// PETIT_MOE_FUSED_B_AHEAD=N: the fused kernel's down tiles issue the weight boxes of up to N
-// k-tiles (at most the ring's stages, which the kernel enforces) before they wait for their
-// expert's gate/up tiles. Unset or 0: off (the default until measured).
-static int fused_b_ahead() { return petit_env_knob("PETIT_MOE_FUSED_B_AHEAD", 0, 0, 1 << 30); }
 
 // The persistent grid of one family's fused GEMMs: that of the GEMM with more tiles (0: too
 // many tiles, as persistent_grid).
@@ -1406,16 +921,16 @@ petitError_t launch_fused_ws(const ExpertGemmArgs& a, int num_sms, petitStream_t
   const int grid = fused_grid<GateUp, Down>(a, num_sms);
   if (grid == 0) return petitErrorInvalidValue;
   return launch_kernel(kernel, grid, GateUp::kThreads, GateUp::kSmemBytes, 1, stream, a, w13_map,
-                       w2_map, fused_b_ahead());
+                       w2_map);
 }
 
-// auto's 64-row fused GEMMs (expert_fused_ws_auto_kernel): both families' maps, the larger
+// auto's wgmma_m64 regime (expert_fused_ws_auto_kernel): both families' maps, the larger
 // shared memory and grid of the two.
 petitError_t launch_fused_ws_auto(const ExpertGemmArgs& a, int num_sms, petitStream_t stream) {
-  using NG = GateUpWgmmaNarrowWs;
-  using ND = DownWgmmaNarrowWs;
-  using MG = GateUpWgmmaM64Ws;
-  using MD = DownWgmmaM64Ws;
+  using NG = GateUpWgmmaNarrow;
+  using ND = DownWgmmaNarrow;
+  using MG = GateUpWgmmaM64;
+  using MD = DownWgmmaM64;
   CUtensorMap narrow_w13, narrow_w2, m64_w13, m64_w2;
   petitError_t err;
   if ((err = encode_w13_map<NG>(&narrow_w13, a)) != petitSuccess ||
@@ -1433,175 +948,91 @@ petitError_t launch_fused_ws_auto(const ExpertGemmArgs& a, int num_sms, petitStr
   if (narrow_grid == 0 || m64_grid == 0) return petitErrorInvalidValue;
   const int grid = narrow_grid > m64_grid ? narrow_grid : m64_grid;
   return launch_kernel(kernel, grid, MG::kThreads, smem, 1, stream, a, narrow_w13, narrow_w2,
-                       m64_w13, m64_w2, fused_b_ahead(), num_sms);
+                       m64_w13, m64_w2, num_sms);
 }
 
-// PETIT_MOE_DEVICE_TILES (read at every call; default 1, 0 = off): auto's m64 fused GEMMs
-// choose between the m64 and the narrow tiles on the device (expert_fused_ws_auto_kernel).
-// On one H200 (9680f8e, examples/results/sweeps/experts_device_tiles_9680f8e) the choice
-// takes 14-17% off the GEMMs where every token goes to the same few experts (Qwen3-30B-A3B
-// 8-32 tokens/rank, DeepSeek-V3 16), and the kernel holding both families costs 0.3-0.8%
-// against the m64 kernel on uniform routing (Qwen3-30B-A3B 8-64 tokens/rank; DeepSeek-V3
-// equal) and 2.5-4% at DeepSeek-V3 `same` routing with 64 tokens/rank, where it runs the m64
-// tiles; in the MoE layer on `same` routing it takes Qwen3-30B-A3B 8 tokens/rank from 0.93x
-// vLLM's default to 1.03-1.04x (sweeps/moe_layer_device_tiles_same_8a80e6b).
-static bool device_tiles_enabled() {
-  return petit_env_knob("PETIT_MOE_DEVICE_TILES", 1, 0, 1) == 1;
-}
-
-petitError_t launch_fused_family(int tiles, const ExpertGemmArgs& a, int num_sms,
+// Both GEMMs of a 64-row regime as one launch (a.gate_up_done set).
+petitError_t launch_fused_regime(const ExpertChoice& choice, const ExpertGemmArgs& a, int num_sms,
                                  petitStream_t stream) {
-  if (tiles == kExpertTilesWgmmaM64Ws && a.tiles == kExpertTilesAuto && device_tiles_enabled())
-    return launch_fused_ws_auto(a, num_sms, stream);
-  switch (tiles) {
-    case kExpertTilesWgmmaM64Ws:
-      return launch_fused_ws<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(a, num_sms, stream);
-    case kExpertTilesWgmmaNarrowWs:
-      return launch_fused_ws<GateUpWgmmaNarrowWs, DownWgmmaNarrowWs>(a, num_sms, stream);
+  if (choice.device_choice) return launch_fused_ws_auto(a, num_sms, stream);
+  switch (choice.tiles) {
+    case kExpertTilesWgmmaM64:
+      return launch_fused_ws<GateUpWgmmaM64, DownWgmmaM64>(a, num_sms, stream);
+    case kExpertTilesWgmmaNarrow:
+      return launch_fused_ws<GateUpWgmmaNarrow, DownWgmmaNarrow>(a, num_sms, stream);
     default: return petitErrorInvalidValue;
   }
 }
 
-// The down GEMMs of wgmma_ws and wgmma_ws_mc use the staged epilogue
-// (gemm/sm90_epilogue_staged.h) unless PETIT_MOE_STAGED_EPILOGUE=0 is in the environment (read
-// at every launch, for A/B measurements). Measured on one H200 (b7ba469, bench_experts.py): 2-6%
-// faster from 512 tokens/rank, equal at DeepSeek-V3 1024 with wgmma_ws.
-bool staged_epilogue_enabled() {
-  const char* env = getenv("PETIT_MOE_STAGED_EPILOGUE");
-  return env == nullptr || env[0] != '0';
-}
-
-// PETIT_MOE_DOWN_A_TMA=1 (read at every launch, for A/B measurements; default 0): the staged
-// down GEMMs of wgmma_ws / wgmma_ws_mc load their act rows as one TMA box per stage
-// (DownWgmmaWsStagedATma, DownWgmmaWsMcStagedATma) instead of the producer warpgroup's cp.async.
-// Bit-equal; on one H200 0.96-1.02x the gathered time at 1024-8192 tokens/rank, 0.99 in the
-// geometric mean (examples/results/sweeps/experts_pipeline_e576e9e): within the spread, so
-// off by default.
-static bool down_a_tma_enabled() {
-  return petit_env_knob("PETIT_MOE_DOWN_A_TMA", 0, 0, 1) == 1;
-}
-
-// GEMM1 or GEMM2 of a tensor-core family (kExpertTilesMma, kExpertTilesWgmma*), whose path
-// the caller has checked (mma_path_supported, wgmma_path_supported).
-petitError_t launch_tc_family(int tiles, bool gate_up, const ExpertGemmArgs& a, int num_sms,
+// GEMM1 or GEMM2 of the wgmma or wgmma_mc regime.
+petitError_t launch_ws_regime(int tiles, bool gate_up, const ExpertGemmArgs& a, int num_sms,
                               petitStream_t stream) {
   switch (tiles) {
-    case kExpertTilesMma: return launch_tc_gemm<GateUpMma, DownMma>(gate_up, a, num_sms, stream);
     case kExpertTilesWgmma:
-      return launch_tc_gemm<GateUpWgmma, DownWgmma>(gate_up, a, num_sms, stream);
-    case kExpertTilesWgmmaM64:
-      return launch_tc_gemm<GateUpWgmmaM64, DownWgmmaM64>(gate_up, a, num_sms, stream);
-    case kExpertTilesWgmmaNarrow:
-      return launch_tc_gemm<GateUpWgmmaNarrow, DownWgmmaNarrow>(gate_up, a, num_sms, stream);
-    case kExpertTilesWgmmaWs:
-      if (!gate_up && staged_epilogue_enabled() && down_a_tma_enabled())
-        return launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWsStagedATma, true>(gate_up, a, num_sms,
-                                                                          stream);
-      return staged_epilogue_enabled()
-                 ? launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWsStaged, true>(gate_up, a, num_sms,
-                                                                          stream)
-                 : launch_ws_gemm<GateUpWgmmaWs, DownWgmmaWs>(gate_up, a, num_sms, stream);
-    case kExpertTilesWgmmaM64Ws:
-      return launch_ws_gemm<GateUpWgmmaM64Ws, DownWgmmaM64Ws>(gate_up, a, num_sms, stream);
-    case kExpertTilesWgmmaWsMc:
-      if (!gate_up && staged_epilogue_enabled() && down_a_tma_enabled())
-        return launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMcStagedATma, true>(gate_up, a,
-                                                                              num_sms, stream);
-      return staged_epilogue_enabled()
-                 ? launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMcStaged, true>(gate_up, a,
-                                                                              num_sms, stream)
-                 : launch_ws_gemm<GateUpWgmmaWsMc, DownWgmmaWsMc>(gate_up, a, num_sms, stream);
-    case kExpertTilesWgmmaNarrowWs:
-      return launch_ws_gemm<GateUpWgmmaNarrowWs, DownWgmmaNarrowWs>(gate_up, a, num_sms, stream);
+      return launch_ws_gemm<GateUpWgmma, DownWgmma>(gate_up, a, num_sms, stream);
+    case kExpertTilesWgmmaMc:
+      return launch_ws_gemm<GateUpWgmmaMc, DownWgmmaMc>(gate_up, a, num_sms, stream);
     default: return petitErrorInvalidValue;
   }
 }
 
-#else  // no tensor-core path in this build (HIP)
+#else  // no Hopper path in this build (HIP)
 
-petitError_t mma_path_supported() { return petitErrorNotSupported; }
 petitError_t wgmma_path_supported() { return petitErrorNotSupported; }
-petitError_t launch_tc_family(int, bool, const ExpertGemmArgs&, int, petitStream_t) {
+petitError_t launch_fused_regime(const ExpertChoice&, const ExpertGemmArgs&, int, petitStream_t) {
   return petitErrorNotSupported;
 }
-petitError_t launch_fused_family(int, const ExpertGemmArgs&, int, petitStream_t) {
+petitError_t launch_ws_regime(int, bool, const ExpertGemmArgs&, int, petitStream_t) {
   return petitErrorNotSupported;
 }
 
 #endif  // PETIT_SM80_PATH
 
-}  // namespace
-
-// Auto: the warp-specialized wgmma tiles wherever the device runs them (on H200, with their
-// weights loaded by TMA, wgmma_ws beats wgmma at every size measured from 1 to 8192 tokens per
-// rank and wgmma_m64_ws matches or beats wgmma_m64: examples/results/experts_H200.jsonl,
-// fc692be), the narrow ones below kWgmmaNarrowMaxRowsPerExpert, the 64-row ones below
-// kWgmmaM64MaxRowsPerExpert, the clustered ones from
-// kWsMcMinRowsPerExpert at large hidden sizes; elsewhere the small SIMT tiles below the
-// rows-per-expert bound and above it mma.sync (sm_80+) or the large SIMT tiles.
-// PETIT_MOE_NARROW_MAX_ROWS=R (read at every call, for A/B measurements of the auto rule): auto
-// picks wgmma_narrow_ws below R routing entries per local expert instead of below
-// kWgmmaNarrowMaxRowsPerExpert; 0 never; at most kWgmmaM64MaxRowsPerExpert (the 64-row
-// family's range). Few experts holding all the rows (a dummy-weight server's decode) give
-// narrow's twice as many tiles per expert more SMs to stream on (README, "Where a decode
-// step's time goes").
-static int narrow_max_rows_per_expert() {
-  return petit_env_knob("PETIT_MOE_NARROW_MAX_ROWS", kWgmmaNarrowMaxRowsPerExpert, 0,
-                         kWgmmaM64MaxRowsPerExpert);
-}
-
-int resolve_expert_tiles(const ExpertGemmArgs& a) {
-  if (a.tiles != kExpertTilesAuto) return a.tiles;
+// The one place a call's tiles are chosen. Where the device runs the sm_90a image, auto takes
+// the Hopper regimes by the rows-per-expert estimate N*K / L (bounds: a.config, see
+// common/config.h): narrow, m64 (with the narrow-or-m64 choice on the device), wgmma, and
+// wgmma_mc at large hidden sizes; elsewhere the SIMT fallback. The SIMT family takes its large
+// tiles from config.simt_large_min_rows, also when asked for by name.
+ExpertChoice choose_expert_tiles(const ExpertGemmArgs& a) {
+  const ExpertConfig& c = a.config;
   const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
-  if (wgmma_path_supported() == petitSuccess) {
-    if (num_entries < int64_t(narrow_max_rows_per_expert()) * a.num_local_experts)
-      return kExpertTilesWgmmaNarrowWs;
-    if (num_entries < int64_t(kWgmmaM64MaxRowsPerExpert) * a.num_local_experts)
-      return kExpertTilesWgmmaM64Ws;
-    if (a.hidden >= kWsMcMinHidden &&
-        num_entries >= int64_t(kWsMcMinRowsPerExpert) * a.num_local_experts)
-      return kExpertTilesWgmmaWsMc;
-    return kExpertTilesWgmmaWs;
+  auto below = [&](int rows_per_expert) {
+    return num_entries < int64_t(rows_per_expert) * a.num_local_experts;
+  };
+  ExpertChoice choice{a.tiles, !below(c.simt_large_min_rows), false};
+  if (a.tiles != kExpertTilesAuto) return choice;
+  if (wgmma_path_supported() != petitSuccess) {
+    choice.tiles = kExpertTilesSimt;
+  } else if (below(c.narrow_max_rows)) {
+    choice.tiles = kExpertTilesWgmmaNarrow;
+  } else if (below(c.m64_max_rows)) {
+    choice.tiles = kExpertTilesWgmmaM64;
+    choice.device_choice = true;
+  } else if (a.hidden >= c.mc_min_hidden && !below(c.mc_min_rows)) {
+    choice.tiles = kExpertTilesWgmmaMc;
+  } else {
+    choice.tiles = kExpertTilesWgmma;
   }
-  if (num_entries < int64_t(kLargeTileMinRowsPerExpert) * a.num_local_experts)
-    return kExpertTilesSmall;
-  if (mma_path_supported() == petitSuccess) return kExpertTilesMma;
-  return kExpertTilesLarge;
+  return choice;
 }
 
-namespace {
-
-// GEMM1 (gate_up) or GEMM2 of the resolved tile family: validate, resolve the family (an
-// unavailable tensor-core path is an error even with no rows), read the SM count, launch.
-petitError_t launch_expert_gemm(bool gate_up, const ExpertGemmArgs& a, petitStream_t stream) {
-  petitError_t err = check_args(a);
-  if (err != petitSuccess) return err;
-  const int tiles = resolve_expert_tiles(a);
-  if (tiles == kExpertTilesMma && (err = mma_path_supported()) != petitSuccess) return err;
-  if ((tiles == kExpertTilesWgmma || tiles == kExpertTilesWgmmaM64 ||
-       tiles == kExpertTilesWgmmaNarrow || tiles == kExpertTilesWgmmaWs ||
-       tiles == kExpertTilesWgmmaM64Ws || tiles == kExpertTilesWgmmaWsMc ||
-       tiles == kExpertTilesWgmmaNarrowWs) &&
-      (err = wgmma_path_supported()) != petitSuccess)
-    return err;
-  if (a.num_rows == 0) return petitSuccess;
-  int num_sms = 0;
-  if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
-  switch (tiles) {
-    case kExpertTilesSmall:
-      err = launch_simt_gemm<GateUpSmall, DownSmall>(gate_up, a, num_sms, stream);
-      break;
-    case kExpertTilesLarge:
-      err = launch_simt_gemm<GateUpLarge, DownLarge>(gate_up, a, num_sms, stream);
-      break;
-    case kExpertTilesDecode: err = launch_decode_gemm(gate_up, a, num_sms, stream); break;
-    default: err = launch_tc_family(tiles, gate_up, a, num_sms, stream);
-  }
+// GEMM1 (gate_up) or GEMM2 of a regime with a launch per GEMM.
+petitError_t launch_expert_gemm(const ExpertChoice& choice, bool gate_up, const ExpertGemmArgs& a,
+                                int num_sms, petitStream_t stream) {
+  petitError_t err;
+  if (choice.tiles == kExpertTilesSimt)
+    err = choice.simt_large
+              ? launch_simt_gemm<GateUpLarge, DownLarge>(gate_up, a, num_sms, stream)
+              : launch_simt_gemm<GateUpSmall, DownSmall>(gate_up, a, num_sms, stream);
+  else
+    err = launch_ws_regime(choice.tiles, gate_up, a, num_sms, stream);
   if (err == petitSuccess) g_gemm_launch_shape[gate_up ? 1 : 0] = g_launch_shape;
   return err;
 }
 
 }  // namespace
+
+int resolve_expert_tiles(const ExpertGemmArgs& a) { return choose_expert_tiles(a).tiles; }
 
 ExpertLaunchShape last_expert_gemm_launch(bool gate_up) {
   return g_gemm_launch_shape[gate_up ? 1 : 0];
@@ -1623,14 +1054,6 @@ petitError_t expert_probe_read(unsigned long long* out) {
 #endif
 }
 
-petitError_t launch_expert_gate_up(const ExpertGemmArgs& a, petitStream_t stream) {
-  return launch_expert_gemm(true, a, stream);
-}
-
-petitError_t launch_expert_down(const ExpertGemmArgs& a, petitStream_t stream) {
-  return launch_expert_gemm(false, a, stream);
-}
-
 petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream) {
   petitError_t err = check_args(a);
   if (err != petitSuccess || a.num_rows == 0) return err;
@@ -1646,86 +1069,29 @@ petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream)
   return launch_kernel(expert_reduce_kernel<1>, grid, kReduceThreads, 0, 1, stream, a);
 }
 
-// Split-K workspace of the families that have it (see split_k_fixup): slots of the larger of
-// the two GEMMs' accumulator tiles for kSplitUnitsPerSm units per SM, one counter per unit.
-template <class GateUp, class Down>
-int64_t split_k_slot_floats() {
-  return kSplitSlotFloats<GateUp> > kSplitSlotFloats<Down> ? kSplitSlotFloats<GateUp>
-                                                           : kSplitSlotFloats<Down>;
-}
-
-// PETIT_MOE_SPLIT_K: the most k-shares per tile (1, the default: no split-K).
-static int expert_split_k_max() { return petit_env_knob("PETIT_MOE_SPLIT_K", 1, 1, kSplitKMax); }
-
-void expert_split_k_workspace(const ExpertGemmArgs& a, int64_t* floats, int* counters) {
-  *floats = 0;
-  *counters = 0;
-  if (expert_split_k_max() <= 1) return;
-  int64_t slot = 0;
-#if PETIT_SM80_PATH
-  const int family = resolve_expert_tiles(a);
-  if (family == kExpertTilesWgmmaNarrowWs)
-    slot = split_k_slot_floats<GateUpWgmmaNarrowWs, DownWgmmaNarrowWs>();
-  else if (family == kExpertTilesWgmmaM64Ws)
-    slot = split_k_slot_floats<GateUpWgmmaM64Ws, DownWgmmaM64Ws>();
-#endif
-  int num_sms = 0;
-  if (slot == 0 || device_sm_count(a, &num_sms) != petitSuccess) return;
-  *counters = kSplitUnitsPerSm * num_sms;
-  *floats = int64_t(*counters) * slot;
-}
-
-void expert_split_k_attach(ExpertGemmArgs* a, float* partials, int64_t floats,
-                           int32_t* counters, int counters_len) {
-  if (floats <= 0) return;
-  a->split_partials = partials;
-  a->split_counters = counters;
-  a->split_floats = floats;
-  a->split_counters_len = counters_len;
-  a->split_max = expert_split_k_max();
-}
-
-// PETIT_MOE_FUSED_GEMMS: 1 on, 0 off, unset: kFusedGemmsDefault. On by default: on one H200
-// (interleaved same-run A/B, bench_experts.py, uniform routing, W=2) 4-10% faster at
-// Qwen3-30B-A3B 1-128 tokens/rank (e.g. 181.8 -> 175.0 us at 64) and equal to 5% faster at
-// DeepSeek-V3 1-128 (examples/results/sweeps/experts_fused_gemms_ab/).
-constexpr bool kFusedGemmsDefault = true;
-
-static bool fused_gemms_family(int family) {
-  return family == kExpertTilesWgmmaNarrowWs || family == kExpertTilesWgmmaM64Ws;
-}
-
 bool expert_fused_gemms(const ExpertGemmArgs& a) {
-  const char* env = getenv("PETIT_MOE_FUSED_GEMMS");
-  const bool on = env == nullptr || env[0] == '\0' ? kFusedGemmsDefault : env[0] == '1';
-  if (!on || a.num_rows <= 0 || expert_split_k_max() > 1 || check_args(a) != petitSuccess)
-    return false;
-  return fused_gemms_family(resolve_expert_tiles(a)) && wgmma_path_supported() == petitSuccess;
-}
-
-// Both GEMMs as one launch (a.gate_up_done set): only for the families that have it, without
-// split-K (the caller asked expert_fused_gemms).
-static petitError_t launch_expert_gemms_fused(const ExpertGemmArgs& a, petitStream_t stream) {
-  petitError_t err = check_args(a);
-  if (err != petitSuccess) return err;
-  const int tiles = resolve_expert_tiles(a);
-  if (!fused_gemms_family(tiles) || a.split_max > 1) return petitErrorInvalidValue;
-  if ((err = wgmma_path_supported()) != petitSuccess) return err;
-  if (a.num_rows == 0) return petitSuccess;
-  int num_sms = 0;
-  if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
-  err = launch_fused_family(tiles, a, num_sms, stream);
-  if (err == petitSuccess) g_gemm_launch_shape[0] = g_gemm_launch_shape[1] = g_launch_shape;
-  return err;
+  return a.num_rows > 0 && check_args(a) == petitSuccess &&
+         fused_regime(choose_expert_tiles(a).tiles) && wgmma_path_supported() == petitSuccess;
 }
 
 petitError_t launch_experts(const ExpertGemmArgs& a, petitStream_t stream) {
-  petitError_t err;
-  if (a.gate_up_done != nullptr) {
-    err = launch_expert_gemms_fused(a, stream);
+  petitError_t err = check_args(a);
+  if (err != petitSuccess) return err;
+  // an unavailable Hopper path is an error even with no rows
+  const ExpertChoice choice = choose_expert_tiles(a);
+  if (choice.tiles != kExpertTilesSimt && (err = wgmma_path_supported()) != petitSuccess)
+    return err;
+  if (a.num_rows == 0) return petitSuccess;
+  const bool fused = fused_regime(choice.tiles);
+  if (fused && a.gate_up_done == nullptr) return petitErrorInvalidValue;  // expert_fused_gemms
+  int num_sms = 0;
+  if ((err = device_sm_count(a, &num_sms)) != petitSuccess) return err;
+  if (fused) {
+    err = launch_fused_regime(choice, a, num_sms, stream);
+    if (err == petitSuccess) g_gemm_launch_shape[0] = g_gemm_launch_shape[1] = g_launch_shape;
   } else {
-    err = launch_expert_gate_up(a, stream);
-    if (err == petitSuccess) err = launch_expert_down(a, stream);
+    err = launch_expert_gemm(choice, true, a, num_sms, stream);
+    if (err == petitSuccess) err = launch_expert_gemm(choice, false, a, num_sms, stream);
   }
   if (err == petitSuccess) err = launch_expert_reduce(a, stream);
   return err;

@@ -1,5 +1,6 @@
-// cp.async (sm_80+) pieces shared by the tensor-core main loops (sm80_mainloop_mma.h,
-// sm90_mainloop_wgmma.h): the copy / commit / wait wrappers and the row-gathering tile loader.
+// cp.async (sm_80+) pieces of the tensor-core main loops (sm90_mainloop_wgmma_ws.h's producer
+// gathers its A rows with them): the copy / commit / wait wrappers and the row-gathering tile
+// loader.
 //
 // Loader contract (the same as the portable TileLoader of tile_loader.h): both operands are
 // K-contiguous, one global pointer per tile row (A rows gathered through the row list, B rows
@@ -67,17 +68,6 @@ PETIT_DEVICE void cp_async_wait_all() {
 
 // ------------------------------------------------------------------ smem layouts of a stage
 
-// mma.sync path: rows of 32 bf16 (64 bytes = 4 chunks), chunk c of row r at chunk position
-// c ^ ((r >> 1) & 3): the 8 rows an ldmatrix phase reads (same logical chunk, 8 consecutive
-// rows from a multiple of 8) then hit 8 distinct 16-byte bank groups, as do the 8 chunks
-// (2 rows x 4) of a quarter-warp's cp.async stores.
-struct Sm80Swizzle {
-  static constexpr int kChunksPerRow = 4;
-  PETIT_HOST_DEVICE static constexpr int offset(int row, int chunk) {
-    return row * 64 + ((chunk ^ ((row >> 1) & 3)) * 16);
-  }
-};
-
 // wgmma path: rows of 64 bf16 (128 bytes = 8 chunks), chunk c of row r at chunk position
 // c ^ (r & 7): the hardware's 128-byte swizzle (8-row x 128-byte atoms, 1024-byte aligned),
 // which the wgmma shared-memory descriptors of sm90_mainloop_wgmma.h name as layout type 1.
@@ -137,20 +127,6 @@ struct CpAsyncLoader {
     }
   }
 };
-
-// One pipeline stage's copies as one commit group: k-tile k_tile (columns k_tile * block_k ..)
-// of A at smem address `stage` and of B right after A's bytes; past the last k-tile only the
-// (empty) commit, so every thread's group count stays uniform and wait_group<n> keeps meaning
-// "all but the last n k-tiles have landed".
-template <class LoaderA, class LoaderB>
-PETIT_DEVICE void issue_stage(const LoaderA& a_loader, const LoaderB& b_loader, uint32_t stage,
-                              int k_tile, int block_k, int num_k_tiles, int k_dim) {
-  if (k_tile < num_k_tiles) {
-    a_loader.issue(stage, k_tile * block_k, k_dim);
-    b_loader.issue(stage + LoaderA::kStageBytes, k_tile * block_k, k_dim);
-  }
-  cp_async_commit();
-}
 
 }  // namespace gemm
 }  // namespace petit

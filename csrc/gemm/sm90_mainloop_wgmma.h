@@ -1,18 +1,15 @@
-// Tensor-core main loop of the grouped GEMM for Hopper (sm_90a): C[m, n] = sum_k A[m, k] *
-// B[n, k] for one kBlockM x (kNumBGroups * kBlockN) output tile, bf16 operands, fp32
-// accumulators, with
+// wgmma pieces of the Hopper (sm_90a) expert GEMMs, used by the warp-specialized main loop
+// (sm90_mainloop_wgmma_ws.h): C[m, n] = sum_k A[m, k] * B[n, k] for one kBlockM x
+// (kNumBGroups * kBlockN) output tile, bf16 operands, fp32 accumulators, with
 //   - wgmma.mma_async m64n256k16, m64n128k16 or m64n64k16 (one or more consumer warpgroups,
 //     each 64 rows by kWgmmaN B rows), both operands read by the tensor cores straight from
 //     shared memory through 64-bit matrix descriptors,
-//   - the 128-byte swizzled K-major layout (8-row x 128-byte atoms, 1024-byte aligned), filled
-//     by cp.async 16-byte copies (cp_async.h: one pointer per row, so the A rows are gathered
-//     through the row list with no permute copy, missing rows / chunks zero-filled),
-//   - a kStages-deep ring: at most one wgmma group in flight per warpgroup (wait_group 1), the
-//     copies of k-tile kt + kStages - 2 issued while the tensor cores work on kt and kt - 1.
-// Same operand contract and the same epilogue view as the other main loops (acc[i][g *
-// kThreadN + j] is tile row Cfg::row_of(threadIdx.x, i), column Cfg::col_of(threadIdx.x, j) of
-// B group g, runs of kVecN = 2 columns), so epilogues.h applies unchanged; in gated tiles
-// thread t holds gate[n] and up[n] of the same n (see Sm90WgmmaTileConfig).
+//   - the 128-byte swizzled K-major layout (8-row x 128-byte atoms, 1024-byte aligned) of the
+//     operand stages,
+//   - the tile configuration (Sm90WgmmaTileConfig) and its epilogue view: acc[i][g * kThreadN +
+//     j] is tile row Cfg::row_of(threadIdx.x, i), column Cfg::col_of(threadIdx.x, j) of B group
+//     g, runs of kVecN = 2 columns, so epilogues.h applies unchanged; in gated tiles thread t
+//     holds gate[n] and up[n] of the same n.
 //
 // CUDA only (included where PETIT_SM80_PATH is set); the asm is emitted only in sm_90a device
 // passes (PETIT_SM90A_DEVICE), elsewhere the kernels built on it have no body and the
@@ -270,8 +267,7 @@ PETIT_DEVICE void sm90_epilogue_view(
           acc[h][g * Cfg::kThreadN + 2 * c + e] = d[(g * kChunksPerGroup + c) * 4 + 2 * h + e];
 }
 
-
-// One k-tile of a warpgroup's MMAs, shared by both main loops: the kBlockK / 16 wgmma k16
+// One k-tile of a warpgroup's MMAs: the kBlockK / 16 wgmma k16
 // steps on the stage's operand tiles at smem addresses a_stage / b_stage (this warpgroup's rows)
 // as one commit group, then wait until at most kPending groups are in flight: 1, the previous
 // k-tile's group has retired (its stage may be reused); 0, this one too. first_k_tile: d starts
@@ -291,92 +287,6 @@ PETIT_DEVICE void sm90_wgmma_k_tile(float (&d)[Cfg::kWgmmaN / 2], uint32_t a_sta
 #pragma unroll
   for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
 }
-
-// After the last k-tile: every wgmma group of the warpgroup has retired and d holds the tile.
-template <class Cfg>
-PETIT_DEVICE void sm90_wgmma_drain(float (&d)[Cfg::kWgmmaN / 2]) {
-  sm90_wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) sm90_fence_operand(d[i]);
-}
-
-template <class Cfg_>
-struct Sm90WgmmaMainloop {
-  using Cfg = Cfg_;
-  static constexpr int kThreads = Cfg::kThreads;  // block size
-  // The kernels have a body only in the device passes that can run this main loop.
-  static constexpr bool kCompiled = PETIT_SM90A_BODY;
-  using LoaderA = CpAsyncLoader<Cfg::kBlockM, Cfg::kThreads, Sw128Swizzle>;
-  using LoaderB = CpAsyncLoader<Cfg::kBRows, Cfg::kThreads, Sw128Swizzle>;
-  static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
-  static constexpr int kStageBytes = LoaderA::kStageBytes + LoaderB::kStageBytes;
-  static_assert(LoaderA::kStageBytes % 1024 == 0 && kStageBytes % 1024 == 0,
-                "every operand tile starts on a 1024-byte swizzle atom");
-  // Dynamic shared memory of the kernel: kStages stages of A then B, plus the slack that lets
-  // run() align the ring to 1024 bytes whatever the base.
-  static constexpr int kSmemBytes = Cfg::kStages * kStageBytes + 1024;
-  // kMinBlocksPerSm blocks per SM must fit its 228 KiB of shared memory, each with the
-  // kernel's static shared memory (the tile scheduler's, ~3 KiB) and the 1 KiB the hardware
-  // reserves per block: 4 KiB of margin per block.
-  static_assert(Cfg::kMinBlocksPerSm * (kSmemBytes + 4096) <= 228 * 1024,
-                "the ring does not fit kMinBlocksPerSm blocks per SM");
-
-  // acc[i][g * kThreadN + j]: row Cfg::row_of(threadIdx.x, i), column Cfg::col_of(threadIdx.x,
-  // j) of group g.
-  float acc[Cfg::kThreadM][kAccCols];
-
-  // The whole reduction over k_dim (> 0, a multiple of 8). Starts and ends with every thread
-  // past a barrier, no copy or wgmma in flight and `smem` free, so consecutive tiles of a
-  // persistent loop may call it back to back.
-  PETIT_DEVICE void run(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim,
-                        unsigned char* smem) {
-    float d[Cfg::kWgmmaN / 2];
-#pragma unroll
-    for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) d[i] = 0.0f;
-
-    const uint32_t smem_base = (smem_addr_u32(smem) + 1023u) & ~1023u;
-    const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
-    constexpr int kAhead = Cfg::kStages - 2;  // k-tiles of copies in flight
-
-    // Prologue: k-tiles 0 .. kAhead-1 (one commit group each, empty past the last k-tile, so
-    // the group count stays uniform and wait_group<kAhead-1> below always means "k-tile kt
-    // has landed").
-#pragma unroll
-    for (int s = 0; s < kAhead; ++s)
-      issue_stage(a_loader, b_loader, smem_base + s * kStageBytes, s, Cfg::kBlockK, num_k_tiles,
-                  k_dim);
-
-    // This warpgroup's A rows (64 x 128 bytes each) and B rows (kWgmmaN x 128 bytes).
-    const int warpgroup = threadIdx.x / 128;
-    const uint32_t a_wg_offset = uint32_t((warpgroup / Cfg::kWgN) * 64 * 128);
-    const uint32_t b_wg_offset = uint32_t((warpgroup % Cfg::kWgN) * Cfg::kWgmmaN * 128);
-    int read_stage = 0;
-    int write_stage = kAhead;
-    for (int kt = 0; kt < num_k_tiles; ++kt) {
-      cp_async_wait<kAhead - 1>();
-      sm90_fence_proxy_async_smem();
-      // Makes k-tile kt visible to every warpgroup's wgmma and tells that every warpgroup has
-      // retired the wgmma group of k-tile kt - 2 (wait_group 1 at the end of iteration kt - 1),
-      // whose stage the prefetch below overwrites.
-      __syncthreads();
-      issue_stage(a_loader, b_loader, smem_base + write_stage * kStageBytes, kt + kAhead,
-                  Cfg::kBlockK, num_k_tiles, k_dim);
-      write_stage = write_stage + 1 == Cfg::kStages ? 0 : write_stage + 1;
-
-      sm90_wgmma_k_tile<Cfg>(
-          d, smem_base + read_stage * kStageBytes + a_wg_offset,
-          smem_base + read_stage * kStageBytes + LoaderA::kStageBytes + b_wg_offset, kt == 0);
-      read_stage = read_stage + 1 == Cfg::kStages ? 0 : read_stage + 1;
-    }
-    sm90_wgmma_drain<Cfg>(d);
-    // Only empty copy groups can still be pending; drain them and let every warpgroup finish
-    // reading before the next tile's prologue overwrites the stages.
-    cp_async_wait<0>();
-    __syncthreads();
-
-    sm90_epilogue_view<Cfg>(d, acc);
-  }
-};
 
 }  // namespace gemm
 }  // namespace petit

@@ -1,7 +1,7 @@
-// Warp-specialized variant of the Hopper wgmma main loop (sm90_mainloop_wgmma.h): one producer
-// warpgroup only loads, the consumer warpgroups of the tile config only multiply, and a ring of
-// kStages stages is handed between them through shared-memory mbarriers instead of one block
-// barrier per k-tile:
+// The Hopper main loop of the expert GEMMs, warp-specialized (wgmma pieces and tile configs:
+// sm90_mainloop_wgmma.h): one producer warpgroup only loads, the consumer warpgroups of the
+// tile config only multiply, and a ring of kStages stages is handed between them through
+// shared-memory mbarriers:
 //   - full[s] (kProducerThreads + 1 arrivals and the weight bytes): each producer thread
 //     arrives once per fill of stage s when its cp.async copies of the A rows into it have
 //     landed (cp.async.mbarrier.arrive.noinc); the first producer thread also arrives with
@@ -16,11 +16,10 @@
 // to the consumers (kConsumerRegs) with setmaxnreg, since the consumers hold the
 // accumulators of 64 x kWgmmaN tiles.
 //
-// Same tile configs (Sm90WgmmaTileConfig: the consumers keep threadIdx.x < Cfg::kThreads and
-// its row_of / col_of maps, so epilogues.h applies unchanged), the same A loader (cp_async.h,
-// rows gathered through the row list) and the same smem layout (128-byte swizzled K-major
-// stages) as the non-specialized main loop; the weights come through a tensor map (a kernel
-// parameter) instead of row pointers. Every mbarrier wait is bounded (kMbarrierTimeoutNs): on
+// Tile configs: Sm90WgmmaTileConfig (the consumers keep threadIdx.x < Cfg::kThreads and its
+// row_of / col_of maps, so epilogues.h applies unchanged); A rows gathered through the row list
+// by cp.async (cp_async.h) into 128-byte swizzled K-major stages; the weights through a tensor
+// map (a kernel parameter). Every mbarrier wait is bounded (kMbarrierTimeoutNs): on
 // expiry the thread traps, so a broken pipeline fails the launch (and the CUDA context) with
 // an error instead of hanging.
 //
@@ -221,19 +220,11 @@ PETIT_DEVICE void sm90_setmaxnreg_inc() {
 // kUserBytes: shared memory after the barriers for the kernel's own use (user_smem; the tile
 // scheduler's, which cannot be a static __shared__ variable under the CPU emulation's
 // concurrently running cluster CTAs).
-// kATma: the A rows are consecutive rows of one matrix (the down GEMM's activations) and come
-// as one TMA box per stage (Sm90RowsTmaLoader, issued with the weight boxes by the TMA issuer,
-// the stage's only arrival) instead of the producer warpgroup's cp.async gather: no cp.async
-// (LDGSTS) competing with the consumers' wgmma for the SM's MIO queue, no proxy fence per
-// k-tile. The other producer threads then only wait at the end. (The gate/up GEMM's gathered
-// rows as one single-row TMA box each, bit-equal, were 1.22x slower than its cp.async on H200
-// and were removed: examples/results/sweeps/experts_pipeline_e576e9e/.)
-template <class Cfg_, int kClusterM_ = 1, int kUserBytes_ = 0, bool kATma_ = false>
+template <class Cfg_, int kClusterM_ = 1, int kUserBytes_ = 0>
 struct Sm90WgmmaWsMainloop {
   using Cfg = Cfg_;
   static constexpr int kClusterM = kClusterM_;
   static constexpr int kUserBytes = kUserBytes_;
-  static constexpr bool kATma = kATma_;
   static constexpr bool kCompiled = PETIT_SM90A_BODY;
   static constexpr int kConsumerThreads = Cfg::kThreads;
   static constexpr int kProducerThreads = 128;
@@ -252,12 +243,10 @@ struct Sm90WgmmaWsMainloop {
   static_assert(Cfg::kNumBGroups * Cfg::kBlockN / Cfg::kWgN / 2 + 32 <= kConsumerRegs,
                 "the consumers' accumulators do not fit their registers");
 
-  using LoaderA = std::conditional_t<
-      kATma, Sm90RowsTmaLoader<Cfg::kBlockM>,
-      CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle, kConsumerThreads>>;
+  using LoaderA = CpAsyncLoader<Cfg::kBlockM, kProducerThreads, Sw128Swizzle, kConsumerThreads>;
   // Arrivals per fill of a stage: every producer thread's cp.async arrival and the TMA
-  // issuer's expect_tx one; with kATma only the latter.
-  static constexpr int kFullArrivals = kATma ? 1 : kProducerThreads + 1;
+  // issuer's expect_tx one.
+  static constexpr int kFullArrivals = kProducerThreads + 1;
   using LoaderB = Sm90WeightTmaLoader<Cfg, kClusterM>;
   static constexpr int kAccCols = Cfg::kNumBGroups * Cfg::kThreadN;
   static constexpr int kStageBytes = LoaderA::kStageBytes + LoaderB::kStageBytes;
@@ -317,7 +306,7 @@ struct Sm90WgmmaWsMainloop {
   PETIT_DEVICE void continue_from(const Other& other) {
     static_assert(Other::kStageBytes == kStageBytes && Other::Cfg::kStages == Cfg::kStages &&
                       Other::kConsumerWarps == kConsumerWarps && Other::kClusterM == kClusterM &&
-                      Other::kProducerThreads == kProducerThreads && !Other::kATma && !kATma,
+                      Other::kProducerThreads == kProducerThreads,
                   "one ring: same stages, stage bytes and arrivals");
     ring = other.ring;
     full = other.full;
@@ -336,34 +325,21 @@ struct Sm90WgmmaWsMainloop {
 
   // Producer threads: the k-tiles of one output tile into the ring (rank: this CTA's cluster
   // rank, which picks its share of the weight boxes when the cluster shares them: multicast).
-  // k-tiles [kt_begin, kt_end) of the tile (kt_end < 0: to the last one): a split-K share.
   // stage_tags (a kernel that hands its consumers the tiles it picks, expert_fused_ws_kernel):
   // the TMA issuer writes `tag` to stage_tags[s] of the tile's first stage s before the
   // stage's arrival, which publishes it to the consumers that wait for the stage.
-  // b_issued: the first b_issued k-tiles' weight boxes (and the first stage's tag) were issued
-  // already by produce_b_ahead (TMA issuer; the other producer threads pass anything).
   PETIT_DEVICE void produce(const LoaderA& a_loader, const LoaderB& b_loader, int k_dim, int rank,
-                            bool multicast, int kt_begin = 0, int kt_end = -1,
-                            volatile int* stage_tags = nullptr, int tag = 0, int b_issued = 0) {
-    const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
+                            bool multicast, volatile int* stage_tags = nullptr, int tag = 0) {
+    const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
     const bool tma_issuer = is_tma_issuer();
-    if constexpr (kATma) {  // the TMA issuer alone: A box and weight boxes, one arrival
-      for (int kt = kt_begin; tma_issuer && kt < num_k_tiles; ++kt, ++it) {
-        const uint32_t s = wait_empty(it);
-        if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
-        issue_weights(b_loader, s, kt, rank, multicast, LoaderA::kStageBytes);
-        a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, full + 8 * s);
+    for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
+      const uint32_t s = wait_empty(it);
+      if (tma_issuer) {
+        if (stage_tags != nullptr && kt == 0) stage_tags[s] = tag;
+        issue_weights(b_loader, s, kt, rank, multicast);
       }
-    } else {
-      for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
-        const uint32_t s = wait_empty(it);
-        if (tma_issuer && kt - kt_begin >= b_issued) {
-          if (stage_tags != nullptr && kt == kt_begin) stage_tags[s] = tag;
-          issue_weights(b_loader, s, kt, rank, multicast);
-        }
-        a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, k_dim);
-        sm90_cp_async_mbarrier_arrive_noinc(full + 8 * s);
-      }
+      a_loader.issue(ring + s * kStageBytes, kt * Cfg::kBlockK, k_dim);
+      sm90_cp_async_mbarrier_arrive_noinc(full + 8 * s);
     }
   }
 
@@ -377,34 +353,13 @@ struct Sm90WgmmaWsMainloop {
   }
 
   // TMA issuer: the weight boxes of k-tile kt into stage s, after the stage's expected bytes
-  // (the whole stage's, whichever CTA of the cluster loads them, plus extra_bytes: kATma's A
-  // box) that those copies complete.
+  // (the whole stage's, whichever CTA of the cluster loads them) that those copies complete.
   PETIT_DEVICE void issue_weights(const LoaderB& b_loader, uint32_t s, int kt, int rank,
-                                  bool multicast, uint32_t extra_bytes = 0) const {
-    sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes + extra_bytes);
+                                  bool multicast) const {
+    sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes);
     b_loader.issue(ring + s * kStageBytes + LoaderA::kStageBytes, kt * Cfg::kBlockK, full + 8 * s,
                    rank, multicast);
     probe_first(kProbeFirstIssue, true);  // the TMA issuer (start-up probe, ../probe.h)
-  }
-
-  // TMA issuer only, before the produce() of a tile whose A rows are not ready yet (a fused
-  // down tile waiting for its expert's gate/up tiles): the weight boxes of the tile's first
-  // min(max_count, k-tiles, kStages) k-tiles, into the stages produce() will fill next (each
-  // waited empty, the first tagged, its expected bytes arrived), so they stream during the
-  // wait. Returns how many; produce(..., b_issued = that) then adds only the A rows there.
-  PETIT_DEVICE int produce_b_ahead(const LoaderB& b_loader, int k_dim, int rank, bool multicast,
-                                   int max_count, volatile int* stage_tags = nullptr,
-                                   int tag = 0) {
-    static_assert(!kATma, "weights ahead of cp.async A rows only");
-    const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
-    int count = max_count < num_k_tiles ? max_count : num_k_tiles;
-    if (count > Cfg::kStages) count = Cfg::kStages;
-    for (int j = 0; j < count; ++j) {
-      const uint32_t s = wait_empty(it + uint32_t(j));
-      if (stage_tags != nullptr && j == 0) stage_tags[s] = tag;
-      issue_weights(b_loader, s, j, rank, multicast);
-    }
-    return count > 0 ? count : 0;
   }
 
   // A consumer warp hands a stage back: on its `empty` barrier, and with clusters on that of
@@ -422,7 +377,6 @@ struct Sm90WgmmaWsMainloop {
   // Producer threads, after their last tile: one more stage with no data whose tag is `tag`
   // (e.g. -1: no more tiles), completed by plain arrivals of every producer thread.
   PETIT_DEVICE void produce_end(volatile int* stage_tags, int tag) {
-    static_assert(!kATma, "the fused kernels' rings gather their A rows");
     const uint32_t s = wait_empty(it);
     if (is_tma_issuer()) {
       stage_tags[s] = tag;
@@ -441,26 +395,25 @@ struct Sm90WgmmaWsMainloop {
     return stage_tags[s];
   }
 
-  // Consumer threads: the reduction over k_dim (> 0, a multiple of 8) of one output tile, or
-  // over its k-tiles [kt_begin, kt_end) (kt_end < 0: to the last one; a split-K share, at
-  // least one k-tile), into acc; every stage it read is released again when it returns.
-  PETIT_DEVICE void consume(int k_dim, int kt_begin = 0, int kt_end = -1) {
+  // Consumer threads: the reduction over k_dim (> 0, a multiple of 8) of one output tile into
+  // acc; every stage it read is released again when it returns.
+  PETIT_DEVICE void consume(int k_dim) {
     float d[Cfg::kWgmmaN / 2];
 #pragma unroll
     for (int i = 0; i < Cfg::kWgmmaN / 2; ++i) d[i] = 0.0f;
-    const int num_k_tiles = kt_end < 0 ? (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK : kt_end;
+    const int num_k_tiles = (k_dim + Cfg::kBlockK - 1) / Cfg::kBlockK;
     const int warpgroup = threadIdx.x / 128;
     const uint32_t a_wg_offset = uint32_t((warpgroup / Cfg::kWgN) * 64 * 128);
     const uint32_t b_wg_offset = uint32_t((warpgroup % Cfg::kWgN) * Cfg::kWgmmaN * 128);
     const bool warp_leader = threadIdx.x % 32 == 0;
-    for (int kt = kt_begin; kt < num_k_tiles; ++kt, ++it) {
+    for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
       const uint32_t s = it % Cfg::kStages;
       sm90_mbarrier_wait_parity(full + 8 * s, (it / Cfg::kStages) & 1u);
       probe_first(kProbeFirstFull, threadIdx.x == 0);
       probe_count(kProbeKTiles, threadIdx.x == 0);
       // The producers' cp.async writes of the A rows (generic proxy) before this warpgroup's
       // wgmma reads (async proxy) of the stage; the TMA's rows are async-proxy writes.
-      if constexpr (!kATma) sm90_fence_proxy_async_smem();
+      sm90_fence_proxy_async_smem();
       // Wait for this k-tile's group itself (wait_group 0) and hand its stage back at once:
       // the consumers then hold no stage while they wait for the next one, so the producer
       // has the whole ring to load ahead in (a stage more than with wait_group 1, which kept
@@ -470,7 +423,7 @@ struct Sm90WgmmaWsMainloop {
       // a full stage a third of their time; cuBLAS's kernels on the same shapes wait 0.)
       sm90_wgmma_k_tile<Cfg, 0>(d, ring + s * kStageBytes + a_wg_offset,
                                 ring + s * kStageBytes + LoaderA::kStageBytes + b_wg_offset,
-                                kt == kt_begin);
+                                kt == 0);
       if (warp_leader) release(empty + 8 * s);
     }
 

@@ -96,32 +96,6 @@ PETIT_DEVICE void sm90_prefetch_tensor_map(const CUtensorMap* map) {
 #endif
 }
 
-// The A rows of one output tile when they are consecutive rows of a row-major bf16 matrix (the
-// down GEMM's activation rows, already in the per-expert sorted order: act [N*K, I]), as one
-// TMA box of kRows rows x 64 k per stage: the tensor map is that of sm90_encode_weight_map with
-// dims {K, rows, 1, 1} and boxes of kRows rows. Rows past the tile's last (the next expert's,
-// or unwritten workspace rows) are loaded too: a wgmma output row depends only on its own A
-// row, and the epilogues skip those rows; rows past the tensor read as zeros.
-template <int kRows>
-struct Sm90RowsTmaLoader {
-  static constexpr int kStageBytes = kRows * kTmaBoxK * int(sizeof(petit_bf16_bits));
-  static_assert(kRows % 8 == 0 && kRows <= 256, "whole 8-row swizzle atoms, one box");
-
-  const CUtensorMap* map;
-  int row_begin;
-
-  PETIT_DEVICE void init(const CUtensorMap* tensor_map, int tile_row_begin) {
-    map = tensor_map;
-    row_begin = tile_row_begin;
-  }
-
-  // The box of the k-tile starting at column k0 into the stage at `dst` (1024-byte aligned),
-  // completing kStageBytes on `bar`.
-  PETIT_DEVICE void issue(uint32_t dst, int k0, uint32_t bar) const {
-    sm90_tma_load_4d(dst, map, k0, row_begin, 0, 0, bar);
-  }
-};
-
 // The B (weight) rows of one output tile of tile config Cfg, as TMA boxes: stage row r holds
 // row n_begin + Cfg::b_col_of(r) of group Cfg::b_group_of(r) of the expert, and the config
 // keeps runs of kRunRows = Cfg::kGroupCols stage rows in one group with consecutive columns

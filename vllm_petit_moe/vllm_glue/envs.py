@@ -28,9 +28,8 @@ on H200 from ~512 tokens/rank, within a few percent below, and in the MoE layer 
 DeepSeek-V3 1 token/rank."""
 
 VLLM_PETIT_MOE_EXPERTS_TILES = "VLLM_PETIT_MOE_EXPERTS_TILES"
-"""Tile family of ``PetitExperts``' GEMMs: ``auto`` (default), ``small``, ``large``, ``mma``,
-``decode``, ``wgmma``, ``wgmma_m64``, ``wgmma_narrow``, ``wgmma_ws``, ``wgmma_m64_ws``,
-``wgmma_ws_mc`` or ``wgmma_narrow_ws`` (``vllm_petit_moe.ops.TILES``)."""
+"""Debug override of the tile family of ``PetitExperts``' GEMMs: ``auto`` (default), ``simt``,
+``wgmma_narrow``, ``wgmma_m64``, ``wgmma`` or ``wgmma_mc`` (``vllm_petit_moe.ops.TILES``)."""
 
 VLLM_PETIT_MOE_TIMEOUT_S = "VLLM_PETIT_MOE_TIMEOUT_S"
 """Bound, in seconds, of every spin-wait of the dispatch/combine kernels before they report
