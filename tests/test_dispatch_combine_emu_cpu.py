@@ -13,11 +13,13 @@ headers (uint4/dim3 only).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
 
 from conftest import assert_case_ok, build_emu_library, run_case
+from vllm_petit_moe.config import CombineConfig
 from vllm_petit_moe.testing import reference as ref
 
 NUM_EXPERTS = 32
@@ -48,6 +50,10 @@ def _load(lib):
     lib.petit_emu_ep_combine.argtypes = [p, p, p, p, i, i, p]
     lib.petit_emu_ep_rounds.argtypes = [p, i, p, p, p, p, i, i, p, p]
     lib.petit_emu_ep_peer_write.argtypes = [p, p, ctypes.c_longlong, i, p]
+    lib.petit_emu_ep_set_combine_config.argtypes = [p, i, i, i, i]
+    lib.petit_emu_ep_set_combine_config.restype = None
+    lib.petit_emu_ep_combine_plan.argtypes = [p, i, i, i, i, p]
+    lib.petit_emu_ep_combine_plan.restype = ctypes.c_int
     return lib
 
 
@@ -75,6 +81,20 @@ class EmuEp:
         self.handle = lib.petit_emu_ep_create(world_size, max_tokens, hidden, max_top_k,
                                               num_experts, num_blocks, timeout_s)
         assert self.handle, "petit_emu_ep_create rejected its arguments"
+
+    def set_combine_config(self, config):
+        """Every rank's CombineConfig from now on."""
+        self.lib.petit_emu_ep_set_combine_config(self.handle, *dataclasses.astuple(config))
+
+    def combine_plan(self, rank, num_tokens, top_k, region_stride):
+        """plan_combine of one rank's combine: {send_chunks, whole_pairs, send_blocks,
+        reduce_chunks, static_reduce, grid}."""
+        out = _ints([0] * 6)
+        rc = self.lib.petit_emu_ep_combine_plan(self.handle, rank, num_tokens, top_k,
+                                                region_stride, out)
+        assert rc == 0, f"plan_combine returned {rc}"
+        return dict(zip(("send_chunks", "whole_pairs", "send_blocks", "reduce_chunks",
+                         "static_reduce", "grid"), list(out)))
 
     def close(self):
         if self.handle:
@@ -401,7 +421,7 @@ def test_create_rejects_bad_configurations(emu):
         assert not emu.petit_emu_ep_create(*args, 1.0), args
 
 
-# ---- in a fresh process (run_case): a trap aborts the process, knobs are read once per process
+# ---- in a fresh process (run_case): a trap aborts the process
 def _case(lib_path, case):
     """Run by run_case in a fresh process."""
     lib = _load(ctypes.CDLL(lib_path))
@@ -410,26 +430,60 @@ def _case(lib_path, case):
         xs, ids, ws = _inputs(9, [4, 4], 64, 2, 2)
         ep.dispatch(xs, ids, ws, region_stride=4, ranks=[0])
         print("dispatch returned")
-    elif case == "chunked_rounds":  # hidden chunks, 3 token groups, 3 blocks per rank
-        ep = EmuEp(lib, 2, max_tokens=96, hidden=2048, num_blocks=3)
-        for round_ in range(2):
-            xs, ids, ws = _inputs(40 + round_, [96, 70], 2048, 4, 2)
-            _check_round(ep, xs, ids, ws, region_stride=96, tag=f"round {round_}")
-        print("ok")
     else:
         raise ValueError(case)
 
 
-@pytest.mark.parametrize("knobs", [
-    {"PETIT_MOE_COMBINE_SEND_CHUNKS": "3"},      # send items of one hidden chunk each
-    {"PETIT_MOE_COMBINE_REDUCE_VECTORS": "0"},   # reduce items = the send chunks
-    {"PETIT_MOE_COMBINE_REDUCE_ITEMS": "0", "PETIT_MOE_COMBINE_REDUCE_VECTORS": "64"},
-    {"PETIT_MOE_SC_FENCES": "1", "PETIT_MOE_COMBINE_PREFETCH": "0"},
+@pytest.mark.parametrize("config,plan", [
+    (CombineConfig(), dict(reduce_chunks=2, static_reduce=0)),
+    # reduce items = the send chunks
+    (CombineConfig(reduce_vectors=0), dict(reduce_chunks=1, static_reduce=0)),
+    (CombineConfig(reduce_items=0, reduce_vectors=64), dict(reduce_chunks=4, static_reduce=0)),
+    # half the grid reduce-only, the senders claiming reduce items after their sends
+    (CombineConfig(reduce_pct=50, reduce_vectors=64, reduce_items=0),
+     dict(send_blocks=2, reduce_chunks=4, static_reduce=0)),
+    # one sender, the other two blocks reduce from the start
+    (CombineConfig(reduce_pct=90, reduce_vectors=0), dict(send_blocks=1, reduce_chunks=1)),
 ])
-def test_the_tuning_knobs_keep_the_results(emu, knobs):
-    """The combine's planning knobs (read once per process, hence a subprocess each) change
-    how the work is cut, never a result bit."""
-    assert_case_ok(run_case(__file__, emu._name, "chunked_rounds", env=knobs), f"{knobs}")
+def test_the_combine_config_keeps_the_results(emu, config, plan):
+    """The CombineConfig changes how the combine's work is cut (hidden chunks, 3 token groups,
+    3 blocks per rank; the plan checked), never a result bit: two rounds against the
+    reference, on one buffer."""
+    ep = EmuEp(emu, 2, max_tokens=96, hidden=2048, num_blocks=3)
+    try:
+        ep.set_combine_config(config)
+        got = ep.combine_plan(0, 96, 4, 96)
+        assert {k: got[k] for k in plan} == plan, got
+        for round_ in range(2):
+            xs, ids, ws = _inputs(40 + round_, [96, 70], 2048, 4, 2)
+            _check_round(ep, xs, ids, ws, region_stride=96, tag=f"round {round_}")
+    finally:
+        ep.close()
+
+
+def test_static_reduction_of_small_combines(emu):
+    """A combine with no more reduce items than reduce-only blocks gives each item its own
+    block (no claim counter): 1 token group in 4 send and reduce chunks, 8 blocks."""
+    ep = EmuEp(emu, 2, max_tokens=32, hidden=2048, num_blocks=8)
+    try:
+        plan = ep.combine_plan(0, 20, 2, 32)
+        assert plan["static_reduce"] == 1 and plan["reduce_chunks"] == 4, plan
+        assert plan["grid"] - plan["send_blocks"] >= plan["reduce_chunks"], plan
+        for round_ in range(2):
+            xs, ids, ws = _inputs(60 + round_, [20, 32], 2048, 2, 2)
+            _check_round(ep, xs, ids, ws, region_stride=32, tag=f"round {round_}")
+    finally:
+        ep.close()
+
+
+def test_invalid_combine_config_is_refused(emu):
+    ep = EmuEp(emu, 2, max_tokens=32, hidden=64, num_blocks=2)
+    try:
+        emu.petit_emu_ep_set_combine_config(ep.handle, 91, 128, 8, 4)
+        out = _ints([0] * 6)
+        assert emu.petit_emu_ep_combine_plan(ep.handle, 0, 8, 2, 32, out) != 0
+    finally:
+        ep.close()
 
 
 def test_a_missing_rank_times_out_naming_rank_peer_and_epoch(emu):
@@ -439,10 +493,3 @@ def test_a_missing_rank_times_out_naming_rank_peer_and_epoch(emu):
     out = result.stdout + result.stderr
     assert "dispatch timed out on rank 0 waiting for rank 1, token group 0: expected epoch 1, " \
         "flag holds epoch 0" in out, out[-2000:]
-
-
-def test_combine_with_claimed_reduce_items(emu):
-    """PETIT_MOE_COMBINE_STATIC_REDUCE=0 (the claim counter every block draws reduce items
-    from), with a send-only share of 50% so senders claim items after their sends."""
-    knobs = {"PETIT_MOE_COMBINE_STATIC_REDUCE": "0", "PETIT_MOE_COMBINE_REDUCE_PCT": "50"}
-    assert_case_ok(run_case(__file__, emu._name, "chunked_rounds", env=knobs), f"{knobs}")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rank_pool import get_buffer
+from vllm_petit_moe.config import CombineConfig
 from vllm_petit_moe.testing import reference as ref
 
 NUM_EXPERTS = 32
@@ -371,6 +372,21 @@ def test_combine_tail_split(rank_pools, num_sms, max_tokens, tokens):
     cfg = _cfg(hidden=7168, max_tokens=max_tokens)
     cfg["num_sms"] = num_sms
     pool.run(_rank_round_trip, cfg, 91, tokens, 8, None, 2, None, False)
+
+
+@pytest.mark.parametrize("config", [
+    CombineConfig(reduce_pct=50, reduce_vectors=0, tail_chunks=0),  # whole pairs, coarse items
+    CombineConfig(reduce_pct=0, reduce_vectors=64, reduce_items=0, tail_chunks=14),
+])
+def test_combine_config_keeps_the_bits(rank_pools, config):
+    # EpBuffer(config=CombineConfig(...)) changes how the combine cuts its grid and its work
+    # (senders, send and reduce chunks, the tail split), never a bit of the result: bit-equal
+    # to the reference at a tail-split size (4096 tokens, 132 SMs) and on unequal ranks.
+    pool = rank_pools(2)
+    cfg = _cfg(hidden=7168, max_tokens=4096)
+    cfg["num_sms"] = 132
+    cfg["config"] = config
+    pool.run(_rank_round_trip, cfg, 95, [4096, 2500], 8, None, 2, None, False)
 
 
 @pytest.mark.parametrize("num_sms,max_tokens,tokens", [(132, 4096, [4096, 3000]),

@@ -3,10 +3,9 @@ emulation (tests/emu/experts_emu.cpp), against the torch reference.
 
 This checks the kernels' index math, bounds handling, persistent tile loop, scheduler scan and
 barrier placement before (and besides) the GPU tests in test_experts_gpu.py; it says nothing
-about performance or the GPU memory model. The tensor-core families (sm_80 mma, the sm_90a wgmma
-ones, the warp-specialized ones included) run too, on an emulation of their PTX
-(tests/emu/emu_ptx.h: cp.async and wgmma completing as late as allowed, ldmatrix / mma.sync
-across the warp's lanes, mbarriers), with the emulated device reporting compute capability 9.0.
+about performance or the GPU memory model. The Hopper regimes (warp-specialized wgmma) run too,
+on an emulation of their PTX (tests/emu/emu_ptx.h: cp.async, TMA and wgmma completing as late as
+allowed, mbarriers, clusters), with the emulated device reporting compute capability 9.0.
 The row lists come from the reference (the routing kernel has its own GPU test). Needs g++ and
 the CUDA headers (for uint4/float4/dim3 only).
 """
@@ -17,15 +16,20 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import astuple
 
 import pytest
 import torch
 
 from conftest import build_emu_library
+from vllm_petit_moe.config import ExpertConfig
 from vllm_petit_moe.testing import reference
 from vllm_petit_moe.ops import TILE_NAMES, TILES
 
-TENSOR_CORE = ("mma",) + tuple(t for t in TILES if t.startswith("wgmma"))
+HOPPER = tuple(t for t in TILES if t.startswith("wgmma"))
+# The SIMT fallback's two tile heights, forced through ExpertConfig.simt_large_min_rows.
+SIMT_SIZES = {"small": ExpertConfig(simt_large_min_rows=2**30),
+              "large": ExpertConfig(simt_large_min_rows=0)}
 
 
 @pytest.fixture(scope="session")
@@ -40,10 +44,18 @@ def load_experts_emu(tmp_path_factory):
     lib.petit_emu_set_compute_capability.restype = None
     lib.petit_emu_last_gemm_launch.restype = None
     lib.petit_emu_resolve_tiles.restype = ctypes.c_int
-    lib.petit_emu_split_floats_written.restype = ctypes.c_int64
+    lib.petit_emu_set_expert_config.restype = None
+    lib.petit_emu_default_expert_config.restype = None
     lib.petit_emu_fused_gemms.restype = ctypes.c_int
     lib.petit_emu_fused_auto_narrow.restype = ctypes.c_int
     return lib
+
+
+def set_config(lib, config=None):
+    """The ExpertConfig of the emulation's next calls (None: the defaults; a tuple: its
+    fields in order, unchecked)."""
+    fields = astuple(config or ExpertConfig()) if not isinstance(config, tuple) else config
+    lib.petit_emu_set_expert_config(*fields)
 
 
 def last_launch(lib, gate_up):
@@ -62,9 +74,13 @@ def sm90(emu):
 
 
 def run_emulated(lib, recv_x, ids, weights, w13, w2, *, tiles="auto", num_sms=1,
-                 expert_map=None):
+                 expert_map=None, config=None):
     """launch_experts on the CPU; act/partial/out poisoned with NaN first. With `expert_map`
-    ([E] int32), `ids` are global ids that the kernels map."""
+    ([E] int32), `ids` are global ids that the kernels map. `tiles` "small" / "large": the
+    SIMT family with that tile height (SIMT_SIZES); `config`: an ExpertConfig."""
+    if tiles in SIMT_SIZES:
+        tiles, config = "simt", SIMT_SIZES[tiles]
+    set_config(lib, config)
     num_rows, hidden = recv_x.shape
     top_k = ids.shape[1]
     num_local, intermediate = w13.shape[0], w13.shape[1] // 2
@@ -89,6 +105,7 @@ def run_emulated(lib, recv_x, ids, weights, w13, w2, *, tiles="auto", num_sms=1,
         expert_map.numel() if expert_map is not None else 0,
         ctypes.byref(used),
     )
+    set_config(lib)
     assert rc == 0, f"launch_experts returned {rc}"
     return out, TILE_NAMES[used.value]
 
@@ -123,23 +140,6 @@ def top1_ids(counts, seed):
     return ids[torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(seed))]
 
 
-def run_with_knob(lib, monkeypatch, knob, value, problem, tiles, num_sms):
-    """run_emulated with the environment knob set to value, asserting it ran `tiles`."""
-    monkeypatch.setenv(knob, value)
-    out, used = run_emulated(lib, *problem, tiles=tiles, num_sms=num_sms)
-    assert used == tiles
-    return out
-
-
-def knob_on_equals_off(lib, monkeypatch, knob, problem, tiles, num_sms):
-    """run_with_knob at 1 and at 0 on the same problem: asserts bit-equal outputs, checks the
-    one with the knob on against the reference and returns it."""
-    on = run_with_knob(lib, monkeypatch, knob, "1", problem, tiles, num_sms)
-    assert torch.equal(on, run_with_knob(lib, monkeypatch, knob, "0", problem, tiles, num_sms))
-    check_against_reference(on, problem)
-    return on
-
-
 def check_against_reference(out, problem):
     kernel_ref = reference.experts_reference(*problem, precision="kernel")
     fp32_ref = reference.experts_reference(*problem, precision="fp32")
@@ -148,7 +148,7 @@ def check_against_reference(out, problem):
     assert bool((out[no_local] == 0).all()), "rows without a local id must be 0"
 
 
-@pytest.mark.parametrize("tiles", ["small", "large", "decode"])
+@pytest.mark.parametrize("tiles", ["small", "large"])
 @pytest.mark.parametrize("hidden, intermediate", [(136, 40), (8, 8), (40, 136)])
 def test_random_routing_odd_shapes(emu, tiles, hidden, intermediate):
     gen = torch.Generator().manual_seed(hidden * 7 + intermediate)
@@ -157,7 +157,7 @@ def test_random_routing_odd_shapes(emu, tiles, hidden, intermediate):
     ids[3] = -1  # a row with no local slot
     problem = make_problem(ids, hidden, intermediate, 5, seed=1)
     out, used = run_emulated(emu, *problem, tiles=tiles, num_sms=2)
-    assert used == tiles
+    assert used == "simt"
     check_against_reference(out, problem)
 
 
@@ -166,7 +166,7 @@ def test_empty_experts_and_one_expert_with_all_rows(emu, top_k):
     ids = torch.full((300, top_k), -1, dtype=torch.int32)
     ids[:, top_k - 1] = 4  # expert 4 of 6 gets every row, experts 0-3 and 5 none
     problem = make_problem(ids, 24, 16, 6, seed=2)
-    for tiles in ("small", "large", "decode"):
+    for tiles in ("small", "large"):
         out, _ = run_emulated(emu, *problem, tiles=tiles)
         check_against_reference(out, problem)
 
@@ -176,7 +176,7 @@ def test_rows_per_expert_1_to_4096(emu):
     ids = routing_with_counts(counts, seed=3)
     assert torch.bincount(ids[ids >= 0].long()).tolist() == counts
     problem = make_problem(ids, 16, 8, len(counts), seed=4)
-    for tiles in ("small", "large", "decode"):
+    for tiles in ("small", "large"):
         out, _ = run_emulated(emu, *problem, tiles=tiles, num_sms=4)
         check_against_reference(out, problem)
 
@@ -190,8 +190,9 @@ def test_all_rows_unrouted_give_zeros(emu):
 
 
 def test_deterministic_and_batch_invariant(emu):
-    """Fixed-order fp32 FMA chains and a fixed-order slot sum: bit-identical across tile
-    families, repeated runs, grid sizes and batch compositions (what PetitExperts claims)."""
+    """Fixed-order fp32 FMA chains and a fixed-order slot sum: bit-identical across the SIMT
+    tile heights, repeated runs, grid sizes and batch compositions (what PetitExperts
+    claims)."""
     gen = torch.Generator().manual_seed(6)
     ids = torch.randint(-1, 4, (40, 3), generator=gen, dtype=torch.int32)
     problem = make_problem(ids, 72, 24, 4, seed=7)
@@ -206,44 +207,33 @@ def test_deterministic_and_batch_invariant(emu):
     assert torch.equal(part, small[:first])
 
 
-def test_decode_tiles_are_deterministic_and_batch_invariant(emu):
-    """The decode family sums each dot product in a fixed order (lane-strided fp32 chains, then
-    the 32 lanes in order): repeatable over grid sizes and batch compositions. (Its order
-    differs from the SIMT families', so it is compared with them only through the
-    reference.)"""
-    gen = torch.Generator().manual_seed(16)
-    ids = torch.randint(-1, 4, (40, 3), generator=gen, dtype=torch.int32)
-    problem = make_problem(ids, 264, 72, 4, seed=17)  # K spans several lane strides
-    one, _ = run_emulated(emu, *problem, tiles="decode", num_sms=1)
-    three, _ = run_emulated(emu, *problem, tiles="decode", num_sms=3)
-    assert torch.equal(one, three)
-    check_against_reference(one, problem)
-    first = 11
-    x, i, w, w13, w2 = problem
-    part, _ = run_emulated(emu, x[:first].contiguous(), i[:first].contiguous(),
-                           w[:first].contiguous(), w13, w2, tiles="decode")
-    assert torch.equal(part, one[:first])
-
-
-def test_auto_tiles_follow_rows_per_expert(emu):
-    # The large tiles from N*K / L >= 256 rows per expert on (experts.cu).
+@pytest.mark.parametrize("tiles", ["auto", "simt"])
+def test_simt_tile_height_follows_rows_per_expert(emu, tiles):
+    """The SIMT family's 128-row tiles from ExpertConfig.simt_large_min_rows (256) routing
+    entries per local expert (N*K / L), its 16-row ones below; auto picks the family on a
+    device without sm_90a. Seen in the persistent grid on 1 SM: 2 blocks of the large tiles,
+    4 of the small ones (their blocks per SM), the problem having more tiles than that."""
     ids = torch.zeros((64, 8), dtype=torch.int32)
     x, ids, w, w13, w2 = make_problem(ids, 8, 8, 2, seed=8)
-    _, used = run_emulated(emu, x, ids, w, w13, w2)  # 64*8 / 2 = 256
-    assert used == "large"
-    _, used = run_emulated(emu, x[:63].contiguous(), ids[:63].contiguous(),
-                           w[:63].contiguous(), w13, w2)  # 252
-    assert used == "small"
+    out, used = run_emulated(emu, x, ids, w, w13, w2, tiles=tiles)  # 64*8 / 2 = 256
+    assert used == "simt" and last_launch(emu, True)["grid"] == 2
+    check_against_reference(out, (x, ids, w, w13, w2))
+    head = (x[:63].contiguous(), ids[:63].contiguous(), w[:63].contiguous(), w13, w2)
+    _, used = run_emulated(emu, *head, tiles=tiles)  # 252
+    assert used == "simt" and last_launch(emu, True)["grid"] == 4
+    _, used = run_emulated(emu, *head, tiles=tiles,
+                           config=ExpertConfig(simt_large_min_rows=252))  # the bound moved
+    assert used == "simt" and last_launch(emu, True)["grid"] == 2
 
 
-@pytest.mark.parametrize("tiles", TENSOR_CORE)
-def test_tensor_core_families_on_emulated_ptx(sm90, tiles):
-    """The tensor-core families' data path on the CPU: cp.async tile loads into the swizzled
-    ring, ldmatrix / mma.sync fragments or wgmma descriptors and accumulator layout, the
-    epilogues, and for the *_ws families the producer/consumer ring over mbarriers. Odd K
-    (3 and 4 k-tiles, the last partial), several tiles per block (the ring wraps around its
-    stages and, warp-specialized, runs on across tiles), an expert with no rows, a row with no
-    local slot."""
+@pytest.mark.parametrize("tiles", HOPPER)
+def test_hopper_regimes_on_emulated_ptx(sm90, tiles):
+    """The Hopper regimes' data path on the CPU: cp.async row gathers and TMA weight boxes into
+    the swizzled ring, wgmma descriptors and accumulator layout, the producer/consumer ring
+    over mbarriers, the epilogues (the staged one of wgmma / wgmma_mc, the fused launch of
+    wgmma_narrow / wgmma_m64). Odd K (3 and 4 k-tiles, the last partial), several tiles per
+    block (the ring wraps around its stages and runs on across tiles), an expert with no rows,
+    a row with no local slot."""
     gen = torch.Generator().manual_seed(21)
     ids = torch.randint(0, 4, (45, 3), generator=gen, dtype=torch.int32)
     ids = torch.where(ids == 3, -1, ids)  # expert 3 of 5 never, expert 4 never either
@@ -254,15 +244,19 @@ def test_tensor_core_families_on_emulated_ptx(sm90, tiles):
     check_against_reference(out, problem)
 
 
-@pytest.mark.parametrize("ws,plain", [("wgmma_ws", "wgmma"), ("wgmma_m64_ws", "wgmma_m64"),
-                                     ("wgmma_narrow_ws", "wgmma_narrow"),
-                                     ("wgmma_ws_mc", "wgmma_ws")])
-def test_warp_specialized_families_equal_their_tiles(sm90, ws, plain):
+@pytest.mark.parametrize("tiles,same_as", [("wgmma_narrow", "wgmma_m64"), ("wgmma_mc", "wgmma"),
+                                           ("wgmma_m64", "wgmma")])
+def test_hopper_regimes_give_the_same_bits(sm90, tiles, same_as):
+    """The Hopper regimes sum every output in the same k order with the same epilogue
+    formulas: narrow and m64 (same 64 rows, other columns per tile), multicast and wgmma (same
+    tiles, in clusters), m64 and wgmma (64- and 128-row tiles) agree bit for bit. 4 and 3
+    k-tiles (the rings wrap), experts with 0 to ~40 rows."""
     gen = torch.Generator().manual_seed(24)
     ids = torch.randint(-1, 3, (60, 2), generator=gen, dtype=torch.int32)
-    problem = make_problem(ids, 200, 136, 3, seed=25)  # 4 and 3 k-tiles, the ring wraps
-    got, _ = run_emulated(sm90, *problem, tiles=ws, num_sms=1)
-    want, _ = run_emulated(sm90, *problem, tiles=plain, num_sms=1)
+    problem = make_problem(ids, 200, 136, 3, seed=25)
+    got, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=1)
+    assert used == tiles
+    want, _ = run_emulated(sm90, *problem, tiles=same_as, num_sms=1)
     assert torch.equal(got, want)
 
 
@@ -273,57 +267,43 @@ def test_clusters_with_odd_m_tiles_and_several_clusters(sm90, hidden, inter):
     between the two CTAs, each loading its own weights. Experts with 1, 2 and 3 m-tiles of 128
     rows; 1 n-tile per GEMM (the second CTA of a split unit has no n-tile, no rows, and still
     walks the unit's k-tiles) or 3 (an odd count: the last split unit's second CTA again has
-    none); 2 clusters (4 CTAs) walking several units each: bit-equal to wgmma_ws."""
+    none); 2 clusters (4 CTAs) walking several units each: bit-equal to wgmma."""
     counts = [100, 200, 300]
     ids = top1_ids(counts, seed=31)
     problem = make_problem(ids.contiguous(), hidden, inter, 3, seed=32)
-    got, used = run_emulated(sm90, *problem, tiles="wgmma_ws_mc", num_sms=4)
-    assert used == "wgmma_ws_mc"
+    got, used = run_emulated(sm90, *problem, tiles="wgmma_mc", num_sms=4)
+    assert used == "wgmma_mc"
     for gate_up in (True, False):  # 2 clusters of 2 CTAs of 384 threads
         shape = last_launch(sm90, gate_up)
         assert (shape["grid"], shape["threads"], shape["cluster"]) == (4, 384, 2), shape
-    want, _ = run_emulated(sm90, *problem, tiles="wgmma_ws", num_sms=4)
+    want, _ = run_emulated(sm90, *problem, tiles="wgmma", num_sms=4)
     assert torch.equal(got, want)
     check_against_reference(got, problem)
     assert last_launch(sm90, True)["cluster"] == 1
     # an odd SM count: whole clusters only (3 -> 1 cluster of 2)
-    again, _ = run_emulated(sm90, *problem, tiles="wgmma_ws_mc", num_sms=3)
+    again, _ = run_emulated(sm90, *problem, tiles="wgmma_mc", num_sms=3)
     assert torch.equal(again, got)
     assert (last_launch(sm90, False)["grid"], last_launch(sm90, False)["cluster"]) == (2, 2)
 
 
-@pytest.mark.parametrize("tiles,num_sms", [("wgmma_ws", 1), ("wgmma_ws", 3), ("wgmma_ws_mc", 2),
-                                           ("wgmma_ws_mc", 4)])
-def test_staged_down_epilogue_equals_the_plain_one(sm90, monkeypatch, tiles, num_sms):
-    """PETIT_MOE_STAGED_EPILOGUE=1: the down GEMM of wgmma_ws / wgmma_ws_mc writes its tile
-    through a shared-memory staging buffer and per-row bulk copies (3-stage ring), bit-equal to
-    the plain epilogue. Several tiles per block (the staging buffer is rewritten while the
-    previous tile's copies may still read it), a partial last n-tile (hidden 520: 8 columns),
-    experts with 1-3 m-tiles of rows, one with none."""
+@pytest.mark.parametrize("tiles,num_sms", [("wgmma", 1), ("wgmma", 3), ("wgmma_mc", 2),
+                                           ("wgmma_mc", 4)])
+def test_staged_down_epilogue(sm90, tiles, num_sms):
+    """The down GEMM of wgmma / wgmma_mc writes its tile through a shared-memory staging
+    buffer and per-row bulk copies (a 3-stage ring, so more dynamic shared memory than the
+    gate/up kernel's 4-stage one): against the reference and bit-equal to wgmma_m64, whose
+    down GEMM stores straight from its registers. Several tiles per block (the staging buffer
+    is rewritten while the previous tile's copies may still read it), a partial last n-tile
+    (hidden 520: 8 columns), experts with 1-3 m-tiles of rows, one with none."""
     counts = [100, 0, 200, 300]
     ids = top1_ids(counts, seed=61)
     problem = make_problem(ids.contiguous(), 520, 136, 4, seed=62)
-    knob = "PETIT_MOE_STAGED_EPILOGUE"
-    staged = run_with_knob(sm90, monkeypatch, knob, "1", problem, tiles, num_sms)
+    staged, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    assert used == tiles
     assert last_launch(sm90, False)["smem_bytes"] > last_launch(sm90, True)["smem_bytes"]
-    plain = run_with_knob(sm90, monkeypatch, knob, "0", problem, tiles, num_sms)
-    assert torch.equal(staged, plain)
     check_against_reference(staged, problem)
-
-
-@pytest.mark.parametrize("tiles,num_sms", [("wgmma_ws", 1), ("wgmma_ws", 3), ("wgmma_ws_mc", 4)])
-def test_down_act_rows_by_tma_equal_the_gather(sm90, monkeypatch, tiles, num_sms):
-    """PETIT_MOE_DOWN_A_TMA=1: the staged down GEMM of wgmma_ws / wgmma_ws_mc loads its act
-    rows as one TMA box per stage (the TMA issuer the stage's only arrival) instead of the
-    producer warpgroup's cp.async: bit-equal. The boxes also read rows past each tile's last
-    (the next expert's, and NaN-poisoned workspace rows past the last valid entry), which
-    must not reach the output; experts with 0-3 m-tiles, a partial last n-tile and k-tile
-    (hidden 520, intermediate 136)."""
-    counts = [100, 0, 200, 300]
-    ids = top1_ids(counts, seed=63)
-    ids = torch.cat([ids, torch.full_like(ids[:50], -1)])  # unrouted rows: act rows never written
-    problem = make_problem(ids.contiguous(), 520, 136, 4, seed=64)
-    knob_on_equals_off(sm90, monkeypatch, "PETIT_MOE_DOWN_A_TMA", problem, tiles, num_sms)
+    plain, _ = run_emulated(sm90, *problem, tiles="wgmma_m64", num_sms=num_sms)
+    assert torch.equal(staged, plain)
 
 
 def test_a_trap_reports_to_stderr_and_appends_to_the_trap_log(emu, tmp_path):
@@ -344,37 +324,72 @@ def test_a_trap_reports_to_stderr_and_appends_to_the_trap_log(emu, tmp_path):
 
 def test_auto_bounds_on_an_sm90_device(sm90):
     """auto's choice by the rows-per-expert estimate N*K / L and the hidden size, where the
-    wgmma families run: wgmma_narrow_ws below 2, wgmma_m64_ws below 96, wgmma_ws from there,
-    wgmma_ws_mc from 256 at hidden >= 4096 (the bounds measured on H200, csrc/experts/experts.cu)."""
+    Hopper family runs, with ExpertConfig's default bounds (csrc/common/config.h): wgmma_narrow
+    below 2, wgmma_m64 below 96, wgmma from there, wgmma_mc from 256 at hidden >= 4096."""
     def auto(num_rows, top_k, num_local, hidden):
         return TILE_NAMES[sm90.petit_emu_resolve_tiles(num_rows, top_k, num_local, hidden, 0)]
 
+    defaults = (ctypes.c_int * 5)()
+    sm90.petit_emu_default_expert_config(defaults)
+    assert tuple(defaults) == (2, 96, 256, 4096, 256) == astuple(ExpertConfig())
+
     L = 128  # N*K / L = num_rows * 8 / 128 = num_rows / 16
-    assert auto(0, 8, L, 7168) == "wgmma_narrow_ws"
-    assert auto(31, 8, L, 7168) == "wgmma_narrow_ws"    # 1.9375
-    assert auto(32, 8, L, 7168) == "wgmma_m64_ws"       # 2
-    assert auto(1535, 8, L, 7168) == "wgmma_m64_ws"     # 95.9
-    assert auto(1536, 8, L, 7168) == "wgmma_ws"         # 96
-    assert auto(4095, 8, L, 7168) == "wgmma_ws"         # 255.9
-    assert auto(4096, 8, L, 7168) == "wgmma_ws_mc"      # 256
-    assert auto(4096, 8, L, 4096) == "wgmma_ws_mc"
-    assert auto(4096, 8, L, 4088) == "wgmma_ws"         # below the hidden bound
-    assert auto(65536, 8, L, 2048) == "wgmma_ws"        # Qwen3's hidden size: never clustered
-    for name in ("small", "wgmma_m64", "wgmma_ws_mc"):   # an explicit family stays
+    assert auto(0, 8, L, 7168) == "wgmma_narrow"
+    assert auto(31, 8, L, 7168) == "wgmma_narrow"    # 1.9375
+    assert auto(32, 8, L, 7168) == "wgmma_m64"       # 2
+    assert auto(1535, 8, L, 7168) == "wgmma_m64"     # 95.9
+    assert auto(1536, 8, L, 7168) == "wgmma"         # 96
+    assert auto(4095, 8, L, 7168) == "wgmma"         # 255.9
+    assert auto(4096, 8, L, 7168) == "wgmma_mc"      # 256
+    assert auto(4096, 8, L, 4096) == "wgmma_mc"
+    assert auto(4096, 8, L, 4088) == "wgmma"         # below the hidden bound
+    assert auto(65536, 8, L, 2048) == "wgmma"        # Qwen3's hidden size: never clustered
+    for name in ("simt", "wgmma_m64", "wgmma_mc"):    # an explicit family stays
         assert TILE_NAMES[sm90.petit_emu_resolve_tiles(4, 8, L, 7168, TILES[name])] == name
 
 
+def test_auto_bounds_follow_the_config(sm90):
+    """ExpertConfig moves every bound of auto's choice (exclusive below, inclusive from);
+    narrow_max_rows = 0 never picks wgmma_narrow."""
+    def auto(num_rows, hidden, config):
+        set_config(sm90, config)
+        try:
+            return TILE_NAMES[sm90.petit_emu_resolve_tiles(num_rows, 8, 128, hidden, 0)]
+        finally:
+            set_config(sm90)
+
+    # N*K / L = num_rows / 16
+    assert auto(63, 7168, ExpertConfig(narrow_max_rows=4)) == "wgmma_narrow"   # 3.9
+    assert auto(64, 7168, ExpertConfig(narrow_max_rows=4)) == "wgmma_m64"      # 4
+    assert auto(0, 7168, ExpertConfig(narrow_max_rows=0)) == "wgmma_m64"
+    assert auto(32, 7168, ExpertConfig(narrow_max_rows=0, m64_max_rows=0)) == "wgmma"
+    assert auto(1600, 7168, ExpertConfig(m64_max_rows=101)) == "wgmma_m64"     # 100
+    assert auto(1600, 7168, ExpertConfig(mc_min_rows=100)) == "wgmma_mc"
+    assert auto(1600, 7168, ExpertConfig(mc_min_rows=100, mc_min_hidden=8192)) == "wgmma"
+    assert auto(4096, 7168, ExpertConfig()) == "wgmma_mc"
+
+
+def test_invalid_config_is_refused(sm90):
+    """launch_experts refuses an ExpertConfig with narrow_max_rows > m64_max_rows (the
+    binding and config.py refuse it before)."""
+    with pytest.raises(ValueError, match="narrow_max_rows"):
+        ExpertConfig(narrow_max_rows=100)
+    problem = make_problem(torch.zeros((4, 1), dtype=torch.int32), 16, 8, 1, seed=26)
+    run_emulated(sm90, *problem, config=(96, 96, 256, 4096, 256))  # equal bounds: fine
+    with pytest.raises(AssertionError, match="returned"):
+        run_emulated(sm90, *problem, config=(100, 96, 256, 4096, 256))
+
+
 def test_auto_without_wgmma(emu):
-    """Compute capability 2.0 (the emulator's default): auto takes the portable SIMT tiles,
-    small below 256 routing entries per local expert, large from there."""
-    assert TILE_NAMES[emu.petit_emu_resolve_tiles(4095, 8, 128, 7168, 0)] == "small"
-    assert TILE_NAMES[emu.petit_emu_resolve_tiles(4096, 8, 128, 7168, 0)] == "large"
+    """Compute capability 2.0 (the emulator's default): auto takes the SIMT fallback."""
+    assert TILE_NAMES[emu.petit_emu_resolve_tiles(4095, 8, 128, 7168, 0)] == "simt"
+    assert TILE_NAMES[emu.petit_emu_resolve_tiles(4096, 8, 128, 7168, 0)] == "simt"
 
 
-@pytest.mark.parametrize("tiles", ["mma", "wgmma_ws"])
-def test_tensor_core_families_need_their_device(emu, tiles):
-    # Compute capability 2.0 (the emulator's default): asked-for tensor-core families fail
-    # cleanly (launch_experts returns an error, nothing runs).
+@pytest.mark.parametrize("tiles", ["wgmma_narrow", "wgmma"])
+def test_hopper_regimes_need_their_device(emu, tiles):
+    # Compute capability 2.0 (the emulator's default): asked-for Hopper regimes fail cleanly
+    # (launch_experts returns an error, nothing runs).
     problem = make_problem(torch.zeros((4, 1), dtype=torch.int32), 16, 8, 1, seed=23)
     with pytest.raises(AssertionError, match="returned"):
         run_emulated(emu, *problem, tiles=tiles)
@@ -419,46 +434,6 @@ def test_reduction_kernels_one_wave_and_grid_agree(emu):
     check_against_reference(one_wave, problem)
 
 
-@pytest.mark.parametrize("tiles,num_sms", [("wgmma_narrow_ws", 16), ("wgmma_m64_ws", 8),
-                                           ("wgmma_m64_ws", 3)])
-def test_split_k_matches_the_reference(sm90, monkeypatch, tiles, num_sms):
-    """PETIT_MOE_SPLIT_K=4 (the 64-row ws families): with fewer tiles than twice the blocks,
-    each tile's k-tiles run as up to 4 shares on neighbouring blocks (uneven shares: 17 and 9
-    k-tiles), fp32 partials summed by the tile's last share in share order. Partials written
-    (so the split ran), against the reference, the same on a repeat; the emulation checks
-    that every arrival counter is back at zero."""
-    ids = torch.full((6, 2), -1, dtype=torch.int32)
-    ids[0, 0] = 1                # expert 1: 1 row
-    ids[1:4, 1] = 3              # expert 3: 3 rows
-    ids[4, 0], ids[4, 1] = 3, 1  # a row in both
-    problem = make_problem(ids, 1032, 520, 5, seed=81)
-    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "4")
-    split, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-    assert used == tiles
-    assert sm90.petit_emu_split_floats_written() > 0, "no tile was split"
-    check_against_reference(split, problem)
-    again, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-    assert torch.equal(split, again)
-    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "1")
-    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-    assert sm90.petit_emu_split_floats_written() == 0
-    check_against_reference(plain, problem)
-
-
-def test_split_k_is_not_taken_where_it_does_not_pay(sm90, monkeypatch):
-    """Many tiles per block (or k too short for 2 shares of 4 k-tiles): PETIT_MOE_SPLIT_K
-    changes nothing, bit for bit."""
-    ids = torch.randint(0, 4, (200, 2), generator=torch.Generator().manual_seed(9),
-                        dtype=torch.int32)
-    problem = make_problem(ids, 264, 136, 4, seed=82)  # 5 and 3 k-tiles
-    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "4")
-    split, _ = run_emulated(sm90, *problem, tiles="wgmma_m64_ws", num_sms=2)
-    assert sm90.petit_emu_split_floats_written() == 0
-    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "1")
-    plain, _ = run_emulated(sm90, *problem, tiles="wgmma_m64_ws", num_sms=2)
-    assert torch.equal(split, plain)
-
-
 def decode_routing(seed):
     """Decode-like routing: rows with 0 to 4 local slots, experts with 0 to several rows."""
     gen = torch.Generator().manual_seed(seed)
@@ -473,136 +448,96 @@ def decode_routing(seed):
 # The emulation runs blocks one after another, so the first block of a fused launch claims
 # every tile (its producer waiting for its own consumers' gate/up arrivals before each down
 # tile) and the others claim none: one tagged end stage each.
-@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws"])
+@pytest.mark.parametrize("tiles", ["wgmma_narrow", "wgmma_m64"])
 @pytest.mark.parametrize("num_sms", [1, 3])
-def test_fused_gemms_equal_the_two_launches(sm90, monkeypatch, tiles, num_sms):
-    """PETIT_MOE_FUSED_GEMMS=1 (the 64-row ws families): gate/up and down tiles in one launch
-    on one ring, each down tile after its expert's gate/up arrivals; bit-equal to the two
-    launches, with partial last column tiles (hidden 392, intermediate 72) and an expert with
-    no row."""
+def test_fused_gemms_equal_the_two_launches_of_wgmma(sm90, tiles, num_sms):
+    """The 64-row regimes run gate/up and down tiles in one launch on one ring, each down tile
+    after its expert's gate/up arrivals: bit-equal to wgmma's two launches, with partial last
+    column tiles (hidden 392, intermediate 72) and an expert with no row."""
     problem = make_problem(decode_routing(91), 392, 72, 5, seed=92)
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
     fused, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
     assert used == tiles and sm90.petit_emu_fused_gemms() == 1
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "0")
-    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
+    plain, _ = run_emulated(sm90, *problem, tiles="wgmma", num_sms=num_sms)
     assert sm90.petit_emu_fused_gemms() == 0
     assert torch.equal(fused, plain)
     check_against_reference(fused, problem)
 
 
-@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws"])
-@pytest.mark.parametrize("ahead,num_sms", [("1", 1), ("3", 3), ("64", 1)])
-def test_fused_gemms_weights_ahead_of_the_wait(sm90, monkeypatch, tiles, ahead, num_sms):
-    """PETIT_MOE_FUSED_B_AHEAD=N: a down tile's TMA issuer issues the w2 boxes of its first
-    min(N, k-tiles, stages) k-tiles before the gate/up wait, produce() adds only their A rows;
-    bit-equal to the fused launch without it. Intermediate 584: 10 down k-tiles, more than
-    either family's ring (5 / 8 stages), so the ring wraps inside a tile; 64 is clamped."""
-    problem = make_problem(decode_routing(95), 136, 584, 5, seed=96)
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
-    monkeypatch.setenv("PETIT_MOE_FUSED_B_AHEAD", ahead)
-    ahead_out, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-    assert used == tiles and sm90.petit_emu_fused_gemms() == 1
-    monkeypatch.delenv("PETIT_MOE_FUSED_B_AHEAD")
-    plain, _ = run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)
-    assert torch.equal(ahead_out, plain)
-    check_against_reference(ahead_out, problem)
+@pytest.mark.parametrize("num_sms", [1, 19, 20, 64])
+def test_auto_fused_gemms_pick_the_tiles_on_the_device(sm90, num_sms):
+    """auto between 2 and 96 routing entries per local expert resolves to wgmma_m64 and fuses
+    in a kernel that runs the narrow tiles when twice the m64 gate/up tiles (m-tiles x n-tiles
+    of 128 columns) are no more than the SMs, else the m64 ones. 40 rows x top-4 over 5
+    experts (32 entries each, one m-tile each) with intermediate 136 (2 n-tiles): 10 m64
+    tiles, so narrow from 20 SMs, m64 below. Either way bit-equal to both explicit regimes
+    (whose kernels make no such choice) and within the reference's tolerance."""
+    ids = torch.randint(0, 5, (40, 4), generator=torch.Generator().manual_seed(3),
+                        dtype=torch.int32)
+    problem = make_problem(ids, 136, 136, 5, seed=101)
+    sm90.petit_emu_fused_auto_narrow()  # forget earlier runs
+    out, used = run_emulated(sm90, *problem, tiles="auto", num_sms=num_sms)
+    assert used == "wgmma_m64" and sm90.petit_emu_fused_gemms() == 1
+    assert sm90.petit_emu_fused_auto_narrow() == (1 if num_sms >= 20 else 0)
+    check_against_reference(out, problem)
+    for tiles in ("wgmma_narrow", "wgmma_m64"):
+        assert torch.equal(out, run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)[0])
+        assert sm90.petit_emu_fused_auto_narrow() == -1  # explicit regimes: the plain kernels
 
 
-def test_auto_narrow_bound_from_the_environment(sm90, monkeypatch):
-    """PETIT_MOE_NARROW_MAX_ROWS=R moves auto's wgmma_narrow_ws / wgmma_m64_ws bound (default
-    2 routing entries per local expert; 0: never narrow; clamped to 96). 40 rows x top-4 over
-    5 experts is 32 entries per expert; 2 rows x top-4 is 1.6."""
+def test_auto_narrow_bound_from_the_config(sm90):
+    """ExpertConfig.narrow_max_rows moves auto's wgmma_narrow / wgmma_m64 bound (default 2
+    routing entries per local expert; 0: never narrow). 40 rows x top-4 over 5 experts is 32
+    entries per expert; 2 rows x top-4 is 1.6."""
     many = make_problem(torch.randint(0, 5, (40, 4), generator=torch.Generator().manual_seed(3),
                                       dtype=torch.int32), 136, 40, 5, seed=98)
     few = make_problem(torch.tensor([[3, -1, 0, 4], [1, 3, -1, -1]], dtype=torch.int32), 136,
                        40, 5, seed=99)
-    for value, want_many, want_few in [(None, "wgmma_m64_ws", "wgmma_narrow_ws"),
-                                       ("33", "wgmma_narrow_ws", "wgmma_narrow_ws"),
-                                       ("1000", "wgmma_narrow_ws", "wgmma_narrow_ws"),
-                                       ("0", "wgmma_m64_ws", "wgmma_m64_ws")]:
-        if value is None:
-            monkeypatch.delenv("PETIT_MOE_NARROW_MAX_ROWS", raising=False)
-        else:
-            monkeypatch.setenv("PETIT_MOE_NARROW_MAX_ROWS", value)
-        out, used = run_emulated(sm90, *many, tiles="auto", num_sms=2)
-        assert used == want_many, value
+    for bound, want_many, want_few in [(None, "wgmma_m64", "wgmma_narrow"),
+                                       (33, "wgmma_narrow", "wgmma_narrow"),
+                                       (96, "wgmma_narrow", "wgmma_narrow"),
+                                       (32, "wgmma_m64", "wgmma_narrow"),  # exclusive
+                                       (0, "wgmma_m64", "wgmma_m64")]:
+        config = None if bound is None else ExpertConfig(narrow_max_rows=bound)
+        out, used = run_emulated(sm90, *many, tiles="auto", num_sms=2, config=config)
+        assert used == want_many, bound
         check_against_reference(out, many)
-        assert run_emulated(sm90, *few, tiles="auto", num_sms=2)[1] == want_few, value
-    monkeypatch.setenv("PETIT_MOE_NARROW_MAX_ROWS", "32")  # the bound is exclusive
-    assert run_emulated(sm90, *many, tiles="auto", num_sms=2)[1] == "wgmma_m64_ws"
+        assert run_emulated(sm90, *few, tiles="auto", num_sms=2, config=config)[1] == want_few
 
 
-@pytest.mark.parametrize("num_sms", [1, 19, 20, 64])
-def test_auto_fused_gemms_pick_the_tiles_on_the_device(sm90, monkeypatch, num_sms):
-    """PETIT_MOE_DEVICE_TILES=1 (the default; 0 = off): auto between 2 and 96 routing entries
-    per local expert resolves to wgmma_m64_ws and fuses in a kernel that runs the narrow tiles
-    when twice the m64 gate/up tiles (m-tiles x n-tiles of 128 columns) are no more than the
-    SMs, else the m64 ones. 40 rows x top-4 over 5 experts (32 entries each, one m-tile each)
-    with intermediate 136 (2 n-tiles): 10 m64 tiles, so narrow from 20 SMs, m64 below. Either
-    way bit-equal to both explicit families (fused) and within the reference's tolerance."""
-    ids = torch.randint(0, 5, (40, 4), generator=torch.Generator().manual_seed(3),
-                        dtype=torch.int32)
-    problem = make_problem(ids, 136, 136, 5, seed=101)
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
-    monkeypatch.setenv("PETIT_MOE_DEVICE_TILES", "1")
-    sm90.petit_emu_fused_auto_narrow()  # forget earlier runs
-    out, used = run_emulated(sm90, *problem, tiles="auto", num_sms=num_sms)
-    assert used == "wgmma_m64_ws" and sm90.petit_emu_fused_gemms() == 1
-    assert sm90.petit_emu_fused_auto_narrow() == (1 if num_sms >= 20 else 0)
-    check_against_reference(out, problem)
-    for tiles in ("wgmma_narrow_ws", "wgmma_m64_ws"):
-        assert torch.equal(out, run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)[0])
-        assert sm90.petit_emu_fused_auto_narrow() == -1  # explicit families: the plain kernels
-    monkeypatch.setenv("PETIT_MOE_DEVICE_TILES", "0")  # off: auto runs the plain m64 kernel
-    assert torch.equal(out, run_emulated(sm90, *problem, tiles="auto", num_sms=num_sms)[0])
-    assert sm90.petit_emu_fused_auto_narrow() == -1
-    monkeypatch.delenv("PETIT_MOE_DEVICE_TILES")  # on by default
-    assert torch.equal(out, run_emulated(sm90, *problem, tiles="auto", num_sms=num_sms)[0])
-    assert sm90.petit_emu_fused_auto_narrow() == (1 if num_sms >= 20 else 0)
-
-
-def test_fused_gemms_many_tiles_per_expert_and_expert_map(sm90, monkeypatch):
+def test_fused_gemms_many_tiles_per_expert_and_expert_map(sm90):
     """Several m-tiles per expert (an expert's down tiles wait for all of its gate/up tiles:
     m-tiles x n-tiles x consumer warps arrivals) and global ids through vLLM's expert map."""
     gen = torch.Generator().manual_seed(93)
     ids = torch.randint(0, 3, (110, 2), generator=gen, dtype=torch.int32)  # ~73 per expert
     problem = make_problem(ids, 264, 136, 3, seed=94)
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
-    fused, _ = run_emulated(sm90, *problem, tiles="wgmma_narrow_ws", num_sms=1)
+    fused, _ = run_emulated(sm90, *problem, tiles="wgmma_narrow", num_sms=1)
     assert sm90.petit_emu_fused_gemms() == 1
     check_against_reference(fused, problem)
     expert_map = torch.full((8,), -1, dtype=torch.int32)
     expert_map[1::3] = torch.arange(3, dtype=torch.int32)  # local e is global 3e + 1
     x, local_ids, w, w13, w2 = problem
     global_ids = torch.where(local_ids >= 0, 3 * local_ids + 1, -1).int().contiguous()
-    mapped, _ = run_emulated(sm90, x, global_ids, w, w13, w2, tiles="wgmma_m64_ws", num_sms=1,
+    mapped, _ = run_emulated(sm90, x, global_ids, w, w13, w2, tiles="wgmma_m64", num_sms=1,
                              expert_map=expert_map)
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "0")
-    want, _ = run_emulated(sm90, x, local_ids, w, w13, w2, tiles="wgmma_m64_ws", num_sms=1)
+    assert torch.equal(mapped, fused)
+    want, _ = run_emulated(sm90, x, local_ids, w, w13, w2, tiles="wgmma", num_sms=1)
     assert torch.equal(mapped, want)
 
 
-@pytest.mark.parametrize("tiles", ["wgmma_ws", "small", "decode"])
-def test_fused_gemms_only_where_the_family_has_them(sm90, monkeypatch, tiles):
-    """Families without a fused kernel keep the two launches under PETIT_MOE_FUSED_GEMMS=1."""
+@pytest.mark.parametrize("tiles", ["wgmma", "wgmma_mc", "small"])
+def test_fused_gemms_only_in_the_64_row_regimes(sm90, tiles):
+    """The other regimes run a launch per GEMM."""
     problem = make_problem(decode_routing(94), 136, 40, 5, seed=95)
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
     out, used = run_emulated(sm90, *problem, tiles=tiles, num_sms=2)
-    assert used == tiles and sm90.petit_emu_fused_gemms() == 0
+    assert used == (tiles if tiles != "small" else "simt") and sm90.petit_emu_fused_gemms() == 0
     check_against_reference(out, problem)
 
 
-def test_fused_gemms_off_with_split_k_and_on_under_auto(sm90, monkeypatch):
-    """Split-K (PETIT_MOE_SPLIT_K > 1) keeps the two launches; auto at a decode size picks
-    wgmma_narrow_ws on an sm_90 device and fuses (the path of vLLM's PetitExperts)."""
+def test_auto_fuses_at_decode_sizes(sm90):
+    """auto at a decode size picks wgmma_narrow on an sm_90 device and fuses (the path of
+    vLLM's PetitExperts)."""
     ids = torch.tensor([[3, -1, 0, 4], [1, 3, -1, -1]], dtype=torch.int32)
     problem = make_problem(ids, 264, 40, 5, seed=97)
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
-    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "4")
-    split, _ = run_emulated(sm90, *problem, tiles="wgmma_narrow_ws", num_sms=1)
-    assert sm90.petit_emu_fused_gemms() == 0
-    monkeypatch.delenv("PETIT_MOE_SPLIT_K")
     fused, used = run_emulated(sm90, *problem, tiles="auto", num_sms=1)
-    assert used == "wgmma_narrow_ws" and sm90.petit_emu_fused_gemms() == 1
-    assert torch.equal(fused, split)
+    assert used == "wgmma_narrow" and sm90.petit_emu_fused_gemms() == 1
+    check_against_reference(fused, problem)

@@ -3,8 +3,8 @@ torch reference, with the tolerance derived from the reference's own bf16-vs-fp3
 
 Every case draws fresh random data from a seeded generator (never zeros), poisons the
 outputs and workspaces with NaN before the call, and runs every tile family the GPU has (the
-portable ``small``/``large``/``decode``, the sm_80+ tensor-core ``mma`` and, on compute
-capability 9.0, the sm_90a ``wgmma*`` families).
+portable SIMT fallback with its ``small`` and ``large`` tiles and, on compute capability 9.0,
+the four regimes of the sm_90a ``wgmma*`` family).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import requires_extension, requires_gpu
+from vllm_petit_moe.config import ExpertConfig
 from vllm_petit_moe.testing import reference
 from vllm_petit_moe.ops import TILES
 
@@ -19,7 +20,17 @@ pytestmark = [requires_gpu, requires_extension]
 
 HAS_WGMMA = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 WGMMA_FAMILIES = [t for t in TILES if t.startswith("wgmma")] if HAS_WGMMA else []
-TILE_FAMILIES = ["small", "large", "mma", "decode"] + WGMMA_FAMILIES
+TILE_FAMILIES = ["small", "large"] + WGMMA_FAMILIES
+# The SIMT fallback's two tile heights, forced through ExpertConfig.simt_large_min_rows.
+SIMT_SIZES = {"small": ExpertConfig(simt_large_min_rows=2**30),
+              "large": ExpertConfig(simt_large_min_rows=0)}
+
+
+def tiles_kwargs(tiles):
+    """experts_forward's tiles (and config) for a name of TILE_FAMILIES or TILES."""
+    if tiles in SIMT_SIZES:
+        return dict(tiles="simt", config=SIMT_SIZES[tiles])
+    return dict(tiles=tiles)
 
 
 def make_problem(ids, hidden, intermediate, num_local, seed, *, poison_unrouted=True):
@@ -77,7 +88,7 @@ def run_petit(problem, tiles, *, with_workspaces=True):
     (act_shape, act_dtype), (partial_shape, partial_dtype) = ops.experts_workspace_shapes(
         num_rows, ids.shape[1], hidden, w13.shape[1] // 2)
     out = torch.full((num_rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-    kwargs = dict(out=out, tiles=tiles)
+    kwargs = dict(out=out, **tiles_kwargs(tiles))
     if with_workspaces:
         kwargs["act_workspace"] = torch.full(act_shape, float("nan"), dtype=act_dtype,
                                              device="cuda")
@@ -86,20 +97,6 @@ def run_petit(problem, tiles, *, with_workspaces=True):
     result = ops.experts_forward(*problem, **kwargs)
     assert result.data_ptr() == out.data_ptr()
     return out
-
-
-def knob_on_equals_off(monkeypatch, knob, tiles, rows_per_expert, *, seed):
-    """ops.experts_forward with the environment knob at 1 and at 0 on the same problem (8 local
-    experts, top-4, hidden and intermediate 1032, ~rows_per_expert rows each, NaN-poisoned
-    workspaces): asserts bit-equal outputs, returns the one with the knob on."""
-    num_local, top_k = 8, 4
-    ids = random_ids(rows_per_expert * num_local // top_k * 2, top_k, num_local, seed=seed)
-    problem = make_problem(ids, 1032, 1032, num_local, seed=seed + 1)
-    monkeypatch.setenv(knob, "1")
-    on = run_petit(problem, tiles)
-    monkeypatch.setenv(knob, "0")
-    assert torch.equal(on, run_petit(problem, tiles))
-    return on, problem
 
 
 def check(out, problem, name="experts"):
@@ -191,13 +188,7 @@ def test_deterministic_and_tile_family_invariant():
     auto_family = ops.resolve_tiles(500, 8, 16, 1024)  # "auto" is exactly what it resolves to
     assert torch.equal(run_petit(problem, auto_family),
                        run_petit(problem, "auto", with_workspaces=False))
-    # The tensor-core family sums in another fp32 order: deterministic, not bit-equal to SIMT.
-    mma = run_petit(problem, "mma")
-    check(mma, problem)
-    assert torch.equal(mma, run_petit(problem, "mma"))
-    decode = run_petit(problem, "decode")  # its own fixed order too
-    check(decode, problem)
-    assert torch.equal(decode, run_petit(problem, "decode"))
+    # The Hopper family sums in another fp32 order: deterministic, not bit-equal to SIMT.
     for family in WGMMA_FAMILIES:
         out = run_petit(problem, family)
         check(out, problem)
@@ -215,13 +206,13 @@ def test_cuda_graph_capture_and_replay_with_new_inputs():
                                intermediate, num_local, seed=22, poison_unrouted=False))
     out = torch.empty(num_rows, hidden, dtype=torch.bfloat16, device="cuda")
     for tiles in TILE_FAMILIES:  # warm-up outside the graph
-        ops.experts_forward(*static, out=out, tiles=tiles)
+        ops.experts_forward(*static, out=out, **tiles_kwargs(tiles))
     torch.cuda.synchronize()
     graphs = {}
     for tiles in TILE_FAMILIES:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            ops.experts_forward(*static, out=out, tiles=tiles)
+            ops.experts_forward(*static, out=out, **tiles_kwargs(tiles))
         graphs[tiles] = graph
     for replay in range(5):  # odd count; fresh routing, rows and weights every replay
         tiles = TILE_FAMILIES[replay % len(TILE_FAMILIES)]
@@ -253,6 +244,14 @@ def test_errors_name_the_limit():
         ops.experts_forward(recv_x, ids, weights, w13.half(), w2)
     with pytest.raises(ValueError, match="tiles"):
         ops.experts_forward(*problem, tiles="huge")
+    with pytest.raises(ValueError, match="tiles"):
+        ops.experts_forward(*problem, tiles="wgmma_ws")  # a removed family's name
+    with pytest.raises(TypeError, match="ExpertConfig"):
+        ops.experts_forward(*problem, config={"narrow_max_rows": 4})
+    with pytest.raises(RuntimeError, match="no field"):
+        _C.experts_forward(*problem, config={"split_k": 4})
+    with pytest.raises(RuntimeError, match="narrow_max_rows"):
+        _C.experts_forward(*problem, config={"narrow_max_rows": 100})
     with pytest.raises(ValueError, match="partial_workspace"):
         ops.experts_forward(*problem, partial_workspace=torch.empty(3, device="cuda"))
     # The binding checks on its own (snprintf-formatted messages).
@@ -274,36 +273,37 @@ def test_zero_rows():
 def test_auto_picks_the_fastest_family_this_gpu_runs():
     from vllm_petit_moe import ops
 
-    sm80 = torch.cuda.get_device_capability() >= (8, 0)
-    # 50 entries per expert: below the bounds of wgmma (128) and of the 128-row families (256)
+    simt = "simt"
     # 1.5 and 2 entries per expert: either side of the narrow bound
-    assert ops.resolve_tiles(3, 8, 16, 7168) == ("wgmma_narrow_ws" if HAS_WGMMA else "small")
-    assert ops.resolve_tiles(4, 8, 16, 7168) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
-    assert ops.resolve_tiles(100, 8, 16, 7168) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
+    assert ops.resolve_tiles(3, 8, 16, 7168) == ("wgmma_narrow" if HAS_WGMMA else simt)
+    assert ops.resolve_tiles(4, 8, 16, 7168) == ("wgmma_m64" if HAS_WGMMA else simt)
+    assert ops.resolve_tiles(100, 8, 16, 7168) == ("wgmma_m64" if HAS_WGMMA else simt)
     # 95.5 and 96 entries per expert: either side of the 64-row bound
-    assert ops.resolve_tiles(191, 8, 16, 7168) == ("wgmma_m64_ws" if HAS_WGMMA else "small")
-    assert ops.resolve_tiles(192, 8, 16, 7168) == ("wgmma_ws" if HAS_WGMMA else "small")
+    assert ops.resolve_tiles(191, 8, 16, 7168) == ("wgmma_m64" if HAS_WGMMA else simt)
+    assert ops.resolve_tiles(192, 8, 16, 7168) == ("wgmma" if HAS_WGMMA else simt)
     # 255.5 and 256 entries per expert: either side of the cluster bound, at hidden >= 4096
-    # (and of the 128-row families' bound where wgmma does not run)
-    assert ops.resolve_tiles(511, 8, 16, 7168) == ("wgmma_ws" if HAS_WGMMA else "small")
-    assert ops.resolve_tiles(512, 8, 16, 7168) == (
-        "wgmma_ws_mc" if HAS_WGMMA else "mma" if sm80 else "large")
-    assert ops.resolve_tiles(4096, 8, 16, 4096) == (
-        "wgmma_ws_mc" if HAS_WGMMA else "mma" if sm80 else "large")
-    assert ops.resolve_tiles(4096, 8, 16, 4088) == (
-        "wgmma_ws" if HAS_WGMMA else "mma" if sm80 else "large")
+    assert ops.resolve_tiles(511, 8, 16, 7168) == ("wgmma" if HAS_WGMMA else simt)
+    assert ops.resolve_tiles(512, 8, 16, 7168) == ("wgmma_mc" if HAS_WGMMA else simt)
+    assert ops.resolve_tiles(4096, 8, 16, 4096) == ("wgmma_mc" if HAS_WGMMA else simt)
+    assert ops.resolve_tiles(4096, 8, 16, 4088) == ("wgmma" if HAS_WGMMA else simt)
+    # the bounds are ExpertConfig's
+    config = ExpertConfig(narrow_max_rows=8, mc_min_rows=128)
+    assert ops.resolve_tiles(4, 8, 16, 7168, config=config) == (
+        "wgmma_narrow" if HAS_WGMMA else simt)
+    assert ops.resolve_tiles(256, 8, 16, 7168, config=config) == (
+        "wgmma_mc" if HAS_WGMMA else simt)
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
 def test_cluster_launch_shape():
-    """wgmma_ws_mc runs as whole clusters of 2 CTAs, at most one CTA per SM (its persistent
-    grid is capped by the clusters that fit at once), the other ws families without clusters."""
+    """wgmma_mc runs as whole clusters of 2 CTAs, at most one CTA per SM (its persistent
+    grid is capped by the clusters that fit at once), wgmma without clusters."""
     from vllm_petit_moe import ops
 
     ids = random_ids(512, 8, 16, seed=61)
     problem = make_problem(ids, 1032, 520, 16, seed=62)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for tiles, cluster in (("wgmma_ws_mc", 2), ("wgmma_ws", 1)):
+    for tiles, cluster in (("wgmma_mc", 2), ("wgmma", 1)):
         check(run_petit(problem, tiles), problem, name=tiles)
         for gate_up in (True, False):
             shape = ops.last_gemm_launch(gate_up)
@@ -312,103 +312,58 @@ def test_cluster_launch_shape():
 
 
 @pytest.mark.parametrize("tiles", ["auto", "small"])
-def test_programmatic_launch_changes_nothing(tiles, monkeypatch):
-    """Programmatic dependent launch (sm_90+, experts.cu launch_kernel; PETIT_MOE_PDL=0 turns it
-    off): each kernel of a call may be scheduled before the previous one has drained and must
-    still see all of its output. 12 calls with fresh data, sizes on both sides of auto's
-    64-row bound and NaN-poisoned workspaces equal the same calls launched plainly, bit for
-    bit (a kernel reading its input early would read NaN or the previous call's rows)."""
+def test_programmatic_launch_sees_every_input(tiles):
+    """Programmatic dependent launch (sm_90+, experts.cu launch_kernel): each kernel of a call
+    may be scheduled before the previous one has drained and must still see all of its
+    output. 12 calls with fresh data, sizes on both sides of auto's 64-row bound and
+    NaN-poisoned workspaces (a kernel reading its input early would read NaN or the previous
+    call's rows): against the reference, and bit-equal on a repeat."""
     for round_ in range(12):
         ids = random_ids(64 + 37 * round_, 8, 16, seed=300 + round_)
         problem = make_problem(ids, 1032, 520, 16, seed=400 + round_)
-        monkeypatch.setenv("PETIT_MOE_PDL", "1")
-        programmatic = run_petit(problem, tiles)
-        monkeypatch.setenv("PETIT_MOE_PDL", "0")
-        plain = run_petit(problem, tiles)
-        assert torch.equal(programmatic, plain), f"round {round_}"
-        check(programmatic, problem, name=f"round {round_}")
+        first = run_petit(problem, tiles)
+        check(first, problem, name=f"round {round_}")
+        assert torch.equal(first, run_petit(problem, tiles)), f"round {round_}"
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
-@pytest.mark.parametrize("ws,plain", [("wgmma_ws", "wgmma"), ("wgmma_m64_ws", "wgmma_m64"),
-                                     ("wgmma_narrow_ws", "wgmma_narrow"),
-                                     ("wgmma_ws_mc", "wgmma_ws")])
-@pytest.mark.parametrize("rows_per_expert", [3, 200])
-def test_warp_specialized_families_equal_their_tiles(ws, plain, rows_per_expert, monkeypatch):
-    """Same tiles, same k order, same epilogues: the warp-specialized main loop must give the
-    non-specialized one's output bit for bit. 17 k-tiles per tile (the ring wraps); at 200
-    rows per expert more tiles than SMs (blocks run on into a second and third tile). Split-K
-    off whatever the environment says (it changes the ws families' k order)."""
-    monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
+@pytest.mark.parametrize("tiles,same_as", [("wgmma_narrow", "wgmma_m64"), ("wgmma_mc", "wgmma")])
+@pytest.mark.parametrize("rows_per_expert", [3, 200, 700])
+def test_hopper_regimes_give_the_same_bits(tiles, same_as, rows_per_expert):
+    """Same k order, same epilogue formulas: narrow and m64 (64-row tiles of other widths, both
+    fused), multicast and wgmma (the same tiles, in clusters or not) agree bit for bit, with
+    NaN-poisoned workspaces. 17 k-tiles per tile (the rings wrap); from 200 rows per expert
+    more tiles than SMs (blocks run on into further tiles; the staged down epilogue rewrites
+    its buffer while earlier copies may read it); a partial last n-tile and k-tile."""
     num_local, top_k = 8, 4
     ids = random_ids(rows_per_expert * num_local // top_k * 2, top_k, num_local, seed=51)
     problem = make_problem(ids, 1032, 1032, num_local, seed=52)
-    assert torch.equal(run_petit(problem, ws), run_petit(problem, plain))
+    got = run_petit(problem, tiles)
+    check(got, problem, name=tiles)
+    assert torch.equal(got, run_petit(problem, same_as))
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
-@pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
-@pytest.mark.parametrize("rows_per_expert", [3, 200, 700])
-def test_down_act_rows_by_tma_equal_the_gather(monkeypatch, tiles, rows_per_expert):
-    """PETIT_MOE_DOWN_A_TMA=1 (the staged down GEMM's act rows as one TMA box per stage):
-    bit-equal to the cp.async gather, with NaN-poisoned workspaces (the boxes also read the
-    next expert's rows and unwritten rows past the last valid entry, which must not reach the
-    output), more tiles than SMs at 700 rows per expert, a partial last n-tile and k-tile."""
-    by_tma, problem = knob_on_equals_off(monkeypatch, "PETIT_MOE_DOWN_A_TMA", tiles,
-                                        rows_per_expert, seed=73)
-    check(by_tma, problem)
-
-
-@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
-@pytest.mark.parametrize("tiles", ["wgmma_ws", "wgmma_ws_mc"])
-@pytest.mark.parametrize("rows_per_expert", [3, 200, 700])
-def test_staged_down_epilogue_equals_the_plain_one(monkeypatch, tiles, rows_per_expert):
-    """PETIT_MOE_STAGED_EPILOGUE=1 (the down GEMM's tile through shared memory and per-row bulk
-    copies): bit-equal to the plain epilogue, with NaN-poisoned workspaces, more tiles than
-    SMs at 700 rows per expert, a partial last n-tile (hidden 1032)."""
-    staged, problem = knob_on_equals_off(monkeypatch, "PETIT_MOE_STAGED_EPILOGUE", tiles,
-                                        rows_per_expert, seed=71)
-    check(staged, problem)
-
-
-@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
-@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws"])
-@pytest.mark.parametrize("num_rows", [1, 2, 16])
-def test_split_k_matches_the_reference(monkeypatch, tiles, num_rows):
-    """PETIT_MOE_SPLIT_K=4 at decode sizes of Qwen3-30B-A3B's shapes (top-8 over 64 local
-    experts, 12 and 32 k-tiles; fewer tiles than SMs, so tiles are cut into k-shares whose
-    fp32 partials the last share sums): NaN-poisoned workspaces, against the reference, and
-    bit-equal on a repeat (the shares' sum order is fixed)."""
-    ids = random_ids(num_rows, 8, 64, seed=90 + num_rows, invalid_fraction=0.0)
-    problem = make_problem(ids, 2048, 768, 64, seed=91 + num_rows)
-    monkeypatch.setenv("PETIT_MOE_SPLIT_K", "4")
-    first = run_petit(problem, tiles)
-    check(first, problem, name=f"{tiles} split-K, {num_rows} rows")
-    assert torch.equal(first, run_petit(problem, tiles))
-
-
-@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
-@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws"])
+@pytest.mark.parametrize("tiles", ["wgmma_narrow", "wgmma_m64"])
 @pytest.mark.parametrize("num_rows,hidden,intermediate,num_local", [
     (1, 2048, 768, 64), (16, 2048, 768, 64),   # Qwen3-30B-A3B decode, 2 ranks
     (8, 7168, 2048, 16), (200, 1032, 520, 8),  # DeepSeek-V3 shapes; many tiles per SM
     (600, 264, 136, 3),                        # ~1100 rows per expert: many m-tiles each
 ])
-def test_fused_gemms_equal_the_two_launches(monkeypatch, tiles, num_rows, hidden, intermediate,
-                                            num_local):
-    """PETIT_MOE_FUSED_GEMMS=1: gate/up and down in one persistent launch, each down tile's
-    act rows read once its expert's gate/up tiles have all arrived. With NaN-poisoned
-    workspaces (an act row read before it was written gives NaN), 5 rounds of fresh data, each
-    bit-equal to the two launches and within the reference's tolerance."""
-    monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
+def test_fused_gemms(tiles, num_rows, hidden, intermediate, num_local):
+    """The 64-row regimes: gate/up and down in one persistent launch, each down tile's act
+    rows read once its expert's gate/up tiles have all arrived. With NaN-poisoned workspaces
+    (an act row read before it was written gives NaN), 5 rounds of fresh data, each within the
+    reference's tolerance and bit-equal on a repeat and to the other 64-row regime (other
+    tiles, other claim order)."""
+    other = "wgmma_m64" if tiles == "wgmma_narrow" else "wgmma_narrow"
     for round_ in range(5):
         ids = random_ids(num_rows, 8, num_local, seed=700 + 13 * round_ + num_rows)
         problem = make_problem(ids, hidden, intermediate, num_local, seed=800 + round_)
-        monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
         fused = run_petit(problem, tiles)
-        monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "0")
-        assert torch.equal(fused, run_petit(problem, tiles)), f"round {round_}"
         check(fused, problem, name=f"{tiles} fused GEMMs, round {round_}")
+        assert torch.equal(fused, run_petit(problem, tiles)), f"round {round_}"
+        assert torch.equal(fused, run_petit(problem, other)), f"{other}, round {round_}"
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
@@ -421,16 +376,12 @@ def test_fused_gemms_equal_the_two_launches(monkeypatch, tiles, num_rows, hidden
     ("random", 16, 2048, 768, 64),   # spread decode routing: ~50 experts x 6 tiles: m64
     ("random", 40, 7168, 2048, 128),
 ])
-def test_auto_fused_gemms_equal_both_families(monkeypatch, routing, num_rows, hidden,
-                                              intermediate, num_local):
-    """PETIT_MOE_DEVICE_TILES=1: auto in the 64-row range fuses in one kernel that picks, on
-    the device, the narrow tiles when they fit in one wave of the SMs (few experts with rows)
-    and the m64 tiles otherwise; on fresh data each round its output is bit-equal to both
-    explicit fused families and within the reference's tolerance."""
-    monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
-    monkeypatch.delenv("PETIT_MOE_NARROW_MAX_ROWS", raising=False)
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
-    monkeypatch.setenv("PETIT_MOE_DEVICE_TILES", "1")
+def test_auto_fused_gemms_equal_both_regimes(routing, num_rows, hidden, intermediate,
+                                             num_local):
+    """auto in the 64-row range fuses in one kernel that picks, on the device, the narrow
+    tiles when they fit in one wave of the SMs (few experts with rows) and the m64 tiles
+    otherwise; on fresh data each round its output is bit-equal to both explicit regimes and
+    within the reference's tolerance."""
     for round_ in range(3):
         seed = 950 + 19 * round_ + num_rows
         ids = decode_ids(routing, num_rows, num_local, seed, slots=[1, 2, 5, 7],
@@ -438,48 +389,18 @@ def test_auto_fused_gemms_equal_both_families(monkeypatch, routing, num_rows, hi
         problem = make_problem(ids, hidden, intermediate, num_local, seed=seed + 1)
         auto = run_petit(problem, "auto")
         check(auto, problem, name=f"auto fused GEMMs, {routing}, round {round_}")
-        for tiles in ("wgmma_narrow_ws", "wgmma_m64_ws"):
+        for tiles in ("wgmma_narrow", "wgmma_m64"):
             assert torch.equal(auto, run_petit(problem, tiles)), f"{tiles}, round {round_}"
 
 
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
-@pytest.mark.parametrize("tiles", ["wgmma_narrow_ws", "wgmma_m64_ws"])
-@pytest.mark.parametrize("ahead", ["2", "64"])
-@pytest.mark.parametrize("routing,num_rows,hidden,intermediate,num_local", [
-    ("same", 64, 2048, 768, 64),      # a dummy-weight decode: every row the same 4 local experts
-    ("random", 16, 2048, 768, 64),    # Qwen3-30B-A3B decode
-    ("random", 8, 7168, 2048, 16),    # DeepSeek-V3 shapes
-    ("random", 600, 264, 136, 3),     # many m-tiles per expert
-])
-def test_fused_gemms_weights_ahead_of_the_wait(monkeypatch, tiles, ahead, routing, num_rows,
-                                                hidden, intermediate, num_local):
-    """PETIT_MOE_FUSED_B_AHEAD=N: a down tile's w2 boxes of its first min(N, k-tiles, stages)
-    k-tiles are issued before it waits for its expert's gate/up tiles; with NaN-poisoned
-    workspaces and 3 rounds of fresh data, bit-equal to the fused launch without it."""
-    monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
-    for round_ in range(3):
-        seed = 900 + 17 * round_ + num_rows
-        ids = decode_ids(routing, num_rows, num_local, seed, slots=[0, 2, 3, 6],
-                         experts=[5, 17, 40, 63])
-        problem = make_problem(ids, hidden, intermediate, num_local, seed=seed + 1)
-        monkeypatch.setenv("PETIT_MOE_FUSED_B_AHEAD", ahead)
-        ahead_out = run_petit(problem, tiles)
-        monkeypatch.delenv("PETIT_MOE_FUSED_B_AHEAD")
-        assert torch.equal(ahead_out, run_petit(problem, tiles)), f"round {round_}"
-        check(ahead_out, problem, name=f"{tiles} weights ahead {ahead}, round {round_}")
-
-
-@pytest.mark.skipif(not HAS_WGMMA, reason="needs an sm_90a device (compute capability 9.0)")
-def test_fused_gemms_in_a_cuda_graph(monkeypatch):
+def test_fused_gemms_in_a_cuda_graph():
     """The fused GEMMs captured in a CUDA graph (their per-expert counters are zeroed by the
-    row lists inside it) and replayed with fresh routing, rows and weights, against the two
-    launches run eagerly."""
+    row lists inside it) and replayed with fresh routing, rows and weights, against the same
+    call run eagerly."""
     from vllm_petit_moe import ops
 
     num_rows, top_k, hidden, intermediate, num_local = 24, 8, 2048, 768, 64
-    monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "1")
     static = list(make_problem(random_ids(num_rows, top_k, num_local, seed=31), hidden,
                                intermediate, num_local, seed=32, poison_unrouted=False))
     out = torch.empty(num_rows, hidden, dtype=torch.bfloat16, device="cuda")
@@ -488,7 +409,6 @@ def test_fused_gemms_in_a_cuda_graph(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ops.experts_forward(*static, out=out, tiles="auto")
-    monkeypatch.setenv("PETIT_MOE_FUSED_GEMMS", "0")
     for replay in range(4):
         fresh = make_problem(random_ids(num_rows, top_k, num_local, seed=300 + replay), hidden,
                              intermediate, num_local, seed=400 + replay, poison_unrouted=False)
@@ -521,8 +441,8 @@ def test_global_ids_with_expert_map_equal_local_ids(tiles):
     foreign = torch.where(expert_map[foreign] >= 0, num_global + 5, foreign)  # not ours
     global_ids = torch.where(local >= 0, owned[local.clamp(min=0).long()], foreign).int()
     want = run_petit(problem, tiles)
-    got = ops.experts_forward(problem[0], global_ids.contiguous(), *problem[2:], tiles=tiles,
-                              expert_map=expert_map)
+    got = ops.experts_forward(problem[0], global_ids.contiguous(), *problem[2:],
+                              expert_map=expert_map, **tiles_kwargs(tiles))
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="expert_map must be"):
         ops.experts_forward(problem[0], global_ids, *problem[2:], expert_map=expert_map.long())

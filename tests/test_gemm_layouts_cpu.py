@@ -1,4 +1,4 @@
-"""CPU: the tensor-core tile configurations' thread -> (row, column) maps, checked on the host
+"""CPU: the Hopper tile configurations' thread -> (row, column) maps, checked on the host
 against the PTX accumulator layout of wgmma.m64nNk16 (tests/emu/gemm_layout_check.cu, built
 with nvcc): every output of a tile produced exactly once, and each accumulator fed by the
 shared-memory B row of its own group and column (the gated gate/up order included)."""
@@ -33,7 +33,6 @@ def test_tile_configs_match_the_wgmma_accumulator_layout(tmp_path):
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip().endswith("OK: 0 failure(s)"), run.stdout
     for config in ("wgmma gate/up", "wgmma down", "wgmma_m64 gate/up", "wgmma_m64 down",
-                   "wgmma_narrow gate/up", "wgmma_narrow down", "wgmma_ws gate/up",
-                   "wgmma_ws down", "wgmma_m64_ws gate/up", "wgmma_m64_ws down",
-                   "wgmma_narrow_ws gate/up", "wgmma_narrow_ws down"):
+                   "wgmma_narrow gate/up", "wgmma_narrow down", "wgmma_mc gate/up",
+                   "wgmma_mc down"):
         assert f"\n{config}:" in "\n" + run.stdout, run.stdout

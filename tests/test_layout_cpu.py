@@ -130,19 +130,9 @@ def test_validate_config_rejects(overrides, pattern):
 # --------------------------------------------------------------------- combine launch plan
 # _C.combine_plan runs the combine's host-side planning (csrc/comm/dispatch_combine.cu
 # plan_combine: send chunks and senders, reduce chunks, static or claimed reduction, grid)
-# without a GPU. Its tuning knobs are read once per process from the environment, so the
-# expected values below hold only with none of them set.
-_COMBINE_KNOBS = ("PETIT_MOE_COMBINE_REDUCE_PCT", "PETIT_MOE_COMBINE_REDUCE_VECTORS",
-                  "PETIT_MOE_COMBINE_REDUCE_ITEMS", "PETIT_MOE_COMBINE_SEND_CHUNKS",
-                  "PETIT_MOE_COMBINE_STATIC_REDUCE", "PETIT_MOE_COMBINE_TAIL_CHUNKS")
-
-
+# without a GPU, with the default CombineConfig unless one is given.
 def _combine_plan_ext():
-    import os
-    ext = _extension()
-    if any(k in os.environ for k in _COMBINE_KNOBS):
-        pytest.skip("a PETIT_MOE_COMBINE_* tuning knob is set")
-    return ext
+    return _extension()
 
 
 @pytest.mark.parametrize("tokens,num_blocks,expected", [
@@ -216,44 +206,27 @@ def test_combine_plan_rejects_bad_sizes():
         ext.combine_plan(2, 7170, 1, 1, 132)
     with pytest.raises(RuntimeError, match="region_stride"):
         ext.combine_plan(2, 7168, 10, 5, 132)
+    with pytest.raises(RuntimeError, match="reduce_pct"):
+        ext.combine_plan(2, 7168, 10, 10, 132, combine_config=dict(reduce_pct=91))
+    with pytest.raises(RuntimeError, match="has no field"):
+        ext.combine_plan(2, 7168, 10, 10, 132, combine_config=dict(send_chunks=4))
 
 
-@pytest.mark.parametrize("env,tokens,num_blocks,expected", [
+@pytest.mark.parametrize("config,tokens,num_blocks,expected", [
     # the bound off: the 128-vector chunking alone (7 reduce chunks on 24 SMs, the slowdown)
-    ({"PETIT_MOE_COMBINE_REDUCE_ITEMS": "0"}, 4096, 24, dict(send_chunks=1, reduce_chunks=7)),
+    (dict(reduce_items=0), 4096, 24, dict(send_chunks=1, reduce_chunks=7)),
     # reduce items as the send chunks (the tail split's 4)
-    ({"PETIT_MOE_COMBINE_REDUCE_VECTORS": "0"}, 4096, 132, dict(send_chunks=4, reduce_chunks=4)),
-    # at least 4 send chunks: 512 items in six rounds of 86 senders (no tail split: the
-    # pairs are already chunked); reduce chunks stay 7
-    ({"PETIT_MOE_COMBINE_SEND_CHUNKS": "4"}, 4096, 132,
-     dict(send_chunks=4, whole_pairs=0, send_blocks=86, reduce_chunks=7)),
+    (dict(reduce_vectors=0), 4096, 132, dict(send_chunks=4, reduce_chunks=4)),
     # the tail split off, or as fine as the flag slots allow (14 for hidden 7168)
-    ({"PETIT_MOE_COMBINE_TAIL_CHUNKS": "0"}, 4096, 132,
-     dict(send_chunks=1, whole_pairs=0, send_blocks=64)),
-    ({"PETIT_MOE_COMBINE_TAIL_CHUNKS": "99"}, 4096, 132,
+    (dict(tail_chunks=0), 4096, 132, dict(send_chunks=1, whole_pairs=0, send_blocks=64)),
+    (dict(tail_chunks=99), 4096, 132,
      dict(send_chunks=14, whole_pairs=64, send_blocks=64, reduce_chunks=14)),
-    # ... never beyond the flag slots / 32 KB items (14 for hidden 7168)
-    ({"PETIT_MOE_COMBINE_SEND_CHUNKS": "99"}, 4096, 132, dict(send_chunks=14)),
-    ({"PETIT_MOE_COMBINE_STATIC_REDUCE": "0"}, 128, 132, dict(static_reduce=False)),
-    ({"PETIT_MOE_COMBINE_REDUCE_PCT": "50"}, 4096, 132, dict(send_blocks=64)),  # 66 allowed
+    (dict(reduce_pct=50), 4096, 132, dict(send_blocks=64)),  # 66 allowed
     # 53 allowed: 3 rounds of 43 senders, too few for the tail split
-    ({"PETIT_MOE_COMBINE_REDUCE_PCT": "60"}, 4096, 132, dict(send_blocks=43, whole_pairs=0)),
+    (dict(reduce_pct=60), 4096, 132, dict(send_blocks=43, whole_pairs=0)),
 ])
-def test_combine_plan_tuning_knobs(env, tokens, num_blocks, expected):
-    """The combine's tuning knobs are read once per process: each case plans in a fresh
-    interpreter with its environment."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    _extension()
-    code = ("import json, torch; from vllm_petit_moe import _C; "
-            f"print(json.dumps(_C.combine_plan(2, 7168, {tokens}, {tokens}, {num_blocks})))")
-    child_env = {k: v for k, v in os.environ.items() if k not in _COMBINE_KNOBS}
-    child_env.update(env)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=child_env, cwd=str(Path(__file__).resolve().parents[1]))
-    assert result.returncode == 0, result.stderr
-    plan = json.loads(result.stdout.strip().splitlines()[-1])
+def test_combine_plan_config(config, tokens, num_blocks, expected):
+    """CombineConfig fields move the plan (no output bit depends on it)."""
+    ext = _combine_plan_ext()
+    plan = ext.combine_plan(2, 7168, tokens, tokens, num_blocks, combine_config=config)
     assert {k: plan[k] for k in expected} == expected, plan

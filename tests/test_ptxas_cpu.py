@@ -22,6 +22,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The warp-specialized expert kernels (experts.cu): every Hopper kernel.
+WS_KERNEL = re.compile(r"_ws_(?:auto_)?kernel")
+WS_ENTRY = re.compile(r"\.(?:visible )?\.?entry \w+_ws_(?:auto_)?kernel")
+NUM_WS_KERNELS = 7
 FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DPETIT_SM90A_BUILT=1",
          "-gencode", "arch=compute_90a,code=sm_90a", f"-I{ROOT / 'csrc'}"]
 
@@ -77,13 +81,13 @@ def test_no_kernel_spills_and_no_serialized_wgmma(nvcc, source, tmp_path):
 
 
 def test_warp_specialized_kernels_launch_with_their_register_budget(nvcc, tmp_path):
-    kernels = _ptxas_report(nvcc, "experts.cu", tmp_path)["kernels"]
-    ws = {name: k for name, k in kernels.items() if "_ws_kernel" in name}
-    # gate/up and down of wgmma_ws, _m64_ws, _ws_mc, _narrow_ws; the staged down of _ws, _ws_mc;
-    # the fused gate/up + down of _m64_ws and _narrow_ws; the staged down of _ws and _ws_mc with
-    # the act rows by TMA (PETIT_MOE_DOWN_A_TMA=1)
-    assert len(ws) == 14, sorted(kernels)
+    kernels = _ptxas_report(nvcc, "experts/experts.cu", tmp_path)["kernels"]
+    ws = {name: k for name, k in kernels.items() if WS_KERNEL.search(name)}
+    # gate/up and (staged) down of wgmma and wgmma_mc; the fused gate/up + down of wgmma_m64
+    # and wgmma_narrow; auto's fused kernel holding both
+    assert len(ws) == NUM_WS_KERNELS, sorted(kernels)
     assert sum("expert_fused_ws_kernel" in name for name in ws) == 2
+    assert sum("expert_fused_ws_auto_kernel" in name for name in ws) == 1
     for name, k in ws.items():
         assert k["registers"] == 168, (name, k)
 
@@ -99,7 +103,7 @@ def test_the_reductions_fit_their_blocks_per_sm(nvcc, tmp_path):
     def constant(name):
         return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
     threads, batch = constant("kReduceThreads"), constant("kReduceBatch")
-    kernels = _ptxas_report(nvcc, "experts.cu", tmp_path)["kernels"]
+    kernels = _ptxas_report(nvcc, "experts/experts.cu", tmp_path)["kernels"]
     reduce = {name: k for name, k in kernels.items() if "expert_reduce_kernel" in name}
     # mangled template arguments: ILi1E (kBatch = 1) and ILi<batch>E
     one = [k for name, k in reduce.items() if "ILi1E" in name]
@@ -119,21 +123,16 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
     assert "g_petit_probe" not in ptx  # the start-up probe's marks: only in a probe build
     # The body of each .entry, up to the next one.
     entries = re.split(r"\n(?=\.(?:visible )?\.?entry )", ptx)
-    ws_bodies = [e for e in entries if re.match(r"\.(?:visible )?\.?entry \w+_ws_kernel", e)]
-    assert len(ws_bodies) == 14
-    clustered = a_by_tma = 0
+    ws_bodies = [e for e in entries if WS_ENTRY.match(e)]
+    assert len(ws_bodies) == NUM_WS_KERNELS
+    clustered = 0
     for body in ws_bodies:
-        # the down kernels whose act rows come as TMA boxes: no cp.async gather, its arrivals
-        # and its proxy fence per k-tile; both tensor maps prefetched; staged
-        if "cp.async.mbarrier.arrive.noinc" not in body:
-            a_by_tma += 1
-            assert "cp.async.cg.shared.global" not in body
-            assert body.count("prefetch.tensormap") >= 2
-            name = body.split("(", 1)[0]
-            assert ("cp.async.bulk.global.shared::cta" in body) == ("down" in name), name
-        else:  # the gathered rows (generic proxy) fenced before the wgmma reads them
-            assert "cp.async.cg.shared.global" in body and "fence.proxy.async" in body
-        # the multicast kernels (wgmma_ws_mc: Sm90WgmmaWsMainloop<..., 2, ...>, cluster of 2)
+        # the gathered rows (generic proxy), each stage's arrival when they land, fenced
+        # before the wgmma reads them
+        for instruction in ("cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
+                            "fence.proxy.async"):
+            assert instruction in body, instruction
+        # the multicast kernels (wgmma_mc: Sm90WgmmaWsMainloop<..., 2, ...>, cluster of 2)
         if "multicast::cluster" in body:
             clustered += 1
             for instruction in ("mapa.shared::cluster", "barrier.cluster.arrive",
@@ -146,21 +145,20 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
                             "mbarrier.arrive.expect_tx", "cp.async.bulk.tensor.4d",
                             "prefetch.tensormap"):
             assert instruction in body, instruction
-    assert a_by_tma == 2
-    # gate/up, down, staged down and staged down with the act rows by TMA of wgmma_ws_mc
-    assert clustered == 4
+    # gate/up and staged down of wgmma_mc
+    assert clustered == 2
     # the fused GEMMs: both weight maps prefetched, gate/up arrivals counted after a fence,
     # down tiles waiting for them with acquire loads bounded by the global timer
-    fused = [b for b in ws_bodies if "expert_fused_ws_kernel" in b.split("(", 1)[0]]
-    assert len(fused) == 2
+    fused = [b for b in ws_bodies if "expert_fused_ws" in b.split("(", 1)[0]]
+    assert len(fused) == 3
     for body in fused:
         assert body.count("prefetch.tensormap") >= 2
         for instruction in ("ld.acquire.gpu.global.b32", "atom.global.add", "membar.gl",
                             "%globaltimer", "trap;"):
             assert instruction in body, instruction
-    # the staged epilogue's bulk copies and named barrier (the four staged down kernels)
+    # the staged epilogue's bulk copies and named barrier (the down kernels of wgmma, wgmma_mc)
     staged = [b for b in ws_bodies if "cp.async.bulk.global.shared::cta" in b]
-    assert len(staged) == 4
+    assert len(staged) == 2
     for body in staged:
         for instruction in ("cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read",
                             "cp.async.bulk.wait_group 0", "bar.sync", "fence.proxy.async"):
@@ -181,7 +179,7 @@ def test_probe_build_marks_every_warp_specialized_kernel(nvcc, tmp_path):
     assert re.search(r"\.global .*g_petit_probe\w*\[(131072|16384)\]", ptx), \
         [line for line in ptx.splitlines() if "g_petit_probe" in line][:3]
     entries = re.split(r"\n(?=\.(?:visible )?\.?entry )", ptx)
-    ws_bodies = [e for e in entries if re.match(r"\.(?:visible )?\.?entry \w+_ws_kernel", e)]
-    assert len(ws_bodies) == 14
+    ws_bodies = [e for e in entries if WS_ENTRY.match(e)]
+    assert len(ws_bodies) == NUM_WS_KERNELS
     for body in ws_bodies:
         assert "g_petit_probe" in body and "%globaltimer" in body, body.split("(", 1)[0]

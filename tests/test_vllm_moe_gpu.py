@@ -388,7 +388,7 @@ def test_petit_experts_match_vllm_and_reference(pool, tokens):
     """VLLM_PETIT_MOE_EXPERTS=1's kernel as the hook builds it (petit prepare/finalize +
     PetitExperts) inside vLLM's modular kernel, whose output buffer aliases the experts'
     workspace13 (the activation): against the fp32 reference and vLLM's default path, at
-    decode (wgmma_narrow_ws / wgmma_m64_ws), 45 and 1024 tokens/rank (wgmma_ws with the staged
+    decode (wgmma_narrow / wgmma_m64, fused), 45 and 1024 tokens/rank (wgmma with the staged
     down epilogue) and unequal ranks."""
     counts = [tokens[r % len(tokens)] for r in range(WORLD)]
     pool.run(_rank_compare, SHAPE, 900 + sum(tokens), counts, ("default", PETIT_EXPERTS_PATH),

@@ -43,6 +43,7 @@ struct EpEmu {
   int64_t stride = 0;
   unsigned char* heap = nullptr;
   std::vector<std::unique_ptr<RankState>> ranks;
+  petit::CombineConfig combine_config{};  // every rank's (petit_emu_ep_set_combine_config)
 
   ~EpEmu() { std::free(heap); }
 
@@ -116,10 +117,37 @@ int combine_one(EpEmu& ep, int rank, const void* expert_out, void* out, int num_
   a.num_tokens = num_tokens;
   a.top_k = top_k;
   a.region_stride = region_stride;
+  a.config = ep.combine_config;
   return int(petit::launch_combine(a, nullptr));
 }
 
 }  // namespace
+
+// The CombineConfig of every rank's next combines (default-constructed until set).
+extern "C" void petit_emu_ep_set_combine_config(void* handle, int reduce_pct, int reduce_vectors,
+                                                int reduce_items, int tail_chunks) {
+  static_cast<EpEmu*>(handle)->combine_config =
+      petit::CombineConfig{reduce_pct, reduce_vectors, reduce_items, tail_chunks};
+}
+
+// The plan of one rank's combine (plan_combine, no launch): out[6] = send chunks, whole
+// pairs, send blocks, reduce chunks, static reduction, grid. Returns the petitError_t.
+extern "C" int petit_emu_ep_combine_plan(void* handle, int rank, int num_tokens, int top_k,
+                                         int region_stride, int* out) {
+  EpEmu& ep = *static_cast<EpEmu*>(handle);
+  petit::CombineArgs a{};
+  a.ctx = ep.context(rank);
+  a.num_tokens = num_tokens;
+  a.top_k = top_k;
+  a.region_stride = region_stride;
+  a.config = ep.combine_config;
+  int grid = 0;
+  const int rc = int(petit::plan_combine(&a, &grid));
+  const int plan[6] = {a.num_chunks, a.num_whole_pairs, a.num_send_blocks, a.num_reduce_chunks,
+                       a.static_reduce, grid};
+  for (int i = 0; i < 6; ++i) out[i] = plan[i];
+  return rc;
+}
 
 // A context of `world_size` ranks (num_experts / world_size local experts each); the flags are
 // zeroed, every other heap byte is kHeapPoison. timeout_s: the kernels' wait bound in seconds

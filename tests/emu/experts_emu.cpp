@@ -11,9 +11,6 @@
 
 #include "experts/experts.cu"
 
-// Split-K partial floats the last petit_emu_experts call wrote (0: no tile was split).
-static int64_t g_split_floats_written = 0;
-extern "C" int64_t petit_emu_split_floats_written() { return g_split_floats_written; }
 // The branch the last expert_fused_ws_auto_kernel took (1: narrow tiles, 0: m64), then -1
 // until the next one runs.
 extern "C" int petit_emu_fused_auto_narrow() {
@@ -26,6 +23,24 @@ extern "C" void petit_emu_trap(const char* what) { emu_ptx::trap(what); }
 // Whether the last petit_emu_experts call ran both GEMMs as one launch (expert_fused_gemms).
 static bool g_fused_gemms = false;
 extern "C" int petit_emu_fused_gemms() { return g_fused_gemms ? 1 : 0; }
+
+// The ExpertConfig of the next calls (petit_emu_experts, petit_emu_resolve_tiles): a
+// default-constructed one until set.
+static petit::ExpertConfig g_config;
+extern "C" void petit_emu_set_expert_config(int narrow_max_rows, int m64_max_rows,
+                                            int mc_min_rows, int mc_min_hidden,
+                                            int simt_large_min_rows) {
+  g_config = petit::ExpertConfig{narrow_max_rows, m64_max_rows, mc_min_rows, mc_min_hidden,
+                                 simt_large_min_rows};
+}
+extern "C" void petit_emu_default_expert_config(int* fields) {
+  const petit::ExpertConfig c;
+  fields[0] = c.narrow_max_rows;
+  fields[1] = c.m64_max_rows;
+  fields[2] = c.mc_min_rows;
+  fields[3] = c.mc_min_hidden;
+  fields[4] = c.simt_large_min_rows;
+}
 
 // Runs launch_experts on host memory. Returns the petitError_t as an int (0 = success), and
 // the tile family that ran in *tiles_used.
@@ -58,33 +73,19 @@ extern "C" int petit_emu_experts(const uint16_t* x, const int32_t* topk_ids,
   a.num_local_experts = num_local_experts;
   a.tiles = tiles;
   a.num_sms = num_sms;
+  a.config = g_config;
   *tiles_used = petit::resolve_expert_tiles(a);
-  // split-K workspace (PETIT_MOE_SPLIT_K), as the binding allocates it: partials NaN-poisoned,
-  // counters zero
-  int64_t split_floats = 0;
-  int split_counters = 0;
-  petit::expert_split_k_workspace(a, &split_floats, &split_counters);
-  std::vector<float> partials(size_t(split_floats), std::nanf(""));
-  std::vector<int32_t> counters(size_t(split_counters), 0);
-  petit::expert_split_k_attach(&a, partials.data(), split_floats, counters.data(),
-                               split_counters);
-  // fused GEMMs (PETIT_MOE_FUSED_GEMMS), as the binding allocates them: one arrival counter per
+  // fused GEMMs (expert_fused_gemms), as the binding allocates them: one arrival counter per
   // local expert and the tile claim counter, zeroed there by the row-list kernels and here.
   // (Blocks run one after another in this emulation, so the first block claims every tile.)
   std::vector<int32_t> done(petit::expert_fused_gemms(a) ? size_t(num_local_experts) + 1 : 0, 0);
   if (!done.empty()) a.gate_up_done = done.data();
   g_fused_gemms = !done.empty();
-  const int rc = int(petit::launch_experts(a, nullptr));
-  // every counter reset by its tile's last share
-  for (int32_t c : counters)
-    if (c != 0) return -2;
-  g_split_floats_written = 0;
-  for (float f : partials) g_split_floats_written += !std::isnan(f);
-  return rc;
+  return int(petit::launch_experts(a, nullptr));
 }
 
-// The compute capability the emulated device reports: 9.0 lets the wgmma families (run on the
-// PTX emulation of emu_ptx.h) be taken, the default 2.0 leaves only the portable ones.
+// The compute capability the emulated device reports: 9.0 lets the Hopper regimes (run on the
+// PTX emulation of emu_ptx.h) be taken, the default 2.0 leaves only the SIMT fallback.
 extern "C" void petit_emu_set_compute_capability(int major, int minor) {
   emu::cc_major = major;
   emu::cc_minor = minor;
@@ -99,6 +100,7 @@ extern "C" int petit_emu_resolve_tiles(int num_rows, int top_k, int num_local_ex
   a.num_local_experts = num_local_experts;
   a.hidden = hidden;
   a.tiles = tiles;
+  a.config = g_config;
   return petit::resolve_expert_tiles(a);
 }
 

@@ -1,13 +1,12 @@
-// Host-side check of the tensor-core tile configurations (csrc/gemm/sm80_mainloop_mma.h,
-// csrc/gemm/sm90_mainloop_wgmma.h): the epilogue view (row_of / col_of) covers every output
-// of a tile exactly once, and, for the wgmma configs, the shared-memory B row that the PTX
-// accumulator layout of wgmma.m64nNk16 assigns to each accumulator holds the weight row of the
-// same B group and tile column (b_group_of / b_col_of). Built with nvcc and run by
+// Host-side check of the Hopper tile configurations (csrc/gemm/sm90_mainloop_wgmma.h,
+// sm90_mainloop_wgmma_ws.h): the epilogue view (row_of / col_of) covers every output of a tile
+// exactly once, the shared-memory B row that the PTX accumulator layout of wgmma.m64nNk16
+// assigns to each accumulator holds the weight row of the same B group and tile column
+// (b_group_of / b_col_of), and the TMA weight boxes tile each stage. Built with nvcc and run by
 // tests/test_gemm_layouts_cpu.py; prints one line per config, exits non-zero on a mismatch.
 #include <cstdio>
 #include <vector>
 
-#include "gemm/sm80_mainloop_mma.h"
 #include "gemm/sm90_mainloop_wgmma.h"
 #include "gemm/sm90_mainloop_wgmma_ws.h"
 
@@ -99,44 +98,23 @@ void check_wgmma_ws(const char* name) {
               Loader::kBoxRows, Mainloop::kClusterM);
 }
 
-template <class Cfg>
-void check_mma(const char* name) {
-  check_coverage<Cfg>(name);
-  for (int r = 0; r < Cfg::kBRows; ++r)
-    expect(Cfg::b_group_of(r) == r / Cfg::kBlockN && Cfg::b_col_of(r) == r % Cfg::kBlockN, name,
-           "B rows are not gate rows then up rows", -1, r, 0);
-  std::printf("%s: %d threads, %dx%d tile x %d group(s), mma.sync\n", name, Cfg::kThreads,
-              Cfg::kBlockM, Cfg::kBlockN, Cfg::kNumBGroups);
-}
-
 }  // namespace
 
 int main() {
-  using petit::gemm::Sm80MmaTileConfig;
   using petit::gemm::Sm90WgmmaTileConfig;
-  // The configurations csrc/experts/experts.cu instantiates (keep in sync), plus variants.
-  check_mma<Sm80MmaTileConfig<64, 2, 3, 2>>("mma gate/up");
-  check_mma<Sm80MmaTileConfig<128, 1, 3, 2>>("mma down");
-  check_wgmma<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>("wgmma gate/up");
-  check_wgmma<Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>("wgmma down");
-  check_wgmma<Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>("wgmma_m64 gate/up");
-  check_wgmma<Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>("wgmma_m64 down");
-  check_wgmma<Sm90WgmmaTileConfig<64, 64, 2, 4, 2, 2>>("wgmma_narrow gate/up");
-  check_wgmma<Sm90WgmmaTileConfig<64, 128, 1, 4, 2, 2>>("wgmma_narrow down");
   using petit::gemm::Sm90WgmmaWsMainloop;
-  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>>("wgmma_ws gate/up");
-  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 256, 1, 4, 1>>>("wgmma_ws down");
-  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>>(
-      "wgmma_m64_ws gate/up");
-  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>>("wgmma_m64_ws down");
+  // The configurations csrc/experts/experts.cu instantiates (keep in sync), plus variants.
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>>("wgmma gate/up");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 256, 1, 3, 1>>>("wgmma down");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>>("wgmma_m64 gate/up");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 256, 1, 5, 2>>>("wgmma_m64 down");
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 64, 2, 8, 2>>>(
-      "wgmma_narrow_ws gate/up");
-  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 128, 1, 8, 2>>>(
-      "wgmma_narrow_ws down");
+      "wgmma_narrow gate/up");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 128, 1, 8, 2>>>("wgmma_narrow down");
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>, 2>>(
-      "wgmma_ws_mc gate/up");
-  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 256, 1, 4, 1>, 2>>(
-      "wgmma_ws_mc down");
+      "wgmma_mc gate/up");
+  check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 256, 1, 3, 1>, 2>>(
+      "wgmma_mc down");
   check_wgmma<Sm90WgmmaTileConfig<128, 128, 2, 4, 2>>("wgmma 128 rows, 2x2 warpgroups, gated");
   check_wgmma<Sm90WgmmaTileConfig<192, 128, 1, 3, 1>>("wgmma 192 rows, n128");
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "OK", failures);
