@@ -11,7 +11,11 @@ combine_reference of all ranks simulated on one GPU).
     python examples/bench_dispatch_combine.py                     # DeepSeek-V3 preset
     python examples/bench_dispatch_combine.py --quick             # fewer sizes
     python examples/bench_dispatch_combine.py --tokens 4096 --trace   # + the combine's timeline
+    python examples/bench_dispatch_combine.py --combine-configs "" reduce_pct=40,reduce_items=0
 Writes examples/results/dispatch_combine_<gpu>x<W>.jsonl and a PNG plot next to it.
+
+--combine-configs: one or more ``vllm_petit_moe.config.CombineConfig`` settings as
+``field=value,...`` ("" for the defaults), each on its own EpBuffer (field ``combine_config``).
 
 --trace: after the timed replays, a second graph of the same step whose combine writes its
 per-block timeline (vllm_petit_moe.testing.combine_trace) is replayed a few times; the last
@@ -35,6 +39,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench_env import commit_stamp, replot, utc_date, write_results  # noqa: E402
+from vllm_petit_moe.config import CombineConfig, as_dict, parse_config  # noqa: E402
 from vllm_petit_moe.testing.combine_trace import format_combine_trace  # noqa: E402
 
 PRESETS = {
@@ -196,14 +201,15 @@ def _worker(rank, world, port, args, results):
     rows = []
     for preset in args.presets:
         cfg = PRESETS[preset]
-        for num_sms in args.num_sms:
+        for num_sms, config in [(n, c) for n in args.num_sms for c in args.combine_configs]:
             buf = EpBuffer(group, hidden_size=cfg["hidden"], num_experts=cfg["num_experts"],
                            max_tokens_per_rank=max(args.tokens), max_top_k=cfg["top_k"],
-                           num_sms=num_sms or None, timeout_s=30.0)
+                           num_sms=num_sms or None, timeout_s=30.0, config=config)
             for routing in args.routings:
                 for tokens in args.tokens:
                     row = _bench_one(buf, rank, world, preset, routing, tokens, args.iters,
                                      group, trace=args.trace)
+                    row["combine_config"] = as_dict(config)
                     gathered = [None] * world
                     dist.all_gather_object(gathered, row, group=group)
                     if rank == 0:
@@ -291,7 +297,14 @@ def main():
     p.add_argument("--replot", metavar="JSONL", help="only redraw the plot of a results file")
     p.add_argument("--trace", action="store_true",
                    help="also record and print the combine's per-block timeline")
+    p.add_argument("--combine-configs", nargs="+", default=[""], metavar="SPEC",
+                   help="CombineConfig settings, field=value,... each ('' = the defaults), "
+                        "each run on its own EpBuffer")
     args = p.parse_args()
+    try:
+        args.combine_configs = [parse_config(CombineConfig, s) for s in args.combine_configs]
+    except (TypeError, ValueError) as e:
+        p.error(f"--combine-configs: {e}")
     if args.replot:
         return replot(args.replot, _plot, lambda r: f"EpBuffer dispatch/combine, {r['gpu']} "
                                                     f"x{r['world']}, {r['commit']}")

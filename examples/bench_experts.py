@@ -35,7 +35,8 @@ difference of petit's output to the torch loop's.
     python examples/bench_experts.py                        # both presets, W=2, T 1..8192
     python examples/bench_experts.py --quick                # T 1, 128, 2048
     python examples/bench_experts.py --replot examples/results/experts_H200.jsonl
-    python examples/bench_experts.py --profile --tokens 1 8 32 --tiles wgmma_m64 wgmma_m64_ws
+    python examples/bench_experts.py --profile --tokens 1 8 32 --tiles wgmma_narrow wgmma_m64
+    python examples/bench_experts.py --tokens 8 16 --expert-configs "" narrow_max_rows=4
 Each row also records ``launch``: grid, threads, dynamic shared memory and CTAs per cluster of
 the two GEMM kernels as launched (``ops.last_gemm_launch``).
 --chain N: at decode sizes (tokens <= CHAIN_MAX_TOKENS) also the time per call of N calls back
@@ -44,18 +45,16 @@ as fit the free memory: field ``chain``), so no call finds another's weights in 
 of a decode step's MoE layers pays once the graph launch is amortized and the kernels of
 consecutive calls overlap as in a served step (fields ``us_chain``, ``weight_gbps_chain``,
 ``triton_us_chain``; the single-call ``us`` keeps its L2 flush and graph launch).
-PETIT_MOE_PDL=0 in the environment: petit's kernels launched without programmatic dependent
-launch (field ``pdl``), for an A/B of the gaps between its kernels. PETIT_MOE_STAGED_EPILOGUE=0:
-the down GEMMs of wgmma_ws / wgmma_ws_mc with the plain epilogue instead of the staged one (field
-``staged_epilogue``). PETIT_MOE_SPLIT_K=N (field ``split_k``): wgmma_narrow_ws / wgmma_m64_ws
-may cut tiles into up to N k-shares when there are few tiles (opt-in, see csrc/experts/experts.cu).
+--expert-configs: one or more ``vllm_petit_moe.config.ExpertConfig`` settings as
+``field=value,...`` ("" for the defaults), each run with every family of --tiles on the same
+rows (field ``expert_config``): a sweep of auto's bounds in one run.
 --profile: after timing, 10 more calls of petit's and of Triton's path run under torch.profiler
 (CUDA activity only); their kernel time per call by category (``bench_env.PROFILE_CATEGORIES``:
 petit row lists / GEMMs / reduce, Triton GEMM / align+sum+activation, other) is printed under
-each row and stored as ``breakdown`` / ``triton_breakdown``. Petit's profiled calls run with
-programmatic dependent launch off (PETIT_MOE_PDL=0 for them only; field ``breakdown_pdl``):
-with it on, a kernel starts while the previous one runs and its recorded duration includes
-that wait, so the categories would overlap and overstate the GEMMs.
+each row and stored as ``breakdown`` / ``triton_breakdown``. Petit's kernels are launched with
+programmatic dependent launch (field ``breakdown_pdl``): a kernel starts while the previous
+one runs and its recorded duration includes that wait, so the categories overlap and
+overstate the GEMMs.
 Writes examples/results/experts_<gpu>.jsonl (fields gpu, commit, date, preset, routing,
 tokens, tflops, triton_tflops, torch_tflops, speedup_vs_triton, weight_gbps, hbm_gbps,
 dense_tflops and more) and a PNG next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
@@ -63,7 +62,6 @@ dense_tflops and more) and a PNG next to it, and prints a table. The commit come
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -72,6 +70,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench_env import (  # noqa: E402
     commit_stamp, format_breakdown, profile_kernels, replot, utc_date, write_results)
+from vllm_petit_moe.config import ExpertConfig, as_dict, parse_config  # noqa: E402
 from vllm_petit_moe.ops import TILES  # noqa: E402
 
 PRESETS = {
@@ -93,31 +92,6 @@ CHAIN_RESERVE_BYTES = 8 << 30  # free memory --chain leaves for the runs
 # --------------------------------------------------------------------------------------------
 # problem and the three implementations
 # --------------------------------------------------------------------------------------------
-
-
-def split_k_max():
-    """PETIT_MOE_SPLIT_K as the kernels read it (experts.cu expert_split_k_max: atoi, [1, 8])."""
-    digits = ""
-    for ch in os.environ.get("PETIT_MOE_SPLIT_K", "").strip():
-        if not ch.isdigit():
-            break
-        digits += ch
-    return min(max(int(digits or 0), 1), 8)
-
-
-def profile_without_pdl(call, calls):
-    """profile_kernels of `call` with PETIT_MOE_PDL=0 (read at every launch), restored after:
-    per-kernel durations that do not include a programmatic launch's wait."""
-    old = os.environ.get("PETIT_MOE_PDL")
-    os.environ["PETIT_MOE_PDL"] = "0"
-    try:
-        call()  # one call outside the profile with the new launch mode
-        return profile_kernels(call, calls)
-    finally:
-        if old is None:
-            os.environ.pop("PETIT_MOE_PDL", None)
-        else:
-            os.environ["PETIT_MOE_PDL"] = old
 
 
 def make_weights(preset, world, seed):
@@ -172,7 +146,7 @@ def make_routing(preset, routing, tokens, world, hot_fraction, seed):
     return recv_x, local_ids, weights
 
 
-def petit_fn(recv_x, local_ids, weights, w13, w2, tiles):
+def petit_fn(recv_x, local_ids, weights, w13, w2, tiles, config=None):
     import torch
 
     from vllm_petit_moe import ops
@@ -185,7 +159,8 @@ def petit_fn(recv_x, local_ids, weights, w13, w2, tiles):
 
     def run():
         return ops.experts_forward(recv_x, local_ids, weights, w13, w2, out=out,
-                                   act_workspace=act, partial_workspace=partial, tiles=tiles)
+                                   act_workspace=act, partial_workspace=partial, tiles=tiles,
+                                   config=config)
 
     return run
 
@@ -332,9 +307,10 @@ def hbm_copy_gbps(iters=10):
 
 
 def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps, copies=()):
-    """One configuration: every family of --tiles on the same rows, against vLLM's Triton
-    experts and the torch loop (each measured once). ``copies``: further (w13, w2) copies for
-    --chain (used up to CHAIN_MAX_TOKENS tokens/rank). Returns one row per family."""
+    """One configuration: every family of --tiles with every --expert-configs on the same
+    rows, against vLLM's Triton experts and the torch loop (each measured once). ``copies``:
+    further (w13, w2) copies for --chain (used up to CHAIN_MAX_TOKENS tokens/rank). Returns
+    one row per (family, config)."""
     import torch
 
     from vllm_petit_moe import ops
@@ -351,23 +327,24 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps, copies=()
     weight_bytes = experts_touched * 3 * hidden * inter * 2
     chain = [(w13, w2), *copies] if copies and tokens <= CHAIN_MAX_TOKENS and pairs else []
 
-    petit = []  # (requested family, resolved family, us, output, breakdown, launch, us_chain)
-    for family in args.tiles:
-        run_petit = petit_fn(recv_x, local_ids, weights, w13, w2, family)
+    petit = []  # (requested family, config, resolved family, us, output, breakdown, launch,
+    #             us_chain)
+    for family, config in [(f, c) for c in args.expert_configs for f in args.tiles]:
+        run_petit = petit_fn(recv_x, local_ids, weights, w13, w2, family, config)
         out = run_petit().clone()
         launch = ({"gate_up": ops.last_gemm_launch(True), "down": ops.last_gemm_launch(False)}
                   if pairs else None)  # no rows: nothing was launched
         us, _ = time_us(run_petit, args.iters, flush)
         us_chain = None
         if chain:
-            us_chain, _ = chain_us([petit_fn(recv_x, local_ids, weights, c13, c2, family)
+            us_chain, _ = chain_us([petit_fn(recv_x, local_ids, weights, c13, c2, family, config)
                                     for c13, c2 in chain], args.iters, flush)
         breakdown = None
         if args.profile:  # eager calls, warmed up by the timing above
-            breakdown = profile_without_pdl(run_petit, PROFILE_CALLS)
+            breakdown = profile_kernels(run_petit, PROFILE_CALLS)
         resolved = ops.resolve_tiles(recv_x.shape[0], local_ids.shape[1], w13.shape[0],
-                                     recv_x.shape[1], family)
-        petit.append((family, resolved, us, out, breakdown, launch, us_chain))
+                                     recv_x.shape[1], family, config)
+        petit.append((family, config, resolved, us, out, breakdown, launch, us_chain))
         del run_petit
 
     triton_us = triton_breakdown = triton_us_chain = None
@@ -397,12 +374,13 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps, copies=()
         return flops / (us * 1e-6) / 1e12 if us and pairs else 0.0
 
     rows = []
-    for family, resolved, petit_us, petit_out, breakdown, launch, us_chain in petit:
+    for family, config, resolved, petit_us, petit_out, breakdown, launch, us_chain in petit:
         diff = (petit_out.float() - torch_out.float()).norm()
         row = dict(
             preset=preset, routing=routing, tokens=tokens, world=args.world,
             local_experts=w13.shape[0], pairs=pairs, experts_touched=experts_touched,
             hot_share=hot_share, tiles=resolved, tiles_requested=family,
+            expert_config=as_dict(config),
             us=petit_us, triton_us=triton_us, torch_us=torch_us,
             tflops=tflops(petit_us),
             triton_tflops=tflops(triton_us) if triton_us else None,
@@ -412,11 +390,6 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps, copies=()
             weight_gbps=weight_bytes / (petit_us * 1e-6) / 1e9,
             hbm_gbps=hbm_gbps,
             dense_us=dense_us, dense_tflops=dense_tflops,
-            # experts.cu launches with programmatic dependent launch on sm_90+ unless this is 0
-            pdl=os.environ.get("PETIT_MOE_PDL", "1") != "0",
-            # experts.cu: the shared-memory staged down epilogue of the ws families when 1
-            staged_epilogue=not os.environ.get("PETIT_MOE_STAGED_EPILOGUE", "1").startswith("0"),
-            split_k=split_k_max(),
             launch=launch,  # grid / threads / smem / cluster of the two GEMM kernels
             rel_diff=float(diff / torch_out.float().norm().clamp_min(1e-30)),
             finite=bool(torch.isfinite(petit_out).all()),
@@ -425,7 +398,7 @@ def bench_one(preset, routing, tokens, args, w13, w2, flush, hbm_gbps, copies=()
             row.update(chain=len(chain), us_chain=us_chain, triton_us_chain=triton_us_chain,
                        weight_gbps_chain=weight_bytes / (us_chain * 1e-6) / 1e9)
         if args.profile:
-            row.update(breakdown=breakdown, breakdown_pdl=False,
+            row.update(breakdown=breakdown, breakdown_pdl=True,
                        triton_breakdown=triton_breakdown)
         rows.append(row)
     del run_triton, petit, torch_out
@@ -461,6 +434,14 @@ def print_row(r):
             print(f"    {name}: {format_breakdown(r[key])}", flush=True)
 
 
+def _variant(row):
+    """A results row's petit variant: its requested family, and its ExpertConfig where that is
+    not the default."""
+    config = row.get("expert_config") or {}
+    changed = {k: v for k, v in config.items() if as_dict(ExpertConfig()).get(k) != v}
+    return row.get("tiles_requested", "") + "".join(f" {k}={v}" for k, v in changed.items())
+
+
 def plot(rows, path, title):
     import matplotlib
 
@@ -471,12 +452,13 @@ def plot(rows, path, title):
     fig, axes = plt.subplots(len(presets), 2, figsize=(13, 4.2 * len(presets)), squeeze=False)
     for row_axes, preset in zip(axes, presets):
         hbm = None
-        # one petit line per requested family (files from before --tiles took several: one)
-        families = list(dict.fromkeys(r.get("tiles_requested", "") for r in rows))
+        # one petit line per requested family and config (files from before --tiles took
+        # several: one)
+        families = list(dict.fromkeys(_variant(r) for r in rows))
         for routing, marker in zip(SKEWS, ["o", "s", "^", "D"]):
             for index, family in enumerate(families):
                 sel = sorted((r for r in rows if r["preset"] == preset and r["routing"] == routing
-                              and r.get("tiles_requested", "") == family),
+                              and _variant(r) == family),
                              key=lambda r: r["tokens"])
                 if not sel:
                     continue
@@ -522,8 +504,11 @@ def parse_args(argv=None):
                         "(default 0.6; 1/W would be an even split)")
     p.add_argument("--tiles", nargs="+", choices=tuple(TILES), default=["auto"],
                    help="petit tile families, each run on the same rows against the same "
-                        "baselines (default: auto, i.e. wgmma_m64 / wgmma on H100/H200 by rows "
-                        "per expert; see vllm_petit_moe.ops.TILES)")
+                        "baselines (default: auto, i.e. wgmma_narrow / _m64 / wgmma / _mc on "
+                        "H100/H200 by rows per expert; see vllm_petit_moe.ops.TILES)")
+    p.add_argument("--expert-configs", nargs="+", default=[""], metavar="SPEC",
+                   help="ExpertConfig settings, field=value,... each ('' = the defaults), "
+                        "every one run with every --tiles family")
     p.add_argument("--no-triton", action="store_true", help="skip vLLM's Triton experts")
     p.add_argument("--profile", action="store_true",
                    help="also sum each path's kernel time by category (torch.profiler)")
@@ -535,6 +520,10 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default=None, help="also write the results here")
     p.add_argument("--replot", metavar="JSONL", help="only redraw the plot of a results file")
     args = p.parse_args(argv)
+    try:
+        args.expert_configs = [parse_config(ExpertConfig, spec) for spec in args.expert_configs]
+    except (TypeError, ValueError) as e:
+        p.error(f"--expert-configs: {e}")
     if args.tokens is None:
         args.tokens = QUICK_TOKENS if args.quick else TOKENS
     if args.iters is None:

@@ -4,12 +4,12 @@ run on a GPU machine only."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from script_module import load_script, script_help
 import torch
 
+from vllm_petit_moe.config import ExpertConfig
 from vllm_petit_moe.testing import reference
 
 
@@ -28,13 +28,19 @@ def test_parse_args(bench):
     assert args.tokens == bench.TOKENS and args.iters == 30 and args.world == 2
     assert args.routings == ["uniform", "skewed"] and args.tiles == ["auto"]
     assert not args.profile and bench.parse_args(["--profile", "--tiles", "wgmma_narrow"]).profile
-    assert bench.parse_args(["--tiles", "wgmma", "wgmma_ws"]).tiles == ["wgmma", "wgmma_ws"]
+    assert bench.parse_args(["--tiles", "wgmma", "wgmma_mc"]).tiles == ["wgmma", "wgmma_mc"]
+    assert args.expert_configs == [ExpertConfig()]
+    sweep = bench.parse_args(["--expert-configs", "", "narrow_max_rows=4,m64_max_rows=64"])
+    assert sweep.expert_configs == [ExpertConfig(),
+                                    ExpertConfig(narrow_max_rows=4, m64_max_rows=64)]
     quick = bench.parse_args(["--quick", "--presets", "qwen3-30b-a3b", "--routings",
                               "hot_expert", "--world", "8"])
     assert quick.tokens == bench.QUICK_TOKENS and quick.iters == 10
     assert quick.presets == ["qwen3-30b-a3b"] and quick.world == 8
     for bad in (["--world", "3"], ["--tokens", "0"], ["--hot-fraction", "1.5"],
-                ["--routings", "zipf"], ["--iters", "0"], ["--chain", "0"]):
+                ["--routings", "zipf"], ["--iters", "0"], ["--chain", "0"],
+                ["--tiles", "wgmma_ws"], ["--expert-configs", "narrow_rows=4"],
+                ["--expert-configs", "narrow_max_rows=200"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
@@ -82,41 +88,11 @@ def test_replot(bench, tmp_path):
     assert bench.main(["--replot", str(path)]) == 0
     assert path.with_suffix(".png").stat().st_size > 0
     # Several families per configuration (--tiles a b): one petit line each.
-    several = [dict(r, tiles_requested=family) for r in rows for family in ("wgmma", "wgmma_ws")]
+    several = [dict(r, tiles_requested=family) for r in rows for family in ("wgmma", "wgmma_mc")]
+    several += [dict(r, tiles_requested="auto", expert_config=dict(narrow_max_rows=4))
+                for r in rows]
+    assert bench._variant(several[-1]) == "auto narrow_max_rows=4"
     path = tmp_path / "experts_H200_families.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in several))
     assert bench.main(["--replot", str(path)]) == 0
     assert path.with_suffix(".png").stat().st_size > 0
-
-
-@pytest.mark.parametrize("before", [None, "1"])
-def test_profile_runs_without_pdl_and_restores_it(bench, monkeypatch, before):
-    """--profile's petit calls see PETIT_MOE_PDL=0 (kernel durations without a programmatic
-    launch's wait), the caller's setting is back afterwards, also when the call raises."""
-    if before is None:
-        monkeypatch.delenv("PETIT_MOE_PDL", raising=False)
-    else:
-        monkeypatch.setenv("PETIT_MOE_PDL", before)
-    seen = []
-    monkeypatch.setattr(bench, "profile_kernels",
-                        lambda call, n: (call(), {"calls": n})[1])
-    assert bench.profile_without_pdl(lambda: seen.append(os.environ.get("PETIT_MOE_PDL")),
-                                     3) == {"calls": 3}
-    assert seen == ["0", "0"]  # the warm-up call and the profiled one
-    assert os.environ.get("PETIT_MOE_PDL") == before
-
-    def boom():
-        raise RuntimeError("launch failed")
-    with pytest.raises(RuntimeError):
-        bench.profile_without_pdl(boom, 1)
-    assert os.environ.get("PETIT_MOE_PDL") == before
-
-
-@pytest.mark.parametrize("value,expected", [(None, 1), ("", 1), ("4", 4), ("0", 1), ("99", 8),
-                                            ("3x", 3), ("x", 1)])
-def test_split_k_field_reads_the_setting_like_the_kernels(bench, monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("PETIT_MOE_SPLIT_K", raising=False)
-    else:
-        monkeypatch.setenv("PETIT_MOE_SPLIT_K", value)
-    assert bench.split_k_max() == expected

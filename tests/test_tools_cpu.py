@@ -44,8 +44,8 @@ def test_ab_compare_experts_medians_ratios_and_verdict(tmp_path, capsys):
     the B/A ratio per configuration, the geometric mean over the chosen tokens, exit 0 only
     when B is faster."""
     ab = _ab_compare()
-    one = ("qwen3-30b-a3b", "uniform", 1, "wgmma_narrow_ws")
-    eight = ("qwen3-30b-a3b", "uniform", 8, "wgmma_m64_ws")
+    one = ("qwen3-30b-a3b", "uniform", 1, "wgmma_narrow")
+    eight = ("qwen3-30b-a3b", "uniform", 8, "wgmma_m64")
     _write_run(tmp_path / "x_1", _experts({one: 40.0, eight: 100.0}))
     _write_run(tmp_path / "x_1_r2", _experts({one: 44.0, eight: 100.0}))
     _write_run(tmp_path / "x_1_r3", _experts({one: 42.0, eight: 100.0}))
@@ -64,8 +64,8 @@ def test_ab_compare_experts_chained_metric(tmp_path, capsys):
     """us_chain (bench_experts --chain, decode sizes only) as a second metric: compared where
     both settings have it, "-" elsewhere, the verdict on it with --metric us_chain."""
     ab = _ab_compare()
-    one = ("qwen3-30b-a3b", "uniform", 1, "wgmma_narrow_ws")
-    big = ("qwen3-30b-a3b", "uniform", 8192, "wgmma_ws")
+    one = ("qwen3-30b-a3b", "uniform", 1, "wgmma_narrow")
+    big = ("qwen3-30b-a3b", "uniform", 8192, "wgmma")
 
     def rows(us_one, chain_one, us_big):
         recs = _experts({one: us_one, big: us_big})
@@ -235,7 +235,7 @@ def test_expert_kernel_times_help_runs_without_a_gpu():
     """tools/expert_kernel_times.py imports torch and the benchmark only when it runs."""
     from script_module import script_help
     out = script_help("tools/expert_kernel_times.py")
-    assert "--fused" in out and "--tiles" in out
+    assert "--tiles" in out and "--fused" not in out
 
 
 def test_expert_kernel_times_counts_the_tiles_of_each_gemm():
@@ -246,16 +246,16 @@ def test_expert_kernel_times_counts_the_tiles_of_each_gemm():
     tool = load_script("tools/expert_kernel_times.py")
     ids = torch.cat([torch.full((70,), 0), torch.full((3,), 1), torch.full((5,), 3),
                      torch.full((9,), -1)]).reshape(-1, 1)
-    assert tool.expected_tiles("wgmma_narrow_ws", ids, 2048, 768) == (4 * 12, 4 * 16)
-    assert tool.expected_tiles("wgmma_m64_ws", ids, 2048, 768) == (4 * 6, 4 * 8)
-    assert tool.expected_tiles("wgmma_ws", ids, 2048, 768) == (3 * 6, 3 * 8)
+    assert tool.expected_tiles("wgmma_narrow", ids, 2048, 768) == (4 * 12, 4 * 16)
+    assert tool.expected_tiles("wgmma_m64", ids, 2048, 768) == (4 * 6, 4 * 8)
+    assert tool.expected_tiles("wgmma", ids, 2048, 768) == (3 * 6, 3 * 8)
 
 
 def test_expert_startup_probe_help_runs_without_a_gpu():
     """tools/expert_startup_probe.py imports torch and the extension only when it runs."""
     from script_module import script_help
     out = script_help("tools/expert_startup_probe.py")
-    assert "--pdl" in out and "PETIT_MOE_PROBE=1" in out
+    assert "--tiles" in out and "PETIT_MOE_PROBE=1" in out
 
 
 def test_expert_startup_probe_names_every_slot_of_probe_h():

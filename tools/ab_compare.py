@@ -6,8 +6,7 @@ configuration, the median of each setting over its repeats and the ratio B/A; la
 geometric mean of the ratios of one metric over the configurations in --tokens (all if
 omitted).
 
-    python3 tools/ab_compare.py OUT/experts-PETIT_MOE_SPLIT_K_1 OUT/experts-PETIT_MOE_SPLIT_K_4 \
-        [--tokens 1 2 4]
+    python3 tools/ab_compare.py OUT/ab-old OUT/ab-new [--tokens 1 2 4]
     python3 tools/ab_compare.py OUT/ab-old OUT/ab-new --metric combine_us [--num-sms 24]
 
 A and B are directory prefixes: A matches A, A_r2, A_r3, ... The kind of results is read from

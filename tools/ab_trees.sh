@@ -8,11 +8,13 @@
 # the device call's 64 MiB; delete it afterwards). Both trees are built at once (half the
 # cores each); then every run of AB_RUNS, repeated AB_REPEATS times in interleaved order,
 # runs $AB_BENCH $AB_ARGS from its own tree. A run is TREE[:NAME=VALUE[,NAME=VALUE...]] with
-# TREE `old` (AB_OLD) or `new` (this tree); its results go to
+# TREE `old` (AB_OLD) or `new` (this tree) and environment variables to set; its results go to
 # $OUT/ab-<tree>[_<setting>][_rN]/, and tools/ab_compare.py compares each run with the first.
-# Without AB_OLD only `new` runs are allowed (a sweep of settings of this tree).
+# Without AB_OLD only `new` runs are allowed (a sweep of settings of this tree). The kernels'
+# tuning configs are benchmark arguments, not environment (AB_ARGS: --combine-configs of
+# bench_dispatch_combine.py, --expert-configs of bench_experts.py).
 #
-#   AB_OLD=ab_old AB_RUNS="old new new:PETIT_MOE_COMBINE_REDUCE_ITEMS=0" AB_REPEATS=2 \
+#   AB_OLD=ab_old AB_RUNS="old new" AB_REPEATS=2 \
 #     AB_ARGS="--routings uniform --tokens 128 4096 --num-sms 24 132 --iters 20" \
 #     PACK=1 bash tools/ab_trees.sh
 set -uo pipefail

@@ -5,7 +5,7 @@ one GPU, sampled by `nvidia-smi -lms`. A GEMM that draws more power per FLOP (mo
 L2 and HBM) runs at lower clocks under the board's power limit, which a kernel-cycle count
 under Nsight Compute (base clock) does not show.
 
-    python3 tools/clock_probe.py --preset deepseek-v3 --tokens 8192 --tiles wgmma_ws_mc
+    python3 tools/clock_probe.py --preset deepseek-v3 --tokens 8192 --tiles wgmma_mc
 """
 from __future__ import annotations
 

@@ -7,10 +7,11 @@ What bench_experts --profile sums into categories, kernel by kernel, for the dec
 whose few tiles leave SMs idle.
 
     python3 tools/expert_kernel_times.py --presets qwen3-30b-a3b --routings same uniform \
-        --tokens 1 4 --tiles wgmma_narrow_ws --fused 0 1 --out results.jsonl
+        --tokens 1 4 --tiles wgmma_narrow wgmma --out results.jsonl
 
-Needs a GPU with the extension built; programmatic dependent launch is turned off while
-profiling (PETIT_MOE_PDL=0), so kernels do not overlap and each time is its own.
+Needs a GPU with the extension built. The kernels are launched with programmatic dependent
+launch (always, on sm_90): a kernel may start while the previous one runs, and its time then
+includes that wait. wgmma_narrow / wgmma_m64 run both GEMMs as one fused kernel.
 """
 import argparse
 import math
@@ -22,8 +23,9 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 
 # per family: (gate/up block_n per group, down block_n, rows per m-tile)
-TILE_N = {"wgmma_narrow_ws": (64, 128, 64), "wgmma_m64_ws": (128, 256, 64),
-          "wgmma_ws": (128, 256, 128)}
+TILE_N = {"wgmma_narrow": (64, 128, 64), "wgmma_m64": (128, 256, 64),
+          "wgmma": (128, 256, 128)}
+FUSED = ("wgmma_narrow", "wgmma_m64")  # both GEMMs in one launch
 # bench_env.profile_kernels categories: one per kernel of a call (anything else: "other")
 KERNELS = tuple((name, (name,)) for name in (
     "row_list", "expert_fused", "expert_gate_up", "expert_down", "expert_reduce"))
@@ -45,8 +47,7 @@ def main(argv=None):
     p.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
     p.add_argument("--routings", nargs="+", default=["same", "uniform"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 4])
-    p.add_argument("--tiles", nargs="+", default=["wgmma_narrow_ws"], choices=sorted(TILE_N))
-    p.add_argument("--fused", nargs="+", type=int, default=[0, 1], choices=[0, 1])
+    p.add_argument("--tiles", nargs="+", default=["wgmma_narrow"], choices=sorted(TILE_N))
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -60,7 +61,6 @@ def main(argv=None):
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     stamp = device_stamp(ROOT, args.world)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    os.environ["PETIT_MOE_PDL"] = "0"
     rows = []
     print(f"{'preset':14} {'routing':8} {'tok':>4} {'tiles':16} {'fused':>5} {'kernel':15} "
           f"{'us':>7} {'tiles':>6} {'MB':>6} {'GB/s':>6} {'GB/s/SM':>8}")
@@ -79,30 +79,28 @@ def main(argv=None):
                     gate_tiles, down_tiles = expected_tiles(family, local_ids, hidden, inter)
                     tiles = {"expert_gate_up": gate_tiles, "expert_down": down_tiles,
                              "expert_fused": gate_tiles + down_tiles}
-                    for fused in args.fused:
-                        os.environ["PETIT_MOE_FUSED_GEMMS"] = str(fused)
-                        call = bench.petit_fn(recv_x, local_ids, weights, w13, w2, family)
-                        for _ in range(3):
-                            call()
-                        times = profile_kernels(lambda: (flush.zero_(), call()), args.calls,
-                                                KERNELS)
-                        for name, us in times.items():
-                            if name in ("other", "kernels_total"):  # the flush, the sum
-                                continue
-                            mb = gemm_bytes.get(name, 0) / 1e6
-                            busy = min(tiles.get(name, 0), num_sms)
-                            gbps = mb * 1e3 / us if mb else 0.0
-                            row = dict(**stamp, preset=preset, routing=routing, tokens=tokens,
-                                       tiles=family, fused=fused, kernel=name, us=round(us, 2),
-                                       gemm_tiles=tiles.get(name), weight_mb=round(mb, 2),
-                                       weight_gbps=round(gbps, 1),
-                                       gbps_per_busy_sm=round(gbps / busy, 1) if busy else None,
-                                       experts=experts)
-                            rows.append(row)
-                            print(f"{preset:14} {routing:8} {tokens:4d} {family:16} {fused:5d} "
-                                  f"{name:15} {us:7.1f} {tiles.get(name, 0):6d} {mb:6.1f} "
-                                  f"{gbps:6.0f} {gbps / busy if busy else 0:8.1f}")
-    os.environ.pop("PETIT_MOE_FUSED_GEMMS", None)
+                    fused = int(family in FUSED)
+                    call = bench.petit_fn(recv_x, local_ids, weights, w13, w2, family)
+                    for _ in range(3):
+                        call()
+                    times = profile_kernels(lambda: (flush.zero_(), call()), args.calls,
+                                            KERNELS)
+                    for name, us in times.items():
+                        if name in ("other", "kernels_total"):  # the flush, the sum
+                            continue
+                        mb = gemm_bytes.get(name, 0) / 1e6
+                        busy = min(tiles.get(name, 0), num_sms)
+                        gbps = mb * 1e3 / us if mb else 0.0
+                        row = dict(**stamp, preset=preset, routing=routing, tokens=tokens,
+                                   tiles=family, fused=fused, kernel=name, us=round(us, 2),
+                                   gemm_tiles=tiles.get(name), weight_mb=round(mb, 2),
+                                   weight_gbps=round(gbps, 1),
+                                   gbps_per_busy_sm=round(gbps / busy, 1) if busy else None,
+                                   experts=experts)
+                        rows.append(row)
+                        print(f"{preset:14} {routing:8} {tokens:4d} {family:16} {fused:5d} "
+                              f"{name:15} {us:7.1f} {tiles.get(name, 0):6d} {mb:6.1f} "
+                              f"{gbps:6.0f} {gbps / busy if busy else 0:8.1f}")
     if args.out:
         write_jsonl(args.out, rows)
 

@@ -10,13 +10,14 @@ block's entry (medians over the calls).
 
     PETIT_MOE_PROBE=1 pip install --no-build-isolation -e .   # a diagnostics build
     python3 tools/expert_startup_probe.py --presets qwen3-30b-a3b --routings same uniform \
-        --tokens 1 4 --tiles wgmma_narrow_ws --out probe.jsonl
+        --tokens 1 4 --tiles wgmma_narrow --out probe.jsonl
 
 Needs a GPU and an extension built with PETIT_MOE_PROBE=1 (the serving build has no probe and
-the tool says so). Programmatic dependent launch is off unless --pdl (with it a kernel's
-blocks may enter while the previous kernel still runs, and "entry" says when they did). With
-the two GEMM launches (large calls, or --fused 0) both kernels write the same slots: the
-"first" points are then the gate/up kernel's and "last stored" / "exit" the down kernel's.
+the tool says so). The kernels are launched with programmatic dependent launch (always, on
+sm_90): a kernel's blocks may enter while the previous kernel still runs, and "entry" says
+when they did. With the two GEMM launches (wgmma, wgmma_mc) both kernels write the same slots:
+the "first" points are then the gate/up kernel's and "last stored" / "exit" the down
+kernel's.
 """
 import argparse
 import os
@@ -70,9 +71,7 @@ def main(argv=None):
     p.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
     p.add_argument("--routings", nargs="+", default=["same", "uniform"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 4])
-    p.add_argument("--tiles", nargs="+", default=["wgmma_narrow_ws"])
-    p.add_argument("--fused", nargs="+", type=int, default=[1], choices=[0, 1])
-    p.add_argument("--pdl", action="store_true", help="keep programmatic dependent launch on")
+    p.add_argument("--tiles", nargs="+", default=["wgmma_narrow"])
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -86,10 +85,8 @@ def main(argv=None):
     from vllm_petit_moe import _C
 
     _C.expert_probe_read()  # raises in a build without the probe; clears it otherwise
-    stamp = device_stamp(ROOT, args.world, pdl=args.pdl)
+    stamp = device_stamp(ROOT, args.world)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    if not args.pdl:
-        os.environ["PETIT_MOE_PDL"] = "0"
     rows = []
     for preset in args.presets:
         w13, w2 = bench.make_weights(preset, args.world, args.seed)
@@ -99,41 +96,39 @@ def main(argv=None):
                     preset, routing, tokens, args.world, 0.6, args.seed + tokens)
                 experts = int(torch.unique(local_ids[local_ids >= 0]).numel())
                 for family in args.tiles:
-                    for fused in args.fused:
-                        os.environ["PETIT_MOE_FUSED_GEMMS"] = str(fused)
-                        call = bench.petit_fn(recv_x, local_ids, weights, w13, w2, family)
-                        for _ in range(3):
-                            call()
-                        _C.expert_probe_read()
-                        summaries = []
-                        for _ in range(args.calls):
-                            flush.zero_()
-                            call()
-                            s = summarize(_C.expert_probe_read())
-                            if s is not None:
-                                summaries.append(s)
-                        if not summaries:
-                            print(f"{preset} {routing} {tokens} {family} fused={fused}: no "
-                                  "probed kernel ran (not a warp-specialized family?)")
+                    fused = int(family in ("wgmma_narrow", "wgmma_m64", "auto"))
+                    call = bench.petit_fn(recv_x, local_ids, weights, w13, w2, family)
+                    for _ in range(3):
+                        call()
+                    _C.expert_probe_read()
+                    summaries = []
+                    for _ in range(args.calls):
+                        flush.zero_()
+                        call()
+                        s = summarize(_C.expert_probe_read())
+                        if s is not None:
+                            summaries.append(s)
+                    if not summaries:
+                        print(f"{preset} {routing} {tokens} {family} fused={fused}: no "
+                              "probed kernel ran (not a warp-specialized family?)")
+                        continue
+                    med = median_summary(summaries)
+                    print(f"\n{preset} {routing} tokens/rank={tokens} {family} fused={fused} "
+                          f"experts={experts} calls={len(summaries)} (us after the first "
+                          "entry; medians over the calls)")
+                    print(f"  {'point':24} {'earliest':>9} {'median':>9} {'latest':>9} "
+                          f"{'blocks':>7}")
+                    for name, kind in POINTS:
+                        if name not in med:
                             continue
-                        med = median_summary(summaries)
-                        print(f"\n{preset} {routing} tokens/rank={tokens} {family} fused={fused} "
-                              f"experts={experts} calls={len(summaries)} (us after the first "
-                              "entry; medians over the calls)")
-                        print(f"  {'point':24} {'earliest':>9} {'median':>9} {'latest':>9} "
-                              f"{'blocks':>7}")
-                        for name, kind in POINTS:
-                            if name not in med:
-                                continue
-                            lo, mid, hi, n = med[name]
-                            print(f"  {name:24} {lo:9.2f} {mid:9.2f} {hi:9.2f} {n:7.0f}")
-                            rows.append(dict(**stamp, preset=preset, routing=routing,
-                                             tokens=tokens, tiles=family, fused=fused,
-                                             experts=experts, point=name, kind=kind,
-                                             earliest=round(lo, 3), median=round(mid, 3),
-                                             latest=round(hi, 3), blocks=n,
-                                             calls=len(summaries)))
-    os.environ.pop("PETIT_MOE_FUSED_GEMMS", None)
+                        lo, mid, hi, n = med[name]
+                        print(f"  {name:24} {lo:9.2f} {mid:9.2f} {hi:9.2f} {n:7.0f}")
+                        rows.append(dict(**stamp, preset=preset, routing=routing,
+                                         tokens=tokens, tiles=family, fused=fused,
+                                         experts=experts, point=name, kind=kind,
+                                         earliest=round(lo, 3), median=round(mid, 3),
+                                         latest=round(hi, 3), blocks=n,
+                                         calls=len(summaries)))
     if args.out:
         write_jsonl(args.out, rows)
 

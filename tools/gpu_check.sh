@@ -9,10 +9,11 @@
 #   BENCH=1 bash tools/gpu_check.sh         # + examples/bench_dispatch_combine.py (>= 2 GPUs)
 #   BENCH_EXPERTS=1 bash tools/gpu_check.sh # + examples/bench_experts.py (1 GPU;
 #                                           #   BENCH_EXPERTS_ARGS, default --quick)
-#   BENCH_SWEEP="PETIT_MOE_COMBINE_REDUCE_PCT=40 PETIT_MOE_COMBINE_REDUCE_VECTORS=128" \
-#     bash tools/gpu_check.sh                # + the dispatch/combine bench once per setting
-#                                            #   (BENCH_SWEEP_ARGS; tables in $OUT/sweep.log;
-#                                            #   A=1,B=2: one setting of two variables)
+#   BENCH_SWEEP="reduce_pct=40 reduce_pct=25,reduce_vectors=64" \
+#     bash tools/gpu_check.sh                # + the dispatch/combine bench once per setting,
+#                                            #   a CombineConfig (--combine-configs; fields
+#                                            #   of vllm_petit_moe/config.py, comma-separated;
+#                                            #   BENCH_SWEEP_ARGS; tables in $OUT/sweep.log)
 #   PACK=1 bash tools/gpu_check.sh       # logs and results packed into $OUT/gpu_check.tgz
 #   PYTEST_ARGS='-k "fp8 or graph"' bash tools/gpu_check.sh   # shell-quoted, like a command line
 #   TEST_PATHS="tests/test_dispatch_combine_gpu.py" bash tools/gpu_check.sh  # some test files
@@ -48,8 +49,7 @@ if [ $build_rc -eq 0 ] && [ -x "$CUOBJDUMP" ] && [ -n "$so" ]; then
   # kernel names shortened to the identifier before the template arguments
   sass_summary=$(awk '
     /Function :/ { fn = $3; sub(/^.*_cu_[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]/, "", fn)  # namespace, file hash
-                   sub(/^[0-9]+/, "", fn); match(fn, /^[a-z0-9_]+/); fn = substr(fn, 1, RLENGTH)
-                   if (fn ~ /_tc_kernel$/) fn = fn ($3 ~ /Sm90Wgmma/ ? "<wgmma>" : "<mma>") }
+                   sub(/^[0-9]+/, "", fn); match(fn, /^[a-z0-9_]+/); fn = substr(fn, 1, RLENGTH) }
     /HGMMA/ { h[fn]++ }
     /[[:space:]](LDL|STL)[.[:space:]]/ { l[fn]++ }
     END { printf "HGMMA in:"; n = 0; for (f in h) { printf " %s(%d)", f, h[f]; n++ }
@@ -81,9 +81,9 @@ if [ -n "${BENCH_SWEEP:-}" ] && [ $build_rc -eq 0 ] && [ "$num_gpus" -ge 2 ]; th
     tag=$(sweep_tag "$OUT/sweep-" "$setting")
     echo "=== $setting ($tag)" | tee -a "$OUT/sweep.log"
     # shellcheck disable=SC2086
-    env ${setting//,/ } timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py \
+    timeout ${BENCH_TIMEOUT:-300} $PY examples/bench_dispatch_combine.py \
       ${BENCH_SWEEP_ARGS:---routings uniform --tokens 1 128 4096 16384 --num-sms 0 --iters 20} \
-      --out-dir "$OUT/sweep-$tag" 2>&1 | grep -vi "warn" | tee -a "$OUT/sweep.log"
+      --combine-configs "$setting" --out-dir "$OUT/sweep-$tag" 2>&1 | grep -vi "warn" | tee -a "$OUT/sweep.log"
     [ "${PIPESTATUS[0]}" = 0 ] || sweep_rc=1
   done
 fi

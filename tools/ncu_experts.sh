@@ -3,7 +3,7 @@
 # GEMM kernels of one examples/bench_experts.py configuration and for cuBLAS's bmm on equal
 # groups of the same size (what the vendor GEMM does with these shapes), plus each kernel's
 # most-stalled instructions (tools/ncu_stalls.py). Text under $OUT (default /tmp/petit-ncu).
-#   NCU_TOKENS (default 8192), NCU_TILES (default wgmma_ws_mc), NCU_PRESET (default deepseek-v3),
+#   NCU_TOKENS (default 8192), NCU_TILES (default wgmma_mc), NCU_PRESET (default deepseek-v3),
 #   NCU_CUBLAS=0 (skip the cuBLAS kernels)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -13,7 +13,7 @@ PY=${PYTHON:-python3}
 NCU=$(command -v ncu || ls "${CUDA_HOME:-/usr/local/cuda}"/bin/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 2; }
 TOKENS=${NCU_TOKENS:-8192}
-TILES=${NCU_TILES:-wgmma_ws_mc}
+TILES=${NCU_TILES:-wgmma_mc}
 PRESET=${NCU_PRESET:-deepseek-v3}
 
 "$NCU" --set full --import-source no -f -o "$OUT/petit" \

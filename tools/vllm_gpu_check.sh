@@ -16,7 +16,7 @@
 # (kernel time by category; PROFILE_ARGS, default --tokens 1 64 1024 --petit-experts-tiles
 # auto --iters 20). "ncu": Nsight Compute's detailed sections for the expert GEMM kernels
 # matching NCU_KERNEL (regex, default expert_(gate_up|down)_ws, first 2 launches) in one
-# examples/bench_experts.py run (NCU_ARGS, default DeepSeek-V3, 8192 tokens/rank, wgmma_ws;
+# examples/bench_experts.py run (NCU_ARGS, default DeepSeek-V3, 8192 tokens/rank, wgmma;
 # NCU_SET, default detailed: "full" adds the warp stall reasons and per-instruction counters);
 # skipped where the machine has no ncu. "tpot": examples/bench_tpot_gsm8k.py with TPOT_ARGS (default: the three
 # backends, concurrency 8 64 128, 2 waves, 2 repeats), --resume from /tmp/petit-tpot and
@@ -179,7 +179,7 @@ if want ncu; then
     run_step ncu 150 "$NCU" --set "${NCU_SET:-detailed}" \
       --kernel-name "regex:${NCU_KERNEL:-expert_(gate_up|down)_ws}" \
       --launch-count 2 "$PY" examples/bench_experts.py \
-      ${NCU_ARGS:---presets deepseek-v3 --routings uniform --tokens 8192 --tiles wgmma_ws --iters 1 --no-triton} \
+      ${NCU_ARGS:---presets deepseek-v3 --routings uniform --tokens 8192 --tiles wgmma --iters 1 --no-triton} \
       --out-dir "$OUT/ncu-bench"
   else
     echo "--- ncu: no ncu on this machine" | tee "$OUT/ncu.log"
