@@ -18,7 +18,8 @@ ROOT = Path(__file__).parent.resolve()
 CSRC = ROOT / "csrc"
 
 # Sources of the extension: framework-free kernels + the one torch binding file.
-KERNEL_SOURCES = ["comm/heap.cpp", "comm/dispatch_combine.cu", "experts/routing.cu", "experts/experts.cu"]
+KERNEL_SOURCES = ["comm/heap.cpp", "comm/dispatch_combine.cu", "experts/routing.cu", "experts/experts.cu",
+                  "experts/megamoe.cu"]
 BINDING_SOURCES = ["bindings.cpp"]
 
 

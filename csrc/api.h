@@ -131,6 +131,41 @@ ExpertLaunchShape last_expert_gemm_launch(bool gate_up);
 // (ns; 0: not reached) into `out` and zeroes them. petitErrorNotSupported without the probe.
 petitError_t expert_probe_read(unsigned long long* out);
 
+// ------------------------------------------------------------------ megamoe.cu
+// MegaMoE at W=1: the whole MoE layer of experts_forward (same inputs, same result up to fp32
+// rounding order) as one persistent launch, for calls of at most kMegaMoeMaxEntries routing
+// entries (decode; kMegaMoeMaxEntries, kMegaMoeSizeMultiple in layout.h). See experts/megamoe.cu.
+struct MegaMoeArgs {
+  const petit_bf16_bits* x;        // [N, H]
+  const int32_t* topk_ids;         // [N*K] local ids (or global ids with expert_map); invalid
+                                   // ids are slots this call does not serve (expert_ids.h)
+  const int32_t* expert_map;       // [num_global_experts] or nullptr
+  int num_global_experts;
+  const float* topk_weights;       // [N*K]
+  const petit_bf16_bits* w13;      // [L, 2I, H]
+  const petit_bf16_bits* w2;       // [L, H, I]
+  petit_bf16_bits* act;            // [N*K, I] workspace
+  float* partial;                  // [N*K, H] workspace: weighted fp32 down projections
+  int32_t* sync;                   // [megamoe_sync_ints(L, H)] zero before the first call; every
+                                   // call leaves it zero. One call at a time per sync buffer.
+  petit_bf16_bits* out;            // [N, H]
+  int num_rows;                    // N
+  int top_k;                       // K
+  int hidden;                      // H
+  int intermediate;                // I
+  int num_local_experts;           // L
+  int num_sms;                     // grid = up to one block per SM; 0: query the device
+  uint64_t timeout_ticks;          // bound of the in-kernel waits (petit_timer ticks), > 0
+};
+PETIT_HOST_DEVICE int megamoe_sync_ints(int num_local_experts, int hidden) {
+  return 2 + num_local_experts + hidden / 32;
+}
+// petitErrorInvalidValue when the arguments are outside the limits above (no CUDA call).
+petitError_t megamoe_check(const MegaMoeArgs& args);
+// petitErrorNotSupported where mma.sync is missing (HIP, GPUs before sm_80).
+petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream);
+int megamoe_smem_bytes();
+
 // -------------------------------------------------------- dispatch_combine.cu
 // Device-side state of one EpBuffer (local memory, not in the heap).
 struct EpState {

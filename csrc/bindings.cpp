@@ -666,6 +666,75 @@ py::dict heap_layout(int64_t world_size, int64_t max_tokens, int64_t hidden, int
   return d;
 }
 
+// MegaMoE at W=1 (experts/megamoe.cu): the MoE layer in one launch. Shapes and limits are
+// validated in Python (vllm_petit_moe/ops.py megamoe_forward); checked again here where a
+// wrong value would make the kernel read or write out of bounds.
+void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
+                     const torch::Tensor& topk_weights, const torch::Tensor& w13,
+                     const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act_workspace,
+                     torch::Tensor& partial_workspace, torch::Tensor& sync,
+                     c10::optional<torch::Tensor> expert_map, int64_t num_sms,
+                     double timeout_s) {
+  check_cuda_tensor(x, "x", 2);
+  check_cuda_tensor(topk_ids, "topk_ids", 2);
+  check_cuda_tensor(topk_weights, "topk_weights", 2);
+  check_cuda_tensor(w13, "w13", 3);
+  check_cuda_tensor(w2, "w2", 3);
+  check_cuda_tensor(out, "out", 2);
+  const int64_t N = x.size(0), H = x.size(1), K = topk_ids.size(1);
+  const int64_t L = w13.size(0), I = w13.size(1) / 2;
+  PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && w13.scalar_type() == torch::kBFloat16 &&
+                  w2.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "x, w13, w2 and out must be bfloat16");
+  PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32 &&
+                  topk_weights.scalar_type() == torch::kFloat32,
+              "topk_ids must be int32 and topk_weights float32");
+  PETIT_CHECK(topk_ids.size(0) == N && topk_weights.size(0) == N && topk_weights.size(1) == K &&
+                  w13.size(2) == H && w2.size(0) == L && w2.size(1) == H && w2.size(2) == I &&
+                  out.size(0) == N && out.size(1) == H,
+              "inconsistent shapes: x [N, H], topk [N, K], w13 [L, 2I, H], w2 [L, H, I], "
+              "out [N, H]");
+  PETIT_CHECK(act_workspace.is_cuda() && act_workspace.is_contiguous() &&
+                  act_workspace.scalar_type() == torch::kBFloat16 &&
+                  act_workspace.numel() >= N * K * I,
+              "act_workspace must be a contiguous bfloat16 CUDA tensor of >= N*K*I elements");
+  PETIT_CHECK(partial_workspace.is_cuda() && partial_workspace.is_contiguous() &&
+                  partial_workspace.scalar_type() == torch::kFloat32 &&
+                  partial_workspace.numel() >= N * K * H,
+              "partial_workspace must be a contiguous float32 CUDA tensor of >= N*K*H elements");
+  PETIT_CHECK(sync.is_cuda() && sync.is_contiguous() && sync.scalar_type() == torch::kInt32 &&
+                  sync.numel() >= megamoe_sync_ints(int(L), int(H)),
+              "sync must be a contiguous int32 CUDA tensor of >= %d elements",
+              megamoe_sync_ints(int(L), int(H)));
+  PETIT_CHECK(timeout_s > 0.0 && timeout_s <= 3600.0, "timeout_s %f outside (0, 3600]",
+              timeout_s);
+  c10::cuda::CUDAGuard guard(x.device());
+  MegaMoeArgs a{};
+  a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
+  a.topk_ids = topk_ids.data_ptr<int32_t>();
+  a.expert_map = expert_map_arg(expert_map, topk_ids.device(), &a.num_global_experts);
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.w13 = reinterpret_cast<const petit_bf16_bits*>(w13.data_ptr());
+  a.w2 = reinterpret_cast<const petit_bf16_bits*>(w2.data_ptr());
+  a.act = reinterpret_cast<petit_bf16_bits*>(act_workspace.data_ptr());
+  a.partial = partial_workspace.data_ptr<float>();
+  a.sync = sync.data_ptr<int32_t>();
+  a.out = reinterpret_cast<petit_bf16_bits*>(out.data_ptr());
+  a.num_rows = int(N);
+  a.top_k = int(K);
+  a.hidden = int(H);
+  a.intermediate = int(I);
+  a.num_local_experts = int(L);
+  a.num_sms = int(num_sms);
+  a.timeout_ticks = uint64_t(timeout_s * petit_timer_ticks_per_second());
+  const petitError_t err = megamoe_check(a);
+  PETIT_CHECK(err == petitSuccess,
+              "fused MoE layer: arguments outside its limits (N*K <= %d, H and I multiples of "
+              "%d, K <= %d, L <= %d, 16-byte aligned tensors)",
+              kMegaMoeMaxEntries, kMegaMoeSizeMultiple, kMaxTopK, kMaxExperts);
+  PETIT_CHECK_OK(launch_megamoe(a, c10::cuda::getCurrentCUDAStream()), "fused MoE launch");
+}
+
 }  // namespace
 }  // namespace petit
 
@@ -691,6 +760,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_to_e4m3", &petit::float_to_e4m3,
         "Host run of dispatch's float32 -> fp8 e4m3fn conversion (csrc/common/fp8.h): uint8 codes",
         py::arg("values"));
+  m.attr("kMegaMoeMaxEntries") = petit::kMegaMoeMaxEntries;
+  m.attr("kMegaMoeSizeMultiple") = petit::kMegaMoeSizeMultiple;
+  m.def("megamoe_sync_ints", &petit::megamoe_sync_ints,
+        "Elements of the fused layer's int32 sync buffer", py::arg("num_local_experts"),
+        py::arg("hidden"));
+  m.def("megamoe_forward", &petit::megamoe_forward,
+        "Fused MoE layer (W=1) in one launch: x [N,H] bf16, topk_ids [N,K] int32, topk_weights "
+        "[N,K] f32, w13 [L,2I,H], w2 [L,H,I] -> out [N,H] (written in full)",
+        py::arg("x"), py::arg("topk_ids"), py::arg("topk_weights"), py::arg("w13"),
+        py::arg("w2"), py::arg("out"), py::arg("act_workspace"), py::arg("partial_workspace"),
+        py::arg("sync"), py::arg("expert_map") = py::none(), py::arg("num_sms") = 0,
+        py::arg("timeout_s") = 30.0);
   m.def("expert_row_lists", &petit::expert_row_lists,
         "Routing block [N,K] int32 (local ids, or global ids with expert_map [E] int32) -> "
         "(counts [L], offsets [L+1], sorted_entries [N*K])",

@@ -30,6 +30,8 @@ steps of a dummy-weight `vllm serve`; not in the default set).
     python examples/bench_moe_layer.py --quick          # tokens 1, 8, 64, 512, 4096
     python examples/bench_moe_layer.py --replot examples/results/moe_layer_H200x2.jsonl
     python examples/bench_moe_layer.py --profile --tokens 64 1024   # + where the time goes
+    python examples/bench_moe_layer.py --world 1        # one GPU: vLLM Triton / composed /
+                                                        # MegaMoE / roofline (moe_layer_w1.py)
 
 --profile: after timing, each rank replays each path's graph --profile-replays times under
 torch.profiler (CUDA activity only) and sums the device time of its kernels by category
@@ -53,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 from bench_env import (  # noqa: E402
-    commit_stamp, format_breakdown, profile_kernels, replot, utc_date, write_results)
+    commit_stamp, device_stamp, format_breakdown, profile_kernels, replot, utc_date, write_results)
 from vllm_petit_moe.ops import TILES  # noqa: E402
 
 import vllm_moe_harness as harness  # noqa: E402
@@ -263,7 +265,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=None, help="timed replays (default 50, quick 20)")
     p.add_argument("--hot-fraction", type=float, default=0.5,
                    help="skewed routing: probability that a pair lands on rank 0's experts")
-    p.add_argument("--world", type=int, default=None, help="ranks = GPUs (default: all GPUs)")
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks = GPUs (default: all GPUs); 1: the single-GPU layer, vLLM's "
+                        "Triton experts vs our composed experts vs MegaMoE (moe_layer_w1.py)")
     p.add_argument("--petit-via", choices=("hook", "direct"), default="hook",
                    help="build petit's kernel through the plugin hook (default) or by hand")
     p.add_argument("--petit-experts-tiles", default=None,
@@ -278,6 +282,7 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default=None, help="also write the results here")
     p.add_argument("--replot", metavar="JSONL", help="only redraw the plot of a results file")
     args = p.parse_args(argv)
+    args.tokens_given = args.tokens
     if args.tokens is None:
         args.tokens = QUICK_TOKENS if args.quick else TOKENS
     if args.iters is None:
@@ -291,8 +296,32 @@ def parse_args(argv=None):
     return args
 
 
+def _main_w1(args):
+    """--world 1: vLLM's Triton experts vs our composed experts vs MegaMoE (moe_layer_w1.py)."""
+    import moe_layer_w1 as w1
+
+    presets = [p for p in args.presets if p in w1.W1_PRESETS]
+    tokens = args.tokens_given or (w1.W1_QUICK_TOKENS if args.quick else w1.W1_TOKENS)
+    routings = [r for r in args.routings if r in ("uniform", "skewed")]
+    rows = w1.run_w1(presets, routings, tokens, args.iters, args.seed)
+    if not rows:
+        return 1
+    stamp = device_stamp(ROOT, 1)
+    write_results(ROOT, f"moe_layer_{stamp['gpu']}x1", rows, stamp, w1.plot_w1,
+                  f"MoE layer at W=1, {stamp['gpu']}, {stamp['commit']}", args.out_dir)
+    bad = [r for r in rows if not r["rel_diff"] < 2e-2]
+    if bad:
+        print(f"WARNING: {len(bad)} configurations where MegaMoE and vLLM's outputs differ")
+        return 1
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.replot and args.world == 1:
+        import moe_layer_w1 as w1
+        return replot(args.replot, w1.plot_w1,
+                      lambda r: f"MoE layer at W=1, {r['gpu']}, {r['commit']}")
     if args.replot:
         return replot(args.replot, _plot, lambda r: f"MoE layer via vLLM, {r['gpu']} "
                                                     f"x{r['world']}, {r['commit']}")
@@ -300,6 +329,8 @@ def main(argv=None):
     import torch
 
     world = args.world or torch.cuda.device_count()
+    if world == 1:
+        return _main_w1(args)
     if world < 2 or torch.cuda.device_count() < world:
         sys.exit(f"bench_moe_layer needs >= 2 GPUs, one per rank (have "
                  f"{torch.cuda.device_count()}, asked for {world})")

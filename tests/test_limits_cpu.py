@@ -35,6 +35,8 @@ HEADER_NAMES = {
     "FP8_SCALE_BLOCK": "kFp8ScaleBlock",
     "FP8_BLOCK_MIN_AMAX": "kFp8BlockMinAmax",
     "FP8_TOKEN_MIN_SCALE": "kFp8TokenMinScale",
+    "MEGAMOE_MAX_ENTRIES": "kMegaMoeMaxEntries",
+    "MEGAMOE_SIZE_MULTIPLE": "kMegaMoeSizeMultiple",
 }
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

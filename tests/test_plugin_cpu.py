@@ -1136,3 +1136,71 @@ def test_modular_kernel_with_petit_experts_matches_reference(world_size, num_tok
                                                  petit_experts.PetitExperts, lib)
         assert out.shape == call.xs[rank].shape and out.dtype == torch.bfloat16
         reference.check_close(out, expected_fp32[rank], tol, name=f"rank {rank}")
+
+
+# --------------------------------------------------------------------------------------------
+# One GPU (no DP, no EP): MegaMoE in place of vLLM's Triton experts
+# --------------------------------------------------------------------------------------------
+
+
+def single_gpu_vllm_config() -> VllmConfig:
+    return make_vllm_config(data_parallel_size=1, enable_expert_parallel=False)
+
+
+def single_gpu_moe_config(**overrides) -> FusedMoEConfig:
+    parallel = make_parallel_config(dp_size=1, ep_size=1, use_ep=False)
+    return make_moe_config(parallel, **overrides)
+
+
+def no_dp_ep_pf():
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
+        MoEPrepareAndFinalizeNoDPEPModular)
+    return MoEPrepareAndFinalizeNoDPEPModular()
+
+
+def test_single_gpu_hook_runs_the_fused_layer(kernel_hook, monkeypatch):
+    """vLLM's real one-GPU kernel (no-DP/EP pass-through + TritonExperts): with the flag the
+    experts become PetitFusedExperts behind vLLM's own prepare/finalize, no buffer is made; without
+    it nothing changes."""
+    monkeypatch.setattr(compat, "platform_name", lambda: "cuda")
+    vllm_config = single_gpu_vllm_config()
+    pf_class = type(no_dp_ep_pf())
+    monkeypatch.delenv(envs.VLLM_USE_PETIT_MOE, raising=False)
+    kernel = build_kernel(single_gpu_moe_config(), vllm_config, pf=no_dp_ep_pf())
+    assert type(kernel.fused_experts) is TritonExperts
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
+    kernel = build_kernel(single_gpu_moe_config(), vllm_config, pf=no_dp_ep_pf())
+    assert type(kernel.prepare_finalize) is pf_class
+    assert isinstance(kernel.fused_experts, petit_experts.PetitFusedExperts)
+    assert not kernel.output_is_reduced()
+    assert kernel_hook == []
+    # both workspaces of the fused kernel in workspace2 (workspace13 may alias the output)
+    ws13, ws2, out = kernel.fused_experts.workspace_shapes(5, 2 * 512, 1024, 4, 16, 16, None,
+                                                           MoEActivation.SILU)
+    assert ws2 == (5, 4, 512 + 2 * 1024) and out == (5, 1024) and ws13 == (5, 1024)
+
+
+def test_single_gpu_hook_falls_back_with_a_reason_and_strict_mode_fails(kernel_hook,
+                                                                        monkeypatch):
+    import logging
+
+    monkeypatch.setattr(compat, "platform_name", lambda: "cuda")
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.petit_moe.hook")
+    logger.addHandler(handler)
+    fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn)
+    try:
+        kernel = build_kernel(single_gpu_moe_config(), single_gpu_vllm_config(),
+                              pf=no_dp_ep_pf(), quant_config=fp8)
+    finally:
+        logger.removeHandler(handler)
+    assert type(kernel.fused_experts) is TritonExperts
+    assert any("quantization" in r.getMessage() for r in records
+               if r.levelno == logging.WARNING)
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_STRICT, "1")
+    with pytest.raises(RuntimeError, match="quantization"):
+        build_kernel(single_gpu_moe_config(), single_gpu_vllm_config(), pf=no_dp_ep_pf(),
+                     quant_config=fp8)

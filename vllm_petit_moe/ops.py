@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from .config import ExpertConfig, as_dict
-from .limits import MAX_ENTRIES, MAX_LOCAL_EXPERTS, MAX_TOP_K, SIZE_MULTIPLE
+from .limits import (MAX_ENTRIES, MAX_LOCAL_EXPERTS, MAX_TOP_K, MEGAMOE_MAX_ENTRIES,
+                     MEGAMOE_SIZE_MULTIPLE, SIZE_MULTIPLE)
 
 TILES = {"auto": 0, "simt": 1, "wgmma_narrow": 2, "wgmma_m64": 3, "wgmma": 4, "wgmma_mc": 5}
 """Tile families of the expert GEMMs (csrc/api.h ExpertTiles). ``auto`` (the default) chooses;
@@ -239,3 +240,107 @@ def resolve_tiles(num_rows: int, top_k: int, num_local_experts: int, hidden: int
     code = _ops().resolve_expert_tiles(num_rows, top_k, num_local_experts, hidden, TILES[tiles],
                                        config=_config_dict(config))
     return TILE_NAMES[int(code)]
+
+
+# ------------------------------------------------------------------------------------------
+# MegaMoE at W=1: the whole layer in one launch (csrc/experts/megamoe.cu)
+# ------------------------------------------------------------------------------------------
+
+
+_megamoe_sync: dict[int, torch.Tensor] = {}
+
+
+def megamoe_unsupported_reason(num_rows: int, top_k: int, hidden_size: int,
+                               intermediate_size: int) -> str | None:
+    """Why :func:`megamoe_forward` cannot take a call of these sizes (None if it can)."""
+    if num_rows * top_k > MEGAMOE_MAX_ENTRIES:
+        return (f"N*K = {num_rows}*{top_k} routing entries > {MEGAMOE_MAX_ENTRIES} "
+                "(MEGAMOE_MAX_ENTRIES)")
+    if hidden_size % MEGAMOE_SIZE_MULTIPLE or intermediate_size % MEGAMOE_SIZE_MULTIPLE:
+        return (f"hidden {hidden_size} / intermediate {intermediate_size} not multiples of "
+                f"{MEGAMOE_SIZE_MULTIPLE}")
+    return None
+
+
+def _megamoe_sync_buffer(device: torch.device, num_local_experts: int,
+                         hidden_size: int) -> torch.Tensor:
+    """The device's int32 arrival counters of the fused kernel: zero between calls (each call
+    resets what it used), so one buffer serves every layer called in stream order."""
+    need = int(_ops().megamoe_sync_ints(num_local_experts, hidden_size))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _megamoe_sync.get(index)
+    if buf is None or buf.numel() < need:
+        buf = torch.zeros(max(need, 2 + MAX_LOCAL_EXPERTS + 8192 // 32), dtype=torch.int32,
+                          device=device)
+        _megamoe_sync[index] = buf
+    return buf
+
+
+def megamoe_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    act_workspace: torch.Tensor | None = None,
+    partial_workspace: torch.Tensor | None = None,
+    num_sms: int = 0,
+    timeout_s: float = 30.0,
+) -> torch.Tensor:
+    """The MoE layer of :func:`experts_forward` (same arguments and result up to fp32 rounding
+    order; W=1: no dispatch) as ONE persistent kernel: routing, gate/up + SiLU·mul, down +
+    routing weight and the top-k sum.
+
+    x ``[N, H] bfloat16``; topk_ids ``[N, K] int32`` (local ids, ``-1`` or any id outside
+    ``[0, L)`` unused; with ``expert_map``: global ids); topk_weights ``[N, K] float32``;
+    w13 ``[L, 2I, H]``, w2 ``[L, H, I]`` bfloat16. ``N*K <= MEGAMOE_MAX_ENTRIES`` and H, I
+    multiples of ``MEGAMOE_SIZE_MULTIPLE`` (:func:`megamoe_unsupported_reason`).
+    act_workspace ``>= N*K*I`` bfloat16, partial_workspace ``>= N*K*H`` float32 (allocated when
+    absent). num_sms: SMs the grid may use (0: all; one block per SM). timeout_s: bound of the
+    kernel's internal waits (a bug, not a peer, would exceed it: the kernel then traps).
+
+    Calls on one device must be ordered on one stream (they share the device's counters).
+    Returns ``out [N, H] bfloat16``: ``Σ_k w[n,k] · expert(x[n])`` summed in fp32 in slot order.
+    """
+    validate_experts_inputs(x, topk_ids, topk_weights, w13, w2)
+    num_rows, hidden_size = x.shape
+    top_k = topk_ids.shape[1]
+    intermediate_size = w13.shape[1] // 2
+    reason = megamoe_unsupported_reason(num_rows, top_k, hidden_size, intermediate_size)
+    if reason is not None:
+        raise ValueError(f"megamoe_forward: {reason}")
+    if not timeout_s > 0 or timeout_s > 3600:
+        raise ValueError(f"timeout_s must be in (0, 3600], got {timeout_s}")
+    if num_sms < 0:
+        raise ValueError(f"num_sms must be >= 0, got {num_sms}")
+    if expert_map is not None and (
+        expert_map.dim() != 1 or expert_map.dtype != torch.int32 or expert_map.numel() == 0
+        or not expert_map.is_contiguous() or expert_map.device != x.device
+    ):
+        raise ValueError(
+            f"expert_map must be a contiguous non-empty int32 [E] tensor on {x.device}, "
+            f"got {expert_map.dtype} {tuple(expert_map.shape)} on {expert_map.device}"
+        )
+    if out is None:
+        out = torch.empty_like(x)
+    elif tuple(out.shape) != (num_rows, hidden_size) or out.dtype != torch.bfloat16 \
+            or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous bfloat16 [N={num_rows}, H={hidden_size}], "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    entries = max(1, num_rows * top_k)
+    if act_workspace is None:
+        act_workspace = torch.empty(entries * intermediate_size, dtype=torch.bfloat16,
+                                    device=x.device)
+    if partial_workspace is None:
+        partial_workspace = torch.empty(entries * hidden_size, dtype=torch.float32,
+                                        device=x.device)
+    if num_rows == 0:
+        return out
+    sync = _megamoe_sync_buffer(x.device, w13.shape[0], hidden_size)
+    _ops().megamoe_forward(x, topk_ids, topk_weights, w13, w2, out, act_workspace,
+                           partial_workspace, sync, expert_map=expert_map, num_sms=num_sms,
+                           timeout_s=float(timeout_s))
+    return out

@@ -8,7 +8,8 @@
 // routing it computes itself, and the down GEMM of an expert starts as soon as that expert's
 // activations exist, while other experts' gate/up tiles still stream.
 //
-// Structure (one block = 8 warps, 2 blocks per SM, grid <= 2 x SMs):
+// Structure (one block = 8 warps, one block per SM: the weight-streaming passes want more
+// registers than two blocks would leave; grid <= SMs):
 //   1. Routing, redundantly in every block's shared memory (no inter-block sync): local expert
 //      of every entry, per-expert counts and offsets, the list of experts with rows, and a
 //      stable counting sort of the entries (positions agree across blocks because the sort
@@ -18,7 +19,7 @@
 //      A task is 32 weight rows (gate + up rows of the same 16 columns, or 32 rows of w2) times
 //      the whole k range, split over the 8 warps and summed in shared memory. The weights are
 //      the M operand of mma.sync m16n8k16 (loaded straight into registers, gemm/sm80_mma.h)
-//      and the expert's rows the N operand, 8 per n-tile, up to 32 per pass.
+//      and the expert's rows the N operand, 8 per n-tile, up to 16 per pass.
 //   3. A gate/up task writes act[pos][cols] (bf16(silu(gate) * up)) and raises its expert's
 //      counter; a down task issues its first weight loads, waits (bounded) until its expert's
 //      counter shows every gate/up tile, then writes weight * (act . w2^T) as fp32 partials
@@ -30,6 +31,7 @@
 // Deadlock freedom does not depend on co-residency: a down task waits only on gate/up tasks,
 // which were all claimed before it (claims are ordered) by blocks that run them without waiting.
 #include <algorithm>
+#include <cstdio>
 
 #include "api.h"
 #include "common/block_scan.h"
@@ -48,7 +50,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kTileCols = 16;    // gate/up task: 16 columns of I (16 gate + 16 up weight rows)
 constexpr int kDownRows = 32;    // down task: 32 rows of H (two 16-row m-tiles)
 constexpr int kSpan = 32;        // k elements per step (two mma.sync k16)
-constexpr int kMaxNTiles = 4;    // n-tiles of 8 rows per pass: 32 expert rows
+constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per pass: 16 expert rows
 constexpr int kPassRows = 8 * kMaxNTiles;
 
 // Offsets of the block's shared memory (dynamic, 16-byte aligned pieces).
@@ -63,7 +65,7 @@ struct SmemLayout {
   static constexpr int kReduce = kScalars + 4 * 8;  // float [warps][2][n-tiles][4][32]
   static constexpr int kBytes = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
 };
-static_assert(SmemLayout::kBytes <= 100 * 1024, "two blocks per SM");
+static_assert(SmemLayout::kBytes <= 100 * 1024, "fits next to the L1 share");
 enum Scalar { kNumActive = 0, kClaim0 = 1, kClaim1 = 2, kReduceHere = 3 };
 
 // Sync words (MegaMoeArgs::sync): all zero between calls.
@@ -114,22 +116,22 @@ PETIT_DEVICE void block_wait_count(const int* counter, int target, uint64_t time
   __syncthreads();
 }
 
-// One pass of a task: rows [0, 16) and [16, 32) of the task's weights (lo / hi halves, each
-// two 16-row... see below) against up to 8 * kNT expert rows; this warp covers k steps
-// [s0, s1) and leaves its fp32 sums in red[warp]. `wait` (first pass of a down task): the
-// warp's first weight loads are issued before the block waits for the expert's activations.
-//
-// Weight rows of the two halves: half 0 rows lo0 (+ g, + g + 8), half 1 rows hi0 (likewise);
-// a lane loads rows g and g + 8 of each half (gemm/sm80_mma.h).
+// One pass of a task: the two 16-row halves of its weights (rows lo0 .. lo0 + 15 and
+// hi0 .. hi0 + 15, `row_stride` elements apart) against up to 8 * kNT expert rows (b_rows:
+// this lane's B column, nullptr = none); this warp covers k steps [s0, s1) and leaves its fp32
+// sums in red[warp]. With wait_counter (a down task's first pass) the block waits there, after
+// the first weight loads went out, until the expert's activations exist.
 template <int kNT, bool kFromAct>
 PETIT_DEVICE void task_pass(const petit_bf16_bits* lo0, const petit_bf16_bits* hi0,
                             int64_t row_stride, const petit_bf16_bits* const (&b_rows)[kNT],
                             int s0, int s1, float* red, const int* wait_counter, int wait_target,
                             uint64_t timeout_ticks, int wait_expert) {
-  constexpr int kU = kNT >= 4 ? 1 : 2;  // steps per group (registers: 2 groups of weights)
   const int lane = petit_lane_id(), g = lane / 4, q = lane % 4;
-  const petit_bf16_bits* w_rows[4] = {lo0 + g * row_stride, lo0 + (g + 8) * row_stride,
-                                      hi0 + g * row_stride, hi0 + (g + 8) * row_stride};
+  // This lane's 16 bytes of weight rows g and g + 8 of each half, at k = 8q of the span.
+  const petit_bf16_bits* const w0 = lo0 + g * row_stride + 8 * q;
+  const petit_bf16_bits* const w1 = lo0 + (g + 8) * row_stride + 8 * q;
+  const petit_bf16_bits* const w2 = hi0 + g * row_stride + 8 * q;
+  const petit_bf16_bits* const w3 = hi0 + (g + 8) * row_stride + 8 * q;
   float acc[2][kNT][4];
 #pragma unroll
   for (int h = 0; h < 2; ++h)
@@ -138,45 +140,40 @@ PETIT_DEVICE void task_pass(const petit_bf16_bits* lo0, const petit_bf16_bits* h
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
 
-  uint4 w_cur[kU][4], w_next[kU][4];
-  auto load_w = [&](uint4 (&dst)[kU][4], int s) {
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (s + u < s1) {
-        const int k = (s + u) * kSpan + 8 * q;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) dst[u][i] = gemm::load_stream(w_rows[i] + k);
-      }
-    }
-  };
-  if (s0 < s1) load_w(w_cur, s0);
+  // Weights one step ahead of the multiply (two steps of this warp in flight); the first
+  // step's loads go out before a down task's wait for its expert's activations.
+  uint4 c0, c1, c2, c3;
+  if (s0 < s1) {
+    const int k = s0 * kSpan;
+    c0 = gemm::load_stream(w0 + k);
+    c1 = gemm::load_stream(w1 + k);
+    c2 = gemm::load_stream(w2 + k);
+    c3 = gemm::load_stream(w3 + k);
+  }
   if (wait_counter != nullptr) block_wait_count(wait_counter, wait_target, timeout_ticks,
                                                 wait_expert);
-  for (int s = s0; s < s1; s += kU) {
-    uint4 b[kU][kNT];
+#pragma unroll 1
+  for (int s = s0; s < s1; ++s) {
+    const int k = s * kSpan;
+    uint4 b[kNT];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (s + u < s1) {
-        const int k = (s + u) * kSpan + 8 * q;
-#pragma unroll
-        for (int j = 0; j < kNT; ++j) b[u][j] = load_b<kFromAct>(b_rows[j], k);
-      }
-    }
-    if (s + kU < s1) load_w(w_next, s + kU);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (s + u < s1) {
-#pragma unroll
-        for (int j = 0; j < kNT; ++j) {
-          gemm::mma_span32(acc[0][j], w_cur[u][0], w_cur[u][1], b[u][j]);
-          gemm::mma_span32(acc[1][j], w_cur[u][2], w_cur[u][3], b[u][j]);
-        }
-      }
+    for (int j = 0; j < kNT; ++j) b[j] = load_b<kFromAct>(b_rows[j], k + 8 * q);
+    uint4 n0, n1, n2, n3;
+    if (s + 1 < s1) {
+      n0 = gemm::load_stream(w0 + k + kSpan);
+      n1 = gemm::load_stream(w1 + k + kSpan);
+      n2 = gemm::load_stream(w2 + k + kSpan);
+      n3 = gemm::load_stream(w3 + k + kSpan);
     }
 #pragma unroll
-    for (int u = 0; u < kU; ++u)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) w_cur[u][i] = w_next[u][i];
+    for (int j = 0; j < kNT; ++j) {
+      gemm::mma_span32(acc[0][j], c0, c1, b[j]);
+      gemm::mma_span32(acc[1][j], c2, c3, b[j]);
+    }
+    c0 = n0;
+    c1 = n1;
+    c2 = n2;
+    c3 = n3;
   }
   // red[warp][half][n-tile][reg][lane]
   float* mine = red + petit_warp_id() * (2 * kMaxNTiles * 4 * 32);
@@ -209,19 +206,15 @@ PETIT_DEVICE void task_pass_rows(int rows, const petit_bf16_bits* lo0, const pet
     const petit_bf16_bits* const b1[1] = {b_rows[0]};
     task_pass<1, kFromAct>(lo0, hi0, row_stride, b1, s0, s1, red, wait_counter, wait_target,
                            timeout_ticks, wait_expert);
-  } else if (rows <= 16) {
-    const petit_bf16_bits* const b2[2] = {b_rows[0], b_rows[1]};
-    task_pass<2, kFromAct>(lo0, hi0, row_stride, b2, s0, s1, red, wait_counter, wait_target,
-                           timeout_ticks, wait_expert);
   } else {
-    task_pass<4, kFromAct>(lo0, hi0, row_stride, b_rows, s0, s1, red, wait_counter,
+    task_pass<2, kFromAct>(lo0, hi0, row_stride, b_rows, s0, s1, red, wait_counter,
                            wait_target, timeout_ticks, wait_expert);
   }
 }
 
 #endif  // PETIT_SM80_PATH
 
-PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 2) megamoe_w1_kernel(const MegaMoeArgs a) {
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaMoeArgs a) {
 #if PETIT_SM80_BODY
   PETIT_DYNAMIC_SMEM(smem);
   int16_t* expert_of = reinterpret_cast<int16_t*>(smem + SmemLayout::kExpertOf);
@@ -458,11 +451,11 @@ petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
           petitSuccess) {
     return err;
   }
-  // Enough blocks for every task of the largest possible active-expert set, at most 2 per SM.
+  // One block per SM, fewer when the largest possible active-expert set has fewer tasks.
   const int64_t max_active = std::min<int64_t>(int64_t(args.num_rows) * args.top_k,
                                                args.num_local_experts);
   const int64_t max_tasks = max_active * (args.intermediate / kTileCols + args.hidden / kDownRows);
-  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(2 * int64_t(num_sms), max_tasks)));
+  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(num_sms, max_tasks)));
   const int smem = SmemLayout::kBytes;
   err = petitFuncSetAttribute(megamoe_w1_kernel, petitFuncAttributeMaxDynamicSharedMemorySize,
                               smem);

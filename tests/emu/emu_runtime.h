@@ -341,6 +341,7 @@ inline int atomicCAS(int* address, int compare, int value) {
   return compare;  // the old value
 }
 inline uint4 petit_load_cg(const uint4* ptr) { return *ptr; }
+inline int petit_load_acquire_gpu(const int* ptr) { return __atomic_load_n(ptr, __ATOMIC_ACQUIRE); }
 inline void petit_prefetch_l2(const void*) {}
 inline int __popc(uint32_t x) { return __builtin_popcount(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }

@@ -9,7 +9,7 @@
 
 #include "experts/megamoe.cu"
 
-// Runs launch_megamoe on host memory with a grid of `num_sms` x 2 blocks. at_once = 1: every
+// Runs launch_megamoe on host memory with a grid of `num_sms` blocks. at_once = 1: every
 // block of the grid runs at the same time (as co-resident blocks do on the GPU); 0: the blocks
 // run one after another (a grid larger than the GPU can hold). Returns the petitError_t.
 extern "C" int petit_emu_megamoe(const uint16_t* x, const int32_t* topk_ids,

@@ -151,6 +151,11 @@ _SYMBOLS: dict[str, tuple[tuple[str, str], ...]] = {
     "MoEActivation": (("vllm.model_executor.layers.fused_moe.activation", "MoEActivation"),),
     "NaiveDPEPModular": ((_NAIVE_PF, "MoEPrepareAndFinalizeNaiveDPEPModular"),),
     "NaiveDPEPMonolithic": ((_NAIVE_PF, "MoEPrepareAndFinalizeNaiveDPEPMonolithic"),),
+    "NoDPEPModular": (
+        ("vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep",
+         "MoEPrepareAndFinalizeNoDPEPModular"),
+        ("vllm.model_executor.layers.fused_moe.prepare_finalize", "MoEPrepareAndFinalizeNoEP"),
+    ),
     "TopKWeightAndReduceNoOP": ((_TOPK_REDUCE, "TopKWeightAndReduceNoOP"),),
     "TopKWeightAndReduceContiguous": ((_TOPK_REDUCE, "TopKWeightAndReduceContiguous"),),
     "TopKWeightAndReduceDelegate": ((_TOPK_REDUCE, "TopKWeightAndReduceDelegate"),),

@@ -198,14 +198,15 @@ def decide(
 _reported: set[tuple[bool, str]] = set()
 
 
-def _report(decision: Decision, kept_class: str) -> None:
+def _report(decision: Decision, kept_class: str,
+            what: str = "PetitPrepareAndFinalize (petit dispatch/combine)") -> None:
     key = (decision.substitute, decision.reason)
     if decision.substitute:
         if key not in _reported:
             _reported.add(key)
             logger.info(
-                "vllm-petit-moe: MoE layers use PetitPrepareAndFinalize (petit dispatch/"
-                "combine) instead of %s: %s",
+                "vllm-petit-moe: MoE layers use %s instead of %s: %s",
+                what,
                 kept_class,
                 decision.reason,
             )
@@ -266,6 +267,8 @@ def maybe_substitute(prepare_finalize: Any, fused_experts: Any) -> Any:
     """``FusedMoEKernel.__init__`` hook: ours if ``decide`` says so, else ``prepare_finalize``."""
     if not envs.use_petit_moe():
         return prepare_finalize
+    if _is_single_gpu_layer(prepare_finalize):
+        return prepare_finalize  # W=1: vLLM's pass-through stays; the experts step decides
     parallel_config = getattr(compat.current_vllm_config_or_none(), "parallel_config", None)
     runtime: list[EpRuntime] = []
 
@@ -280,6 +283,43 @@ def maybe_substitute(prepare_finalize: Any, fused_experts: Any) -> Any:
     return build_prepare_finalize(fused_experts, runtime[0])
 
 
+def _is_single_gpu_layer(prepare_finalize: Any) -> bool:
+    """Whether vLLM built this layer with its no-DP/no-EP pass-through prepare/finalize (one
+    GPU, or TP without EP)."""
+    try:
+        return isinstance(prepare_finalize, compat.fused_moe_symbol("NoDPEPModular"))
+    except ImportError:
+        return False
+
+
+def decide_single_gpu(fused_experts: Any) -> Decision:
+    """Whether ``PetitFusedExperts`` (MegaMoE at W=1) replaces vLLM's experts of a layer built
+    with the no-DP/no-EP prepare/finalize. Pure: no logging, no allocation."""
+    from vllm_petit_moe.vllm_glue.experts import unsupported_reason
+
+    if not isinstance(fused_experts, compat.fused_moe_symbol("TritonExperts")):
+        return _unsupported(
+            f"experts {type(fused_experts).__name__} (only vLLM's Triton experts are replaced)")
+    moe = getattr(fused_experts, "moe_config", None)
+    if moe is None:
+        return _not_applicable("experts carry no FusedMoEConfig")
+    if getattr(moe, "is_lora_enabled", False):
+        return _unsupported("LoRA on MoE layers")
+    mpc = getattr(moe, "moe_parallel_config", None)
+    if mpc is not None and (getattr(mpc, "tp_size", 1) > 1 or getattr(mpc, "use_ep", False)):
+        return _unsupported(
+            f"tensor-parallel experts (tp_size={getattr(mpc, 'tp_size', 1)}): the fused layer "
+            "serves one GPU holding whole experts")
+    reason = unsupported_reason(moe, fused_experts.quant_config)
+    if reason is not None:
+        return _unsupported(reason)
+    if compat.platform_name() not in SUPPORTED_PLATFORMS:
+        return _unsupported(f"platform {compat.platform_name()} (supported: "
+                            f"{SUPPORTED_PLATFORMS})")
+    return Decision(True, "one GPU: MegaMoE fused layer (composed experts above "
+                          "MEGAMOE_MAX_ENTRIES routing entries)")
+
+
 def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
     """``FusedMoEKernel.__init__`` hook, second step (opt-in, ``VLLM_PETIT_MOE_EXPERTS=1``):
     ``PetitExperts`` in place of vLLM's Triton experts where our prepare/finalize was just
@@ -290,6 +330,16 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
     on top (SiLU gating, bf16 weights, no biases, sizes); such a layer keeps the Triton
     experts with a logged reason (or fails in strict mode).
     """
+    if envs.use_petit_moe() and _is_single_gpu_layer(prepare_finalize):
+        from vllm_petit_moe.vllm_glue.experts import PetitFusedExperts
+
+        if isinstance(fused_experts, PetitFusedExperts):
+            return fused_experts
+        decision = decide_single_gpu(fused_experts)
+        _report(decision, type(fused_experts).__name__, what="PetitFusedExperts (MegaMoE)")
+        if not decision.substitute:
+            return fused_experts
+        return PetitFusedExperts(fused_experts.moe_config, fused_experts.quant_config)
     if not (envs.use_petit_moe() and envs.petit_experts()):
         return fused_experts
     from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
