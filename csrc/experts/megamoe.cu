@@ -38,6 +38,7 @@
 #include "common/expert_ids.h"
 #include "gemm/epilogues.h"
 #if PETIT_SM80_PATH
+#include "gemm/cp_async.h"
 #include "gemm/sm80_mma.h"
 #endif
 
@@ -52,10 +53,14 @@ constexpr int kDownRows = 32;    // down task: 32 rows of H (two 16-row m-tiles)
 constexpr int kSpan = 32;        // k elements per step (two mma.sync k16)
 constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per pass: 16 expert rows
 constexpr int kPassRows = 8 * kMaxNTiles;
+constexpr int kStages = 8;       // weight steps in flight per warp (cp.async ring)
+constexpr int kStepBytes = 4 * 32 * 16;  // one warp step: 4 rows-pairs x 32 lanes x 16 bytes
+static_assert(kDownRows == 32, "megamoe_sync_ints (api.h) counts H / 32 row tiles");
 
 // Offsets of the block's shared memory (dynamic, 16-byte aligned pieces).
 struct SmemLayout {
-  static constexpr int kExpertOf = 0;                                          // int16 [E]
+  static constexpr int kRing = 0;  // [warps][stages][4][32 lanes] uint4: lane-private slots
+  static constexpr int kExpertOf = kRing + kWarps * kStages * kStepBytes;      // int16 [E]
   static constexpr int kSorted = kExpertOf + 2 * kMegaMoeMaxEntries;           // int32 [E]
   static constexpr int kOffsets = kSorted + 4 * kMegaMoeMaxEntries;           // int32 [L+1]
   static constexpr int kCursor = kOffsets + 4 * (kMaxExperts + 16);           // int32 [L]
@@ -65,8 +70,9 @@ struct SmemLayout {
   static constexpr int kReduce = kScalars + 4 * 8;  // float [warps][2][n-tiles][4][32]
   static constexpr int kBytes = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
 };
-static_assert(SmemLayout::kBytes <= 100 * 1024, "fits next to the L1 share");
-enum Scalar { kNumActive = 0, kClaim0 = 1, kClaim1 = 2, kReduceHere = 3 };
+static_assert(SmemLayout::kBytes <= 200 * 1024, "one block per SM");
+// kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3)
+enum Scalar { kNumActive = 0, kClaim0 = 1, kReduceHere = 4 };
 
 // Sync words (MegaMoeArgs::sync): all zero between calls.
 enum SyncWord { kSyncClaim = 0, kSyncExit = 1, kSyncExperts = 2 };
@@ -79,22 +85,6 @@ PETIT_DEVICE float as_float(uint32_t bits) {
   union { uint32_t u; float f; } v;
   v.u = bits;
   return v.f;
-}
-
-// Source of one B column (an expert row) of the current pass: x rows (gate/up, read-only) or
-// act rows (down, written by other blocks in this launch: loaded through L2).
-template <bool kFromAct>
-PETIT_DEVICE uint4 load_b(const petit_bf16_bits* row, int k) {
-  if (row == nullptr) return zero4();
-  if constexpr (kFromAct) {
-    return petit_load_cg(reinterpret_cast<const uint4*>(row + k));
-  } else {
-#if PETIT_SM80_DEVICE
-    return __ldg(reinterpret_cast<const uint4*>(row + k));
-#else
-    return *reinterpret_cast<const uint4*>(row + k);
-#endif
-  }
 }
 
 // A block's bounded wait until *counter >= target (thread 0 spins, everyone meets after).
@@ -116,76 +106,63 @@ PETIT_DEVICE void block_wait_count(const int* counter, int target, uint64_t time
   __syncthreads();
 }
 
-// One pass of a task: the two 16-row halves of its weights (rows lo0 .. lo0 + 15 and
-// hi0 .. hi0 + 15, `row_stride` elements apart) against up to 8 * kNT expert rows (b_rows:
-// this lane's B column, nullptr = none); this warp covers k steps [s0, s1) and leaves its fp32
-// sums in red[warp]. With wait_counter (a down task's first pass) the block waits there, after
-// the first weight loads went out, until the expert's activations exist.
-template <int kNT, bool kFromAct>
-PETIT_DEVICE void task_pass(const petit_bf16_bits* lo0, const petit_bf16_bits* hi0,
-                            int64_t row_stride, const petit_bf16_bits* const (&b_rows)[kNT],
-                            int s0, int s1, float* red, const int* wait_counter, int wait_target,
-                            uint64_t timeout_ticks, int wait_expert) {
-  const int lane = petit_lane_id(), g = lane / 4, q = lane % 4;
-  // This lane's 16 bytes of weight rows g and g + 8 of each half, at k = 8q of the span.
-  const petit_bf16_bits* const w0 = lo0 + g * row_stride + 8 * q;
-  const petit_bf16_bits* const w1 = lo0 + (g + 8) * row_stride + 8 * q;
-  const petit_bf16_bits* const w2 = hi0 + g * row_stride + 8 * q;
-  const petit_bf16_bits* const w3 = hi0 + (g + 8) * row_stride + 8 * q;
-  float acc[2][kNT][4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int j = 0; j < kNT; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
+// What one task is, from the block's routing tables.
+struct Task {
+  bool valid, gate_up;
+  int expert, tile, begin, count;  // count: the expert's rows; begin: its first position
+};
 
-  // Weights one step ahead of the multiply (two steps of this warp in flight); the first
-  // step's loads go out before a down task's wait for its expert's activations.
-  uint4 c0, c1, c2, c3;
-  if (s0 < s1) {
-    const int k = s0 * kSpan;
-    c0 = gemm::load_stream(w0 + k);
-    c1 = gemm::load_stream(w1 + k);
-    c2 = gemm::load_stream(w2 + k);
-    c3 = gemm::load_stream(w3 + k);
-  }
-  if (wait_counter != nullptr) block_wait_count(wait_counter, wait_target, timeout_ticks,
-                                                wait_expert);
-#pragma unroll 1
-  for (int s = s0; s < s1; ++s) {
-    const int k = s * kSpan;
-    uint4 b[kNT];
-#pragma unroll
-    for (int j = 0; j < kNT; ++j) b[j] = load_b<kFromAct>(b_rows[j], k + 8 * q);
-    uint4 n0, n1, n2, n3;
-    if (s + 1 < s1) {
-      n0 = gemm::load_stream(w0 + k + kSpan);
-      n1 = gemm::load_stream(w1 + k + kSpan);
-      n2 = gemm::load_stream(w2 + k + kSpan);
-      n3 = gemm::load_stream(w3 + k + kSpan);
-    }
-#pragma unroll
-    for (int j = 0; j < kNT; ++j) {
-      gemm::mma_span32(acc[0][j], c0, c1, b[j]);
-      gemm::mma_span32(acc[1][j], c2, c3, b[j]);
-    }
-    c0 = n0;
-    c1 = n1;
-    c2 = n2;
-    c3 = n3;
-  }
-  // red[warp][half][n-tile][reg][lane]
-  float* mine = red + petit_warp_id() * (2 * kMaxNTiles * 4 * 32);
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int j = 0; j < kNT; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
+// This warp's weight stream of one task: 4 row pointers (rows g and g + 8 of both 16-row
+// halves, this lane's k offset 8q included), its k steps [s0, s1) and the passes over them.
+struct WarpStream {
+  const petit_bf16_bits* w[4];
+  int s0, steps, total;  // total = passes * steps
+};
+
+PETIT_DEVICE Task decode_task(int task, int num_tasks, int num_gate_up_tasks, int gate_up_tiles,
+                              int down_tiles, const int32_t* active, const int32_t* offsets) {
+  Task t{};
+  t.valid = task < num_tasks;
+  if (!t.valid) return t;
+  t.gate_up = task < num_gate_up_tasks;
+  const int local = t.gate_up ? task : task - num_gate_up_tasks;
+  const int tiles = t.gate_up ? gate_up_tiles : down_tiles;
+  t.expert = active[local / tiles];
+  t.tile = local % tiles;
+  t.begin = offsets[t.expert];
+  t.count = offsets[t.expert + 1] - t.begin;
+  return t;
 }
 
-// Sum over the warps of output (half, weight row `row` in [0, 16), expert row n in [0, 32)).
+PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
+  const int lane = petit_lane_id(), g = lane / 4, q = lane % 4, warp = petit_warp_id();
+  const int H = a.hidden, I = a.intermediate;
+  WarpStream ws{};
+  if (!t.valid) return ws;
+  const petit_bf16_bits* lo;
+  const petit_bf16_bits* hi;
+  int64_t stride;
+  if (t.gate_up) {  // half 0: gate rows of the tile's 16 columns, half 1: their up rows
+    lo = a.w13 + (int64_t(t.expert) * 2 * I + t.tile * kTileCols) * H;
+    hi = lo + int64_t(I) * H;
+    stride = H;
+  } else {  // the tile's 32 rows of w2
+    lo = a.w2 + (int64_t(t.expert) * H + t.tile * kDownRows) * I;
+    hi = lo + int64_t(16) * I;
+    stride = I;
+  }
+  ws.w[0] = lo + g * stride + 8 * q;
+  ws.w[1] = lo + (g + 8) * stride + 8 * q;
+  ws.w[2] = hi + g * stride + 8 * q;
+  ws.w[3] = hi + (g + 8) * stride + 8 * q;
+  const int k_steps = (t.gate_up ? H : I) / kSpan;
+  ws.s0 = warp * k_steps / kWarps;
+  ws.steps = (warp + 1) * k_steps / kWarps - ws.s0;
+  ws.total = ws.steps * ((t.count + kPassRows - 1) / kPassRows);
+  return ws;
+}
+
+// Sum over the warps of output (half, weight row `row` in [0, 16), expert row n of the pass).
 PETIT_DEVICE float reduced(const float* red, int half, int row, int n) {
   const int j = n / 8, col = n % 8;
   const int reg = (col % 2) + 2 * (row / 8), lane = (row % 8) * 4 + col / 2;
@@ -196,19 +173,51 @@ PETIT_DEVICE float reduced(const float* red, int half, int row, int n) {
   return sum;
 }
 
-// Runs task_pass with the smallest n-tile count that covers `rows` expert rows.
-template <bool kFromAct>
-PETIT_DEVICE void task_pass_rows(int rows, const petit_bf16_bits* lo0, const petit_bf16_bits* hi0,
-                                 int64_t row_stride, const petit_bf16_bits* const (&b_rows)[kMaxNTiles],
-                                 int s0, int s1, float* red, const int* wait_counter,
-                                 int wait_target, uint64_t timeout_ticks, int wait_expert) {
-  if (rows <= 8) {
-    const petit_bf16_bits* const b1[1] = {b_rows[0]};
-    task_pass<1, kFromAct>(lo0, hi0, row_stride, b1, s0, s1, red, wait_counter, wait_target,
-                           timeout_ticks, wait_expert);
-  } else {
-    task_pass<2, kFromAct>(lo0, hi0, row_stride, b_rows, s0, s1, red, wait_counter,
-                           wait_target, timeout_ticks, wait_expert);
+PETIT_DEVICE void cp_async_wait_upto(int pending) {
+  switch (pending < 0 ? 0 : pending) {  // wait_group takes an immediate
+    case 0: gemm::cp_async_wait<0>(); break;
+    case 1: gemm::cp_async_wait<1>(); break;
+    case 2: gemm::cp_async_wait<2>(); break;
+    case 3: gemm::cp_async_wait<3>(); break;
+    case 4: gemm::cp_async_wait<4>(); break;
+    case 5: gemm::cp_async_wait<5>(); break;
+    case 6: gemm::cp_async_wait<6>(); break;
+    default: gemm::cp_async_wait<kStages - 1>(); break;
+  }
+}
+static_assert(kStages == 8, "cp_async_wait_upto covers 0 .. kStages - 1 pending groups");
+
+// The warp's weight stream runs ahead of its multiplies across task boundaries: a producer
+// cursor walks the current task's steps, then the next task's (whose id is known one iteration
+// ahead), issuing each step as one cp.async group of 4 x 16 bytes per lane into the lane's own
+// ring slot; the consumer waits for the oldest group and reads its slot back. Lane-private
+// slots: no cross-lane hazard, no barrier; a slot is refilled only after its values were used.
+struct Producer {
+  WarpStream cur, next;  // the cursor's task and the one after it
+  bool has_next;
+  int iter;              // the block iteration whose task cur is
+  int step;              // of cur: 0 .. cur.total
+  int pushed;            // steps issued so far (slot = pushed % kStages)
+};
+
+PETIT_DEVICE void produce(Producer& p, int consumed, uint4* ring_lane) {
+  while (p.pushed - consumed < kStages) {
+    if (p.step >= p.cur.total) {
+      if (!p.has_next) return;
+      p.cur = p.next;
+      p.has_next = false;
+      p.step = 0;
+      ++p.iter;
+      continue;
+    }
+    const int k = (p.cur.s0 + p.step % p.cur.steps) * kSpan;
+    uint4* slot = ring_lane + (p.pushed % kStages) * (4 * 32);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) gemm::sm80_cp_async_16(gemm::smem_addr_u32(slot + i * 32),
+                                                       p.cur.w[i] + k, 16);
+    gemm::cp_async_commit();
+    ++p.step;
+    ++p.pushed;
   }
 }
 
@@ -217,6 +226,7 @@ PETIT_DEVICE void task_pass_rows(int rows, const petit_bf16_bits* lo0, const pet
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaMoeArgs a) {
 #if PETIT_SM80_BODY
   PETIT_DYNAMIC_SMEM(smem);
+  uint4* ring = reinterpret_cast<uint4*>(smem + SmemLayout::kRing);
   int16_t* expert_of = reinterpret_cast<int16_t*>(smem + SmemLayout::kExpertOf);
   int32_t* sorted = reinterpret_cast<int32_t*>(smem + SmemLayout::kSorted);
   int32_t* offsets = reinterpret_cast<int32_t*>(smem + SmemLayout::kOffsets);
@@ -226,16 +236,20 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
   int32_t* scalars = reinterpret_cast<int32_t*>(smem + SmemLayout::kScalars);
   float* red = reinterpret_cast<float*>(smem + SmemLayout::kReduce);
 
-  const int tid = threadIdx.x, lane = petit_lane_id();
+  const int tid = threadIdx.x, lane = petit_lane_id(), warp = petit_warp_id();
   const int N = a.num_rows, K = a.top_k, H = a.hidden, I = a.intermediate;
   const int L = a.num_local_experts, num_entries = N * K;
   int* sync = a.sync;
   int* gate_up_done = sync + kSyncExperts;   // [L] by local expert
   int* tile_done = gate_up_done + L;         // [H / kDownRows] by down row tile
 
-  if (tid == 0) scalars[kClaim0] = atomicAdd(&sync[kSyncClaim], 1);  // first claim, early
+  if (tid == 0) {  // the first two claims, early
+    scalars[kClaim0] = atomicAdd(&sync[kSyncClaim], 1);
+    scalars[kClaim0 + 1] = atomicAdd(&sync[kSyncClaim], 1);
+  }
 
-  // ---- 1. routing in shared memory
+  // ---- 1. routing in shared memory: counts, offsets and the active experts first (the
+  // weight stream can start from them), then the stable sort of the entries.
   for (int i = tid; i < num_entries; i += kThreads) {
     expert_of[i] = int16_t(local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, L, i));
   }
@@ -275,7 +289,28 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
     }
   }
   __syncthreads();
-  if (petit_warp_id() == 0) {  // stable scatter: entry order within each expert
+
+  const int num_active = scalars[kNumActive];
+  const int gate_up_tiles = I / kTileCols, down_tiles = H / kDownRows;
+  const int num_gate_up_tasks = num_active * gate_up_tiles;
+  const int num_tasks = num_gate_up_tasks + num_active * down_tiles;
+  auto task_of = [&](int id) {
+    return decode_task(id, num_tasks, num_gate_up_tasks, gate_up_tiles, down_tiles, active,
+                       offsets);
+  };
+
+  // The weight stream of the first two tasks goes out before the sort.
+  uint4* ring_lane = ring + warp * (kStages * 4 * 32) + lane;
+  Producer prod{};
+  Task cur_task = task_of(scalars[kClaim0]);
+  Task next_task = task_of(scalars[kClaim0 + 1]);
+  prod.cur = warp_stream(cur_task, a);
+  prod.next = warp_stream(next_task, a);
+  prod.has_next = next_task.valid;
+  int consumed = 0;
+  if (cur_task.valid) produce(prod, consumed, ring_lane);
+
+  if (warp == 0) {  // stable scatter: entry order within each expert
     for (int base = 0; base < num_entries; base += 32) {
       const int i = base + lane;
       const int e = i < num_entries ? expert_of[i] : -1;
@@ -289,10 +324,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
   }
   __syncthreads();
 
-  const int num_active = scalars[kNumActive];
-  const int gate_up_tiles = I / kTileCols, down_tiles = H / kDownRows;
-  const int num_gate_up_tasks = num_active * gate_up_tiles;
-  const int num_tasks = num_gate_up_tasks + num_active * down_tiles;
   if (num_active == 0) {  // no entry served: the layer's output is 0
     const int64_t vectors = int64_t(N) * H / 8;
     for (int64_t v = int64_t(blockIdx.x) * kThreads + tid; v < vectors;
@@ -302,20 +333,16 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
   }
 
   // ---- 2. tasks
-  const int warp = petit_warp_id();
-  for (int iter = 0;; ++iter) {
-    const int task = scalars[kClaim0 + (iter & 1)];
-    if (task >= num_tasks) break;
-    if (tid == 0) scalars[kClaim0 + ((iter + 1) & 1)] = atomicAdd(&sync[kSyncClaim], 1);
-    const bool gate_up = task < num_gate_up_tasks;
-    const int local = gate_up ? task : task - num_gate_up_tasks;
-    const int tiles = gate_up ? gate_up_tiles : down_tiles;
-    const int e = active[local / tiles], tile = local % tiles;
-    const int begin = offsets[e], count = offsets[e + 1] - begin;
-    const int k_total = gate_up ? H : I;
-    const int steps = k_total / kSpan;
-    const int s0 = warp * steps / kWarps, s1 = (warp + 1) * steps / kWarps;
-    const int g = lane / 4;
+  const int g = lane / 4, q = lane % 4;
+  for (int iter = 0; cur_task.valid; ++iter) {
+    // claim the task of iteration iter + 2 (read after the barrier that ends iteration iter)
+    if (tid == 0) scalars[kClaim0 + (iter + 2) % 3] = atomicAdd(&sync[kSyncClaim], 1);
+    const WarpStream ws = warp_stream(cur_task, a);
+    const int e = cur_task.expert, tile = cur_task.tile;
+    const int begin = cur_task.begin, count = cur_task.count;
+    if (!cur_task.gate_up) {  // the expert's activations must exist before they are read
+      block_wait_count(&gate_up_done[e], gate_up_tiles, a.timeout_ticks, e);
+    }
     for (int pass = 0; pass < count; pass += kPassRows) {
       const int rows = min(kPassRows, count - pass);
       const petit_bf16_bits* b_rows[kMaxNTiles];
@@ -324,42 +351,76 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
         const int r = pass + j * 8 + g;
         b_rows[j] = nullptr;
         if (r < count) {
-          b_rows[j] = gate_up ? a.x + int64_t(sorted[begin + r] / K) * H
-                              : a.act + int64_t(begin + r) * I;
+          b_rows[j] = cur_task.gate_up ? a.x + int64_t(sorted[begin + r] / K) * H
+                                       : a.act + int64_t(begin + r) * I;
         }
       }
-      if (gate_up) {
-        const petit_bf16_bits* gate0 = a.w13 + (int64_t(e) * 2 * I + tile * kTileCols) * H;
-        task_pass_rows<false>(rows, gate0, gate0 + int64_t(I) * H, H, b_rows, s0, s1, red,
-                              nullptr, 0, a.timeout_ticks, e);
-      } else {
-        const petit_bf16_bits* w0 = a.w2 + (int64_t(e) * H + tile * kDownRows) * I;
-        task_pass_rows<true>(rows, w0, w0 + int64_t(16) * I, I, b_rows, s0, s1, red,
-                             pass == 0 ? &gate_up_done[e] : nullptr, gate_up_tiles,
-                             a.timeout_ticks, e);
+      const bool two_tiles = rows > 8;
+      float acc[2][kMaxNTiles][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < kMaxNTiles; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
+      uint4 b_next[kMaxNTiles];
+      auto load_b = [&](uint4 (&dst)[kMaxNTiles], int s) {
+#pragma unroll
+        for (int j = 0; j < kMaxNTiles; ++j) {
+          dst[j] = b_rows[j] != nullptr
+                       ? petit_load_cg(reinterpret_cast<const uint4*>(b_rows[j] + s * kSpan + 8 * q))
+                       : zero4();
+        }
+      };
+      if (ws.steps > 0) load_b(b_next, ws.s0);
+      for (int s = ws.s0; s < ws.s0 + ws.steps; ++s) {
+        uint4 b[kMaxNTiles];
+#pragma unroll
+        for (int j = 0; j < kMaxNTiles; ++j) b[j] = b_next[j];
+        if (s + 1 < ws.s0 + ws.steps) load_b(b_next, s + 1);
+        cp_async_wait_upto(prod.pushed - consumed - 1);
+        const uint4* slot = ring_lane + (consumed % kStages) * (4 * 32);
+        const uint4 w0 = slot[0], w1 = slot[32], w2 = slot[64], w3 = slot[96];
+        ++consumed;
+        gemm::mma_span32(acc[0][0], w0, w1, b[0]);
+        gemm::mma_span32(acc[1][0], w2, w3, b[0]);
+        if (two_tiles) {
+          gemm::mma_span32(acc[0][1], w0, w1, b[1]);
+          gemm::mma_span32(acc[1][1], w2, w3, b[1]);
+        }
+        produce(prod, consumed, ring_lane);
       }
+      // red[warp][half][n-tile][reg][lane]
+      float* mine = red + warp * (2 * kMaxNTiles * 4 * 32);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < kMaxNTiles; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
       __syncthreads();
       // Epilogue: thread -> (expert row n, 2 or 4 consecutive weight rows).
-      const int n = tid / 8, part = tid % 8;
+      const int n = tid / 16, part = tid % 16;
       if (n < rows) {
         const int pos = begin + pass + n;
-        if (gate_up) {
-          const int c = 2 * part;  // columns c, c + 1 of the tile
-          const float a0 = gemm::silu(reduced(red, 0, c, n)) * reduced(red, 1, c, n);
-          const float a1 = gemm::silu(reduced(red, 0, c + 1, n)) * reduced(red, 1, c + 1, n);
-          const uint32_t packed = uint32_t(petit_float_to_bf16(a0)) |
-                                  (uint32_t(petit_float_to_bf16(a1)) << 16);
-          *reinterpret_cast<uint32_t*>(a.act + int64_t(pos) * I + tile * kTileCols + c) = packed;
+        if (cur_task.gate_up) {
+          if (part < 8) {
+            const int c = 2 * part;  // columns c, c + 1 of the tile
+            const float a0 = gemm::silu(reduced(red, 0, c, n)) * reduced(red, 1, c, n);
+            const float a1 = gemm::silu(reduced(red, 0, c + 1, n)) * reduced(red, 1, c + 1, n);
+            const uint32_t packed = uint32_t(petit_float_to_bf16(a0)) |
+                                    (uint32_t(petit_float_to_bf16(a1)) << 16);
+            *reinterpret_cast<uint32_t*>(a.act + int64_t(pos) * I + tile * kTileCols + c) =
+                packed;
+          }
         } else {
           const int entry = sorted[pos];
           const float weight = a.topk_weights[entry];
-          const int r0 = 4 * part;  // rows r0 .. r0 + 3 of the tile (half r0 / 16)
-          float4 v;
+          const int r0 = 2 * part;  // rows r0, r0 + 1 of the tile (half r0 / 16)
+          float2 v;
           v.x = weight * reduced(red, r0 / 16, r0 % 16, n);
           v.y = weight * reduced(red, r0 / 16, r0 % 16 + 1, n);
-          v.z = weight * reduced(red, r0 / 16, r0 % 16 + 2, n);
-          v.w = weight * reduced(red, r0 / 16, r0 % 16 + 3, n);
-          *reinterpret_cast<float4*>(a.partial + int64_t(entry) * H + tile * kDownRows + r0) = v;
+          *reinterpret_cast<float2*>(a.partial + int64_t(entry) * H + tile * kDownRows + r0) = v;
         }
       }
       __syncthreads();  // red is reused by the next pass
@@ -367,7 +428,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
     // Publish: every thread's stores, then one arrival (release by fence + atomic).
     __threadfence();
     __syncthreads();
-    if (gate_up) {
+    if (cur_task.gate_up) {
       if (tid == 0) atomicAdd(&gate_up_done[e], 1);
     } else {
       if (tid == 0) scalars[kReduceHere] = atomicAdd(&tile_done[tile], 1) == num_active - 1;
@@ -394,8 +455,21 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
         }
       }
     }
-    __syncthreads();
+    __syncthreads();  // also publishes the claim of iteration iter + 2
+    // Advance. Every step of the finished task was consumed, so pushed: the cursor is past it
+    // (in the new current task), or exactly at its end if it never needed to move on.
+    cur_task = next_task;
+    next_task = task_of(scalars[kClaim0 + (iter + 2) % 3]);
+    if (prod.iter == iter) {
+      prod.cur = prod.next;
+      prod.step = 0;
+      prod.iter = iter + 1;
+    }
+    prod.next = warp_stream(next_task, a);
+    prod.has_next = next_task.valid;
+    if (cur_task.valid) produce(prod, consumed, ring_lane);
   }
+  gemm::cp_async_wait_all();
 
   // ---- 3. the last block out resets the counters for the next call
   __threadfence();
