@@ -46,8 +46,10 @@ namespace petit {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+constexpr int kWarps = 8;                       // compute warps
+constexpr int kComputeThreads = kWarps * 32;
+constexpr int kThreads = kComputeThreads + 32;  // + the control warp
+constexpr int kComputeBarrier = 1;              // bar.sync id of the compute warps alone
 constexpr int kTileCols = 16;    // gate/up task: 16 columns of I (16 gate + 16 up weight rows)
 constexpr int kDownRows = 32;    // down task: 32 rows of H (two 16-row m-tiles)
 constexpr int kSpan = 32;        // k elements per step (two mma.sync k16)
@@ -67,12 +69,14 @@ struct SmemLayout {
   static constexpr int kActive = kCursor + 4 * kMaxExperts;                   // int32 [L]
   static constexpr int kScan = kActive + 4 * kMaxExperts;                     // int32 [threads]
   static constexpr int kScalars = kScan + 4 * kThreads;                       // int32 [8]
+  // (kThreads: the routing scans run on the whole block)
   static constexpr int kReduce = kScalars + 4 * 8;  // float [warps][2][n-tiles][4][32]
   static constexpr int kBytes = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
 };
 static_assert(SmemLayout::kBytes <= 200 * 1024, "one block per SM");
 // kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3)
-enum Scalar { kNumActive = 0, kClaim0 = 1, kReduceHere = 4 };
+// kReducePending: the row tile this block must reduce next (-1: none), set by the control warp
+enum Scalar { kNumActive = 0, kClaim0 = 1, kReducePending = 4, kExitHere = 5 };
 
 // Sync words (MegaMoeArgs::sync): all zero between calls.
 enum SyncWord { kSyncClaim = 0, kSyncExit = 1, kSyncExperts = 2 };
@@ -87,23 +91,19 @@ PETIT_DEVICE float as_float(uint32_t bits) {
   return v.f;
 }
 
-// A block's bounded wait until *counter >= target (thread 0 spins, everyone meets after).
-PETIT_DEVICE void block_wait_count(const int* counter, int target, uint64_t timeout_ticks,
-                                   int expert) {
-  if (threadIdx.x == 0) {
-    const uint64_t start = petit_timer();
-    int seen = petit_load_acquire_gpu(counter);
-    while (seen < target) {
-      if (petit_timer() - start > timeout_ticks) {
-        printf("petit_moe: fused MoE layer (W=1) timed out in block %d waiting for the gate/up "
-               "tiles of local expert %d: %d of %d arrived\n",
-               int(blockIdx.x), expert, seen, target);
-        petit_trap();
-      }
-      seen = petit_load_acquire_gpu(counter);
+// The control warp's bounded wait until *counter >= target (acquire).
+PETIT_DEVICE void wait_count(const int* counter, int target, uint64_t timeout_ticks, int expert) {
+  const uint64_t start = petit_timer();
+  int seen = petit_load_acquire_gpu(counter);
+  while (seen < target) {
+    if (petit_timer() - start > timeout_ticks) {
+      printf("petit_moe: fused MoE layer (W=1) timed out in block %d waiting for the gate/up "
+             "tiles of local expert %d: %d of %d arrived\n",
+             int(blockIdx.x), expert, seen, target);
+      petit_trap();
     }
+    seen = petit_load_acquire_gpu(counter);
   }
-  __syncthreads();
 }
 
 // What one task is, from the block's routing tables.
@@ -237,15 +237,18 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
   float* red = reinterpret_cast<float*>(smem + SmemLayout::kReduce);
 
   const int tid = threadIdx.x, lane = petit_lane_id(), warp = petit_warp_id();
+  static_assert(kMaxExperts <= 2 * kThreads, "two experts per thread in the routing scans");
   const int N = a.num_rows, K = a.top_k, H = a.hidden, I = a.intermediate;
   const int L = a.num_local_experts, num_entries = N * K;
   int* sync = a.sync;
   int* gate_up_done = sync + kSyncExperts;   // [L] by local expert
   int* tile_done = gate_up_done + L;         // [H / kDownRows] by down row tile
 
-  if (tid == 0) {  // the first two claims, early
+  const bool control = warp == kWarps;  // fences, counters, claims and waits: never streams
+  if (control && lane == 0) {  // the first two claims, early
     scalars[kClaim0] = atomicAdd(&sync[kSyncClaim], 1);
     scalars[kClaim0 + 1] = atomicAdd(&sync[kSyncClaim], 1);
+    scalars[kReducePending] = -1;
   }
 
   // ---- 1. routing in shared memory: counts, offsets and the active experts first (the
@@ -261,7 +264,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
   }
   __syncthreads();
   {
-    constexpr int kItems = kMaxExperts / kThreads;
+    constexpr int kItems = 2;
     int32_t counts[kItems], flags[kItems];
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
@@ -308,7 +311,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
   prod.next = warp_stream(next_task, a);
   prod.has_next = next_task.valid;
   int consumed = 0;
-  if (cur_task.valid) produce(prod, consumed, ring_lane);
+  if (!control && cur_task.valid) produce(prod, consumed, ring_lane);
 
   if (warp == 0) {  // stable scatter: entry order within each expert
     for (int base = 0; base < num_entries; base += 32) {
@@ -332,151 +335,170 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
     }
   }
 
-  // ---- 2. tasks
+  // ---- 2. tasks. Per iteration: R (ready: the control warp has acquired the expert's
+  // activations for a down task; the reduction decided last iteration is published), the
+  // compute warps' passes, S (every store of the task issued); then the control warp publishes
+  // the task (fence + counter) while the compute warps move on. The compute warps never fence:
+  // a fence would wait for their weight loads in flight.
   const int g = lane / 4, q = lane % 4;
-  for (int iter = 0; cur_task.valid; ++iter) {
-    // claim the task of iteration iter + 2 (read after the barrier that ends iteration iter)
-    if (tid == 0) scalars[kClaim0 + (iter + 2) % 3] = atomicAdd(&sync[kSyncClaim], 1);
-    const WarpStream ws = warp_stream(cur_task, a);
-    const int e = cur_task.expert, tile = cur_task.tile;
-    const int begin = cur_task.begin, count = cur_task.count;
-    if (!cur_task.gate_up) {  // the expert's activations must exist before they are read
-      block_wait_count(&gate_up_done[e], gate_up_tiles, a.timeout_ticks, e);
+  for (int iter = 0;; ++iter) {
+    if (control && lane == 0 && cur_task.valid && !cur_task.gate_up) {
+      wait_count(&gate_up_done[cur_task.expert], gate_up_tiles, a.timeout_ticks,
+                 cur_task.expert);
     }
-    for (int pass = 0; pass < count; pass += kPassRows) {
-      const int rows = min(kPassRows, count - pass);
-      const petit_bf16_bits* b_rows[kMaxNTiles];
-#pragma unroll
-      for (int j = 0; j < kMaxNTiles; ++j) {
-        const int r = pass + j * 8 + g;
-        b_rows[j] = nullptr;
-        if (r < count) {
-          b_rows[j] = cur_task.gate_up ? a.x + int64_t(sorted[begin + r] / K) * H
-                                       : a.act + int64_t(begin + r) * I;
+    __syncthreads();  // R(iter)
+    const int reduce_tile = scalars[kReducePending];
+    if (reduce_tile >= 0 && !control) {  // every expert's partials of this row tile are in
+      const int r0 = 4 * (tid % 8);
+      for (int n = tid / 8; n < N; n += kComputeThreads / 8) {
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k = 0; k < K; ++k) {
+          const int entry = n * K + k;
+          if (expert_of[entry] < 0) continue;
+          const uint4 raw = petit_load_cg(reinterpret_cast<const uint4*>(
+              a.partial + int64_t(entry) * H + reduce_tile * kDownRows + r0));
+          s[0] += as_float(raw.x);
+          s[1] += as_float(raw.y);
+          s[2] += as_float(raw.z);
+          s[3] += as_float(raw.w);
         }
+        uint2 packed;
+        packed.x = uint32_t(petit_float_to_bf16(s[0])) | (uint32_t(petit_float_to_bf16(s[1])) << 16);
+        packed.y = uint32_t(petit_float_to_bf16(s[2])) | (uint32_t(petit_float_to_bf16(s[3])) << 16);
+        *reinterpret_cast<uint2*>(a.out + int64_t(n) * H + reduce_tile * kDownRows + r0) = packed;
       }
-      const bool two_tiles = rows > 8;
-      float acc[2][kMaxNTiles][4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < kMaxNTiles; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
-      uint4 b_next[kMaxNTiles];
-      auto load_b = [&](uint4 (&dst)[kMaxNTiles], int s) {
+    }
+    if (!cur_task.valid) break;
+    if (control) {
+      // claim the task of iteration iter + 2 (published by S(iter))
+      if (lane == 0) scalars[kClaim0 + (iter + 2) % 3] = atomicAdd(&sync[kSyncClaim], 1);
+    } else {
+      const WarpStream ws = warp_stream(cur_task, a);
+      const int tile = cur_task.tile, begin = cur_task.begin, count = cur_task.count;
+      for (int pass = 0; pass < count; pass += kPassRows) {
+        const int rows = min(kPassRows, count - pass);
+        const petit_bf16_bits* b_rows[kMaxNTiles];
 #pragma unroll
         for (int j = 0; j < kMaxNTiles; ++j) {
-          dst[j] = b_rows[j] != nullptr
-                       ? petit_load_cg(reinterpret_cast<const uint4*>(b_rows[j] + s * kSpan + 8 * q))
-                       : zero4();
-        }
-      };
-      if (ws.steps > 0) load_b(b_next, ws.s0);
-      for (int s = ws.s0; s < ws.s0 + ws.steps; ++s) {
-        uint4 b[kMaxNTiles];
-#pragma unroll
-        for (int j = 0; j < kMaxNTiles; ++j) b[j] = b_next[j];
-        if (s + 1 < ws.s0 + ws.steps) load_b(b_next, s + 1);
-        cp_async_wait_upto(prod.pushed - consumed - 1);
-        const uint4* slot = ring_lane + (consumed % kStages) * (4 * 32);
-        const uint4 w0 = slot[0], w1 = slot[32], w2 = slot[64], w3 = slot[96];
-        ++consumed;
-        gemm::mma_span32(acc[0][0], w0, w1, b[0]);
-        gemm::mma_span32(acc[1][0], w2, w3, b[0]);
-        if (two_tiles) {
-          gemm::mma_span32(acc[0][1], w0, w1, b[1]);
-          gemm::mma_span32(acc[1][1], w2, w3, b[1]);
-        }
-        produce(prod, consumed, ring_lane);
-      }
-      // red[warp][half][n-tile][reg][lane]
-      float* mine = red + warp * (2 * kMaxNTiles * 4 * 32);
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < kMaxNTiles; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
-      __syncthreads();
-      // Epilogue: thread -> (expert row n, 2 or 4 consecutive weight rows).
-      const int n = tid / 16, part = tid % 16;
-      if (n < rows) {
-        const int pos = begin + pass + n;
-        if (cur_task.gate_up) {
-          if (part < 8) {
-            const int c = 2 * part;  // columns c, c + 1 of the tile
-            const float a0 = gemm::silu(reduced(red, 0, c, n)) * reduced(red, 1, c, n);
-            const float a1 = gemm::silu(reduced(red, 0, c + 1, n)) * reduced(red, 1, c + 1, n);
-            const uint32_t packed = uint32_t(petit_float_to_bf16(a0)) |
-                                    (uint32_t(petit_float_to_bf16(a1)) << 16);
-            *reinterpret_cast<uint32_t*>(a.act + int64_t(pos) * I + tile * kTileCols + c) =
-                packed;
+          const int r = pass + j * 8 + g;
+          b_rows[j] = nullptr;
+          if (r < count) {
+            b_rows[j] = cur_task.gate_up ? a.x + int64_t(sorted[begin + r] / K) * H
+                                         : a.act + int64_t(begin + r) * I;
           }
-        } else {
-          const int entry = sorted[pos];
-          const float weight = a.topk_weights[entry];
-          const int r0 = 2 * part;  // rows r0, r0 + 1 of the tile (half r0 / 16)
-          float2 v;
-          v.x = weight * reduced(red, r0 / 16, r0 % 16, n);
-          v.y = weight * reduced(red, r0 / 16, r0 % 16 + 1, n);
-          *reinterpret_cast<float2*>(a.partial + int64_t(entry) * H + tile * kDownRows + r0) = v;
         }
-      }
-      __syncthreads();  // red is reused by the next pass
-    }
-    // Publish: every thread's stores, then one arrival (release by fence + atomic).
-    __threadfence();
-    __syncthreads();
-    if (cur_task.gate_up) {
-      if (tid == 0) atomicAdd(&gate_up_done[e], 1);
-    } else {
-      if (tid == 0) scalars[kReduceHere] = atomicAdd(&tile_done[tile], 1) == num_active - 1;
-      __syncthreads();
-      if (scalars[kReduceHere]) {  // every expert's partials of this row tile have arrived
-        __threadfence();
-        const int r0 = 4 * (tid % 8);
-        for (int n = tid / 8; n < N; n += kThreads / 8) {
-          float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          for (int k = 0; k < K; ++k) {
-            const int entry = n * K + k;
-            if (expert_of[entry] < 0) continue;
-            const uint4 raw = petit_load_cg(reinterpret_cast<const uint4*>(
-                a.partial + int64_t(entry) * H + tile * kDownRows + r0));
-            s[0] += as_float(raw.x);
-            s[1] += as_float(raw.y);
-            s[2] += as_float(raw.z);
-            s[3] += as_float(raw.w);
+        const bool two_tiles = rows > 8;
+        float acc[2][kMaxNTiles][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < kMaxNTiles; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
+        uint4 b_next[kMaxNTiles];
+        auto load_b = [&](uint4 (&dst)[kMaxNTiles], int s) {
+#pragma unroll
+          for (int j = 0; j < kMaxNTiles; ++j) {
+            dst[j] = b_rows[j] != nullptr
+                         ? petit_load_cg(reinterpret_cast<const uint4*>(b_rows[j] + s * kSpan +
+                                                                        8 * q))
+                         : zero4();
           }
-          uint2 packed;
-          packed.x = uint32_t(petit_float_to_bf16(s[0])) | (uint32_t(petit_float_to_bf16(s[1])) << 16);
-          packed.y = uint32_t(petit_float_to_bf16(s[2])) | (uint32_t(petit_float_to_bf16(s[3])) << 16);
-          *reinterpret_cast<uint2*>(a.out + int64_t(n) * H + tile * kDownRows + r0) = packed;
+        };
+        if (ws.steps > 0) load_b(b_next, ws.s0);
+        for (int s = ws.s0; s < ws.s0 + ws.steps; ++s) {
+          uint4 b[kMaxNTiles];
+#pragma unroll
+          for (int j = 0; j < kMaxNTiles; ++j) b[j] = b_next[j];
+          if (s + 1 < ws.s0 + ws.steps) load_b(b_next, s + 1);
+          cp_async_wait_upto(prod.pushed - consumed - 1);
+          const uint4* slot = ring_lane + (consumed % kStages) * (4 * 32);
+          const uint4 w0 = slot[0], w1 = slot[32], w2 = slot[64], w3 = slot[96];
+          ++consumed;
+          gemm::mma_span32(acc[0][0], w0, w1, b[0]);
+          gemm::mma_span32(acc[1][0], w2, w3, b[0]);
+          if (two_tiles) {
+            gemm::mma_span32(acc[0][1], w0, w1, b[1]);
+            gemm::mma_span32(acc[1][1], w2, w3, b[1]);
+          }
+          produce(prod, consumed, ring_lane);
         }
+        // red[warp][half][n-tile][reg][lane]
+        float* mine = red + warp * (2 * kMaxNTiles * 4 * 32);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < kMaxNTiles; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
+            }
+        gemm::bar_sync(kComputeBarrier, kComputeThreads);
+        // Epilogue: thread -> (expert row n, 2 consecutive weight rows or columns).
+        const int n = tid / 16, part = tid % 16;
+        if (n < rows) {
+          const int pos = begin + pass + n;
+          if (cur_task.gate_up) {
+            if (part < 8) {
+              const int c = 2 * part;  // columns c, c + 1 of the tile
+              const float a0 = gemm::silu(reduced(red, 0, c, n)) * reduced(red, 1, c, n);
+              const float a1 = gemm::silu(reduced(red, 0, c + 1, n)) * reduced(red, 1, c + 1, n);
+              const uint32_t packed = uint32_t(petit_float_to_bf16(a0)) |
+                                      (uint32_t(petit_float_to_bf16(a1)) << 16);
+              *reinterpret_cast<uint32_t*>(a.act + int64_t(pos) * I + tile * kTileCols + c) =
+                  packed;
+            }
+          } else {
+            const int entry = sorted[pos];
+            const float weight = a.topk_weights[entry];
+            const int r0 = 2 * part;  // rows r0, r0 + 1 of the tile (half r0 / 16)
+            float2 v;
+            v.x = weight * reduced(red, r0 / 16, r0 % 16, n);
+            v.y = weight * reduced(red, r0 / 16, r0 % 16 + 1, n);
+            *reinterpret_cast<float2*>(a.partial + int64_t(entry) * H + tile * kDownRows + r0) =
+                v;
+          }
+        }
+        gemm::bar_sync(kComputeBarrier, kComputeThreads);  // red is reused by the next pass
       }
     }
-    __syncthreads();  // also publishes the claim of iteration iter + 2
+    __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
+    if (control && lane == 0) {
+      // Publish the task (release: the fence covers the compute warps' stores, ordered
+      // before it by S), and for a down task learn whether this block completed its row tile.
+      __threadfence();
+      int reduce = -1;
+      if (cur_task.gate_up) {
+        atomicAdd(&gate_up_done[cur_task.expert], 1);
+      } else if (atomicAdd(&tile_done[cur_task.tile], 1) == num_active - 1) {
+        reduce = cur_task.tile;
+        __threadfence();  // acquire: the other blocks' partials of the tile
+      }
+      scalars[kReducePending] = reduce;  // read after R(iter + 1)
+    }
     // Advance. Every step of the finished task was consumed, so pushed: the cursor is past it
     // (in the new current task), or exactly at its end if it never needed to move on.
     cur_task = next_task;
     next_task = task_of(scalars[kClaim0 + (iter + 2) % 3]);
-    if (prod.iter == iter) {
-      prod.cur = prod.next;
-      prod.step = 0;
-      prod.iter = iter + 1;
+    if (!control) {
+      if (prod.iter == iter) {
+        prod.cur = prod.next;
+        prod.step = 0;
+        prod.iter = iter + 1;
+      }
+      prod.next = warp_stream(next_task, a);
+      prod.has_next = next_task.valid;
+      if (cur_task.valid) produce(prod, consumed, ring_lane);
     }
-    prod.next = warp_stream(next_task, a);
-    prod.has_next = next_task.valid;
-    if (cur_task.valid) produce(prod, consumed, ring_lane);
   }
   gemm::cp_async_wait_all();
 
   // ---- 3. the last block out resets the counters for the next call
   __threadfence();
   __syncthreads();
-  if (tid == 0) scalars[kReduceHere] = atomicAdd(&sync[kSyncExit], 1) == int(gridDim.x) - 1;
+  if (tid == 0) scalars[kExitHere] = atomicAdd(&sync[kSyncExit], 1) == int(gridDim.x) - 1;
   __syncthreads();
-  if (scalars[kReduceHere]) {
+  if (scalars[kExitHere]) {
     __threadfence();
     for (int i = tid; i < megamoe_sync_ints(L, H); i += kThreads) sync[i] = 0;
     __threadfence();
