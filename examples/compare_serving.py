@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
-import bench_tpot_gsm8k as bench  # noqa: E402  (server lifecycle, plugin checks, prompts)
+import vllm_server as bench  # noqa: E402  (server lifecycle, plugin checks, prompts)
 import make_seeded_checkpoint as seeded  # noqa: E402
 from bench_env import commit_stamp, utc_date  # noqa: E402
 

@@ -1,795 +1,537 @@
-"""CPU tests of examples/bench_tpot_gsm8k.py (the `vllm serve` TPOT benchmark).
+"""CPU tests of examples/bench_tpot_gsm8k.py (the driver around `vllm bench serve`) and
+examples/vllm_server.py (the `vllm serve` lifecycle it shares with compare_serving.py).
 
-The real server needs GPUs, so a fake OpenAI-compatible streaming server stands in for
-`vllm serve`: this file run as a script (`python tests/test_bench_tpot_cpu.py fake-server ...`,
-standard library only). It logs what vLLM and the plugin log (the petit decision lines when
-VLLM_USE_PETIT_MOE=1), streams /v1/completions as server-sent events with a set time per token
-(faster when the flag is on), and starts a child process in its process group the way vLLM
-starts its engine cores. Everything else is the benchmark's real code path: argument
-parsing, prompt loading, the process-group start/stop, the health wait, the log check, the
-aiohttp client, the metrics, the JSONL writer, the table and the plot.
+Real vLLM 0.24 code wherever it runs on the CPU: the GSM8K dataset goes through vLLM's
+CustomDataset/get_samples, both command lines through the `vllm` CLI's own parsers and
+validation, and `vllm bench serve` itself runs against a small streaming stand-in for the GPU
+server, so its saved result JSON (real key names) feeds the row mapping. The last test runs
+vLLM's MoE runner step with its routing-simulation router in front of petit's
+prepare/finalize: the ids petit dispatches and its experts compute with are the simulated ones.
 """
 from __future__ import annotations
 
-import argparse
+import inspect
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-BENCH_PATH = ROOT / "examples" / "bench_tpot_gsm8k.py"
-FAKE = f"{{python}} {Path(__file__).resolve()} fake-server --port {{port}} --dp {{dp}}"
+sys.path.insert(0, str(ROOT / "examples"))
+import bench_tpot_gsm8k as bench  # noqa: E402
+import vllm_server  # noqa: E402
+
+MODEL_DIR = ROOT / "examples" / "models" / "qwen3-30b-a3b"
 
 
-# ------------------------------------------------------------------------------------------
-# The fake server (run as a script)
-# ------------------------------------------------------------------------------------------
+@pytest.fixture
+def cpu_platform(monkeypatch):
+    """vLLM's CPU platform, as `vllm bench` picks it where no GPU is (cli/main.py): its engine
+    arguments' defaults need a device type."""
+    pytest.importorskip("vllm")
+    from vllm import platforms
+    from vllm.platforms.cpu import CpuPlatform
 
-def fake_trace(steps: int, rank: int) -> dict:
-    """A torch-profiler trace of `steps` engine steps of 1000 us each (plus one forward range
-    closing the window): per step a 100 us dispatch, a 300 us Triton MoE GEMM on one stream
-    overlapping a 200 us dense GEMM on another by 100 us, a 50 us memcpy; rank 1's dispatch
-    takes 150 us. Before the window, a kernel that must not be counted."""
-    ev = [{"ph": "X", "cat": "kernel", "name": "dispatch_kernel<early>", "ts": 0, "dur": 999}]
-    for i in range(steps + 1):
-        t = 10_000 + 1000 * i
-        ev.append({"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: forward",
-                   "ts": t, "dur": 400})
-        if i == steps:
-            break
-        ev += [{"ph": "X", "cat": "kernel", "name": "dispatch_kernel<bf16>", "ts": t + 10,
-                "dur": 150 if rank else 100},
-               {"ph": "X", "cat": "kernel", "name": "fused_moe_kernel", "ts": t + 200,
-                "dur": 300},
-               {"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8", "ts": t + 400,
-                "dur": 200},
-               {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": t + 700,
-                "dur": 50},
-               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t + 5, "dur": 30}]
-    return {"traceEvents": ev}
+    monkeypatch.setattr(platforms, "current_platform", CpuPlatform(), raising=False)
 
 
-def fake_server_main(argv) -> int:
-    import http.server
+def vllm_cli(cmd: list[str]):
+    """`cmd` (`python -m vllm.entrypoints.cli.main <args>`) parsed by the `vllm` command's
+    parser, built as vllm/entrypoints/cli/main.py builds it (which looks at sys.argv to add
+    the `bench` subcommands). Returns (args, the subcommand objects by name)."""
+    import vllm.entrypoints.cli.benchmark.main
+    import vllm.entrypoints.cli.serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--dp", type=int, default=2)
-    ap.add_argument("--profiler-config", default=None)
-    args = ap.parse_args(argv)
-    profiler = json.loads(args.profiler_config) if args.profiler_config else None
-    mode = os.environ.get("FAKE_MODE", "normal")
-    petit = os.environ.get("VLLM_USE_PETIT_MOE") == "1"
-    tpot = float(os.environ.get("FAKE_TPOT_MS_PETIT" if petit else "FAKE_TPOT_MS", "3")) / 1e3
-    ttft = float(os.environ.get("FAKE_TTFT_MS", "5")) / 1e3
-    print("fake vllm serve: env " + " ".join(
-        f"{k}={os.environ.get(k)}" for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                             "NVSHMEM_DISABLE_NVLS", "VLLM_ALLREDUCE_USE_SYMM_MEM",
-                                             "VLLM_USE_FLASHINFER_SAMPLER", "HF_HUB_OFFLINE",
-                                             "TRANSFORMERS_OFFLINE", "VLLM_USE_PETIT_MOE",
-                                             "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS",
-                                             "VLLM_CUSTOM_SCOPES_FOR_PROFILING")),
-          flush=True)
-    if mode == "crash":
-        print("Traceback (most recent call last):\nRuntimeError: fake engine failed", flush=True)
-        return 3
-    ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if mode == "ignore-term" else ""
-    child = subprocess.Popen([sys.executable, "-c",
-                              f"import signal, time; {ignore}time.sleep(600)"])
-    if mode == "ignore-term":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if os.environ.get("FAKE_PIDFILE"):
-        with open(os.environ["FAKE_PIDFILE"], "a") as f:
-            f.write(f"{os.getpid()} {child.pid}\n")
-    for rank in range(args.dp):
-        prefix = f"(EngineCore_DP{rank} pid={os.getpid()}) INFO 11-29 12:00:00 [hook.py:203] "
-        if petit and mode != "no-petit-line":
-            print(prefix + "vllm-petit-moe: MoE layers use PetitPrepareAndFinalize (petit "
-                  "dispatch/combine) instead of MoEPrepareAndFinalizeNaiveDPEPModular: DP=2 x "
-                  "EP=2 on one node, bf16", flush=True)
-            if os.environ.get("VLLM_PETIT_MOE_EXPERTS") == "1":
-                print(prefix + "vllm-petit-moe: MoE layers use PetitExperts (petit grouped "
-                      "GEMMs, tile family auto) instead of TritonExperts "
-                      "(VLLM_PETIT_MOE_EXPERTS=1)", flush=True)
-        elif not petit:
-            print(prefix + "vllm-petit-moe: installed, not enabled (set VLLM_USE_PETIT_MOE=1); "
-                  "MoE layers use vLLM's own backends", flush=True)
-        print(prefix + "Using TRITON Unquantized MoE backend out of potential backends", flush=True)
-    ready_at = time.monotonic() + 0.2
-    import threading
-    lock, counters = threading.Lock(), {"steps": 0, "tokens": 0}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a):  # like --disable-uvicorn-access-log
-            pass
-
-        def do_GET(self):
-            if self.path == "/metrics":  # vLLM's Prometheus text, two engines (DP ranks)
-                with lock:
-                    steps, tokens = counters["steps"], counters["tokens"]
-                body = "".join(
-                    f'vllm:iteration_tokens_total_count{{engine="{e}",model_name="m"}} '
-                    f'{steps}\nvllm:iteration_tokens_total_sum{{engine="{e}",model_name="m"}} '
-                    f'{tokens}\nvllm:num_preemptions_total{{engine="{e}",model_name="m"}} '
-                    f'0.0\n' for e in range(args.dp)).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-                return
-            healthy = mode != "never-healthy" and time.monotonic() > ready_at
-            code = 200 if (self.path != "/health" or healthy) else 503
-            self.send_response(code)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def do_POST(self):
-            if self.path in ("/start_profile", "/stop_profile"):  # vLLM's, if configured
-                code = 200 if profiler else 404
-                if profiler and self.path == "/stop_profile":
-                    for rank in range(args.dp):  # what each DP rank's worker would write
-                        name = (f"dp{rank}_pp0_tp0_dcp0_ep{rank}_rank{rank}."
-                                f"{time.monotonic_ns()}.pt.trace.json")
-                        with open(Path(profiler["torch_profiler_dir"]) / name, "w") as f:
-                            json.dump(fake_trace(profiler["max_iterations"], rank), f)
-                self.send_response(code)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            ok = (self.path == "/v1/completions" and body.get("stream") is True
-                  and body.get("ignore_eos") is True and body.get("temperature") == 0
-                  and body["prompt"].startswith("Question: ")
-                  and body["prompt"].endswith("\nAnswer:")
-                  and body.get("stream_options", {}).get("include_usage") is True)
-            if not ok:
-                self.send_response(400)
-                self.end_headers()
-                self.wfile.write(b'{"error": "unexpected request"}')
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            n = int(body["max_tokens"])
-            time.sleep(ttft)
-            for i in range(n):
-                if i:
-                    time.sleep(tpot)
-                chunk = {"choices": [{"index": 0, "text": " x",
-                                      "finish_reason": "length" if i == n - 1 else None}]}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.wfile.flush()
-            with lock:  # one "engine step" per generated token of a request
-                counters["steps"] += n
-                counters["tokens"] += n
-            usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"].split()),
-                                              "completion_tokens": n}}
-            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-            self.wfile.flush()
-
-    http.server.ThreadingHTTPServer.request_queue_size = 256  # a connection per request
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
-    server.daemon_threads = True
-    print(f"fake vllm serve: listening on 127.0.0.1:{args.port}", flush=True)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.cli.main"]
+    argv, sys.argv = sys.argv, ["vllm", *cmd[3:]]
     try:
-        server.serve_forever()
+        parser = FlexibleArgumentParser(description="vLLM CLI")
+        subparsers = parser.add_subparsers(required=False, dest="subparser")
+        cmds = {}
+        for module in (vllm.entrypoints.cli.serve, vllm.entrypoints.cli.benchmark.main):
+            for sub in module.cmd_init():
+                sub.subparser_init(subparsers).set_defaults(dispatch_function=sub.cmd)
+                cmds[sub.name] = sub
+        return parser.parse_args(cmd[3:]), cmds
     finally:
-        child.kill()
-    return 0
+        sys.argv = argv
 
 
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "fake-server":
-    sys.exit(fake_server_main(sys.argv[2:]))
+def bench_cmd(dataset, port=8000, **kw):
+    args = dict(concurrency=8, num_prompts=1319, output_len=256, result_dir="/tmp/r",
+                result_filename="x.json")
+    args.update(kw)
+    return bench.bench_command(sys.executable, port, "qwen3-30b-a3b", MODEL_DIR, dataset, **args)
 
 
 # ------------------------------------------------------------------------------------------
-# Tests
+# GSM8K as vLLM's custom dataset, the command lines through vLLM's parsers
 # ------------------------------------------------------------------------------------------
 
-import pytest  # noqa: E402
+def test_gsm8k_custom_dataset_is_what_vllm_samples(tmp_path, cpu_platform):
+    pytest.importorskip("vllm")
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets.datasets import CustomDataset, get_samples
+
+    dataset = tmp_path / "gsm8k.jsonl"
+    assert bench.write_custom_dataset(bench.GSM8K, dataset) == 1319
+    prompts = bench.load_prompts(bench.GSM8K)
+    assert prompts[0].startswith("Question: Janet") and prompts[0].endswith("\nAnswer:")
+    loaded = CustomDataset(dataset_path=str(dataset), disable_shuffle=True, random_seed=0)
+    assert [d["prompt"] for d in loaded.data] == prompts
+
+    args, _ = vllm_cli(bench_cmd(dataset, num_prompts=5, output_len=17))
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    samples = get_samples(args, tokenizer)  # shuffled with seed 0: a subset, same every run
+    assert len(samples) == 5 and len({s.prompt for s in samples}) == 5
+    assert {s.prompt for s in samples} <= set(prompts)  # no chat template around them
+    assert all(s.expected_output_len == 17 for s in samples)
+    assert [s.prompt for s in get_samples(args, tokenizer)] == [s.prompt for s in samples]
+    assert all(s.prompt_len == len(tokenizer(s.prompt).input_ids) for s in samples)
 
 
-def _load_bench():
-    from script_module import load_script
-    return load_script("examples/bench_tpot_gsm8k.py")
+def test_bench_command_parses_with_vllms_parser(tmp_path, cpu_platform):
+    pytest.importorskip("vllm")
+    cmd = bench_cmd(tmp_path / "d.jsonl", port=1234, concurrency=32, num_prompts=100,
+                    output_len=64, result_dir=tmp_path, result_filename="r.json")
+    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    args, _ = vllm_cli(cmd)
+    assert (args.subparser, args.bench_type) == ("bench", "serve")
+    assert (args.dataset_name, args.dataset_path) == ("custom", str(tmp_path / "d.jsonl"))
+    assert (args.max_concurrency, args.num_prompts, args.custom_output_len) == (32, 100, 64)
+    assert args.ignore_eos and args.skip_chat_template and args.save_result
+    assert (args.percentile_metrics, args.metric_percentiles) == ("ttft,tpot,itl", "50,99")
+    assert (args.result_dir, args.result_filename) == (str(tmp_path), "r.json")
+    assert (args.base_url, args.endpoint, args.backend) == (
+        "http://127.0.0.1:1234", "/v1/completions", "openai")
+    assert (args.temperature, args.seed, args.num_warmups, args.request_rate) == (
+        0.0, 0, 32, float("inf"))
 
 
-bench = _load_bench()
+@pytest.mark.parametrize("dp", [1, 2])
+def test_serve_command_parses_and_validates_with_vllms_parser(dp, cpu_platform):
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    cmd = bench.vllm_serve_command(sys.executable, MODEL_DIR, "m", 8123, dp, "TRITON_ATTN",
+                                   max_model_len=2048, gpu_memory_utilization=0.85,
+                                   load_format="dummy") + ["--enforce-eager"]
+    args, cmds = vllm_cli(cmd)
+    cmds["serve"].validate(args)
+    assert (args.model_tag, args.port, args.host) == (str(MODEL_DIR), 8123, "127.0.0.1")
+    engine = AsyncEngineArgs.from_cli_args(args)
+    assert (engine.data_parallel_size, engine.enable_expert_parallel) == (dp, dp > 1)
+    assert (engine.load_format, engine.enforce_eager, engine.enable_prefix_caching) == (
+        "dummy", True, False)
 
 
-def _alive(pid: int) -> bool:
+# ------------------------------------------------------------------------------------------
+# `vllm bench serve` against a streaming stand-in server -> its result JSON -> our row
+# ------------------------------------------------------------------------------------------
+
+class StandInServer(BaseHTTPRequestHandler):
+    """GET /health, and POST /v1/completions as vLLM streams it: one SSE chunk per token,
+    TOKEN_S apart, then the usage chunk and [DONE]. Records every request body."""
+
+    TOKEN_S = 0.003
+    requests: list = []
+
+    def do_GET(self):  # vllm serve's /health
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests.append(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for _ in range(body["max_tokens"]):
+            time.sleep(self.TOKEN_S)
+            self.wfile.write(b'data: {"choices": [{"index": 0, "text": " x"}]}\n\n')
+            self.wfile.flush()
+        usage = {"prompt_tokens": 20, "completion_tokens": body["max_tokens"]}
+        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_vllm_bench_serve_result_maps_to_a_row(tmp_path):
+    pytest.importorskip("vllm")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandInServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    dataset = tmp_path / "gsm8k.jsonl"
+    bench.write_custom_dataset(bench.GSM8K, dataset)
+    cmd = bench_cmd(dataset, port=server.server_address[1], concurrency=4, num_prompts=12,
+                    output_len=16, result_dir=tmp_path, result_filename="c4.json")
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+        proc = subprocess.run(cmd, env=bench.client_env(), capture_output=True, text=True,
+                              timeout=300)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "c4.json").read_text())
+    row = bench.result_row(result, backend="default", concurrency=4)
+    assert set(bench.RESULT_FIELDS.values()) <= set(row) and row["backend"] == "default"
+    assert row["completed"] == 12 and result["failed"] == 0 and result["max_concurrency"] == 4
+    # 16 tokens 3 ms apart: TPOT (latency - TTFT) / 15 and ITL are >= 3 ms, p50 <= p99
+    assert 3.0 <= row["tpot_ms_p50"] <= row["tpot_ms_p99"] < 100
+    assert 3.0 <= row["itl_ms_p50"] < 100 and row["ttft_ms_mean"] > 0
+    assert row["tpot_ms_mean"] == pytest.approx(result["mean_tpot_ms"], abs=1e-4)
+    bodies = StandInServer.requests
+    assert len(bodies) == 12 + 4  # + one warm-up wave of `concurrency` requests
+    prompts = set(bench.load_prompts(bench.GSM8K))
+    assert all(b["prompt"] in prompts and b["max_tokens"] == 16 and b["ignore_eos"]
+               and b["temperature"] == 0 and b["model"] == "qwen3-30b-a3b" for b in bodies)
+    with pytest.raises(vllm_server.BenchError, match="p99_tpot_ms"):
+        bench.result_row({k: v for k, v in result.items() if k != "p99_tpot_ms"})
 
 
-def _pids(pidfile: Path) -> list[int]:
-    if not pidfile.exists():
-        return []
-    return [int(x) for x in pidfile.read_text().split()]
+# ------------------------------------------------------------------------------------------
+# Server environment, backend check, lifecycle
+# ------------------------------------------------------------------------------------------
+
+def test_server_env_always_simulates_routing_and_keeps_multicast_off():
+    base = {"PATH": "/bin", "VLLM_USE_PETIT_MOE": "1", "VLLM_PETIT_MOE_EXPERTS": "1"}
+    default = vllm_server.server_env("default", routing_strategy="uniform_random", base=base)
+    assert "VLLM_USE_PETIT_MOE" not in default and "VLLM_PETIT_MOE_EXPERTS" not in default
+    petit = vllm_server.server_env("petit", True, "normal_routing", base=base)
+    assert petit["VLLM_USE_PETIT_MOE"] == petit["VLLM_PETIT_MOE_STRICT"] == "1"
+    for env, strategy in ((default, "uniform_random"), (petit, "normal_routing")):
+        assert env["VLLM_MOE_ROUTING_SIMULATION_STRATEGY"] == strategy
+        assert env["VLLM_RANDOMIZE_DP_DUMMY_INPUTS"] == "1" and env["PATH"] == "/bin"
+        assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+        assert env["NVSHMEM_DISABLE_NVLS"] == "1" and env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+    experts = vllm_server.server_env("petit-experts", base={})
+    assert experts["VLLM_PETIT_MOE_EXPERTS"] == "1" and "VLLM_PETIT_MOE_STRICT" not in experts
+    assert "VLLM_MOE_ROUTING_SIMULATION_STRATEGY" not in experts  # real weights (compare_serving)
 
 
-@pytest.fixture
-def model_dir(tmp_path):
-    d = tmp_path / "tiny-model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "num_hidden_layers": 6, "layer_types": ["full_attention"] * 6,
-        "mlp_only_layers": [0, 5], "max_window_layers": 6, "hidden_size": 64}))
-    (d / "tokenizer.json").write_text("{}")
-    (d / "tokenizer_config.json").write_text("{}")
-    return d
+USED = ("INFO hook.py:207] vllm-petit-moe: MoE layers use PetitPrepareAndFinalize (petit "
+        "dispatch/combine) instead of MoEPrepareAndFinalizeNaiveDPEPModular: DP=2 x EP=2")
 
 
-@pytest.fixture
-def fake_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("FAKE_TPOT_MS", "4")
-    monkeypatch.setenv("FAKE_TPOT_MS_PETIT", "1")
-    monkeypatch.setenv("FAKE_PIDFILE", str(tmp_path / "pids"))
-    monkeypatch.setenv("PETIT_COMMIT", "abc1234")
-    monkeypatch.setattr(bench, "MODEL_COPY_ROOT", tmp_path / "model-copies")
-    for k in ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT", "FAKE_MODE"):
-        monkeypatch.delenv(k, raising=False)
-    yield tmp_path / "pids"
-    for pid in _pids(tmp_path / "pids"):  # nothing may survive a test; clean up if it did
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
+def test_check_backend_reads_the_plugin_log_lines():
+    check = vllm_server.check_backend
+    assert check(f"a\n{USED}\n{USED}\n", "petit") == (True, USED[USED.index("vllm-"):] +
+                                                     " [2 process(es)]")
+    assert not check("plain vLLM log", "petit")[0]
+    kept = "vllm-petit-moe: not used for these MoE layers (no data+expert parallelism)"
+    assert "not used" in check(f"{USED}\n{kept}", "petit")[1]
+    assert check("plain vLLM log", "default")[0] and not check(USED, "default")[0]
+    experts = "vllm-petit-moe: MoE layers use PetitExperts (petit grouped GEMMs)"
+    assert check(f"{USED}\n{experts}", "petit-experts")[0]
+    assert not check(USED, "petit-experts")[0] and not check(f"{USED}\n{experts}", "petit")[0]
 
 
-def _fake_args(tmp_path, model_dir, *extra):
-    return ["--model-dir", str(model_dir), "--server-cmd", FAKE, "--dp", "2",
-            "--gpu-name", "TEST", "--vllm-version", "0.24.0-test", "--no-progress",
-            "--health-poll", "0.05", "--stop-timeout", "5",
-            "--results-dir", str(tmp_path / "results"), "--log-dir", str(tmp_path / "logs"),
-            *extra]
-
-
-# --- arguments, prompts, model copies --------------------------------------------------------
-
-def test_parse_args_defaults_quick_and_errors():
-    a = bench.parse_args([])
-    assert a.concurrency == [8, 16, 32, 64, 128] and a.output_len == 256 and a.repeats == 2
-    assert a.num_prompts is None and a.num_layers == 0 and a.max_num_seqs == 128
-    assert a.backends == ["petit", "default"] and a.health_timeout == 900
-    assert Path(a.model_dir) == ROOT / "examples" / "models" / "qwen3-30b-a3b"
-    q = bench.parse_args(["--quick"])
-    assert (q.num_prompts, q.concurrency, q.repeats, q.output_len, q.num_layers) == \
-        (160, [8, 64], 1, 128, 4)
-    assert q.max_num_seqs == 64
-    q2 = bench.parse_args(["--quick", "--num-layers", "0", "--concurrency", "16", "8", "8"])
-    assert q2.num_layers == 0 and q2.concurrency == [8, 16] and q2.num_prompts == 160
-    assert bench.parse_args(["--model", "/x"]).model_dir == "/x"
-    for bad in (["--output-len", "1"], ["--concurrency", "0"], ["--repeats", "0"],
-                ["--max-num-seqs", "16"], ["--backends", "petit", "petit"], ["--bogus"]):
-        with pytest.raises(SystemExit):
-            bench.parse_args(bad)
-
-
-def test_prompts_per_level():
-    assert bench.prompts_per_level(1319, 8, 0) == 1319
-    assert bench.prompts_per_level(1319, 8, 4) == 32
-    assert bench.prompts_per_level(1319, 128, 16) == 1319
-    assert bench.prompts_per_level(160, 64, 0) == 160
-
-
-def test_load_prompts(tmp_path):
-    prompts = bench.load_prompts(bench.DEFAULT_DATA)
-    assert len(prompts) == 1319
-    assert prompts[0].startswith("Question: Janet\u2019s ducks lay 16 eggs per day.")
-    assert all(p.startswith("Question: ") and p.endswith("\nAnswer:") for p in prompts)
-    assert len(bench.load_prompts(bench.DEFAULT_DATA, limit=5)) == 5
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "ok?", "answer": "1"}\n{"answer": "no question"}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
-        bench.load_prompts(bad)
-
-
-def test_project_model_copy_is_complete():
-    d = bench.DEFAULT_MODEL_DIR
-    cfg = bench.read_config(d)
-    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_hidden_layers"] == 48
-    assert bench.has_tokenizer(d) and (d / "tokenizer_config.json").is_file()
-    assert not bench.is_mla(cfg) and bench.is_mla({"kv_lora_rank": 512})
-
-
-def test_model_with_layers(tmp_path, model_dir):
-    assert bench.model_with_layers(model_dir, 0) == model_dir.resolve()
-    copy = bench.model_with_layers(model_dir, 4, copy_root=tmp_path / "copies")
-    cfg = json.loads((copy / "config.json").read_text())
-    assert copy.name == "tiny-model-4l" and cfg["num_hidden_layers"] == 4
-    assert cfg["layer_types"] == ["full_attention"] * 4 and cfg["mlp_only_layers"] == [0]
-    assert cfg["max_window_layers"] == 4 and cfg["hidden_size"] == 64
-    assert (copy / "tokenizer.json").is_file() and (copy / "tokenizer_config.json").is_file()
-    assert bench.model_with_layers(model_dir, 4, copy_root=tmp_path / "copies") == copy
-    assert bench.model_tag(model_dir, 4) == "tiny-model-4l"
-    with pytest.raises(ValueError, match="more|>"):
-        bench.model_with_layers(model_dir, 7, copy_root=tmp_path / "copies")
-    ds = tmp_path / "deepseek-v3"
-    ds.mkdir()
-    (ds / "config.json").write_text(json.dumps({"num_hidden_layers": 61,
-                                                "first_k_dense_replace": 3, "kv_lora_rank": 512}))
-    with pytest.raises(ValueError, match="dense"):
-        bench.model_with_layers(ds, 3, copy_root=tmp_path / "copies")
-    assert json.loads((bench.model_with_layers(ds, 4, copy_root=tmp_path / "copies")
-                       / "config.json").read_text())["num_hidden_layers"] == 4
-
-
-# --- server command, environment, log check -------------------------------------------------
-
-def test_serve_command_and_env(model_dir, monkeypatch):
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # must be overridden
-    monkeypatch.setenv("SOME_USER_VAR", "kept")
-    a = bench.parse_args(["--model-dir", str(model_dir), "--serve-args", "--foo 'a b'"])
-    cmd = bench.serve_command(a, model_dir, "tiny", 8123, 2, "TRITON_ATTN")
-    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir)]
-    text = " ".join(cmd)
-    for part in ("--data-parallel-size 2", "--enable-expert-parallel", "--load-format dummy",
-                 "--attention-backend TRITON_ATTN", "--max-model-len 2048", "--max-num-seqs 128",
-                 "--host 127.0.0.1", "--port 8123", "--served-model-name tiny",
-                 "--no-enable-prefix-caching"):
-        assert part in text
-    assert "--enforce-eager" not in cmd and cmd[-2:] == ["--foo", "a b"]
-    on, off = bench.server_env("petit", True), bench.server_env("default", True)
-    for env in (on, off):
-        for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
-                     "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
-                     "TRANSFORMERS_OFFLINE": "1", "SOME_USER_VAR": "kept"}.items():
-            assert env[k] == v
-    assert on["VLLM_USE_PETIT_MOE"] == "1" and on["VLLM_PETIT_MOE_STRICT"] == "1"
-    assert "VLLM_USE_PETIT_MOE" not in off and "VLLM_PETIT_MOE_STRICT" not in off
-    assert "VLLM_PETIT_MOE_STRICT" not in bench.server_env("petit", False)
-    assert "VLLM_PETIT_MOE_EXPERTS" not in on and "VLLM_PETIT_MOE_EXPERTS" not in off
-    both = bench.server_env("petit-experts", True)
-    assert both["VLLM_USE_PETIT_MOE"] == both["VLLM_PETIT_MOE_EXPERTS"] == "1"
-    (model_dir / "tokenizer.json").unlink()
-    with pytest.raises(ValueError, match="tokenizer"):
-        bench.serve_command(a, model_dir, "tiny", 8123, 2, "TRITON_ATTN")
-
-
-def test_check_backend_from_log():
-    petit_line = ("(EngineCore_DP0 pid=7) INFO [hook.py:203] vllm-petit-moe: MoE layers use "
-                  "PetitPrepareAndFinalize (petit dispatch/combine) instead of X: DP=2 x EP=2")
-    moe = "(EngineCore_DP0 pid=7) INFO Using TRITON Unquantized MoE backend out of potential"
-    ok, ev = bench.check_backend(f"a\n{petit_line}\n{petit_line}\n{moe}\n", "petit")
-    assert ok and ev.startswith("vllm-petit-moe: MoE layers use PetitPrepareAndFinalize")
-    assert "2 process(es)" in ev and "TRITON Unquantized MoE backend" in ev
-    ok, ev = bench.check_backend("nothing\n", "petit")
-    assert not ok and "no 'vllm-petit-moe" in ev
-    fallback = "WARNING vllm-petit-moe: VLLM_USE_PETIT_MOE=1 but unsupported here: EPLB"
-    ok, ev = bench.check_backend(f"{petit_line}\n{fallback}\n", "petit")
-    assert not ok and "unsupported here: EPLB" in ev
-    ok, ev = bench.check_backend("INFO vllm-petit-moe: not used for these MoE layers (x)", "petit")
-    assert not ok
-    ok, ev = bench.check_backend("vllm-petit-moe: installed, not enabled (set ...)", "default")
-    assert ok and "installed, not enabled" in ev
-    assert bench.check_backend("", "default") == (
-        True, "vLLM default allgather/reduce-scatter (plugin not loaded)")
-    assert not bench.check_backend(petit_line, "default")[0]
-    experts_line = ("(EngineCore_DP1 pid=8) INFO [hook.py:327] vllm-petit-moe: MoE layers use "
-                    "PetitExperts (petit grouped GEMMs, tile family auto) instead of "
-                    "TritonExperts (VLLM_PETIT_MOE_EXPERTS=1)")
-    ok, ev = bench.check_backend(f"{petit_line}\n{experts_line}\n{moe}\n", "petit-experts")
-    assert ok and "PetitPrepareAndFinalize" in ev and "PetitExperts" in ev
-    assert "TRITON Unquantized" not in ev  # vLLM's choice is replaced, not in use
-    ok, ev = bench.check_backend(f"{petit_line}\n{moe}\n", "petit-experts")
-    assert not ok and "no 'vllm-petit-moe: MoE layers use PetitExperts'" in ev
-    no_experts = ("WARNING vllm-petit-moe: VLLM_PETIT_MOE_EXPERTS=1 but PetitExperts cannot "
-                  "serve these MoE layers (fp8); they keep vLLM's TritonExperts.")
-    ok, ev = bench.check_backend(f"{petit_line}\n{experts_line}\n{no_experts}\n",
-                                 "petit-experts")
-    assert not ok and "(fp8)" in ev
-    ok, ev = bench.check_backend(f"{petit_line}\n{experts_line}\n", "petit")
-    assert not ok and "without PetitExperts" in ev
-    assert not bench.check_backend(experts_line, "petit-experts")[0]  # no prepare/finalize
-
-
-# --- metrics ---------------------------------------------------------------------------------
-
-PROM_TEXT = """\
-# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.
-# TYPE vllm:iteration_tokens_total histogram
-vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="q"} 3.0
-vllm:iteration_tokens_total_count{engine="0",model_name="q"} 100.0
-vllm:iteration_tokens_total_sum{engine="0",model_name="q"} 6400.0
-vllm:iteration_tokens_total_count{engine="1",model_name="q"} 90.0
-vllm:iteration_tokens_total_sum{engine="1",model_name="q"} 5000.0
-vllm:num_preemptions_total{engine="0",model_name="q"} 1.0
-vllm:inter_token_latency_seconds_count{engine="0",model_name="q"} 1000.0
-vllm:inter_token_latency_seconds_sum{engine="0",model_name="q"} 8.0
-vllm:num_requests_running{engine="0",model_name="q"} 64.0
+# A stand-in `vllm serve`: a child in its process group (as vLLM's engine cores), /health.
+FAKE_SERVE = """
+import http.server, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
-def test_server_counters_from_prometheus_text():
-    before = bench.parse_prometheus(PROM_TEXT)
-    assert before[("vllm:iteration_tokens_total_count", "0")] == 100.0
-    assert ("vllm:num_requests_running", "0") not in before  # only the wanted names
-    after = dict(before)
-    after.update({("vllm:iteration_tokens_total_count", "0"): 300.0,
-                  ("vllm:iteration_tokens_total_sum", "0"): 19200.0,
-                  ("vllm:num_preemptions_total", "0"): 3.0,
-                  ("vllm:inter_token_latency_seconds_count", "0"): 3000.0,
-                  ("vllm:inter_token_latency_seconds_sum", "0"): 26.0})
-    c = bench.server_counters(before, after, duration_s=2.0)
-    assert c["0"] == {"steps": 200, "steps_per_s": 100.0, "tokens_per_step": 64.0,
-                      "preemptions": 2, "itl_ms": pytest.approx(9.0)}
-    assert c["1"] == {"steps": 0, "steps_per_s": 0.0, "tokens_per_step": None,
-                      "preemptions": 0, "itl_ms": None}
-    assert bench.server_counters(None, after, 2.0) is None
-    text = bench.format_counters(c)
-    assert "engine 0: 200 steps (100/s), 64.0 tok/step, ITL 9.00 ms, 2 preempted" in text
-    assert bench.format_counters(None) == "no /metrics"
-    # a server without the endpoint: None, not an error
-    assert bench.fetch_metrics(f"http://127.0.0.1:{bench.free_port()}", timeout=2) is None
-
-def test_metrics_math():
-    R = bench.RequestResult
-    results = [R(ok=True, ttft=0.100, latency=1.120, output_tokens=256, prompt_tokens=60),
-               R(ok=True, ttft=0.050, latency=0.560, output_tokens=256, prompt_tokens=70),
-               R(ok=True, ttft=0.200, latency=2.240, output_tokens=256, prompt_tokens=80),
-               R(ok=True, ttft=0.010, latency=0.010, output_tokens=1, prompt_tokens=50)]
-    assert bench.request_tpot(results[0]) == pytest.approx((1.120 - 0.100) / 255)
-    assert bench.request_tpot(results[3]) is None and bench.request_tpot(R()) is None
-    m = bench.summarize(results, duration=4.0)  # ms rounded to 0.1 us
-    tpots_ms = [4.0, 2.0, 8.0]  # (1.02, 0.51, 2.04 s) / 255 tokens
-    assert m["tpot_ms_mean"] == pytest.approx(sum(tpots_ms) / 3, abs=1e-3)
-    assert m["tpot_ms_p50"] == pytest.approx(4.0, abs=1e-3)
-    assert m["tpot_ms_p99"] == pytest.approx(4.0 + (8.0 - 4.0) * 0.98, abs=1e-3)
-    assert m["ttft_ms_mean"] == pytest.approx((100 + 50 + 200 + 10) / 4, abs=1e-3)
-    assert m["output_tok_s"] == pytest.approx((3 * 256 + 1) / 4.0, abs=1e-2)
-    assert m["req_s"] == pytest.approx(1.0) and m["num_ok"] == 4 and m["num_failed"] == 0
-    assert m["prompt_tokens_mean"] == pytest.approx(65)
-    import numpy as np
-    values = [0.3, 5.0, 1.25, 7.5, 2.0, 9.0, 0.1]
-    for q in (0, 1, 25, 50, 90, 99, 100):
-        assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
-    empty = bench.summarize([R(ok=False, error="x")], 1.0)
-    assert empty["tpot_ms_mean"] is None and empty["tpot_ms_p99"] is None
-    assert empty["num_failed"] == 1 and json.dumps(empty)  # JSON-safe (no NaN)
-
-
-def test_progress_counter_without_a_terminal(capsys):
-    prog = bench._Progress(3, "petit#0 c=8", True, interval=0.0)
-    for _ in range(3):
-        prog.update()
-    prog.close()
-    out = capsys.readouterr().out  # not a TTY under pytest: counter lines, no tqdm bar
-    assert "petit#0 c=8: 1/3 requests done" in out and "2/3" in out and "3/3" not in out
-    quiet = bench._Progress(3, "x", False, interval=0.0)
-    quiet.update()
-    assert capsys.readouterr().out == ""
-
-
-def test_table_and_plot_and_report(tmp_path):
-    def row(backend, conc, rep, tpot, tok_s):
-        return dict(gpu="H200", world=2, model="m", commit="c", date="d", vllm_version="v",
-                    backend=backend, concurrency=conc, num_prompts=64, output_len=256,
-                    tpot_ms_mean=tpot, tpot_ms_p50=tpot, tpot_ms_p99=tpot * 1.2,
-                    ttft_ms_mean=50.0, output_tok_s=tok_s, repeat=rep, req_s=1.0)
-    rows = [row("default", 8, 0, 10.0, 800), row("petit", 8, 0, 8.0, 1000),
-            row("default", 8, 1, 10.0, 800), row("petit", 8, 1, 9.0, 900),
-            row("default", 64, 0, 20.0, 3200), row("petit", 64, 0, 15.0, 4000)]
-    table = bench.ratio_table(rows)
-    line8 = next(ln for ln in table.splitlines() if ln.strip().startswith("8 "))
-    assert "0.850 [0.800..0.900]" in line8 and "10.00 [10.00..10.00]" in line8
-    assert "8.50 [8.00..9.00]" in line8 and "1.188 [1.125..1.250]" in line8
-    line64 = next(ln for ln in table.splitlines() if ln.strip().startswith("64 "))
-    assert "0.750" in line64 and "[" not in line64.split("|")[1].split()[-1]
-    assert "petit-experts" not in table  # a backend only gets columns when it has rows
-    # a third backend: its own columns, ratios against the default of the same repeat
-    rows += [row("petit-experts", 8, 0, 5.0, 1600), row("petit-experts", 8, 1, 6.0, 1200)]
-    table = bench.ratio_table(rows)
-    assert "TPOT petit-experts/def" in table.splitlines()[1]
-    line8 = next(ln for ln in table.splitlines() if ln.strip().startswith("8 "))
-    parts = line8.split("|")
-    assert "0.850 [0.800..0.900]" in parts[2] and "0.550 [0.500..0.600]" in parts[3]
-    assert "1.750 [1.500..2.000]" in parts[3]
-    line64 = next(ln for ln in table.splitlines() if ln.strip().startswith("64 "))
-    assert line64.split("|")[3].split() == ["-", "-", "-"]
-    path = tmp_path / "r.jsonl"
-    bench.write_rows(path, rows)
-    assert bench.read_rows(path) == rows
-    assert bench.main(["--report", str(path)]) == 0
-    png = path.with_suffix(".png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-
-
-# --- the client against the fake server, and the server lifecycle ----------------------------
-
-def _server(tmp_path, port=None, name="s.log", stop_timeout=5.0):
-    port = port or bench.free_port()
-    cmd = [sys.executable, __file__, "fake-server", "--port", str(port), "--dp", "2"]
-    return bench.Server(cmd, bench.server_env("default", True), tmp_path / name, port,
-                        stop_timeout)
-
-
-def test_client_metrics_against_fake_server(tmp_path, fake_env, monkeypatch):
-    import asyncio
-    monkeypatch.setenv("FAKE_TPOT_MS", "4")
-    monkeypatch.setenv("FAKE_TTFT_MS", "30")
-    srv = _server(tmp_path)
-    srv.env = bench.server_env("default", True)
-    srv.start()
+def group_alive(pgid: int) -> bool:
     try:
-        assert srv.wait_healthy(10, 0.05) < 10
-        prompts = bench.load_prompts(bench.DEFAULT_DATA, limit=6)
-        results, duration = asyncio.run(bench.run_level(srv.base_url, "m", prompts, 3, 20,
-                                                        30, 10))
-        assert len(results) == 6 and all(r.ok for r in results), [r.error for r in results]
-        assert all(r.output_tokens == 20 and r.prompt_tokens > 0 for r in results)
-        m = bench.summarize(results, duration)
-        # sleeps only overshoot: lower bounds are exact, upper bounds leave room for load
-        assert 3.9 <= m["tpot_ms_mean"] <= 40 and m["tpot_ms_p99"] >= m["tpot_ms_p50"]
-        assert 29.5 <= m["ttft_ms_mean"] <= 2000
-        assert m["output_tok_s"] == pytest.approx(120 / duration, abs=1e-3)  # rounded to 3 decimals
-        # a failing request is reported and stops the level from issuing more
-        bad, _ = asyncio.run(bench.run_level(srv.base_url, "m", ["not a GSM8K prompt"] * 5, 1,
-                                             4, 30, 10))
-        assert len(bad) == 1 and not bad[0].ok and "HTTP 400" in bad[0].error
-    finally:
-        assert srv.stop() == "stopped by SIGTERM"
-    assert not bench.port_in_use(srv.port)
-    assert not any(_alive(p) for p in _pids(fake_env))
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
-def test_stop_kills_a_group_that_ignores_sigterm(tmp_path, fake_env, monkeypatch):
-    monkeypatch.setenv("FAKE_MODE", "ignore-term")
-    srv = _server(tmp_path, stop_timeout=0.5)
-    srv.env = dict(os.environ)
-    srv.start()
-    srv.wait_healthy(10, 0.05)
-    pgid = srv.pgid
-    assert len(bench.group_members(pgid)) == 2  # server + its "engine core"
-    assert srv.stop().startswith("killed (SIGKILL")
-    assert bench.group_members(pgid) == [] and not any(_alive(p) for p in _pids(fake_env))
-    assert srv.stop() == "not running"
-
-
-def test_health_timeout_and_crash_report_the_log(tmp_path, fake_env, monkeypatch):
-    monkeypatch.setenv("FAKE_MODE", "never-healthy")
-    srv = _server(tmp_path, name="never.log")
-    srv.env = dict(os.environ)
-    srv.start()
+def test_server_waits_for_health_and_stops_its_whole_group(tmp_path):
+    port = vllm_server.free_port()
+    server = vllm_server.Server([sys.executable, "-c", FAKE_SERVE, str(port)], dict(os.environ),
+                                tmp_path / "s.log", port)
+    server.start()
+    pgid = server.proc.pid
     try:
-        with pytest.raises(bench.BenchError, match=r"not healthy after 1s(.|\n)*listening on"):
-            srv.wait_healthy(1.0, 0.05)
+        assert server.wait_healthy(60) < 60
+        assert group_alive(pgid)
     finally:
-        srv.stop()
-    monkeypatch.setenv("FAKE_MODE", "crash")
-    srv = _server(tmp_path, name="crash.log")
-    srv.env = dict(os.environ)
-    srv.start()
+        how = server.stop()
+    assert how == "stopped by SIGINT" and not group_alive(pgid)
+    assert server.log_text().startswith("$ ")
+
+
+def test_server_start_failure_and_timeout_are_errors(tmp_path):
+    crash = vllm_server.Server([sys.executable, "-c", "print('engine died'); raise SystemExit(3)"],
+                               dict(os.environ), tmp_path / "c.log", vllm_server.free_port())
+    crash.start()
+    with pytest.raises(vllm_server.BenchError, match="exited with 3(.|\n)*engine died"):
+        crash.wait_healthy(60)
+    crash.stop()
+    mute = vllm_server.Server([sys.executable, "-c", "import time; time.sleep(60)"],
+                              dict(os.environ), tmp_path / "m.log", vllm_server.free_port())
+    mute.start()
     try:
-        with pytest.raises(bench.BenchError, match=r"exited with 3(.|\n)*RuntimeError: fake"):
-            srv.wait_healthy(10, 0.05)
+        with pytest.raises(vllm_server.BenchError, match="not healthy after 3s"):
+            mute.wait_healthy(3)
     finally:
-        srv.stop()
+        mute.stop()
 
 
-# --- end to end ------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
+# The driver: dry run, resume, table, plot
+# ------------------------------------------------------------------------------------------
 
-def test_end_to_end_interleaved_runs_files_and_resume(tmp_path, model_dir, fake_env, capsys):
-    out = tmp_path / "out"
-    args = _fake_args(tmp_path, model_dir, "--concurrency", "2", "4", "--num-prompts", "8",
-                      "--output-len", "6", "--repeats", "2", "--out-dir", str(out))
-    assert bench.main(args) == 0
-    text = capsys.readouterr().out
-    name = "tpot_gsm8k_TESTx2_tiny-model"
-    rows = bench.read_rows(tmp_path / "results" / f"{name}.jsonl")
-    assert [(r["repeat"], r["backend"], r["concurrency"]) for r in rows] == [
-        (rep, b, c) for rep in (0, 1) for b in ("petit", "default") for c in (2, 4)]
+def dry_run(capsys, *argv) -> str:
+    assert bench.main(["--dry-run", "--gpu-name", "H200", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_dry_run_prints_every_server_and_bench_command_with_its_env(capsys, tmp_path):
+    out = dry_run(capsys, "--dp", "2", "--routing-strategy", "normal_routing", "--repeats", "2",
+                  "--concurrency", "8", "64", "--results-dir", str(tmp_path))
+    runs = out.split("\n# server run ")[1:]
+    assert [r.split(":")[0] for r in runs] == [
+        "default_normal_routing_r0", "petit_normal_routing_r0",
+        "default_normal_routing_r1", "petit_normal_routing_r1"]  # interleaved
+    for run in runs:
+        assert "export VLLM_MOE_ROUTING_SIMULATION_STRATEGY=normal_routing" in run
+        assert "export VLLM_RANDOMIZE_DP_DUMMY_INPUTS=1" in run
+        for var in ("NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
+                    "NVSHMEM_DISABLE_NVLS=1", "VLLM_ALLREDUCE_USE_SYMM_MEM=0"):
+            assert f"export {var}" in run
+        assert ("export VLLM_USE_PETIT_MOE=1" in run) == run.startswith("petit")
+        assert "--data-parallel-size 2 --enable-expert-parallel" in run
+        assert run.count("bench serve") == 2 and "--max-concurrency 64" in run
+    assert str(tmp_path / "tpot_gsm8k_H200x2.jsonl") in out
+
+
+def test_dry_run_on_one_gpu_and_usage_errors(capsys):
+    out = dry_run(capsys)
+    assert "--data-parallel-size 1 --attention-backend" in out  # no expert parallel at DP 1
+    assert "petit_" not in out and "--num-prompts 1319" in out and "--max-concurrency 32" in out
+    for argv in (["--backends", "petit"], ["--num-prompts", "2000"], ["--concurrency", "0"],
+                 ["--routing-strategy", "none"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--dry-run", *argv])
+        assert e.value.code == 2
+
+
+def row(backend, conc, rep, tpot, strategy="uniform_random", **kw):
+    r = dict(gpu="H200", world=2, commit="abc", date="d", backend=backend,
+             routing_strategy=strategy, concurrency=conc, num_prompts=1319, output_len=256,
+             repeat=rep, tpot_ms_mean=tpot, tpot_ms_p50=tpot, tpot_ms_p99=2 * tpot,
+             itl_ms_p50=tpot, ttft_ms_mean=50.0)
+    r.update(kw)
+    return r
+
+
+def test_resume_skips_the_rows_already_there(capsys, tmp_path):
+    rows = [row("default", 8, 0, 5.0), row("petit", 8, 0, 4.0), row("default", 64, 0, 9.0),
+            row("petit", 64, 0, 7.0, num_prompts=100)]  # another configuration: not done
+    bench.write_jsonl(tmp_path / "tpot_gsm8k_H200x2.jsonl", rows)
+    out = dry_run(capsys, "--dp", "2", "--concurrency", "8", "64", "--repeats", "2",
+                  "--results-dir", str(tmp_path))
+    assert "(4 rows there); 3 server run(s) to do" in out
+    runs = {r.split(":")[0]: r for r in out.split("\n# server run ")[1:]}
+    assert set(runs) == {"petit_uniform_random_r0", "default_uniform_random_r1",
+                         "petit_uniform_random_r1"}
+    assert runs["petit_uniform_random_r0"].count("bench serve") == 1
+    assert "--max-concurrency 64" in runs["petit_uniform_random_r0"]
+    assert runs["default_uniform_random_r1"].count("bench serve") == 2
+    rows += [row(b, c, r, 5.0) for b in ("default", "petit") for c in (8, 64) for r in (0, 1)]
+    bench.write_jsonl(tmp_path / "tpot_gsm8k_H200x2.jsonl", rows)
+    out = dry_run(capsys, "--dp", "2", "--concurrency", "8", "64", "--repeats", "2",
+                  "--results-dir", str(tmp_path))
+    assert "0 server run(s) to do" in out and "bench serve" not in out
+
+
+def test_table_gives_petit_over_default_per_repeat_and_the_plot_draws(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rows = [row("default", 8, 0, 10.0), row("petit", 8, 0, 8.0),
+            row("default", 8, 1, 10.0), row("petit", 8, 1, 9.0),
+            row("default", 64, 0, 20.0), row("petit", 64, 0, 15.0)]
+    table = bench.ratio_table(rows).splitlines()
+    assert len(table) == 5 and "petit/default" in table[0]
+    c8 = [ln for ln in table if " 8 " in ln and "petit " in ln][0]
+    assert "0.850 (0.800..0.900)" in c8 and "8.50" in c8  # median of 8 and 9
+    c64 = [ln for ln in table if " 64 " in ln and "petit " in ln][0]
+    assert c64.endswith("0.750 (0.750..0.750)")
+    path = tmp_path / "tpot_gsm8k_H200x2.jsonl"
+    bench.write_jsonl(path, rows)
+    assert bench.main(["--report", str(path), "--plot"]) == 0
+    assert "0.850" in capsys.readouterr().out
+    assert path.with_suffix(".png").stat().st_size > 10_000
+
+
+# The driver's whole loop, with `--python` a wrapper that starts this stand-in for
+# `python -m vllm.entrypoints.cli.main serve` and the real interpreter for `bench serve`.
+STAND_IN_SERVE = """
+import json, os, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+sys.path.insert(0, {tests!r})
+from test_bench_tpot_cpu import StandInServer
+print("env", json.dumps(dict(os.environ)), flush=True)
+if os.environ.get("VLLM_USE_PETIT_MOE") == "1":
+    print("INFO hook.py:207] vllm-petit-moe: MoE layers use PetitPrepareAndFinalize", flush=True)
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])),
+                    StandInServer).serve_forever()
+"""
+
+
+def test_driver_runs_interleaves_resumes_and_records_the_strategy(tmp_path, capsys):
+    pytest.importorskip("vllm")
+    (tmp_path / "serve.py").write_text(STAND_IN_SERVE.format(tests=str(Path(__file__).parent)))
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$3" = serve ]; then exec {sys.executable} '
+                      f'{tmp_path / "serve.py"} "$@"; else exec {sys.executable} "$@"; fi\n')
+    python.chmod(0o755)
+    argv = ["--python", str(python), "--gpu-name", "CPU", "--dp", "2", "--concurrency", "2",
+            "--health-timeout", "120",
+            "--num-prompts", "4", "--output-len", "8", "--routing-strategy", "normal_routing",
+            "--results-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")]
+    assert bench.main(argv) == 0
+    rows = bench.read_rows(tmp_path / "tpot_gsm8k_CPUx2.jsonl")
+    assert [(r["backend"], r["concurrency"], r["repeat"]) for r in rows] == [
+        ("default", 2, 0), ("petit", 2, 0)]
     for r in rows:
-        assert list(r)[:17] == list(bench.ROW_FIELDS)
-        assert (r["gpu"], r["world"], r["model"], r["commit"], r["vllm_version"]) == \
-            ("TEST", 2, "tiny-model", "abc1234", "0.24.0-test")
-        assert r["num_prompts"] == 8 and r["output_len"] == 6 and r["num_failed"] == 0
-        assert r["tpot_ms_p99"] >= r["tpot_ms_p50"] > 0 and r["output_tok_s"] > 0
-        assert r["req_s"] > 0 and r["ttft_ms_mean"] > 0
-        evidence = r["backend_evidence"]
-        counters = r["server_counters"]  # from the fake's /metrics, warm-up excluded
-        assert sorted(counters) == ["0", "1"]
-        assert counters["1"]["steps"] == r["num_prompts"] * r["output_len"]
-        assert counters["1"]["tokens_per_step"] == 1.0 and counters["1"]["preemptions"] == 0
-        if r["backend"] == "petit":
-            assert "PetitPrepareAndFinalize" in evidence and "2 process(es)" in evidence
-        else:
-            assert evidence.startswith("vLLM default") and "installed, not enabled" in evidence
-    # the fake is 4x faster per token with the flag: the ratio must show it
-    by = {(r["backend"], r["concurrency"], r["repeat"]): r["tpot_ms_mean"] for r in rows}
-    assert all(by["petit", c, k] < by["default", c, k] for c in (2, 4) for k in (0, 1))
-    assert "TPOT petit/def" in text and "COMPLETE: 8 rows" in text
-    # out-dir: results + the 4 server logs (the device brings back at most 8 files)
-    files = sorted(p.name for p in out.iterdir())
-    assert f"{name}.jsonl" in files and f"{name}.png" in files and len(files) == 6
-    logs = sorted((tmp_path / "logs").iterdir())
-    assert len(logs) == 4
-    for log_file in logs:
-        t = log_file.read_text()
-        assert "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 " \
-               "VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 " \
-               "TRANSFORMERS_OFFLINE=1" in t
-        flag = "VLLM_USE_PETIT_MOE=1 VLLM_PETIT_MOE_STRICT=1" if "_petit_" in log_file.name \
-            else "VLLM_USE_PETIT_MOE=None VLLM_PETIT_MOE_STRICT=None"
-        assert flag in t
-    assert not any(_alive(p) for p in _pids(fake_env))
-    # --resume with everything present: no server is started
-    assert bench.main(args + ["--resume"]) == 0
-    assert len(list((tmp_path / "logs").iterdir())) == 4
-    # --resume after losing one row: only that server runs, the rows are merged
-    bench.write_rows(tmp_path / "results" / f"{name}.jsonl", rows[:-1])
-    assert bench.main(args + ["--resume"]) == 0
-    again = bench.read_rows(tmp_path / "results" / f"{name}.jsonl")
-    assert len(again) == 8 and again[:7] == rows[:7] and again[7]["date"] >= rows[7]["date"]
-    assert len(list((tmp_path / "logs").iterdir())) == 5
-    # --resume refuses rows of another configuration
-    assert bench.main(args + ["--resume", "--output-len", "8"]) == 1
+        assert list(r)[:10] == ["gpu", "world", "commit", "date", "backend", "routing_strategy",
+                                "concurrency", "num_prompts", "output_len", "repeat"]
+        assert (r["gpu"], r["world"], r["routing_strategy"], r["num_prompts"]) == (
+            "CPU", 2, "normal_routing", 4)
+        assert r["completed"] == 4 and 3.0 <= r["tpot_ms_p50"] < 100
+        log = (tmp_path / "work" / f"server_{r['backend']}_normal_routing_r0.log").read_text()
+        env = json.loads(log.split("env ", 1)[1].splitlines()[0])
+        assert env["VLLM_MOE_ROUTING_SIMULATION_STRATEGY"] == "normal_routing"
+        assert env["VLLM_RANDOMIZE_DP_DUMMY_INPUTS"] == env["TORCH_SYMM_MEM_DISABLE_MULTICAST"]
+        assert env.get("VLLM_USE_PETIT_MOE") == ("1" if r["backend"] == "petit" else None)
+    assert "COMPLETE" in capsys.readouterr().out
+    assert bench.main(argv) == 0 and "0 server run(s) to do" in capsys.readouterr().out
+    assert len(bench.read_rows(tmp_path / "tpot_gsm8k_CPUx2.jsonl")) == 2
 
 
-def test_petit_experts_backend_end_to_end(tmp_path, model_dir, fake_env, capsys):
-    """The third backend: its server gets both flags, its log must name PetitExperts, and the
-    table gets its own columns next to petit's."""
-    rc = bench.main(_fake_args(tmp_path, model_dir, "--backends", "petit", "petit-experts",
-                               "default", "--concurrency", "2", "--num-prompts", "4",
-                               "--output-len", "4", "--repeats", "1"))
-    assert rc == 0
-    text = capsys.readouterr().out
-    rows = bench.read_rows(tmp_path / "results" / "tpot_gsm8k_TESTx2_tiny-model.jsonl")
-    assert [r["backend"] for r in rows] == ["petit", "petit-experts", "default"]
-    experts = rows[1]["backend_evidence"]
-    assert "PetitPrepareAndFinalize" in experts and "PetitExperts" in experts
-    assert "PetitExperts" not in rows[0]["backend_evidence"]
-    assert "TPOT petit/def" in text and "TPOT petit-experts/def" in text
-    (experts_log,) = (tmp_path / "logs").glob("server_*_petit-experts_*.log")
-    (petit_log,) = (tmp_path / "logs").glob("server_*_petit_r0_*.log")
-    assert "VLLM_PETIT_MOE_EXPERTS=1" in experts_log.read_text()
-    assert "VLLM_PETIT_MOE_EXPERTS=None" in petit_log.read_text()
-    assert not any(_alive(p) for p in _pids(fake_env))
+# ------------------------------------------------------------------------------------------
+# vLLM's routing simulation runs in its router, before petit's prepare/finalize
+# ------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("strategy", ["uniform_random", "normal_routing"])
+def test_simulated_routing_reaches_petit_prepare_and_experts(strategy, monkeypatch):
+    """vLLM 0.24: with VLLM_MOE_ROUTING_SIMULATION_STRATEGY set, create_fused_moe_router (what
+    FusedMoE calls) returns a RoutingSimulatorRouter, and MoERunner._apply_quant_method, for a
+    modular kernel such as FusedMoEKernel(PetitPrepareAndFinalize, experts), calls
+    router.select_experts and hands its ids to forward_modular -> FusedMoEModularMethod.apply
+    -> FusedMoEKernel.apply -> prepare. Run here, real classes throughout, on rank 0 of W=2
+    (test_plugin_cpu's FakeEpBuffer stands in for the GPU buffer, ReferenceExperts for the
+    Triton GEMMs): the router logits all point at experts 0..3, so any bypass of the simulation
+    would dispatch those."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from test_plugin_cpu import (FakeEpBuffer, ReferenceExperts, SimulatedCall, dp_step,
+                                 make_moe_config, make_parallel_config, make_vllm_config)
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+    from vllm.model_executor.layers.fused_moe.fused_moe_modular_method import (
+        FusedMoEModularMethod)
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.router.router_factory import (
+        create_fused_moe_router)
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.v1.worker import workspace
 
-def test_summarize_trace(tmp_path):
-    import gzip
-    path = tmp_path / "dp1_pp0_tp0_dcp0_ep1_rank1.1.pt.trace.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump(fake_trace(4, 1), f)
-    s = bench.summarize_trace(path)
-    assert (s["dp_rank"], s["steps"], s["step_us"]) == (1, 4, 1000.0)
-    # 150 dispatch + (300 + 200 - 100 overlap) GEMMs + 50 copy; the early kernel is outside
-    assert s["gpu_busy_us"] == pytest.approx(600.0) and s["gpu_idle_us"] == pytest.approx(400.0)
-    # MoE kernels: the dispatch and the Triton GEMM (150 + 300), not the dense GEMM's overlap
-    assert s["moe_busy_us"] == pytest.approx(450.0)
-    c = s["categories"]
-    assert (c["dispatch"], c["triton_gemm"], c["dense_gemm"], c["copy_memset"]) == \
-        (150.0, 300.0, 200.0, 50.0)
-    assert c["kernels_total"] == pytest.approx(700.0) and "other" not in c
-    assert s["top_kernels"][0] == ["fused_moe_kernel", 300.0]
-    assert "dp1: 4 steps, step 1000 us = GPU busy 600 (MoE kernels 450) + idle 400" in \
-        bench.format_profile("petit", s)
-    (tmp_path / "one.json").write_text(json.dumps(
-        {"traceEvents": fake_trace(4, 0)["traceEvents"][:3]}))
-    with pytest.raises(ValueError, match="1 'gpu_model_runner: forward' range"):
-        bench.summarize_trace(tmp_path / "one.json")
+    from vllm_petit_moe.testing import reference
+    from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
 
+    monkeypatch.setenv("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", strategy)
+    if not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(torch.device("cpu"))
+    num_experts, top_k, hidden, inter, tokens = 16, 4, 40, 24, [256, 7]
+    router = create_fused_moe_router(top_k=top_k, global_num_experts=num_experts,
+                                     renormalize=True, scoring_func="softmax")
+    assert type(router).__name__ == "RoutingSimulatorRouter"
 
-def test_profile_steps_end_to_end(tmp_path, model_dir, fake_env, capsys):
-    """--profile-steps: only the profiled level's servers get --profiler-config; the extra wave
-    is not a row; each DP rank's trace becomes a row of profile_<results>.jsonl."""
-    out = tmp_path / "out"
-    args = _fake_args(tmp_path, model_dir, "--concurrency", "2", "4", "--num-prompts", "4",
-                      "--output-len", "4", "--repeats", "1", "--profile-steps", "3",
-                      "--profile-concurrency", "2", "4", "--out-dir", str(out))
-    assert bench.main(args) == 0
-    text = capsys.readouterr().out
-    rows = bench.read_rows(tmp_path / "results" / "tpot_gsm8k_TESTx2_tiny-model.jsonl")
-    assert len(rows) == 4
-    prof = bench.read_rows(tmp_path / "results" / "profile_tpot_gsm8k_TESTx2_tiny-model.jsonl")
-    assert [(r["backend"], r["dp_rank"], r["concurrency"], r["steps"]) for r in prof] == [
-        (b, rank, c, 3) for b in ("petit", "default") for c in (2, 4) for rank in (0, 1)]
-    assert all(r["commit"] == "abc1234" and r["gpu"] == "TEST" for r in prof)
-    assert prof[1]["categories"]["dispatch"] == 150.0
-    assert "petit#0 c=4 dp1: 3 steps, step 1000 us" in text and "default#0 c=2 dp0" in text
-    assert (out / "profile_tpot_gsm8k_TESTx2_tiny-model.jsonl").is_file()
-    for log_file in (tmp_path / "logs").glob("server_*.log"):  # the step ranges are on
-        assert "VLLM_CUSTOM_SCOPES_FOR_PROFILING=1" in log_file.read_text()
-    dirs = sorted(p.name for p in (tmp_path / "logs").glob("profile_*"))
-    assert len(dirs) == 2 and all(d.startswith("profile_tiny-model_") for d in dirs)
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--profile-steps", "3", "--concurrency", "2", "4",
-                          "--profile-concurrency", "8"])
-    a = bench.parse_args(["--profile-steps", "3", "--concurrency", "2", "4"])
-    assert a.profile_concurrency == [4]
-    cfg = json.loads(bench.profiler_config(tmp_path, 3))
-    assert cfg["profiler"] == "torch" and cfg["max_iterations"] == 3
-    assert cfg["delay_iterations"] == bench.PROFILE_DELAY_STEPS and cfg["ignore_frontend"]
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(t, hidden, generator=gen).to(torch.bfloat16) for t in tokens]
+    logits = [torch.full((t, num_experts), -20.0) for t in tokens]
+    for lg in logits:
+        lg[:, :top_k] = 20.0  # argmax routing: experts 0..3 for every token
+    rank1_weights, rank1_ids = router.select_experts(xs[1], logits[1])
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5)
+    call = SimulatedCall(xs, [None, rank1_ids.to(torch.int32)], [None, rank1_weights],
+                         w13.to(torch.bfloat16), w2.to(torch.bfloat16))
 
+    class Buffer(FakeEpBuffer):  # rank 0's ids exist only once the router ran in the forward
+        def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
+            self.dispatched = (topk_ids.clone(), topk_weights.clone())
+            call.topk_ids[0], call.topk_weights[0] = topk_ids.to(torch.int32), topk_weights
+            return super().dispatch(x, topk_ids, topk_weights, region_stride, quant)
 
-def test_flag_on_server_without_petit_log_is_an_error(tmp_path, model_dir, fake_env, capsys,
-                                                     monkeypatch):
-    monkeypatch.setenv("FAKE_MODE", "no-petit-line")
-    rc = bench.main(_fake_args(tmp_path, model_dir, "--concurrency", "2", "--num-prompts", "4",
-                               "--output-len", "4", "--repeats", "1"))
-    assert rc == 1
-    text = capsys.readouterr().out
-    assert "wrong MoE backend for 'petit'" in text and "FAILED" in text
-    rows = bench.read_rows(tmp_path / "results" / "tpot_gsm8k_TESTx2_tiny-model.jsonl")
-    assert [r["backend"] for r in rows] == ["default"]  # never reported as petit
-    assert not any(_alive(p) for p in _pids(fake_env))
+    class Experts(ReferenceExperts):
+        def apply(self, *args, **kwargs):
+            bound = inspect.signature(ReferenceExperts.apply).bind(self, *args, **kwargs)
+            self.received_ids = bound.arguments["topk_ids"].clone()
+            return super().apply(*args, **kwargs)
 
+    vllm_config = make_vllm_config()
+    parallel = make_parallel_config(dp_size=2, dp_rank=0, ep_size=2, ep_rank=0)
+    moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
+                                 hidden_dim=hidden, intermediate_size=inter)
+    buffer = Buffer(0, 2, num_experts, call)
+    pf = PetitPrepareAndFinalize(buffer, num_experts=num_experts, max_tokens_per_rank=512)
+    with set_current_vllm_config(vllm_config):
+        experts = Experts(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG)
+        kernel = mk.FusedMoEKernel(pf, experts)
+        method = FusedMoEModularMethod(
+            types.SimpleNamespace(moe_quant_config=FUSED_MOE_UNQUANTIZED_CONFIG), kernel)
+    assert not method.is_monolithic  # else the runner would pass router logits to the kernel
+    _, expert_map, _ = determine_expert_map(2, 0, num_experts, "linear")
+    w13_local, w2_local = call.local_weights(0, 2)
+    layer = types.SimpleNamespace(quant_method=method, w13_weight=w13_local, w2_weight=w2_local,
+                                  activation=MoEActivation.SILU, global_num_experts=num_experts,
+                                  apply_router_weight_on_input=False, expert_map=expert_map)
+    layer.forward_modular = types.MethodType(RoutedExperts.forward_modular, layer)
+    runner = types.SimpleNamespace(router=router, routed_experts=layer, _quant_method=method,
+                                   _shared_experts=None)
+    runner._maybe_apply_shared_experts = types.MethodType(
+        MoERunner._maybe_apply_shared_experts, runner)
+    captured = []
+    router.set_capture_fn(captured.append)  # the router's own output (vLLM's capture hook)
+    try:
+        with dp_step(vllm_config, tokens):
+            _, out = MoERunner._apply_quant_method(runner, xs[0], logits[0], None)
+    finally:
+        buffer.close()
 
-def test_max_runtime_defers_work_and_dry_run(tmp_path, model_dir, fake_env, capsys):
-    # 1,319 prompts at concurrency 8 can never fit in 5 s: an error, not an endless --resume
-    assert bench.main(_fake_args(tmp_path, model_dir, "--max-runtime", "5")) == 1
-    assert "no run could ever finish" in capsys.readouterr().err
-    assert not (tmp_path / "logs").exists()  # no server was started
-    assert bench.main(_fake_args(tmp_path, model_dir, "--dry-run", "--quick")) == 0
-    text = capsys.readouterr().out
-    assert "petit#0 levels [8, 64]" in text and "'VLLM_USE_PETIT_MOE': '1'" in text
-    assert "_quick.jsonl" in text
-
-
-def test_max_runtime_runs_what_fits_then_resume_completes(tmp_path, model_dir, fake_env,
-                                                          monkeypatch, capsys):
-    monkeypatch.setenv("FAKE_TPOT_MS", "20")
-    monkeypatch.setenv("FAKE_TPOT_MS_PETIT", "20")
-    args = _fake_args(tmp_path, model_dir, "--concurrency", "2", "--num-prompts", "4",
-                      "--output-len", "40", "--repeats", "1", "--startup-guess", "0.1",
-                      "--stop-timeout", "0.5")
-    # petit#0 is expected to fit (guessed start 0.1 s + 3 waves of 0.3 s + 40 x 4.4 ms + the
-    # 0.5 s stop: 2.0 s, so up to ~3 s of this process's own start-up still fits in 5 s); once
-    # it ran (3 waves of 40 x 20 ms: > 2.4 s), default#0 is not (measured 20 ms per token:
-    # 3 x 1.1 s + 0.5 s after > 2.4 s already spent is > 5 s)
-    assert bench.main(args + ["--max-runtime", "5"]) == 3
-    out = capsys.readouterr().out
-    assert "INCOMPLETE: 1 measurement(s) left" in out and "default#0 [2]" in out
-    jsonl = tmp_path / "results" / "tpot_gsm8k_TESTx2_tiny-model.jsonl"
-    assert [r["backend"] for r in bench.read_rows(jsonl)] == ["petit"]
-    assert bench.main(args + ["--resume"]) == 0
-    assert [r["backend"] for r in bench.read_rows(jsonl)] == ["petit", "default"]
-    assert "COMPLETE: 2 rows" in capsys.readouterr().out
-    # a start-up cut short by the budget is "out of time" (exit 3), not an error
-    monkeypatch.setenv("FAKE_MODE", "never-healthy")
-    t0 = time.monotonic()
-    assert bench.main(_fake_args(tmp_path / "b", model_dir, "--max-runtime", "2",
-                                 "--startup-guess", "0.1", "--stop-timeout", "0.5",
-                                 "--concurrency", "2", "--num-prompts", "4", "--output-len", "4",
-                                 "--repeats", "1")) == 3
-    assert time.monotonic() - t0 < 8
-    assert "start-up outlasted the budget" in capsys.readouterr().out
-    assert not any(_alive(p) for p in _pids(fake_env))
-
-
-def test_ctrl_c_and_sigkill_leave_no_orphans(tmp_path, model_dir, fake_env):
-    env = dict(os.environ, FAKE_TPOT_MS="50", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(BENCH_PATH), *_fake_args(
-        tmp_path, model_dir, "--concurrency", "2", "--num-prompts", "50", "--output-len", "100",
-        "--repeats", "1", "--backends", "default")]
-    for sig in (signal.SIGINT, signal.SIGKILL):
-        out = tmp_path / f"bench-{sig.name}.out"
-        with open(out, "w") as f:
-            proc = subprocess.Popen(  # SIGINT as on a terminal, even if ours is ignored
-                cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        deadline = time.monotonic() + 15
-        while "healthy after" not in out.read_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "healthy after" in out.read_text(), out.read_text()
-        time.sleep(0.3)  # requests in flight
-        server_pid = _pids(fake_env)[-2]
-        proc.send_signal(sig)
-        rc = proc.wait(20)
-        if sig == signal.SIGINT:
-            assert rc == 130, out.read_text()
-            assert "server stopped by SIGTERM" in out.read_text()
-            assert not any(_alive(p) for p in _pids(fake_env))
-        else:  # no cleanup possible: PR_SET_PDEATHSIG still stops the server itself
-            deadline = time.monotonic() + 10
-            while _alive(server_pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not _alive(server_pid)
+    ids, weights = buffer.dispatched
+    assert len(captured) == 1 and torch.equal(ids.long(), captured[0].long())
+    counts = torch.bincount(ids.flatten().long(), minlength=num_experts).float()
+    assert counts[:top_k].sum() < 0.5 * counts.sum()  # not the logits' top-k
+    if strategy == "uniform_random":  # 1024 picks, 64 per expert expected
+        assert bool((counts > 32).all()) and bool((counts < 100).all())
+        assert bool((weights == 1.0).all())  # vLLM's uniform strategy: weights of 1, not 1/k
+    else:  # sigmoid(N(0, 1)) * 16: experts 4..11 get ~73%
+        assert counts[4:12].sum() > 0.65 * counts.sum()
+    # petit's experts computed with the simulated ids: rows for experts 0..7, from both ranks
+    sent = torch.cat([i.flatten() for i in call.topk_ids]).long()
+    received = experts.received_ids.flatten().long()
+    assert int(((received >= 0) & (received < 8)).sum()) == int((sent < 8).sum())
+    expected = reference.ep_moe_reference(call.xs, call.topk_ids, call.topk_weights, call.w13,
+                                          call.w2, 2)[0]
+    assert torch.equal(out, expected)
+    argmax_ids = [torch.arange(top_k).expand(t, top_k).to(torch.int32) for t in tokens]
+    unsimulated = reference.ep_moe_reference(call.xs, argmax_ids, call.topk_weights, call.w13,
+                                             call.w2, 2)[0]
+    assert not torch.allclose(out.float(), unsimulated.float(), atol=1e-2)

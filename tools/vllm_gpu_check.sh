@@ -18,10 +18,10 @@
 # matching NCU_KERNEL (regex, default expert_(gate_up|down)_ws, first 2 launches) in one
 # examples/bench_experts.py run (NCU_ARGS, default DeepSeek-V3, 8192 tokens/rank, wgmma;
 # NCU_SET, default detailed: "full" adds the warp stall reasons and per-instruction counters);
-# skipped where the machine has no ncu. "tpot": examples/bench_tpot_gsm8k.py with TPOT_ARGS (default: the three
-# backends, concurrency 8 64 128, 2 waves, 2 repeats), --resume from /tmp/petit-tpot and
-# --max-runtime = the budget left: repeat the command on the warm machine until its summary
-# says COMPLETE (rc 3 = work left).
+# skipped where the machine has no ncu. "tpot": examples/bench_tpot_gsm8k.py (vllm bench serve)
+# with TPOT_ARGS (default: DP = all GPUs, default and petit, concurrency 8 64, 128 prompts, 2
+# repeats), resuming from /tmp/petit-tpot and --max-runtime = the budget left: repeat the
+# command on the warm machine until its summary says COMPLETE (rc 3 = work left).
 # Environment: OUT (default /tmp/petit-vllm-check), BUDGET_S (whole run, default 570),
 #   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
 #   EXPERTS_TILES (bench-experts: tile families, default "auto wgmma wgmma_m64"),
@@ -215,9 +215,9 @@ if want tpot; then
   tpot_budget=$(( $(left) - 70 ))
   # shellcheck disable=SC2086
   run_step tpot $(( tpot_budget + 45 )) "$PY" examples/bench_tpot_gsm8k.py \
-    ${TPOT_ARGS:---backends petit petit-experts default --waves 2 --concurrency 8 64 128 --repeats 2} \
-    --resume --results-dir /tmp/petit-tpot --max-runtime "$tpot_budget" --no-progress \
-    --out-dir "$OUT/tpot"
+    ${TPOT_ARGS:---data-parallel-size $num_gpus --concurrency 8 64 --num-prompts 128 --repeats 2} \
+    --results-dir /tmp/petit-tpot --work-dir /tmp/petit-tpot/work --max-runtime "$tpot_budget"
+  cp -r /tmp/petit-tpot "$OUT/tpot"
 fi
 
 echo
@@ -236,7 +236,7 @@ for step in build meta test-vllm test-plugin bench $experts_steps ncu profile co
     ncu) summary=$(grep -cE "Duration|Throughput" "$OUT/ncu.log" 2>/dev/null | sed 's/$/ metric lines/') ;;
     bench-experts*) summary=$(grep -E "^wrote|NOTE" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
     bench|profile) summary=$(grep -E "^wrote|^WARNING: " "$OUT/$step.log" 2>/dev/null | tail -2 | tr -d "'\"") ;;
-    tpot) summary=$(grep -E "^(COMPLETE|INCOMPLETE|FAILED)" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
+    tpot) summary=$(grep -E "COMPLETE|left: rerun|FAILED|stopped by" "$OUT/$step.log" 2>/dev/null | tail -1) ;;
     compare) summary=$(grep -E "^(AGREE|DISAGREE)|prompts identical" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
     serve) summary=$(grep -E "MoE layers use|token ids|exit" "$OUT/$step.log" 2>/dev/null | tail -2 | tr '\n' ' ') ;;
     meta) summary=$(grep "entry points" "$OUT/meta.log" 2>/dev/null | tail -1) ;;
