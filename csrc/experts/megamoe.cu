@@ -34,7 +34,6 @@
 #include <cstdio>
 
 #include "api.h"
-#include "common/block_scan.h"
 #include "common/expert_ids.h"
 #include "gemm/epilogues.h"
 #if PETIT_SM80_PATH
@@ -67,16 +66,13 @@ struct SmemLayout {
   static constexpr int kOffsets = kSorted + 4 * kMegaMoeMaxEntries;           // int32 [L+1]
   static constexpr int kCursor = kOffsets + 4 * (kMaxExperts + 16);           // int32 [L]
   static constexpr int kActive = kCursor + 4 * kMaxExperts;                   // int32 [L]
-  static constexpr int kScan = kActive + 4 * kMaxExperts;                     // int32 [threads]
-  static constexpr int kScalars = kScan + 4 * kThreads;                       // int32 [8]
-  // (kThreads: the routing scans run on the whole block)
+  static constexpr int kScalars = kActive + 4 * kMaxExperts;                  // int32 [8]
   static constexpr int kReduce = kScalars + 4 * 8;  // float [warps][2][n-tiles][4][32]
   static constexpr int kBytes = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
 };
 static_assert(SmemLayout::kBytes <= 200 * 1024, "one block per SM");
 // kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3)
-// kReducePending: the row tile this block must reduce next (-1: none), set by the control warp
-enum Scalar { kNumActive = 0, kClaim0 = 1, kReducePending = 4, kExitHere = 5 };
+enum Scalar { kNumActive = 0, kClaim0 = 1, kExitHere = 4 };
 
 // Sync words (MegaMoeArgs::sync): all zero between calls.
 enum SyncWord { kSyncClaim = 0, kSyncExit = 1, kSyncExperts = 2 };
@@ -92,41 +88,53 @@ PETIT_DEVICE float as_float(uint32_t bits) {
 }
 
 // The control warp's bounded wait until *counter >= target (acquire).
+// expert >= 0: a down task waits for that expert's gate/up tiles; -1 - t: a reduction waits
+// for the down tiles of row tile t.
 PETIT_DEVICE void wait_count(const int* counter, int target, uint64_t timeout_ticks, int expert) {
   const uint64_t start = petit_timer();
   int seen = petit_load_acquire_gpu(counter);
   while (seen < target) {
     if (petit_timer() - start > timeout_ticks) {
-      printf("petit_moe: fused MoE layer (W=1) timed out in block %d waiting for the gate/up "
-             "tiles of local expert %d: %d of %d arrived\n",
-             int(blockIdx.x), expert, seen, target);
+      if (expert >= 0) {
+        printf("petit_moe: fused MoE layer (W=1) timed out in block %d waiting for the gate/up "
+               "tiles of local expert %d: %d of %d arrived\n",
+               int(blockIdx.x), expert, seen, target);
+      } else {
+        printf("petit_moe: fused MoE layer (W=1) timed out in block %d waiting for the down "
+               "tiles of row tile %d: %d of %d experts arrived\n",
+               int(blockIdx.x), -1 - expert, seen, target);
+      }
       petit_trap();
     }
     seen = petit_load_acquire_gpu(counter);
   }
 }
 
-// What one task is, from the block's routing tables.
+// What one task is, from the block's routing tables. Claim order: every gate/up task, then
+// every down task, then one reduction task per row tile; a task waits only on tasks of an
+// earlier kind, all claimed before it by blocks that run them without waiting on it.
+enum TaskKind { kGateUp = 0, kDown = 1, kReduce = 2 };
 struct Task {
-  bool valid, gate_up;
+  bool valid;
+  int kind;
   int expert, tile, begin, count;  // count: the expert's rows; begin: its first position
 };
 
-// This warp's weight stream of one task: 4 row pointers (rows g and g + 8 of both 16-row
-// halves, this lane's k offset 8q included), its k steps [s0, s1) and the passes over them.
-struct WarpStream {
-  const petit_bf16_bits* w[4];
-  int s0, steps, total;  // total = passes * steps
-};
-
-PETIT_DEVICE Task decode_task(int task, int num_tasks, int num_gate_up_tasks, int gate_up_tiles,
-                              int down_tiles, const int32_t* active, const int32_t* offsets) {
+PETIT_DEVICE Task decode_task(int task, int num_active, int gate_up_tiles, int down_tiles,
+                              const int32_t* active, const int32_t* offsets) {
   Task t{};
-  t.valid = task < num_tasks;
+  const int num_gate_up = num_active * gate_up_tiles, num_down = num_active * down_tiles;
+  t.valid = num_active > 0 && task < num_gate_up + num_down + down_tiles;
   if (!t.valid) return t;
-  t.gate_up = task < num_gate_up_tasks;
-  const int local = t.gate_up ? task : task - num_gate_up_tasks;
-  const int tiles = t.gate_up ? gate_up_tiles : down_tiles;
+  if (task >= num_gate_up + num_down) {
+    t.kind = kReduce;
+    t.tile = task - num_gate_up - num_down;
+    return t;
+  }
+  const bool gate_up = task < num_gate_up;
+  const int local = gate_up ? task : task - num_gate_up;
+  const int tiles = gate_up ? gate_up_tiles : down_tiles;
+  t.kind = gate_up ? kGateUp : kDown;
   t.expert = active[local / tiles];
   t.tile = local % tiles;
   t.begin = offsets[t.expert];
@@ -134,15 +142,23 @@ PETIT_DEVICE Task decode_task(int task, int num_tasks, int num_gate_up_tasks, in
   return t;
 }
 
+// This warp's weight stream of one task: 4 row pointers (rows g and g + 8 of both 16-row
+// halves, this lane's k offset 8q included), its k steps [s0, s0 + steps) and the passes.
+struct WarpStream {
+  const petit_bf16_bits* w[4];
+  int s0, steps, total;  // total = passes * steps
+};
+
 PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   const int lane = petit_lane_id(), g = lane / 4, q = lane % 4, warp = petit_warp_id();
   const int H = a.hidden, I = a.intermediate;
   WarpStream ws{};
-  if (!t.valid) return ws;
+  if (!t.valid || t.kind == kReduce) return ws;  // no weights
   const petit_bf16_bits* lo;
   const petit_bf16_bits* hi;
   int64_t stride;
-  if (t.gate_up) {  // half 0: gate rows of the tile's 16 columns, half 1: their up rows
+  const bool gate_up = t.kind == kGateUp;
+  if (gate_up) {  // half 0: gate rows of the tile's 16 columns, half 1: their up rows
     lo = a.w13 + (int64_t(t.expert) * 2 * I + t.tile * kTileCols) * H;
     hi = lo + int64_t(I) * H;
     stride = H;
@@ -155,7 +171,7 @@ PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   ws.w[1] = lo + (g + 8) * stride + 8 * q;
   ws.w[2] = hi + g * stride + 8 * q;
   ws.w[3] = hi + (g + 8) * stride + 8 * q;
-  const int k_steps = (t.gate_up ? H : I) / kSpan;
+  const int k_steps = (gate_up ? H : I) / kSpan;
   ws.s0 = warp * k_steps / kWarps;
   ws.steps = (warp + 1) * k_steps / kWarps - ws.s0;
   ws.total = ws.steps * ((t.count + kPassRows - 1) / kPassRows);
@@ -197,6 +213,7 @@ struct Producer {
   bool has_next;
   int iter;              // the block iteration whose task cur is
   int step;              // of cur: 0 .. cur.total
+  int kstep;             // step % cur.steps
   int pushed;            // steps issued so far (slot = pushed % kStages)
 };
 
@@ -207,10 +224,11 @@ PETIT_DEVICE void produce(Producer& p, int consumed, uint4* ring_lane) {
       p.cur = p.next;
       p.has_next = false;
       p.step = 0;
+      p.kstep = 0;
       ++p.iter;
       continue;
     }
-    const int k = (p.cur.s0 + p.step % p.cur.steps) * kSpan;
+    const int k = (p.cur.s0 + p.kstep) * kSpan;
     uint4* slot = ring_lane + (p.pushed % kStages) * (4 * 32);
 #pragma unroll
     for (int i = 0; i < 4; ++i) gemm::sm80_cp_async_16(gemm::smem_addr_u32(slot + i * 32),
@@ -218,6 +236,7 @@ PETIT_DEVICE void produce(Producer& p, int consumed, uint4* ring_lane) {
     gemm::cp_async_commit();
     ++p.step;
     ++p.pushed;
+    if (++p.kstep == p.cur.steps) p.kstep = 0;  // the next pass starts over the k steps
   }
 }
 
@@ -232,12 +251,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
   int32_t* offsets = reinterpret_cast<int32_t*>(smem + SmemLayout::kOffsets);
   int32_t* cursor = reinterpret_cast<int32_t*>(smem + SmemLayout::kCursor);
   int32_t* active = reinterpret_cast<int32_t*>(smem + SmemLayout::kActive);
-  int32_t* scan = reinterpret_cast<int32_t*>(smem + SmemLayout::kScan);
   int32_t* scalars = reinterpret_cast<int32_t*>(smem + SmemLayout::kScalars);
   float* red = reinterpret_cast<float*>(smem + SmemLayout::kReduce);
 
   const int tid = threadIdx.x, lane = petit_lane_id(), warp = petit_warp_id();
-  static_assert(kMaxExperts <= 2 * kThreads, "two experts per thread in the routing scans");
+  static_assert(kMaxExperts % 32 == 0, "the routing scan: kMaxExperts / 32 experts per lane");
   const int N = a.num_rows, K = a.top_k, H = a.hidden, I = a.intermediate;
   const int L = a.num_local_experts, num_entries = N * K;
   int* sync = a.sync;
@@ -248,7 +266,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
   if (control && lane == 0) {  // the first two claims, early
     scalars[kClaim0] = atomicAdd(&sync[kSyncClaim], 1);
     scalars[kClaim0 + 1] = atomicAdd(&sync[kSyncClaim], 1);
-    scalars[kReducePending] = -1;
   }
 
   // ---- 1. routing in shared memory: counts, offsets and the active experts first (the
@@ -263,43 +280,46 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
     if (e >= 0) atomicAdd(&cursor[e], 1);
   }
   __syncthreads();
-  {
-    constexpr int kItems = 2;
-    int32_t counts[kItems], flags[kItems];
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int e = tid * kItems + i;
-      counts[i] = e < L ? cursor[e] : 0;
-      flags[i] = counts[i] > 0 ? 1 : 0;
+  if (warp == 0) {  // offsets and the active experts: one warp, lane l owns 16 experts
+    constexpr int kPerLane = kMaxExperts / 32;
+    int count = 0, actives = 0;
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane * kPerLane + i;
+      const int c = e < L ? cursor[e] : 0;
+      count += c;
+      actives += c > 0 ? 1 : 0;
     }
-    int32_t total = 0, num_active = 0;
-    int32_t offset = block_exclusive_scan<kThreads, kItems>(counts, scan, &total);
-    __syncthreads();
-    int32_t slot = block_exclusive_scan<kThreads, kItems>(flags, scan, &num_active);
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int e = tid * kItems + i;
+    int count_incl = count, active_incl = actives;  // inclusive warp scans
+    for (int d = 1; d < 32; d <<= 1) {
+      const int c = petit_shfl(count_incl, lane >= d ? lane - d : lane);
+      const int n = petit_shfl(active_incl, lane >= d ? lane - d : lane);
+      if (lane >= d) {
+        count_incl += c;
+        active_incl += n;
+      }
+    }
+    int offset = count_incl - count, slot = active_incl - actives;
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane * kPerLane + i;
       if (e < L) {
+        const int c = cursor[e];
         offsets[e] = offset;
         cursor[e] = offset;
-        if (flags[i]) active[slot++] = e;
+        if (c > 0) active[slot++] = e;
+        offset += c;
       }
-      offset += counts[i];
     }
-    if (tid == 0) {
-      offsets[L] = total;
-      scalars[kNumActive] = num_active;
+    if (lane == 31) {
+      offsets[L] = count_incl;
+      scalars[kNumActive] = active_incl;
     }
   }
   __syncthreads();
 
   const int num_active = scalars[kNumActive];
   const int gate_up_tiles = I / kTileCols, down_tiles = H / kDownRows;
-  const int num_gate_up_tasks = num_active * gate_up_tiles;
-  const int num_tasks = num_gate_up_tasks + num_active * down_tiles;
   auto task_of = [&](int id) {
-    return decode_task(id, num_tasks, num_gate_up_tasks, gate_up_tiles, down_tiles, active,
-                       offsets);
+    return decode_task(id, num_active, gate_up_tiles, down_tiles, active, offsets);
   };
 
   // The weight stream of the first two tasks goes out before the sort.
@@ -335,28 +355,56 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
     }
   }
 
-  // ---- 2. tasks. Per iteration: R (ready: the control warp has acquired the expert's
-  // activations for a down task; the reduction decided last iteration is published), the
-  // compute warps' passes, S (every store of the task issued); then the control warp publishes
-  // the task (fence + counter) while the compute warps move on. The compute warps never fence:
-  // a fence would wait for their weight loads in flight.
+  // ---- 2. tasks. Per iteration: R (ready: the control warp has acquired what the task
+  // reads from other blocks), the compute warps' work, S (every store of the task issued).
+  // The control warp claims two tasks ahead, publishes each finished task (fence + counter)
+  // while the compute warps run the next one, and checks the next task's inputs early; the
+  // compute warps never fence (a fence would wait for their weight loads in flight) and wait
+  // at R only when an input is really missing.
   const int g = lane / 4, q = lane % 4;
+  // control warp, lane 0: the finished task not yet published, and whether the current task's
+  // inputs were seen complete (acquired) already
+  Task unpublished{};
+  bool inputs_seen = false;
+  auto counter_of = [&](const Task& t) -> const int* {
+    return t.kind == kDown ? &gate_up_done[t.expert] : &tile_done[t.tile];
+  };
+  auto target_of = [&](const Task& t) { return t.kind == kDown ? gate_up_tiles : num_active; };
+  auto publish = [&](Task& t) {
+    if (!t.valid) return;
+    __threadfence();  // release: the compute warps' stores, ordered before it by S
+    if (t.kind == kGateUp) atomicAdd(&gate_up_done[t.expert], 1);
+    if (t.kind == kDown) atomicAdd(&tile_done[t.tile], 1);
+    t.valid = false;
+  };
   for (int iter = 0;; ++iter) {
-    if (control && lane == 0 && cur_task.valid && !cur_task.gate_up) {
-      wait_count(&gate_up_done[cur_task.expert], gate_up_tiles, a.timeout_ticks,
-                 cur_task.expert);
+    if (control && lane == 0) {
+      const bool waits = cur_task.valid && cur_task.kind != kGateUp && !inputs_seen;
+      if (waits || !cur_task.valid) publish(unpublished);  // ours may be what it waits for
+      if (waits) wait_count(counter_of(cur_task), target_of(cur_task), a.timeout_ticks,
+                            cur_task.kind == kDown ? cur_task.expert : -1 - cur_task.tile);
     }
     __syncthreads();  // R(iter)
-    const int reduce_tile = scalars[kReducePending];
-    if (reduce_tile >= 0 && !control) {  // every expert's partials of this row tile are in
-      const int r0 = 4 * (tid % 8);
+    if (!cur_task.valid) break;
+    if (control) {
+      if (lane == 0) {
+        // publish the previous task, claim the task of iteration iter + 2 (read after
+        // S(iter)), look at the next task's inputs
+        publish(unpublished);
+        scalars[kClaim0 + (iter + 2) % 3] = atomicAdd(&sync[kSyncClaim], 1);
+        inputs_seen = next_task.valid && next_task.kind != kGateUp &&
+                      petit_load_acquire_gpu(counter_of(next_task)) >= target_of(next_task);
+      }
+    } else if (cur_task.kind == kReduce) {
+      // every expert's partials of this row tile are in: sum each token's slots in order
+      const int tile = cur_task.tile, r0 = 4 * (tid % 8);
       for (int n = tid / 8; n < N; n += kComputeThreads / 8) {
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int k = 0; k < K; ++k) {
           const int entry = n * K + k;
           if (expert_of[entry] < 0) continue;
           const uint4 raw = petit_load_cg(reinterpret_cast<const uint4*>(
-              a.partial + int64_t(entry) * H + reduce_tile * kDownRows + r0));
+              a.partial + int64_t(entry) * H + tile * kDownRows + r0));
           s[0] += as_float(raw.x);
           s[1] += as_float(raw.y);
           s[2] += as_float(raw.z);
@@ -365,14 +413,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
         uint2 packed;
         packed.x = uint32_t(petit_float_to_bf16(s[0])) | (uint32_t(petit_float_to_bf16(s[1])) << 16);
         packed.y = uint32_t(petit_float_to_bf16(s[2])) | (uint32_t(petit_float_to_bf16(s[3])) << 16);
-        *reinterpret_cast<uint2*>(a.out + int64_t(n) * H + reduce_tile * kDownRows + r0) = packed;
+        *reinterpret_cast<uint2*>(a.out + int64_t(n) * H + tile * kDownRows + r0) = packed;
       }
-    }
-    if (!cur_task.valid) break;
-    if (control) {
-      // claim the task of iteration iter + 2 (published by S(iter))
-      if (lane == 0) scalars[kClaim0 + (iter + 2) % 3] = atomicAdd(&sync[kSyncClaim], 1);
     } else {
+      const bool gate_up = cur_task.kind == kGateUp;
       const WarpStream ws = warp_stream(cur_task, a);
       const int tile = cur_task.tile, begin = cur_task.begin, count = cur_task.count;
       for (int pass = 0; pass < count; pass += kPassRows) {
@@ -383,8 +427,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
           const int r = pass + j * 8 + g;
           b_rows[j] = nullptr;
           if (r < count) {
-            b_rows[j] = cur_task.gate_up ? a.x + int64_t(sorted[begin + r] / K) * H
-                                         : a.act + int64_t(begin + r) * I;
+            b_rows[j] = gate_up ? a.x + int64_t(sorted[begin + r] / K) * H
+                                : a.act + int64_t(begin + r) * I;
           }
         }
         const bool two_tiles = rows > 8;
@@ -438,7 +482,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
         const int n = tid / 16, part = tid % 16;
         if (n < rows) {
           const int pos = begin + pass + n;
-          if (cur_task.gate_up) {
+          if (gate_up) {
             if (part < 8) {
               const int c = 2 * part;  // columns c, c + 1 of the tile
               const float a0 = gemm::silu(reduced(red, 0, c, n)) * reduced(red, 1, c, n);
@@ -463,19 +507,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
       }
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
-    if (control && lane == 0) {
-      // Publish the task (release: the fence covers the compute warps' stores, ordered
-      // before it by S), and for a down task learn whether this block completed its row tile.
-      __threadfence();
-      int reduce = -1;
-      if (cur_task.gate_up) {
-        atomicAdd(&gate_up_done[cur_task.expert], 1);
-      } else if (atomicAdd(&tile_done[cur_task.tile], 1) == num_active - 1) {
-        reduce = cur_task.tile;
-        __threadfence();  // acquire: the other blocks' partials of the tile
-      }
-      scalars[kReducePending] = reduce;  // read after R(iter + 1)
-    }
+    if (control && lane == 0) unpublished = cur_task;
     // Advance. Every step of the finished task was consumed, so pushed: the cursor is past it
     // (in the new current task), or exactly at its end if it never needed to move on.
     cur_task = next_task;
@@ -484,6 +516,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
       if (prod.iter == iter) {
         prod.cur = prod.next;
         prod.step = 0;
+        prod.kstep = 0;
         prod.iter = iter + 1;
       }
       prod.next = warp_stream(next_task, a);
