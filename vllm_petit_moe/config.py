@@ -5,7 +5,7 @@ header and checks; where the extension is built, ``_C.config_defaults()`` is che
 The kernels read no environment variable: a config is passed where it applies, as DeepEP
 passes its ``Config``::
 
-    buf = EpBuffer(group, ..., combine_config=CombineConfig(reduce_pct=40))
+    buf = EpBuffer(group, ..., config=CombineConfig(reduce_pct=40))
     out = experts_forward(..., config=ExpertConfig(narrow_max_rows=4))
 
 Benchmarks take them on the command line as ``field=value,...`` (:func:`parse_config`).
