@@ -25,7 +25,8 @@
 # Environment: OUT (default /tmp/petit-vllm-check), BUDGET_S (whole run, default 570),
 #   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
 #   EXPERTS_TILES (bench-experts: tile families, default "auto wgmma wgmma_m64"),
-#   EXPERTS_SWEEP (bench-experts once per NAME=VALUE environment setting; A=1,B=2 sets two),
+#   EXPERTS_SWEEP (bench-experts once per NAME=VALUE environment setting; A=1,B=2 sets two; the
+#   kernels read no environment: sweep ExpertConfig with BENCH_EXPERTS_ARGS="--expert-configs ..."),
 #   EXPERTS_LIMIT_S (bench-experts: the time limit of each run, default 300 s),
 #   COMPARE_ARGS (compare: extra examples/compare_serving.py arguments, e.g. --backend
 #   petit-experts),
@@ -150,9 +151,9 @@ fi
 
 # 6b. the expert GEMMs against vLLM's Triton experts (needs vLLM, hence here): every tile
 #     family in EXPERTS_TILES on the same rows, one run
-#     (EXPERTS_SWEEP="NAME=VALUE ...": once per environment setting, e.g. an A/B of
-#     PETIT_MOE_STAGED_EPILOGUE=0 / =1, each into $OUT/experts-NAME_VALUE and its own log; a
-#     repeated setting into experts-NAME_VALUE_r2, ...)
+#     (EXPERTS_SWEEP="NAME=VALUE ...": once per environment setting, each into
+#     $OUT/experts-NAME_VALUE and its own log; a repeated setting into experts-NAME_VALUE_r2,
+#     ...; the kernels' own knobs are ExpertConfig fields, swept by --expert-configs)
 experts_steps=bench-experts  # the steps' names, for the summary
 if want bench-experts; then
   if [ -z "${EXPERTS_SWEEP:-}" ]; then
