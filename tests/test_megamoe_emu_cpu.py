@@ -84,11 +84,11 @@ def assert_close(out, ref):
 
 
 @pytest.mark.parametrize("seed,num_rows,top_k,hidden,intermediate,num_local,num_sms", [
-    (0, 1, 1, 32, 32, 1, 1),       # one token, one expert, one k step per warp at most
-    (1, 3, 4, 64, 32, 4, 1),
-    (2, 5, 2, 96, 64, 3, 2),       # H not a multiple of 8 k steps: uneven warp split
-    (3, 19, 3, 128, 96, 5, 2),     # odd sizes
-    (4, 40, 2, 64, 32, 2, 1),      # > 32 rows per expert: several passes
+    (0, 1, 1, 64, 64, 1, 1),       # one token, one expert, one k step for one warp only
+    (1, 3, 4, 64, 128, 4, 1),
+    (2, 5, 2, 192, 64, 3, 2),      # 3 k steps over 8 warps: uneven warp split
+    (3, 19, 3, 128, 192, 5, 2),    # odd counts
+    (4, 40, 2, 64, 64, 2, 1),      # > 16 rows per expert: several passes
 ])
 def test_matches_reference(emu, seed, num_rows, top_k, hidden, intermediate, num_local, num_sms):
     case = make_case(seed, num_rows, top_k, hidden, intermediate, num_local)
@@ -112,7 +112,7 @@ def test_deterministic_across_grids_and_schedules(emu):
 
 
 def test_edge_routing(emu):
-    hidden, intermediate, num_local = 64, 32, 4
+    hidden, intermediate, num_local = 64, 64, 4
     # every slot invalid: the output is 0 (written, not left poisoned)
     x, ids, w, w13, w2 = make_case(6, 7, 2, hidden, intermediate, num_local, invalid=1.0)
     rc, out, _ = run_emu(emu, x, ids, w, w13, w2, num_sms=2)
@@ -130,7 +130,7 @@ def test_edge_routing(emu):
 
 def test_expert_map(emu):
     """Global ids through vLLM's EP map (global -> local or -1), as the composed kernels do."""
-    hidden, intermediate, num_local, num_global = 64, 32, 3, 8
+    hidden, intermediate, num_local, num_global = 64, 64, 3, 8
     expert_map = torch.full((num_global,), -1, dtype=torch.int32)
     expert_map[torch.tensor([1, 4, 6])] = torch.tensor([2, 0, 1], dtype=torch.int32)
     g = torch.Generator().manual_seed(8)
@@ -143,10 +143,10 @@ def test_expert_map(emu):
 
 def test_limits_rejected(emu):
     """Outside the limits the launcher returns an error (no launch, nothing written)."""
-    hidden, intermediate = 64, 32
+    hidden, intermediate = 64, 64
     case = make_case(9, MAX_ENTRIES // 2 + 1, 2, hidden, intermediate, 2)
     rc, out, _ = run_emu(emu, *case)
     assert rc != 0 and out.isnan().all()
-    case = make_case(10, 2, 2, 48, intermediate, 2)  # H not a multiple of 32
+    case = make_case(10, 2, 2, 96, intermediate, 2)  # H not a multiple of 64
     rc, out, _ = run_emu(emu, *case)
     assert rc != 0 and out.isnan().all()

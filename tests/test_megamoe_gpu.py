@@ -56,7 +56,7 @@ def test_matches_reference_and_composed(num_rows, shape):
     from vllm_petit_moe import ops
 
     hidden, inter, num_local, top_k = {"qwen3": (2048, 768, 128, 8),
-                                       "odd": (352, 96, 7, 3)}[shape]
+                                       "odd": (448, 192, 7, 3)}[shape]
     case = make_case(num_rows, top_k, hidden, inter, num_local, seed=num_rows)
     out = torch.full((num_rows, hidden), float("nan"), device="cuda").to(torch.bfloat16)
     ops.megamoe_forward(*case, out=out)
@@ -120,8 +120,8 @@ def test_limits_raise():
     case = make_case(257, 8, 2048, 768, 16, seed=1)
     with pytest.raises(ValueError, match="MEGAMOE_MAX_ENTRIES"):
         ops.megamoe_forward(*case)
-    case = make_case(2, 2, 2056, 768, 4, seed=1)
-    with pytest.raises(ValueError, match="multiples of 32"):
+    case = make_case(2, 2, 2080, 768, 4, seed=1)
+    with pytest.raises(ValueError, match="multiples of 64"):
         ops.megamoe_forward(*case)
     case = make_case(2, 2, 2048, 768, 4, seed=1)
     with pytest.raises(ValueError, match="timeout_s"):

@@ -15,7 +15,7 @@ MAX_LOCAL_EXPERTS = MAX_EXPERTS  # experts_forward's L, checked against kMaxExpe
 SIZE_MULTIPLE = 8  # kSizeMultiple: H and I are multiples of one 16-byte vector of bf16
 MAX_ENTRIES = 2**31 - 1  # N*K routing entries of experts_forward are indexed with int32
 MEGAMOE_MAX_ENTRIES = 2048  # kMegaMoeMaxEntries: N*K of one fused-layer call
-MEGAMOE_SIZE_MULTIPLE = 32  # kMegaMoeSizeMultiple: H and I of the fused layer
+MEGAMOE_SIZE_MULTIPLE = 64  # kMegaMoeSizeMultiple: H and I of the fused layer
 
 # --------------------------------------------------------------------------- heap layout
 TOKEN_GROUP_SIZE = 32  # kTokenGroupSize: tokens per readiness flag

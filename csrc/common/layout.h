@@ -12,7 +12,7 @@ constexpr int kMaxWorldSize = 32;      // token -> rank masks are uint32
 constexpr int kMaxExperts = 512;
 constexpr int kSizeMultiple = 8;       // H and I: multiples of one 16-byte vector of bf16
 constexpr int kMegaMoeMaxEntries = 2048;  // fused layer: N*K, sorted in shared memory
-constexpr int kMegaMoeSizeMultiple = 32;  // fused layer: H and I, one k step of its mma
+constexpr int kMegaMoeSizeMultiple = 64;  // fused layer: H and I, whole 64-k TMA box rows
 constexpr int kRegionAlignment = 256;  // bytes; keeps every region 16-byte vector aligned
 constexpr int kFp8ScaleBlock = 128;   // elements per fp8 scale (1x128 block quantization)
 constexpr int kFlagCountBits = 6;      // flag = epoch << 6 | rows routed in the group (0..32)

@@ -37,8 +37,9 @@
 #include "common/expert_ids.h"
 #include "gemm/epilogues.h"
 #if PETIT_SM80_PATH
-#include "gemm/cp_async.h"
 #include "gemm/sm80_mma.h"
+#include "gemm/sm90_mainloop_wgmma_ws.h"  // mbarrier wrappers
+#include "gemm/sm90_tma.h"
 #endif
 
 namespace petit {
@@ -51,17 +52,24 @@ constexpr int kThreads = kComputeThreads + 32;  // + the control warp
 constexpr int kComputeBarrier = 1;              // bar.sync id of the compute warps alone
 constexpr int kTileCols = 16;    // gate/up task: 16 columns of I (16 gate + 16 up weight rows)
 constexpr int kDownRows = 32;    // down task: 32 rows of H (two 16-row m-tiles)
-constexpr int kSpan = 32;        // k elements per step (two mma.sync k16)
+constexpr int kSpan = 32;        // k elements of one mma_span32 (two mma.sync k16)
+constexpr int kStepK = 64;       // k elements per ring step: one TMA box row (128 bytes)
 constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per pass: 16 expert rows
 constexpr int kPassRows = 8 * kMaxNTiles;
-constexpr int kStages = 8;       // weight steps in flight per warp (cp.async ring)
-constexpr int kStepBytes = 4 * 32 * 16;  // one warp step: 4 rows-pairs x 32 lanes x 16 bytes
+constexpr int kStages = 5;       // ring steps in flight per warp
+constexpr int kBoxRows = 16;     // one TMA box: 16 weight rows x 64 k, 128-byte swizzle
+constexpr int kBoxBytes = kBoxRows * kStepK * 2;
+constexpr int kStepBytes = 2 * kBoxBytes;  // a step: both 16-row halves of the task
 static_assert(kDownRows == 32, "megamoe_sync_ints (api.h) counts H / 32 row tiles");
+static_assert(kMegaMoeSizeMultiple % kStepK == 0, "H and I are whole ring steps");
+static_assert(kStepK == gemm::kTmaBoxK, "a step is one box row");
 
 // Offsets of the block's shared memory (dynamic, 16-byte aligned pieces).
 struct SmemLayout {
-  static constexpr int kRing = 0;  // [warps][stages][4][32 lanes] uint4: lane-private slots
-  static constexpr int kExpertOf = kRing + kWarps * kStages * kStepBytes;      // int16 [E]
+  // [warps][stages] steps of two 1024-byte aligned boxes (the base is aligned up by the slack)
+  static constexpr int kRing = 0;
+  static constexpr int kFull = kRing + kWarps * kStages * kStepBytes + 1024;  // u64 [warps][stages]
+  static constexpr int kExpertOf = kFull + 8 * kWarps * kStages;              // int16 [E]
   static constexpr int kSorted = kExpertOf + 2 * kMegaMoeMaxEntries;           // int32 [E]
   static constexpr int kOffsets = kSorted + 4 * kMegaMoeMaxEntries;           // int32 [L+1]
   static constexpr int kCursor = kOffsets + 4 * (kMaxExperts + 16);           // int32 [L]
@@ -70,7 +78,7 @@ struct SmemLayout {
   static constexpr int kReduce = kScalars + 4 * 8;  // float [warps][2][n-tiles][4][32]
   static constexpr int kBytes = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
 };
-static_assert(SmemLayout::kBytes <= 200 * 1024, "one block per SM");
+static_assert(SmemLayout::kBytes <= 227 * 1024, "one block per SM");
 // kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3)
 enum Scalar { kNumActive = 0, kClaim0 = 1, kExitHere = 4 };
 
@@ -142,36 +150,31 @@ PETIT_DEVICE Task decode_task(int task, int num_active, int gate_up_tiles, int d
   return t;
 }
 
-// This warp's weight stream of one task: 4 row pointers (rows g and g + 8 of both 16-row
-// halves, this lane's k offset 8q included), its k steps [s0, s0 + steps) and the passes.
+// This warp's weight stream of one task: the two 16-row boxes of a step (half 0 / half 1:
+// box coordinates row, group, expert of the task's weight map), its steps [s0, s0 + steps)
+// of kStepK, and the passes over them.
 struct WarpStream {
-  const petit_bf16_bits* w[4];
+  bool gate_up;
+  int row0, row1, group0, group1, expert;
   int s0, steps, total;  // total = passes * steps
 };
 
 PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
-  const int lane = petit_lane_id(), g = lane / 4, q = lane % 4, warp = petit_warp_id();
-  const int H = a.hidden, I = a.intermediate;
+  const int warp = petit_warp_id();
   WarpStream ws{};
   if (!t.valid || t.kind == kReduce) return ws;  // no weights
-  const petit_bf16_bits* lo;
-  const petit_bf16_bits* hi;
-  int64_t stride;
-  const bool gate_up = t.kind == kGateUp;
-  if (gate_up) {  // half 0: gate rows of the tile's 16 columns, half 1: their up rows
-    lo = a.w13 + (int64_t(t.expert) * 2 * I + t.tile * kTileCols) * H;
-    hi = lo + int64_t(I) * H;
-    stride = H;
-  } else {  // the tile's 32 rows of w2
-    lo = a.w2 + (int64_t(t.expert) * H + t.tile * kDownRows) * I;
-    hi = lo + int64_t(16) * I;
-    stride = I;
+  ws.gate_up = t.kind == kGateUp;
+  ws.expert = t.expert;
+  if (ws.gate_up) {  // w13 as {H, I, 2, L}: gate (group 0) and up (group 1) rows of the tile
+    ws.row0 = ws.row1 = t.tile * kTileCols;
+    ws.group0 = 0;
+    ws.group1 = 1;
+  } else {  // w2 as {I, H, 1, L}: the tile's 32 rows
+    ws.row0 = t.tile * kDownRows;
+    ws.row1 = ws.row0 + kBoxRows;
+    ws.group0 = ws.group1 = 0;
   }
-  ws.w[0] = lo + g * stride + 8 * q;
-  ws.w[1] = lo + (g + 8) * stride + 8 * q;
-  ws.w[2] = hi + g * stride + 8 * q;
-  ws.w[3] = hi + (g + 8) * stride + 8 * q;
-  const int k_steps = (gate_up ? H : I) / kSpan;
+  const int k_steps = (ws.gate_up ? a.hidden : a.intermediate) / kStepK;
   ws.s0 = warp * k_steps / kWarps;
   ws.steps = (warp + 1) * k_steps / kWarps - ws.s0;
   ws.total = ws.steps * ((t.count + kPassRows - 1) / kPassRows);
@@ -189,25 +192,11 @@ PETIT_DEVICE float reduced(const float* red, int half, int row, int n) {
   return sum;
 }
 
-PETIT_DEVICE void cp_async_wait_upto(int pending) {
-  switch (pending < 0 ? 0 : pending) {  // wait_group takes an immediate
-    case 0: gemm::cp_async_wait<0>(); break;
-    case 1: gemm::cp_async_wait<1>(); break;
-    case 2: gemm::cp_async_wait<2>(); break;
-    case 3: gemm::cp_async_wait<3>(); break;
-    case 4: gemm::cp_async_wait<4>(); break;
-    case 5: gemm::cp_async_wait<5>(); break;
-    case 6: gemm::cp_async_wait<6>(); break;
-    default: gemm::cp_async_wait<kStages - 1>(); break;
-  }
-}
-static_assert(kStages == 8, "cp_async_wait_upto covers 0 .. kStages - 1 pending groups");
-
 // The warp's weight stream runs ahead of its multiplies across task boundaries: a producer
-// cursor walks the current task's steps, then the next task's (whose id is known one iteration
-// ahead), issuing each step as one cp.async group of 4 x 16 bytes per lane into the lane's own
-// ring slot; the consumer waits for the oldest group and reads its slot back. Lane-private
-// slots: no cross-lane hazard, no barrier; a slot is refilled only after its values were used.
+// cursor walks the current task's steps, then the next task's (whose id is known one
+// iteration ahead); lane 0 issues each step as two TMA boxes into the warp's ring slot,
+// completing the slot's mbarrier. The warp consumes slots in order; a slot is refilled only
+// after every lane of the warp has read it (the refill follows the multiplies that used it).
 struct Producer {
   WarpStream cur, next;  // the cursor's task and the one after it
   bool has_next;
@@ -217,7 +206,8 @@ struct Producer {
   int pushed;            // steps issued so far (slot = pushed % kStages)
 };
 
-PETIT_DEVICE void produce(Producer& p, int consumed, uint4* ring_lane) {
+PETIT_DEVICE void produce(Producer& p, int consumed, uint32_t ring_warp, uint32_t full_warp,
+                          const CUtensorMap* w13_map, const CUtensorMap* w2_map) {
   while (p.pushed - consumed < kStages) {
     if (p.step >= p.cur.total) {
       if (!p.has_next) return;
@@ -228,24 +218,38 @@ PETIT_DEVICE void produce(Producer& p, int consumed, uint4* ring_lane) {
       ++p.iter;
       continue;
     }
-    const int k = (p.cur.s0 + p.kstep) * kSpan;
-    uint4* slot = ring_lane + (p.pushed % kStages) * (4 * 32);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) gemm::sm80_cp_async_16(gemm::smem_addr_u32(slot + i * 32),
-                                                       p.cur.w[i] + k, 16);
-    gemm::cp_async_commit();
+    if (petit_lane_id() == 0) {
+      const int slot = p.pushed % kStages;
+      const uint32_t dst = ring_warp + slot * kStepBytes, bar = full_warp + slot * 8;
+      const CUtensorMap* map = p.cur.gate_up ? w13_map : w2_map;
+      const int k = (p.cur.s0 + p.kstep) * kStepK;
+      gemm::sm90_mbarrier_arrive_expect_tx(bar, kStepBytes);
+      gemm::sm90_tma_load_4d(dst, map, k, p.cur.row0, p.cur.group0, p.cur.expert, bar);
+      gemm::sm90_tma_load_4d(dst + kBoxBytes, map, k, p.cur.row1, p.cur.group1, p.cur.expert,
+                             bar);
+    }
     ++p.step;
     ++p.pushed;
     if (++p.kstep == p.cur.steps) p.kstep = 0;  // the next pass starts over the k steps
   }
 }
 
+// Lane (g, q)'s 16 bytes of box row r (g or g + 8) for span h of a step: k = 32h + 8q of the
+// box's 64, i.e. 16-byte chunk 4h + q, at its 128-byte swizzled position.
+PETIT_DEVICE uint4 box_chunk(const unsigned char* box, int r, int chunk) {
+  return *reinterpret_cast<const uint4*>(box + r * 128 + ((chunk ^ (r & 7)) * 16));
+}
+
 #endif  // PETIT_SM80_PATH
 
-PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaMoeArgs a) {
-#if PETIT_SM80_BODY
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1)
+    megamoe_w1_kernel(const MegaMoeArgs a, const __grid_constant__ CUtensorMap w13_map,
+                      const __grid_constant__ CUtensorMap w2_map) {
+#if PETIT_SM90A_BODY
   PETIT_DYNAMIC_SMEM(smem);
-  uint4* ring = reinterpret_cast<uint4*>(smem + SmemLayout::kRing);
+  unsigned char* ring = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem + SmemLayout::kRing) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::kFull);
   int16_t* expert_of = reinterpret_cast<int16_t*>(smem + SmemLayout::kExpertOf);
   int32_t* sorted = reinterpret_cast<int32_t*>(smem + SmemLayout::kSorted);
   int32_t* offsets = reinterpret_cast<int32_t*>(smem + SmemLayout::kOffsets);
@@ -267,6 +271,15 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
     scalars[kClaim0] = atomicAdd(&sync[kSyncClaim], 1);
     scalars[kClaim0 + 1] = atomicAdd(&sync[kSyncClaim], 1);
   }
+
+  if (tid == 0) {
+    for (int i = 0; i < kWarps * kStages; ++i) {
+      gemm::sm90_mbarrier_init(gemm::smem_addr_u32(full + i), 1);
+    }
+    gemm::sm90_fence_mbarrier_init();
+    gemm::sm90_prefetch_tensor_map(&w13_map);
+    gemm::sm90_prefetch_tensor_map(&w2_map);
+  }  // visible after the routing's first barrier
 
   // ---- 1. routing in shared memory: counts, offsets and the active experts first (the
   // weight stream can start from them), then the stable sort of the entries.
@@ -323,7 +336,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
   };
 
   // The weight stream of the first two tasks goes out before the sort.
-  uint4* ring_lane = ring + warp * (kStages * 4 * 32) + lane;
+  const unsigned char* ring_warp = ring + warp * (kStages * kStepBytes);
+  const uint32_t ring_warp_addr = gemm::smem_addr_u32(ring_warp);
+  const uint32_t full_warp = gemm::smem_addr_u32(full + warp * kStages);
   Producer prod{};
   Task cur_task = task_of(scalars[kClaim0]);
   Task next_task = task_of(scalars[kClaim0 + 1]);
@@ -331,7 +346,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
   prod.next = warp_stream(next_task, a);
   prod.has_next = next_task.valid;
   int consumed = 0;
-  if (!control && cur_task.valid) produce(prod, consumed, ring_lane);
+  if (!control && cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
 
   if (warp == 0) {  // stable scatter: entry order within each expert
     for (int base = 0; base < num_entries; base += 32) {
@@ -439,33 +454,46 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
           for (int j = 0; j < kMaxNTiles; ++j)
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
-        uint4 b_next[kMaxNTiles];
-        auto load_b = [&](uint4 (&dst)[kMaxNTiles], int s) {
+        // B (the rows' inputs) one step ahead: two spans of 16 bytes per n-tile
+        uint4 b_next[2][kMaxNTiles];
+        auto load_b = [&](uint4 (&dst)[2][kMaxNTiles], int s) {
 #pragma unroll
-          for (int j = 0; j < kMaxNTiles; ++j) {
-            dst[j] = b_rows[j] != nullptr
-                         ? petit_load_cg(reinterpret_cast<const uint4*>(b_rows[j] + s * kSpan +
-                                                                        8 * q))
-                         : zero4();
-          }
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < kMaxNTiles; ++j) {
+              dst[h][j] = b_rows[j] != nullptr
+                              ? petit_load_cg(reinterpret_cast<const uint4*>(
+                                    b_rows[j] + s * kStepK + h * kSpan + 8 * q))
+                              : zero4();
+            }
         };
         if (ws.steps > 0) load_b(b_next, ws.s0);
         for (int s = ws.s0; s < ws.s0 + ws.steps; ++s) {
-          uint4 b[kMaxNTiles];
+          uint4 b[2][kMaxNTiles];
 #pragma unroll
-          for (int j = 0; j < kMaxNTiles; ++j) b[j] = b_next[j];
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < kMaxNTiles; ++j) b[h][j] = b_next[h][j];
           if (s + 1 < ws.s0 + ws.steps) load_b(b_next, s + 1);
-          cp_async_wait_upto(prod.pushed - consumed - 1);
-          const uint4* slot = ring_lane + (consumed % kStages) * (4 * 32);
-          const uint4 w0 = slot[0], w1 = slot[32], w2 = slot[64], w3 = slot[96];
-          ++consumed;
-          gemm::mma_span32(acc[0][0], w0, w1, b[0]);
-          gemm::mma_span32(acc[1][0], w2, w3, b[0]);
-          if (two_tiles) {
-            gemm::mma_span32(acc[0][1], w0, w1, b[1]);
-            gemm::mma_span32(acc[1][1], w2, w3, b[1]);
+          const int slot = consumed % kStages;
+          gemm::sm90_mbarrier_wait_parity(full_warp + slot * 8, (consumed / kStages) & 1);
+          const unsigned char* step = ring_warp + slot * kStepBytes;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // span h: chunk 4h + q of rows g, g + 8 of each box
+            const uint4 lo0 = box_chunk(step, g, 4 * h + q);
+            const uint4 hi0 = box_chunk(step, g + 8, 4 * h + q);
+            const uint4 lo1 = box_chunk(step + kBoxBytes, g, 4 * h + q);
+            const uint4 hi1 = box_chunk(step + kBoxBytes, g + 8, 4 * h + q);
+            gemm::mma_span32(acc[0][0], lo0, hi0, b[h][0]);
+            gemm::mma_span32(acc[1][0], lo1, hi1, b[h][0]);
+            if (two_tiles) {
+              gemm::mma_span32(acc[0][1], lo0, hi0, b[h][1]);
+              gemm::mma_span32(acc[1][1], lo1, hi1, b[h][1]);
+            }
           }
-          produce(prod, consumed, ring_lane);
+          ++consumed;
+          petit_syncwarp();  // every lane has read the slot before lane 0 refills it
+          produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
         }
         // red[warp][half][n-tile][reg][lane]
         float* mine = red + warp * (2 * kMaxNTiles * 4 * 32);
@@ -521,7 +549,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
       }
       prod.next = warp_stream(next_task, a);
       prod.has_next = next_task.valid;
-      if (cur_task.valid) produce(prod, consumed, ring_lane);
+      if (cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
     }
   }
   gemm::cp_async_wait_all();
@@ -537,7 +565,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1) megamoe_w1_kernel(const MegaM
     __threadfence();
   }
 #else
-  (void)a;
+  (void)a, (void)w13_map, (void)w2_map;
 #endif
 }
 
@@ -564,32 +592,44 @@ int megamoe_smem_bytes() { return SmemLayout::kBytes; }
 petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
   petitError_t err = megamoe_check(args);
   if (err != petitSuccess) return err;
-#if !PETIT_SM80_PATH
-  return petitErrorNotSupported;  // HIP: no mma.sync (the composed path serves)
+#if !PETIT_SM80_PATH || !PETIT_SM90A_BUILT
+  return petitErrorNotSupported;  // no sm_90a image (HIP, other targets): the composed path
 #else
   if (args.num_rows == 0) return petitSuccess;
-  int device = 0, num_sms = args.num_sms, cc_major = 0;
-  if ((err = petitGetDevice(&device)) != petitSuccess) return err;
-  if ((err = petitDeviceGetAttribute(&cc_major, petitDevAttrComputeCapabilityMajor, device)) !=
-      petitSuccess) {
+  int device = 0, num_sms = args.num_sms, cc_major = 0, cc_minor = 0;
+  if ((err = petitGetDevice(&device)) != petitSuccess ||
+      (err = petitDeviceGetAttribute(&cc_major, petitDevAttrComputeCapabilityMajor, device)) !=
+          petitSuccess ||
+      (err = petitDeviceGetAttribute(&cc_minor, petitDevAttrComputeCapabilityMinor, device)) !=
+          petitSuccess) {
     return err;
   }
-  if (cc_major < 8) return petitErrorNotSupported;
+  if (cc_major != 9 || cc_minor != 0) return petitErrorNotSupported;  // TMA + sm_90a image
   if (num_sms == 0 &&
       (err = petitDeviceGetAttribute(&num_sms, petitDevAttrMultiProcessorCount, device)) !=
           petitSuccess) {
     return err;
   }
+  CUtensorMap w13_map, w2_map;
+  if ((err = gemm::sm90_encode_weight_map(&w13_map, args.w13, args.hidden, args.intermediate, 2,
+                                          args.num_local_experts, kBoxRows)) != petitSuccess ||
+      (err = gemm::sm90_encode_weight_map(&w2_map, args.w2, args.intermediate, args.hidden, 1,
+                                          args.num_local_experts, kBoxRows)) != petitSuccess) {
+    return err;
+  }
   // One block per SM, fewer when the largest possible active-expert set has fewer tasks.
   const int64_t max_active = std::min<int64_t>(int64_t(args.num_rows) * args.top_k,
                                                args.num_local_experts);
-  const int64_t max_tasks = max_active * (args.intermediate / kTileCols + args.hidden / kDownRows);
+  const int64_t max_tasks =
+      max_active * (args.intermediate / kTileCols + args.hidden / kDownRows) +
+      args.hidden / kDownRows;
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(num_sms, max_tasks)));
   const int smem = SmemLayout::kBytes;
   err = petitFuncSetAttribute(megamoe_w1_kernel, petitFuncAttributeMaxDynamicSharedMemorySize,
                               smem);
   if (err != petitSuccess) return err;
-  petitLaunchKernel(megamoe_w1_kernel, dim3(grid), dim3(kThreads), smem, stream, args);
+  petitLaunchKernel(megamoe_w1_kernel, dim3(grid), dim3(kThreads), smem, stream, args, w13_map,
+                    w2_map);
   return petitGetLastError();
 #endif
 }
