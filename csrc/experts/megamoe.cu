@@ -8,28 +8,32 @@
 // routing it computes itself, and the down GEMM of an expert starts as soon as that expert's
 // activations exist, while other experts' gate/up tiles still stream.
 //
-// Structure (one block = 8 warps, one block per SM: the weight-streaming passes want more
-// registers than two blocks would leave; grid <= SMs):
+// Structure (a block = 4 compute warps + a control warp, two blocks per SM, grid <= 2 x SMs):
 //   1. Routing, redundantly in every block's shared memory (no inter-block sync): local expert
-//      of every entry, per-expert counts and offsets, the list of experts with rows, and a
-//      stable counting sort of the entries (positions agree across blocks because the sort
-//      is deterministic). Limited to kMegaMoeMaxEntries entries (N*K).
-//   2. Tasks, claimed in order from one counter: first every (active expert, 16-column
-//      gate/up tile), then every (active expert, 32-row down tile), experts in the same order.
-//      A task is 32 weight rows (gate + up rows of the same 16 columns, or 32 rows of w2) times
-//      the whole k range, split over the 8 warps and summed in shared memory. The weights are
-//      the M operand of mma.sync m16n8k16 (loaded straight into registers, gemm/sm80_mma.h)
-//      and the expert's rows the N operand, 8 per n-tile, up to 16 per pass.
-//   3. A gate/up task writes act[pos][cols] (bf16(silu(gate) * up)) and raises its expert's
-//      counter; a down task issues its first weight loads, waits (bounded) until its expert's
-//      counter shows every gate/up tile, then writes weight * (act . w2^T) as fp32 partials
-//      per routing entry and raises its row tile's counter. The task that completes a row tile
-//      (one arrival per active expert) sums the tile's partials of every token over its top-k
-//      slots in slot order (fp32, deterministic) and writes out[:, tile] in bf16.
-//   4. The last block to finish resets every counter to 0, so the next call (same stream)
+//      of every entry, per-expert counts, offsets and the experts with rows (one warp's scan),
+//      then a stable counting sort of the entries (positions agree across blocks because the
+//      sort is deterministic). Limited to kMegaMoeMaxEntries entries (N*K).
+//   2. Tasks, claimed in order from one counter: every (active expert, 16-column gate/up
+//      tile), then every (active expert, 32-row down tile), then one reduction per 32-row tile
+//      of H. A weight task is 32 weight rows (gate + up rows of the same 16 columns, or 32 rows
+//      of w2) times the whole k range, split over the compute warps and summed in shared
+//      memory. The weights are the M operand of mma.sync m16n8k16 (gemm/sm80_mma.h), the
+//      expert's rows the N operand, 8 per n-tile, up to 16 per pass.
+//   3. Weights stream by TMA into a per-warp ring of kStages steps that runs ahead across task
+//      boundaries, so a task's weights are in flight before its inputs exist.
+//   4. A gate/up task writes act[pos][cols] = bf16(silu(gate) * up) and raises its expert's
+//      counter; a down task's inputs are that expert's activations (all its gate/up tiles), it
+//      writes weight * (act . w2^T) as fp32 partials per routing entry and raises its row
+//      tile's counter; a reduction waits for every active expert's down tile, sums each token's
+//      partials over its top-k slots in slot order (fp32, deterministic) and writes out[:, tile].
+//      The control warp does the waits (bounded, acquire), the publishing (fence + counter,
+//      while the compute warps run the next task) and the claims: the compute warps never
+//      fence, which would stall them on their own loads in flight.
+//   5. The last block to finish resets every counter to 0, so the next call (same stream)
 //      starts from zeros: no memset launch, CUDA-graph capturable.
-// Deadlock freedom does not depend on co-residency: a down task waits only on gate/up tasks,
-// which were all claimed before it (claims are ordered) by blocks that run them without waiting.
+// Deadlock freedom does not depend on co-residency: a task waits only on tasks of an earlier
+// kind, all claimed before it (claims are ordered) by blocks that never wait on a later kind;
+// the control warp publishes its own finished task before it waits.
 #include <algorithm>
 #include <cstdio>
 
@@ -46,7 +50,8 @@ namespace petit {
 
 namespace {
 
-constexpr int kWarps = 8;                       // compute warps
+constexpr int kWarps = 4;                       // compute warps
+constexpr int kBlocksPerSm = 2;  // two blocks overlap each other's barriers and epilogues
 constexpr int kComputeThreads = kWarps * 32;
 constexpr int kThreads = kComputeThreads + 32;  // + the control warp
 constexpr int kComputeBarrier = 1;              // bar.sync id of the compute warps alone
@@ -78,7 +83,7 @@ struct SmemLayout {
   static constexpr int kReduce = kScalars + 4 * 8;  // float [warps][2][n-tiles][4][32]
   static constexpr int kBytes = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
 };
-static_assert(SmemLayout::kBytes <= 227 * 1024, "one block per SM");
+static_assert(kBlocksPerSm * (SmemLayout::kBytes + 1024) <= 228 * 1024, "two blocks per SM");
 // kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3)
 enum Scalar { kNumActive = 0, kClaim0 = 1, kExitHere = 4 };
 
@@ -242,7 +247,7 @@ PETIT_DEVICE uint4 box_chunk(const unsigned char* box, int r, int chunk) {
 
 #endif  // PETIT_SM80_PATH
 
-PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1)
+PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     megamoe_w1_kernel(const MegaMoeArgs a, const __grid_constant__ CUtensorMap w13_map,
                       const __grid_constant__ CUtensorMap w2_map) {
 #if PETIT_SM90A_BODY
@@ -506,9 +511,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, 1)
               mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
             }
         gemm::bar_sync(kComputeBarrier, kComputeThreads);
-        // Epilogue: thread -> (expert row n, 2 consecutive weight rows or columns).
-        const int n = tid / 16, part = tid % 16;
-        if (n < rows) {
+        // Epilogue: item -> (expert row n, 2 consecutive weight rows or columns).
+        for (int item = tid; item < kPassRows * 16; item += kComputeThreads) {
+          const int n = item / 16, part = item % 16;
+          if (n >= rows) break;
           const int pos = begin + pass + n;
           if (gate_up) {
             if (part < 8) {
@@ -617,13 +623,14 @@ petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
                                           args.num_local_experts, kBoxRows)) != petitSuccess) {
     return err;
   }
-  // One block per SM, fewer when the largest possible active-expert set has fewer tasks.
+  // kBlocksPerSm blocks per SM, fewer when the largest possible active-expert set has fewer
+  // tasks.
   const int64_t max_active = std::min<int64_t>(int64_t(args.num_rows) * args.top_k,
                                                args.num_local_experts);
   const int64_t max_tasks =
       max_active * (args.intermediate / kTileCols + args.hidden / kDownRows) +
       args.hidden / kDownRows;
-  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(num_sms, max_tasks)));
+  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(kBlocksPerSm * int64_t(num_sms), max_tasks)));
   const int smem = SmemLayout::kBytes;
   err = petitFuncSetAttribute(megamoe_w1_kernel, petitFuncAttributeMaxDynamicSharedMemorySize,
                               smem);
