@@ -67,7 +67,9 @@ constexpr int kBoxBytes = kBoxRows * kStepK * 2;
 constexpr int kStepBytes = 2 * kBoxBytes;  // a step: both 16-row halves of the task
 static_assert(kDownRows == 32, "megamoe_sync_ints (api.h) counts H / 32 row tiles");
 static_assert(kMegaMoeSizeMultiple % kStepK == 0, "H and I are whole ring steps");
+#if PETIT_SM80_PATH
 static_assert(kStepK == gemm::kTmaBoxK, "a step is one box row");
+#endif
 
 // Offsets of the block's shared memory (dynamic, 16-byte aligned pieces).
 struct SmemLayout {
@@ -245,8 +247,7 @@ PETIT_DEVICE uint4 box_chunk(const unsigned char* box, int r, int chunk) {
   return *reinterpret_cast<const uint4*>(box + r * 128 + ((chunk ^ (r & 7)) * 16));
 }
 
-#endif  // PETIT_SM80_PATH
-
+// The kernel (CUDA only: TMA tensor maps; an sm_90a body, empty in other device passes).
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     megamoe_w1_kernel(const MegaMoeArgs a, const __grid_constant__ CUtensorMap w13_map,
                       const __grid_constant__ CUtensorMap w2_map) {
@@ -574,6 +575,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   (void)a, (void)w13_map, (void)w2_map;
 #endif
 }
+
+#endif  // PETIT_SM80_PATH
 
 }  // namespace
 
