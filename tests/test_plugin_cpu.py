@@ -1160,8 +1160,10 @@ def no_dp_ep_pf():
 
 def test_single_gpu_hook_runs_the_fused_layer(kernel_hook, monkeypatch):
     """vLLM's real one-GPU kernel (no-DP/EP pass-through + TritonExperts): with the flag the
-    experts become PetitFusedExperts behind vLLM's own prepare/finalize, no buffer is made; without
-    it nothing changes."""
+    experts become PetitSingleGpuExperts behind vLLM's own prepare/finalize, holding the Triton
+    experts as its fallback, and no buffer is made; without it nothing changes."""
+    from vllm_petit_moe.config import SingleGpuLayerConfig
+
     monkeypatch.setattr(compat, "platform_name", lambda: "cuda")
     vllm_config = single_gpu_vllm_config()
     pf_class = type(no_dp_ep_pf())
@@ -1170,14 +1172,29 @@ def test_single_gpu_hook_runs_the_fused_layer(kernel_hook, monkeypatch):
     assert type(kernel.fused_experts) is TritonExperts
     monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
     kernel = build_kernel(single_gpu_moe_config(), vllm_config, pf=no_dp_ep_pf())
+    experts = kernel.fused_experts
     assert type(kernel.prepare_finalize) is pf_class
-    assert isinstance(kernel.fused_experts, petit_experts.PetitFusedExperts)
+    assert isinstance(experts, petit_experts.PetitSingleGpuExperts)
+    assert type(experts.fallback) is TritonExperts
     assert not kernel.output_is_reduced()
     assert kernel_hook == []
-    # both workspaces of the fused kernel in workspace2 (workspace13 may alias the output)
-    ws13, ws2, out = kernel.fused_experts.workspace_shapes(5, 2 * 512, 1024, 4, 16, 16, None,
-                                                           MoEActivation.SILU)
-    assert ws2 == (5, 4, 512 + 2 * 1024) and out == (5, 1024) and ws13 == (5, 1024)
+    # workspaces: ours in workspace2 (workspace13 may alias the output), Triton's fit too
+    args = (5, 2 * 512, 1024, 4, 16, 16, None, MoEActivation.SILU)
+    ws13, ws2, out = experts.workspace_shapes(*args)
+    t13, t2, t_out = experts.fallback.workspace_shapes(*args)
+    assert ws13 == t13 and out == t_out == (5, 1024)
+    assert ws2 == (5, 4, max(512 + 2 * 1024, t2[-1]))
+    # the per-call choice by token count
+    cfg = SingleGpuLayerConfig()
+    assert experts.path_for(cfg.composed_min_tokens - 1, 4, 1024, 512) == "triton"
+    assert experts.path_for(cfg.composed_min_tokens, 4, 1024, 512) == "composed"
+    experts.layer_config = SingleGpuLayerConfig(megamoe_max_tokens=64, composed_min_tokens=8)
+    assert experts.path_for(64, 4, 1024, 512) == "megamoe"
+    assert experts.path_for(65, 4, 1024, 512) == "composed"
+    assert experts.path_for(64, 4, 1024, 480) == "composed"  # I not a multiple of 64
+    assert experts.path_for(600, 4, 1024, 512) == "composed"
+    with pytest.raises(ValueError):
+        SingleGpuLayerConfig(composed_min_tokens=0)
 
 
 def test_single_gpu_hook_falls_back_with_a_reason_and_strict_mode_fails(kernel_hook,

@@ -66,6 +66,29 @@ class CombineConfig:
                              "in [0, 2^20], tail_chunks in [0, 1024]")
 
 
+@dataclass(frozen=True)
+class SingleGpuLayerConfig:
+    """Which kernels serve one call of a one-GPU (no EP) MoE layer under the vLLM flag, by the
+    call's token count N (Python only: the choice is made before any launch):
+
+    megamoe_max_tokens: the fused MegaMoE kernel (``ops.megamoe_forward``) for N up to this
+        (0: never). Off by default: on one H200 at 0c0f4df it measured 0.975x vLLM's Triton
+        experts in the geometric mean of 1-64 tokens (0.90-1.07x; examples/results/
+        moe_layer_H200x1.jsonl, docs/experiments/megamoe-w1.md).
+    composed_min_tokens: our composed experts (``ops.experts_forward``) from N = this; vLLM's
+        own Triton experts below (and above megamoe_max_tokens). 8: from there the composed
+        experts measured 1.00-1.07x vLLM's Triton at 8-64 tokens and 1.01-1.23x at 128-1024
+        (same run), below 8 0.95-1.03x.
+    """
+    megamoe_max_tokens: int = 0
+    composed_min_tokens: int = 8
+
+    def __post_init__(self):
+        _check_ints(self)
+        if self.megamoe_max_tokens < 0 or self.composed_min_tokens < 1:
+            raise ValueError(f"{self}: megamoe_max_tokens >= 0, composed_min_tokens >= 1")
+
+
 def _check_ints(config) -> None:
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)

@@ -248,50 +248,76 @@ class PetitExperts(_ExpertsModular):
         )
 
 
-class PetitFusedExperts(PetitExperts):
-    """The one-GPU (W=1, no EP) MoE layer: MegaMoE, our fused persistent kernel
-    (``ops.megamoe_forward``), for calls of at most ``ops.MEGAMOE_MAX_ENTRIES`` routing
-    entries (decode), and our composed experts (``ops.experts_forward``) above (prefill), in
-    place of vLLM's Triton experts behind vLLM's own pass-through prepare/finalize
-    (``MoEPrepareAndFinalizeNoDPEPModular``).
+class PetitSingleGpuExperts(PetitExperts):
+    """The one-GPU (no DP, no EP) MoE layer behind vLLM's own pass-through prepare/finalize
+    (``MoEPrepareAndFinalizeNoDPEPModular``): each call runs, by its token count
+    (``SingleGpuLayerConfig``), MegaMoE (our fused persistent kernel, ``ops.megamoe_forward``),
+    our composed experts (``ops.experts_forward``), or vLLM's Triton experts that it replaced
+    (``fallback``), so the flag never runs a kernel measured slower than vLLM's for that size.
 
     Workspaces: vLLM lets the fused output alias ``workspace13``, and the fused kernel still
-    reads activations while it writes finished output tiles, so both of its workspaces live in
-    ``workspace2 (M, K, I + 2H)``: the bf16 activations ``[M*K, I]``, then the fp32 partials
-    ``[M*K, H]`` (bf16 ``[M*K, H]`` for the composed path). ``workspace13`` is unused.
+    reads activations while it writes finished output tiles, so ours live in ``workspace2``:
+    the bf16 activations ``[M*K, I]``, then the partials ``[M*K, H]`` (fp32 for MegaMoE, bf16
+    for the composed path). Both are sized for the Triton fallback as well.
     """
 
-    def __init__(self, moe_config, quant_config):
+    def __init__(self, moe_config, quant_config, fallback, layer_config=None):
+        from vllm_petit_moe.config import SingleGpuLayerConfig
+
         super().__init__(moe_config, quant_config)
+        self.fallback = fallback
+        self.layer_config = layer_config or SingleGpuLayerConfig()
         self.timeout_s = envs.timeout_s()
 
     @staticmethod
     def _supports_batch_invariance() -> bool:
-        # A row's bits depend on whether the batch took the fused or the composed path.
+        # A row's bits depend on which kernel the batch's size chose.
         return False
+
+    def path_for(self, num_rows: int, top_k: int, hidden: int, intermediate: int) -> str:
+        """``"megamoe"``, ``"composed"`` or ``"triton"``: what ``apply`` runs for a call."""
+        from vllm_petit_moe import ops
+
+        cfg = self.layer_config
+        if num_rows <= cfg.megamoe_max_tokens and ops.megamoe_unsupported_reason(
+                num_rows, top_k, hidden, intermediate) is None:
+            return "megamoe"
+        return "composed" if num_rows >= cfg.composed_min_tokens else "triton"
 
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
                          expert_tokens_meta, activation):
-        """``M`` rows, ``N = 2I``, ``K = H``: workspace13 ``(M, H)`` (unused; vLLM sizes the
-        output's buffer from it), workspace2 ``(M, topk, I + 2H)``, output ``(M, H)``."""
-        intermediate = N // 2
-        return (M, K), (M, topk, intermediate + 2 * K), (M, K)
+        """``M`` rows, ``N = 2I``, ``K = H``: workspace13 as the Triton fallback's,
+        workspace2 ``(M, topk, max(I + 2H, Triton's))``, output ``(M, H)``."""
+        ws13, ws2, out = self.fallback.workspace_shapes(
+            M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation)
+        return ws13, (M, topk, max(N // 2 + 2 * K, ws2[-1])), out
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
               expert_tokens_meta, apply_router_weight_on_input) -> None:
-        """As ``PetitExperts.apply`` (same arguments and result), through the fused kernel
-        where the call qualifies."""
+        """As ``PetitExperts.apply`` (same arguments and result), through the kernel
+        ``path_for`` chooses."""
         from vllm_petit_moe import ops
 
-        if activation != _MoEActivation.SILU:
-            raise NotImplementedError(
-                f"vllm-petit-moe: PetitFusedExperts supports SiLU only, got {activation}")
-        if a1q_scale is not None or hidden_states.dtype != torch.bfloat16:
-            raise NotImplementedError(
-                "vllm-petit-moe: PetitFusedExperts takes bf16 activations only")
         num_rows, top_k = topk_ids.shape
         hidden, intermediate = hidden_states.size(1), w1.size(1) // 2
+        path = self.path_for(num_rows, top_k, hidden, intermediate)
+        if path == "triton":
+            self.fallback.apply(output, hidden_states, w1, w2, topk_weights, topk_ids,
+                                activation, global_num_experts, expert_map, a1q_scale, a2_scale,
+                                workspace13, workspace2, expert_tokens_meta,
+                                apply_router_weight_on_input)
+            return
+        if path == "composed":
+            super().apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                          global_num_experts, expert_map, a1q_scale, a2_scale, workspace13,
+                          workspace2, expert_tokens_meta, apply_router_weight_on_input)
+            return
+        if activation != _MoEActivation.SILU:
+            raise NotImplementedError(
+                f"vllm-petit-moe: MegaMoE supports SiLU only, got {activation}")
+        if a1q_scale is not None or hidden_states.dtype != torch.bfloat16:
+            raise NotImplementedError("vllm-petit-moe: MegaMoE takes bf16 activations only")
         ids, kernel_map = kernel_expert_ids(topk_ids, expert_map)
         if apply_router_weight_on_input:
             weights = torch.ones(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
@@ -300,13 +326,8 @@ class PetitFusedExperts(PetitExperts):
         entries = num_rows * top_k
         space = workspace2.reshape(-1)
         act = space[: entries * intermediate]
-        rest = space[entries * intermediate: entries * (intermediate + 2 * hidden)]
-        if ops.megamoe_unsupported_reason(num_rows, top_k, hidden, intermediate) is None:
-            ops.megamoe_forward(hidden_states, ids, weights, w1, w2, out=output,
-                                expert_map=kernel_map, act_workspace=act,
-                                partial_workspace=rest.view(torch.float32),
-                                timeout_s=self.timeout_s)
-        else:
-            ops.experts_forward(hidden_states, ids, weights, w1, w2, out=output,
-                                act_workspace=act, partial_workspace=rest[: entries * hidden],
-                                tiles=self.tiles, expert_map=kernel_map)
+        partial = space[entries * intermediate: entries * (intermediate + 2 * hidden)]
+        ops.megamoe_forward(hidden_states, ids, weights, w1, w2, out=output,
+                            expert_map=kernel_map, act_workspace=act,
+                            partial_workspace=partial.view(torch.float32),
+                            timeout_s=self.timeout_s)

@@ -293,8 +293,8 @@ def _is_single_gpu_layer(prepare_finalize: Any) -> bool:
 
 
 def decide_single_gpu(fused_experts: Any) -> Decision:
-    """Whether ``PetitFusedExperts`` (MegaMoE at W=1) replaces vLLM's experts of a layer built
-    with the no-DP/no-EP prepare/finalize. Pure: no logging, no allocation."""
+    """Whether ``PetitSingleGpuExperts`` replaces vLLM's experts of a layer built with the
+    no-DP/no-EP prepare/finalize. Pure: no logging, no allocation."""
     from vllm_petit_moe.vllm_glue.experts import unsupported_reason
 
     if not isinstance(fused_experts, compat.fused_moe_symbol("TritonExperts")):
@@ -316,8 +316,12 @@ def decide_single_gpu(fused_experts: Any) -> Decision:
     if compat.platform_name() not in SUPPORTED_PLATFORMS:
         return _unsupported(f"platform {compat.platform_name()} (supported: "
                             f"{SUPPORTED_PLATFORMS})")
-    return Decision(True, "one GPU: MegaMoE fused layer (composed experts above "
-                          "MEGAMOE_MAX_ENTRIES routing entries)")
+    from vllm_petit_moe.config import SingleGpuLayerConfig
+
+    cfg = SingleGpuLayerConfig()
+    return Decision(True, f"one GPU: petit's composed experts from {cfg.composed_min_tokens} "
+                          f"tokens per call, vLLM's Triton experts below, MegaMoE up to "
+                          f"{cfg.megamoe_max_tokens} tokens (SingleGpuLayerConfig)")
 
 
 def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
@@ -331,15 +335,16 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
     experts with a logged reason (or fails in strict mode).
     """
     if envs.use_petit_moe() and _is_single_gpu_layer(prepare_finalize):
-        from vllm_petit_moe.vllm_glue.experts import PetitFusedExperts
+        from vllm_petit_moe.vllm_glue.experts import PetitSingleGpuExperts
 
-        if isinstance(fused_experts, PetitFusedExperts):
+        if isinstance(fused_experts, PetitSingleGpuExperts):
             return fused_experts
         decision = decide_single_gpu(fused_experts)
-        _report(decision, type(fused_experts).__name__, what="PetitFusedExperts (MegaMoE)")
+        _report(decision, type(fused_experts).__name__, what="PetitSingleGpuExperts")
         if not decision.substitute:
             return fused_experts
-        return PetitFusedExperts(fused_experts.moe_config, fused_experts.quant_config)
+        return PetitSingleGpuExperts(fused_experts.moe_config, fused_experts.quant_config,
+                                     fallback=fused_experts)
     if not (envs.use_petit_moe() and envs.petit_experts()):
         return fused_experts
     from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
