@@ -65,7 +65,9 @@ setup(
     packages=find_packages(include=["vllm_petit_moe", "vllm_petit_moe.*"]),
     package_data={"vllm_petit_moe": ["configs/*.json", "configs/*/*.json"]},
     install_requires=["vllm==0.24.0", "torch==2.11.0"],
-    extras_require={"test": ["pytest>=8", "matplotlib", "requests"]},
+    # pandas: `vllm bench serve --dataset-name custom` reads its JSONL with it (a vllm[bench]
+    # dependency; the rest of that extra is for datasets this project does not use).
+    extras_require={"test": ["pytest>=8", "matplotlib", "requests", "pandas"]},
     entry_points={"vllm.general_plugins": ["petit_moe = vllm_petit_moe.plugin:register"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
