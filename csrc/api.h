@@ -154,7 +154,7 @@ struct MegaMoeArgs {
   int hidden;                      // H
   int intermediate;                // I
   int num_local_experts;           // L
-  int num_sms;                     // grid = up to one block per SM; 0: query the device
+  int num_sms;                     // grid = up to 2 blocks per SM; 0: query the device
   uint64_t timeout_ticks;          // bound of the in-kernel waits (petit_timer ticks), > 0
 };
 PETIT_HOST_DEVICE int megamoe_sync_ints(int num_local_experts, int hidden) {

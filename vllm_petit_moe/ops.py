@@ -299,7 +299,7 @@ def megamoe_forward(
     w13 ``[L, 2I, H]``, w2 ``[L, H, I]`` bfloat16. ``N*K <= MEGAMOE_MAX_ENTRIES`` and H, I
     multiples of ``MEGAMOE_SIZE_MULTIPLE`` (:func:`megamoe_unsupported_reason`).
     act_workspace ``>= N*K*I`` bfloat16, partial_workspace ``>= N*K*H`` float32 (allocated when
-    absent). num_sms: SMs the grid may use (0: all; one block per SM). timeout_s: bound of the
+    absent). num_sms: SMs the grid may use (0: all; two blocks per SM). timeout_s: bound of the
     kernel's internal waits (a bug, not a peer, would exceed it: the kernel then traps).
 
     Calls on one device must be ordered on one stream (they share the device's counters).
