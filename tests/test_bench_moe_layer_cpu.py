@@ -58,3 +58,33 @@ def test_parse_args(bench):
     for bad in (["--tokens", "0"], ["--profile-replays", "0"], ["--hot-fraction", "2"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_w1_routing_and_replot(bench, tmp_path):
+    """--world 1's routing draws K distinct experts per token (skewed: half of the picks on
+    the hot eighth), and --replot redraws the plot of a W=1 results file."""
+    import json
+
+    import torch
+
+    import moe_layer_w1 as w1
+
+    preset = w1.W1_PRESETS["qwen3-30b-a3b"]
+    g = torch.Generator().manual_seed(0)
+    ids, weights = w1.random_routing(4096, preset, "uniform", g, "cpu")
+    assert ids.shape == (4096, preset.top_k) and ids.dtype == torch.int32
+    assert all(len(set(row)) == preset.top_k for row in ids.tolist())
+    assert torch.allclose(weights.sum(-1), torch.ones(4096))
+    hot = preset.num_experts // 8
+    uniform_share = (ids < hot).float().mean().item()
+    skewed, _ = w1.random_routing(4096, preset, "skewed", g, "cpu")
+    skewed_share = (skewed < hot).float().mean().item()
+    assert abs(uniform_share - 1 / 8) < 0.02 and skewed_share > 0.3
+    row = dict(gpu="H200", world=1, commit="abc1234", date="2026-12-02T00:00:00Z",
+               preset="qwen3-30b-a3b", routing="uniform", tokens=1, vllm_us=30.0,
+               composed_us=32.0, megamoe_us=31.0, roofline_us=18.0, vllm_over_megamoe=30 / 31,
+               roofline_fraction=18 / 31)
+    path = tmp_path / "moe_layer_H200x1.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    assert bench.main(["--world", "1", "--replot", str(path)]) == 0
+    assert path.with_suffix(".png").stat().st_size > 0
