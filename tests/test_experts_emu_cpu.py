@@ -262,7 +262,7 @@ def test_hopper_regimes_give_the_same_bits(sm90, tiles, same_as):
 
 @pytest.mark.parametrize("hidden,inter", [(72, 64), (520, 296)])
 def test_clusters_with_odd_m_tiles_and_several_clusters(sm90, hidden, inter):
-    """wgmma_ws_mc: clusters of 2 CTAs take two m-tiles of one (expert, n-tile) together and
+    """wgmma_mc: clusters of 2 CTAs take two m-tiles of one (expert, n-tile) together and
     multicast the weight boxes into both; an expert's odd last m-tile is split by n-tile
     between the two CTAs, each loading its own weights. Experts with 1, 2 and 3 m-tiles of 128
     rows; 1 n-tile per GEMM (the second CTA of a split unit has no n-tile, no rows, and still
