@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 VLLM_USE_PETIT_MOE = "VLLM_USE_PETIT_MOE"
-"""``1`` switches DP+EP MoE layers to our dispatch/combine. Default off."""
+"""``1`` switches DP+EP MoE layers to our dispatch/combine, and on one GPU (no DP, TP or EP)
+vLLM's Triton experts to the fused MegaMoE layer (``PetitFusedExperts``). Default off."""
 
 VLLM_PETIT_MOE_STRICT = "VLLM_PETIT_MOE_STRICT"
 """``1``: with the flag on, fail (RuntimeError) instead of falling back to vLLM's backend for
