@@ -69,7 +69,8 @@ def nvcc():
     return path
 
 
-@pytest.mark.parametrize("source", ["experts/experts.cu", "comm/dispatch_combine.cu", "experts/routing.cu"])
+@pytest.mark.parametrize("source", ["experts/experts.cu", "comm/dispatch_combine.cu", "experts/routing.cu",
+                                    "experts/megamoe.cu"])
 def test_no_kernel_spills_and_no_serialized_wgmma(nvcc, source, tmp_path):
     report = _ptxas_report(nvcc, source, tmp_path)
     kernels = report["kernels"]

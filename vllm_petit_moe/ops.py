@@ -14,7 +14,7 @@ import torch
 
 from .config import ExpertConfig, as_dict
 from .limits import (MAX_ENTRIES, MAX_LOCAL_EXPERTS, MAX_TOP_K, MEGAMOE_MAX_ENTRIES,
-                     MEGAMOE_SIZE_MULTIPLE, SIZE_MULTIPLE)
+                     MEGAMOE_SIZE_MULTIPLE, SIZE_MULTIPLE, check_timeout_s)
 
 TILES = {"auto": 0, "simt": 1, "wgmma_narrow": 2, "wgmma_m64": 3, "wgmma": 4, "wgmma_mc": 5}
 """Tile families of the expert GEMMs (csrc/api.h ExpertTiles). ``auto`` (the default) chooses;
@@ -134,6 +134,17 @@ def validate_experts_inputs(
             raise ValueError(f"{name} is on {tensor.device}, recv_x on {recv_x.device}")
 
 
+def _check_expert_map(expert_map: torch.Tensor | None, device: torch.device) -> None:
+    if expert_map is not None and (
+        expert_map.dim() != 1 or expert_map.dtype != torch.int32 or expert_map.numel() == 0
+        or not expert_map.is_contiguous() or expert_map.device != device
+    ):
+        raise ValueError(
+            f"expert_map must be a contiguous non-empty int32 [E] tensor on {device}, "
+            f"got {expert_map.dtype} {tuple(expert_map.shape)} on {expert_map.device}"
+        )
+
+
 def experts_forward(
     recv_x: torch.Tensor,
     recv_topk_ids: torch.Tensor,
@@ -173,14 +184,7 @@ def experts_forward(
     no valid id are 0. H, I must be multiples of 8, L <= 512, K <= 16.
     """
     validate_experts_inputs(recv_x, recv_topk_ids, recv_topk_weights, w13, w2)
-    if expert_map is not None and (
-        expert_map.dim() != 1 or expert_map.dtype != torch.int32 or expert_map.numel() == 0
-        or not expert_map.is_contiguous() or expert_map.device != recv_x.device
-    ):
-        raise ValueError(
-            f"expert_map must be a contiguous non-empty int32 [E] tensor on {recv_x.device}, "
-            f"got {expert_map.dtype} {tuple(expert_map.shape)} on {expert_map.device}"
-        )
+    _check_expert_map(expert_map, recv_x.device)
     if tiles not in TILES:
         raise ValueError(f"tiles must be one of {sorted(TILES)}, got {tiles!r}")
     num_rows, hidden_size = recv_x.shape
@@ -312,18 +316,10 @@ def megamoe_forward(
     reason = megamoe_unsupported_reason(num_rows, top_k, hidden_size, intermediate_size)
     if reason is not None:
         raise ValueError(f"megamoe_forward: {reason}")
-    if not timeout_s > 0 or timeout_s > 3600:
-        raise ValueError(f"timeout_s must be in (0, 3600], got {timeout_s}")
+    timeout_s = check_timeout_s(timeout_s)
     if num_sms < 0:
         raise ValueError(f"num_sms must be >= 0, got {num_sms}")
-    if expert_map is not None and (
-        expert_map.dim() != 1 or expert_map.dtype != torch.int32 or expert_map.numel() == 0
-        or not expert_map.is_contiguous() or expert_map.device != x.device
-    ):
-        raise ValueError(
-            f"expert_map must be a contiguous non-empty int32 [E] tensor on {x.device}, "
-            f"got {expert_map.dtype} {tuple(expert_map.shape)} on {expert_map.device}"
-        )
+    _check_expert_map(expert_map, x.device)
     if out is None:
         out = torch.empty_like(x)
     elif tuple(out.shape) != (num_rows, hidden_size) or out.dtype != torch.bfloat16 \

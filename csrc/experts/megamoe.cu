@@ -42,6 +42,7 @@
 #include "gemm/epilogues.h"
 #if PETIT_SM80_PATH
 #include "gemm/sm80_mma.h"
+#include "gemm/sm90_epilogue_staged.h"    // named barriers
 #include "gemm/sm90_mainloop_wgmma_ws.h"  // mbarrier wrappers
 #include "gemm/sm90_tma.h"
 #endif
@@ -511,7 +512,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
             for (int r = 0; r < 4; ++r) {
               mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
             }
-        gemm::bar_sync(kComputeBarrier, kComputeThreads);
+        gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);
         // Epilogue: item -> (expert row n, 2 consecutive weight rows or columns).
         for (int item = tid; item < kPassRows * 16; item += kComputeThreads) {
           const int n = item / 16, part = item % 16;
@@ -538,7 +539,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
                 v;
           }
         }
-        gemm::bar_sync(kComputeBarrier, kComputeThreads);  // red is reused by the next pass
+        gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);  // red is reused by the next pass
       }
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in

@@ -57,16 +57,5 @@ PETIT_DEVICE uint4 load_stream(const void* ptr) {
 #endif
 }
 
-// bar.sync `id`, `threads` (a multiple of 32): a barrier of part of the block.
-PETIT_DEVICE void bar_sync(int id, int threads) {
-#if PETIT_SM80_DEVICE
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-#elif PETIT_EMU_PTX
-  emu_ptx::named_barrier_sync(id, threads);
-#else
-  (void)id, (void)threads;
-#endif
-}
-
 }  // namespace gemm
 }  // namespace petit

@@ -65,6 +65,26 @@ def kernel_expert_ids(
     return ids, expert_map.to(device=ids.device, dtype=torch.int32).contiguous()
 
 
+def kernel_inputs(hidden_states, topk_ids, topk_weights, expert_map, activation, a1q_scale,
+                  apply_router_weight_on_input):
+    """``(ids, expert_map, weights)`` for our kernels from an ``apply`` call's arguments
+    (``kernel_expert_ids``; float32 routing weights, ones where vLLM already applied them to
+    the input); NotImplementedError for what the kernels do not take."""
+    if activation != _MoEActivation.SILU:
+        raise NotImplementedError(f"vllm-petit-moe: our experts support SiLU only, got "
+                                  f"{activation}")
+    if a1q_scale is not None or hidden_states.dtype != torch.bfloat16:
+        raise NotImplementedError(
+            "vllm-petit-moe: our experts take bf16 activations only (got "
+            f"{hidden_states.dtype}, scale {'set' if a1q_scale is not None else 'none'})")
+    ids, kernel_map = kernel_expert_ids(topk_ids, expert_map)
+    if apply_router_weight_on_input:
+        weights = torch.ones(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
+    else:
+        weights = topk_weights.to(torch.float32).contiguous()
+    return ids, kernel_map, weights
+
+
 def unsupported_reason(moe_config: Any, quant_config: Any) -> str | None:
     """Why ``PetitExperts`` cannot serve a layer (None if it can), from vLLM's
     ``FusedMoEConfig`` and ``FusedMoEQuantConfig`` only."""
@@ -222,22 +242,11 @@ class PetitExperts(_ExpertsModular):
         """
         from vllm_petit_moe import ops
 
-        if activation != _MoEActivation.SILU:
-            raise NotImplementedError(
-                f"vllm-petit-moe: PetitExperts supports SiLU only, got {activation}"
-            )
-        if a1q_scale is not None or hidden_states.dtype != torch.bfloat16:
-            raise NotImplementedError(
-                "vllm-petit-moe: PetitExperts takes bf16 activations only (got "
-                f"{hidden_states.dtype}, scale {'set' if a1q_scale is not None else 'none'})"
-            )
         num_rows, top_k = topk_ids.shape
         hidden, intermediate = hidden_states.size(1), w1.size(1) // 2
-        ids, kernel_map = kernel_expert_ids(topk_ids, expert_map)
-        if apply_router_weight_on_input:
-            weights = torch.ones(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
-        else:
-            weights = topk_weights.to(torch.float32).contiguous()
+        ids, kernel_map, weights = kernel_inputs(
+            hidden_states, topk_ids, topk_weights, expert_map, activation, a1q_scale,
+            apply_router_weight_on_input)
         num_entries = num_rows * top_k
         act = workspace13.reshape(-1)[: num_entries * intermediate]
         partial = workspace2.reshape(-1)[: num_entries * hidden]
@@ -313,16 +322,9 @@ class PetitSingleGpuExperts(PetitExperts):
                           global_num_experts, expert_map, a1q_scale, a2_scale, workspace13,
                           workspace2, expert_tokens_meta, apply_router_weight_on_input)
             return
-        if activation != _MoEActivation.SILU:
-            raise NotImplementedError(
-                f"vllm-petit-moe: MegaMoE supports SiLU only, got {activation}")
-        if a1q_scale is not None or hidden_states.dtype != torch.bfloat16:
-            raise NotImplementedError("vllm-petit-moe: MegaMoE takes bf16 activations only")
-        ids, kernel_map = kernel_expert_ids(topk_ids, expert_map)
-        if apply_router_weight_on_input:
-            weights = torch.ones(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
-        else:
-            weights = topk_weights.to(torch.float32).contiguous()
+        ids, kernel_map, weights = kernel_inputs(
+            hidden_states, topk_ids, topk_weights, expert_map, activation, a1q_scale,
+            apply_router_weight_on_input)
         entries = num_rows * top_k
         space = workspace2.reshape(-1)
         act = space[: entries * intermediate]
