@@ -3,7 +3,7 @@
 vLLM's own `vllm bench serve` on the GSM8K test questions (a custom JSONL dataset).
 
 For each repeat and backend in turn ("default": vLLM's own MoE path; "petit": VLLM_USE_PETIT_MOE=1,
-which replaces DP+EP's all-gather/reduce-scatter, so it needs --data-parallel-size >= 2), one
+our dispatch/combine at DP >= 2 with EP, our one-GPU experts at DP 1), one
 `vllm serve <model dir> --load-format dummy` starts, answers `vllm bench serve` at every
 concurrency level, and stops. Dummy weights route every token to the same experts, which hides
 the MoE layer, so the servers always run with VLLM_MOE_ROUTING_SIMULATION_STRATEGY
@@ -15,7 +15,7 @@ skipped (rerun the same command to resume). --max-runtime S starts nothing expec
 after S seconds and exits 3 while work is left. --plot draws TPOT p50 vs concurrency.
 
   python3 examples/bench_tpot_gsm8k.py --dry-run                     # commands and env only
-  python3 examples/bench_tpot_gsm8k.py --data-parallel-size 1        # one GPU, vLLM default
+  python3 examples/bench_tpot_gsm8k.py --data-parallel-size 1        # one GPU: default, petit
   python3 examples/bench_tpot_gsm8k.py --data-parallel-size 2 --repeats 2 --plot
   python3 examples/bench_tpot_gsm8k.py --report examples/results/tpot_gsm8k_H200x2.jsonl --plot
 
@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="config.json + tokenizer; served with --load-format dummy")
     p.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1)
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=None,
-                   help="default: default petit (DP >= 2), default (DP 1)")
+                   help="default: default petit (petit-experts: DP >= 2 only)")
     p.add_argument("--strict", action="store_true", help="VLLM_PETIT_MOE_STRICT=1 for petit")
     p.add_argument("--routing-strategy", choices=ROUTING_STRATEGIES, default="uniform_random")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
@@ -125,10 +125,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--report", metavar="JSONL", help="only the table (and --plot) of a file")
     p.add_argument("--dry-run", action="store_true", help="print the commands and env, run none")
     args = p.parse_args(argv)
-    args.backends = args.backends or (["default", "petit"] if args.dp > 1 else ["default"])
-    if set(args.backends) - {"default"} and args.dp < 2:
-        p.error("petit replaces DP+EP's all-gather/reduce-scatter: it needs "
-                "--data-parallel-size >= 2 (at DP 1 vLLM's path stays in place)")
+    args.backends = args.backends or ["default", "petit"]
+    if "petit-experts" in args.backends and args.dp < 2:
+        p.error("petit-experts pairs our experts with our DP+EP dispatch/combine: it needs "
+                "--data-parallel-size >= 2 (at DP 1, petit already runs our experts)")
     if not 0 <= args.num_prompts <= 1319 or min(args.concurrency) < 1 or args.repeats < 1:
         p.error("--num-prompts 0..1319, --concurrency >= 1, --repeats >= 1")
     return args

@@ -23,7 +23,9 @@ SAFE_ENV = {**VLLM_SAFE_ENV, "PYTHONUNBUFFERED": "1"}
 # The plugin's flags: a server gets only those of its backend, never the caller's.
 PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS")
 # What the plugin logs (vllm_petit_moe/vllm_glue/hook.py, experts.py).
-LOG_PETIT_USED = "vllm-petit-moe: MoE layers use PetitPrepareAndFinalize"
+# DP + EP: our dispatch/combine; one GPU: our single-GPU experts
+LOG_PETIT_USED = ("vllm-petit-moe: MoE layers use PetitPrepareAndFinalize",
+                  "vllm-petit-moe: MoE layers use PetitSingleGpuExperts")
 LOG_PETIT_KEPT = ("vllm-petit-moe: VLLM_USE_PETIT_MOE=1 but unsupported here",
                   "vllm-petit-moe: not used for these MoE layers")
 LOG_PETIT_EXPERTS_USED = "vllm-petit-moe: MoE layers use PetitExperts"
@@ -102,7 +104,7 @@ def check_backend(log_text: str, backend: str) -> tuple[bool, str]:
         return [ln[ln.index("vllm-petit-moe:"):][:300] for ln in log_text.splitlines()
                 if any(m in ln for m in markers)]
 
-    used, kept, experts = grab(LOG_PETIT_USED), grab(*LOG_PETIT_KEPT), grab(LOG_PETIT_EXPERTS_USED)
+    used, kept, experts = grab(*LOG_PETIT_USED), grab(*LOG_PETIT_KEPT), grab(LOG_PETIT_EXPERTS_USED)
     if backend == "default":
         return (not used, used[0] if used else "vLLM's own MoE path (no petit line)")
     if backend == "petit-experts" and not experts:
@@ -111,7 +113,7 @@ def check_backend(log_text: str, backend: str) -> tuple[bool, str]:
         return False, f"petit asked for without PetitExperts, but: {experts[0]}"
     if used and not kept:
         return True, f"{used[0]} [{len(used)} process(es)]" + (f"; {experts[0]}" if experts else "")
-    return False, "flag on, but " + (kept[0] if kept else f"no '{LOG_PETIT_USED}' line")
+    return False, "flag on, but " + (kept[0] if kept else f"no '{LOG_PETIT_USED[0]}' line")
 
 
 class Server:

@@ -230,6 +230,9 @@ def test_check_backend_reads_the_plugin_log_lines():
     kept = "vllm-petit-moe: not used for these MoE layers (no data+expert parallelism)"
     assert "not used" in check(f"{USED}\n{kept}", "petit")[1]
     assert check("plain vLLM log", "default")[0] and not check(USED, "default")[0]
+    one_gpu = ("INFO vllm-petit-moe: MoE layers use PetitSingleGpuExperts instead of "
+               "TritonExperts: one GPU: ...")
+    assert check(one_gpu, "petit")[0] and not check(one_gpu, "default")[0]
     experts = "vllm-petit-moe: MoE layers use PetitExperts (petit grouped GEMMs)"
     assert check(f"{USED}\n{experts}", "petit-experts")[0]
     assert not check(USED, "petit-experts")[0] and not check(f"{USED}\n{experts}", "petit")[0]
@@ -318,9 +321,10 @@ def test_dry_run_prints_every_server_and_bench_command_with_its_env(capsys, tmp_
 def test_dry_run_on_one_gpu_and_usage_errors(capsys):
     out = dry_run(capsys)
     assert "--data-parallel-size 1 --attention-backend" in out  # no expert parallel at DP 1
-    assert "petit_" not in out and "--num-prompts 1319" in out and "--max-concurrency 32" in out
-    for argv in (["--backends", "petit"], ["--num-prompts", "2000"], ["--concurrency", "0"],
-                 ["--routing-strategy", "none"]):
+    assert "VLLM_USE_PETIT_MOE=1" in out  # petit at DP 1: the one-GPU layer
+    assert "--num-prompts 1319" in out and "--max-concurrency 32" in out
+    for argv in (["--backends", "petit-experts"], ["--num-prompts", "2000"],
+                 ["--concurrency", "0"], ["--routing-strategy", "none"]):
         with pytest.raises(SystemExit) as e:
             bench.main(["--dry-run", *argv])
         assert e.value.code == 2
