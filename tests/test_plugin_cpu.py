@@ -1221,3 +1221,74 @@ def test_single_gpu_hook_falls_back_with_a_reason_and_strict_mode_fails(kernel_h
     with pytest.raises(RuntimeError, match="quantization"):
         build_kernel(single_gpu_moe_config(), single_gpu_vllm_config(), pf=no_dp_ep_pf(),
                      quant_config=fp8)
+
+
+@pytest.fixture(scope="module")
+def megamoe_emu_lib(tmp_path_factory):
+    from conftest import build_emu_library
+
+    return build_emu_library(tmp_path_factory, "megamoe_emu")
+
+
+def emulated_megamoe_forward(lib):
+    """``ops.megamoe_forward`` as the real kernel on the CPU emulation, on the caller's
+    workspaces (two blocks per emulated SM, all at once)."""
+    import ctypes
+
+    def forward(x, topk_ids, topk_weights, w13, w2, *, out, expert_map=None, act_workspace,
+                partial_workspace, num_sms=0, timeout_s=30.0):
+        num_rows, hidden = x.shape
+        top_k, num_local, intermediate = topk_ids.shape[1], w13.shape[0], w13.shape[1] // 2
+        sync = torch.zeros(lib.petit_emu_megamoe_sync_ints(num_local, hidden), dtype=torch.int32)
+        ptr = lambda t: None if t is None else ctypes.c_void_p(t.data_ptr())  # noqa: E731
+        rc = lib.petit_emu_megamoe(
+            ptr(x), ptr(topk_ids), ptr(expert_map),
+            0 if expert_map is None else expert_map.numel(), ptr(topk_weights), ptr(w13),
+            ptr(w2), ptr(act_workspace), ptr(partial_workspace), ptr(sync), ptr(out), num_rows,
+            top_k, hidden, intermediate, num_local, 2, 1)
+        assert rc == 0 and int(sync.abs().sum()) == 0
+        return out
+
+    return forward
+
+
+@pytest.mark.parametrize("path", ["composed", "megamoe"])
+def test_single_gpu_layer_through_vllms_kernel(path, workspace, monkeypatch, megamoe_emu_lib):
+    """vLLM's real one-GPU FusedMoEKernel (pass-through prepare/finalize, its workspaces and
+    output aliasing) with PetitSingleGpuExperts, the composed path on the torch stand-in of
+    the kernels and MegaMoE as the real kernel on the CPU emulation: both against the dense
+    reference, the output written in full."""
+    from vllm_petit_moe import ops
+    from vllm_petit_moe.config import SingleGpuLayerConfig
+
+    monkeypatch.setattr(ops, "experts_forward", emulated_experts_forward)
+    monkeypatch.setattr(ops, "megamoe_forward", emulated_megamoe_forward(megamoe_emu_lib))
+    num_tokens, num_experts, top_k, hidden, intermediate = 6, 4, 2, 64, 64
+    # inputs of their own per path: vLLM's workspace (the output's memory) is shared between
+    # the cases, so a path that wrote nothing could not pass on the other's result
+    g = torch.Generator().manual_seed(11 if path == "composed" else 12)
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k]
+                       for _ in range(num_tokens)]).to(torch.int32)
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / 8).to(torch.bfloat16)
+    w2 = (torch.randn(num_experts, hidden, intermediate, generator=g) / 8).to(torch.bfloat16)
+    moe_config = single_gpu_moe_config(num_experts=num_experts, experts_per_token=top_k,
+                                       hidden_dim=hidden, intermediate_size=intermediate)
+    vllm_config = single_gpu_vllm_config()
+    with set_current_vllm_config(vllm_config):
+        triton = TritonExperts(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG)
+        experts = petit_experts.PetitSingleGpuExperts(
+            moe_config, FUSED_MOE_UNQUANTIZED_CONFIG, fallback=triton,
+            layer_config=SingleGpuLayerConfig(
+                megamoe_max_tokens=num_tokens if path == "megamoe" else 0,
+                composed_min_tokens=1))
+        kernel = mk.FusedMoEKernel(no_dp_ep_pf(), experts)
+    assert experts.path_for(num_tokens, top_k, hidden, intermediate) == path
+    with dp_step(vllm_config, [num_tokens]):
+        out = kernel.apply(x, w13, w2, weights, ids, activation=MoEActivation.SILU,
+                           global_num_experts=num_experts, expert_map=None,
+                           apply_router_weight_on_input=False)
+    ref = reference.dense_moe_reference(x, ids, weights, w13, w2)
+    assert out.shape == (num_tokens, hidden) and not out.isnan().any()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
