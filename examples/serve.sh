@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Serve a MoE model with vLLM, data parallel + expert parallel over this node's GPUs, with
-# the petit dispatch/combine backend switched on (VLLM_USE_PETIT_MOE=1); send one
+# Serve a MoE model with vLLM with vllm-petit-moe switched on (VLLM_USE_PETIT_MOE=1): data
+# parallel + expert parallel over this node's GPUs (petit's dispatch/combine), or on one GPU
+# (petit's one-GPU experts in place of vLLM's Triton experts); send one
 # /v1/completions request, print the generated token ids, report whether the MoE layers use
 # petit (from the server log), and stop the server.
 #
@@ -17,9 +18,9 @@
 # ones). A model directory without tokenizer files is served with --skip-tokenizer-init, so
 # prompts are token ids and the returned text is empty.
 #
-# Needs >= 2 GPUs on this node, vLLM 0.24.0 and this package installed (see README.md).
+# Needs a GPU, vLLM and this package installed (see README.md).
 # Environment:
-#   DP                 data-parallel size (default: number of visible GPUs, at least 2)
+#   DP                 data-parallel size (default: number of visible GPUs; 1: one GPU, no EP)
 #   PORT, HOST         where to serve (default 8000, 127.0.0.1)
 #   HEALTH_TIMEOUT     seconds to wait for /health (default 600)
 #   MAX_TOKENS         tokens to generate (default 16)
@@ -102,13 +103,12 @@ read -r NUM_GPUS VLLM_VERSION PLUGIN <<< "$(tail -1 <<< "$probe")"
 $PYTHON (from the repo root: CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e .; \
 on a devkit GPU machine without pip install: bash tools/vllm_gpu_check.sh build meta, then \
 . /tmp/vllm-site/env.sh; PYTHONPATH=/tmp/petit-moe-meta:\$PWD:\$PYTHONPATH bash examples/serve.sh)"
-if [ "$NUM_GPUS" -lt 2 ]; then
-  die "needs >= 2 GPUs on this node for data + expert parallel; found $NUM_GPUS visible to torch"
-fi
+[ "$NUM_GPUS" -ge 1 ] || die "needs a CUDA GPU; found none visible to torch"
 DP=${DP:-$NUM_GPUS}
-[[ "$DP" =~ ^[0-9]+$ ]] || die "DP=$DP is not a number"
-[ "$DP" -ge 2 ] || die "DP=$DP: expert parallel over DP ranks needs DP >= 2"
+[[ "$DP" =~ ^[0-9]+$ ]] && [ "$DP" -ge 1 ] || die "DP=$DP is not a positive number"
 [ "$DP" -le "$NUM_GPUS" ] || die "DP=$DP but only $NUM_GPUS GPUs are visible"
+EP_ARGS=()
+[ "$DP" -ge 2 ] && EP_ARGS=(--enable-expert-parallel)  # one GPU: no expert parallel
 
 # SO_REUSEADDR as uvicorn does: connections of an earlier run in TIME_WAIT do not block it.
 if "$PYTHON" -c "import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('$HOST', $PORT))" 2>/dev/null; then :; else
@@ -123,7 +123,7 @@ VLLM=("$PYTHON" -m vllm.entrypoints.cli.main)
 
 cmd=("${VLLM[@]}" serve "$MODEL"
      --load-format "$LOAD_FORMAT"
-     --data-parallel-size "$DP" --enable-expert-parallel
+     --data-parallel-size "$DP" "${EP_ARGS[@]}"
      --attention-backend "$ATTENTION_BACKEND"
      --host "$HOST" --port "$PORT")
 # No tokenizer files in the model directory: serve token ids only.
@@ -175,7 +175,7 @@ trap on_exit EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-say "model $MODEL, DP=$DP x EP on $NUM_GPUS GPUs, vLLM $VLLM_VERSION, VLLM_USE_PETIT_MOE=$VLLM_USE_PETIT_MOE"
+say "model $MODEL, DP=$DP${EP_ARGS:+ x EP} on $NUM_GPUS GPUs, vLLM $VLLM_VERSION, VLLM_USE_PETIT_MOE=$VLLM_USE_PETIT_MOE"
 say "\$ ${cmd[*]}"
 t0=$(date +%s)
 # Job control on for the launch only: bash puts the server into a process group of its own
@@ -230,16 +230,16 @@ report_backend() {
     | head -1 | cut -c1-300 || true
   grep -E 'vllm-petit-moe: EpBuffer rank' "$LOG" | cut -c1-300 || true
   local used fallback notused
-  used=$(grep -cE 'vllm-petit-moe: MoE layers use PetitPrepareAndFinalize' "$LOG" || true)
+  used=$(grep -cE 'vllm-petit-moe: MoE layers use (PetitPrepareAndFinalize|PetitSingleGpuExperts)' "$LOG" || true)
   fallback=$(grep -cE 'vllm-petit-moe: VLLM_USE_PETIT_MOE=1 but unsupported here' "$LOG" || true)
   notused=$(grep -cE 'vllm-petit-moe: not used for these MoE layers' "$LOG" || true)
-  grep -E 'vllm-petit-moe: (MoE layers use PetitPrepareAndFinalize|VLLM_USE_PETIT_MOE=1 but unsupported here|not used for these MoE layers)' \
+  grep -E 'vllm-petit-moe: (MoE layers use Petit(PrepareAndFinalize|SingleGpuExperts)|VLLM_USE_PETIT_MOE=1 but unsupported here|not used for these MoE layers)' \
     "$LOG" | cut -c1-400 || true
   if [[ "${VLLM_USE_PETIT_MOE,,}" =~ ^(0|false|no|off)$ ]]; then
     echo "petit: flag off (baseline run on vLLM's own all-to-all)"
     return 0
   elif [ "$used" -gt 0 ] && [ "$fallback" -eq 0 ] && [ "$notused" -eq 0 ]; then
-    echo "petit: ACTIVE ($used process(es) report PetitPrepareAndFinalize; expect one per DP rank: $DP)"
+    echo "petit: ACTIVE ($used process(es) report petit's MoE path; expect one per DP rank: $DP)"
     return 0
   elif [ "$used" -gt 0 ]; then
     echo "petit: PARTIAL (some MoE layers kept vLLM's path, see above)"
