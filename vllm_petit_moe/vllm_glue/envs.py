@@ -13,7 +13,8 @@ from typing import Any
 
 VLLM_USE_PETIT_MOE = "VLLM_USE_PETIT_MOE"
 """``1`` switches DP+EP MoE layers to our dispatch/combine, and on one GPU (no DP, TP or EP)
-vLLM's Triton experts to the fused MegaMoE layer (``PetitFusedExperts``). Default off."""
+vLLM's Triton experts to ``PetitSingleGpuExperts`` (ours from 8 tokens per call, vLLM's
+below; ``config.SingleGpuLayerConfig``). Default off."""
 
 VLLM_PETIT_MOE_STRICT = "VLLM_PETIT_MOE_STRICT"
 """``1``: with the flag on, fail (RuntimeError) instead of falling back to vLLM's backend for
@@ -78,14 +79,15 @@ def petit_experts_tiles() -> str:
 
 
 def timeout_s() -> float:
-    """``VLLM_PETIT_MOE_TIMEOUT_S`` as a positive float (default 30)."""
+    """``VLLM_PETIT_MOE_TIMEOUT_S`` in seconds (default 30): finite, > 0 and at most
+    ``limits.MAX_TIMEOUT_S``; anything else (0, negative, inf, nan, not a number) raises
+    ValueError naming the variable and the limit."""
+    from vllm_petit_moe.limits import check_timeout_s
+
     raw = os.environ.get(VLLM_PETIT_MOE_TIMEOUT_S, "").strip()
     if not raw:
         return 30.0
-    value = float(raw)
-    if not value > 0:
-        raise ValueError(f"{VLLM_PETIT_MOE_TIMEOUT_S}={raw!r}: must be > 0")
-    return value
+    return check_timeout_s(raw, VLLM_PETIT_MOE_TIMEOUT_S)
 
 
 ENV_VARS: dict[str, Callable[[], Any]] = {
