@@ -560,7 +560,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       if (cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
     }
   }
-  gemm::cp_async_wait_all();
+  // No weight load is in flight here: the producer only loads the current and the next task,
+  // and the loop ends at the first invalid one, whose successors are invalid too.
 
   // ---- 3. the last block out resets the counters for the next call
   __threadfence();
