@@ -176,16 +176,30 @@ struct EpState {
   uint32_t pad;
 };
 
-// Written by a kernel whose bounded wait expired (host-visible pinned memory).
+// What EpDiagnostics::error records.
+enum EpError : int32_t {
+  kEpErrorNone = 0,
+  kEpErrorTimeout = 1,   // a bounded wait expired: the peer's flag never showed the epoch
+  kEpErrorMismatch = 2,  // the peer's flag shows the epoch with another call's tag: the two
+                         // ranks called dispatch/combine with another region stride, top-k or
+                         // quant (layout.h dispatch_flag_tag / combine_flag_tag)
+};
+
+// Host-visible pinned memory, readable without a device sync (and after a trap, when the
+// CUDA context is gone). The first failing wait writes the error fields, then traps.
 struct EpDiagnostics {
-  int32_t timed_out;      // 0 = no error
+  int32_t error;          // EpError; kEpErrorNone = no error
   int32_t rank;           // the waiting rank
-  int32_t peer;           // the rank whose flag never arrived
+  int32_t peer;           // the rank whose flag never arrived / disagreed
   int32_t phase;          // 0 = dispatch, 1 = combine
   int32_t group;          // token group (32 tokens) of the flag
-  int32_t pad;
+  int32_t dropped_ids;    // routing slots with an id outside [-1, num_experts) that dispatch
+                          // treated as -1 (summed over all dispatches of the buffer; not an
+                          // error; EpBuffer.diagnostics() reports it)
   uint64_t expected_epoch;
   uint64_t observed_flag; // raw flag value seen last
+  uint32_t expected_tag;  // this rank's call tag (kEpErrorMismatch: the flag holds another)
+  uint32_t pad;
 };
 
 struct EpContextArgs {

@@ -123,6 +123,10 @@ class EpContext {
                 "%lld experts must be a multiple of the world size %lld and at most %d",
                 (long long)num_experts, (long long)world_size, kMaxExperts);
     PETIT_CHECK(max_tokens >= 1, "max tokens per rank must be >= 1");
+    // NaN fails both comparisons; 0 would fail every wait at once, inf never.
+    PETIT_CHECK(timeout_s > 0.0 && timeout_s <= kMaxTimeoutS,
+                "timeout_s %g outside (0, %g] seconds (the bound of every spin-wait)", timeout_s,
+                kMaxTimeoutS);
     c10::cuda::CUDAGuard guard(device_);
     args_.layout = make_heap_layout(int(world_size), int(max_tokens), int(hidden),
                                     int(max_top_k));
@@ -330,13 +334,18 @@ class EpContext {
     py::dict d;
     if (diag_host_ == nullptr) return d;
     volatile EpDiagnostics* diag = diag_host_;
-    d["timed_out"] = int(diag->timed_out);
+    const int error = int(diag->error);
+    d["error"] = error == kEpErrorTimeout ? "timeout" : (error == kEpErrorMismatch ? "mismatch" : "");
+    d["timed_out"] = int(error == kEpErrorTimeout);
     d["rank"] = int(diag->rank);
     d["peer"] = int(diag->peer);
     d["phase"] = diag->phase == 0 ? "dispatch" : "combine";
     d["group"] = int(diag->group);
     d["expected_epoch"] = uint64_t(diag->expected_epoch);
     d["observed_epoch"] = flag_epoch(diag->observed_flag);
+    d["expected_tag"] = uint32_t(diag->expected_tag);
+    d["observed_tag"] = flag_tag(diag->observed_flag);
+    d["dropped_ids"] = int(diag->dropped_ids);
     return d;
   }
 
@@ -706,8 +715,8 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
                   sync.numel() >= megamoe_sync_ints(int(L), int(H)),
               "sync must be a contiguous int32 CUDA tensor of >= %d elements",
               megamoe_sync_ints(int(L), int(H)));
-  PETIT_CHECK(timeout_s > 0.0 && timeout_s <= 3600.0, "timeout_s %f outside (0, 3600]",
-              timeout_s);
+  PETIT_CHECK(timeout_s > 0.0 && timeout_s <= kMaxTimeoutS, "timeout_s %g outside (0, %g] seconds",
+              timeout_s, kMaxTimeoutS);
   c10::cuda::CUDAGuard guard(x.device());
   MegaMoeArgs a{};
   a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());

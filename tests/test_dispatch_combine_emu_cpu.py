@@ -54,6 +54,10 @@ def _load(lib):
     lib.petit_emu_ep_set_combine_config.restype = None
     lib.petit_emu_ep_combine_plan.argtypes = [p, i, i, i, i, p]
     lib.petit_emu_ep_combine_plan.restype = ctypes.c_int
+    lib.petit_emu_ep_diagnostics.argtypes = [p, i, p]
+    lib.petit_emu_ep_diagnostics.restype = None
+    lib.petit_emu_ep_dispatch_each.argtypes = [p, ctypes.c_uint32, p, p, i, p, p, p, p, p, p]
+    lib.petit_emu_ep_combine_each.argtypes = [p, p, p, p, p, p, p]
     return lib
 
 
@@ -152,6 +156,13 @@ class EmuEp:
                                            _ints(num_tokens), top_k, region_stride, results)
         assert rc == 0, f"combine launch returned {list(results)}"
         return ys
+
+    def diagnostics(self, rank):
+        """Rank `rank`'s diagnostic record (api.h EpDiagnostics) as a dict."""
+        out = (ctypes.c_longlong * 9)()
+        self.lib.petit_emu_ep_diagnostics(self.handle, rank, out)
+        return dict(zip(("error", "rank", "peer", "phase", "group", "dropped_ids",
+                         "expected_epoch", "observed_flag", "expected_tag"), list(out)))
 
     def epochs(self):
         return [self.lib.petit_emu_ep_epoch(self.handle, r) for r in range(self.world_size)]

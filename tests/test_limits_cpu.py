@@ -37,6 +37,7 @@ HEADER_NAMES = {
     "FP8_TOKEN_MIN_SCALE": "kFp8TokenMinScale",
     "MEGAMOE_MAX_ENTRIES": "kMegaMoeMaxEntries",
     "MEGAMOE_SIZE_MULTIPLE": "kMegaMoeSizeMultiple",
+    "MAX_TIMEOUT_S": "kMaxTimeoutS",
 }
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

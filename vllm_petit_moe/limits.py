@@ -17,6 +17,24 @@ MAX_ENTRIES = 2**31 - 1  # N*K routing entries of experts_forward are indexed wi
 MEGAMOE_MAX_ENTRIES = 2048  # kMegaMoeMaxEntries: N*K of one fused-layer call
 MEGAMOE_SIZE_MULTIPLE = 64  # kMegaMoeSizeMultiple: H and I of the fused layer
 
+# --------------------------------------------------------------------------- waits
+MAX_TIMEOUT_S = 3600.0  # kMaxTimeoutS: bound of every in-kernel spin-wait, in seconds
+
+
+def check_timeout_s(value, what: str = "timeout_s") -> float:
+    """`value` as a float in (0, MAX_TIMEOUT_S] seconds, else ValueError naming `what` and the
+    limit: 0 would fail every wait at once, inf or NaN never bound one, a negative value is
+    meaningless."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"petit_moe: {what}={value!r} is not a number of seconds") from None
+    if not 0.0 < seconds <= MAX_TIMEOUT_S:  # False for NaN too
+        raise ValueError(f"petit_moe: {what}={value!r} must be finite, > 0 and <= "
+                         f"{MAX_TIMEOUT_S:g} seconds (the bound of every spin-wait)")
+    return seconds
+
+
 # --------------------------------------------------------------------------- heap layout
 TOKEN_GROUP_SIZE = 32  # kTokenGroupSize: tokens per readiness flag
 MIN_CHUNK_VECTORS = 2048  # kMinChunkVectors: 16-byte vectors of a combine send chunk, at least

@@ -8,6 +8,7 @@
 #include <stdio.h>
 
 #include "api.h"
+#include "common/expert_ids.h"
 #include "common/fp8.h"
 
 namespace petit {
@@ -55,7 +56,7 @@ PETIT_DEVICE float bf16x8_to_float(const uint4& v, float (&f)[kVecElems]) {
 #pragma unroll
   for (int e = 0; e < kVecElems; ++e) {
     f[e] = petit_bf16_to_float(h[e]);
-    amax = fmaxf(amax, fabsf(f[e]));
+    amax = petit_fmax_nan(amax, fabsf(f[e]));  // NaN propagates (fp8.h)
   }
   return amax;
 }
@@ -69,8 +70,8 @@ PETIT_DEVICE uint2 quantize_x8(const float (&f)[kVecElems], float scale_or_inver
   for (int e = 0; e < kVecElems; e += 2) {
     float q0 = kDivide ? f[e] / scale_or_inverse : f[e] * scale_or_inverse;
     float q1 = kDivide ? f[e + 1] / scale_or_inverse : f[e + 1] * scale_or_inverse;
-    q0 = fminf(fmaxf(q0, -kFp8E4m3Max), kFp8E4m3Max);
-    q1 = fminf(fmaxf(q1, -kFp8E4m3Max), kFp8E4m3Max);
+    q0 = petit_fp8_clamp(q0);  // NaN stays NaN (fp8.h)
+    q1 = petit_fp8_clamp(q1);
     pairs[e / 2] = petit_float2_to_e4m3x2(q0, q1);
   }
   return packed;
@@ -99,8 +100,8 @@ PETIT_DEVICE void warp_quant_blocks(uint2* __restrict__ dst, float* __restrict__
       float amax = bf16x8_to_float(v[u], f);
 #pragma unroll
       for (int offset = kVecPerScaleBlock / 2; offset >= 1; offset /= 2)
-        amax = fmaxf(amax, petit_shfl_xor(amax, offset));
-      float scale = fmaxf(amax, kFp8BlockMinAmax) / kFp8E4m3Max;
+        amax = petit_fmax_nan(amax, petit_shfl_xor(amax, offset));
+      float scale = petit_fmax_nan(amax, kFp8BlockMinAmax) / kFp8E4m3Max;
       if (kUe8m0) scale = petit_pow2_ceil(scale);
       if (b < blk_end) {
         dst[int64_t(b) * kVecPerScaleBlock + sub_lane] = quantize_x8<true>(f, scale);
@@ -118,12 +119,12 @@ PETIT_DEVICE void warp_quant_token(uint2* __restrict__ dst, float* __restrict__ 
   float amax = 0.f;
   for (int v = lane; v < num_vectors; v += PETIT_WARP_SIZE) {
     float f[kVecElems];
-    amax = fmaxf(amax, bf16x8_to_float(src[v], f));
+    amax = petit_fmax_nan(amax, bf16x8_to_float(src[v], f));
   }
 #pragma unroll
   for (int offset = PETIT_WARP_SIZE / 2; offset >= 1; offset /= 2)
-    amax = fmaxf(amax, petit_shfl_xor(amax, offset));
-  const float scale = fmaxf(amax / kFp8E4m3Max, kFp8TokenMinScale);
+    amax = petit_fmax_nan(amax, petit_shfl_xor(amax, offset));
+  const float scale = petit_fmax_nan(amax / kFp8E4m3Max, kFp8TokenMinScale);
   const float inverse = 1.0f / scale;
   if (scale_out != nullptr && lane == 0) *scale_out = scale;
   for (int v = begin + lane; v < end; v += PETIT_WARP_SIZE) {
@@ -160,33 +161,52 @@ PETIT_DEVICE int nth_set_bit(uint32_t mask, int n) {
   return __ffs(mask) - 1;
 }
 
-// Bounded spin until flag's epoch equals `epoch`; on expiry record, print and trap.
+// The first failing wait of this rank records the error (pinned host memory, readable after
+// the trap), prints it and traps; any other failing thread just traps.
+PETIT_DEVICE void fail_wait(const EpContextArgs& c, int error, uint64_t value, uint64_t epoch,
+                            uint32_t tag, int peer, int phase, int group) {
+  if (atomicCAS(&c.diagnostics->error, 0, error) == 0) {
+    c.diagnostics->rank = c.rank;
+    c.diagnostics->peer = peer;
+    c.diagnostics->phase = phase;
+    c.diagnostics->group = group;
+    c.diagnostics->expected_epoch = epoch;
+    c.diagnostics->observed_flag = value;
+    c.diagnostics->expected_tag = tag;
+    petit_fence_sys();
+    const char* what = phase == 0 ? "dispatch" : "combine";
+    if (error == kEpErrorTimeout)
+      printf("petit_moe: %s timed out on rank %d waiting for rank %d, token group %d: "
+             "expected epoch %llu, flag holds epoch %llu (count %u)\n",
+             what, c.rank, peer, group, (unsigned long long)epoch,
+             (unsigned long long)flag_epoch(value), flag_count(value));
+    else
+      printf("petit_moe: %s call mismatch on rank %d: rank %d's call of epoch %llu differs "
+             "(token group %d: call tag 0x%04x, this rank's 0x%04x; region stride, top-k and "
+             "quant must be equal on all ranks)\n",
+             what, c.rank, peer, (unsigned long long)epoch, group, flag_tag(value), tag);
+  }
+  petit_trap();
+}
+
+// Bounded spin until the flag shows `epoch` (its low kFlagEpochBits bits); the flag must then
+// carry `tag`, the tag of this rank's own call (else the peer made another call: mismatch).
+// On expiry or mismatch: fail_wait.
 PETIT_DEVICE uint64_t wait_flag(const EpContextArgs& c, const uint64_t* flag, uint64_t epoch,
-                                int peer, int phase, int group) {
+                                uint32_t tag, int peer, int phase, int group) {
+  const uint64_t want = flag_epoch_bits(epoch);
   uint64_t value = petit_load_acquire_sys(flag);
-  if (flag_epoch(value) == epoch) return value;
-  const uint64_t start = petit_timer();
-  while (true) {
-    value = petit_load_acquire_sys(flag);
-    if (flag_epoch(value) == epoch) return value;
-    if (petit_timer() - start > c.timeout_ticks) {
-      if (atomicCAS(&c.diagnostics->timed_out, 0, 1) == 0) {
-        c.diagnostics->rank = c.rank;
-        c.diagnostics->peer = peer;
-        c.diagnostics->phase = phase;
-        c.diagnostics->group = group;
-        c.diagnostics->expected_epoch = epoch;
-        c.diagnostics->observed_flag = value;
-        petit_fence_sys();
-        printf("petit_moe: %s timed out on rank %d waiting for rank %d, token group %d: "
-               "expected epoch %llu, flag holds epoch %llu (count %u)\n",
-               phase == 0 ? "dispatch" : "combine", c.rank, peer, group,
-               (unsigned long long)epoch, (unsigned long long)flag_epoch(value),
-               flag_count(value));
-      }
-      petit_trap();
+  if (flag_epoch(value) != want) {
+    const uint64_t start = petit_timer();
+    while (true) {
+      value = petit_load_acquire_sys(flag);
+      if (flag_epoch(value) == want) break;
+      if (petit_timer() - start > c.timeout_ticks)
+        fail_wait(c, kEpErrorTimeout, value, epoch, tag, peer, phase, group);
     }
   }
+  if (flag_tag(value) != tag) fail_wait(c, kEpErrorMismatch, value, epoch, tag, peer, phase, group);
+  return value;
 }
 
 // Thread 0's fence between its block's writes (observed through the block barrier) and the
@@ -226,6 +246,8 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
   const uint64_t epoch = s_epoch;
 
   const int R = a.region_stride, K = a.top_k, W = c.world_size, L = c.num_local_experts;
+  const int E = c.num_experts;
+  const uint32_t tag = dispatch_flag_tag(R, K, kQuant);
   const int num_groups = ceil_div(R, kTokenGroupSize);
   const int num_vectors = l.hidden / kVecElems;
   const int num_chunks = a.num_chunks;
@@ -249,13 +271,15 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
         int32_t* dst_ids = reinterpret_cast<int32_t*>(dst_heap + l.dispatch_ids) + slot;
         float* dst_weights = reinterpret_cast<float*>(dst_heap + l.dispatch_weights) + slot;
         uint32_t rank_mask = 0;
+        int dropped = 0;  // ids outside [-1, E): treated as -1 (expert_ids.h expert_owner)
         for (int k = 0; k < K; ++k) {
           int32_t local = -1;
           float weight = 0.f;
           if (token < a.num_tokens) {
             const int64_t id = int64_t(ids[int64_t(token) * K + k]);
-            if (id >= 0) {
-              const int owner = int(id / L);
+            const int owner = expert_owner(id, E, L);
+            dropped += (owner < 0 && id != -1);
+            if (owner >= 0) {
               rank_mask |= 1u << owner;
               if (owner == dst) {
                 local = int32_t(id - int64_t(dst) * L);
@@ -269,8 +293,12 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
             dst_weights[k] = weight;
           }
         }
-        if (chunk == 0 && dst == c.rank && token < a.num_tokens)
+        if (chunk == 0 && dst == c.rank && token < a.num_tokens) {
           c.token_rank_mask[token] = rank_mask;
+          // Counted once per slot (the item of this rank's own rows, chunk 0); an atomic on
+          // pinned host memory only where such ids occur.
+          if (dropped > 0) atomicAdd(&c.diagnostics->dropped_ids, dropped);
+        }
       }
       const uint32_t mask = uint32_t(petit_ballot(routed));
       if (lane == 0) s_route_mask = mask;
@@ -318,7 +346,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
       uint64_t* flag = reinterpret_cast<uint64_t*>(dst_heap + l.dispatch_flags) +
                        int64_t(c.rank) * l.max_groups + group;
       publish_item(c.group_done + int64_t(dst) * l.max_groups + group, num_chunks, flag,
-                   make_flag(epoch, __popc(route_mask)));
+                   make_flag(epoch, tag, __popc(route_mask)));
     }
   }
 
@@ -329,7 +357,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a)
        f += gridDim.x * blockDim.x) {
     const int src = f / num_groups, group = f % num_groups;
     const uint64_t value =
-        wait_flag(c, my_flags + int64_t(src) * l.max_groups + group, epoch, src, 0, group);
+        wait_flag(c, my_flags + int64_t(src) * l.max_groups + group, epoch, tag, src, 0, group);
     c.recv_group_counts[int64_t(src) * l.max_groups + group] = int32_t(flag_count(value));
   }
 
@@ -462,6 +490,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const int num_groups = ceil_div(R, kTokenGroupSize);
   const int num_vectors = l.hidden / kVecElems;
   const int num_chunks = a.num_chunks;
+  const uint32_t tag = combine_flag_tag(R, K, num_chunks);
   const int lane = petit_lane_id(), warp = petit_warp_id();
   const char* my_heap = rank_heap(c, c.rank);
   const int32_t* recv_ids = reinterpret_cast<const int32_t*>(my_heap + l.dispatch_ids);
@@ -533,7 +562,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       publish_fence();
       uint64_t* flags = reinterpret_cast<uint64_t*>(src_heap + l.combine_flags) +
                         (int64_t(c.rank) * l.max_groups + group) * l.max_chunks;
-      const uint64_t value = make_flag(epoch, __popc(route_mask));
+      const uint64_t value = make_flag(epoch, tag, __popc(route_mask));
       if (whole) {
         for (int f = 0; f < num_chunks; ++f) petit_store_relaxed_sys(flags + f, value);
       } else {
@@ -572,7 +601,7 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
       chunk_range(num_vectors, chunk, num_chunks, &send_begin, &send_end);
       if (peer != c.rank && send_begin < end && begin < send_end)
         wait_flag(c, my_flags + (int64_t(peer) * l.max_groups + group) * l.max_chunks + chunk,
-                  epoch, peer, 1, group);
+                  epoch, tag, peer, 1, group);
     }
     __syncthreads();  // the rows are visible (and, claiming, every thread has read s_claim)
     combine_trace_add(a, kTraceReduceWait, claimed_at);

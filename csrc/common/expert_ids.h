@@ -19,4 +19,13 @@ PETIT_HOST_DEVICE int local_expert_id(const int32_t* ids, const int32_t* expert_
   return (e >= 0 && e < num_local) ? e : -1;
 }
 
+// Owner rank of a routing slot's global expert id in dispatch (E = num_experts experts, L =
+// num_local per rank, rank r owns [r*L, (r+1)*L)), or -1 when the slot is not routed: -1 and
+// every id outside [0, E) (an out-of-range id is dropped like -1, and counted: see
+// EpDiagnostics::dropped_ids). 64-bit throughout, so an int64 id >= 2^31 * L cannot alias a
+// real expert through a narrowing, and the owner is always < kMaxWorldSize (a valid shift).
+PETIT_HOST_DEVICE int expert_owner(int64_t id, int num_experts, int num_local) {
+  return (id >= 0 && id < int64_t(num_experts)) ? int(id / num_local) : -1;
+}
+
 }  // namespace petit

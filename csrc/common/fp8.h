@@ -7,6 +7,13 @@
 //                  DeepGEMM E8M0 scales are on)
 //   per token    : s = max(amax / 448, 1 / (448 * 512)), q = sat(x * (1 / s))
 // with sat = clamp to [-448, 448] in fp32, then round to nearest even.
+// NaN and infinity follow vLLM's native quantizer (QuantFP8.forward_native and
+// _quantize_group_native, plain torch: amax and clamp propagate NaN): a NaN element makes its
+// block's (token's) amax and scale NaN, so the whole block arrives as NaN; an infinite element
+// makes the scale infinite, the element NaN (inf / inf) and the block's finite elements 0 --
+// dequantized, every element of such a block is NaN (never a finite value standing in for the
+// NaN, nor an infinity of the wrong sign). tests/test_fp8_nan_inf_cpu.py checks this against
+// vLLM's own code.
 #pragma once
 
 #include "common/layout.h"
@@ -37,11 +44,22 @@ PETIT_HOST_DEVICE float petit_bits_float(uint32_t u) {
 #endif
 }
 
+// max(a, b) that propagates NaN (fmaxf drops it), as torch's amax does.
+PETIT_HOST_DEVICE float petit_fmax_nan(float a, float b) {
+  return (a != a) ? a : ((b != b) ? b : (a > b ? a : b));
+}
+
+// clamp(q, -448, 448) that keeps NaN (fminf/fmaxf would turn it into a bound), as torch's
+// clamp does.
+PETIT_HOST_DEVICE float petit_fp8_clamp(float q) {
+  return (q != q) ? q : (q < -kFp8E4m3Max ? -kFp8E4m3Max : (q > kFp8E4m3Max ? kFp8E4m3Max : q));
+}
+
 // The smallest power of two >= y (y positive, normal): the UE8M0 scale vLLM uses with
-// DeepGEMM (2^ceil(log2 y)), computed exactly on the bits.
+// DeepGEMM (2^ceil(log2 y)), computed exactly on the bits. NaN and infinity stay as they are.
 PETIT_HOST_DEVICE float petit_pow2_ceil(float y) {
   const uint32_t bits = petit_float_bits(y);
-  if ((bits & 0x7fffffu) == 0) return y;
+  if ((bits & 0x7fffffu) == 0 || (bits & 0x7f800000u) == 0x7f800000u) return y;
   return petit_bits_float((bits & 0x7f800000u) + 0x800000u);
 }
 

@@ -15,7 +15,21 @@ constexpr int kMegaMoeMaxEntries = 2048;  // fused layer: N*K, sorted in shared 
 constexpr int kMegaMoeSizeMultiple = 64;  // fused layer: H and I, whole 64-k TMA box rows
 constexpr int kRegionAlignment = 256;  // bytes; keeps every region 16-byte vector aligned
 constexpr int kFp8ScaleBlock = 128;   // elements per fp8 scale (1x128 block quantization)
-constexpr int kFlagCountBits = 6;      // flag = epoch << 6 | rows routed in the group (0..32)
+// A readiness flag (u64) = epoch << kFlagEpochShift | call tag << kFlagCountBits | count:
+// the count of rows routed in the group (0..32), the tag of the call that raised it (its
+// region stride, top-k and wire format or send chunks: dispatch_flag_tag / combine_flag_tag),
+// and the low kFlagEpochBits bits of the epoch (2^42 calls: 44 years at 3000 calls/s). A
+// waiter that finds its epoch with another tag knows the peer made a different call (region
+// stride, top-k, quant) and fails with that, instead of reading rows at the wrong offsets.
+constexpr int kFlagCountBits = 6;
+constexpr int kFlagTagBits = 16;
+constexpr int kFlagEpochShift = 22;
+constexpr int kFlagEpochBits = 42;
+static_assert(kFlagEpochShift == kFlagCountBits + kFlagTagBits &&
+                  kFlagEpochBits == 64 - kFlagEpochShift,
+              "flag = epoch | tag | count fills 64 bits");
+// Bound of every spin-wait (seconds; EpBuffer's timeout_s, megamoe_forward's): finite, > 0.
+constexpr float kMaxTimeoutS = 3600.0f;
 // A send item (token group, hidden chunk) keeps >= kMinChunkVectors 16-byte vectors (32 KB) of
 // the group's rows: splitting less data only adds a fence and a flag to the latency. (More,
 // smaller items to fill the grid's last round cost more than they gained: 2x H200, commit
@@ -30,12 +44,32 @@ PETIT_HOST_DEVICE int max_group_chunks(int hidden) {
   return chunks < 1 ? 1 : chunks;
 }
 
-PETIT_HOST_DEVICE uint64_t make_flag(uint64_t epoch, uint32_t count) {
-  return (epoch << kFlagCountBits) | count;
+PETIT_HOST_DEVICE uint64_t make_flag(uint64_t epoch, uint32_t tag, uint32_t count) {
+  return (epoch << kFlagEpochShift) | (uint64_t(tag & ((1u << kFlagTagBits) - 1)) << kFlagCountBits) |
+         count;
 }
-PETIT_HOST_DEVICE uint64_t flag_epoch(uint64_t flag) { return flag >> kFlagCountBits; }
+// The epoch as a flag carries it (its low kFlagEpochBits bits).
+PETIT_HOST_DEVICE uint64_t flag_epoch_bits(uint64_t epoch) {
+  return epoch & ((uint64_t(1) << kFlagEpochBits) - 1);
+}
+PETIT_HOST_DEVICE uint64_t flag_epoch(uint64_t flag) { return flag >> kFlagEpochShift; }
+PETIT_HOST_DEVICE uint32_t flag_tag(uint64_t flag) {
+  return uint32_t(flag >> kFlagCountBits) & ((1u << kFlagTagBits) - 1);
+}
 PETIT_HOST_DEVICE uint32_t flag_count(uint64_t flag) {
   return uint32_t(flag & ((1u << kFlagCountBits) - 1));
+}
+// Tag of a dispatch: bits [0, 2) the wire format (DispatchQuant), [2, 6) top-k - 1, [6, 16)
+// the region stride mod 1024 (strides that differ by a multiple of 1024 are not told apart).
+PETIT_HOST_DEVICE uint32_t dispatch_flag_tag(int region_stride, int top_k, int quant) {
+  return uint32_t(quant & 3) | (uint32_t((top_k - 1) & 15) << 2) |
+         (uint32_t(region_stride & 1023) << 6);
+}
+// Tag of a combine: [0, 4) top-k - 1, [4, 12) the region stride mod 256, [12, 16) the send
+// chunks per (group, peer) - 1 mod 16 (which hidden ranges each flag covers).
+PETIT_HOST_DEVICE uint32_t combine_flag_tag(int region_stride, int top_k, int num_chunks) {
+  return uint32_t((top_k - 1) & 15) | (uint32_t(region_stride & 255) << 4) |
+         (uint32_t((num_chunks - 1) & 15) << 12);
 }
 
 PETIT_HOST_DEVICE int64_t align_up(int64_t value, int64_t alignment) {

@@ -156,7 +156,8 @@ extern "C" void* petit_emu_ep_create(int world_size, int max_tokens, int hidden,
                                      int num_experts, int num_blocks, double timeout_s) {
   if (world_size < 1 || world_size > petit::kMaxWorldSize || max_tokens < 1 || hidden < 8 ||
       hidden % 8 != 0 || max_top_k < 1 || max_top_k > petit::kMaxTopK || num_experts < 1 ||
-      num_experts % world_size != 0 || num_blocks < 1)
+      num_experts % world_size != 0 || num_blocks < 1 ||
+      !(timeout_s > 0.0 && timeout_s <= petit::kMaxTimeoutS))  // as EpContext (bindings.cpp)
     return nullptr;
   auto ep = std::make_unique<EpEmu>();
   ep->world_size = world_size;
@@ -207,6 +208,16 @@ extern "C" const int32_t* petit_emu_ep_recv_group_counts(void* handle, int rank)
   return static_cast<EpEmu*>(handle)->ranks[size_t(rank)]->recv_group_counts.data();
 }
 
+// Rank `rank`'s diagnostic record (api.h EpDiagnostics): out[9] = error, rank, peer, phase,
+// group, dropped_ids, expected_epoch, observed flag, expected_tag.
+extern "C" void petit_emu_ep_diagnostics(void* handle, int rank, long long* out) {
+  const petit::EpDiagnostics& d = static_cast<EpEmu*>(handle)->ranks[size_t(rank)]->diagnostics;
+  const long long values[9] = {d.error, d.rank, d.peer, d.phase, d.group, d.dropped_ids,
+                               (long long)d.expected_epoch, (long long)d.observed_flag,
+                               (long long)d.expected_tag};
+  for (int i = 0; i < 9; ++i) out[i] = values[i];
+}
+
 extern "C" unsigned long long petit_emu_ep_epoch(void* handle, int rank) {
   return static_cast<EpEmu*>(handle)->ranks[size_t(rank)]->state.epoch;
 }
@@ -221,6 +232,33 @@ extern "C" int petit_emu_ep_dispatch(void* handle, uint32_t ranks_mask, const vo
   return on_ranks(ep, ranks_mask, results, [&](int r) {
     return dispatch_one(ep, r, xs[r], ids[r], ids_int64, weights[r], num_tokens[r], top_k,
                         region_stride, quant);
+  });
+}
+
+// As petit_emu_ep_dispatch with each rank's own top-k, region stride and quant (a rank that
+// disagrees with its peers: the flags' call tags must catch it).
+extern "C" int petit_emu_ep_dispatch_each(void* handle, uint32_t ranks_mask,
+                                          const void* const* xs, const void* const* ids,
+                                          int ids_int64, const float* const* weights,
+                                          const int* num_tokens, const int* top_k,
+                                          const int* region_stride, const int* quant,
+                                          int* results) {
+  EpEmu& ep = *static_cast<EpEmu*>(handle);
+  return on_ranks(ep, ranks_mask, results, [&](int r) {
+    return dispatch_one(ep, r, xs[r], ids[r], ids_int64, weights[r], num_tokens[r], top_k[r],
+                        region_stride[r], quant[r]);
+  });
+}
+
+// As petit_emu_ep_combine with each rank's own top-k and region stride.
+extern "C" int petit_emu_ep_combine_each(void* handle, const void* const* expert_outs,
+                                         void* const* outs, const int* num_tokens,
+                                         const int* top_k, const int* region_stride,
+                                         int* results) {
+  EpEmu& ep = *static_cast<EpEmu*>(handle);
+  return on_ranks(ep, all_ranks(ep), results, [&](int r) {
+    return combine_one(ep, r, expert_outs[r], outs[r], num_tokens[r], top_k[r],
+                       region_stride[r]);
   });
 }
 

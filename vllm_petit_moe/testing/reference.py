@@ -296,10 +296,12 @@ Fp8Quant = Literal["fp8_block128", "fp8_per_token", "fp8_block128_ue8m0"]
 
 def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= y (float32, positive normal), exact on the bits: the UE8M0
-    scale (2^ceil(log2 y)) vLLM uses when its DeepGEMM E8M0 scales are on."""
+    scale (2^ceil(log2 y)) vLLM uses when its DeepGEMM E8M0 scales are on. NaN and infinity
+    stay as they are (as exp2(ceil(log2 y)) keeps them)."""
     bits = y.float().contiguous().view(torch.int32)
     up = (bits & 0x7F800000) + 0x800000
-    return torch.where((bits & 0x7FFFFF) == 0, bits, up).view(torch.float32)
+    keep = ((bits & 0x7FFFFF) == 0) | ((bits & 0x7F800000) == 0x7F800000)
+    return torch.where(keep, bits, up).view(torch.float32)
 
 
 def quantize_fp8_reference(x: torch.Tensor, mode: Fp8Quant) -> tuple[torch.Tensor, torch.Tensor]:
