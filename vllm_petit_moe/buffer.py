@@ -12,15 +12,18 @@ docs/architecture.md for the data layout and the flag/epoch protocol.
 from __future__ import annotations
 
 import logging
+import socket
+import uuid
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .config import CombineConfig, as_dict
-from .heap import check_single_node, exchange_fds
+from .heap import SETUP_TIMEOUT_S, SetupError, agree, check_single_node, exchange_fds
 from .limits import (FP8_BLOCK_MODES, FP8_SCALE_BLOCK, MAX_EXPERTS, MAX_TOP_K, MAX_WORLD_SIZE,
-                     MIN_CHUNK_VECTORS, REGION_ALIGNMENT, SIZE_MULTIPLE, TOKEN_GROUP_SIZE)
+                     MIN_CHUNK_VECTORS, REGION_ALIGNMENT, SIZE_MULTIPLE, TOKEN_GROUP_SIZE,
+                     check_timeout_s)
 
 logger = logging.getLogger("vllm.petit_moe.buffer")  # inside vLLM's logger tree
 
@@ -37,6 +40,47 @@ COMBINE_TRACE_SLOTS = ("start", "first_send", "sends_done", "first_reduce_ready"
 def _ops():
     from . import _C  # compiled extension; imported lazily so CPU-only code never needs it
     return _C
+
+
+def _local_device(num_sms: int | None) -> tuple[torch.device, int]:
+    """This process's current CUDA device and the SMs of the persistent grid (all by
+    default), or ValueError / RuntimeError. Replaced in CPU tests."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count if num_sms is None else num_sms
+    if not 1 <= sms <= sm_count:
+        raise ValueError(f"petit_moe: num_sms {sms} outside [1, {sm_count}]")
+    return device, sms
+
+
+def _synchronize(device: torch.device) -> None:
+    torch.cuda.synchronize(device)  # replaced in CPU tests
+
+
+class PeerFaultError(RuntimeError):
+    """A dispatch/combine wait of this rank failed (a peer died, stalled past the timeout, or
+    made a different call): the kernel trapped, so this process's CUDA context is lost and the
+    process must restart. The message names the phase, the peer, the token group and the
+    epoch (EpBuffer.diagnostics())."""
+
+
+def describe_fault(d: dict) -> str | None:
+    """The sentence for a diagnostic record (EpBuffer.diagnostics()), or None when it holds
+    no error."""
+    error = d.get("error") or ("timeout" if d.get("timed_out") else "")
+    if not error:
+        return None
+    where = (f"{d['phase']} on rank {d['rank']}, waiting for rank {d['peer']}, token group "
+             f"{d['group']}")
+    if error == "timeout":
+        what = (f"timed out: expected epoch {d['expected_epoch']}, the flag holds epoch "
+                f"{d['observed_epoch']}")
+    else:
+        what = (f"call mismatch at epoch {d['expected_epoch']}: the peer's call tag "
+                f"0x{d.get('observed_tag', 0):04x} != this rank's 0x{d.get('expected_tag', 0):04x} "
+                "(region stride, top-k and quant must be equal on all ranks)")
+    return (f"petit_moe: {where}: {what}. The kernel trapped: this process's CUDA context is "
+            "lost (a sticky error), so the process must restart")
 
 
 @dataclass(frozen=True)
@@ -124,6 +168,21 @@ def validate_config(*, world_size: int, hidden_size: int, num_experts: int,
         raise ValueError("petit_moe: max_tokens_per_rank must be >= 1")
 
 
+def check_consistent(signatures: list[dict]) -> None:
+    """Raise SetupError naming each differing argument and every rank's value unless all
+    ranks' `EpBuffer.signature()` agree: a rank with another hidden size, expert count, token
+    or top-k bound (the heap layout), SM count or CombineConfig (the combine's flags per
+    group) would read its peers' rows at the wrong offsets."""
+    differ = [key for key in signatures[0]
+              if any(sig.get(key) != signatures[0][key] for sig in signatures[1:])]
+    if differ:
+        raise SetupError("petit_moe: EpBuffer arguments differ between ranks (they must be "
+                         "equal on all): " + "; ".join(
+                             f"{key}: " + ", ".join(f"rank {r} {sig.get(key)!r}"
+                                                    for r, sig in enumerate(signatures))
+                             for key in differ))
+
+
 class EpBuffer:
     """Expert-parallel dispatch/combine over a linearized symmetric heap (one node, bf16).
 
@@ -139,8 +198,9 @@ class EpBuffer:
             (2 * W * T_max * H * 2 bytes of rows per rank). Larger calls raise ValueError.
         max_top_k: the largest top-k (<= 16).
         num_sms: blocks of the persistent dispatch/combine grid (default: every SM).
-        timeout_s: bound of every spin-wait; on expiry the kernel reports rank, peer, token
-            group and epoch (see `diagnostics`) and traps.
+        timeout_s: bound of every spin-wait, in (0, 3600] seconds (limits.MAX_TIMEOUT_S); on
+            expiry the kernel reports rank, peer, token group and epoch (see `diagnostics`)
+            and traps.
         validate_ids: check expert ids on the host (one sync) when not capturing a graph.
         config: how combine splits its grid and its work
             (:class:`~vllm_petit_moe.config.CombineConfig`; default: its defaults). Equal on
@@ -154,44 +214,81 @@ class EpBuffer:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        validate_config(world_size=self.world_size, hidden_size=hidden_size,
-                        num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
-                        max_top_k=max_top_k)
+        self._ctx = None
         self.hidden_size = hidden_size
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.world_size
         self.max_tokens_per_rank = max_tokens_per_rank
         self.max_top_k = max_top_k
-        self.timeout_s = timeout_s
         self.validate_ids = validate_ids
         self.config = CombineConfig() if config is None else config
-        if not isinstance(self.config, CombineConfig):
-            raise TypeError(f"petit_moe: config must be a CombineConfig, got "
-                            f"{type(self.config).__name__}")
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.num_sms = sm_count if num_sms is None else num_sms
-        if not 1 <= self.num_sms <= sm_count:
-            raise ValueError(f"petit_moe: num_sms {self.num_sms} outside [1, {sm_count}]")
-
-        check_single_node(group)
-        self._ctx = _ops().EpContext(self.device.index, self.rank, self.world_size,
-                                     max_tokens_per_rank, hidden_size, max_top_k, num_experts,
-                                     self.num_sms, timeout_s,
-                                     combine_config=as_dict(self.config))
+        self.timeout_s = timeout_s
+        # Setup: every step ends in a bounded status exchange (heap.agree), so a step that
+        # fails on one rank raises SetupError on all and none blocks in a later collective.
+        error = None
         try:
-            fds = exchange_fds(group, self._ctx.export_fd())
-            self._ctx.map_peers(fds)  # zeroes this rank's flags
-            dist.barrier(group=group)  # ... before any peer may write them
+            validate_config(world_size=self.world_size, hidden_size=hidden_size,
+                            num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
+                            max_top_k=max_top_k)
+            self.timeout_s = check_timeout_s(timeout_s)
+            if not isinstance(self.config, CombineConfig):
+                raise TypeError(f"petit_moe: config must be a CombineConfig, got "
+                                f"{type(self.config).__name__}")
+            self.device, self.num_sms = _local_device(num_sms)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by agree
+            error = f"{type(e).__name__}: {e}"
+        self.num_local_experts = num_experts // max(self.world_size, 1)
+        # What must be equal on every rank (the heap layout, the owner of each expert id, the
+        # combine's plan), exchanged with the host name and rank 0's socket token.
+        signature = self.signature()
+        records = agree(group, "config", error,
+                        (signature, socket.gethostname(), uuid.uuid4().hex))
+        check_consistent([r[0] for r in records])
+        check_single_node([r[1] for r in records])
+        token = records[0][2]
+        self._ctx = self._step("heap", lambda: _ops().EpContext(
+            self.device.index, self.rank, self.world_size, max_tokens_per_rank, hidden_size,
+            max_top_k, num_experts, self.num_sms, self.timeout_s,
+            combine_config=as_dict(self.config)))
+        try:
+            fds = exchange_fds(group, self._ctx.export_fd(), token)
+            # map_peers zeroes this rank's flags: the agreement orders that before any peer
+            # writes them.
+            self._step("map", lambda: self._ctx.map_peers(fds))
             self._verify_mapping()
         except BaseException:
             self._ctx.close()
+            self._ctx = None
             raise
         self.footprint_bytes = self._ctx.heap_bytes
         logger.info("petit_moe: EP buffer rank %d/%d: heap %.1f MiB per rank (%d tokens/rank "
                     "x hidden %d x top-%d), %d SMs", self.rank, self.world_size,
                     self.footprint_bytes / 2**20, max_tokens_per_rank, hidden_size,
                     max_top_k, self.num_sms)
+
+    def signature(self) -> dict:
+        """The arguments that must be equal on every rank (exchanged at creation)."""
+        return {"world_size": self.world_size, "hidden_size": self.hidden_size,
+                "num_experts": self.num_experts,
+                "max_tokens_per_rank": self.max_tokens_per_rank, "max_top_k": self.max_top_k,
+                "num_sms": getattr(self, "num_sms", None),
+                "config": as_dict(self.config) if isinstance(self.config, CombineConfig)
+                else repr(self.config)}
+
+    def _step(self, name: str, fn):
+        """fn() on this rank, then agree on every rank's outcome; returns fn's result."""
+        result, error = None, None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - reported to every rank by agree
+            error = f"{type(e).__name__}: {e}"
+        try:
+            agree(self.group, name, error)
+        except BaseException:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+            raise
+        return result
 
     # ------------------------------------------------------------------ setup checks
     def _verify_mapping(self) -> None:
@@ -200,15 +297,20 @@ class EpBuffer:
         offset = _ops().heap_layout(self.world_size, self.max_tokens_per_rank,
                                     self.hidden_size, self.max_top_k)["combine_rows"]
         signature = lambda r: torch.arange(16, dtype=torch.uint8, device=self.device) + 16 * r  # noqa: E731
-        self._ctx.heap_view(self.rank, offset, 16).copy_(signature(self.rank))
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
-        for r in range(self.world_size):
-            got = self._ctx.heap_view(r, offset, 16)
-            if not torch.equal(got, signature(r)):
-                raise RuntimeError(f"petit_moe: rank {self.rank} reads a wrong signature from "
-                                   f"rank {r}'s heap through the linear mapping")
-        dist.barrier(group=self.group)  # nobody overwrites the region before all have read
+
+        def write():
+            self._ctx.heap_view(self.rank, offset, 16).copy_(signature(self.rank))
+            _synchronize(self.device)
+
+        def read():
+            for r in range(self.world_size):
+                got = self._ctx.heap_view(r, offset, 16)
+                if not torch.equal(got, signature(r)):
+                    raise RuntimeError(f"rank {self.rank} reads a wrong signature from rank "
+                                       f"{r}'s heap through the linear mapping")
+
+        self._step("write signature", write)
+        self._step("read signatures", read)  # nobody overwrites the region before all read
 
     def _check_open(self) -> None:
         if self._ctx is None:
@@ -339,8 +441,29 @@ class EpBuffer:
         return self._ctx.recv_group_counts()[:, :groups].sum(dim=1, dtype=torch.int32)
 
     def diagnostics(self) -> dict:
-        """The record of a timed-out wait (timed_out=0 when none), readable after the trap."""
+        """The buffer's diagnostic record (pinned host memory: no device sync, readable after
+        a trap): ``error`` ("" none, "timeout", "mismatch"), ``timed_out`` (0/1), ``rank``,
+        ``peer``, ``phase`` ("dispatch"/"combine"), ``group``, ``expected_epoch``,
+        ``observed_epoch``, ``expected_tag``, ``observed_tag`` of the first failed wait; and
+        ``dropped_ids``: routing slots with ids outside [-1, num_experts) that dispatches
+        treated as -1 (validate_ids=False or under graph capture), as far as the device has
+        written it."""
         return dict(self._ctx.diagnostics()) if self._ctx is not None else {}
+
+    def fault(self) -> str | None:
+        """The sentence describing a failed wait (see `PeerFaultError`), or None."""
+        return describe_fault(self.diagnostics())
+
+    def synchronize(self) -> None:
+        """torch.cuda.synchronize on this buffer's device, turning a trapped dispatch/combine
+        into a PeerFaultError that names the phase, peer, token group and epoch."""
+        try:
+            _synchronize(self.device)
+        except RuntimeError as e:
+            fault = self.fault()
+            if fault is not None:
+                raise PeerFaultError(fault) from e
+            raise
 
     def peer_write(self, src: torch.Tensor, bytes_per_peer: int) -> None:
         """Benchmark ceiling: push `bytes_per_peer` of `src` into every peer's heap with the

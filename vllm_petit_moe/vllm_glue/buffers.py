@@ -16,6 +16,14 @@
   instance ask for the same sizes, so this indicates a bug, not a configuration to support).
   Smaller requests reuse the buffer.
 - The footprint of each new buffer is logged at INFO on every rank.
+- **Failures are remembered**: a creation that raised (on every rank together: ``EpBuffer``'s
+  setup agrees on each step) raises the same error for every later call with that key,
+  without a new collective, so all layers fall back to vLLM's path alike.
+- **Faults are logged as they happen**: a daemon thread per buffer reads its diagnostic
+  record (``EpBuffer.diagnostics()``, pinned host memory: no device sync) twice a second and
+  logs a failed wait (phase, peer, token group, epoch) at ERROR the moment the kernel writes
+  it, before the trap surfaces as a generic CUDA error in vLLM; and warns when dispatch
+  dropped routing ids outside [-1, E).
 
 The compiled extension is imported only when a buffer is actually created
 (``vllm_petit_moe.buffer`` imports it), never by this module or by the hook's decision.
@@ -52,6 +60,50 @@ class _Entry:
 
 
 _BUFFERS: dict[tuple[int, int, int], _Entry] = {}
+_FAILED: dict[tuple[int, int, int], Exception] = {}
+FAULT_POLL_S = 0.5
+
+
+class FaultWatch:
+    """Logs a buffer's faults from its diagnostic record (see the module docstring)."""
+
+    def __init__(self, buffer: Any, interval_s: float = FAULT_POLL_S):
+        import threading
+
+        self.buffer, self.interval_s = buffer, interval_s
+        self.reported_fault = False
+        self.dropped_ids = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="petit-moe-fault-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def poll(self) -> None:
+        """One look at the record: log a new fault (ERROR, once) or more dropped ids."""
+        d = self.buffer.diagnostics()
+        if not d:
+            return
+        fault = self.buffer.fault()
+        if fault is not None and not self.reported_fault:
+            self.reported_fault = True
+            logger.error("vllm-petit-moe: %s. Diagnostic record: %s", fault, d)
+        dropped = int(d.get("dropped_ids", 0))
+        if dropped > self.dropped_ids:
+            logger.warning(
+                "vllm-petit-moe: dispatch treated %d routing slots with expert ids outside "
+                "[-1, %s) as unused (-1) so far", dropped, getattr(self.buffer, "num_experts",
+                                                                      "E"))
+            self.dropped_ids = dropped
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the buffer closed under us
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _create_buffer(group: Any, config: BufferConfig) -> Any:
@@ -79,6 +131,8 @@ def get_or_create_buffer(group: Any, config: BufferConfig) -> Any:
     Creates it (a collective over ``group``) on first use; see the module docstring.
     """
     key = (id(group), config.hidden_size, config.num_experts)
+    if key in _FAILED:
+        raise RuntimeError(f"vllm-petit-moe: EP buffer creation failed earlier: {_FAILED[key]}")
     entry = _BUFFERS.get(key)
     if entry is not None:
         built = entry.config
@@ -95,8 +149,14 @@ def get_or_create_buffer(group: Any, config: BufferConfig) -> Any:
             )
         return entry.buffer
 
-    buffer = _create_buffer(group, config)
+    try:
+        buffer = _create_buffer(group, config)
+    except Exception as e:
+        _FAILED[key] = e
+        raise
     _BUFFERS[key] = _Entry(group, config, buffer)
+    if callable(getattr(buffer, "fault", None)):
+        buffer.fault_watch = FaultWatch(buffer)
     footprint = getattr(buffer, "footprint_bytes", None)
     logger.info(
         "vllm-petit-moe: EpBuffer rank %s/%s, hidden %d, %d experts, %d tokens/rank, "
@@ -117,8 +177,12 @@ def close_all_buffers() -> None:
 
     Collective in the same sense as creation if ``EpBuffer.close`` is: call it on all ranks.
     """
+    _FAILED.clear()
     while _BUFFERS:
         _, entry = _BUFFERS.popitem()
+        watch = getattr(entry.buffer, "fault_watch", None)
+        if watch is not None:
+            watch.stop()
         close = getattr(entry.buffer, "close", None)
         if close is not None:
             close()

@@ -1,9 +1,12 @@
 """Every vLLM version difference and every monkeypatch of vllm-petit-moe, in one place.
 
-Supported vLLM range: **0.24 – 0.33** (minor versions, inclusive) where the interfaces below
-exist; **tested: 0.24.0** (with torch 2.11.0). Outside the range the plugin warns once and
-still tries: every lookup below is by feature (module / attribute present), and a missing one
-fails with an error that names what was looked for, never with wrong results.
+Supported vLLM range: **0.24 – 0.33** (minor versions, inclusive; setup.py requires
+``vllm>=0.24,<0.34``). Verified on GPUs: **0.24.0** (torch 2.11.0); the CPU suite runs on
+**0.24.0 and 0.33.0** (torch 2.14.0). Outside the range the plugin refuses to act
+(``UnsupportedVllmVersion`` at registration with the flag set, and at import of the modules that
+subclass vLLM's classes). Inside it, every lookup below is by feature (module / attribute
+present), and a missing one fails with an error that names what was looked for, never with
+wrong results.
 
 Each entry below carries a comment block:
 
@@ -30,9 +33,14 @@ from typing import Any
 
 logger = logging.getLogger("vllm.petit_moe.compat")
 
-TESTED_VLLM_VERSION = "0.24.0"
 MIN_SUPPORTED_VLLM = (0, 24)
 MAX_SUPPORTED_VLLM = (0, 33)
+"""The supported (major, minor) range, inclusive: setup.py's VLLM_REQUIREMENT (a CPU test keeps
+the two equal)."""
+GPU_TESTED_VLLM = ("0.24.0",)
+"""Versions the GPU suite ran with (H200; the GPU machine's image has torch 2.11.0 only)."""
+CPU_TESTED_VLLM = ("0.24.0", "0.33.0")
+"""Versions CI runs the CPU suite with, one environment each (.ci/run, CI_VLLM_VERSIONS)."""
 
 _warned: set[str] = set()
 
@@ -71,21 +79,49 @@ def is_supported_vllm_version(version: str) -> bool:
     return MIN_SUPPORTED_VLLM <= major_minor <= MAX_SUPPORTED_VLLM
 
 
-def check_vllm_version() -> bool:
-    """Warn once (never raise) when the installed vLLM is outside the supported range."""
+def supported_range_text() -> str:
+    """``"0.24-0.33"``: the supported range as people write it."""
+    return (f"{MIN_SUPPORTED_VLLM[0]}.{MIN_SUPPORTED_VLLM[1]}-"
+            f"{MAX_SUPPORTED_VLLM[0]}.{MAX_SUPPORTED_VLLM[1]}")
+
+
+class UnsupportedVllmVersion(RuntimeError):
+    """The installed vLLM is outside [MIN_SUPPORTED_VLLM, MAX_SUPPORTED_VLLM]."""
+
+
+def unsupported_vllm_message(version: str) -> str:
+    """What to tell a user whose vLLM is ``version`` (outside the supported range)."""
+    return (
+        f"vllm-petit-moe supports vLLM {supported_range_text()} (verified on GPUs: "
+        f"{', '.join(GPU_TESTED_VLLM)}; CPU tests: {', '.join(CPU_TESTED_VLLM)}), but this "
+        f"environment has vLLM {version}. Install a supported vLLM "
+        f"(pip install 'vllm>={MIN_SUPPORTED_VLLM[0]}.{MIN_SUPPORTED_VLLM[1]},"
+        f"<{MAX_SUPPORTED_VLLM[0]}.{MAX_SUPPORTED_VLLM[1] + 1}') and rebuild this package "
+        "against its torch (pip install --no-build-isolation -e .), or unset "
+        "VLLM_USE_PETIT_MOE to run vLLM without the plugin."
+    )
+
+
+def require_supported_vllm() -> str:
+    """The installed vLLM version; ``UnsupportedVllmVersion`` if it is outside the range.
+
+    Called by ``plugin.register`` with the flag set (a vLLM start-up then fails with this
+    message) and on import of ``prepare_finalize`` / ``experts`` (they subclass vLLM's classes).
+    """
     version = vllm_version()
-    supported = is_supported_vllm_version(version)
-    if not supported:
-        _warn_once(
-            "version",
-            "vllm-petit-moe supports vLLM %d.%d-%d.%d (tested %s); found vLLM %s. The plugin "
-            "still tries, and fails with a named error if an interface it needs is missing.",
-            *MIN_SUPPORTED_VLLM,
-            *MAX_SUPPORTED_VLLM,
-            TESTED_VLLM_VERSION,
-            version,
-        )
-    return supported
+    if not is_supported_vllm_version(version):
+        raise UnsupportedVllmVersion(unsupported_vllm_message(version))
+    return version
+
+
+def warn_if_unsupported_vllm() -> bool:
+    """Log the same message once, as a warning (the flag is off: the plugin does nothing, so
+    vLLM may run); True if the version is supported."""
+    version = vllm_version()
+    if is_supported_vllm_version(version):
+        return True
+    _warn_once("version", "%s", unsupported_vllm_message(version))
+    return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,12 +133,16 @@ def check_vllm_version() -> bool:
 #       VLLM_USE_PETIT_MOE is a hard error, otherwise a warning on every start. Registering
 #       also makes `vllm.envs.VLLM_USE_PETIT_MOE` resolve and puts the flag's value into
 #       `envs.compile_factors()` (the torch.compile cache key), which is harmless.
+#       vLLM 0.33 no longer validates (`validate_environ` is gone), but the registry still
+#       matters there: `ray_env.get_env_vars_to_copy` copies every registered variable to Ray
+#       workers, and `collect_env` reports them.
 # HOW   `vllm.envs.environment_variables` is a plain dict name -> zero-argument getter
-#       (vLLM 0.24; the same dict has existed since long before 0.24). We `setdefault` our
+#       (0.24 and 0.33; the same dict has existed since long before 0.24). We `setdefault` our
 #       getters into it. If the dict is missing (a future vLLM with another registry) we do
 #       nothing and say so at debug level: the flag still works, vLLM may warn about it.
 #       Plugins are loaded (EngineArgs.__post_init__) before validate_environ runs, in the
-#       API server and again in engine cores and workers.
+#       API server and again in engine cores and workers. `validate_vllm_environ` runs vLLM's
+#       strict check where it exists (tests).
 # REMOVE WHEN vLLM offers a public API for plugins to declare environment variables.
 
 
@@ -116,6 +156,18 @@ def register_env_vars(getters: dict[str, Callable[[], Any]]) -> bool:
         return False
     for name, getter in getters.items():
         registry.setdefault(name, getter)
+    return True
+
+
+def validate_vllm_environ() -> bool:
+    """vLLM's strict check of the VLLM_* variables (ValueError on one it does not know), where
+    vLLM has one (0.24: True after it passed); False where it has none (0.33)."""
+    import vllm.envs as vllm_envs
+
+    validate = getattr(vllm_envs, "validate_environ", None)
+    if validate is None:
+        return False
+    validate(hard_fail=True)
     return True
 
 
@@ -133,6 +185,14 @@ def register_env_vars(getters: dict[str, Callable[[], Any]]) -> bool:
 #       base (FusedMoEExpertsModular; FusedMoEPermuteExpertsUnpermute in older builds).
 #       Older names (FusedMoEModularKernel, FusedMoEPrepareAndFinalize as the modular base,
 #       TritonExperts in fused_moe.py) are listed as fallbacks for vLLM builds near 0.24.
+#       0.33 keeps every one of these names and modules (FusedMoEKernel still dispatches to
+#       FusedMoEKernelModularImpl / FusedMoEKernelMonolithicImpl, as in 0.24); its new base-class
+#       members (PrepareAndFinalize.allocate_fused_expert_output / supports_dbo /
+#       supports_deferred_moe_finalize, Experts.output_hidden_dim / post_gemm2_hook, an
+#       `apply` that may return moe_output.UnfinalizedMoEOutput) all default to what our
+#       classes do: no external output buffer, no DBO, finalize always runs, the hidden size
+#       unchanged, `apply` writes `output` and returns None. The two that could change a
+#       result have their own entries below (pass-through prepare/finalize, GEMM2 hook).
 # REMOVE WHEN the supported range starts at a version with one stable layout (then import
 #       directly).
 
@@ -156,6 +216,10 @@ _SYMBOLS: dict[str, tuple[tuple[str, str], ...]] = {
          "MoEPrepareAndFinalizeNoDPEPModular"),
         ("vllm.model_executor.layers.fused_moe.prepare_finalize", "MoEPrepareAndFinalizeNoEP"),
     ),
+    "PassThrough": (
+        ("vllm.model_executor.layers.fused_moe.prepare_finalize.passthrough",
+         "PassThroughPrepareAndFinalize"),
+    ),
     "TopKWeightAndReduceNoOP": ((_TOPK_REDUCE, "TopKWeightAndReduceNoOP"),),
     "TopKWeightAndReduceContiguous": ((_TOPK_REDUCE, "TopKWeightAndReduceContiguous"),),
     "TopKWeightAndReduceDelegate": ((_TOPK_REDUCE, "TopKWeightAndReduceDelegate"),),
@@ -164,6 +228,14 @@ _SYMBOLS: dict[str, tuple[tuple[str, str], ...]] = {
         ("vllm.model_executor.layers.fused_moe.fused_moe", "TritonExperts"),
     ),
 }
+
+
+def fused_moe_symbol_or_none(name: str) -> Any:
+    """``fused_moe_symbol(name)``, or None where this vLLM lacks it."""
+    try:
+        return fused_moe_symbol(name)
+    except ImportError:
+        return None
 
 
 def fused_moe_symbol(name: str) -> Any:
@@ -180,9 +252,53 @@ def fused_moe_symbol(name: str) -> Any:
         tried.append(f"{module_name}.{attr}")
     raise ImportError(
         f"vllm-petit-moe: vLLM {vllm_version()} lacks {name}; looked for: {', '.join(tried)}. "
-        f"Supported vLLM: {MIN_SUPPORTED_VLLM[0]}.{MIN_SUPPORTED_VLLM[1]}-"
-        f"{MAX_SUPPORTED_VLLM[0]}.{MAX_SUPPORTED_VLLM[1]}."
+        f"Supported vLLM: {supported_range_text()}."
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The one-GPU prepare/finalize, and 0.33's pass-through subclass of it
+# --------------------------------------------------------------------------------------------
+#
+# WHY   The one-GPU path (hook.maybe_substitute_experts) recognizes a layer without DP/EP by
+#       vLLM's pass-through prepare/finalize, MoEPrepareAndFinalizeNoDPEPModular. vLLM 0.33
+#       added `--all2all-backend passthrough` (experts that dispatch and combine themselves,
+#       e.g. the mega-MoE backends) whose PassThroughPrepareAndFinalize *subclasses* it: an
+#       isinstance check alone would take such a DP/EP layer for a one-GPU one.
+# HOW   NoDPEPModular instances, minus PassThroughPrepareAndFinalize where that class exists
+#       (absent in 0.24). Such a layer then goes to `hook.decide`, which keeps it as
+#       "not applicable" (--all2all-backend passthrough chosen explicitly), as any backend
+#       other than allgather/reduce-scatter.
+# REMOVE WHEN the supported range starts at 0.33 (then test for PassThrough directly).
+
+
+def is_no_dp_ep_prepare_finalize(prepare_finalize: Any) -> bool:
+    """Whether ``prepare_finalize`` is vLLM's modular no-DP/no-EP pass-through (one GPU, or TP
+    without EP), not a subclass that belongs to an EP backend."""
+    no_dp_ep = fused_moe_symbol_or_none("NoDPEPModular")
+    if no_dp_ep is None or not isinstance(prepare_finalize, no_dp_ep):
+        return False
+    pass_through = fused_moe_symbol_or_none("PassThrough")
+    return pass_through is None or not isinstance(prepare_finalize, pass_through)
+
+
+# --------------------------------------------------------------------------------------------
+# Experts: 0.33's post-GEMM2 hook
+# --------------------------------------------------------------------------------------------
+#
+# WHY   vLLM 0.33's FusedMoEExpertsModular has a `post_gemm2_hook` attribute: a model runner
+#       (models/muse_spark/nvidia/muse_moe_runner.py) sets it on the layer's experts object
+#       after the kernel is built, and experts that honour it stop after GEMM2 and hand the
+#       unreduced rows (moe_output.UnfinalizedMoEOutput) to the hook. Our experts reduce in
+#       the kernel; ignoring a set hook would drop the model's own reduction silently.
+# HOW   `getattr(experts, "post_gemm2_hook", None)`; our `apply` raises NotImplementedError
+#       when it is set (0.24 has no such attribute: None).
+# REMOVE WHEN our experts return UnfinalizedMoEOutput for such a hook (or vLLM drops it).
+
+
+def experts_post_gemm2_hook(experts: Any) -> Any:
+    """The GEMM2 hook a model set on ``experts`` (vLLM >= 0.33), or None."""
+    return getattr(experts, "post_gemm2_hook", None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,6 +532,44 @@ def ep_group_facts() -> tuple[int, int, bool, Any]:
 
         internode = not all(in_the_same_node_as(ep_group.cpu_group, source_rank=0))
     return ep_group.world_size, ep_group.rank_in_group, bool(internode), ep_group.cpu_group
+
+
+_PEER_ACCESS: dict[int, bool | None] = {}
+
+
+def ep_peer_access(cpu_group: Any) -> bool | None:
+    """Whether the GPUs of the EP group (one per rank, found by exchanging physical device ids
+    over ``cpu_group`` with a bound: ``heap.agree``) are pairwise connected by NVLink, through
+    vLLM's platform (``is_fully_connected``, NVML). Ranks sharing one GPU count as connected.
+    None where the platform cannot tell. Collective over ``cpu_group`` on its first call;
+    cached per group."""
+    key = id(cpu_group)
+    if key in _PEER_ACCESS:
+        return _PEER_ACCESS[key]
+    import torch
+
+    from vllm.platforms import current_platform
+
+    from vllm_petit_moe.heap import agree
+
+    physical = None
+    try:
+        physical = int(current_platform.device_id_to_physical_device_id(
+            torch.cuda.current_device()))
+    except Exception:  # noqa: BLE001 - unknown on this rank: unknown for all
+        pass
+    ids = agree(cpu_group, "peer access", None, physical)
+    distinct = sorted(set(ids))
+    result: bool | None = True
+    if None in distinct:
+        result = None
+    elif len(distinct) > 1:
+        try:
+            result = bool(current_platform.is_fully_connected(distinct))
+        except Exception:  # noqa: BLE001 - NVML missing: let the heap mapping decide
+            result = None
+    _PEER_ACCESS[key] = result
+    return result
 
 
 def dp_num_tokens_across_ranks() -> list[int] | None:

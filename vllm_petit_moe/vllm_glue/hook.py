@@ -45,6 +45,9 @@ class EpRuntime:
     ep_world_size / ep_rank: vLLM's EP group.
     internode: whether the EP group spans more than one node.
     cpu_group: the EP group's CPU (gloo) process group, handed to ``EpBuffer``.
+    peer_access: whether every pair of the group's GPUs has an NVLink peer-to-peer path
+        (the symmetric heap maps the peers' memory); None where it could not be determined
+        (then the heap mapping itself checks it, and a failure there falls back too).
     """
 
     platform: str
@@ -52,12 +55,17 @@ class EpRuntime:
     ep_rank: int
     internode: bool
     cpu_group: Any = None
+    peer_access: bool | None = None
 
 
 def probe_runtime() -> EpRuntime:
-    """Read ``EpRuntime`` from vLLM's platform and parallel state (no new collective)."""
+    """Read ``EpRuntime`` from vLLM's platform and parallel state; the peer-access check is a
+    bounded exchange of the GPUs' physical ids over the EP group's CPU group, made once per
+    group (every rank probes at the same layer: decisions depend on equal facts only)."""
     world_size, rank, internode, cpu_group = compat.ep_group_facts()
-    return EpRuntime(compat.platform_name(), world_size, rank, internode, cpu_group)
+    peer_access = None if internode else compat.ep_peer_access(cpu_group)
+    return EpRuntime(compat.platform_name(), world_size, rank, internode, cpu_group,
+                     peer_access)
 
 
 @dataclass(frozen=True)
@@ -182,6 +190,9 @@ def decide(
         return _unsupported(f"platform {runtime.platform} (supported: {SUPPORTED_PLATFORMS})")
     if runtime.internode:
         return _unsupported("EP group spans several nodes (intranode NVLink only)")
+    if runtime.peer_access is False:
+        return _unsupported("the EP group's GPUs are not all connected peer to peer (NVLink): "
+                            "the symmetric heap cannot map the peers' memory")
     if runtime.ep_world_size != mpc.ep_size or runtime.ep_rank != mpc.ep_rank:
         return _unsupported(
             f"EP group (rank {runtime.ep_rank} of {runtime.ep_world_size}) does not match the "
@@ -280,16 +291,21 @@ def maybe_substitute(prepare_finalize: Any, fused_experts: Any) -> Any:
     _report(decision, type(prepare_finalize).__name__)
     if not decision.substitute or not runtime:  # `not runtime`: it was already ours
         return prepare_finalize
-    return build_prepare_finalize(fused_experts, runtime[0])
+    try:
+        return build_prepare_finalize(fused_experts, runtime[0])
+    except Exception as e:  # noqa: BLE001 - the buffer's setup: every rank fails together
+        # EpBuffer's setup agrees on every step (heap.agree), so a failure on one rank raises
+        # on all of them and all fall back together; buffers caches the failure, so later
+        # layers fall back without a new collective.
+        fallback = Decision(False, f"EP buffer setup failed: {e}")
+        _report(fallback, type(prepare_finalize).__name__)  # raises in strict mode
+        return prepare_finalize
 
 
 def _is_single_gpu_layer(prepare_finalize: Any) -> bool:
     """Whether vLLM built this layer with its no-DP/no-EP pass-through prepare/finalize (one
-    GPU, or TP without EP)."""
-    try:
-        return isinstance(prepare_finalize, compat.fused_moe_symbol("NoDPEPModular"))
-    except ImportError:
-        return False
+    GPU, or TP without EP); not vLLM 0.33's pass-through of EP backends that subclasses it."""
+    return compat.is_no_dp_ep_prepare_finalize(prepare_finalize)
 
 
 def decide_single_gpu(fused_experts: Any) -> Decision:
