@@ -78,6 +78,17 @@ requires_extension = pytest.mark.skipif(not extension_available(),
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+    config.addinivalue_line("markers", "soak: long randomized GPU soak; runs only with -m soak")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Soak tests run only when selected (``-m soak``), never by default."""
+    if "soak" in (config.getoption("markexpr", "") or ""):
+        return
+    skip = pytest.mark.skip(reason="soak test: select it with -m soak")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
 
 
 _pools: dict[int, RankPool] = {}

@@ -1,0 +1,83 @@
+"""CPU: a bounded soak of dispatch -> experts -> combine on the emulated ranks (issue 31), run
+in CI: 32 randomized rounds by default (PETIT_EMU_SOAK_BATCHES x 8; the emulator runs a host
+thread per GPU thread, 0.5-2.5 s per round on 2 busy cores, so a few hundred rounds are for
+an explicit run), seeds swept, W = 2, 3 and 4, the shapes and routing
+patterns of testing.soak: T per rank random with zeros, uniform, hot rank, hot expert, -1
+slots, repeated ids), back to back on one buffer per batch with no barrier between ranks
+(petit_emu_ep_rounds), identity experts, checked bit for bit against the reference.
+The GPU soak (>= 10^4 rounds with the real expert GEMMs and graph replays) is tools/soak.py.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from test_dispatch_combine_emu_cpu import EmuEp, _ints, _load
+from vllm_petit_moe.testing import reference as ref
+from vllm_petit_moe.testing.soak import draw_round
+
+# Small shapes: the emulator runs a GPU thread per host thread (hidden, inter, top_k, experts).
+EMU_SHAPES = ((64, 0, 2, 24), (72, 0, 8, 48), (136, 0, 4, 24), (2048, 0, 3, 48))
+ROUNDS_PER_BATCH = 8
+NUM_BATCHES = int(os.environ.get("PETIT_EMU_SOAK_BATCHES", "4"))
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    from conftest import build_emu_library
+    return _load(build_emu_library(tmp_path_factory, "ep_emu"))
+
+
+def _batch(emu, batch):
+    """ROUNDS_PER_BATCH rounds of one shape on one buffer; returns the rounds checked."""
+    world = (2, 3, 2, 4)[batch % 4]
+    max_tokens = 40
+    rounds = []
+    seed = 10_000 * world + batch * ROUNDS_PER_BATCH
+    shape = EMU_SHAPES[batch % len(EMU_SHAPES)]
+    for r in range(ROUNDS_PER_BATCH):
+        rounds.append(draw_round(seed + r, world, max_tokens, shapes=(shape,),
+                                 id_dtype=torch.int32))
+    hidden, _, top_k, num_experts = shape
+    stride = max(max(max(rd.tokens) for rd in rounds), 1)
+    x = torch.zeros(len(rounds), world, stride, hidden, dtype=torch.bfloat16)
+    ids = torch.full((len(rounds), world, stride, top_k), -1, dtype=torch.int32)
+    ws = torch.zeros(len(rounds), world, stride, top_k)
+    tokens = torch.zeros(len(rounds), world, dtype=torch.int32)
+    for i, rd in enumerate(rounds):
+        for rank in range(world):
+            t = rd.tokens[rank]
+            tokens[i, rank] = t
+            x[i, rank, :t], ids[i, rank, :t], ws[i, rank, :t] = \
+                rd.xs[rank], rd.topk_ids[rank], rd.topk_weights[rank]
+    outs = torch.full((len(rounds), world, stride, hidden), float("nan"), dtype=torch.bfloat16)
+    ep = EmuEp(emu, world, max_tokens=stride, hidden=hidden, max_top_k=top_k,
+               num_experts=num_experts, num_blocks=1 + batch % 2)
+    try:
+        results = _ints([0] * world)
+        rc = emu.petit_emu_ep_rounds(ep.handle, len(rounds), x.data_ptr(), ids.data_ptr(),
+                                     ws.data_ptr(), tokens.data_ptr(), top_k, stride,
+                                     outs.data_ptr(), results)
+        assert rc == 0, f"batch {batch}: launches returned {list(results)}"
+        assert ep.epochs() == [len(rounds)] * world
+    finally:
+        ep.close()
+    for i, rd in enumerate(rounds):
+        expected = ref.dispatch_reference(rd.xs, rd.topk_ids, rd.topk_weights, num_experts,
+                                          stride)
+        want = ref.combine_reference([e.recv_x for e in expected], rd.topk_ids, num_experts)
+        for rank in range(world):
+            t = rd.tokens[rank]
+            assert torch.equal(outs[i, rank, :t], want[rank]), \
+                f"seed {rd.seed} ({rd.pattern}, W={world}, shape {shape}), rank {rank}"
+    return len(rounds)
+
+
+def test_emulated_soak_of_randomized_rounds(emu):
+    start = time.monotonic()
+    checked = sum(_batch(emu, b) for b in range(NUM_BATCHES))
+    assert checked == NUM_BATCHES * ROUNDS_PER_BATCH
+    print(f"emulated soak: {checked} rounds in {time.monotonic() - start:.1f} s")

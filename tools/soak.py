@@ -1,0 +1,174 @@
+"""GPU soak of the EP MoE layer (issue 31): >= 10^4 randomized rounds of dispatch ->
+experts_forward -> combine per run against the torch reference, with CUDA-graph replays in
+between; writes one JSONL line to examples/results/soak_<gpu>x<W>.jsonl.
+
+    python tools/soak.py --world 2 --rounds 10000           # W ranks share the visible GPUs
+    python tools/soak.py --world 4 --rounds 10000 --seed 7
+
+Every rank draws the same rounds (vllm_petit_moe.testing.soak.draw_round: seeds swept, shape
+from SHAPES, T per rank random with zeros, uniform / hot rank / hot expert / -1 slots /
+repeated ids), computes its own expected output with the reference (fp32 precision) and
+counts a mismatch where the layer's output leaves the tolerance derived from the reference's
+own bf16-vs-fp32 error (testing.reference.tolerance). Every --graph-every rounds a rank
+captures one round of fixed shapes in a CUDA graph and replays it --replays times with fresh
+inputs copied in (odd counts), each replay checked the same way. W ranks are processes on
+the visible GPUs (rank r on GPU r % num_gpus: ranks share one GPU when there are fewer),
+joined by a gloo group; each rank's persistent grid gets SMs / ranks-per-GPU SMs.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+MAX_TOKENS = 96
+
+
+def _check(y, rd, w13s, w2s, world, stride, rank, ref):
+    """(mismatch, relative error) of this rank's output y for round rd."""
+    import torch
+    w13, w2 = w13s[rd.shape], w2s[rd.shape]
+    kernel = ref.ep_moe_reference(rd.xs, rd.topk_ids, rd.topk_weights, w13, w2, world,
+                                  "kernel", stride)[rank]
+    fp32 = ref.ep_moe_reference(rd.xs, rd.topk_ids, rd.topk_weights, w13, w2, world,
+                                "fp32", stride)[rank]
+    tol = ref.tolerance(kernel, fp32)
+    try:
+        ref.check_close(y, fp32, tol)
+        bad = False
+    except AssertionError:
+        bad = True
+    if not torch.isfinite(y.float()).all():
+        bad = True
+    from vllm_petit_moe.testing.soak import relative_error
+    return bad, relative_error(y, fp32)
+
+
+def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int) -> dict:
+    """One rank's share of the soak (run on every rank of a rank pool)."""
+    import torch
+
+    from rank_pool import get_buffer
+    from vllm_petit_moe import ops
+    from vllm_petit_moe.testing import reference as ref
+    from vllm_petit_moe.testing.soak import SHAPES, draw_round, expert_weights
+
+    rank, world, device = state["rank"], state["world_size"], state["device"]
+    per_gpu = -(-world // max(torch.cuda.device_count(), 1))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count // per_gpu
+    w13s, w2s, bufs = {}, {}, {}
+    for shape in SHAPES:
+        w13s[shape], w2s[shape] = expert_weights(shape, device=device)
+        hidden, _, top_k, experts = shape
+        bufs[shape] = get_buffer(state, hidden_size=hidden, num_experts=experts,
+                                 max_tokens_per_rank=MAX_TOKENS, max_top_k=top_k, num_sms=sms,
+                                 timeout_s=60.0)
+    local = lambda shape: slice(rank * (shape[3] // world), (rank + 1) * (shape[3] // world))  # noqa: E731
+
+    def layer(buf, shape, x, ids, w, stride, out=None):
+        d = buf.dispatch(x, ids, w, region_stride=stride)
+        expert_out = ops.experts_forward(d.recv_x, d.recv_topk_ids, d.recv_topk_weights,
+                                         w13s[shape][local(shape)].contiguous(),
+                                         w2s[shape][local(shape)].contiguous())
+        return buf.combine(expert_out, d.handle, out=out)
+
+    stats = dict(rounds=0, graph_replays=0, mismatches=0, max_rel_err=0.0, first_mismatch=None)
+    for i in range(rounds):
+        rd = draw_round(seed + i, world, MAX_TOKENS, device=device)
+        stride = max(max(rd.tokens), 1)
+        y = layer(bufs[rd.shape], rd.shape, rd.xs[rank], rd.topk_ids[rank],
+                  rd.topk_weights[rank], stride)
+        bad, err = _check(y, rd, w13s, w2s, world, stride, rank, ref)
+        stats["rounds"] += 1
+        stats["mismatches"] += bad
+        stats["max_rel_err"] = max(stats["max_rel_err"], err)
+        if bad and stats["first_mismatch"] is None:
+            stats["first_mismatch"] = dict(seed=rd.seed, pattern=rd.pattern, shape=rd.shape)
+        if graph_every and (i + 1) % graph_every == 0:
+            # One graph of this round's shapes (every rank captures and replays the same
+            # count), fresh inputs of the same token counts copied in before each replay.
+            buf = bufs[rd.shape]
+            x, ids, w = (t.clone() for t in (rd.xs[rank], rd.topk_ids[rank],
+                                              rd.topk_weights[rank]))
+            out = torch.empty_like(x)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layer(buf, rd.shape, x, ids, w, stride, out=out)
+            for r in range(replays):
+                fresh = draw_round(seed + i, world, MAX_TOKENS, device=device)
+                gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + i * 31 + r)
+                fresh.xs = [torch.randn(t.shape, generator=gen).to(t.dtype).to(device)
+                            for t in rd.xs]
+                x.copy_(fresh.xs[rank])
+                graph.replay()
+                bad, err = _check(out, fresh, w13s, w2s, world, stride, rank, ref)
+                stats["graph_replays"] += 1
+                stats["mismatches"] += bad
+                stats["max_rel_err"] = max(stats["max_rel_err"], err)
+            del graph
+        if (i + 1) % 1000 == 0 and rank == 0:
+            print(f"rank 0: {i + 1} rounds, {stats['mismatches']} mismatches", flush=True)
+    torch.cuda.synchronize()
+    return stats
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=10_000, help="rounds per rank")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--graph-every", type=int, default=250)
+    parser.add_argument("--replays", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from rank_pool import ep_rank_pool
+    sys.path.insert(0, str(ROOT / "tools"))
+    import soak  # the workers unpickle soak_rank by its module, not by __main__
+    num_gpus = torch.cuda.device_count()
+    if num_gpus == 0:
+        print("soak: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name(0).split()[-1]
+    start = time.monotonic()
+    pool = ep_rank_pool(args.world, min(num_gpus, args.world))
+    try:
+        results = pool.run(soak.soak_rank, args.rounds, args.seed, args.graph_every, args.replays,
+                           timeout_s=24 * 3600)
+    finally:
+        pool.close()
+    seconds = time.monotonic() - start
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip() or \
+        os.environ.get("PETIT_COMMIT", "unknown")
+    row = dict(gpu=gpu, world=args.world, num_gpus=min(num_gpus, args.world), commit=commit,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               seed=args.seed, rounds=sum(r["rounds"] for r in results),
+               rounds_per_rank=args.rounds,
+               graph_replays=sum(r["graph_replays"] for r in results),
+               mismatches=sum(r["mismatches"] for r in results),
+               max_rel_err=max(r["max_rel_err"] for r in results),
+               first_mismatch=next((r["first_mismatch"] for r in results
+                                    if r["first_mismatch"]), None),
+               seconds=round(seconds, 1))
+    out = args.out or ROOT / "examples" / "results" / f"soak_{gpu}x{args.world}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row))
+    return 0 if row["mismatches"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

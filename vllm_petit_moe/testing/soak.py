@@ -1,0 +1,78 @@
+"""Randomized rounds for the soak runs (tools/soak.py on GPUs, tests/test_soak_emu_cpu.py on
+the CPU emulation): every rank draws the same round from the seed, so each computes the whole
+layer's inputs and its own expected output without collectives.
+
+A round: a shape (hidden H, top-k K, experts E from `SHAPES`), each rank's token count
+(random in [0, T_max], zero with probability 0.15), and a routing pattern from `PATTERNS`:
+uniform, skewed (one hot rank), a hot expert, -1 slots, repeated ids in a token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import reference as ref
+
+# (hidden, intermediate, top_k, num_experts): odd and round sizes, small and large top-k.
+SHAPES = ((136, 64, 2, 16), (1024, 256, 8, 32), (2048, 128, 4, 64), (256, 96, 6, 32))
+PATTERNS = ("uniform", "hot_rank", "hot_expert", "minus_one", "repeated")
+
+
+@dataclass
+class Round:
+    seed: int
+    shape: tuple[int, int, int, int]
+    pattern: str
+    xs: list[torch.Tensor]
+    topk_ids: list[torch.Tensor]
+    topk_weights: list[torch.Tensor]
+
+    @property
+    def tokens(self) -> list[int]:
+        return [x.shape[0] for x in self.xs]
+
+
+def draw_round(seed: int, world_size: int, max_tokens: int, *, shapes=SHAPES,
+               device: torch.device | str = "cpu", id_dtype=torch.int64) -> Round:
+    """Round `seed` of a soak: the same on every rank and device (drawn on the CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    pick = lambda n: int(torch.randint(0, n, (1,), generator=gen))  # noqa: E731
+    shape = shapes[pick(len(shapes))]
+    hidden, _, top_k, num_experts = shape
+    pattern = PATTERNS[pick(len(PATTERNS))]
+    tokens = torch.randint(0, max_tokens + 1, (world_size,), generator=gen)
+    tokens = torch.where(torch.rand(world_size, generator=gen) < 0.15, 0, tokens).tolist()
+    xs, ids, weights = [], [], []
+    for t in tokens:
+        xs.append(torch.randn(t, hidden, generator=gen).to(torch.bfloat16))
+        skew = {"hot_rank": "hot_rank", "hot_expert": "one_expert"}.get(pattern)
+        i, w = ref.random_topk(t, num_experts, top_k, generator=gen, skew=skew,
+                               world_size=world_size)
+        if pattern == "minus_one" and t > 0:
+            i[torch.rand(t, top_k, generator=gen) < 0.3] = -1
+        if pattern == "repeated" and t > 0 and top_k > 1:
+            rows = torch.rand(t, generator=gen) < 0.5
+            i[rows, 1] = i[rows, 0]
+        ids.append(i.to(id_dtype))
+        weights.append(w)
+    move = lambda ts: [t.to(device) for t in ts]  # noqa: E731
+    return Round(seed, shape, pattern, move(xs), move(ids), move(weights))
+
+
+def expert_weights(shape, seed: int = 0, device: torch.device | str = "cpu"):
+    """Global (w13 [E, 2I, H], w2 [E, H, I]) bf16 weights of a soak shape, scaled so that
+    outputs stay O(1)."""
+    hidden, inter, _, num_experts = shape
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    return w13.to(torch.bfloat16).to(device), w2.to(torch.bfloat16).to(device)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max(max |want|, 1e-6), in float64."""
+    if want.numel() == 0:
+        return 0.0
+    diff = (got.double() - want.double()).abs().max()
+    return float(diff / want.double().abs().max().clamp(min=1e-6))
