@@ -4,10 +4,16 @@ The compiled extension `vllm_petit_moe._C` is built with torch's CUDAExtension f
 default. Override the targets with TORCH_CUDA_ARCH_LIST (e.g. "9.0a" or "9.0a;10.0a"); the
 compile runs in parallel (ninja, MAX_JOBS defaults to the core count).
 
-Install (needs nvcc and the pinned torch already present, hence no build isolation; an
-editable build without isolation also needs wheel and ninja in the environment):
-    pip install vllm==0.24.0 "setuptools>=64,<80" wheel ninja
+Install into an environment that already has a supported vLLM (0.24-0.33, VLLM_REQUIREMENT):
+the extension is compiled against the torch installed there, hence no build isolation (an
+isolated build would fetch another torch and build against that). The requirements pin
+neither vLLM nor torch to one version, so pip changes neither (vLLM pins its own torch). An
+editable build without isolation also needs setuptools >= 64, wheel and ninja:
+    pip install "vllm>=0.24,<0.34" wheel ninja     # or keep the vLLM you have
     CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e ".[test]"
+The build needs an nvcc of the same CUDA major version as the installed torch
+(torch.version.cuda; torch's cpp_extension checks). Changing torch afterwards (e.g. upgrading
+vLLM) needs a rebuild: the extension links against that torch's C++ ABI.
 """
 import os
 from pathlib import Path
@@ -22,18 +28,31 @@ KERNEL_SOURCES = ["comm/heap.cpp", "comm/dispatch_combine.cu", "experts/routing.
                   "experts/megamoe.cu"]
 BINDING_SOURCES = ["bindings.cpp"]
 
+# The vLLM versions the glue supports (vllm_petit_moe/vllm_glue/compat.py SUPPORTED_VLLM, which
+# a CPU test keeps equal to this). A range, not a pin: installing into a working vLLM
+# environment must not move vLLM, and through vLLM's own exact pin, torch.
+VLLM_REQUIREMENT = "vllm>=0.24,<0.34"
+
 
 def _extension_modules():
     if os.environ.get("PETIT_MOE_SKIP_EXTENSION") == "1":
         return [], {}
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+    except ImportError as exc:
+        raise RuntimeError(
+            "vllm-petit-moe: building vllm_petit_moe._C needs the torch it will run with, and "
+            "none is importable here (an isolated build?). Install vLLM first (it brings its "
+            "torch), then this package without build isolation: "
+            "pip install --no-build-isolation -e .") from exc
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
         os.environ["CUDA_HOME"] = "/usr/local/cuda"  # torch otherwise may guess /usr/local
-    nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
-                  "-Xptxas=-warn-spills"]
+    # No -std flag: torch's BuildExtension then adds the standard the installed torch's headers
+    # need (C++17 for torch 2.11, C++20 for torch 2.14); the sources compile as either.
+    nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-Xptxas=-warn-spills"]
     # The wgmma expert kernels exist only in an sm_90a image; the host code must know whether
     # this build made one (the kernel attributes do not tell sm_90a from sm_90).
     archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
@@ -47,7 +66,7 @@ def _extension_modules():
         name="vllm_petit_moe._C",
         sources=[str(Path("csrc") / s) for s in KERNEL_SOURCES + BINDING_SOURCES],
         include_dirs=[str(CSRC)],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
@@ -64,7 +83,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_petit_moe", "vllm_petit_moe.*"]),
     package_data={"vllm_petit_moe": ["configs/*.json", "configs/*/*.json"]},
-    install_requires=["vllm==0.24.0", "torch==2.11.0"],
+    install_requires=[VLLM_REQUIREMENT, "torch"],
     # pandas: `vllm bench serve --dataset-name custom` reads its JSONL with it (a vllm[bench]
     # dependency; the rest of that extra is for datasets this project does not use).
     extras_require={"test": ["pytest>=8", "matplotlib", "requests", "pandas"]},

@@ -385,15 +385,20 @@ _PROBE = """
 
 
 def test_flag_is_unknown_to_vllm_without_the_plugin():
-    # Control for the next test: vLLM's strict env validation rejects the flag by itself.
+    # Control for the next test: vLLM's registry lacks the flag by itself, and where vLLM
+    # validates VLLM_* variables (0.24; 0.33 no longer does) its strict check rejects it.
     out = run_python(_PROBE.format(body="""
+    from vllm_petit_moe.vllm_glue.compat import validate_vllm_environ
+    out["known"] = "VLLM_USE_PETIT_MOE" in vllm_envs.environment_variables
+    out["validates"] = hasattr(vllm_envs, "validate_environ")
     try:
-        vllm_envs.validate_environ(hard_fail=True)
+        validate_vllm_environ()
         out["rejected"] = False
     except ValueError:
         out["rejected"] = True
     """), VLLM_USE_PETIT_MOE="0")
-    assert out["rejected"]
+    assert not out["known"]
+    assert out["rejected"] is out["validates"]
 
 
 def test_register_without_flag_only_registers_the_env_vars():
@@ -402,7 +407,8 @@ def test_register_without_flag_only_registers_the_env_vars():
     load_general_plugins()  # vLLM calls it in several places; only the first loads
     from vllm_petit_moe import plugin
     plugin.register()  # idempotent
-    vllm_envs.validate_environ(hard_fail=True)  # raises if the flag were unknown
+    from vllm_petit_moe.vllm_glue.compat import validate_vllm_environ
+    validate_vllm_environ()  # raises if the flag were unknown (where vLLM validates)
     out["registered"] = sorted(k for k in vllm_envs.environment_variables if "PETIT" in k)
     out["flag"] = vllm_envs.VLLM_USE_PETIT_MOE
     out["mk_imported"] = mk_name in sys.modules
@@ -424,7 +430,8 @@ def test_register_without_flag_only_registers_the_env_vars():
 def test_register_with_flag_patches_lazily_and_once():
     out = run_python(_PROBE.format(body="""
     load_general_plugins()
-    vllm_envs.validate_environ(hard_fail=True)
+    from vllm_petit_moe.vllm_glue.compat import validate_vllm_environ
+    validate_vllm_environ()
     out["flag"] = vllm_envs.VLLM_USE_PETIT_MOE
     out["mk_imported_after_register"] = mk_name in sys.modules  # register() stays cheap
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
@@ -493,12 +500,45 @@ def test_supported_version_range(version, supported):
     assert compat.is_supported_vllm_version(version) is supported
 
 
-def test_installed_vllm_is_in_range_and_unsupported_only_warns(monkeypatch):
+def test_installed_vllm_is_in_range_and_setup_py_requires_the_same():
+    """The installed vLLM is supported; the range setup.py gave pip is compat's, and neither
+    vLLM nor torch is pinned to one version (installing must not move them)."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    assert compat.require_supported_vllm() == compat.vllm_version()
+    reqs = {r.name: r for r in map(Requirement, requires("vllm-petit-moe"))
+            if r.marker is None}
+    lo, hi = compat.MIN_SUPPORTED_VLLM, compat.MAX_SUPPORTED_VLLM
+    assert str(reqs["vllm"].specifier) == f"<{hi[0]}.{hi[1] + 1},>={lo[0]}.{lo[1]}"
+    assert str(reqs["torch"].specifier) == ""  # vLLM pins its torch; we build against it
+    assert set(compat.GPU_TESTED_VLLM) <= set(compat.CPU_TESTED_VLLM)
+    assert all(compat.is_supported_vllm_version(v) for v in compat.CPU_TESTED_VLLM)
+
+
+def test_unsupported_vllm_fails_registration_with_the_flag_and_warns_without(monkeypatch,
+                                                                              caplog):
+    import logging
+
     import vllm
 
-    assert compat.check_vllm_version()
-    monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    assert compat.check_vllm_version() is False  # warns, does not raise
+    from vllm_petit_moe import plugin
+
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(compat, "_warned", set())
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
+    with pytest.raises(compat.UnsupportedVllmVersion,
+                       match=r"supports vLLM 0\.24-0\.33 .*has vLLM 0\.35\.0.*pip install "
+                             r"'vllm>=0\.24,<0\.34'.*VLLM_USE_PETIT_MOE"):
+        plugin.register()
+    assert not plugin._registered
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "0")
+    with caplog.at_level(logging.WARNING, logger="vllm.petit_moe.compat"):
+        plugin.register()  # the plugin does nothing: vLLM may run
+    assert plugin._registered
+    assert any("has vLLM 0.35.0" in r.getMessage() for r in caplog.records)
 
 
 def test_call_when_imported(tmp_path, monkeypatch):
@@ -1195,6 +1235,35 @@ def test_single_gpu_hook_runs_the_fused_layer(kernel_hook, monkeypatch):
     assert experts.path_for(600, 4, 1024, 512) == "composed"
     with pytest.raises(ValueError):
         SingleGpuLayerConfig(composed_min_tokens=0)
+
+
+def test_pass_through_of_ep_backends_is_not_a_one_gpu_layer():
+    """vLLM 0.33's PassThroughPrepareAndFinalize (--all2all-backend passthrough) subclasses
+    the no-DP/EP one; only the latter marks a one-GPU layer."""
+    assert compat.is_no_dp_ep_prepare_finalize(no_dp_ep_pf())
+    assert not compat.is_no_dp_ep_prepare_finalize(naive_pf())
+    pass_through = compat.fused_moe_symbol_or_none("PassThrough")
+    if pass_through is not None:  # vLLM >= 0.33
+        assert not compat.is_no_dp_ep_prepare_finalize(pass_through())
+
+
+def test_experts_refuse_a_post_gemm2_hook(monkeypatch):
+    """vLLM 0.33 lets a model hook the unreduced GEMM2 rows; our experts reduce in the kernel,
+    so a set hook fails loudly instead of being skipped."""
+    monkeypatch.setattr(compat, "platform_name", lambda: "cuda")
+    moe = single_gpu_moe_config()
+    with set_current_vllm_config(single_gpu_vllm_config()):
+        experts = petit_experts.PetitSingleGpuExperts(
+            moe, FUSED_MOE_UNQUANTIZED_CONFIG,
+            fallback=TritonExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG))
+    assert compat.experts_post_gemm2_hook(experts) is None
+    experts.post_gemm2_hook = lambda unfinalized, output: None
+    x = torch.zeros(2, moe.hidden_dim, dtype=torch.bfloat16)
+    ids = torch.zeros(2, moe.experts_per_token, dtype=torch.int32)
+    for apply in (experts.apply, super(petit_experts.PetitSingleGpuExperts, experts).apply):
+        with pytest.raises(NotImplementedError, match="post-GEMM2 hook"):
+            apply(x, x, None, None, ids.float(), ids, MoEActivation.SILU, moe.num_experts,
+                  None, None, None, x, x, None, False)
 
 
 def test_single_gpu_hook_falls_back_with_a_reason_and_strict_mode_fails(kernel_hook,

@@ -9,11 +9,13 @@ and in every worker (``vllm.plugins.load_general_plugins``), possibly several ti
 - always registers our environment variables in vLLM's registry, so that vLLM's environment
   validation accepts ``VLLM_USE_PETIT_MOE`` (and ``VLLM_PETIT_MOE_*``), and parses them (a
   malformed value fails here, at start-up);
-- with ``VLLM_USE_PETIT_MOE=1``: checks the vLLM version (warns outside the tested range) and
+- with ``VLLM_USE_PETIT_MOE=1``: checks the vLLM version (``compat.UnsupportedVllmVersion``,
+  which stops vLLM's start-up with what to install, outside the supported range) and
   installs the hook that substitutes our prepare/finalize in vLLM's modular MoE kernel; the
   hook itself is attached only once vLLM's fused-MoE code is imported, so processes that
   never build a MoE layer import nothing more;
-- without the flag: nothing else;
+- without the flag: nothing else (outside the supported range, a warning: the plugin does
+  nothing, so vLLM runs unchanged);
 - logs once per process which MoE backend is in effect.
 
 It is idempotent and imports only this package's light modules, plus ``vllm.envs``.
@@ -42,6 +44,7 @@ def register() -> None:
     envs.petit_experts()
     envs.timeout_s()
     if not enabled:
+        compat.warn_if_unsupported_vllm()
         _registered = True
         logger.info(
             "vllm-petit-moe: installed, not enabled (set %s=1); MoE layers use vLLM's own "
@@ -50,7 +53,7 @@ def register() -> None:
         )
         return
 
-    compat.check_vllm_version()
+    compat.require_supported_vllm()
     from vllm_petit_moe.vllm_glue import hook
 
     hook.install()

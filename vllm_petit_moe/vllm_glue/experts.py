@@ -41,6 +41,7 @@ import torch
 from vllm_petit_moe.limits import MAX_LOCAL_EXPERTS, MAX_TOP_K, SIZE_MULTIPLE
 from vllm_petit_moe.vllm_glue import compat, envs
 
+compat.require_supported_vllm()  # the classes below subclass vLLM's: say which vLLM they need
 _ExpertsModular = compat.fused_moe_symbol("ExpertsModular")
 _ActivationFormat = compat.fused_moe_symbol("ActivationFormat")
 _TopKWeightAndReduceNoOP = compat.fused_moe_symbol("TopKWeightAndReduceNoOP")
@@ -83,6 +84,16 @@ def kernel_inputs(hidden_states, topk_ids, topk_weights, expert_map, activation,
     else:
         weights = topk_weights.to(torch.float32).contiguous()
     return ids, kernel_map, weights
+
+
+def _refuse_gemm2_hook(experts) -> None:
+    """NotImplementedError if a model set vLLM 0.33's post-GEMM2 hook on ``experts``
+    (``compat.experts_post_gemm2_hook``): our kernels reduce the top-k themselves."""
+    if compat.experts_post_gemm2_hook(experts) is not None:
+        raise NotImplementedError(
+            "vllm-petit-moe: this model set a post-GEMM2 hook on its MoE experts (vLLM >= 0.33) "
+            "to do the top-k reduction itself; petit's experts reduce in the kernel. Serve this "
+            "model without VLLM_USE_PETIT_MOE.")
 
 
 def unsupported_reason(moe_config: Any, quant_config: Any) -> str | None:
@@ -242,6 +253,7 @@ class PetitExperts(_ExpertsModular):
         """
         from vllm_petit_moe import ops
 
+        _refuse_gemm2_hook(self)
         num_rows, top_k = topk_ids.shape
         hidden, intermediate = hidden_states.size(1), w1.size(1) // 2
         ids, kernel_map, weights = kernel_inputs(
@@ -308,6 +320,7 @@ class PetitSingleGpuExperts(PetitExperts):
         ``path_for`` chooses."""
         from vllm_petit_moe import ops
 
+        _refuse_gemm2_hook(self)
         num_rows, top_k = topk_ids.shape
         hidden, intermediate = hidden_states.size(1), w1.size(1) // 2
         path = self.path_for(num_rows, top_k, hidden, intermediate)

@@ -62,6 +62,7 @@ import torch
 from vllm_petit_moe.limits import FP8_BLOCK_MODES, FP8_SCALE_BLOCK
 from vllm_petit_moe.vllm_glue import compat
 
+compat.require_supported_vllm()  # the classes below subclass vLLM's: say which vLLM they need
 _PrepareAndFinalizeModular = compat.fused_moe_symbol("PrepareAndFinalizeModular")
 _ActivationFormat = compat.fused_moe_symbol("ActivationFormat")
 _TopKWeightAndReduceDelegate = compat.fused_moe_symbol("TopKWeightAndReduceDelegate")
