@@ -68,7 +68,22 @@ def _extension_modules():
         include_dirs=[str(CSRC)],
         extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext], {"build_ext": _build_ext_class(BuildExtension)}
+
+
+def _build_ext_class(build_extension):
+    """torch's BuildExtension (ninja) compiling into build/temp.torch<version>: one object
+    directory per torch build, so re-installs recompile only changed sources (an editable
+    install through PEP 660 would otherwise compile in a fresh temporary directory every time)
+    and objects of two torch versions never mix."""
+    import torch
+
+    class BuildExt(build_extension.with_options(use_ninja=True)):
+        def finalize_options(self):
+            super().finalize_options()
+            self.build_temp = str(ROOT / "build" / f"temp.torch{torch.__version__}")
+
+    return BuildExt
 
 
 ext_modules, cmdclass = _extension_modules()
