@@ -98,7 +98,7 @@ print(gpus, vllm_version, "yes" if plugin else "no")
 PY
 ) || die "$PYTHON could not run: $probe"
 read -r NUM_GPUS VLLM_VERSION PLUGIN <<< "$(tail -1 <<< "$probe")"
-[ "$VLLM_VERSION" != missing ] || die "vLLM is not installed for $PYTHON (pip install vllm==0.24.0)"
+[ "$VLLM_VERSION" != missing ] || die "vLLM is not installed for $PYTHON (pip install \"vllm>=0.24,<0.34\")"
 [ "$PLUGIN" = yes ] || die "vllm-petit-moe's vllm.general_plugins entry point is not visible to \
 $PYTHON (from the repo root: CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e .; \
 on a devkit GPU machine without pip install: bash tools/vllm_gpu_check.sh build meta, then \

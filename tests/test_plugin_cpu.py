@@ -3,10 +3,10 @@ substitution, ``PetitPrepareAndFinalize`` inside vLLM's real modular kernel, and
 ``PetitExperts``' side of vLLM's experts interface (its GEMMs replaced by a torch emulation
 of the three kernel steps, ``emulated_experts_forward``).
 
-Runs with the real vLLM (0.24.0 tested) and no GPU. vLLM's config objects, prepare/finalize
-classes, Triton experts object, expert maps and ``FusedMoEKernel`` are the real ones. Faked,
-because they need a GPU: the ``EpBuffer`` (``FakeEpBuffer`` below: the architecture.md layout
-computed with ``vllm_petit_moe.testing.reference``, every rank's inputs known to every rank, as
+Runs with the real vLLM (CI: 0.24.0 and 0.33.0, one environment each) and no GPU. vLLM's
+config objects, prepare/finalize classes, Triton experts object, expert maps and
+``FusedMoEKernel`` are the real ones. Faked, because they need a GPU: the ``EpBuffer``
+(``FakeEpBuffer`` below: the architecture.md layout computed with ``vllm_petit_moe.testing.reference``, every rank's inputs known to every rank, as
 in pplx-kernels' tests; ``EmulatedEpBuffer``: the same with the real dispatch and combine kernels
 on the CPU emulation of tests/emu), the runtime facts of the EP group (``EpRuntime``), and
 the Triton GEMMs (``ReferenceExperts``: vLLM's experts contract, expert_map lookup included,
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -515,6 +516,27 @@ def test_installed_vllm_is_in_range_and_setup_py_requires_the_same():
     assert str(reqs["torch"].specifier) == ""  # vLLM pins its torch; we build against it
     assert set(compat.GPU_TESTED_VLLM) <= set(compat.CPU_TESTED_VLLM)
     assert all(compat.is_supported_vllm_version(v) for v in compat.CPU_TESTED_VLLM)
+
+
+def test_extension_built_for_another_torch_says_rebuild(monkeypatch):
+    """The extension under a torch other than its build's fails with an undefined symbol;
+    loading it says to rebuild (vLLM upgraded in place brings another torch)."""
+    import importlib.abc
+
+    import vllm_petit_moe
+
+    class BuiltForAnotherTorch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "vllm_petit_moe._C":
+                raise ImportError("_C.so: undefined symbol: _ZN3c104cuda29c10_cuda_check")
+            return None
+
+    monkeypatch.delitem(sys.modules, "vllm_petit_moe._C", raising=False)
+    monkeypatch.delattr(vllm_petit_moe, "_C", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [BuiltForAnotherTorch(), *sys.meta_path])
+    with pytest.raises(ImportError, match=rf"torch {re.escape(torch.__version__)}.*Rebuild.*"
+                                          r"--no-build-isolation.*undefined symbol"):
+        vllm_petit_moe.load_extension()
 
 
 def test_unsupported_vllm_fails_registration_with_the_flag_and_warns_without(monkeypatch,

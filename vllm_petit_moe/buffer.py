@@ -38,8 +38,9 @@ COMBINE_TRACE_SLOTS = ("start", "first_send", "sends_done", "first_reduce_ready"
 
 
 def _ops():
-    from . import _C  # compiled extension; imported lazily so CPU-only code never needs it
-    return _C
+    from . import load_extension  # imported lazily so CPU-only code never needs it
+
+    return load_extension()
 
 
 def _local_device(num_sms: int | None) -> tuple[torch.device, int]:

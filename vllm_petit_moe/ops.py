@@ -42,9 +42,9 @@ TILE_NAMES = {code: name for name, code in TILES.items()}
 
 
 def _ops():
-    from . import _C  # compiled extension; imported lazily so CPU-only code never needs it
+    from . import load_extension  # imported lazily so CPU-only code never needs it
 
-    return _C
+    return load_extension()
 
 
 def experts_workspace_shapes(
