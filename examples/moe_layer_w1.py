@@ -58,31 +58,30 @@ def random_routing(num_tokens, preset, routing, generator, device):
 def measure_ceilings(device):
     """(HBM copy rate in bytes/s counting read + write, dense bf16 matmul FLOP/s), measured."""
     import torch
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
+
+    from bench_experts import hbm_copy_gbps
+
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-
-    def timed(fn, reps=10):
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        return statistics.median(times)
-
-    copy_s = timed(lambda: dst.copy_(src))
-    mm_s = timed(lambda: torch.mm(a, b))
-    return 2 * src.numel() / copy_s, 2 * 8192**3 / mm_s
+    for _ in range(3):
+        torch.mm(a, b)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return hbm_copy_gbps() * 1e9, 2 * 8192**3 / statistics.median(times)
 
 
 def _graph_us(fn, iters):
+    """``fn`` (CHAIN calls) captured in a CUDA graph after two eager calls on a side stream:
+    (median device time of one replay / CHAIN in us, the graph)."""
     import torch
+    from vllm_moe_harness import time_replays_us
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -92,17 +91,7 @@ def _graph_us(fn, iters):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times) / CHAIN, graph
+    return time_replays_us(graph, iters) / CHAIN, graph
 
 
 def run_w1(preset_names, routings, tokens_list, iters, seed, log=print):

@@ -274,6 +274,8 @@ def _megamoe_sync_buffer(device: torch.device, num_local_experts: int,
     index = device.index if device.index is not None else torch.cuda.current_device()
     buf = _megamoe_sync.get(index)
     if buf is None or buf.numel() < need:
+        # room for any L and H <= 8192 at once, so a call captured in a CUDA graph never sees
+        # the buffer it recorded replaced by a later, larger layer's
         buf = torch.zeros(max(need, 2 + MAX_LOCAL_EXPERTS + 8192 // 32), dtype=torch.int32,
                           device=device)
         _megamoe_sync[index] = buf
