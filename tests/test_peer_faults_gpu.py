@@ -62,17 +62,15 @@ def _worker(rank, port, case, events, results):
         dist.barrier()
         epoch = WARM_ROUNDS + 1
         x, ids, w = _round_inputs(epoch, rank, device)
+        if case == "combine":  # both ranks dispatch epoch e; rank 1 then stops before combine
+            d = buf.dispatch(x, ids, w, region_stride=40)
+            buf.synchronize()
         if rank == 1:
-            if case == "combine":  # dispatch epoch e with rank 0, then stop before combine
-                d = buf.dispatch(x, ids, w, region_stride=40)
-                buf.synchronize()
             results.put(("stopping", rank, epoch))
             time.sleep(10 * TIMEOUT_S + 30)  # killed by the test, or stalled
             return
         events.wait(60)  # rank 1 stopped (killed or asleep)
         if case == "combine":
-            d = buf.dispatch(x, ids, w, region_stride=40)
-            buf.synchronize()
             start = time.monotonic()
             buf.combine(d.recv_x.clone(), d.handle)
         else:
@@ -84,6 +82,8 @@ def _worker(rank, port, case, events, results):
         except PeerFaultError as e:
             results.put(("PeerFaultError", str(e), time.monotonic() - start,
                          buf.diagnostics()))
+        results.close()
+        results.join_thread()  # put() sends from a thread: flush it before the hard exit
         os._exit(0)  # the context is gone: no teardown
     except BaseException:
         results.put(("crash", traceback.format_exc(), 0.0, {}))

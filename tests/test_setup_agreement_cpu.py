@@ -150,9 +150,13 @@ def test_a_fault_on_one_rank_raises_on_every_rank(tmp_path, fault, step, reason)
 
 
 def test_an_invalid_argument_on_one_rank_raises_on_every_rank(tmp_path):
+    from vllm_petit_moe.heap import SetupArgumentError, SetupError
+
+    assert issubclass(SetupArgumentError, ValueError) and issubclass(SetupArgumentError,
+                                                                     SetupError)
     out = _run(tmp_path, 2, kwargs={1: {"timeout_s": float("inf")}})
     for rank, ((kind, detail), _) in out.items():
-        assert kind == "SetupError", (rank, kind, detail)
+        assert kind == "SetupArgumentError", (rank, kind, detail)
         assert "failed on rank 1" in detail and "timeout_s=inf must be finite" in detail, detail
 
 

@@ -30,6 +30,11 @@ class SetupError(RuntimeError):
     every rank of the group (see `agree`)."""
 
 
+class SetupArgumentError(SetupError, ValueError):
+    """A SetupError whose failed ranks all rejected their arguments (ValueError): bad input,
+    so it is a ValueError too."""
+
+
 # Bytes of one rank's record in `agree` (a pickled (step, error, payload) tuple, the error
 # text shortened to fit).
 _RECORD_BYTES = 4096
@@ -57,7 +62,7 @@ def agree(group: dist.ProcessGroup, step: str, error: str | None, payload=None,
     picklable `payload`; returns every rank's payload, by group rank.
 
     Raises SetupError on every rank when any rank's step failed (naming each failed rank and
-    its reason), when the ranks are at different steps, or when the exchange does not complete
+    its reason; SetupArgumentError, also a ValueError, when each failed on a ValueError), when the ranks are at different steps, or when the exchange does not complete
     within `timeout_s` (default SETUP_TIMEOUT_S; a rank died or hangs before reaching it). So
     a fault on one rank never leaves the others blocked in a later collective. Collective over
     `group`."""
@@ -82,8 +87,10 @@ def agree(group: dist.ProcessGroup, step: str, error: str | None, payload=None,
                          f"{[s for s, _, _ in outcomes]}")
     failed = [(r, err) for r, (_, err, _) in enumerate(outcomes) if err is not None]
     if failed:
-        raise SetupError(f"petit_moe: EP buffer setup step {step!r} failed on "
-                         + "; ".join(f"rank {r}: {err}" for r, err in failed))
+        bad_input = all(err.startswith("ValueError:") for _, err in failed)
+        raise (SetupArgumentError if bad_input else SetupError)(
+            f"petit_moe: EP buffer setup step {step!r} failed on "
+            + "; ".join(f"rank {r}: {err}" for r, err in failed))
     return [p for _, _, p in outcomes]
 
 
