@@ -20,12 +20,7 @@
 //      memory. The weights are the M operand of mma.sync m16n8k16 (gemm/sm80_mma.h), the
 //      expert's rows the N operand, 8 per n-tile, up to 16 per pass.
 //   3. Weights stream by TMA into a per-warp ring of kStages steps that runs ahead across task
-//      boundaries, so a task's weights are in flight before its inputs exist. The rows' inputs
-//      (x rows of a gate/up task, activation rows of a down task) stream by cp.async into a
-//      second per-warp ring of kStagesB steps, each lane copying the 16-byte pieces it will
-//      multiply: ahead across tasks for gate/up (x is ready at the start), from the task's start
-//      for down (after its activations are acquired). So no step waits for one input load's
-//      latency.
+//      boundaries, so a task's weights are in flight before its inputs exist.
 //   4. A gate/up task writes act[pos][cols] = bf16(silu(gate) * up) and raises its expert's
 //      counter; a down task's inputs are that expert's activations (all its gate/up tiles), it
 //      writes weight * (act . w2^T) as fp32 partials per routing entry and raises its row
@@ -67,13 +62,10 @@ constexpr int kSpan = 32;        // k elements of one mma_span32 (two mma.sync k
 constexpr int kStepK = 64;       // k elements per ring step: one TMA box row (128 bytes)
 constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per pass: 16 expert rows
 constexpr int kPassRows = 8 * kMaxNTiles;
-constexpr int kStages = 4;       // weight ring steps in flight per warp
-constexpr int kStagesB = 3;      // input ring steps in flight per warp
+constexpr int kStages = 5;       // ring steps in flight per warp
 constexpr int kBoxRows = 16;     // one TMA box: 16 weight rows x 64 k, 128-byte swizzle
 constexpr int kBoxBytes = kBoxRows * kStepK * 2;
 constexpr int kStepBytes = 2 * kBoxBytes;  // a step: both 16-row halves of the task
-// an input step: [span h][n-tile j][lane] 16 bytes (lane (g, q): row 8j + g, k 32h + 8q.. + 8)
-constexpr int kStepBytesB = 2 * kMaxNTiles * 32 * 16;
 static_assert(kDownRows == 32, "megamoe_sync_ints (api.h) counts H / 32 row tiles");
 static_assert(kMegaMoeSizeMultiple % kStepK == 0, "H and I are whole ring steps");
 #if PETIT_SM80_PATH
@@ -84,12 +76,10 @@ static_assert(kStepK == gemm::kTmaBoxK, "a step is one box row");
 struct SmemLayout {
   // [warps][stages] steps of two 1024-byte aligned boxes (the base is aligned up by the slack)
   static constexpr int kRing = 0;
-  static constexpr int kRingB = kRing + kWarps * kStages * kStepBytes + 1024;  // [warps][stagesB]
-  static constexpr int kFull = kRingB + kWarps * kStagesB * kStepBytesB;  // u64 [warps][stages]
-  static constexpr int kFullB = kFull + 8 * kWarps * kStages;             // u64 [warps][stagesB]
-  static constexpr int kExpertOf = kFullB + 8 * kWarps * kStagesB;        // int16 [E]
-  static constexpr int kSorted = kExpertOf + 2 * kMegaMoeMaxEntries;      // int16 [E]
-  static constexpr int kOffsets = kSorted + 2 * kMegaMoeMaxEntries;       // int32 [L+1]
+  static constexpr int kFull = kRing + kWarps * kStages * kStepBytes + 1024;  // u64 [warps][stages]
+  static constexpr int kExpertOf = kFull + 8 * kWarps * kStages;              // int16 [E]
+  static constexpr int kSorted = kExpertOf + 2 * kMegaMoeMaxEntries;           // int32 [E]
+  static constexpr int kOffsets = kSorted + 4 * kMegaMoeMaxEntries;           // int32 [L+1]
   static constexpr int kCursor = kOffsets + 4 * (kMaxExperts + 16);           // int32 [L]
   static constexpr int kActive = kCursor + 4 * kMaxExperts;                   // int32 [L]
   static constexpr int kScalars = kActive + 4 * kMaxExperts;                  // int32 [8]
@@ -97,7 +87,6 @@ struct SmemLayout {
   static constexpr int kBytes = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
 };
 static_assert(kBlocksPerSm * (SmemLayout::kBytes + 1024) <= 228 * 1024, "two blocks per SM");
-static_assert(kMegaMoeMaxEntries <= 32767, "entries are int16 in shared memory");
 // kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3)
 enum Scalar { kNumActive = 0, kClaim0 = 1, kExitHere = 4 };
 
@@ -176,7 +165,6 @@ struct WarpStream {
   bool gate_up;
   int row0, row1, group0, group1, expert;
   int s0, steps, total;  // total = passes * steps
-  int begin, count;      // the task's expert rows (positions in the sorted order)
 };
 
 PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
@@ -185,8 +173,6 @@ PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   if (!t.valid || t.kind == kReduce) return ws;  // no weights
   ws.gate_up = t.kind == kGateUp;
   ws.expert = t.expert;
-  ws.begin = t.begin;
-  ws.count = t.count;
   if (ws.gate_up) {  // w13 as {H, I, 2, L}: gate (group 0) and up (group 1) rows of the tile
     ws.row0 = ws.row1 = t.tile * kTileCols;
     ws.group0 = 0;
@@ -225,36 +211,19 @@ struct Producer {
   int iter;              // the block iteration whose task cur is
   int step;              // of cur: 0 .. cur.total
   int kstep;             // step % cur.steps
-  int pass;              // step / cur.steps
-  int pushed;            // steps issued so far (slot = pushed % ring stages)
+  int pushed;            // steps issued so far (slot = pushed % kStages)
 };
-
-// Moves the cursor to the next task (the current one is fully issued); false: none known yet.
-PETIT_DEVICE bool next_task_of(Producer& p) {
-  if (!p.has_next) return false;
-  p.cur = p.next;
-  p.has_next = false;
-  p.step = 0;
-  p.kstep = 0;
-  p.pass = 0;
-  ++p.iter;
-  return true;
-}
-
-PETIT_DEVICE void advance_step(Producer& p) {
-  ++p.step;
-  ++p.pushed;
-  if (++p.kstep == p.cur.steps) {  // the next pass starts over the k steps
-    p.kstep = 0;
-    ++p.pass;
-  }
-}
 
 PETIT_DEVICE void produce(Producer& p, int consumed, uint32_t ring_warp, uint32_t full_warp,
                           const CUtensorMap* w13_map, const CUtensorMap* w2_map) {
   while (p.pushed - consumed < kStages) {
     if (p.step >= p.cur.total) {
-      if (!next_task_of(p)) return;
+      if (!p.has_next) return;
+      p.cur = p.next;
+      p.has_next = false;
+      p.step = 0;
+      p.kstep = 0;
+      ++p.iter;
       continue;
     }
     if (petit_lane_id() == 0) {
@@ -267,44 +236,9 @@ PETIT_DEVICE void produce(Producer& p, int consumed, uint32_t ring_warp, uint32_
       gemm::sm90_tma_load_4d(dst + kBoxBytes, map, k, p.cur.row1, p.cur.group1, p.cur.expert,
                              bar);
     }
-    advance_step(p);
-  }
-}
-
-// The warp's input stream, one cursor like the weights' but every lane copies its own pieces
-// of a step (16 bytes per span and n-tile; zeros for rows past the task's count) and arrives
-// on the slot's mbarrier (32 arrivals) when they have landed. A down task's inputs are other
-// blocks' activations: its steps are issued only once its iteration is ready (`ready_iter`,
-// the iteration whose inputs the control warp has acquired); a gate/up task's (x) any time.
-PETIT_DEVICE void produce_b(Producer& p, int consumed, int ready_iter, uint32_t ring_warp,
-                            uint32_t full_warp, const MegaMoeArgs& a, const int16_t* sorted) {
-  const int lane = petit_lane_id(), g = lane / 4, q = lane % 4;
-  while (p.pushed - consumed < kStagesB) {
-    if (p.step >= p.cur.total) {
-      if (!next_task_of(p)) return;
-      continue;
-    }
-    if (!p.cur.gate_up && p.iter > ready_iter) return;
-    const int slot = p.pushed % kStagesB;
-    const uint32_t dst = ring_warp + slot * kStepBytesB + lane * 16;
-    const int k = (p.cur.s0 + p.kstep) * kStepK + 8 * q;
-#pragma unroll
-    for (int j = 0; j < kMaxNTiles; ++j) {
-      const int r = p.pass * kPassRows + j * 8 + g;
-      const bool valid = r < p.cur.count;
-      const petit_bf16_bits* row = a.x;  // a real address for the zero-filling copies
-      if (valid) {
-        row = p.cur.gate_up ? a.x + int64_t(sorted[p.cur.begin + r] / a.top_k) * a.hidden
-                            : a.act + int64_t(p.cur.begin + r) * a.intermediate;
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        gemm::sm80_cp_async_16(dst + (h * kMaxNTiles + j) * 32 * 16, row + k + h * kSpan,
-                               valid ? 16 : 0);
-      }
-    }
-    gemm::sm90_cp_async_mbarrier_arrive_noinc(full_warp + slot * 8);
-    advance_step(p);
+    ++p.step;
+    ++p.pushed;
+    if (++p.kstep == p.cur.steps) p.kstep = 0;  // the next pass starts over the k steps
   }
 }
 
@@ -322,11 +256,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   PETIT_DYNAMIC_SMEM(smem);
   unsigned char* ring = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem + SmemLayout::kRing) + 1023) & ~uintptr_t(1023));
-  unsigned char* ring_b = smem + SmemLayout::kRingB;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::kFull);
-  uint64_t* full_b = reinterpret_cast<uint64_t*>(smem + SmemLayout::kFullB);
   int16_t* expert_of = reinterpret_cast<int16_t*>(smem + SmemLayout::kExpertOf);
-  int16_t* sorted = reinterpret_cast<int16_t*>(smem + SmemLayout::kSorted);
+  int32_t* sorted = reinterpret_cast<int32_t*>(smem + SmemLayout::kSorted);
   int32_t* offsets = reinterpret_cast<int32_t*>(smem + SmemLayout::kOffsets);
   int32_t* cursor = reinterpret_cast<int32_t*>(smem + SmemLayout::kCursor);
   int32_t* active = reinterpret_cast<int32_t*>(smem + SmemLayout::kActive);
@@ -350,9 +282,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   if (tid == 0) {
     for (int i = 0; i < kWarps * kStages; ++i) {
       gemm::sm90_mbarrier_init(gemm::smem_addr_u32(full + i), 1);
-    }
-    for (int i = 0; i < kWarps * kStagesB; ++i) {
-      gemm::sm90_mbarrier_init(gemm::smem_addr_u32(full_b + i), 32);
     }
     gemm::sm90_fence_mbarrier_init();
     gemm::sm90_prefetch_tensor_map(&w13_map);
@@ -417,9 +346,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   const unsigned char* ring_warp = ring + warp * (kStages * kStepBytes);
   const uint32_t ring_warp_addr = gemm::smem_addr_u32(ring_warp);
   const uint32_t full_warp = gemm::smem_addr_u32(full + warp * kStages);
-  const unsigned char* ring_b_warp = ring_b + warp * (kStagesB * kStepBytesB);
-  const uint32_t ring_b_warp_addr = gemm::smem_addr_u32(ring_b_warp);
-  const uint32_t full_b_warp = gemm::smem_addr_u32(full_b + warp * kStagesB);
   Producer prod{};
   Task cur_task = task_of(scalars[kClaim0]);
   Task next_task = task_of(scalars[kClaim0 + 1]);
@@ -435,22 +361,13 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       const int e = i < num_entries ? expert_of[i] : -1;
       const petit_lanemask_t same = petit_match_any(e);
       const petit_lanemask_t below = same & petit_lanemask_lt();
-      if (e >= 0) sorted[cursor[e] + petit_popc(below)] = int16_t(i);
+      if (e >= 0) sorted[cursor[e] + petit_popc(below)] = i;
       petit_syncwarp();
       if (e >= 0 && below == 0) cursor[e] += petit_popc(same);
       petit_syncwarp();
     }
   }
   __syncthreads();
-
-  // The input stream of the first two tasks (the sort is in): gate/up tasks' x rows.
-  Producer prod_b{};
-  prod_b.cur = warp_stream(cur_task, a);
-  prod_b.next = warp_stream(next_task, a);
-  prod_b.has_next = next_task.valid;
-  if (!control && cur_task.valid) {
-    produce_b(prod_b, consumed, -1, ring_b_warp_addr, full_b_warp, a, sorted);
-  }
 
   if (num_active == 0) {  // no entry served: the layer's output is 0
     const int64_t vectors = int64_t(N) * H / 8;
@@ -524,10 +441,18 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       const bool gate_up = cur_task.kind == kGateUp;
       const WarpStream ws = warp_stream(cur_task, a);
       const int tile = cur_task.tile, begin = cur_task.begin, count = cur_task.count;
-      // this task's inputs are acquired (R): a down task's input steps may go out now
-      produce_b(prod_b, consumed, iter, ring_b_warp_addr, full_b_warp, a, sorted);
       for (int pass = 0; pass < count; pass += kPassRows) {
         const int rows = min(kPassRows, count - pass);
+        const petit_bf16_bits* b_rows[kMaxNTiles];
+#pragma unroll
+        for (int j = 0; j < kMaxNTiles; ++j) {
+          const int r = pass + j * 8 + g;
+          b_rows[j] = nullptr;
+          if (r < count) {
+            b_rows[j] = gate_up ? a.x + int64_t(sorted[begin + r] / K) * H
+                                : a.act + int64_t(begin + r) * I;
+          }
+        }
         const bool two_tiles = rows > 8;
         float acc[2][kMaxNTiles][4];
 #pragma unroll
@@ -536,17 +461,28 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
           for (int j = 0; j < kMaxNTiles; ++j)
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
-        for (int s = 0; s < ws.steps; ++s) {
-          const int slot = consumed % kStages, slot_b = consumed % kStagesB;
-          gemm::sm90_mbarrier_wait_parity(full_b_warp + slot_b * 8, (consumed / kStagesB) & 1);
-          uint4 b[2][kMaxNTiles];  // this lane's pieces of the rows' inputs
+        // B (the rows' inputs) one step ahead: two spans of 16 bytes per n-tile
+        uint4 b_next[2][kMaxNTiles];
+        auto load_b = [&](uint4 (&dst)[2][kMaxNTiles], int s) {
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int j = 0; j < kMaxNTiles; ++j) {
-              b[h][j] = *reinterpret_cast<const uint4*>(
-                  ring_b_warp + slot_b * kStepBytesB + ((h * kMaxNTiles + j) * 32 + lane) * 16);
+              dst[h][j] = b_rows[j] != nullptr
+                              ? petit_load_cg(reinterpret_cast<const uint4*>(
+                                    b_rows[j] + s * kStepK + h * kSpan + 8 * q))
+                              : zero4();
             }
+        };
+        if (ws.steps > 0) load_b(b_next, ws.s0);
+        for (int s = ws.s0; s < ws.s0 + ws.steps; ++s) {
+          uint4 b[2][kMaxNTiles];
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < kMaxNTiles; ++j) b[h][j] = b_next[h][j];
+          if (s + 1 < ws.s0 + ws.steps) load_b(b_next, s + 1);
+          const int slot = consumed % kStages;
           gemm::sm90_mbarrier_wait_parity(full_warp + slot * 8, (consumed / kStages) & 1);
           const unsigned char* step = ring_warp + slot * kStepBytes;
 #pragma unroll
@@ -563,9 +499,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
             }
           }
           ++consumed;
-          petit_syncwarp();  // every lane has read both slots before they are refilled
+          petit_syncwarp();  // every lane has read the slot before lane 0 refills it
           produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
-          produce_b(prod_b, consumed, iter, ring_b_warp_addr, full_b_warp, a, sorted);
         }
         // red[warp][half][n-tile][reg][lane]
         float* mine = red + warp * (2 * kMaxNTiles * 4 * 32);
@@ -614,21 +549,19 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     cur_task = next_task;
     next_task = task_of(scalars[kClaim0 + (iter + 2) % 3]);
     if (!control) {
-      auto roll = [&](Producer& p) {
-        if (p.iter == iter) next_task_of(p);  // has_next: the cursor's task is iter + 1
-        p.next = warp_stream(next_task, a);
-        p.has_next = next_task.valid;
-      };
-      roll(prod);
-      roll(prod_b);
-      if (cur_task.valid) {
-        produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
-        produce_b(prod_b, consumed, iter, ring_b_warp_addr, full_b_warp, a, sorted);
+      if (prod.iter == iter) {
+        prod.cur = prod.next;
+        prod.step = 0;
+        prod.kstep = 0;
+        prod.iter = iter + 1;
       }
+      prod.next = warp_stream(next_task, a);
+      prod.has_next = next_task.valid;
+      if (cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
     }
   }
-  // No weight or input load is in flight here: the producers only load the current and the
-  // next task, and the loop ends at the first invalid one, whose successors are invalid too.
+  // No weight load is in flight here: the producer only loads the current and the next task,
+  // and the loop ends at the first invalid one, whose successors are invalid too.
 
   // ---- 3. the last block out resets the counters for the next call
   __threadfence();
