@@ -76,12 +76,14 @@ class SingleGpuLayerConfig:
         experts in the geometric mean of 1-64 tokens (0.90-1.07x; examples/results/
         moe_layer_H200x1.jsonl, docs/experiments/megamoe-w1.md).
     composed_min_tokens: our composed experts (``ops.experts_forward``) from N = this; vLLM's
-        own Triton experts below (and above megamoe_max_tokens). 8: from there the composed
-        experts measured 1.00-1.07x vLLM's Triton at 8-64 tokens and 1.01-1.23x at 128-1024
-        (same run), below 8 0.95-1.03x.
+        own Triton experts below (and above megamoe_max_tokens). 32: in the layer benchmark
+        (one H200, 44f7f41) the composed experts measured 1.02-1.09x vLLM's Triton from 32
+        tokens on both presets but only 0.98-1.06x at 8-16, and serving Qwen3-30B-A3B with them
+        from 8 tokens was 2.2% slower in TPOT at concurrency 8 (0c12e18,
+        examples/results/tpot_gsm8k_H200x1.jsonl).
     """
     megamoe_max_tokens: int = 0
-    composed_min_tokens: int = 8
+    composed_min_tokens: int = 32
 
     def __post_init__(self):
         _check_ints(self)

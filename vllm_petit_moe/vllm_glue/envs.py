@@ -13,7 +13,7 @@ from typing import Any
 
 VLLM_USE_PETIT_MOE = "VLLM_USE_PETIT_MOE"
 """``1`` switches DP+EP MoE layers to our dispatch/combine, and on one GPU (no DP, TP or EP)
-vLLM's Triton experts to ``PetitSingleGpuExperts`` (ours from 8 tokens per call, vLLM's
+vLLM's Triton experts to ``PetitSingleGpuExperts`` (ours from 32 tokens per call, vLLM's
 below; ``config.SingleGpuLayerConfig``). Default off."""
 
 VLLM_PETIT_MOE_STRICT = "VLLM_PETIT_MOE_STRICT"
