@@ -199,7 +199,8 @@ struct EpDiagnostics {
   uint64_t expected_epoch;
   uint64_t observed_flag; // raw flag value seen last
   uint32_t expected_tag;  // this rank's call tag (kEpErrorMismatch: the flag holds another)
-  uint32_t pad;
+  uint32_t peer_alive;    // kEpErrorTimeout with heartbeats: 1 = the peer's process still beat
+                          // (the wait reached max_wait_ticks), 0 = it stopped beating
 };
 
 struct EpContextArgs {
@@ -213,6 +214,11 @@ struct EpContextArgs {
   EpState* state;
   EpDiagnostics* diagnostics;
   uint64_t timeout_ticks;
+  // [W] host words every rank's process increments while it lives (mapped host memory; see
+  // docs/faults.md): a wait whose bound expired goes on while its peer's word moves, up to
+  // max_wait_ticks in all. nullptr: the bound alone.
+  const volatile uint64_t* heartbeats;
+  uint64_t max_wait_ticks;
   uint32_t* token_rank_mask;  // [T_max]  ranks each own token was sent to (bit d)
   uint32_t* group_done;       // [W, G_max] completion counters of the dispatch's chunks
   int32_t* recv_group_counts; // [W, G_max] rows received per (source, group), last dispatch

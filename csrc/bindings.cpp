@@ -5,9 +5,17 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "api.h"
@@ -168,6 +176,56 @@ class EpContext {
   }
 
   ~EpContext() { close(); }
+
+  // The heartbeat page (docs/faults.md): POSIX shared memory `name` of one word per rank,
+  // created (zeroed) by the first caller (`create`) and opened by the others, mapped here and
+  // registered with the GPU; a thread of this process increments this rank's word every
+  // `period_s`. Waits then go on past the bound while the peer's word moves, up to max_wait_s.
+  void attach_heartbeat(const std::string& name, bool create, double period_s,
+                        double max_wait_s) {
+    PETIT_CHECK(heartbeat_host_ == nullptr, "the heartbeat is attached already");
+    PETIT_CHECK(period_s > 0.0 && period_s * 2.0 < double(args_.timeout_ticks) /
+                                                       petit_timer_ticks_per_second(),
+                "heartbeat period %g s must be below half the wait bound", period_s);
+    PETIT_CHECK(max_wait_s * petit_timer_ticks_per_second() >= double(args_.timeout_ticks) &&
+                    max_wait_s <= kMaxWaitS,
+                "max_wait_s %g outside [timeout_s, %g]", max_wait_s, kMaxWaitS);
+    const int fd = shm_open(name.c_str(), create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
+    PETIT_CHECK(fd >= 0, "heartbeat page %s: shm_open failed (errno %d)", name.c_str(), errno);
+    const size_t bytes = size_t(sysconf(_SC_PAGESIZE));
+    PETIT_CHECK(size_t(args_.world_size) * sizeof(uint64_t) <= bytes, "heartbeat page too small");
+    const bool sized = !create || ftruncate(fd, off_t(bytes)) == 0;  // zero-filled
+    void* host = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                       : MAP_FAILED;
+    ::close(fd);
+    PETIT_CHECK(host != MAP_FAILED, "heartbeat page %s: mapping failed (errno %d)", name.c_str(),
+                errno);
+    c10::cuda::CUDAGuard guard(device_);
+    void* device = nullptr;
+    petitError_t e = petitHostRegisterMapped(host, bytes);
+    if (e == petitSuccess) e = petitHostGetDevicePointer(&device, host);
+    if (e != petitSuccess) {
+      petitGetLastError();
+      munmap(host, bytes);
+      PETIT_CHECK(false, "heartbeat page: registering it with the GPU failed (%d)", int(e));
+    }
+    heartbeat_host_ = static_cast<uint64_t*>(host);
+    heartbeat_bytes_ = bytes;
+    args_.heartbeats = static_cast<const volatile uint64_t*>(device);
+    args_.max_wait_ticks = uint64_t(max_wait_s * petit_timer_ticks_per_second());
+    const auto period = std::chrono::duration<double>(period_s);
+    heartbeat_stop_ = false;
+    heartbeat_thread_ = std::thread([this, period] {
+      uint64_t* word = heartbeat_host_ + args_.rank;
+      std::unique_lock<std::mutex> lock(heartbeat_mutex_);
+      while (!heartbeat_stop_) {
+        __atomic_store_n(word, __atomic_load_n(word, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
+        heartbeat_cv_.wait_for(lock, period);
+      }
+    });
+  }
+
+  static void unlink_heartbeat(const std::string& name) { shm_unlink(name.c_str()); }
 
   int64_t export_fd() {
     int fd = -1;
@@ -344,6 +402,7 @@ class EpContext {
     d["expected_epoch"] = uint64_t(diag->expected_epoch);
     d["observed_epoch"] = flag_epoch(diag->observed_flag);
     d["expected_tag"] = uint32_t(diag->expected_tag);
+    d["peer_alive"] = int(diag->peer_alive);
     d["observed_tag"] = flag_tag(diag->observed_flag);
     d["dropped_ids"] = int(diag->dropped_ids);
     return d;
@@ -354,6 +413,14 @@ class EpContext {
   int64_t num_blocks() const { return args_.num_blocks; }
 
   void close() {
+    if (heartbeat_thread_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(heartbeat_mutex_);
+        heartbeat_stop_ = true;
+      }
+      heartbeat_cv_.notify_all();
+      heartbeat_thread_.join();
+    }
     if (heap_) {
       c10::cuda::CUDAGuard guard(device_);
       petitDeviceSynchronize();  // no kernel may still touch the range
@@ -361,6 +428,12 @@ class EpContext {
     }
     if (diag_host_ != nullptr) petitFreeHost(diag_host_);
     diag_host_ = nullptr;
+    if (heartbeat_host_ != nullptr) {  // after the synchronize above: no kernel reads it
+      petitHostUnregister(heartbeat_host_);
+      munmap(heartbeat_host_, heartbeat_bytes_);
+      heartbeat_host_ = nullptr;
+    }
+    args_.heartbeats = nullptr;
     args_.heap_base = nullptr;
   }
 
@@ -386,6 +459,12 @@ class EpContext {
   std::unique_ptr<SymmetricHeap> heap_;
   torch::Tensor state_, token_rank_mask_, group_done_, recv_group_counts_;
   EpDiagnostics* diag_host_ = nullptr;
+  uint64_t* heartbeat_host_ = nullptr;  // the mapped heartbeat page (attach_heartbeat)
+  size_t heartbeat_bytes_ = 0;
+  std::thread heartbeat_thread_;
+  std::mutex heartbeat_mutex_;
+  std::condition_variable heartbeat_cv_;
+  bool heartbeat_stop_ = false;
 };
 
 // SM count of a device, queried once per device (no device sync; safe under graph capture).
@@ -830,6 +909,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("hidden"), py::arg("max_top_k"), py::arg("num_experts"),
            py::arg("num_blocks"), py::arg("timeout_s"), py::arg("combine_config") = py::dict())
       .def("export_fd", &EpContext::export_fd)
+      .def("attach_heartbeat", &EpContext::attach_heartbeat, py::arg("name"), py::arg("create"),
+           py::arg("period_s"), py::arg("max_wait_s"))
+      .def_static("unlink_heartbeat", &EpContext::unlink_heartbeat, py::arg("name"))
       .def("map_peers", &EpContext::map_peers, py::arg("fds"))
       .def("heap_view", &EpContext::heap_view, py::arg("rank"), py::arg("offset"),
            py::arg("num_bytes"))

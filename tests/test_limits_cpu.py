@@ -38,6 +38,7 @@ HEADER_NAMES = {
     "MEGAMOE_MAX_ENTRIES": "kMegaMoeMaxEntries",
     "MEGAMOE_SIZE_MULTIPLE": "kMegaMoeSizeMultiple",
     "MAX_TIMEOUT_S": "kMaxTimeoutS",
+    "MAX_WAIT_S": "kMaxWaitS",
 }
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

@@ -10,6 +10,7 @@ rank; every rank must raise SetupError naming that rank's reason, within the bou
 """
 from __future__ import annotations
 
+import glob
 import os
 import time
 import traceback
@@ -38,6 +39,17 @@ class FakeEpContext:
 
     def export_fd(self):
         return os.open("/dev/null", os.O_RDONLY)
+
+    def attach_heartbeat(self, name, create, period_s, max_wait_s):
+        path = "/dev/shm" + name
+        assert os.path.exists(path) != create, (name, create)  # rank 0 creates, then the rest
+        assert 0 < period_s < max_wait_s
+        if create:
+            open(path, "wb").close()
+
+    @staticmethod
+    def unlink_heartbeat(name):
+        os.unlink("/dev/shm" + name)
 
     def map_peers(self, fds):
         assert fds[self.rank] == -1 and all(fd >= 0 for r, fd in enumerate(fds) if r != self.rank)
@@ -131,9 +143,11 @@ def _port():
 
 
 def test_setup_succeeds_and_checks_the_mapping(tmp_path):
+    before = set(glob.glob("/dev/shm/petit_moe_hb_*"))
     out = _run(tmp_path, 3)
     for rank, ((kind, detail), _) in out.items():
         assert kind == "ok", (rank, detail)
+    assert set(glob.glob("/dev/shm/petit_moe_hb_*")) == before, "heartbeat page left behind"
 
 
 @pytest.mark.parametrize("fault,step,reason", [

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from .config import CombineConfig, as_dict
 from .heap import SETUP_TIMEOUT_S, SetupError, agree, check_single_node, exchange_fds
-from .limits import (FP8_BLOCK_MODES, FP8_SCALE_BLOCK, MAX_EXPERTS, MAX_TOP_K, MAX_WORLD_SIZE,
-                     MIN_CHUNK_VECTORS, REGION_ALIGNMENT, SIZE_MULTIPLE, TOKEN_GROUP_SIZE,
-                     check_timeout_s)
+from .limits import (DEFAULT_MAX_WAIT_S, FP8_BLOCK_MODES, FP8_SCALE_BLOCK, MAX_EXPERTS,
+                     MAX_TOP_K, MAX_WORLD_SIZE, MIN_CHUNK_VECTORS, REGION_ALIGNMENT,
+                     SIZE_MULTIPLE, TOKEN_GROUP_SIZE, check_max_wait_s, check_timeout_s)
 
 logger = logging.getLogger("vllm.petit_moe.buffer")  # inside vLLM's logger tree
 
@@ -75,7 +75,9 @@ def describe_fault(d: dict) -> str | None:
              f"{d['group']}")
     if error == "timeout":
         what = (f"timed out: expected epoch {d['expected_epoch']}, the flag holds epoch "
-                f"{d['observed_epoch']}")
+                f"{d['observed_epoch']}"
+                + ("; the peer's process is alive but the wait reached max_wait_s"
+                   if d.get("peer_alive") else ""))
     else:
         what = (f"call mismatch at epoch {d['expected_epoch']}: the peer's call tag "
                 f"0x{d.get('observed_tag', 0):04x} != this rank's 0x{d.get('expected_tag', 0):04x} "
@@ -199,9 +201,14 @@ class EpBuffer:
             (2 * W * T_max * H * 2 bytes of rows per rank). Larger calls raise ValueError.
         max_top_k: the largest top-k (<= 16).
         num_sms: blocks of the persistent dispatch/combine grid (default: every SM).
-        timeout_s: bound of every spin-wait, in (0, 3600] seconds (limits.MAX_TIMEOUT_S); on
-            expiry the kernel reports rank, peer, token group and epoch (see `diagnostics`)
-            and traps.
+        timeout_s: bound of every spin-wait, in (0, 3600] seconds (limits.MAX_TIMEOUT_S).
+            When it expires the kernel reads the peer process's heartbeat (a host word its
+            thread increments every timeout_s / 8): a peer that still beats is slow, not dead,
+            and the wait goes on; one that stopped is reported (rank, peer, token group and
+            epoch: `diagnostics`) within 1.5 x timeout_s and the kernel traps.
+        max_wait_s: bound of a wait on a peer whose process still beats, in
+            [timeout_s, 86400] seconds (limits.MAX_WAIT_S): a live but stuck peer is reported
+            after it.
         validate_ids: check expert ids on the host (one sync) when not capturing a graph.
         config: how combine splits its grid and its work
             (:class:`~vllm_petit_moe.config.CombineConfig`; default: its defaults). Equal on
@@ -211,7 +218,8 @@ class EpBuffer:
     def __init__(self, group: dist.ProcessGroup, *, hidden_size: int, num_experts: int,
                  max_tokens_per_rank: int, max_top_k: int = MAX_TOP_K,
                  num_sms: int | None = None, timeout_s: float = 30.0,
-                 validate_ids: bool = True, config: CombineConfig | None = None):
+                 max_wait_s: float = DEFAULT_MAX_WAIT_S, validate_ids: bool = True,
+                 config: CombineConfig | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -231,6 +239,7 @@ class EpBuffer:
                             num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
                             max_top_k=max_top_k)
             self.timeout_s = check_timeout_s(timeout_s)
+            self.max_wait_s = check_max_wait_s(max_wait_s, self.timeout_s)
             if not isinstance(self.config, CombineConfig):
                 raise TypeError(f"petit_moe: config must be a CombineConfig, got "
                                 f"{type(self.config).__name__}")
@@ -256,6 +265,7 @@ class EpBuffer:
             # writes them.
             self._step("map", lambda: self._ctx.map_peers(fds))
             self._verify_mapping()
+            self._attach_heartbeat(f"/petit_moe_hb_{token[:20]}")
         except BaseException:
             self._ctx.close()
             self._ctx = None
@@ -292,6 +302,20 @@ class EpBuffer:
         return result
 
     # ------------------------------------------------------------------ setup checks
+    def _attach_heartbeat(self, name: str) -> None:
+        """The heartbeat page (docs/faults.md): rank 0 creates it, then the others open it;
+        every rank maps it for its GPU and starts its beat. Unlinked (rank 0) once all have it
+        mapped, or on failure: nothing is left in /dev/shm."""
+        period_s = self.timeout_s / 8
+        attach = lambda create: lambda: self._ctx.attach_heartbeat(  # noqa: E731
+            name, create, period_s, self.max_wait_s)
+        try:
+            self._step("heartbeat page", attach(True) if self.rank == 0 else lambda: None)
+            self._step("heartbeat", attach(False) if self.rank != 0 else lambda: None)
+        finally:
+            if self.rank == 0:
+                self._ctx.unlink_heartbeat(name)
+
     def _verify_mapping(self) -> None:
         """Every rank writes a signature into its own heap; each reads all of them back
         through the linear range. Catches a broken mapping before any kernel relies on it."""
@@ -445,7 +469,8 @@ class EpBuffer:
         """The buffer's diagnostic record (pinned host memory: no device sync, readable after
         a trap): ``error`` ("" none, "timeout", "mismatch"), ``timed_out`` (0/1), ``rank``,
         ``peer``, ``phase`` ("dispatch"/"combine"), ``group``, ``expected_epoch``,
-        ``observed_epoch``, ``expected_tag``, ``observed_tag`` of the first failed wait; and
+        ``observed_epoch``, ``expected_tag``, ``observed_tag``, ``peer_alive`` (1: the peer's
+        process still beat, the wait reached max_wait_s) of the first failed wait; and
         ``dropped_ids``: routing slots with ids outside [-1, num_experts) that dispatches
         treated as -1 (validate_ids=False or under graph capture), as far as the device has
         written it."""

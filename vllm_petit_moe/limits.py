@@ -19,6 +19,7 @@ MEGAMOE_SIZE_MULTIPLE = 64  # kMegaMoeSizeMultiple: H and I of the fused layer
 
 # --------------------------------------------------------------------------- waits
 MAX_TIMEOUT_S = 3600.0  # kMaxTimeoutS: bound of every in-kernel spin-wait, in seconds
+MAX_WAIT_S = 86400.0  # kMaxWaitS: bound of a wait on a live (heartbeating) peer, in seconds
 
 
 def check_timeout_s(value, what: str = "timeout_s") -> float:
@@ -32,6 +33,22 @@ def check_timeout_s(value, what: str = "timeout_s") -> float:
     if not 0.0 < seconds <= MAX_TIMEOUT_S:  # False for NaN too
         raise ValueError(f"petit_moe: {what}={value!r} must be finite, > 0 and <= "
                          f"{MAX_TIMEOUT_S:g} seconds (the bound of every spin-wait)")
+    return seconds
+
+
+DEFAULT_MAX_WAIT_S = 1800.0  # EpBuffer's max_wait_s (vLLM's own collectives wait as long)
+
+
+def check_max_wait_s(value, timeout_s: float) -> float:
+    """`value` as a float in [timeout_s, MAX_WAIT_S] seconds, else ValueError naming the
+    limits."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"petit_moe: max_wait_s={value!r} is not a number of seconds") from None
+    if not timeout_s <= seconds <= MAX_WAIT_S:  # False for NaN too
+        raise ValueError(f"petit_moe: max_wait_s={value!r} must be >= timeout_s={timeout_s:g} "
+                         f"and <= {MAX_WAIT_S:g} seconds (the bound of a wait on a live peer)")
     return seconds
 
 

@@ -164,8 +164,9 @@ PETIT_DEVICE int nth_set_bit(uint32_t mask, int n) {
 // The first failing wait of this rank records the error (pinned host memory, readable after
 // the trap), prints it and traps; any other failing thread just traps.
 PETIT_DEVICE void fail_wait(const EpContextArgs& c, int error, uint64_t value, uint64_t epoch,
-                            uint32_t tag, int peer, int phase, int group) {
+                            uint32_t tag, int peer, int phase, int group, bool peer_alive = false) {
   if (atomicCAS(&c.diagnostics->error, 0, error) == 0) {
+    c.diagnostics->peer_alive = peer_alive ? 1u : 0u;
     c.diagnostics->rank = c.rank;
     c.diagnostics->peer = peer;
     c.diagnostics->phase = phase;
@@ -177,9 +178,12 @@ PETIT_DEVICE void fail_wait(const EpContextArgs& c, int error, uint64_t value, u
     const char* what = phase == 0 ? "dispatch" : "combine";
     if (error == kEpErrorTimeout)
       printf("petit_moe: %s timed out on rank %d waiting for rank %d, token group %d: "
-             "expected epoch %llu, flag holds epoch %llu (count %u)\n",
+             "expected epoch %llu, flag holds epoch %llu (count %u)%s\n",
              what, c.rank, peer, group, (unsigned long long)epoch,
-             (unsigned long long)flag_epoch(value), flag_count(value));
+             (unsigned long long)flag_epoch(value), flag_count(value),
+             c.heartbeats == nullptr ? ""
+             : peer_alive ? "; its process is alive but the wait reached max_wait_s"
+                          : "; its process stopped (no heartbeat)");
     else
       printf("petit_moe: %s call mismatch on rank %d: rank %d's call of epoch %llu differs "
              "(token group %d: call tag 0x%04x, this rank's 0x%04x; region stride, top-k and "
@@ -191,18 +195,34 @@ PETIT_DEVICE void fail_wait(const EpContextArgs& c, int error, uint64_t value, u
 
 // Bounded spin until the flag shows `epoch` (its low kFlagEpochBits bits); the flag must then
 // carry `tag`, the tag of this rank's own call (else the peer made another call: mismatch).
-// On expiry or mismatch: fail_wait.
+// When the bound (timeout_ticks) expires and the context has heartbeats, the peer's word is
+// read (only then: one read of host memory) and the wait goes on for half a bound; it fails
+// when the word did not move over such a half (the peer's process is gone or frozen: reported
+// within 1.5 bounds) or when max_wait_ticks have passed since the wait began (alive but stuck).
+// On failure or mismatch: fail_wait.
 PETIT_DEVICE uint64_t wait_flag(const EpContextArgs& c, const uint64_t* flag, uint64_t epoch,
                                 uint32_t tag, int peer, int phase, int group) {
   const uint64_t want = flag_epoch_bits(epoch);
   uint64_t value = petit_load_acquire_sys(flag);
   if (flag_epoch(value) != want) {
-    const uint64_t start = petit_timer();
+    const uint64_t begin = petit_timer();
+    uint64_t start = begin, beat = 0;
+    bool sampled = false;  // beat holds the peer's word as of the last expiry
     while (true) {
       value = petit_load_acquire_sys(flag);
       if (flag_epoch(value) == want) break;
-      if (petit_timer() - start > c.timeout_ticks)
-        fail_wait(c, kEpErrorTimeout, value, epoch, tag, peer, phase, group);
+      const uint64_t now = petit_timer();
+      if (now - start > c.timeout_ticks) {
+        if (c.heartbeats == nullptr)
+          fail_wait(c, kEpErrorTimeout, value, epoch, tag, peer, phase, group);
+        const uint64_t seen = c.heartbeats[peer];
+        const bool moved = !sampled || seen != beat;
+        if (!moved || now - begin > c.max_wait_ticks)
+          fail_wait(c, kEpErrorTimeout, value, epoch, tag, peer, phase, group, moved);
+        beat = seen;
+        sampled = true;
+        start = now - c.timeout_ticks / 2;  // the next look: half a bound from now
+      }
     }
   }
   if (flag_tag(value) != tag) fail_wait(c, kEpErrorMismatch, value, epoch, tag, peer, phase, group);

@@ -30,6 +30,9 @@ static_assert(kFlagEpochShift == kFlagCountBits + kFlagTagBits &&
               "flag = epoch | tag | count fills 64 bits");
 // Bound of every spin-wait (seconds; EpBuffer's timeout_s, megamoe_forward's): finite, > 0.
 constexpr float kMaxTimeoutS = 3600.0f;
+// Bound of a dispatch/combine wait on a peer whose process is alive (its heartbeat moves):
+// EpBuffer's max_wait_s, in [timeout_s, kMaxWaitS] seconds.
+constexpr float kMaxWaitS = 86400.0f;
 // A send item (token group, hidden chunk) keeps >= kMinChunkVectors 16-byte vectors (32 KB) of
 // the group's rows: splitting less data only adds a fence and a flag to the latency. (More,
 // smaller items to fill the grid's last round cost more than they gained: 2x H200, commit

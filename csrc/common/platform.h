@@ -125,6 +125,9 @@ typedef hipFuncAttributes petitFuncAttributes;
 #define petitHostAlloc(ptr, size) hipHostMalloc(ptr, size, hipHostMallocMapped)
 #define petitHostGetDevicePointer(dptr, hptr) hipHostGetDevicePointer(dptr, hptr, 0)
 #define petitFreeHost hipHostFree
+#define petitHostRegisterMapped(ptr, size) \
+  hipHostRegister(ptr, size, hipHostRegisterMapped | hipHostRegisterPortable)
+#define petitHostUnregister hipHostUnregister
 #define petitMemset hipMemset
 #define petitLaunchKernel(kernel, grid, block, smem, stream, ...) \
   hipLaunchKernelGGL(kernel, grid, block, smem, stream, __VA_ARGS__)
@@ -158,6 +161,9 @@ typedef cudaFuncAttributes petitFuncAttributes;
 #define petitHostAlloc(ptr, size) cudaHostAlloc(ptr, size, cudaHostAllocMapped)
 #define petitHostGetDevicePointer(dptr, hptr) cudaHostGetDevicePointer(dptr, hptr, 0)
 #define petitFreeHost cudaFreeHost
+#define petitHostRegisterMapped(ptr, size) \
+  cudaHostRegister(ptr, size, cudaHostRegisterMapped | cudaHostRegisterPortable)
+#define petitHostUnregister cudaHostUnregister
 #define petitMemset cudaMemset
 #define petitLaunchKernel(kernel, grid, block, smem, stream, ...) \
   kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)

@@ -39,6 +39,8 @@ struct RankState {
 struct EpEmu {
   int world_size = 0, num_experts = 0, num_blocks = 0;
   uint64_t timeout_ticks = 0;
+  const volatile uint64_t* heartbeats = nullptr;  // petit_emu_ep_set_heartbeats
+  uint64_t max_wait_ticks = 0;
   petit::HeapLayout layout{};
   int64_t stride = 0;
   unsigned char* heap = nullptr;
@@ -60,6 +62,8 @@ struct EpEmu {
     c.state = &r.state;
     c.diagnostics = &r.diagnostics;
     c.timeout_ticks = timeout_ticks;
+    c.heartbeats = heartbeats;
+    c.max_wait_ticks = max_wait_ticks;
     c.token_rank_mask = r.token_rank_mask.data();
     c.group_done = r.group_done.data();
     c.recv_group_counts = r.recv_group_counts.data();
@@ -122,6 +126,16 @@ int combine_one(EpEmu& ep, int rank, const void* expert_out, void* out, int num_
 }
 
 }  // namespace
+
+// The ranks' heartbeat words (host memory the caller owns and increments: word r = rank r's
+// process) and the bound of a wait on a peer whose word moves, in seconds of the emulated
+// timer; words = nullptr: the bound alone (the default).
+extern "C" void petit_emu_ep_set_heartbeats(void* handle, const uint64_t* words,
+                                            double max_wait_s) {
+  EpEmu& ep = *static_cast<EpEmu*>(handle);
+  ep.heartbeats = words;
+  ep.max_wait_ticks = uint64_t(max_wait_s * petit_timer_ticks_per_second());
+}
 
 // The CombineConfig of every rank's next combines (default-constructed until set).
 extern "C" void petit_emu_ep_set_combine_config(void* handle, int reduce_pct, int reduce_vectors,
