@@ -263,6 +263,50 @@ def _rank_traced_combine(state, cfg, seed, tokens_per_rank, top_k):
     return True
 
 
+def _rank_megamoe_expert_stage(state, cfg, seed, tokens_per_rank, top_k, inter, rounds):
+    """dispatch -> ops.megamoe_forward over this rank's received rows (the fused layer kernel
+    as the expert stage; padding rows carry only -1 ids) -> combine, against the dense fp64
+    MoE of this rank's tokens and against the composed experts (ops.experts_forward) on the
+    same received rows."""
+    from vllm_petit_moe import ops
+    rank, world, device = state["rank"], state["world_size"], state["device"]
+    buf = get_buffer(state, **cfg)
+    hidden, num_experts = cfg["hidden_size"], cfg["num_experts"]
+    local = num_experts // world
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device)
+           / hidden**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen, device=device)
+          / inter**0.5).to(torch.bfloat16)
+    mine = slice(rank * local, (rank + 1) * local)
+    stride = max(tokens_per_rank)
+    for r in range(rounds):
+        xs, ids, ws = _inputs(seed + 1 + r, tokens_per_rank, hidden, top_k, num_experts, world,
+                              None, device)
+        out = buf.dispatch(xs[rank], ids[rank], ws[rank], region_stride=stride)
+        ys = []
+        for experts in ("megamoe", "composed"):
+            stage_out = torch.full_like(out.recv_x, POISON)
+            fn = ops.megamoe_forward if experts == "megamoe" else ops.experts_forward
+            kwargs = {"num_sms": buf.num_sms} if experts == "megamoe" else {}
+            fn(out.recv_x, out.recv_topk_ids, out.recv_topk_weights, w13[mine].contiguous(),
+               w2[mine].contiguous(), out=stage_out, **kwargs)
+            y = torch.full_like(xs[rank], POISON)
+            buf.combine(stage_out, out.handle, out=y)
+            ys.append(y)
+        if xs[rank].shape[0] == 0:
+            continue
+        want = ref.dense_moe_reference(xs[rank], ids[rank], ws[rank], w13, w2)
+        for name, y in zip(("megamoe", "composed"), ys):
+            assert not y.isnan().any(), f"round {r}: {name} left outputs unwritten on rank {rank}"
+            err = ((y.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+            assert err < 6e-3, f"round {r}: {name} relative error {err} on rank {rank}"
+        diff = ((ys[0].float() - ys[1].float()).norm() / ys[1].float().norm()).item()
+        assert diff < 8e-3, f"round {r}: megamoe vs composed {diff} on rank {rank}"
+    torch.cuda.synchronize()
+    return rounds
+
+
 def _rank_bad_inputs(state, cfg):
     buf = get_buffer(state, **cfg)
     dev, H, T = state["device"], cfg["hidden_size"], 4
@@ -442,6 +486,15 @@ def test_fp8_dispatch_matches_reference(rank_pools, quant, world_size, hidden, t
 def test_fp8_dispatch_cuda_graph_replays(rank_pools, quant):
     pool = rank_pools(2)
     pool.run(_rank_fp8_dispatch, _cfg(hidden=512), 61, [96, 96], 8, quant, 17, True)
+
+
+@pytest.mark.parametrize("world_size,tokens,top_k", [
+    (2, [1, 16], 8), (2, [0, 7], 4), (4, [16, 3, 9, 1], 8)])
+def test_megamoe_as_the_expert_stage(rank_pools, world_size, tokens, top_k):
+    """The fused layer kernel on the dispatch layout at W >= 2 (ranks sharing the GPU)."""
+    pool = rank_pools(world_size)
+    pool.run(_rank_megamoe_expert_stage, _cfg(hidden=256, max_tokens=16), 71, tokens, top_k,
+             128, 3)
 
 
 def test_bad_inputs_raise_clear_errors(rank_pools):
