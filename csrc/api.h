@@ -156,6 +156,8 @@ struct MegaMoeArgs {
   int num_local_experts;           // L
   int num_sms;                     // grid = up to 2 blocks per SM; 0: query the device
   uint64_t timeout_ticks;          // bound of the in-kernel waits (petit_timer ticks), > 0
+  int64_t* trace;                  // diagnostics, nullptr: none. [grid][kMegaMoeTraceSlots]
+                                   // timer stamps (layout.h; tools/megamoe_trace.py reads them)
 };
 PETIT_HOST_DEVICE int megamoe_sync_ints(int num_local_experts, int hidden) {
   return 2 + num_local_experts + hidden / 32;

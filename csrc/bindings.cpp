@@ -762,7 +762,7 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
                      const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act_workspace,
                      torch::Tensor& partial_workspace, torch::Tensor& sync,
                      c10::optional<torch::Tensor> expert_map, int64_t num_sms,
-                     double timeout_s) {
+                     double timeout_s, c10::optional<torch::Tensor> trace) {
   check_cuda_tensor(x, "x", 2);
   check_cuda_tensor(topk_ids, "topk_ids", 2);
   check_cuda_tensor(topk_weights, "topk_weights", 2);
@@ -808,6 +808,20 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
   a.partial = partial_workspace.data_ptr<float>();
   a.sync = sync.data_ptr<int32_t>();
   a.out = reinterpret_cast<petit_bf16_bits*>(out.data_ptr());
+  if (trace.has_value()) {
+    int sms = int(num_sms);
+    if (sms == 0) {
+      PETIT_CHECK_OK(petitDeviceGetAttribute(&sms, petitDevAttrMultiProcessorCount,
+                                             x.get_device()),
+                     "SM count query");
+    }
+    const torch::Tensor& t = *trace;
+    PETIT_CHECK(t.is_cuda() && t.is_contiguous() && t.scalar_type() == torch::kInt64 &&
+                    t.numel() >= int64_t(kMegaMoeBlocksPerSm) * sms * kMegaMoeTraceSlots,
+                "trace must be a contiguous int64 CUDA tensor of >= %d x SMs x %d elements",
+                kMegaMoeBlocksPerSm, kMegaMoeTraceSlots);
+    a.trace = t.data_ptr<int64_t>();
+  }
   a.num_rows = int(N);
   a.top_k = int(K);
   a.hidden = int(H);
@@ -859,7 +873,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("topk_ids"), py::arg("topk_weights"), py::arg("w13"),
         py::arg("w2"), py::arg("out"), py::arg("act_workspace"), py::arg("partial_workspace"),
         py::arg("sync"), py::arg("expert_map") = py::none(), py::arg("num_sms") = 0,
-        py::arg("timeout_s") = 30.0);
+        py::arg("timeout_s") = 30.0, py::arg("trace") = py::none());
   m.def("expert_row_lists", &petit::expert_row_lists,
         "Routing block [N,K] int32 (local ids, or global ids with expert_map [E] int32) -> "
         "(counts [L], offsets [L+1], sorted_entries [N*K])",

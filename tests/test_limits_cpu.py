@@ -37,6 +37,8 @@ HEADER_NAMES = {
     "FP8_TOKEN_MIN_SCALE": "kFp8TokenMinScale",
     "MEGAMOE_MAX_ENTRIES": "kMegaMoeMaxEntries",
     "MEGAMOE_SIZE_MULTIPLE": "kMegaMoeSizeMultiple",
+    "MEGAMOE_TRACE_SLOTS": "kMegaMoeTraceSlots",
+    "MEGAMOE_BLOCKS_PER_SM": "kMegaMoeBlocksPerSm",
     "MAX_TIMEOUT_S": "kMaxTimeoutS",
     "MAX_WAIT_S": "kMaxWaitS",
 }
@@ -45,12 +47,14 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv}
 
 
-def _evaluate(expr: str) -> float:
-    """A constexpr initializer of numbers, + - * / and parentheses (float literals lose
-    their f suffix)."""
+def _evaluate(expr: str, known: dict | None = None) -> float:
+    """A constexpr initializer of numbers, earlier constants (`known`: {name: (type, value)}),
+    + - * / and parentheses (float literals lose their f suffix)."""
     def walk(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
+        if isinstance(node, ast.Name) and known and node.id in known:
+            return known[node.id][1]
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             return _BINARY[type(node.op)](walk(node.left), walk(node.right))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
@@ -67,7 +71,7 @@ def _constexprs(*headers: str) -> dict[str, tuple[str, float]]:
         text = (CSRC / header).read_text()
         for ctype, name, expr in re.findall(r"constexpr\s+(int|float)\s+(k\w+)\s*=\s*([^;]+);",
                                             text):
-            found[name] = (ctype, _evaluate(expr))
+            found[name] = (ctype, _evaluate(expr, found))
     return found
 
 

@@ -59,7 +59,7 @@ def make_case(seed, num_rows, top_k, hidden, intermediate, num_local, *, invalid
 
 
 def run_emu(emu, x, ids, weights, w13, w2, *, num_sms=1, at_once=True, sync=None,
-            expert_map=None):
+            expert_map=None, trace=None):
     num_rows, hidden = x.shape
     top_k, num_local, intermediate = ids.shape[1], w13.shape[0], w13.shape[1] // 2
     entries = max(1, num_rows * top_k)
@@ -72,7 +72,7 @@ def run_emu(emu, x, ids, weights, w13, w2, *, num_sms=1, at_once=True, sync=None
         _ptr(x), _ptr(ids.contiguous()), _ptr(expert_map),
         0 if expert_map is None else expert_map.numel(), _ptr(weights.contiguous()),
         _ptr(w13), _ptr(w2), _ptr(act), _ptr(partial), _ptr(sync), _ptr(out), num_rows, top_k,
-        hidden, intermediate, num_local, num_sms, int(at_once))
+        hidden, intermediate, num_local, num_sms, int(at_once), _ptr(trace))
     return rc, out, sync
 
 
@@ -150,3 +150,45 @@ def test_limits_rejected(emu):
     case = make_case(10, 2, 2, 96, intermediate, 2)  # H not a multiple of 64
     rc, out, _ = run_emu(emu, *case)
     assert rc != 0 and out.isnan().all()
+
+
+def test_trace_records_every_task_once_in_order(emu):
+    """The optional trace (tools/megamoe_trace.py): per block entry <= routed <= each task's
+    ready <= done <= the next task's ready <= exit, and the blocks' tasks together are every
+    gate/up, down and reduction task exactly once."""
+    from vllm_petit_moe.limits import MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS
+    num_rows, top_k, hidden, inter, num_local, num_sms = 9, 3, 128, 192, 5, 2
+    case = make_case(8, num_rows, top_k, hidden, inter, num_local)
+    grid = MEGAMOE_BLOCKS_PER_SM * num_sms
+    trace = torch.full((grid, MEGAMOE_TRACE_SLOTS), -1, dtype=torch.int64)
+    rc, out, _ = run_emu(emu, *case, num_sms=num_sms, trace=trace)
+    assert rc == 0
+    assert_close(out, reference_moe(*case))
+    seen = []
+    for block in trace:
+        entry, routed, exit_, count = (int(v) for v in block[:4])
+        assert 0 < entry <= routed <= exit_, block[:4]
+        last = routed
+        for i in range(count):
+            task, ready, done = (int(v) for v in block[4 + 3 * i:7 + 3 * i])
+            assert last <= ready <= done <= exit_, (i, last, ready, done, exit_)
+            last = done
+            seen.append((task >> 40, (task >> 20) & 0xFFFFF, task & 0xFFFFF))
+    active = sorted({int(e) for e in case[1].flatten().tolist() if 0 <= e < num_local})
+    want = [(0, e, t) for e in active for t in range(inter // 16)]
+    want += [(1, e, t) for e in active for t in range(hidden // 32)]
+    want += [(2, 0, t) for t in range(hidden // 32)]
+    assert sorted(seen) == sorted(want)
+    # tools/megamoe_trace.py's summary of the same trace
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "megamoe_trace", Path(__file__).resolve().parent.parent / "tools" / "megamoe_trace.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    blocks = tool.blocks_from_trace(trace.tolist())
+    summary = tool.summarize(blocks, min(b["entry"] for b in blocks))
+    assert summary["blocks"] == grid and summary["truncated_blocks"] == 0
+    assert [summary["kinds"][k]["count"] for k in tool.KINDS] == \
+        [sum(1 for w in want if w[0] == i) for i in range(3)]
+    assert summary["span_us"] > 0 and summary["handoff_us_max"] >= summary["handoff_us_median"]

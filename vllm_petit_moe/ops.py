@@ -295,6 +295,7 @@ def megamoe_forward(
     partial_workspace: torch.Tensor | None = None,
     num_sms: int = 0,
     timeout_s: float = 30.0,
+    trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE layer of :func:`experts_forward` (same arguments and result up to fp32 rounding
     order; W=1: no dispatch) as ONE persistent kernel: routing, gate/up + SiLU·mul, down +
@@ -307,6 +308,9 @@ def megamoe_forward(
     act_workspace ``>= N*K*I`` bfloat16, partial_workspace ``>= N*K*H`` float32 (allocated when
     absent). num_sms: SMs the grid may use (0: all; two blocks per SM). timeout_s: bound of the
     kernel's internal waits (a bug, not a peer, would exceed it: the kernel then traps).
+    trace: diagnostics only (``tools/megamoe_trace.py``): an int64 CUDA tensor of at least
+    ``MEGAMOE_BLOCKS_PER_SM * SMs * MEGAMOE_TRACE_SLOTS`` elements that receives, per block,
+    timer stamps (ns) of its phases and tasks (layout: ``csrc/common/layout.h``).
 
     Calls on one device must be ordered on one stream (they share the device's counters).
     Returns ``out [N, H] bfloat16``: ``Σ_k w[n,k] · expert(x[n])`` summed in fp32 in slot order.
@@ -321,6 +325,10 @@ def megamoe_forward(
     timeout_s = check_timeout_s(timeout_s)
     if num_sms < 0:
         raise ValueError(f"num_sms must be >= 0, got {num_sms}")
+    if trace is not None and (trace.dtype != torch.int64 or trace.device != x.device
+                              or not trace.is_contiguous()):
+        raise ValueError(f"trace must be a contiguous int64 tensor on {x.device}, got "
+                         f"{trace.dtype} on {trace.device}")
     _check_expert_map(expert_map, x.device)
     if out is None:
         out = torch.empty_like(x)
@@ -340,5 +348,5 @@ def megamoe_forward(
     sync = _megamoe_sync_buffer(x.device, w13.shape[0], hidden_size)
     _ops().megamoe_forward(x, topk_ids, topk_weights, w13, w2, out, act_workspace,
                            partial_workspace, sync, expert_map=expert_map, num_sms=num_sms,
-                           timeout_s=float(timeout_s))
+                           timeout_s=float(timeout_s), trace=trace)
     return out

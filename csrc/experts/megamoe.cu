@@ -52,7 +52,8 @@ namespace petit {
 namespace {
 
 constexpr int kWarps = 4;                       // compute warps
-constexpr int kBlocksPerSm = 2;  // two blocks overlap each other's barriers and epilogues
+constexpr int kBlocksPerSm = kMegaMoeBlocksPerSm;  // two blocks overlap each other's barriers
+                                                   // and epilogues
 constexpr int kComputeThreads = kWarps * 32;
 constexpr int kThreads = kComputeThreads + 32;  // + the control warp
 constexpr int kComputeBarrier = 1;              // bar.sync id of the compute warps alone
@@ -274,6 +275,14 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   int* tile_done = gate_up_done + L;         // [H / kDownRows] by down row tile
 
   const bool control = warp == kWarps;  // fences, counters, claims and waits: never streams
+  // the optional trace (layout.h): thread 0 stamps its block's phases and tasks
+  int64_t* const trace = a.trace != nullptr && tid == 0
+                             ? a.trace + int64_t(blockIdx.x) * kMegaMoeTraceSlots
+                             : nullptr;
+  if (trace != nullptr) {
+    trace[0] = int64_t(petit_timer());
+    trace[3] = 0;  // tasks run
+  }
   if (control && lane == 0) {  // the first two claims, early
     scalars[kClaim0] = atomicAdd(&sync[kSyncClaim], 1);
     scalars[kClaim0 + 1] = atomicAdd(&sync[kSyncClaim], 1);
@@ -368,6 +377,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     }
   }
   __syncthreads();
+  if (trace != nullptr) trace[1] = int64_t(petit_timer());
 
   if (num_active == 0) {  // no entry served: the layer's output is 0
     const int64_t vectors = int64_t(N) * H / 8;
@@ -408,6 +418,12 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     }
     __syncthreads();  // R(iter)
     if (!cur_task.valid) break;
+    if (trace != nullptr && iter < kMegaMoeTraceTasks) {  // kind, expert, tile; ready
+      trace[4 + 3 * iter] = (int64_t(cur_task.kind) << 40) |
+                            (int64_t(cur_task.kind == kReduce ? 0 : cur_task.expert) << 20) |
+                            cur_task.tile;
+      trace[5 + 3 * iter] = int64_t(petit_timer());
+    }
     if (control) {
       if (lane == 0) {
         // publish the previous task, claim the task of iteration iter + 2 (read after
@@ -543,6 +559,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       }
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
+    if (trace != nullptr && iter < kMegaMoeTraceTasks) trace[6 + 3 * iter] = int64_t(petit_timer());
+    if (trace != nullptr) trace[3] = iter + 1;
     if (control && lane == 0) unpublished = cur_task;
     // Advance. Every step of the finished task was consumed, so pushed: the cursor is past it
     // (in the new current task), or exactly at its end if it never needed to move on.
@@ -562,6 +580,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   }
   // No weight load is in flight here: the producer only loads the current and the next task,
   // and the loop ends at the first invalid one, whose successors are invalid too.
+
+  if (trace != nullptr) trace[2] = int64_t(petit_timer());
 
   // ---- 3. the last block out resets the counters for the next call
   __threadfence();

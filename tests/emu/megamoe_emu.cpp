@@ -18,7 +18,7 @@ extern "C" int petit_emu_megamoe(const uint16_t* x, const int32_t* topk_ids,
                                  const uint16_t* w2, uint16_t* act, float* partial,
                                  int32_t* sync, uint16_t* out, int num_rows, int top_k,
                                  int hidden, int intermediate, int num_local_experts,
-                                 int num_sms, int at_once) {
+                                 int num_sms, int at_once, int64_t* trace) {
   emu::last_error = 0;
   emu::cc_major = 9;
   emu::cc_minor = 0;
@@ -42,6 +42,7 @@ extern "C" int petit_emu_megamoe(const uint16_t* x, const int32_t* topk_ids,
   a.num_local_experts = num_local_experts;
   a.num_sms = num_sms;
   a.timeout_ticks = uint64_t(20e9);
+  a.trace = trace;
   const int rc = int(petit::launch_megamoe(a, nullptr));
   emu::grid_at_once = false;
   return rc;

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Where one fused MoE layer call (ops.megamoe_forward, W=1) spends its time, from the
+kernel's own timer stamps (the optional `trace` argument; layout in csrc/common/layout.h): per
+block its entry, end of routing, exit, and per task the moment its inputs were ready (after the
+control warp's wait) and the moment its stores were issued.
+
+Prints, for one preset at a few token counts (uniform routing over the global experts, the
+preset's local share; fresh random weights; 3 untraced calls first):
+- the span of the call (first block entry -> last block exit) and the routing time;
+- per task kind (gate/up, down, reduction): count, first ready / last done, median duration;
+- the wait before each task (previous task done -> this one ready: claims, the control warp's
+  input wait) per kind;
+- per expert, the gate/up -> down hand-off: its first down task ready minus its last gate/up
+  task done;
+- the blocks' time split: routing, working, waiting, tail (last task -> exit).
+
+    python tools/megamoe_trace.py --preset deepseek-v3 --tokens 1 8 64 [--out DIR]
+
+A GPU tool (sm_90a, the extension built); writes megamoe_trace_<preset>_<tokens>.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from vllm_petit_moe import ops  # noqa: E402
+from vllm_petit_moe.limits import MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS  # noqa: E402
+
+# hidden, intermediate, local experts, global experts (top-8 picks from these), top-k
+PRESETS = {"deepseek-v3": (7168, 2048, 32, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 128, 8)}
+KINDS = ("gate/up", "down", "reduce")
+
+
+def traced_call(preset: str, tokens: int, seed: int = 0) -> tuple[list[dict], float]:
+    hidden, inter, local, pick, top_k = PRESETS[preset]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = (torch.randn(local, 2 * inter, hidden, generator=g, device="cuda") * 0.02).bfloat16()
+    w2 = (torch.randn(local, hidden, inter, generator=g, device="cuda") * 0.02).bfloat16()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    trace = torch.full((MEGAMOE_BLOCKS_PER_SM * sms, MEGAMOE_TRACE_SLOTS), -1,
+                       dtype=torch.int64, device="cuda")
+    for i in range(4):
+        x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+        ids = torch.stack([torch.randperm(pick, generator=g, device="cuda")[:top_k]
+                           for _ in range(tokens)]).int()
+        ids[0, 0] = 0  # at least one local expert (ids >= local are other ranks')
+        w = torch.rand(tokens, top_k, generator=g, device="cuda")
+        ops.megamoe_forward(x, ids, w, w13, w2, trace=trace if i == 3 else None)
+    torch.cuda.synchronize()
+    blocks = blocks_from_trace(trace.cpu().tolist())
+    return blocks, float(min(b["entry"] for b in blocks))
+
+
+def blocks_from_trace(rows: list[list[int]]) -> list[dict]:
+    """The trace tensor's rows (one per block, layout.h) as dicts; unused rows skipped."""
+    blocks = []
+    for row in rows:
+        if row[0] < 0:  # a block the grid did not have
+            continue
+        tasks = []
+        for i in range(min(row[3], (MEGAMOE_TRACE_SLOTS - 4) // 3)):
+            task, ready, done = row[4 + 3 * i:7 + 3 * i]
+            tasks.append({"kind": KINDS[task >> 40], "expert": (task >> 20) & 0xFFFFF,
+                          "tile": task & 0xFFFFF, "ready": ready, "done": done})
+        blocks.append({"entry": row[0], "routed": row[1], "exit": row[2], "count": row[3],
+                       "tasks": tasks})
+    return blocks
+
+
+def summarize(blocks: list[dict], t0: float) -> dict:
+    us = lambda ns: (ns - t0) / 1e3  # noqa: E731
+    med = lambda v: statistics.median(v) if v else 0.0  # noqa: E731
+    out = {"blocks": len(blocks), "span_us": us(max(b["exit"] for b in blocks)),
+           "routing_us_median": med([(b["routed"] - b["entry"]) / 1e3 for b in blocks]),
+           "truncated_blocks": sum(b["count"] > len(b["tasks"]) for b in blocks)}
+    split = {"routing": 0.0, "working": 0.0, "waiting": 0.0, "tail": 0.0}
+    per_kind = {k: {"count": 0, "durations": [], "waits": [], "first_ready": None,
+                    "last_done": None} for k in KINDS}
+    gate_up_done, down_ready = {}, {}
+    for b in blocks:
+        split["routing"] += (b["routed"] - b["entry"]) / 1e3
+        last = b["routed"]
+        for t in b["tasks"]:
+            k = per_kind[t["kind"]]
+            k["count"] += 1
+            k["durations"].append((t["done"] - t["ready"]) / 1e3)
+            k["waits"].append((t["ready"] - last) / 1e3)
+            split["working"] += (t["done"] - t["ready"]) / 1e3
+            split["waiting"] += (t["ready"] - last) / 1e3
+            k["first_ready"] = min(k["first_ready"] or t["ready"], t["ready"])
+            k["last_done"] = max(k["last_done"] or t["done"], t["done"])
+            if t["kind"] == "gate/up":
+                gate_up_done[t["expert"]] = max(gate_up_done.get(t["expert"], 0), t["done"])
+            elif t["kind"] == "down":
+                down_ready[t["expert"]] = min(down_ready.get(t["expert"], t["ready"]), t["ready"])
+            last = t["done"]
+        split["tail"] += (b["exit"] - last) / 1e3
+    out["block_time_us"] = split
+    out["kinds"] = {k: {"count": v["count"],
+                        "first_ready_us": us(v["first_ready"]) if v["count"] else None,
+                        "last_done_us": us(v["last_done"]) if v["count"] else None,
+                        "duration_us_median": med(v["durations"]),
+                        "wait_us_median": med(v["waits"]), "wait_us_max": max(v["waits"] or [0])}
+                    for k, v in per_kind.items()}
+    handoff = [(down_ready[e] - gate_up_done[e]) / 1e3 for e in down_ready if e in gate_up_done]
+    out["handoff_us_median"] = med(handoff)
+    out["handoff_us_max"] = max(handoff or [0.0])
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="deepseek-v3")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    for tokens in args.tokens:
+        blocks, t0 = traced_call(args.preset, tokens)
+        s = summarize(blocks, t0)
+        print(f"=== {args.preset}, {tokens} tokens: span {s['span_us']:.1f} us over "
+              f"{s['blocks']} blocks, routing {s['routing_us_median']:.2f} us (median)"
+              + (f", {s['truncated_blocks']} blocks' task lists truncated"
+                 if s["truncated_blocks"] else ""))
+        print(f"{'kind':8} {'count':>6} {'first ready':>12} {'last done':>10} {'median us':>10} "
+              f"{'wait med':>9} {'wait max':>9}")
+        for kind, k in s["kinds"].items():
+            if k["count"]:
+                print(f"{kind:8} {k['count']:6d} {k['first_ready_us']:12.1f} "
+                      f"{k['last_done_us']:10.1f} {k['duration_us_median']:10.2f} "
+                      f"{k['wait_us_median']:9.2f} {k['wait_us_max']:9.2f}")
+        split = s["block_time_us"]
+        total = sum(split.values()) or 1.0
+        print("block time: " + ", ".join(f"{name} {100 * v / total:.0f}%"
+                                         for name, v in split.items())
+              + f"; gate/up -> down hand-off per expert: median {s['handoff_us_median']:.2f} us,"
+              f" max {s['handoff_us_max']:.2f} us")
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            path = args.out / f"megamoe_trace_{args.preset}_{tokens}.json"
+            path.write_text(json.dumps({"preset": args.preset, "tokens": tokens,
+                                        "summary": s, "blocks": blocks}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
