@@ -504,9 +504,10 @@ def test_bad_inputs_raise_clear_errors(rank_pools):
 
 
 def _rank_timeout(state):
-    """Rank 0 dispatches, the others never do: rank 0's bounded wait must fail the call."""
+    """Rank 0 dispatches, the others never do (alive, so their heartbeat moves): rank 0's wait
+    must fail the call once max_wait_s has passed."""
     import time
-    buf = get_buffer(state, **_cfg(hidden=64, max_tokens=32, timeout_s=1.0))
+    buf = get_buffer(state, **_cfg(hidden=64, max_tokens=32, timeout_s=1.0), max_wait_s=3.0)
     if state["rank"] != 0:
         time.sleep(5)
         return None
@@ -528,4 +529,5 @@ def test_spin_wait_is_bounded(rank_pools):
     r0 = results[0]
     assert r0["error"] is not None, "dispatch without a peer must fail, not hang or succeed"
     assert r0["timed_out"] == 1 and r0["rank"] == 0 and r0["peer"] == 1
+    assert r0["peer_alive"] == 1, "rank 1 was alive: the wait must have ended at max_wait_s"
     assert r0["phase"] == "dispatch" and r0["expected_epoch"] == 1
