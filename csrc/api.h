@@ -160,7 +160,7 @@ struct MegaMoeArgs {
                                    // timer stamps (layout.h; tools/megamoe_trace.py reads them)
 };
 PETIT_HOST_DEVICE int megamoe_sync_ints(int num_local_experts, int hidden) {
-  return 2 + num_local_experts + hidden / 32;
+  return 3 + num_local_experts + hidden / 32;
 }
 // petitErrorInvalidValue when the arguments are outside the limits above (no CUDA call).
 petitError_t megamoe_check(const MegaMoeArgs& args);
@@ -226,6 +226,23 @@ struct EpContextArgs {
   int32_t* recv_group_counts; // [W, G_max] rows received per (source, group), last dispatch
   int num_blocks;             // persistent grid; must be co-resident (<= SM count)
 };
+
+// The fused layer on one rank of an EP group (W >= 1 ranks of an EpContext): this rank's
+// tokens go to their experts' ranks through the heap's dispatch regions and flags, every
+// rank's experts run on their W x R received rows, the rows return to their sources' combine
+// regions, and each rank sums its tokens' rows, all in one launch per rank. layer: x [T, H]
+// this rank's tokens, topk_ids [T, K] global ids (int32; -1 or any id outside [0, E) unused;
+// no expert_map), topk_weights, w13 / w2 the ctx's local experts, act / partial sized for
+// W x R x K entries (<= kMegaMoeMaxEntries), out [T, H], num_rows = T, num_sms = the SMs the
+// rank may use (its grid, 2 blocks per SM, must be co-resident). The call takes the next
+// epoch of ctx (dispatch / combine calls before and after it stay in step).
+struct MegaMoeEpArgs {
+  MegaMoeArgs layer;
+  EpContextArgs ctx;
+  int region_stride;  // R: T <= R <= layout.max_tokens, equal on all ranks
+};
+petitError_t megamoe_ep_check(const MegaMoeEpArgs& args);
+petitError_t launch_megamoe_ep(const MegaMoeEpArgs& args, petitStream_t stream);
 
 // Wire format of dispatched rows. fp8 modes quantize at the source inside dispatch (fp8.h):
 // rows arrive as e4m3 bytes (row stride H bytes) plus fp32 scales (row stride H/128 floats for

@@ -364,6 +364,67 @@ class EpContext {
     PETIT_CHECK_OK(launch_combine(a, c10::cuda::getCurrentCUDAStream()), "combine launch");
   }
 
+  // The fused layer on this rank (api.h MegaMoeEpArgs): out [T, H] <- the MoE of x over the
+  // group's experts, dispatch and combine inside one launch. Shapes as megamoe_forward's, with
+  // global int32 ids; act / partial / sync: the workspaces of W * R * K entries.
+  void megamoe(const torch::Tensor& x, const torch::Tensor& topk_ids,
+               const torch::Tensor& topk_weights, const torch::Tensor& w13,
+               const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act,
+               torch::Tensor& partial, torch::Tensor& sync, int64_t region_stride) {
+    check_mapped();
+    for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&x, "x"},
+                                  {&topk_ids, "topk_ids"}, {&topk_weights, "topk_weights"},
+                                  {&w13, "w13"}, {&w2, "w2"}, {&out, "out"}, {&act, "act"},
+                                  {&partial, "partial"}, {&sync, "sync"}}) {
+      PETIT_CHECK(t->is_cuda() && t->is_contiguous() && t->get_device() == device_,
+                  "%s must be a contiguous tensor on the buffer's device %d", name, device_);
+    }
+    const int64_t T = x.size(0), K = topk_ids.size(1), L = w13.size(0), I = w13.size(1) / 2;
+    const int64_t H = args_.layout.hidden, entries = args_.world_size * region_stride * K;
+    PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && w13.scalar_type() == torch::kBFloat16 &&
+                    w2.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
+                    act.scalar_type() == torch::kBFloat16 &&
+                    topk_ids.scalar_type() == torch::kInt32 &&
+                    topk_weights.scalar_type() == torch::kFloat32 &&
+                    partial.scalar_type() == torch::kFloat32 && sync.scalar_type() == torch::kInt32,
+                "dtypes: bf16 x, w13, w2, out, act; int32 topk_ids, sync; f32 weights, partial");
+    PETIT_CHECK(x.dim() == 2 && x.size(1) == H && topk_ids.size(0) == T &&
+                    topk_weights.size(0) == T && topk_weights.size(1) == K &&
+                    w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == L &&
+                    w2.size(1) == H && w2.size(2) == I && out.numel() == T * H &&
+                    act.numel() >= entries * I && partial.numel() >= entries * H &&
+                    sync.numel() >= megamoe_sync_ints(int(L), int(H)),
+                "shapes: x [T, H=%lld], topk [T, K], w13 [L, 2I, H], w2 [L, H, I], out [T, H], "
+                "act >= W*R*K*I, partial >= W*R*K*H, sync >= megamoe_sync_ints(L, H)",
+                (long long)H);
+    c10::cuda::CUDAGuard guard(device_);
+    MegaMoeEpArgs e{};
+    e.ctx = args_;
+    e.region_stride = int(region_stride);
+    MegaMoeArgs& a = e.layer;
+    a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
+    a.topk_ids = topk_ids.data_ptr<int32_t>();
+    a.topk_weights = topk_weights.data_ptr<float>();
+    a.w13 = reinterpret_cast<const petit_bf16_bits*>(w13.data_ptr());
+    a.w2 = reinterpret_cast<const petit_bf16_bits*>(w2.data_ptr());
+    a.act = reinterpret_cast<petit_bf16_bits*>(act.data_ptr());
+    a.partial = partial.data_ptr<float>();
+    a.sync = sync.data_ptr<int32_t>();
+    a.out = reinterpret_cast<petit_bf16_bits*>(out.data_ptr());
+    a.num_rows = int(T);
+    a.top_k = int(K);
+    a.hidden = int(H);
+    a.intermediate = int(I);
+    a.num_local_experts = int(L);
+    a.num_sms = args_.num_blocks;
+    a.timeout_ticks = args_.timeout_ticks;
+    PETIT_CHECK(megamoe_ep_check(e) == petitSuccess,
+                "fused EP layer: arguments outside its limits (T <= region stride <= max tokens, "
+                "W*R*K <= %d entries, H and I multiples of %d, L = the buffer's local experts)",
+                kMegaMoeMaxEntries, kMegaMoeSizeMultiple);
+    PETIT_CHECK_OK(launch_megamoe_ep(e, c10::cuda::getCurrentCUDAStream()), "fused EP launch");
+  }
+
   // Benchmark ceiling: push `bytes_per_peer` of `src` into every peer's combine region.
   void peer_write(const torch::Tensor& src, int64_t bytes_per_peer, int64_t num_blocks) {
     check_mapped();
@@ -933,6 +994,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("topk_weights"), py::arg("region_stride"), py::arg("quant") = 0)
       .def("combine", &EpContext::combine, py::arg("expert_out"), py::arg("out"),
            py::arg("top_k"), py::arg("region_stride"), py::arg("trace") = py::none())
+      .def("megamoe", &EpContext::megamoe, py::arg("x"), py::arg("topk_ids"),
+           py::arg("topk_weights"), py::arg("w13"), py::arg("w2"), py::arg("out"),
+           py::arg("act"), py::arg("partial"), py::arg("sync"), py::arg("region_stride"))
       .def("peer_write", &EpContext::peer_write, py::arg("src"), py::arg("bytes_per_peer"),
            py::arg("num_blocks"))
       .def("recv_group_counts", &EpContext::recv_group_counts)

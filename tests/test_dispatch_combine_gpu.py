@@ -265,9 +265,10 @@ def _rank_traced_combine(state, cfg, seed, tokens_per_rank, top_k):
 
 def _rank_megamoe_expert_stage(state, cfg, seed, tokens_per_rank, top_k, inter, rounds):
     """dispatch -> ops.megamoe_forward over this rank's received rows (the fused layer kernel
-    as the expert stage; padding rows carry only -1 ids) -> combine, against the dense fp64
-    MoE of this rank's tokens and against the composed experts (ops.experts_forward) on the
-    same received rows."""
+    as the expert stage; padding rows carry only -1 ids) -> combine, and the whole layer as one
+    fused launch per rank (EpBuffer.megamoe), against the dense fp64 MoE of this rank's tokens
+    and against the composed experts (ops.experts_forward) on the same received rows; the
+    dispatch / combine calls and the fused ones alternate on one buffer (their epochs)."""
     from vllm_petit_moe import ops
     rank, world, device = state["rank"], state["world_size"], state["device"]
     buf = get_buffer(state, **cfg)
@@ -294,15 +295,40 @@ def _rank_megamoe_expert_stage(state, cfg, seed, tokens_per_rank, top_k, inter, 
             y = torch.full_like(xs[rank], POISON)
             buf.combine(stage_out, out.handle, out=y)
             ys.append(y)
+        fused = torch.full_like(xs[rank], POISON)
+        buf.megamoe(xs[rank], ids[rank], ws[rank], w13[mine].contiguous(), w2[mine].contiguous(),
+                    region_stride=stride, out=fused)
+        ys.append(fused)
         if xs[rank].shape[0] == 0:
             continue
         want = ref.dense_moe_reference(xs[rank], ids[rank], ws[rank], w13, w2)
-        for name, y in zip(("megamoe", "composed"), ys):
+        for name, y in zip(("megamoe", "composed", "fused layer"), ys):
             assert not y.isnan().any(), f"round {r}: {name} left outputs unwritten on rank {rank}"
             err = ((y.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
             assert err < 6e-3, f"round {r}: {name} relative error {err} on rank {rank}"
         diff = ((ys[0].float() - ys[1].float()).norm() / ys[1].float().norm()).item()
         assert diff < 8e-3, f"round {r}: megamoe vs composed {diff} on rank {rank}"
+    # the fused layer in a CUDA graph, replayed with fresh inputs copied in (same count on
+    # every rank)
+    x, i, w = (t.clone() for t in (xs[rank], ids[rank], ws[rank]))
+    y = torch.empty_like(x)
+    w13_mine, w2_mine = w13[mine].contiguous(), w2[mine].contiguous()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        buf.megamoe(x, i, w, w13_mine, w2_mine, region_stride=stride, out=y)
+    for r in range(3):
+        xs2, ids2, ws2 = _inputs(seed + 100 + r, tokens_per_rank, hidden, top_k, num_experts,
+                                 world, None, device)
+        x.copy_(xs2[rank])
+        i.copy_(ids2[rank])
+        w.copy_(ws2[rank])
+        y.fill_(POISON)
+        graph.replay()
+        if x.shape[0]:
+            want = ref.dense_moe_reference(xs2[rank], ids2[rank], ws2[rank], w13, w2)
+            err = ((y.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+            assert err < 6e-3, f"replay {r}: fused layer relative error {err} on rank {rank}"
     torch.cuda.synchronize()
     return rounds
 

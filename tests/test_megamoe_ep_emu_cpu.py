@@ -70,3 +70,144 @@ def test_dispatch_megamoe_combine_is_the_moe_layer(ep_lib, megamoe_lib, world, t
                 assert err < 6e-3, f"round {round_}, rank {src}: relative error {err}"
     finally:
         ep.close()
+
+
+# ------------------------------------------------------------------ the fused layer across ranks
+def _ptr_array(tensors):
+    import ctypes
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def fused_layer(ep, megamoe_sync_ints, xs, ids, ws, w13, w2, region_stride, top_k, syncs=None):
+    """petit_emu_ep_megamoe on every rank at once: outputs poisoned with NaN first."""
+    import ctypes
+    world, local = ep.world_size, NUM_EXPERTS // ep.world_size
+    lib = ep.lib
+    entries = world * region_stride * top_k
+    xs = [x.contiguous() for x in xs]
+    ids = [i.to(torch.int32).contiguous() for i in ids]
+    ws = [w.contiguous() for w in ws]
+    w13s = [w13[r * local:(r + 1) * local].contiguous() for r in range(world)]
+    w2s = [w2[r * local:(r + 1) * local].contiguous() for r in range(world)]
+    acts = [torch.full((entries, INTERMEDIATE), float("nan")).to(torch.bfloat16)
+            for _ in range(world)]
+    partials = [torch.full((entries, HIDDEN), float("nan")) for _ in range(world)]
+    if syncs is None:
+        syncs = [torch.zeros(megamoe_sync_ints(local, HIDDEN), dtype=torch.int32)
+                 for _ in range(world)]
+    outs = [torch.full((x.shape[0], HIDDEN), float("nan")).to(torch.bfloat16) for x in xs]
+    results = (ctypes.c_int * world)()
+    rc = lib.petit_emu_ep_megamoe(
+        ctypes.c_void_p(ep.handle), (1 << world) - 1, _ptr_array(xs), _ptr_array(ids),
+        _ptr_array(ws), (ctypes.c_int * world)(*[x.shape[0] for x in xs]), top_k,
+        region_stride, _ptr_array(w13s), _ptr_array(w2s), INTERMEDIATE, _ptr_array(acts),
+        _ptr_array(partials), _ptr_array(syncs), _ptr_array(outs), results)
+    return rc, list(results), outs, syncs
+
+
+@pytest.mark.parametrize("world,tokens,top_k,skew", [
+    (2, [16, 9], 4, None),
+    (2, [0, 12], 8, None),          # a rank with no tokens still reduces and sums for the others
+    (4, [7, 16, 1, 11], 4, "one_expert"),
+    (4, [13, 5, 16, 3], 6, "hot_rank"),
+])
+def test_the_fused_layer_across_ranks_is_the_moe_layer(ep_lib, megamoe_lib, world, tokens,
+                                                        top_k, skew):
+    """One fused launch per rank (dispatch, experts, combine inside): three calls on the same
+    buffers and counters against the dense MoE, then a standalone dispatch + combine round on
+    the same heap, whose epochs must follow the fused calls'."""
+    from test_dispatch_combine_emu_cpu import _check_round
+    sync_ints = megamoe_lib.petit_emu_megamoe_sync_ints
+    region_stride = 16
+    gen = torch.Generator().manual_seed(2000 + world * 10 + top_k)
+    w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen)
+           / HIDDEN**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen)
+          / INTERMEDIATE**0.5).to(torch.bfloat16)
+    ep = EmuEp(ep_lib, world, max_tokens=region_stride, hidden=HIDDEN, num_blocks=2)
+    ep_lib.petit_emu_ep_megamoe.restype = ctypes_int()
+    try:
+        syncs = None
+        for round_ in range(3):
+            xs, ids, ws = _inputs(300 + round_, tokens, HIDDEN, top_k, world, skew=skew,
+                                  num_experts=NUM_EXPERTS)
+            rc, results, ys, syncs = fused_layer(ep, sync_ints, xs, ids, ws, w13, w2,
+                                                 region_stride, top_k, syncs)
+            assert rc == 0, f"round {round_}: launch results {results}"
+            assert all(int(s.abs().sum()) == 0 for s in syncs), "counters not reset"
+            assert ep.epochs() == [round_ + 1] * world, ep.epochs()
+            for src, (y, x, i, w) in enumerate(zip(ys, xs, ids, ws)):
+                if x.shape[0] == 0:
+                    continue
+                want = reference_moe(x, i.to(torch.int32), w, w13, w2)
+                assert not y.isnan().any(), f"round {round_}, rank {src}: output not written"
+                err = ((y.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+                assert err < 6e-3, f"round {round_}, rank {src}: relative error {err}"
+        xs, ids, ws = _inputs(399, tokens, HIDDEN, top_k, world, skew=skew,
+                              num_experts=NUM_EXPERTS)
+        _check_round(ep, xs, ids, ws, region_stride=region_stride, tag="after the fused calls")
+    finally:
+        ep.close()
+
+
+def ctypes_int():
+    import ctypes
+    return ctypes.c_int
+
+
+def _case(ep_lib_path, megamoe_lib_path, case):
+    """Run by run_case in a fresh process (a trap aborts it): rank 0 makes a fused call while
+    rank 1 makes a standalone dispatch of the same epoch (and never the fused call's
+    reductions)."""
+    import ctypes
+    import threading
+
+    from test_dispatch_combine_emu_cpu import EmuEp, _load
+    ep_lib = _load(ctypes.CDLL(ep_lib_path))
+    ep_lib.petit_emu_ep_megamoe.restype = ctypes.c_int
+    megamoe_lib = ctypes.CDLL(megamoe_lib_path)
+    ep = EmuEp(ep_lib, 2, max_tokens=16, hidden=HIDDEN, num_blocks=2, timeout_s=0.2)
+    xs, ids, ws = _inputs(5, [8, 8], HIDDEN, 4, 2, num_experts=NUM_EXPERTS)
+    gen = torch.Generator().manual_seed(5)
+    w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen) * 0.05).bfloat16()
+    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen) * 0.05).bfloat16()
+    fused = threading.Thread(target=fused_layer_on, args=(
+        ep, megamoe_lib.petit_emu_megamoe_sync_ints, xs, ids, ws, w13, w2, 16, 4, 1))
+    fused.start()
+    ep.dispatch(xs, ids, ws, region_stride=16, ranks=[1])
+    fused.join()
+    print("returned")
+
+
+def fused_layer_on(ep, sync_ints, xs, ids, ws, w13, w2, region_stride, top_k, ranks_mask):
+    """fused_layer for the ranks of ranks_mask only."""
+    import ctypes
+    world, local = ep.world_size, NUM_EXPERTS // ep.world_size
+    entries = world * region_stride * top_k
+    keep = [xs, ids, ws]
+    ids = [i.to(torch.int32).contiguous() for i in ids]
+    w13s = [w13[r * local:(r + 1) * local].contiguous() for r in range(world)]
+    w2s = [w2[r * local:(r + 1) * local].contiguous() for r in range(world)]
+    acts = [torch.zeros(entries, INTERMEDIATE, dtype=torch.bfloat16) for _ in range(world)]
+    partials = [torch.zeros(entries, HIDDEN) for _ in range(world)]
+    syncs = [torch.zeros(sync_ints(local, HIDDEN), dtype=torch.int32) for _ in range(world)]
+    outs = [torch.zeros(x.shape[0], HIDDEN, dtype=torch.bfloat16) for x in xs]
+    results = (ctypes.c_int * world)()
+    ep.lib.petit_emu_ep_megamoe(
+        ctypes.c_void_p(ep.handle), ranks_mask, _ptr_array(xs), _ptr_array(ids), _ptr_array(ws),
+        (ctypes.c_int * world)(*[x.shape[0] for x in xs]), top_k, region_stride,
+        _ptr_array(w13s), _ptr_array(w2s), INTERMEDIATE, _ptr_array(acts), _ptr_array(partials),
+        _ptr_array(syncs), _ptr_array(outs), results)
+    del keep
+
+
+def test_a_fused_call_against_a_peers_standalone_calls_fails_clearly(ep_lib, megamoe_lib):
+    """Rank 0 fused, rank 1 a standalone dispatch of the same epoch: rank 1's dispatch takes
+    rank 0's rows (the same layout and tag), but rank 0 waits for rank 1's reductions, which
+    never come: its bounded wait reports the peer and the phase, never a hang or a result."""
+    from conftest import run_case
+    result = run_case(__file__, ep_lib._name, megamoe_lib._name, "mixed", timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and "returned" not in result.stdout, out[-3000:]
+    assert "petit_moe: combine timed out on rank 0 waiting for rank 1, token group 0: " \
+        "expected epoch 1, flag holds epoch 0" in out, out[-3000:]

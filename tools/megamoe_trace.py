@@ -34,7 +34,7 @@ from vllm_petit_moe.limits import MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS  # 
 
 # hidden, intermediate, local experts, global experts (top-8 picks from these), top-k
 PRESETS = {"deepseek-v3": (7168, 2048, 32, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 128, 8)}
-KINDS = ("gate/up", "down", "reduce")
+KINDS = ("gate/up", "down", "reduce", "final")  # final: EP calls only
 
 
 def traced_call(preset: str, tokens: int, seed: int = 0) -> tuple[list[dict], float]:

@@ -378,6 +378,66 @@ class EpBuffer:
         return DispatchOutput(recv_x, recv_ids, recv_weights, handle,
                               recv_scales if quant else None)
 
+    def megamoe(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                w13: torch.Tensor, w2: torch.Tensor, region_stride: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole EP MoE layer in one launch per rank (the fused kernel,
+        csrc/experts/megamoe.cu): dispatch, this rank's experts on the rows it receives, and
+        combine. The result equals ``combine(experts_forward(dispatch(...)))`` up to fp32
+        rounding order.
+
+        Args:
+            x, topk_ids, topk_weights, region_stride: as in :meth:`dispatch` (bf16 rows).
+            w13: [L, 2I, H] bf16 and w2: [L, H, I] bf16, this rank's experts
+                (L = num_experts / W), H and I multiples of 64; W * R * K <= 2048 routing
+                entries (``ops.MEGAMOE_MAX_ENTRIES``).
+            out: [T, H] bf16 (optional), written in full.
+        Returns out. sm_90a only. No host synchronization (unless validate_ids and not
+        capturing); capturable in a CUDA graph. Collective: every rank calls it (not mixed
+        with another rank's dispatch or combine of the same epoch: that is reported as a
+        fault). The grid takes two blocks on each of the buffer's num_sms SMs, which must be
+        free for it (co-resident). recv_tokens_per_rank does not describe these calls.
+        """
+        from .ops import _megamoe_sync_buffer, megamoe_unsupported_reason
+        self._check_open()
+        region_stride = self.max_tokens_per_rank if region_stride is None else region_stride
+        self._validate_dispatch(x, topk_ids, topk_weights, region_stride)
+        top_k, local = topk_ids.shape[1], self.num_local_experts
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != local or w2.shape[0] != local \
+                or w13.shape[2] != self.hidden_size or w2.shape[1] != self.hidden_size \
+                or w2.shape[2] * 2 != w13.shape[1] or w13.dtype != torch.bfloat16 \
+                or w2.dtype != torch.bfloat16:
+            raise ValueError(f"petit_moe: megamoe needs w13 [L={local}, 2I, H="
+                             f"{self.hidden_size}] and w2 [L, H, I] bfloat16, got "
+                             f"{w13.dtype} {tuple(w13.shape)} and {w2.dtype} {tuple(w2.shape)}")
+        inter = w2.shape[2]
+        reason = megamoe_unsupported_reason(self.world_size * region_stride, top_k,
+                                            self.hidden_size, inter)
+        if reason is not None:
+            raise ValueError(f"petit_moe: megamoe over W x R = {self.world_size} x "
+                             f"{region_stride} rows: {reason}")
+        if out is None:
+            out = torch.empty_like(x)
+        elif out.shape != x.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"petit_moe: out must be contiguous bfloat16 {tuple(x.shape)}")
+        entries = self.world_size * region_stride * top_k
+        key = (entries, inter)
+        if getattr(self, "_megamoe_workspaces", (None,))[0] != key:
+            self._megamoe_workspaces = (
+                key, torch.empty(entries * inter, dtype=torch.bfloat16, device=self.device),
+                torch.empty(entries * self.hidden_size, dtype=torch.float32, device=self.device))
+        _, act, partial = self._megamoe_workspaces
+        # int64 ids outside [-1, E) become E (dropped and counted by the kernel), never an
+        # int32 alias of a real expert
+        ids = topk_ids if topk_ids.dtype == torch.int32 else torch.where(
+            (topk_ids >= -1) & (topk_ids < self.num_experts), topk_ids,
+            self.num_experts).to(torch.int32)
+        self._ctx.megamoe(x.contiguous(), ids.contiguous(), topk_weights.contiguous(),
+                          w13.contiguous(), w2.contiguous(), out, act, partial,
+                          _megamoe_sync_buffer(self.device, local, self.hidden_size),
+                          region_stride)
+        return out
+
     def combine(self, expert_out: torch.Tensor, handle: CombineHandle,
                 out: torch.Tensor | None = None,
                 trace: torch.Tensor | None = None) -> torch.Tensor:

@@ -276,8 +276,8 @@ def _megamoe_sync_buffer(device: torch.device, num_local_experts: int,
     if buf is None or buf.numel() < need:
         # room for any L and H <= 8192 at once, so a call captured in a CUDA graph never sees
         # the buffer it recorded replaced by a later, larger layer's
-        buf = torch.zeros(max(need, 2 + MAX_LOCAL_EXPERTS + 8192 // 32), dtype=torch.int32,
-                          device=device)
+        buf = torch.zeros(max(need, int(_ops().megamoe_sync_ints(MAX_LOCAL_EXPERTS, 8192))),
+                          dtype=torch.int32, device=device)
         _megamoe_sync[index] = buf
     return buf
 

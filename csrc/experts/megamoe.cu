@@ -38,6 +38,7 @@
 #include <cstdio>
 
 #include "api.h"
+#include "comm/ep_sync.h"
 #include "common/expert_ids.h"
 #include "gemm/epilogues.h"
 #if PETIT_SM80_PATH
@@ -49,7 +50,7 @@
 
 namespace petit {
 
-namespace {
+namespace megamoe_detail {  // named: a test harness compiles this file with dispatch_combine.cu
 
 constexpr int kWarps = 4;                       // compute warps
 constexpr int kBlocksPerSm = kMegaMoeBlocksPerSm;  // two blocks overlap each other's barriers
@@ -88,10 +89,13 @@ struct SmemLayout {
   static constexpr int kBytes = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
 };
 static_assert(kBlocksPerSm * (SmemLayout::kBytes + 1024) <= 228 * 1024, "two blocks per SM");
-// kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3)
-enum Scalar { kNumActive = 0, kClaim0 = 1, kExitHere = 4 };
+// kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3); EP: the call's epoch
+// (two words) and a send item's route mask
+enum Scalar { kNumActive = 0, kClaim0 = 1, kExitHere = 4, kEpochLo = 5, kEpochHi = 6,
+              kRouteMask = 7 };
 
-// Sync words (MegaMoeArgs::sync): all zero between calls.
+// Sync words (MegaMoeArgs::sync): all zero between calls. kSyncExperts: [L] gate/up tiles
+// done per expert, then [H / 32] down tiles done per row tile, then (EP) reductions done.
 enum SyncWord { kSyncClaim = 0, kSyncExit = 1, kSyncExperts = 2 };
 
 #if PETIT_SM80_PATH
@@ -130,22 +134,29 @@ PETIT_DEVICE void wait_count(const int* counter, int target, uint64_t timeout_ti
 // What one task is, from the block's routing tables. Claim order: every gate/up task, then
 // every down task, then one reduction task per row tile; a task waits only on tasks of an
 // earlier kind, all claimed before it by blocks that run them without waiting on it.
-enum TaskKind { kGateUp = 0, kDown = 1, kReduce = 2 };
+// EP adds a fourth kind: per row tile, the sum of this rank's tokens' rows that every rank's
+// reductions sent back (after all W ranks' "reductions done" flags).
+enum TaskKind { kGateUp = 0, kDown = 1, kReduce = 2, kFinal = 3 };
 struct Task {
   bool valid;
   int kind;
   int expert, tile, begin, count;  // count: the expert's rows; begin: its first position
 };
 
+template <bool kEp>
 PETIT_DEVICE Task decode_task(int task, int num_active, int gate_up_tiles, int down_tiles,
                               const int32_t* active, const int32_t* offsets) {
   Task t{};
   const int num_gate_up = num_active * gate_up_tiles, num_down = num_active * down_tiles;
-  t.valid = num_active > 0 && task < num_gate_up + num_down + down_tiles;
+  // W = 1 with no entry: no task (the output is zeroed); EP: the reductions and final sums
+  // run regardless (the peers wait for this rank's "reductions done")
+  t.valid = (kEp || num_active > 0) &&
+            task < num_gate_up + num_down + down_tiles * (kEp ? 2 : 1);
   if (!t.valid) return t;
   if (task >= num_gate_up + num_down) {
-    t.kind = kReduce;
-    t.tile = task - num_gate_up - num_down;
+    const int tile = task - num_gate_up - num_down;
+    t.kind = tile < down_tiles ? kReduce : kFinal;
+    t.tile = tile % down_tiles;
     return t;
   }
   const bool gate_up = task < num_gate_up;
@@ -171,7 +182,7 @@ struct WarpStream {
 PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   const int warp = petit_warp_id();
   WarpStream ws{};
-  if (!t.valid || t.kind == kReduce) return ws;  // no weights
+  if (!t.valid || t.kind >= kReduce) return ws;  // no weights
   ws.gate_up = t.kind == kGateUp;
   ws.expert = t.expert;
   if (ws.gate_up) {  // w13 as {H, I, 2, L}: gate (group 0) and up (group 1) rows of the tile
@@ -249,11 +260,33 @@ PETIT_DEVICE uint4 box_chunk(const unsigned char* box, int r, int chunk) {
   return *reinterpret_cast<const uint4*>(box + r * 128 + ((chunk ^ (r & 7)) * 16));
 }
 
+// EP: the flag in rank `dst`'s heap that says "rank `src` has sent back every row of dst's
+// tokens it reduced in this call" (the combine flag slot [src][group 0][chunk 0]; the fused
+// call's own tag, so a peer's standalone combine in the same epoch is a mismatch).
+PETIT_DEVICE uint64_t* reductions_flag(const EpContextArgs& c, int dst, int src) {
+  return reinterpret_cast<uint64_t*>(rank_heap(c, dst) + c.layout.combine_flags) +
+         int64_t(src) * c.layout.max_groups * c.layout.max_chunks;
+}
+PETIT_HOST_DEVICE uint32_t reductions_tag(int region_stride, int top_k) {
+  return combine_flag_tag(region_stride, top_k, 16);
+}
+
+PETIT_DEVICE float bf16_lo(uint32_t bits) { return as_float(bits << 16); }
+PETIT_DEVICE float bf16_hi(uint32_t bits) { return as_float(bits & 0xFFFF0000u); }
+
 // The kernel (CUDA only: TMA tensor maps; an sm_90a body, empty in other device passes).
+// kEp = false: one GPU, e.layer only. kEp = true: a rank of an EP group (e.ctx, its heap):
+// the rank's tokens are first pushed to their experts' ranks and every rank's arrive before
+// the routing (dispatch's layout and flags), the experts run on the W x R received rows, each
+// reduction task sends its rows back to their source ranks' combine regions, the last one
+// raises "reductions done" at every rank, and final tasks sum each own token's W rows.
+template <bool kEp>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
-    megamoe_w1_kernel(const MegaMoeArgs a, const __grid_constant__ CUtensorMap w13_map,
-                      const __grid_constant__ CUtensorMap w2_map) {
+    megamoe_kernel(const MegaMoeEpArgs e, const __grid_constant__ CUtensorMap w13_map,
+                   const __grid_constant__ CUtensorMap w2_map) {
 #if PETIT_SM90A_BODY
+  const MegaMoeArgs& a = e.layer;
+  const EpContextArgs& c = e.ctx;
   PETIT_DYNAMIC_SMEM(smem);
   unsigned char* ring = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem + SmemLayout::kRing) + 1023) & ~uintptr_t(1023));
@@ -268,11 +301,23 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
 
   const int tid = threadIdx.x, lane = petit_lane_id(), warp = petit_warp_id();
   static_assert(kMaxExperts % 32 == 0, "the routing scan: kMaxExperts / 32 experts per lane");
-  const int N = a.num_rows, K = a.top_k, H = a.hidden, I = a.intermediate;
+  const int R = e.region_stride;  // EP
+  const int N = kEp ? c.world_size * R : a.num_rows;  // the rows the experts see
+  const int K = a.top_k, H = a.hidden, I = a.intermediate;
   const int L = a.num_local_experts, num_entries = N * K;
   int* sync = a.sync;
   int* gate_up_done = sync + kSyncExperts;   // [L] by local expert
   int* tile_done = gate_up_done + L;         // [H / kDownRows] by down row tile
+  int* reductions_done = tile_done + H / kDownRows;  // EP
+  // The rows, their routing and their weights: the caller's (W = 1) or this rank's dispatch
+  // regions (EP: local expert ids or -1, W x R rows at region stride R).
+  char* const my_heap = kEp ? rank_heap(c, c.rank) : nullptr;
+  const petit_bf16_bits* const rows_x =
+      kEp ? reinterpret_cast<const petit_bf16_bits*>(my_heap + c.layout.dispatch_rows) : a.x;
+  const int32_t* const row_ids =
+      kEp ? reinterpret_cast<const int32_t*>(my_heap + c.layout.dispatch_ids) : a.topk_ids;
+  const float* const row_weights =
+      kEp ? reinterpret_cast<const float*>(my_heap + c.layout.dispatch_weights) : a.topk_weights;
 
   const bool control = warp == kWarps;  // fences, counters, claims and waits: never streams
   // the optional trace (layout.h): thread 0 stamps its block's phases and tasks
@@ -297,10 +342,94 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     gemm::sm90_prefetch_tensor_map(&w2_map);
   }  // visible after the routing's first barrier
 
+  // ---- 0. EP: push this rank's tokens to their experts' ranks (dispatch's layout, flags and
+  // tag), then wait until every rank's have arrived here. The grid is co-resident (the
+  // launcher's rule), so every block's sends complete before any block can wait for them.
+  uint64_t epoch = 0;
+  if constexpr (kEp) {
+    const HeapLayout& l = c.layout;
+    if (tid == 0) {
+      const uint64_t next = *reinterpret_cast<const volatile uint64_t*>(&c.state->epoch) + 1;
+      scalars[kEpochLo] = int32_t(uint32_t(next));
+      scalars[kEpochHi] = int32_t(uint32_t(next >> 32));
+    }
+    __syncthreads();
+    epoch = (uint64_t(uint32_t(scalars[kEpochHi])) << 32) | uint32_t(scalars[kEpochLo]);
+    const int W = c.world_size, E = c.num_experts, Lc = c.num_local_experts;
+    const uint32_t tag = dispatch_flag_tag(R, K, kQuantNone);
+    const int groups = ceil_div(R, kTokenGroupSize), num_vectors = H / 8;
+    for (int item = blockIdx.x; item < groups * W; item += gridDim.x) {
+      const int group = item / W, dst = (c.rank + 1 + item % W) % W;  // peers first
+      char* dst_heap = rank_heap(c, dst);
+      if (warp == 0) {  // lane t: token group * 32 + t, its slots for dst and its rank mask
+        const int token = group * kTokenGroupSize + lane;
+        bool routed = false;
+        if (token < R) {
+          const int64_t slot = (int64_t(c.rank) * R + token) * K;
+          int32_t* dst_ids = reinterpret_cast<int32_t*>(dst_heap + l.dispatch_ids) + slot;
+          float* dst_weights = reinterpret_cast<float*>(dst_heap + l.dispatch_weights) + slot;
+          uint32_t rank_mask = 0;
+          int dropped = 0;
+          for (int k = 0; k < K; ++k) {
+            int32_t local = -1;
+            float weight = 0.f;
+            if (token < a.num_rows) {
+              const int64_t id = int64_t(a.topk_ids[int64_t(token) * K + k]);
+              const int owner = expert_owner(id, E, Lc);
+              dropped += (owner < 0 && id != -1);
+              if (owner >= 0) {
+                rank_mask |= 1u << owner;
+                if (owner == dst) {
+                  local = int32_t(id - int64_t(dst) * Lc);
+                  weight = a.topk_weights[int64_t(token) * K + k];
+                }
+              }
+            }
+            routed |= (local >= 0);
+            dst_ids[k] = local;
+            dst_weights[k] = weight;
+          }
+          if (dst == c.rank && token < a.num_rows) {
+            c.token_rank_mask[token] = rank_mask;
+            if (dropped > 0) atomicAdd(&c.diagnostics->dropped_ids, dropped);
+          }
+        }
+        const uint32_t mask = uint32_t(petit_ballot(routed));
+        if (lane == 0) scalars[kRouteMask] = int32_t(mask);
+      }
+      __syncthreads();
+      const uint32_t mask = uint32_t(scalars[kRouteMask]);
+      const int routed_rows = petit_popc(mask);
+      for (int u = warp; u < routed_rows; u += kWarps + 1) {  // the control warp copies too
+        const int token = group * kTokenGroupSize + nth_set_bit(mask, u);
+        warp_copy(reinterpret_cast<uint4*>(dst_heap + l.dispatch_rows) +
+                      (int64_t(c.rank) * R + token) * num_vectors,
+                  reinterpret_cast<const uint4*>(a.x) + int64_t(token) * num_vectors, 0,
+                  num_vectors, lane);
+      }
+      __syncthreads();  // the block's stores, then one system fence and the flag
+      if (tid == 0) {
+        publish_fence();
+        publish_flag(reinterpret_cast<uint64_t*>(dst_heap + l.dispatch_flags) +
+                         int64_t(c.rank) * l.max_groups + group,
+                     make_flag(epoch, tag, uint32_t(routed_rows)));
+      }
+    }
+    if (control) {  // every (source, group) of this call, bounded (the peers' contract)
+      const uint64_t* flags = reinterpret_cast<const uint64_t*>(my_heap + l.dispatch_flags);
+      for (int f = lane; f < W * groups; f += 32) {
+        const int src = f / groups, group = f % groups;
+        wait_flag(c, flags + int64_t(src) * l.max_groups + group, epoch, tag, src, 0, group);
+      }
+    }
+    __syncthreads();
+  }
+
   // ---- 1. routing in shared memory: counts, offsets and the active experts first (the
   // weight stream can start from them), then the stable sort of the entries.
   for (int i = tid; i < num_entries; i += kThreads) {
-    expert_of[i] = int16_t(local_expert_id(a.topk_ids, a.expert_map, a.num_global_experts, L, i));
+    expert_of[i] = int16_t(kEp ? local_expert_id(row_ids, nullptr, L, L, i)
+                               : local_expert_id(row_ids, a.expert_map, a.num_global_experts, L, i));
   }
   for (int e = tid; e < L; e += kThreads) cursor[e] = 0;
   __syncthreads();
@@ -348,7 +477,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   const int num_active = scalars[kNumActive];
   const int gate_up_tiles = I / kTileCols, down_tiles = H / kDownRows;
   auto task_of = [&](int id) {
-    return decode_task(id, num_active, gate_up_tiles, down_tiles, active, offsets);
+    return decode_task<kEp>(id, num_active, gate_up_tiles, down_tiles, active, offsets);
   };
 
   // The weight stream of the first two tasks goes out before the sort.
@@ -379,7 +508,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   __syncthreads();
   if (trace != nullptr) trace[1] = int64_t(petit_timer());
 
-  if (num_active == 0) {  // no entry served: the layer's output is 0
+  if (!kEp && num_active == 0) {  // no entry served: the layer's output is 0
     const int64_t vectors = int64_t(N) * H / 8;
     for (int64_t v = int64_t(blockIdx.x) * kThreads + tid; v < vectors;
          v += int64_t(gridDim.x) * kThreads) {
@@ -404,23 +533,41 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   auto target_of = [&](const Task& t) { return t.kind == kDown ? gate_up_tiles : num_active; };
   auto publish = [&](Task& t) {
     if (!t.valid) return;
-    __threadfence();  // release: the compute warps' stores, ordered before it by S
-    if (t.kind == kGateUp) atomicAdd(&gate_up_done[t.expert], 1);
-    if (t.kind == kDown) atomicAdd(&tile_done[t.tile], 1);
+    if (kEp && t.kind == kReduce) {
+      // the rows went to peers' heaps: a system-scope release, then the count; the last
+      // reduction of this rank tells every rank its rows are in (dispatch's publish_item)
+      petit_fence_acq_rel_sys();
+      if (atomicAdd(reductions_done, 1) == down_tiles - 1) {
+        publish_fence();
+        for (int d = 0; d < c.world_size; ++d) {
+          publish_flag(reductions_flag(c, d, c.rank), make_flag(epoch, reductions_tag(R, K), 1));
+        }
+      }
+    } else {
+      __threadfence();  // release: the compute warps' stores, ordered before it by S
+      if (t.kind == kGateUp) atomicAdd(&gate_up_done[t.expert], 1);
+      if (t.kind == kDown) atomicAdd(&tile_done[t.tile], 1);
+    }
     t.valid = false;
   };
   for (int iter = 0;; ++iter) {
     if (control && lane == 0) {
       const bool waits = cur_task.valid && cur_task.kind != kGateUp && !inputs_seen;
       if (waits || !cur_task.valid) publish(unpublished);  // ours may be what it waits for
-      if (waits) wait_count(counter_of(cur_task), target_of(cur_task), a.timeout_ticks,
-                            cur_task.kind == kDown ? cur_task.expert : -1 - cur_task.tile);
+      if (kEp && waits && cur_task.kind == kFinal) {  // every rank's rows of our tokens
+        for (int d = 0; d < c.world_size; ++d) {
+          wait_flag(c, reductions_flag(c, c.rank, d), epoch, reductions_tag(R, K), d, 1, 0);
+        }
+      } else if (waits) {
+        wait_count(counter_of(cur_task), target_of(cur_task), a.timeout_ticks,
+                   cur_task.kind == kDown ? cur_task.expert : -1 - cur_task.tile);
+      }
     }
     __syncthreads();  // R(iter)
     if (!cur_task.valid) break;
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {  // kind, expert, tile; ready
       trace[4 + 3 * iter] = (int64_t(cur_task.kind) << 40) |
-                            (int64_t(cur_task.kind == kReduce ? 0 : cur_task.expert) << 20) |
+                            (int64_t(cur_task.kind >= kReduce ? 0 : cur_task.expert) << 20) |
                             cur_task.tile;
       trace[5 + 3 * iter] = int64_t(petit_timer());
     }
@@ -430,7 +577,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         // S(iter)), look at the next task's inputs
         publish(unpublished);
         scalars[kClaim0 + (iter + 2) % 3] = atomicAdd(&sync[kSyncClaim], 1);
-        inputs_seen = next_task.valid && next_task.kind != kGateUp &&
+        inputs_seen = next_task.valid && next_task.kind != kGateUp && next_task.kind != kFinal &&
                       petit_load_acquire_gpu(counter_of(next_task)) >= target_of(next_task);
       }
     } else if (cur_task.kind == kReduce) {
@@ -438,9 +585,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       const int tile = cur_task.tile, r0 = 4 * (tid % 8);
       for (int n = tid / 8; n < N; n += kComputeThreads / 8) {
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        bool served = false;
         for (int k = 0; k < K; ++k) {
           const int entry = n * K + k;
           if (expert_of[entry] < 0) continue;
+          served = true;
           const uint4 raw = petit_load_cg(reinterpret_cast<const uint4*>(
               a.partial + int64_t(entry) * H + tile * kDownRows + r0));
           s[0] += as_float(raw.x);
@@ -451,7 +600,47 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         uint2 packed;
         packed.x = uint32_t(petit_float_to_bf16(s[0])) | (uint32_t(petit_float_to_bf16(s[1])) << 16);
         packed.y = uint32_t(petit_float_to_bf16(s[2])) | (uint32_t(petit_float_to_bf16(s[3])) << 16);
-        *reinterpret_cast<uint2*>(a.out + int64_t(n) * H + tile * kDownRows + r0) = packed;
+        if constexpr (kEp) {
+          // row n = token n % R of rank n / R: into that rank's combine region, slot of this
+          // rank (rows no local expert served are never read there)
+          if (served) {
+            petit_bf16_bits* dst =
+                reinterpret_cast<petit_bf16_bits*>(rank_heap(c, n / R) + c.layout.combine_rows);
+            *reinterpret_cast<uint2*>(dst + (int64_t(c.rank) * R + n % R) * H +
+                                      tile * kDownRows + r0) = packed;
+          }
+        } else {
+          *reinterpret_cast<uint2*>(a.out + int64_t(n) * H + tile * kDownRows + r0) = packed;
+        }
+      }
+    } else if (kEp && cur_task.kind == kFinal) {
+      // every rank's rows of this rank's tokens are in: out[i, tile] = sum over the ranks d
+      // that served token i, in rank order, in fp32 (the combine's reduction)
+      const petit_bf16_bits* rows =
+          reinterpret_cast<const petit_bf16_bits*>(my_heap + c.layout.combine_rows);
+      const int c0 = 8 * (tid % 4), tile_col = cur_task.tile * kDownRows + c0;
+      for (int i = tid / 4; i < a.num_rows; i += kComputeThreads / 4) {
+        const uint32_t mask = c.token_rank_mask[i];
+        float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int d = 0; d < c.world_size; ++d) {
+          if (((mask >> d) & 1u) == 0) continue;
+          const uint4 raw = petit_load_cg(reinterpret_cast<const uint4*>(
+              rows + (int64_t(d) * R + i) * H + tile_col));
+          const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            s[2 * j] += bf16_lo(w[j]);
+            s[2 * j + 1] += bf16_hi(w[j]);
+          }
+        }
+        uint4 packed;
+        uint32_t* p = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          p[j] = uint32_t(petit_float_to_bf16(s[2 * j])) |
+                 (uint32_t(petit_float_to_bf16(s[2 * j + 1])) << 16);
+        }
+        *reinterpret_cast<uint4*>(a.out + int64_t(i) * H + tile_col) = packed;
       }
     } else {
       const bool gate_up = cur_task.kind == kGateUp;
@@ -465,7 +654,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
           const int r = pass + j * 8 + g;
           b_rows[j] = nullptr;
           if (r < count) {
-            b_rows[j] = gate_up ? a.x + int64_t(sorted[begin + r] / K) * H
+            b_rows[j] = gate_up ? rows_x + int64_t(sorted[begin + r] / K) * H
                                 : a.act + int64_t(begin + r) * I;
           }
         }
@@ -546,7 +735,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
             }
           } else {
             const int entry = sorted[pos];
-            const float weight = a.topk_weights[entry];
+            const float weight = row_weights[entry];
             const int r0 = 2 * part;  // rows r0, r0 + 1 of the tile (half r0 / 16)
             float2 v;
             v.x = weight * reduced(red, r0 / 16, r0 % 16, n);
@@ -591,16 +780,18 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   if (scalars[kExitHere]) {
     __threadfence();
     for (int i = tid; i < megamoe_sync_ints(L, H); i += kThreads) sync[i] = 0;
+    // EP: the call's epoch is spent (the next dispatch, combine or fused call uses the next)
+    if (kEp && tid == 0) *reinterpret_cast<volatile uint64_t*>(&c.state->epoch) = epoch;
     __threadfence();
   }
 #else
-  (void)a, (void)w13_map, (void)w2_map;
+  (void)e, (void)w13_map, (void)w2_map;
 #endif
 }
 
 #endif  // PETIT_SM80_PATH
 
-}  // namespace
+}  // namespace megamoe_detail
 
 petitError_t megamoe_check(const MegaMoeArgs& a) {
   const bool aligned =
@@ -618,16 +809,38 @@ petitError_t megamoe_check(const MegaMoeArgs& a) {
   return petitSuccess;
 }
 
-int megamoe_smem_bytes() { return SmemLayout::kBytes; }
+petitError_t megamoe_ep_check(const MegaMoeEpArgs& e) {
+  const EpContextArgs& c = e.ctx;
+  MegaMoeArgs rows = e.layer;  // the experts' view: W x R received rows, local ids
+  rows.num_rows = c.world_size * e.region_stride;
+  rows.expert_map = nullptr;
+  const MegaMoeArgs& a = e.layer;
+  if (megamoe_check(rows) != petitSuccess || a.expert_map != nullptr ||
+      c.heap_base == nullptr || c.token_rank_mask == nullptr || c.world_size < 1 ||
+      a.num_rows > e.region_stride || e.region_stride < 1 ||
+      e.region_stride > c.layout.max_tokens || a.top_k > c.layout.max_top_k ||
+      a.hidden != c.layout.hidden || a.num_local_experts != c.num_local_experts ||
+      a.num_sms < 1) {
+    return petitErrorInvalidValue;
+  }
+  return petitSuccess;
+}
 
-petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
-  petitError_t err = megamoe_check(args);
-  if (err != petitSuccess) return err;
+int megamoe_smem_bytes() { return megamoe_detail::SmemLayout::kBytes; }
+
+namespace {
+
+// Encodes the weight maps and launches megamoe_kernel<kEp> with `grid` blocks.
+template <bool kEp>
+petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t stream) {
 #if !PETIT_SM80_PATH || !PETIT_SM90A_BUILT
+  (void)e, (void)grid, (void)stream;
   return petitErrorNotSupported;  // no sm_90a image (HIP, other targets): the composed path
 #else
-  if (args.num_rows == 0) return petitSuccess;
-  int device = 0, num_sms = args.num_sms, cc_major = 0, cc_minor = 0;
+  namespace md = megamoe_detail;
+  const MegaMoeArgs& a = e.layer;
+  int device = 0, cc_major = 0, cc_minor = 0;
+  petitError_t err;
   if ((err = petitGetDevice(&device)) != petitSuccess ||
       (err = petitDeviceGetAttribute(&cc_major, petitDevAttrComputeCapabilityMajor, device)) !=
           petitSuccess ||
@@ -636,16 +849,37 @@ petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
     return err;
   }
   if (cc_major != 9 || cc_minor != 0) return petitErrorNotSupported;  // TMA + sm_90a image
-  if (num_sms == 0 &&
-      (err = petitDeviceGetAttribute(&num_sms, petitDevAttrMultiProcessorCount, device)) !=
-          petitSuccess) {
+  CUtensorMap w13_map, w2_map;
+  if ((err = gemm::sm90_encode_weight_map(&w13_map, a.w13, a.hidden, a.intermediate, 2,
+                                          a.num_local_experts, md::kBoxRows)) != petitSuccess ||
+      (err = gemm::sm90_encode_weight_map(&w2_map, a.w2, a.intermediate, a.hidden, 1,
+                                          a.num_local_experts, md::kBoxRows)) != petitSuccess) {
     return err;
   }
-  CUtensorMap w13_map, w2_map;
-  if ((err = gemm::sm90_encode_weight_map(&w13_map, args.w13, args.hidden, args.intermediate, 2,
-                                          args.num_local_experts, kBoxRows)) != petitSuccess ||
-      (err = gemm::sm90_encode_weight_map(&w2_map, args.w2, args.intermediate, args.hidden, 1,
-                                          args.num_local_experts, kBoxRows)) != petitSuccess) {
+  const int smem = md::SmemLayout::kBytes;
+  err = petitFuncSetAttribute(md::megamoe_kernel<kEp>,
+                              petitFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != petitSuccess) return err;
+  petitLaunchKernel(md::megamoe_kernel<kEp>, dim3(grid), dim3(md::kThreads), smem, stream, e,
+                    w13_map, w2_map);
+  return petitGetLastError();
+#endif
+}
+
+}  // namespace
+
+petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
+  petitError_t err = megamoe_check(args);
+  if (err != petitSuccess) return err;
+#if !PETIT_SM80_PATH || !PETIT_SM90A_BUILT
+  return petitErrorNotSupported;  // no sm_90a image (HIP, other targets): the composed path
+#else
+  if (args.num_rows == 0) return petitSuccess;
+  int device = 0, num_sms = args.num_sms;
+  if (num_sms == 0 &&
+      ((err = petitGetDevice(&device)) != petitSuccess ||
+       (err = petitDeviceGetAttribute(&num_sms, petitDevAttrMultiProcessorCount, device)) !=
+           petitSuccess)) {
     return err;
   }
   // kBlocksPerSm blocks per SM, fewer when the largest possible active-expert set has fewer
@@ -653,17 +887,23 @@ petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
   const int64_t max_active = std::min<int64_t>(int64_t(args.num_rows) * args.top_k,
                                                args.num_local_experts);
   const int64_t max_tasks =
-      max_active * (args.intermediate / kTileCols + args.hidden / kDownRows) +
-      args.hidden / kDownRows;
-  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(kBlocksPerSm * int64_t(num_sms), max_tasks)));
-  const int smem = SmemLayout::kBytes;
-  err = petitFuncSetAttribute(megamoe_w1_kernel, petitFuncAttributeMaxDynamicSharedMemorySize,
-                              smem);
-  if (err != petitSuccess) return err;
-  petitLaunchKernel(megamoe_w1_kernel, dim3(grid), dim3(kThreads), smem, stream, args, w13_map,
-                    w2_map);
-  return petitGetLastError();
+      max_active * (args.intermediate / megamoe_detail::kTileCols +
+                    args.hidden / megamoe_detail::kDownRows) +
+      args.hidden / megamoe_detail::kDownRows;
+  const int grid = int(std::max<int64_t>(
+      1, std::min<int64_t>(kMegaMoeBlocksPerSm * int64_t(num_sms), max_tasks)));
+  MegaMoeEpArgs e{};
+  e.layer = args;
+  return launch_kernel<false>(e, grid, stream);
 #endif
+}
+
+petitError_t launch_megamoe_ep(const MegaMoeEpArgs& args, petitStream_t stream) {
+  petitError_t err = megamoe_ep_check(args);
+  if (err != petitSuccess) return err;
+  // Every block takes part in the send phase before any waits for the other ranks: the grid
+  // must be co-resident, two blocks on each of the rank's num_sms SMs.
+  return launch_kernel<true>(args, kMegaMoeBlocksPerSm * args.layer.num_sms, stream);
 }
 
 }  // namespace petit

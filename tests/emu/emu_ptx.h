@@ -466,13 +466,27 @@ inline void describe_mbarriers(std::FILE* f) {
   }
 }
 
-// A block (a cluster's blocks) that ends with TMA copies nobody waited for, or expected bytes
-// that never came.
-inline void check_block_drained() {
-  for (const auto& [location, tx] : mbarrier_tx)
-    if (!tx.copies.empty() || tx.bytes != 0)
-      trap("block exits with TMA copies or expected bytes its mbarrier never completed");
-  mbarrier_tx.clear();
+// A block (a cluster's blocks: `count` shared memories of `bytes` each) that ends with TMA
+// copies nobody waited for, or expected bytes that never came; then its mbarriers leave the
+// table. Only its own: another grid (another emulated rank's) may be streaming meanwhile.
+inline void check_block_drained(unsigned char* const* smem, int count, size_t bytes) {
+  bool undrained = false;
+  {
+    std::lock_guard<std::mutex> lock(mbarrier_mutex);
+    for (auto it = mbarrier_tx.begin(); it != mbarrier_tx.end();) {
+      bool mine = false;
+      for (int q = 0; q < count; ++q)
+        mine |= smem[q] != nullptr && it->first >= smem[q] && it->first < smem[q] + bytes;
+      if (!mine) {
+        ++it;
+        continue;
+      }
+      undrained |= !it->second.copies.empty() || it->second.bytes != 0;
+      if (!undrained) it = mbarrier_tx.erase(it);
+      else ++it;
+    }
+  }
+  if (undrained) trap("block exits with TMA copies or expected bytes its mbarrier never completed");
 }
 
 // A thread that ends with copies or MMAs it never waited for: the GPU would have completed

@@ -53,7 +53,8 @@
 
 namespace emu_ptx {
 inline void check_drained();        // emu_ptx.h: no asynchronous copy or MMA left unwaited
-inline void check_block_drained();  // ... and no TMA copy or transaction byte left pending
+// ... and no TMA copy or transaction byte left pending in these blocks' shared memories
+inline void check_block_drained(unsigned char* const* smem, int count, size_t bytes);
 }
 
 namespace emu {
@@ -238,7 +239,7 @@ void launch_cluster(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, int
         });
       }
     for (auto& th : threads) th.join();
-    emu_ptx::check_block_drained();
+    emu_ptx::check_block_drained(smem.data(), cluster, smem_alloc);
   }
   for (auto* buffer : smem) std::free(buffer);
 }

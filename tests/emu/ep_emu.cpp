@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comm/dispatch_combine.cu"
+#include "experts/megamoe.cu"  // the fused layer across the emulated ranks (MegaMoeEpArgs)
 
 namespace {
 
@@ -126,6 +127,47 @@ int combine_one(EpEmu& ep, int rank, const void* expert_out, void* out, int num_
 }
 
 }  // namespace
+
+// The fused layer (csrc/experts/megamoe.cu, MegaMoeEpArgs) on every rank of `ranks_mask` at
+// once: rank r's tokens xs[r] [T_r, H] bf16, ids[r] [T_r, K] int32 global ids, weights[r],
+// its experts' w13s[r] [L, 2I, H] / w2s[r] [L, H, I], workspaces acts[r] (>= W*R*K*I bf16),
+// partials[r] (>= W*R*K*H f32), syncs[r] (zeroed, megamoe_sync_ints(L, H) ints) and outs[r]
+// [T_r, H]; each rank's grid is 2 x num_blocks blocks, all at once. results[r]: rank r's
+// launch error. Returns the first nonzero one.
+extern "C" int petit_emu_ep_megamoe(void* handle, uint32_t ranks_mask, const void* const* xs,
+                                    const int32_t* const* ids, const float* const* weights,
+                                    const int* num_tokens, int top_k, int region_stride,
+                                    const void* const* w13s, const void* const* w2s,
+                                    int intermediate, void* const* acts, float* const* partials,
+                                    int32_t* const* syncs, void* const* outs, int* results) {
+  EpEmu& ep = *static_cast<EpEmu*>(handle);
+  return on_ranks(ep, ranks_mask, results, [&](int r) {
+    emu::last_error = 0;
+    emu::cc_major = 9;
+    emu::cc_minor = 0;
+    petit::MegaMoeEpArgs e{};
+    e.ctx = ep.context(r);
+    e.region_stride = region_stride;
+    petit::MegaMoeArgs& a = e.layer;
+    a.x = static_cast<const petit_bf16_bits*>(xs[r]);
+    a.topk_ids = ids[r];
+    a.topk_weights = weights[r];
+    a.w13 = static_cast<const petit_bf16_bits*>(w13s[r]);
+    a.w2 = static_cast<const petit_bf16_bits*>(w2s[r]);
+    a.act = static_cast<petit_bf16_bits*>(acts[r]);
+    a.partial = partials[r];
+    a.sync = syncs[r];
+    a.out = static_cast<petit_bf16_bits*>(outs[r]);
+    a.num_rows = num_tokens[r];
+    a.top_k = top_k;
+    a.hidden = ep.layout.hidden;
+    a.intermediate = intermediate;
+    a.num_local_experts = ep.num_experts / ep.world_size;
+    a.num_sms = ep.num_blocks;
+    a.timeout_ticks = ep.timeout_ticks;
+    return int(petit::launch_megamoe_ep(e, nullptr));
+  });
+}
 
 // The ranks' heartbeat words (host memory the caller owns and increments: word r = rank r's
 // process) and the bound of a wait on a peer whose word moves, in seconds of the emulated
