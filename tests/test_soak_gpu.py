@@ -1,7 +1,8 @@
 """GPU soak (issue 31), selected with ``-m soak`` only: tools/soak.py at W=2 and W=4 (ranks
-sharing the visible GPUs), >= 10^4 randomized rounds per rank of dispatch -> experts (the fused
-layer kernel on odd rounds where the shape qualifies, the composed experts otherwise) ->
-combine with CUDA-graph replays, against the reference; each run appends its line to
+sharing the visible GPUs), >= 10^4 randomized rounds per rank of the EP layer (dispatch ->
+composed experts -> combine, the fused kernel as the expert stage, or the whole layer fused,
+in rotation where the shape qualifies) with CUDA-graph replays, against the reference; each
+run appends its line to
 examples/results/soak_<gpu>x<W>.jsonl and must count 0 mismatches.
 
     pytest -q -m soak tests/test_soak_gpu.py
@@ -37,5 +38,5 @@ def test_soak(world, tmp_path):
     with results.open("a") as f:
         f.write(json.dumps(row) + "\n")
     assert row["rounds"] >= ROUNDS * world and row["graph_replays"] > 0, row
-    assert row["rounds_megamoe"] > 0, row
+    assert row["rounds_megamoe"] > 0 and row["rounds_fused"] > 0, row
     assert row["mismatches"] == 0, row

@@ -1,9 +1,11 @@
 """GPU soak of the EP MoE layer (issue 31): >= 10^4 randomized rounds of dispatch -> experts
 -> combine per run against the torch reference, with CUDA-graph replays in between; writes one
-JSONL line to examples/results/soak_<gpu>x<W>.jsonl. The expert stage alternates (--experts):
-odd rounds run the fused layer kernel (ops.megamoe_forward) over the received rows where the
-round's shape qualifies (H and I multiples of 64, W x R x K <= 2048 entries), the others and
-the rest the composed experts (ops.experts_forward); `rounds_megamoe` counts the former.
+JSONL line to examples/results/soak_<gpu>x<W>.jsonl. The path rotates (--experts alternate):
+round i % 3 == 1 runs the fused layer kernel as the expert stage (ops.megamoe_forward over the
+received rows), i % 3 == 2 the whole layer fused (EpBuffer.megamoe: dispatch, experts and
+combine in one launch), where the round's shape qualifies (H and I multiples of 64,
+W x R x K <= 2048 entries); the rest runs dispatch -> ops.experts_forward -> combine.
+`rounds_megamoe` and `rounds_fused` count the first two.
 
     python tools/soak.py --world 2 --rounds 10000           # W ranks share the visible GPUs
     python tools/soak.py --world 4 --rounds 10000 --seed 7
@@ -77,16 +79,18 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
                                  timeout_s=60.0)
     local = lambda shape: slice(rank * (shape[3] // world), (rank + 1) * (shape[3] // world))  # noqa: E731
 
-    def fused(i, shape, stride):  # whether round i's expert stage is the fused kernel
+    def path(i, shape, stride):  # "composed", "megamoe" (expert stage) or "fused" (the layer)
         hidden, inter, top_k, _ = shape
-        wanted = experts == "megamoe" or (experts == "alternate" and i % 2 == 1)
-        return wanted and ops.megamoe_unsupported_reason(world * stride, top_k, hidden,
-                                                         inter) is None
+        wanted = experts if experts != "alternate" else ("composed", "megamoe", "fused")[i % 3]
+        qualifies = ops.megamoe_unsupported_reason(world * stride, top_k, hidden, inter) is None
+        return wanted if qualifies else "composed"
 
-    def layer(buf, shape, x, ids, w, stride, megamoe, out=None):
-        d = buf.dispatch(x, ids, w, region_stride=stride)
+    def layer(buf, shape, x, ids, w, stride, kind, out=None):
         w13, w2 = w13s[shape][local(shape)].contiguous(), w2s[shape][local(shape)].contiguous()
-        if megamoe:
+        if kind == "fused":
+            return buf.megamoe(x, ids, w, w13, w2, region_stride=stride, out=out)
+        d = buf.dispatch(x, ids, w, region_stride=stride)
+        if kind == "megamoe":
             expert_out = ops.megamoe_forward(d.recv_x, d.recv_topk_ids, d.recv_topk_weights,
                                              w13, w2, num_sms=sms)
         else:
@@ -94,22 +98,23 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
                                              w13, w2)
         return buf.combine(expert_out, d.handle, out=out)
 
-    stats = dict(rounds=0, rounds_megamoe=0, graph_replays=0, mismatches=0, max_rel_err=0.0,
-                 first_mismatch=None)
+    stats = dict(rounds=0, rounds_megamoe=0, rounds_fused=0, graph_replays=0, mismatches=0,
+                 max_rel_err=0.0, first_mismatch=None)
     for i in range(rounds):
         rd = draw_round(seed + i, world, MAX_TOKENS, device=device)
         stride = max(max(rd.tokens), 1)
-        megamoe = fused(i, rd.shape, stride)
+        kind = path(i, rd.shape, stride)
         y = layer(bufs[rd.shape], rd.shape, rd.xs[rank], rd.topk_ids[rank],
-                  rd.topk_weights[rank], stride, megamoe)
+                  rd.topk_weights[rank], stride, kind)
         bad, err = _check(y, rd, w13s, w2s, world, stride, rank, ref)
         stats["rounds"] += 1
-        stats["rounds_megamoe"] += megamoe
+        stats["rounds_megamoe"] += kind == "megamoe"
+        stats["rounds_fused"] += kind == "fused"
         stats["mismatches"] += bad
         stats["max_rel_err"] = max(stats["max_rel_err"], err)
         if bad and stats["first_mismatch"] is None:
             stats["first_mismatch"] = dict(seed=rd.seed, pattern=rd.pattern, shape=rd.shape,
-                                           megamoe=megamoe)
+                                           path=kind)
         if graph_every and (i + 1) % graph_every == 0:
             # One graph of this round's shapes (every rank captures and replays the same
             # count), fresh inputs of the same token counts copied in before each replay.
@@ -120,7 +125,7 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                layer(buf, rd.shape, x, ids, w, stride, megamoe, out=out)
+                layer(buf, rd.shape, x, ids, w, stride, kind, out=out)
             for r in range(replays):
                 fresh = draw_round(seed + i, world, MAX_TOKENS, device=device)
                 gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + i * 31 + r)
@@ -146,10 +151,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--graph-every", type=int, default=250)
     parser.add_argument("--replays", type=int, default=5)
-    parser.add_argument("--experts", choices=("alternate", "composed", "megamoe"),
+    parser.add_argument("--experts", choices=("alternate", "composed", "megamoe", "fused"),
                         default="alternate",
-                        help="expert stage: odd rounds fused where the shape qualifies "
-                        "(default), or always one kind (megamoe: where it qualifies)")
+                        help="the path: rotate over the three (default), or always one (the "
+                        "fused ones where the shape qualifies)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -179,6 +184,7 @@ def main(argv=None) -> int:
                seed=args.seed, experts=args.experts,
                rounds=sum(r["rounds"] for r in results),
                rounds_megamoe=sum(r["rounds_megamoe"] for r in results),
+               rounds_fused=sum(r["rounds_fused"] for r in results),
                rounds_per_rank=args.rounds,
                graph_replays=sum(r["graph_replays"] for r in results),
                mismatches=sum(r["mismatches"] for r in results),
