@@ -79,28 +79,31 @@ def _ptr_array(tensors):
 
 
 def fused_layer(ep, megamoe_sync_ints, xs, ids, ws, w13, w2, region_stride, top_k, syncs=None):
-    """petit_emu_ep_megamoe on every rank at once: outputs poisoned with NaN first."""
+    """petit_emu_ep_megamoe on every rank at once (w13 [E, 2I, H] / w2 [E, H, I]: all ranks'
+    experts): outputs and workspaces poisoned with NaN first."""
     import ctypes
-    world, local = ep.world_size, NUM_EXPERTS // ep.world_size
+    world, local = ep.world_size, w13.shape[0] // ep.world_size
+    hidden, inter = w13.shape[2], w2.shape[2]
     lib = ep.lib
+    lib.petit_emu_ep_megamoe.restype = ctypes.c_int
     entries = world * region_stride * top_k
     xs = [x.contiguous() for x in xs]
     ids = [i.to(torch.int32).contiguous() for i in ids]
     ws = [w.contiguous() for w in ws]
     w13s = [w13[r * local:(r + 1) * local].contiguous() for r in range(world)]
     w2s = [w2[r * local:(r + 1) * local].contiguous() for r in range(world)]
-    acts = [torch.full((entries, INTERMEDIATE), float("nan")).to(torch.bfloat16)
+    acts = [torch.full((entries, inter), float("nan")).to(torch.bfloat16)
             for _ in range(world)]
-    partials = [torch.full((entries, HIDDEN), float("nan")) for _ in range(world)]
+    partials = [torch.full((entries, hidden), float("nan")) for _ in range(world)]
     if syncs is None:
-        syncs = [torch.zeros(megamoe_sync_ints(local, HIDDEN), dtype=torch.int32)
+        syncs = [torch.zeros(megamoe_sync_ints(local, hidden), dtype=torch.int32)
                  for _ in range(world)]
-    outs = [torch.full((x.shape[0], HIDDEN), float("nan")).to(torch.bfloat16) for x in xs]
+    outs = [torch.full((x.shape[0], hidden), float("nan")).to(torch.bfloat16) for x in xs]
     results = (ctypes.c_int * world)()
     rc = lib.petit_emu_ep_megamoe(
         ctypes.c_void_p(ep.handle), (1 << world) - 1, _ptr_array(xs), _ptr_array(ids),
         _ptr_array(ws), (ctypes.c_int * world)(*[x.shape[0] for x in xs]), top_k,
-        region_stride, _ptr_array(w13s), _ptr_array(w2s), INTERMEDIATE, _ptr_array(acts),
+        region_stride, _ptr_array(w13s), _ptr_array(w2s), inter, _ptr_array(acts),
         _ptr_array(partials), _ptr_array(syncs), _ptr_array(outs), results)
     return rc, list(results), outs, syncs
 
@@ -125,7 +128,6 @@ def test_the_fused_layer_across_ranks_is_the_moe_layer(ep_lib, megamoe_lib, worl
     w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen)
           / INTERMEDIATE**0.5).to(torch.bfloat16)
     ep = EmuEp(ep_lib, world, max_tokens=region_stride, hidden=HIDDEN, num_blocks=2)
-    ep_lib.petit_emu_ep_megamoe.restype = ctypes_int()
     try:
         syncs = None
         for round_ in range(3):
@@ -148,11 +150,6 @@ def test_the_fused_layer_across_ranks_is_the_moe_layer(ep_lib, megamoe_lib, worl
         _check_round(ep, xs, ids, ws, region_stride=region_stride, tag="after the fused calls")
     finally:
         ep.close()
-
-
-def ctypes_int():
-    import ctypes
-    return ctypes.c_int
 
 
 def _case(ep_lib_path, megamoe_lib_path, case):

@@ -120,6 +120,7 @@ class FakeEpBuffer:
         self.num_experts = num_experts
         self.call = call
         self.region_strides: list[int] = []
+        self.paths: list[str] = []  # "dispatch" / "megamoe", per call
 
     def _record_dispatch(self, x, topk_ids, topk_weights, region_stride):
         """The layer hands over this rank's inputs of the call; the stride is recorded."""
@@ -142,9 +143,26 @@ class FakeEpBuffer:
                 reference.experts_reference(recv_x, recv_ids, recv_weights, w13, w2))
         return expert_outs
 
+    def _record_megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride, out):
+        """As _record_dispatch, plus the layer's weights (this rank's experts) and `out`."""
+        self._record_dispatch(x, topk_ids, topk_weights, region_stride)
+        self.paths.append("megamoe")
+        local_w13, local_w2 = self.call.local_weights(self.rank, self.world_size)
+        assert torch.equal(w13, local_w13) and torch.equal(w2, local_w2)
+        assert out is not None and out.shape == x.shape and out.is_contiguous()
+
+    def megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride=None, out=None):
+        """The whole layer of this rank on the reference (every rank's inputs are known)."""
+        self._record_megamoe(x, topk_ids, topk_weights, w13, w2, region_stride, out)
+        call = self.call
+        out.copy_(reference.ep_moe_reference(call.xs, call.topk_ids, call.topk_weights,
+                                             call.w13, call.w2, self.world_size)[self.rank])
+        return out
+
     def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
         call = self.call
         self._record_dispatch(x, topk_ids, topk_weights, region_stride)
+        self.paths.append("dispatch")
         received = reference.dispatch_reference(
             call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride, quant
         )[self.rank]
@@ -182,20 +200,42 @@ class EmulatedEpBuffer(FakeEpBuffer):
     over, the other ranks' inputs from the call and their experts on the reference."""
 
     def __init__(self, lib, rank: int, world_size: int, num_experts: int, call: SimulatedCall,
-                 max_tokens: int = 64):
+                 max_tokens: int = 64, megamoe_lib=None):
         from test_dispatch_combine_emu_cpu import EmuEp
 
         super().__init__(rank, world_size, num_experts, call)
         self.ep = EmuEp(lib, world_size, max_tokens, hidden=call.xs[0].shape[1],
                         max_top_k=call.topk_ids[0].shape[1], num_experts=num_experts)
+        self.megamoe_lib = megamoe_lib
         self._received = None
+
+    def _all_ranks(self, x, topk_ids, topk_weights):
+        """Every rank's (xs, ids, weights) of the call, this rank's as the layer handed them."""
+        call, rank = self.call, self.rank
+        xs, ws = list(call.xs), list(call.topk_weights)
+        ids = [i.to(topk_ids.dtype) for i in call.topk_ids]
+        xs[rank], ids[rank], ws[rank] = x, topk_ids, topk_weights
+        return xs, ids, ws
+
+    def megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride=None, out=None):
+        """The fused layer kernel of every rank at once on the emulation (megamoe_lib)."""
+        from test_megamoe_ep_emu_cpu import fused_layer
+
+        self._record_megamoe(x, topk_ids, topk_weights, w13, w2, region_stride, out)
+        xs, ids, ws = self._all_ranks(x, topk_ids, topk_weights)
+        rc, results, ys, syncs = fused_layer(
+            self.ep, self.megamoe_lib.petit_emu_megamoe_sync_ints, xs, ids, ws, self.call.w13,
+            self.call.w2, region_stride, topk_ids.shape[1])
+        assert rc == 0, f"fused layer launch results {results}"
+        assert all(int(sync.abs().sum()) == 0 for sync in syncs), "counters not reset"
+        out.copy_(ys[self.rank])
+        return out
 
     def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
         call, rank = self.call, self.rank
         self._record_dispatch(x, topk_ids, topk_weights, region_stride)
-        xs, ws = list(call.xs), list(call.topk_weights)
-        ids = [i.to(topk_ids.dtype) for i in call.topk_ids]
-        xs[rank], ids[rank], ws[rank] = x, topk_ids, topk_weights
+        self.paths.append("dispatch")
+        xs, ids, ws = self._all_ranks(x, topk_ids, topk_weights)
         received = self.ep.dispatch(xs, ids, ws, region_stride, quant=quant)
         assert not isinstance(received, int), f"dispatch launch returned {received}"
         self._received = (received, quant)
@@ -751,6 +791,7 @@ def kernel_hook(monkeypatch):
     monkeypatch.setattr(hook, "_reported", set())
     monkeypatch.delenv(envs.VLLM_PETIT_MOE_STRICT, raising=False)
     monkeypatch.delenv(envs.VLLM_PETIT_MOE_EXPERTS, raising=False)
+    monkeypatch.delenv(envs.VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS, raising=False)
     buffers.close_all_buffers()
     installed = compat.install_kernel_hook(hook.maybe_substitute, hook.maybe_substitute_experts)
     try:
@@ -905,24 +946,34 @@ def workspace():
 
 
 def run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config, experts_class,
-                                    ep_emu_lib=None):
+                                    ep_emu_lib=None, megamoe_max_tokens=0, megamoe_lib=None):
     """Rank `rank`'s forward of `call` through vLLM's FusedMoEKernel with our prepare/finalize
     (over a FakeEpBuffer, or with `ep_emu_lib` an EmulatedEpBuffer: the real dispatch and
-    combine kernels on the CPU emulation) and `experts_class`, with vLLM's linear expert_map.
+    combine kernels, and with `megamoe_lib` the fused layer, on the CPU emulation) and
+    `experts_class`, with vLLM's linear expert_map. With `megamoe_max_tokens` the experts are
+    PetitEpExperts over `experts_class` and the fused layer is enabled up to that stride.
     Returns the output and the buffer."""
     world_size = len(num_tokens)
     num_experts, top_k = call.num_experts, call.topk_ids[0].shape[1]
+    hidden, intermediate = call.xs[0].shape[1], call.w2.shape[2]
     parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
                                     ep_rank=rank)
     moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
-                                 hidden_dim=call.xs[0].shape[1], intermediate_size=24)
+                                 hidden_dim=hidden, intermediate_size=intermediate)
     if ep_emu_lib is None:
         buffer = FakeEpBuffer(rank, world_size, num_experts, call)
     else:
-        buffer = EmulatedEpBuffer(ep_emu_lib, rank, world_size, num_experts, call)
+        buffer = EmulatedEpBuffer(ep_emu_lib, rank, world_size, num_experts, call,
+                                  megamoe_lib=megamoe_lib)
     pf = PetitPrepareAndFinalize(buffer, num_experts=num_experts, max_tokens_per_rank=64)
+    experts = experts_class(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG)
+    if megamoe_max_tokens:
+        assert pf.enable_megamoe(megamoe_max_tokens, hidden_size=hidden,
+                                 intermediate_size=intermediate, top_k=top_k) is None
+        experts = petit_experts.PetitEpExperts(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG, pf,
+                                               fallback=experts)
     with set_current_vllm_config(vllm_config):
-        kernel = mk.FusedMoEKernel(pf, experts_class(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG))
+        kernel = mk.FusedMoEKernel(pf, experts)
     _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
     w13, w2 = call.local_weights(rank, world_size)
     try:
@@ -1198,6 +1249,112 @@ def test_modular_kernel_with_petit_experts_matches_reference(world_size, num_tok
                                                  petit_experts.PetitExperts, lib)
         assert out.shape == call.xs[rank].shape and out.dtype == torch.bfloat16
         reference.check_close(out, expected_fp32[rank], tol, name=f"rank {rank}")
+
+
+@pytest.mark.parametrize(
+    "world_size, num_tokens",
+    [(2, [5, 3]), (2, [0, 4]), (4, [2, 7, 0, 3])],
+)
+@pytest.mark.parametrize("kernels", ["reference", "emulated"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_layer_through_vllms_kernel(world_size, num_tokens, kernels, fused, vllm_config,
+                                          workspace, request):
+    """With the fused layer enabled (PetitEpExperts over the reference experts), a step whose
+    region stride is within the bound is one EpBuffer.megamoe call per rank (no dispatch;
+    with "emulated" the real fused kernel of every rank on the CPU emulation), a rank with no
+    tokens included; a larger step runs composed."""
+    call = make_call(world_size, num_tokens, hidden=128, intermediate=64, seed=7)
+    stride = max(num_tokens)
+    expected = reference.ep_moe_reference(call.xs, call.topk_ids, call.topk_weights, call.w13,
+                                          call.w2, world_size)
+    expected_fp32 = reference.ep_moe_reference(call.xs, call.topk_ids, call.topk_weights,
+                                               call.w13, call.w2, world_size, "fp32")
+    libs = {}
+    if kernels == "emulated":
+        libs = dict(ep_emu_lib=request.getfixturevalue("ep_emu_lib"),
+                    megamoe_lib=request.getfixturevalue("megamoe_emu_lib"))
+    for rank in range(world_size):
+        out, buffer = run_rank_through_modular_kernel(
+            call, rank, num_tokens, vllm_config, ReferenceExperts,
+            megamoe_max_tokens=stride if fused else stride - 1, **libs)
+        assert buffer.paths == ["megamoe" if fused else "dispatch"], buffer.paths
+        assert buffer.region_strides == [stride]
+        assert out.shape == call.xs[rank].shape and out.dtype == torch.bfloat16
+        if kernels == "reference" or not fused:
+            assert torch.equal(out, expected[rank]), f"rank {rank}"
+        else:
+            tol = reference.tolerance(expected[rank], expected_fp32[rank])
+            reference.check_close(out, expected_fp32[rank], tol, name=f"rank {rank}")
+
+
+def test_fused_layer_bounds_and_errors(vllm_config):
+    """enable_megamoe refuses sizes the kernel cannot take and caps the stride at
+    MEGAMOE_MAX_ENTRIES / (W K); a fused step whose experts never hand the weights over fails
+    in finalize, naming the cause."""
+    from vllm_petit_moe.limits import MEGAMOE_MAX_ENTRIES
+
+    call = make_call(2, [4, 2], hidden=128, intermediate=64)
+    pf = PetitPrepareAndFinalize(FakeEpBuffer(0, 2, 8, call), num_experts=8,
+                                 max_tokens_per_rank=64)
+    assert "multiples of 64" in pf.enable_megamoe(64, hidden_size=40, intermediate_size=64,
+                                                  top_k=3)
+    assert pf.megamoe_max_stride == 0
+    assert "MEGAMOE_MAX_ENTRIES" in pf.enable_megamoe(64, hidden_size=128, intermediate_size=64,
+                                                      top_k=MEGAMOE_MAX_ENTRIES)
+    assert pf.enable_megamoe(10**6, hidden_size=128, intermediate_size=64, top_k=8) is None
+    assert pf.megamoe_max_stride == MEGAMOE_MAX_ENTRIES // (2 * 8)
+    _, expert_map, _ = determine_expert_map(2, 0, 8, "linear")
+    with dp_step(vllm_config, [4, 2]):
+        x, _, _, ids, weights = pf.prepare(call.xs[0], call.topk_weights[0], call.topk_ids[0],
+                                           8, expert_map, False, FUSED_MOE_UNQUANTIZED_CONFIG)
+        assert x is not None and pf.megamoe_step_pending()
+        with pytest.raises(RuntimeError, match="only PetitEpExperts"):
+            pf.finalize(torch.empty_like(call.xs[0]), x, weights, ids, False,
+                        TopKWeightAndReduceNoOP())
+        assert not pf.megamoe_step_pending()
+    with pytest.raises(RuntimeError, match="outside a fused step"):
+        pf.set_megamoe_weights(*call.local_weights(0, 2))
+
+
+def test_hook_enables_the_fused_layer(kernel_hook, monkeypatch, vllm_config):
+    """VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS > 0: PetitEpExperts with vLLM's Triton experts for the
+    composed steps (ours with VLLM_PETIT_MOE_EXPERTS=1) and the fused layer enabled; a layer
+    the fused kernel cannot take keeps vLLM's experts (or runs composed with ours), with a
+    logged reason, and strict mode fails; a malformed value fails."""
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS, "32")
+    moe_config = make_moe_config()  # H 1024, I 512, top-4, W 2
+    kernel = build_kernel(moe_config, vllm_config)
+    pf, experts = kernel.prepare_finalize, kernel.fused_experts
+    assert isinstance(pf, PetitPrepareAndFinalize) and pf.megamoe_max_stride == 32
+    assert isinstance(experts, petit_experts.PetitEpExperts)
+    assert type(experts.fallback) is TritonExperts and experts.prepare_finalize is pf
+    assert kernel.output_is_reduced()
+
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_EXPERTS, "1")
+    kernel = build_kernel(moe_config, vllm_config)
+    assert kernel.fused_experts.fallback is None  # composed steps: petit's GEMMs
+    assert kernel.prepare_finalize.megamoe_max_stride == 32
+
+    odd = make_moe_config(hidden_dim=1000)  # a multiple of 8, not of 64
+    kernel = build_kernel(odd, vllm_config)
+    assert isinstance(kernel.fused_experts, petit_experts.PetitEpExperts)
+    assert kernel.prepare_finalize.megamoe_max_stride == 0
+    monkeypatch.delenv(envs.VLLM_PETIT_MOE_EXPERTS)
+    kernel = build_kernel(odd, vllm_config)
+    assert type(kernel.fused_experts) is TritonExperts
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_STRICT, "1")
+    with pytest.raises(RuntimeError, match="multiples of 64"):
+        build_kernel(odd, vllm_config)
+    monkeypatch.delenv(envs.VLLM_PETIT_MOE_STRICT)
+
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS, "0")
+    kernel = build_kernel(moe_config, vllm_config)
+    assert type(kernel.fused_experts) is TritonExperts
+    for bad in ("-1", "many", "1.5"):
+        monkeypatch.setenv(envs.VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS, bad)
+        with pytest.raises(ValueError, match="VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS"):
+            build_kernel(moe_config, vllm_config)
 
 
 # --------------------------------------------------------------------------------------------

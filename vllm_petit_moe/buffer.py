@@ -22,8 +22,9 @@ import torch.distributed as dist
 from .config import CombineConfig, as_dict
 from .heap import SETUP_TIMEOUT_S, SetupError, agree, check_single_node, exchange_fds
 from .limits import (DEFAULT_MAX_WAIT_S, FP8_BLOCK_MODES, FP8_SCALE_BLOCK, MAX_EXPERTS,
-                     MAX_TOP_K, MAX_WORLD_SIZE, MIN_CHUNK_VECTORS, REGION_ALIGNMENT,
-                     SIZE_MULTIPLE, TOKEN_GROUP_SIZE, check_max_wait_s, check_timeout_s)
+                     MAX_TOP_K, MAX_WORLD_SIZE, MEGAMOE_MAX_ENTRIES, MIN_CHUNK_VECTORS,
+                     REGION_ALIGNMENT, SIZE_MULTIPLE, TOKEN_GROUP_SIZE, check_max_wait_s,
+                     check_timeout_s)
 
 logger = logging.getLogger("vllm.petit_moe.buffer")  # inside vLLM's logger tree
 
@@ -224,6 +225,7 @@ class EpBuffer:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._ctx = None
+        self._megamoe_workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -420,13 +422,7 @@ class EpBuffer:
             out = torch.empty_like(x)
         elif out.shape != x.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
             raise ValueError(f"petit_moe: out must be contiguous bfloat16 {tuple(x.shape)}")
-        entries = self.world_size * region_stride * top_k
-        key = (entries, inter)
-        if getattr(self, "_megamoe_workspaces", (None,))[0] != key:
-            self._megamoe_workspaces = (
-                key, torch.empty(entries * inter, dtype=torch.bfloat16, device=self.device),
-                torch.empty(entries * self.hidden_size, dtype=torch.float32, device=self.device))
-        _, act, partial = self._megamoe_workspaces
+        act, partial = self._megamoe_workspace(inter)
         # int64 ids outside [-1, E) become E (dropped and counted by the kernel), never an
         # int32 alias of a real expert
         ids = topk_ids if topk_ids.dtype == torch.int32 else torch.where(
@@ -437,6 +433,24 @@ class EpBuffer:
                           _megamoe_sync_buffer(self.device, local, self.hidden_size),
                           region_stride)
         return out
+
+    def megamoe_workspace_bytes(self, intermediate_size: int) -> int:
+        """Device bytes :meth:`megamoe` adds to the heap for layers of this intermediate size:
+        the activations (bf16) and partial rows (fp32) of ``MEGAMOE_MAX_ENTRIES`` routing
+        entries, allocated at the first call and shared by every layer of that size."""
+        return MEGAMOE_MAX_ENTRIES * (2 * intermediate_size + 4 * self.hidden_size)
+
+    def _megamoe_workspace(self, intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Sized for the largest call, so a step's tensors never change between calls: a CUDA
+        # graph captured with them stays valid whatever R later steps use.
+        spaces = self._megamoe_workspaces
+        if intermediate_size not in spaces:
+            spaces[intermediate_size] = (
+                torch.empty(MEGAMOE_MAX_ENTRIES * intermediate_size, dtype=torch.bfloat16,
+                            device=self.device),
+                torch.empty(MEGAMOE_MAX_ENTRIES * self.hidden_size, dtype=torch.float32,
+                            device=self.device))
+        return spaces[intermediate_size]
 
     def combine(self, expert_out: torch.Tensor, handle: CombineHandle,
                 out: torch.Tensor | None = None,
@@ -563,6 +577,7 @@ class EpBuffer:
         if self._ctx is not None:
             self._ctx.close()
             self._ctx = None
+        self._megamoe_workspaces = {}
 
     def __del__(self):
         try:

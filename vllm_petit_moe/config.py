@@ -91,6 +91,26 @@ class SingleGpuLayerConfig:
             raise ValueError(f"{self}: megamoe_max_tokens >= 0, composed_min_tokens >= 1")
 
 
+@dataclass(frozen=True)
+class EpLayerConfig:
+    """Which path serves one step of a DP + EP MoE layer under the vLLM flag, by the step's
+    region stride R (the largest token count of any DP rank: equal on every rank, so every
+    rank takes the same path; Python only):
+
+    megamoe_max_tokens: the fused layer (``EpBuffer.megamoe``: dispatch, this rank's experts
+        and combine in one launch per rank) for R up to this, where the layer qualifies (bf16,
+        H and I multiples of 64, W * R * K <= ``MEGAMOE_MAX_ENTRIES``); 0: never. Off by
+        default: verified on the CPU emulation only, never run on two GPUs (issue 32).
+        Larger steps run the composed path (petit dispatch, the experts, petit combine).
+    """
+    megamoe_max_tokens: int = 0
+
+    def __post_init__(self):
+        _check_ints(self)
+        if self.megamoe_max_tokens < 0:
+            raise ValueError(f"{self}: megamoe_max_tokens >= 0")
+
+
 def _check_ints(config) -> None:
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)

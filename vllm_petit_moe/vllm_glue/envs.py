@@ -37,6 +37,13 @@ VLLM_PETIT_MOE_TIMEOUT_S = "VLLM_PETIT_MOE_TIMEOUT_S"
 """Bound, in seconds, of every spin-wait of the dispatch/combine kernels before they report
 the rank/flag/epoch they waited on and fail. Default 30."""
 
+VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS = "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS"
+"""Steps of up to this many tokens per rank run the fused MegaMoE layer (one launch per rank
+per layer): on one GPU, calls of up to N tokens (``config.SingleGpuLayerConfig``); with
+DP + EP, steps whose largest DP rank has up to N tokens (``config.EpLayerConfig``; larger steps
+keep the composed path). An integer >= 0; ``0`` or unset: never (the configs' default until
+the fused layer measures faster on GPUs)."""
+
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 
@@ -90,11 +97,28 @@ def timeout_s() -> float:
     return check_timeout_s(raw, VLLM_PETIT_MOE_TIMEOUT_S)
 
 
+def megamoe_max_tokens() -> int | None:
+    """``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` as an int >= 0, or None when unset (the layer
+    configs' default applies); anything else raises ValueError naming the variable."""
+    raw = os.environ.get(VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS}={raw!r}: expected an integer "
+                         ">= 0 (tokens per rank; 0 = never)")
+    return value
+
+
 ENV_VARS: dict[str, Callable[[], Any]] = {
     VLLM_USE_PETIT_MOE: use_petit_moe,
     VLLM_PETIT_MOE_STRICT: strict,
     VLLM_PETIT_MOE_EXPERTS: petit_experts,
     VLLM_PETIT_MOE_EXPERTS_TILES: petit_experts_tiles,
     VLLM_PETIT_MOE_TIMEOUT_S: timeout_s,
+    VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS: megamoe_max_tokens,
 }
 """Name -> getter, in the form of vLLM's ``environment_variables`` registry."""

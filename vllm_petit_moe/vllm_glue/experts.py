@@ -346,3 +346,54 @@ class PetitSingleGpuExperts(PetitExperts):
                             expert_map=kernel_map, act_workspace=act,
                             partial_workspace=partial.view(torch.float32),
                             timeout_s=self.timeout_s)
+
+
+class PetitEpExperts(PetitExperts):
+    """The experts of a DP + EP layer behind ``PetitPrepareAndFinalize``: on a step that the
+    prepare/finalize runs as the fused layer (``enable_megamoe``) ``apply`` only hands the
+    layer's weights over and ``finalize`` launches ``EpBuffer.megamoe``; on the other steps
+    (the composed path) it runs our grouped GEMMs (``fallback`` None) or the vLLM Triton
+    experts it replaced (``fallback``).
+
+    The choice is the prepare/finalize's, per step, from the region stride ``R`` that every
+    rank shares (``EpLayerConfig``), so all ranks run the same path.
+    """
+
+    def __init__(self, moe_config, quant_config, prepare_finalize, fallback=None):
+        super().__init__(moe_config, quant_config)
+        self.prepare_finalize = prepare_finalize
+        self.fallback = fallback
+
+    @staticmethod
+    def _supports_batch_invariance() -> bool:
+        # A row's bits depend on the path its step's size chose.
+        return False
+
+    def finalize_weight_and_reduce_impl(self):
+        if self.fallback is not None:
+            return self.fallback.finalize_weight_and_reduce_impl()
+        return super().finalize_weight_and_reduce_impl()
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
+                         expert_tokens_meta, activation):
+        """The composed path's experts' shapes (a fused step uses none of them)."""
+        owner = self.fallback if self.fallback is not None else super()
+        return owner.workspace_shapes(M, N, K, topk, global_num_experts, local_num_experts,
+                                      expert_tokens_meta, activation)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input) -> None:
+        """A fused step: hand ``w1``/``w2`` to the prepare/finalize (no launch). Otherwise as
+        ``PetitExperts.apply`` or the fallback's ``apply`` (same arguments and result)."""
+        if self.prepare_finalize.megamoe_step_pending():
+            _refuse_gemm2_hook(self)
+            if activation != _MoEActivation.SILU:
+                raise NotImplementedError(f"vllm-petit-moe: the fused layer supports SiLU only, "
+                                          f"got {activation}")
+            self.prepare_finalize.set_megamoe_weights(w1, w2)
+            return
+        owner = self.fallback if self.fallback is not None else super()
+        owner.apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                    global_num_experts, expert_map, a1q_scale, a2_scale, workspace13,
+                    workspace2, expert_tokens_meta, apply_router_weight_on_input)

@@ -17,9 +17,12 @@ Outcomes, each logged once per process and reason:
 - **unsupported** (WARNING): a DP+EP layer we cannot serve yet; vLLM's allgather/reduce-
   scatter stays. With ``VLLM_PETIT_MOE_STRICT=1`` both non-substitute outcomes raise instead.
 
-Experts (opt-in, ``VLLM_PETIT_MOE_EXPERTS=1``; off by default until the kernels are validated
-on a GPU): where our prepare/finalize was substituted, ``maybe_substitute_experts`` also puts
-``PetitExperts`` (our grouped GEMMs) in place of vLLM's Triton experts, on the same weights.
+Experts: where our prepare/finalize was substituted, ``maybe_substitute_experts`` puts
+``PetitEpExperts`` in place of vLLM's Triton experts, on the same weights, when our grouped
+GEMMs are asked for (``VLLM_PETIT_MOE_EXPERTS=1``) or the fused layer is
+(``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` > 0, ``config.EpLayerConfig``): steps up to that many
+tokens per rank then run as one fused launch per rank, the others composed, with our GEMMs or
+vLLM's Triton experts. Both are off by default until validated on two GPUs.
 """
 
 from __future__ import annotations
@@ -308,6 +311,23 @@ def _is_single_gpu_layer(prepare_finalize: Any) -> bool:
     return compat.is_no_dp_ep_prepare_finalize(prepare_finalize)
 
 
+def single_gpu_layer_config():
+    """``SingleGpuLayerConfig`` with ``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` where it is set."""
+    from vllm_petit_moe.config import SingleGpuLayerConfig
+
+    tokens = envs.megamoe_max_tokens()
+    return SingleGpuLayerConfig() if tokens is None else SingleGpuLayerConfig(
+        megamoe_max_tokens=tokens)
+
+
+def ep_layer_config():
+    """``EpLayerConfig`` with ``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` where it is set."""
+    from vllm_petit_moe.config import EpLayerConfig
+
+    tokens = envs.megamoe_max_tokens()
+    return EpLayerConfig() if tokens is None else EpLayerConfig(megamoe_max_tokens=tokens)
+
+
 def decide_single_gpu(fused_experts: Any) -> Decision:
     """Whether ``PetitSingleGpuExperts`` replaces vLLM's experts of a layer built with the
     no-DP/no-EP prepare/finalize. Pure: no logging, no allocation."""
@@ -332,18 +352,28 @@ def decide_single_gpu(fused_experts: Any) -> Decision:
     if compat.platform_name() not in SUPPORTED_PLATFORMS:
         return _unsupported(f"platform {compat.platform_name()} (supported: "
                             f"{SUPPORTED_PLATFORMS})")
-    from vllm_petit_moe.config import SingleGpuLayerConfig
-
-    cfg = SingleGpuLayerConfig()
+    cfg = single_gpu_layer_config()
     return Decision(True, f"one GPU: petit's composed experts from {cfg.composed_min_tokens} "
                           f"tokens per call, vLLM's Triton experts below, MegaMoE up to "
                           f"{cfg.megamoe_max_tokens} tokens (SingleGpuLayerConfig)")
 
 
+def _refuse_or_warn(message: str) -> None:
+    """RuntimeError in strict mode, else one WARNING per message."""
+    if envs.strict():
+        raise RuntimeError(f"vllm-petit-moe: {message} ({envs.VLLM_PETIT_MOE_STRICT}=1)")
+    key = (False, message)
+    if key not in _reported:
+        _reported.add(key)
+        logger.warning("vllm-petit-moe: %s.", message)
+
+
 def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
-    """``FusedMoEKernel.__init__`` hook, second step (opt-in, ``VLLM_PETIT_MOE_EXPERTS=1``):
-    ``PetitExperts`` in place of vLLM's Triton experts where our prepare/finalize was just
-    substituted; otherwise ``fused_experts`` unchanged.
+    """``FusedMoEKernel.__init__`` hook, second step. On one GPU: ``PetitSingleGpuExperts``
+    (``decide_single_gpu``). With DP + EP, where our prepare/finalize was just substituted and
+    ``VLLM_PETIT_MOE_EXPERTS=1`` or ``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` > 0:
+    ``PetitEpExperts`` in place of vLLM's Triton experts (the fused layer enabled on the
+    prepare/finalize for the steps it covers). Otherwise ``fused_experts`` unchanged.
 
     Only layers that already passed ``decide`` (bf16, unquantized activations, Triton experts
     reducing the top-k) get here; ``experts.unsupported_reason`` adds what the kernels need
@@ -360,8 +390,8 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
         if not decision.substitute:
             return fused_experts
         return PetitSingleGpuExperts(fused_experts.moe_config, fused_experts.quant_config,
-                                     fallback=fused_experts)
-    if not (envs.use_petit_moe() and envs.petit_experts()):
+                                     fallback=fused_experts, layer_config=single_gpu_layer_config())
+    if not envs.use_petit_moe():
         return fused_experts
     from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
 
@@ -369,39 +399,45 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
         return fused_experts
     if not isinstance(fused_experts, compat.fused_moe_symbol("TritonExperts")):
         return fused_experts  # already ours, or experts we never replace
-
-    from vllm_petit_moe.vllm_glue.experts import PetitExperts, unsupported_reason
-
-    reason = unsupported_reason(fused_experts.moe_config, fused_experts.quant_config)
-    if reason is not None:
-        if envs.strict():
-            raise RuntimeError(
-                f"vllm-petit-moe: {envs.VLLM_PETIT_MOE_EXPERTS}=1 and "
-                f"{envs.VLLM_PETIT_MOE_STRICT}=1, but PetitExperts cannot serve a MoE layer: "
-                f"{reason}"
-            )
-        key = (False, "experts: " + reason)
-        if key not in _reported:
-            _reported.add(key)
-            logger.warning(
-                "vllm-petit-moe: %s=1 but PetitExperts cannot serve these MoE layers (%s); "
-                "they keep vLLM's %s.",
-                envs.VLLM_PETIT_MOE_EXPERTS,
-                reason,
-                type(fused_experts).__name__,
-            )
+    petit_gemms = envs.petit_experts()
+    fused_tokens = ep_layer_config().megamoe_max_tokens
+    if not petit_gemms and fused_tokens == 0:
         return fused_experts
-    key = (True, "experts")
+
+    from vllm_petit_moe.vllm_glue.experts import PetitEpExperts, unsupported_reason
+
+    asked = " and ".join(
+        ([f"{envs.VLLM_PETIT_MOE_EXPERTS}=1"] if petit_gemms else [])
+        + ([f"{envs.VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS}={fused_tokens}"] if fused_tokens else []))
+    moe = fused_experts.moe_config
+    reason = unsupported_reason(moe, fused_experts.quant_config)
+    if reason is None and fused_tokens:
+        intermediate = int(getattr(moe, "intermediate_size_per_partition", -1))
+        if intermediate <= 0:
+            intermediate = int(moe.intermediate_size)
+        fused_reason = prepare_finalize.enable_megamoe(
+            fused_tokens, hidden_size=int(moe.hidden_dim), intermediate_size=intermediate,
+            top_k=int(moe.experts_per_token))
+        if fused_reason is not None and not petit_gemms:
+            reason = f"the fused layer: {fused_reason}"
+        elif fused_reason is not None:  # our GEMMs still serve: composed only
+            _refuse_or_warn(f"{asked}, but these MoE layers cannot run fused ({fused_reason}); "
+                            "they run composed with PetitExperts")
+    if reason is not None:
+        _refuse_or_warn(f"{asked}, but PetitExperts cannot serve these MoE layers ({reason}); "
+                        f"they keep vLLM's {type(fused_experts).__name__}")
+        return fused_experts
+    fused_what = (f"the fused layer for steps of up to {prepare_finalize.megamoe_max_stride} "
+                  "tokens per rank, else " if prepare_finalize.megamoe_max_stride else "")
+    composed_what = (f"petit grouped GEMMs (tile family {envs.petit_experts_tiles()})"
+                     if petit_gemms else f"vLLM's {type(fused_experts).__name__}")
+    key = (True, "experts: " + fused_what + composed_what)
     if key not in _reported:
         _reported.add(key)
-        logger.info(
-            "vllm-petit-moe: MoE layers use PetitExperts (petit grouped GEMMs, tile family "
-            "%s) instead of %s (%s=1)",
-            envs.petit_experts_tiles(),
-            type(fused_experts).__name__,
-            envs.VLLM_PETIT_MOE_EXPERTS,
-        )
-    return PetitExperts(fused_experts.moe_config, fused_experts.quant_config)
+        logger.info("vllm-petit-moe: MoE layers use PetitEpExperts (%s%s) instead of %s (%s)",
+                    fused_what, composed_what, type(fused_experts).__name__, asked)
+    return PetitEpExperts(moe, fused_experts.quant_config, prepare_finalize,
+                          fallback=None if petit_gemms else fused_experts)
 
 
 def install() -> None:

@@ -53,13 +53,26 @@ dynamic per-token ``scaled_fp8_quant``) and returns e4m3 rows plus their scales
 consume as they do after its own quantization: the wire carries half the bytes. Other
 schemes (static or per-tensor scales, int8, fp4) raise ``NotImplementedError`` here, and the
 hook keeps vLLM's path for them (:func:`dispatch_quant_mode` is the one place that decides).
+
+The fused layer. Once :meth:`PetitPrepareAndFinalize.enable_megamoe` was called (by the hook,
+when it puts ``PetitEpExperts`` in place of the experts), a step whose region stride ``R`` is
+at most ``EpLayerConfig.megamoe_max_tokens`` runs as one ``EpBuffer.megamoe`` launch per rank
+instead of dispatch + experts + combine. vLLM's modular kernel still calls the three steps:
+``prepare`` only records the step (``x``, ids, weights, ``R``; no launch) and returns the
+tokens unchanged; ``PetitEpExperts.apply`` hands the layer's weights over (no launch);
+``finalize`` launches the fused kernel, which writes ``output`` directly. ``R`` is equal on
+every rank, so every rank takes the same path (mixing a fused call with a peer's dispatch is
+reported as a fault, never a silent result). A rank with no tokens still returns one
+placeholder row from ``prepare``, because vLLM skips the experts of an empty batch and the
+fused call is collective.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_petit_moe.limits import FP8_BLOCK_MODES, FP8_SCALE_BLOCK
+from vllm_petit_moe.limits import (FP8_BLOCK_MODES, FP8_SCALE_BLOCK, MEGAMOE_MAX_ENTRIES,
+                                   MEGAMOE_SIZE_MULTIPLE)
 from vllm_petit_moe.vllm_glue import compat
 
 compat.require_supported_vllm()  # the classes below subclass vLLM's: say which vLLM they need
@@ -177,6 +190,43 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
         self._handle = None
         self._num_rows = 0
         self._expert_map_checked = False
+        self._megamoe_max_stride = 0  # steps with R up to this run fused (enable_megamoe)
+        self._megamoe_step = None  # (x, ids, weights, R) of a fused step between prepare/finalize
+        self._megamoe_weights = None  # (w13, w2) handed over by PetitEpExperts.apply
+
+    # --- the fused layer ------------------------------------------------------------------
+
+    def enable_megamoe(self, max_tokens: int, *, hidden_size: int, intermediate_size: int,
+                       top_k: int) -> str | None:
+        """Let steps whose region stride ``R`` is at most ``max_tokens`` run the fused layer
+        (``EpBuffer.megamoe``); only for experts that hand their weights over in ``apply``
+        (``PetitEpExperts``). Returns why the layer cannot run fused (None: enabled, for
+        ``R <= megamoe_max_stride``)."""
+        if hidden_size % MEGAMOE_SIZE_MULTIPLE or intermediate_size % MEGAMOE_SIZE_MULTIPLE:
+            return (f"hidden {hidden_size} / intermediate {intermediate_size} are not multiples "
+                    f"of {MEGAMOE_SIZE_MULTIPLE}")
+        max_stride = min(int(max_tokens), MEGAMOE_MAX_ENTRIES // (self.world_size * top_k))
+        if max_stride < 1:
+            return (f"W * K = {self.world_size} * {top_k} routing entries per token row exceed "
+                    f"MEGAMOE_MAX_ENTRIES = {MEGAMOE_MAX_ENTRIES}")
+        self._megamoe_max_stride = max_stride
+        return None
+
+    @property
+    def megamoe_max_stride(self) -> int:
+        """The largest region stride a fused step takes (0: the fused layer is off)."""
+        return self._megamoe_max_stride
+
+    def megamoe_step_pending(self) -> bool:
+        """Whether the step between ``prepare`` and ``finalize`` runs the fused layer."""
+        return self._megamoe_step is not None
+
+    def set_megamoe_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """The layer's local experts for the pending fused step (from the experts' apply)."""
+        if self._megamoe_step is None:
+            raise RuntimeError("vllm-petit-moe: fused-layer weights handed over outside a fused "
+                               "step")
+        self._megamoe_weights = (w13, w2)
 
     # --- interface properties -----------------------------------------------------------
 
@@ -306,6 +356,10 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
 
         stride = self.region_stride(a1.size(0))
         self._num_rows = self.world_size * stride
+        self._megamoe_step = self._megamoe_weights = None
+        if 0 < stride <= self._megamoe_max_stride and quant_mode is None:
+            return self._prepare_megamoe(a1, topk_weights, topk_ids, stride,
+                                         apply_router_weight_on_input)
         if stride == 0:
             # All DP ranks have 0 tokens (equal on all ranks: nobody dispatches).
             hidden, top_k = a1.size(1), topk_ids.size(1)
@@ -339,6 +393,36 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
         )
         return out.recv_x, out.recv_x_scales, None, recv_ids, out.recv_topk_weights
 
+    def _prepare_megamoe(self, a1, topk_weights, topk_ids, stride, weights_applied):
+        """Record a fused step (no launch) and hand vLLM's experts step this rank's tokens."""
+        x = a1.contiguous()
+        ids = topk_ids.contiguous()
+        weights = (torch.ones(topk_ids.shape, dtype=torch.float32, device=a1.device)
+                   if weights_applied else topk_weights.to(torch.float32).contiguous())
+        self._megamoe_step = (x, ids, weights, stride)
+        _PENDING_DISPATCH[id(self.buffer)] = self
+        if x.size(0) == 0:
+            # vLLM runs no experts for an empty batch, but the fused call is collective: one
+            # placeholder row makes it call PetitEpExperts.apply, which hands the weights over.
+            return (x.new_zeros((1, x.size(1))), None, None,
+                    ids.new_zeros((1, ids.size(1)), dtype=torch.int32),
+                    weights.new_zeros((1, ids.size(1))))
+        return x, None, None, ids, weights
+
+    def _finalize_megamoe(self, output: torch.Tensor) -> None:
+        (x, ids, weights, stride), self._megamoe_step = self._megamoe_step, None
+        layer_weights, self._megamoe_weights = self._megamoe_weights, None
+        _PENDING_DISPATCH.pop(id(self.buffer), None)
+        if layer_weights is None:
+            raise RuntimeError(
+                "vllm-petit-moe: a fused-layer step reached finalize without the experts' "
+                "weights; only PetitEpExperts can run behind a prepare/finalize with the fused "
+                "layer enabled")
+        target = output if output.is_contiguous() else torch.empty_like(x)
+        self.buffer.megamoe(x, ids, weights, *layer_weights, region_stride=stride, out=target)
+        if target is not output:
+            output.copy_(target)
+
     def finalize(
         self,
         output: torch.Tensor,
@@ -355,6 +439,9 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
         dispatched ``[W*R, K]`` tensors that prepare returned.
         """
         if self._num_rows == 0:
+            return
+        if self._megamoe_step is not None:
+            self._finalize_megamoe(output)
             return
         if isinstance(weight_and_reduce_impl, _TopKWeightAndReduceDelegate):
             weight_and_reduce_impl = _TopKWeightAndReduceContiguous()
