@@ -10,7 +10,11 @@ Both kernels come from vLLM's unquantized oracle on the same weights and routing
   ``PetitPrepareAndFinalize`` (symmetric-heap dispatch/combine) + the same ``TritonExperts``;
 - with ``--petit-experts-tiles T``, also petit-experts: ``PetitPrepareAndFinalize`` +
   ``PetitExperts`` (our grouped GEMMs, tile family T; ``VLLM_PETIT_MOE_EXPERTS=1``), reported as
-  ``petit_experts_us``, ``petit_experts_tflops``, ``petit_experts_speedup`` (vs default).
+  ``petit_experts_us``, ``petit_experts_tflops``, ``petit_experts_speedup`` (vs default);
+- with ``--megamoe``, also the fused layer: one ``EpBuffer.megamoe`` launch per rank through
+  the hook (``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS``), at the token counts it takes
+  (W * tokens * K <= 2048), reported as ``megamoe_us``, ``megamoe_speedup``,
+  ``megamoe_rel_diff``.
 
 For each (preset, routing, tokens per rank): both paths are captured in CUDA graphs (all
 ranks with the same token count, as vLLM pads them under graphs) and timed as the median
@@ -72,7 +76,8 @@ SKEWS = {"uniform": None, "skewed": "hot_rank", "same": "same_experts"}
 # --------------------------------------------------------------------------------------------
 
 
-def _rank_build(state, preset, max_tokens, seed, petit_via, paths=harness.PATHS):
+def _rank_build(state, preset, max_tokens, seed, petit_via, paths=harness.PATHS,
+                fused_max_tokens=harness.FUSED_MAX_TOKENS):
     """Free the previous preset's layer and build this one (local random weights)."""
     import torch
 
@@ -87,7 +92,8 @@ def _rank_build(state, preset, max_tokens, seed, petit_via, paths=harness.PATHS)
     w13, w2 = harness.random_weights(shape, num_local, seed=seed + 1000 * state.rank,
                                      device=state.device)
     layer = harness.build_layer(state, shape, w13, w2, max_num_tokens=max_tokens,
-                                petit_via=petit_via, paths=paths)
+                                petit_via=petit_via, paths=paths,
+                                fused_max_tokens=fused_max_tokens)
     state.cache["layer"] = layer
     buffer = layer.kernels["petit"].prepare_finalize.buffer
     return dict(gpu=torch.cuda.get_device_name(state.device), vllm_backend=layer.vllm_backend,
@@ -113,7 +119,10 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed, profile_r
     # the graph (a tensor freed after the capture is reused by the next allocation, and the
     # replays then read whatever that holds).
     captured, statics = {}, {}
-    for path in layer.kernels:
+    for path, kernel in layer.kernels.items():
+        if path == harness.PETIT_FUSED_PATH and \
+                num_tokens > kernel.prepare_finalize.megamoe_max_stride:
+            continue  # beyond the fused kernel's entries: that step would run composed
         statics[path] = static = (xs[rank].clone(), ids[rank].clone(), ws[rank].clone())
         captured[path] = harness.capture(
             state.device, lambda path=path, static=static: layer.forward(path, *static, counts))
@@ -135,6 +144,8 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed, profile_r
                max_abs_diff=(outs["petit"] - outs["default"]).abs().max().item(),
                petit_experts_rel_diff=(rel_diff(harness.PETIT_EXPERTS_PATH)
                                        if harness.PETIT_EXPERTS_PATH in outs else None),
+               megamoe_rel_diff=(rel_diff(harness.PETIT_FUSED_PATH)
+                                 if harness.PETIT_FUSED_PATH in outs else None),
                petit_finite=bool(torch.isfinite(outs["petit"]).all()),
                default_finite=bool(torch.isfinite(outs["default"]).all()))
     row["finite"] = row["petit_finite"] and row["default_finite"]
@@ -163,10 +174,10 @@ def _combine(preset, routing, num_tokens, per_rank, info, hot_fraction, iters):
     first = per_rank[0]
     row = dict(preset=preset, routing=routing, tokens=num_tokens)
     flops_per_gpu = shape.flops_per_pair() * first["pairs"] / world
-    for path in harness.PATHS + (harness.PETIT_EXPERTS_PATH,):
+    for path in harness.PATHS + harness.OPTIONAL_PATHS:
         if f"{path}_us" not in first:
             continue
-        key = path.replace("-", "_")
+        key = "megamoe" if path == harness.PETIT_FUSED_PATH else path.replace("-", "_")
         us = max(r[f"{path}_us"] for r in per_rank)
         row[f"{key}_us"] = us
         row[f"{key}_tflops"] = flops_per_gpu / (us * 1e-6) / 1e12
@@ -177,6 +188,10 @@ def _combine(preset, routing, num_tokens, per_rank, info, hot_fraction, iters):
         row["petit_experts_speedup"] = row["petit_experts_tflops"] / row["default_tflops"]
         diffs = [r["petit_experts_rel_diff"] for r in per_rank]
         row["petit_experts_rel_diff"] = None if None in diffs else max(diffs)
+    if "megamoe_tflops" in row:  # the fused layer (EpBuffer.megamoe through the hook)
+        row["megamoe_speedup"] = row["megamoe_tflops"] / row["default_tflops"]
+        row["megamoe_rel_diff"] = max(r["megamoe_rel_diff"] for r in per_rank)
+        row["megamoe_us_ranks"] = [r[f"{harness.PETIT_FUSED_PATH}_us"] for r in per_rank]
     row.update(pairs=first["pairs"], hot_share=first["hot_share"],
                hot_fraction=hot_fraction if routing == "skewed" else None,
                rel_diff=max(r["rel_diff"] for r in per_rank),
@@ -204,11 +219,14 @@ def _print_row(r):
         extra = (f"   petit-experts {r['petit_experts_us']:.1f} us, speedup "
                  f"{r['petit_experts_speedup']:.2f}, rel_diff "
                  f"{'-' if diff is None else format(diff, '.1e')}")
+    if "megamoe_us" in r:
+        extra += (f"   megamoe {r['megamoe_us']:.1f} us, speedup {r['megamoe_speedup']:.2f}, "
+                  f"rel_diff {r['megamoe_rel_diff']:.1e}")
     print(f"{r['preset']:14} {r['routing']:8} {r['tokens']:>6} {r['default_us']:10.1f} "
           f"{r['petit_us']:9.1f} {r['default_tflops']:10.1f} {r['petit_tflops']:9.1f} "
           f"{r['speedup']:7.2f} {r['hot_share']:5.2f} {r['rel_diff']:8.1e}{flag}{extra}",
           flush=True)
-    for key in ("default", "petit", "petit_experts"):
+    for key in ("default", "petit", "petit_experts", "megamoe"):
         if f"{key}_breakdown" in r:  # the slowest rank's
             ranks = r[f"{key}_us_ranks"]
             slowest = max(range(len(ranks)), key=ranks.__getitem__)
@@ -243,6 +261,13 @@ def _plot(rows, path, title):
                                  label=f"petit + PetitExperts, {routing}")
                 row_axes[1].plot(ptoks, [r["petit_experts_speedup"] for r in pe], ":" + marker,
                                  label=f"petit + PetitExperts, {routing}")
+            fused = [r for r in sel if r.get("megamoe_tflops")]
+            if fused:  # --megamoe: the fused layer
+                ftoks = [r["tokens"] for r in fused]
+                row_axes[0].plot(ftoks, [r["megamoe_tflops"] for r in fused], "-." + marker,
+                                 label=f"petit fused layer, {routing}")
+                row_axes[1].plot(ftoks, [r["megamoe_speedup"] for r in fused], "-." + marker,
+                                 label=f"petit fused layer, {routing}")
         row_axes[0].set(xscale="log", yscale="log", xlabel="tokens per rank",
                         ylabel="effective TFLOPS per GPU", title=f"{preset}: TFLOPS")
         row_axes[1].axhline(1.0, color="k", lw=0.8)
@@ -273,6 +298,10 @@ def parse_args(argv=None):
     p.add_argument("--petit-experts-tiles", default=None,
                    choices=tuple(TILES),
                    help="also time petit's prepare/finalize + PetitExperts with this tile family")
+    p.add_argument("--megamoe", action="store_true",
+                   help="also time the fused layer (EpBuffer.megamoe through the hook, "
+                        "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS) at the token counts it takes "
+                        "(W * tokens * K <= MEGAMOE_MAX_ENTRIES): megamoe_us")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--profile", action="store_true",
                    help="also sum each path's kernel time by category (torch.profiler)")
@@ -340,12 +369,14 @@ def main(argv=None):
     if args.petit_experts_tiles:
         paths += (harness.PETIT_EXPERTS_PATH,)
         os.environ["VLLM_PETIT_MOE_EXPERTS_TILES"] = args.petit_experts_tiles  # rank processes
+    if args.megamoe:
+        paths += (harness.PETIT_FUSED_PATH,)
     pool = harness.VllmRankPool(world)
     rows, gpu = [], "unknown"
     try:
         for preset in args.presets:
             infos = pool.run(_rank_build, preset, max(args.tokens), args.seed, args.petit_via,
-                             paths, timeout_s=900)
+                             paths, max(args.tokens), timeout_s=900)
             info = infos[0]
             gpu = info["gpu"].replace("NVIDIA ", "").replace(" ", "-")
             print(f"# {preset}: {PRESETS[preset]}, W={world}, vLLM backend {info['vllm_backend']},"

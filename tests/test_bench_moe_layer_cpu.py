@@ -88,3 +88,35 @@ def test_w1_routing_and_replot(bench, tmp_path):
     path.write_text(json.dumps(row) + "\n")
     assert bench.main(["--world", "1", "--replot", str(path)]) == 0
     assert path.with_suffix(".png").stat().st_size > 0
+
+
+def test_w2_rows_with_the_fused_layer(bench, tmp_path, capsys):
+    """--megamoe: the fused path's per-rank times become megamoe_us (the slowest rank),
+    megamoe_speedup and megamoe_rel_diff; a row without it has none of them; both print and
+    plot."""
+    import vllm_moe_harness as harness
+
+    def rank(default_us, petit_us, fused_us=None):
+        r = dict(pairs=64, hot_share=0.5, rel_diff=1e-3, max_abs_diff=1e-2, finite=True,
+                 petit_experts_rel_diff=None, megamoe_rel_diff=None,
+                 default_us=default_us, petit_us=petit_us)
+        if fused_us is not None:
+            r[f"{harness.PETIT_FUSED_PATH}_us"] = fused_us
+            r["megamoe_rel_diff"] = 2e-3
+        return r
+
+    info = dict(vllm_backend="TRITON")
+    fused = bench._combine("qwen3-30b-a3b", "uniform", 8, [rank(100.0, 90.0, 50.0),
+                                                            rank(110.0, 95.0, 60.0)], info, 0.5, 20)
+    assert fused["megamoe_us"] == 60.0 and fused["megamoe_us_ranks"] == [50.0, 60.0]
+    assert fused["megamoe_speedup"] == pytest.approx(110.0 / 60.0)
+    assert fused["megamoe_rel_diff"] == 2e-3 and fused["speedup"] == pytest.approx(110 / 95)
+    composed = bench._combine("qwen3-30b-a3b", "uniform", 512, [rank(300.0, 250.0)] * 2, info,
+                              0.5, 20)
+    assert not any(k.startswith("megamoe") for k in composed)
+    for row in (fused, composed):
+        bench._print_row(row)
+    assert "megamoe 60.0 us, speedup 1.83" in capsys.readouterr().out
+    bench._plot([fused, composed], tmp_path / "w2.png", "test")
+    assert (tmp_path / "w2.png").stat().st_size > 0
+    assert bench.parse_args(["--megamoe"]).megamoe

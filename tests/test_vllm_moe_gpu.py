@@ -29,7 +29,9 @@ torch = pytest.importorskip("torch")
 
 from vllm_moe_harness import (  # noqa: E402
     PATHS,
+    FUSED_MAX_TOKENS,
     PETIT_EXPERTS_PATH,
+    PETIT_FUSED_PATH,
     MoEShape,
     VllmRankPool,
     add_fp8_paths,
@@ -124,10 +126,10 @@ def _layer(state, shape: MoEShape, seed: int = 7, paths=PATHS):
 
 
 def _paths_layer(state, shape, paths):
-    """The cached layer that has every path in `paths` (PetitExperts' only when asked for)."""
-    if PETIT_EXPERTS_PATH in paths:
-        return _layer(state, shape, paths=PATHS + (PETIT_EXPERTS_PATH,))
-    return _layer(state, shape)
+    """The cached layer that has every path in `paths` (the optional ones only when asked
+    for)."""
+    extra = tuple(p for p in (PETIT_EXPERTS_PATH, PETIT_FUSED_PATH) if p in paths)
+    return _layer(state, shape, paths=PATHS + extra) if extra else _layer(state, shape)
 
 
 def _expected(state, w13, w2, xs, ids, ws):
@@ -160,9 +162,10 @@ def _check_outputs(state, tag, outs, x, kernel_ref, fp32_ref):
                         name=f"{tag}: rank {state.rank} petit vs vLLM default")
         same = outs["petit"] == outs["default"]
         report["bitwise_equal_fraction"] = same.float().mean().item() if same.numel() else 1.0
-    if PETIT_EXPERTS_PATH in outs and "default" in outs:
-        ref.check_close(outs[PETIT_EXPERTS_PATH], outs["default"].float(), tol,
-                        name=f"{tag}: rank {state.rank} petit-experts vs vLLM default")
+    for path in (PETIT_EXPERTS_PATH, PETIT_FUSED_PATH):
+        if path in outs and "default" in outs:
+            ref.check_close(outs[path], outs["default"].float(), tol,
+                            name=f"{tag}: rank {state.rank} {path} vs vLLM default")
     report["tolerance"] = dict(max_abs=tol.max_abs, rel_fro=tol.rel_fro)
     return report
 
@@ -400,6 +403,24 @@ def test_petit_experts_cuda_graph_replays(pool, num_tokens):
     """PetitExperts' kernels (programmatic dependent launch) captured with petit's
     dispatch/combine for 2 layers in one graph, replayed with fresh inputs."""
     pool.run(_rank_graph, SHAPE, 950 + num_tokens, num_tokens, 3, PETIT_EXPERTS_PATH, 2)
+
+
+@pytest.mark.parametrize("tokens", [[1, 1], [8, 8], [45, 45], [64, 3], [1, 0], [222, 5]])
+def test_fused_layer_matches_vllm_and_reference(pool, tokens):
+    """VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS's kernel as the hook builds it: steps with up to
+    FUSED_MAX_TOKENS tokens on the largest rank run EpBuffer.megamoe (one launch per rank, a
+    rank without tokens included), [222, 5] runs composed (petit dispatch/combine + vLLM's
+    Triton experts); against the fp32 reference and vLLM's default path."""
+    counts = [tokens[r % len(tokens)] for r in range(WORLD)]
+    pool.run(_rank_compare, SHAPE, 970 + sum(tokens), counts, ("default", PETIT_FUSED_PATH),
+             None)
+
+
+@pytest.mark.parametrize("num_tokens", [1, FUSED_MAX_TOKENS])
+def test_fused_layer_cuda_graph_replays(pool, num_tokens):
+    """The fused layer of 2 layers (one shared EpBuffer) captured in one graph, replayed with
+    fresh inputs, then eager: the epochs of fused calls line up across replays."""
+    pool.run(_rank_graph, SHAPE, 990 + num_tokens, num_tokens, 3, PETIT_FUSED_PATH, 2)
 
 
 @pytest.mark.parametrize("tokens", [[1, 222], [45, 1024], [1024, 2], [7, 3]])

@@ -73,12 +73,19 @@ SAFE_ENV = VLLM_SAFE_ENV
 # would change what "default" means.
 # (VLLM_PETIT_MOE_EXPERTS=1 would also swap in PetitExperts, and build_layer expects vLLM's
 # TritonExperts on both paths.)
-_PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS")
+_PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS",
+               "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS")
 
 PATHS = ("default", "petit")
 # Optional third path: petit's prepare/finalize + PetitExperts (our grouped GEMMs, tile family
 # from VLLM_PETIT_MOE_EXPERTS_TILES), built through the hook with VLLM_PETIT_MOE_EXPERTS=1.
 PETIT_EXPERTS_PATH = "petit-experts"
+# Optional path: the fused layer (EpBuffer.megamoe) for steps of up to FUSED_MAX_TOKENS tokens
+# per rank, vLLM's Triton experts behind petit's dispatch/combine above, built through the hook
+# with VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS.
+PETIT_FUSED_PATH = "petit-fused"
+FUSED_MAX_TOKENS = 64
+OPTIONAL_PATHS = (PETIT_EXPERTS_PATH, PETIT_FUSED_PATH)
 
 
 @dataclass(frozen=True)
@@ -365,9 +372,10 @@ def reserve_workspace(layer: MoELayer, path: str | None = None) -> int:
     return sum(v.numel() * v.element_size() for v in views)
 
 
-def _petit_kernel_via_hook(moe_config, quant_config, petit_experts: bool = False):
+def _petit_kernel_via_hook(moe_config, quant_config, petit_experts: bool = False,
+                           megamoe_max_tokens: int | None = None):
     """The oracle's kernel with the plugin flag on: our hook substitutes the prepare/finalize
-    (and, with ``petit_experts``, the experts by ``PetitExperts``).
+    (and, with ``petit_experts`` or ``megamoe_max_tokens``, the experts by ``PetitEpExperts``).
 
     Strict mode: a fallback to vLLM's path would raise instead of silently measuring vLLM.
     """
@@ -381,7 +389,9 @@ def _petit_kernel_via_hook(moe_config, quant_config, petit_experts: bool = False
 
     hook.install()  # wraps FusedMoEKernel.__init__ (idempotent; inert while the flag is off)
     with env_override(VLLM_USE_PETIT_MOE="1", VLLM_PETIT_MOE_STRICT="1",
-                      VLLM_PETIT_MOE_EXPERTS="1" if petit_experts else None):
+                      VLLM_PETIT_MOE_EXPERTS="1" if petit_experts else None,
+                      VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS=None if megamoe_max_tokens is None
+                      else str(megamoe_max_tokens)):
         return make_unquantized_moe_kernel(quant_config, moe_config,
                                            UnquantizedMoeBackend.TRITON, TritonExperts)
 
@@ -409,11 +419,14 @@ def _petit_kernel_direct(moe_config, quant_config, parallel_config):
 
 def build_layer(state: RankState, shape: MoEShape, w13_local: torch.Tensor,
                 w2_local: torch.Tensor, *, max_num_tokens: int,
-                paths: Sequence[str] = PATHS, petit_via: str = "hook") -> MoELayer:
+                paths: Sequence[str] = PATHS, petit_via: str = "hook",
+                fused_max_tokens: int = FUSED_MAX_TOKENS) -> MoELayer:
     """Build this rank's layer on the given local weights (collective: all ranks, same order).
 
     w13_local ``[L, 2I, H]``, w2_local ``[L, H, I]`` (bf16, this rank's experts
-    ``[rank*L, (rank+1)*L)``). ``paths``: subset of ``("default", "petit", "petit-experts")``.
+    ``[rank*L, (rank+1)*L)``). ``paths``: subset of ``PATHS + OPTIONAL_PATHS``;
+    ``fused_max_tokens``: the fused path's bound (capped at what the kernel takes,
+    ``MEGAMOE_MAX_ENTRIES / (W K)``).
     """
     from vllm.model_executor.layers.fused_moe import modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
@@ -428,7 +441,8 @@ def build_layer(state: RankState, shape: MoEShape, w13_local: torch.Tensor,
         MoEPrepareAndFinalizeNaiveDPEPModular,
     )
 
-    from vllm_petit_moe.vllm_glue.experts import PetitExperts
+    from vllm_petit_moe.limits import MEGAMOE_MAX_ENTRIES
+    from vllm_petit_moe.vllm_glue.experts import PetitEpExperts
     from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
 
     moe_config = make_moe_config(state, shape, max_num_tokens)
@@ -452,7 +466,17 @@ def build_layer(state: RankState, shape: MoEShape, w13_local: torch.Tensor,
         expected_experts = TritonExperts
         if path == PETIT_EXPERTS_PATH:
             kernel = _petit_kernel_via_hook(moe_config, quant, petit_experts=True)
-            expected, expected_experts = PetitPrepareAndFinalize, PetitExperts
+            expected, expected_experts = PetitPrepareAndFinalize, PetitEpExperts
+        elif path == PETIT_FUSED_PATH:
+            kernel = _petit_kernel_via_hook(moe_config, quant,
+                                            megamoe_max_tokens=fused_max_tokens)
+            expected, expected_experts = PetitPrepareAndFinalize, PetitEpExperts
+            want = min(fused_max_tokens,
+                       MEGAMOE_MAX_ENTRIES // (state.world_size * shape.top_k))
+            if kernel.prepare_finalize.megamoe_max_stride != want:
+                raise RuntimeError(f"{path}: fused layer up to "
+                                   f"{kernel.prepare_finalize.megamoe_max_stride} tokens/rank, "
+                                   f"expected {want}")
         elif path == "default":
             with env_override(VLLM_USE_PETIT_MOE=None):
                 kernel = make_unquantized_moe_kernel(quant, moe_config,
@@ -469,7 +493,7 @@ def build_layer(state: RankState, shape: MoEShape, w13_local: torch.Tensor,
             expected = PetitPrepareAndFinalize
         else:
             raise ValueError(f"unknown path {path!r}; expected one of "
-                             f"{PATHS + (PETIT_EXPERTS_PATH,)}")
+                             f"{PATHS + OPTIONAL_PATHS}")
         if not isinstance(kernel, mk.FusedMoEKernel) or \
                 type(kernel.prepare_finalize) is not expected or \
                 not isinstance(kernel.fused_experts, expected_experts):

@@ -23,7 +23,7 @@
 # repeats), resuming from /tmp/petit-tpot and --max-runtime = the budget left: repeat the
 # command on the warm machine until its summary says COMPLETE (rc 3 = work left).
 # Environment: OUT (default /tmp/petit-vllm-check), BUDGET_S (whole run, default 570),
-#   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick),
+#   PETIT_COMMIT (stamps results: the device copy has no .git), BENCH_ARGS (default --quick --megamoe),
 #   EXPERTS_TILES (bench-experts: tile families, default "auto wgmma wgmma_m64"),
 #   EXPERTS_SWEEP (bench-experts once per NAME=VALUE environment setting; A=1,B=2 sets two; the
 #   kernels read no environment: sweep ExpertConfig with BENCH_EXPERTS_ARGS="--expert-configs ..."),
@@ -146,7 +146,7 @@ fi
 # 6. the MoE-layer benchmark (results also copied to $OUT)
 if want bench; then
   # shellcheck disable=SC2086
-  run_step bench 400 "$PY" examples/bench_moe_layer.py ${BENCH_ARGS:---quick} --out-dir "$OUT"
+  run_step bench 400 "$PY" examples/bench_moe_layer.py ${BENCH_ARGS:---quick --megamoe} --out-dir "$OUT"
 fi
 
 # 6b. the expert GEMMs against vLLM's Triton experts (needs vLLM, hence here): every tile
