@@ -39,12 +39,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_env import VLLM_SAFE_ENV, commit_stamp, device_stamp, utc_date, write_jsonl  # noqa: E402
 from vllm_server import (  # noqa: E402
-    HOST, PLUGIN_ENV, BenchError, Server, check_backend, free_port, load_prompts, log,
+    BACKENDS, HOST, PLUGIN_ENV, BenchError, Server, check_backend, free_port, load_prompts, log,
     server_env, server_settings, vllm_serve_command)
 
 ROOT = HERE.parent
 GSM8K = HERE / "data" / "gsm8k_test.jsonl"
-BACKENDS = ("default", "petit", "petit-experts")
 ROUTING_STRATEGIES = ("uniform_random", "normal_routing")  # vLLM 0.24's RoutingSimulator
 KEY = ("backend", "routing_strategy", "concurrency", "num_prompts", "output_len", "repeat")
 # `vllm bench serve`'s saved result JSON (vllm/benchmarks/serve.py) -> row fields
@@ -103,7 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="config.json + tokenizer; served with --load-format dummy")
     p.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1)
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=None,
-                   help="default: default petit (petit-experts: DP >= 2 only)")
+                   help="default: default petit (petit-experts: DP >= 2 only; "
+                        "petit-megamoe: the fused layer up to 64 tokens per rank)")
     p.add_argument("--strict", action="store_true", help="VLLM_PETIT_MOE_STRICT=1 for petit")
     p.add_argument("--routing-strategy", choices=ROUTING_STRATEGIES, default="uniform_random")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])

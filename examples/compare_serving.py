@@ -64,9 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--tol", type=float, default=0.1, help="logprob tolerance in nats")
-    p.add_argument("--backend", choices=("petit", "petit-experts"), default="petit",
+    p.add_argument("--backend", choices=("petit", "petit-experts", "petit-megamoe"),
+                   default="petit",
                    help="the flag-on server: petit's prepare/finalize with vLLM's Triton "
-                        "experts (default), or with petit's experts too")
+                        "experts (default), with petit's experts too, or with the fused layer "
+                        "for steps up to 64 tokens per rank")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--python", default=sys.executable, help="interpreter of the vLLM install")
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (default: all GPUs)")

@@ -10,6 +10,7 @@ import os
 import shlex
 import signal
 import socket
+import re
 import subprocess
 import time
 import urllib.request
@@ -21,14 +22,22 @@ HOST = "127.0.0.1"
 PROMPT_FORMAT = "Question: {question}\nAnswer:"
 SAFE_ENV = {**VLLM_SAFE_ENV, "PYTHONUNBUFFERED": "1"}
 # The plugin's flags: a server gets only those of its backend, never the caller's.
-PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS")
+PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS",
+              "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS")
+# Backends: "default" (vLLM's own), "petit" (the flag), "petit-experts" (+ our GEMMs behind our
+# DP+EP dispatch/combine), "petit-megamoe" (+ the fused layer for steps of up to
+# MEGAMOE_MAX_TOKENS tokens per rank: one GPU or DP+EP).
+BACKENDS = ("default", "petit", "petit-experts", "petit-megamoe")
+MEGAMOE_MAX_TOKENS = 64
 # What the plugin logs (vllm_petit_moe/vllm_glue/hook.py, experts.py).
 # DP + EP: our dispatch/combine; one GPU: our single-GPU experts
 LOG_PETIT_USED = ("vllm-petit-moe: MoE layers use PetitPrepareAndFinalize",
                   "vllm-petit-moe: MoE layers use PetitSingleGpuExperts")
 LOG_PETIT_KEPT = ("vllm-petit-moe: VLLM_USE_PETIT_MOE=1 but unsupported here",
                   "vllm-petit-moe: not used for these MoE layers")
-LOG_PETIT_EXPERTS_USED = "vllm-petit-moe: MoE layers use PetitExperts"
+LOG_PETIT_EXPERTS_USED = "vllm-petit-moe: MoE layers use PetitEpExperts"
+# the fused layer on: DP+EP (PetitEpExperts) or one GPU (PetitSingleGpuExperts)
+LOG_FUSED = re.compile(r"the fused layer for steps of up to [1-9]|MegaMoE up to [1-9]")
 
 
 class BenchError(RuntimeError):
@@ -57,7 +66,10 @@ def server_settings(backend: str, strict: bool = False,
                     routing_strategy: str | None = None) -> dict:
     """What a server's environment gets on top of the caller's (which loses PLUGIN_ENV):
     SAFE_ENV, the backend's flags ("petit": VLLM_USE_PETIT_MOE=1; "petit-experts": also
-    VLLM_PETIT_MOE_EXPERTS=1; "default": none) and vLLM's routing simulation (dummy weights)."""
+    VLLM_PETIT_MOE_EXPERTS=1; "petit-megamoe": also VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS=
+    MEGAMOE_MAX_TOKENS; "default": none) and vLLM's routing simulation (dummy weights)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: expected one of {BACKENDS}")
     env = dict(SAFE_ENV)
     if backend != "default":
         env["VLLM_USE_PETIT_MOE"] = "1"
@@ -65,6 +77,8 @@ def server_settings(backend: str, strict: bool = False,
             env["VLLM_PETIT_MOE_STRICT"] = "1"
     if backend == "petit-experts":
         env["VLLM_PETIT_MOE_EXPERTS"] = "1"
+    if backend == "petit-megamoe":
+        env["VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS"] = str(MEGAMOE_MAX_TOKENS)
     if routing_strategy:
         env.update(VLLM_MOE_ROUTING_SIMULATION_STRATEGY=routing_strategy,
                    VLLM_RANDOMIZE_DP_DUMMY_INPUTS="1")
@@ -105,12 +119,16 @@ def check_backend(log_text: str, backend: str) -> tuple[bool, str]:
                 if any(m in ln for m in markers)]
 
     used, kept, experts = grab(*LOG_PETIT_USED), grab(*LOG_PETIT_KEPT), grab(LOG_PETIT_EXPERTS_USED)
+    fused = [ln for ln in used + experts if LOG_FUSED.search(ln)]
     if backend == "default":
         return (not used, used[0] if used else "vLLM's own MoE path (no petit line)")
-    if backend == "petit-experts" and not experts:
-        return False, f"PetitExperts asked for, but no '{LOG_PETIT_EXPERTS_USED}' line"
-    if backend == "petit" and experts:
-        return False, f"petit asked for without PetitExperts, but: {experts[0]}"
+    if backend == "petit-experts" and not any("petit grouped GEMMs" in ln for ln in experts):
+        return False, f"petit's GEMMs asked for, but no '{LOG_PETIT_EXPERTS_USED} (...petit " \
+                      "grouped GEMMs...)' line"
+    if backend == "petit-megamoe" and not fused:
+        return False, "the fused layer asked for, but no plugin line says it is on"
+    if backend == "petit" and (experts or fused):
+        return False, f"petit asked for alone, but: {(experts or fused)[0]}"
     if used and not kept:
         return True, f"{used[0]} [{len(used)} process(es)]" + (f"; {experts[0]}" if experts else "")
     return False, "flag on, but " + (kept[0] if kept else f"no '{LOG_PETIT_USED[0]}' line")

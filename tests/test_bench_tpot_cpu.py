@@ -233,9 +233,25 @@ def test_check_backend_reads_the_plugin_log_lines():
     one_gpu = ("INFO vllm-petit-moe: MoE layers use PetitSingleGpuExperts instead of "
                "TritonExperts: one GPU: ...")
     assert check(one_gpu, "petit")[0] and not check(one_gpu, "default")[0]
-    experts = "vllm-petit-moe: MoE layers use PetitExperts (petit grouped GEMMs)"
+    experts = ("vllm-petit-moe: MoE layers use PetitEpExperts (petit grouped GEMMs (tile "
+               "family auto)) instead of TritonExperts (VLLM_PETIT_MOE_EXPERTS=1)")
     assert check(f"{USED}\n{experts}", "petit-experts")[0]
     assert not check(USED, "petit-experts")[0] and not check(f"{USED}\n{experts}", "petit")[0]
+    fused = ("vllm-petit-moe: MoE layers use PetitEpExperts (the fused layer for steps of up "
+             "to 64 tokens per rank, else vLLM's TritonExperts) instead of TritonExperts")
+    assert check(f"{USED}\n{fused}", "petit-megamoe")[0]
+    assert not check(f"{USED}\n{fused}", "petit")[0]
+    assert not check(f"{USED}\n{fused}", "petit-experts")[0]
+    assert not check(f"{USED}\n{experts}", "petit-megamoe")[0]
+    one_gpu_fused = one_gpu.replace("...", "petit's composed experts from 32 tokens per call, "
+                                           "vLLM's Triton experts below, MegaMoE up to 64 tokens")
+    assert check(one_gpu_fused, "petit-megamoe")[0] and not check(one_gpu_fused, "petit")[0]
+    assert not check(one_gpu.replace("...", "MegaMoE up to 0 tokens"), "petit-megamoe")[0]
+    megamoe = vllm_server.server_env("petit-megamoe", base={})
+    assert megamoe["VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS"] == str(vllm_server.MEGAMOE_MAX_TOKENS)
+    assert "VLLM_PETIT_MOE_EXPERTS" not in megamoe
+    with pytest.raises(ValueError, match="backend"):
+        vllm_server.server_env("petit-fast", base={})
 
 
 # A stand-in `vllm serve`: a child in its process group (as vLLM's engine cores), /health.
