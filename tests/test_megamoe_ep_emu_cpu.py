@@ -208,3 +208,53 @@ def test_a_fused_call_against_a_peers_standalone_calls_fails_clearly(ep_lib, meg
     assert result.returncode != 0 and "returned" not in result.stdout, out[-3000:]
     assert "petit_moe: combine timed out on rank 0 waiting for rank 1, token group 0: " \
         "expected epoch 1, flag holds epoch 0" in out, out[-3000:]
+
+
+# Shapes the fused layer takes (H, I multiples of 64) with E divisible by 2, 3 and 4.
+FUSED_SOAK_SHAPES = ((128, 64, 4, 24), (192, 128, 8, 48), (64, 64, 2, 12))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fused_layer_soak(ep_lib, megamoe_lib, world):
+    """A bounded soak of the fused layer (run in CI): randomized rounds of testing.soak (token
+    counts with zeros, uniform / hot rank / hot expert / -1 slots / repeated ids) back to back
+    on one buffer and one set of counters, a standalone dispatch + combine round between, the
+    outputs poisoned, against the dense float64 MoE."""
+    from test_dispatch_combine_emu_cpu import _check_round
+
+    from vllm_petit_moe.testing.soak import draw_round, expert_weights
+    sync_ints = megamoe_lib.petit_emu_megamoe_sync_ints
+    max_tokens, rounds = 16, 4
+    seeds = [70_000 + 100 * world + r for r in range(rounds)]
+    drawn = [draw_round(s, world, max_tokens, shapes=FUSED_SOAK_SHAPES, id_dtype=torch.int32)
+             for s in seeds]
+    patterns = {rd.pattern for rd in drawn}
+    for shape in {rd.shape for rd in drawn}:
+        hidden, _, top_k, num_experts = shape
+        ep = EmuEp(ep_lib, world, max_tokens=max_tokens, hidden=hidden, max_top_k=top_k,
+                   num_experts=num_experts, num_blocks=1 + world % 2)
+        w13, w2 = expert_weights(shape, seed=world)
+        syncs = None
+        try:
+            for n, rd in enumerate(r for r in drawn if r.shape == shape):
+                stride = max(max(rd.tokens), 1)
+                rc, results, ys, syncs = fused_layer(ep, sync_ints, rd.xs, rd.topk_ids,
+                                                     rd.topk_weights, w13, w2, stride, top_k,
+                                                     syncs)
+                tag = f"seed {rd.seed} ({rd.pattern}, tokens {rd.tokens}, shape {shape})"
+                assert rc == 0, f"{tag}: launch results {results}"
+                assert all(int(s.abs().sum()) == 0 for s in syncs), f"{tag}: counters not reset"
+                for src, (y, x, i, w) in enumerate(zip(ys, rd.xs, rd.topk_ids,
+                                                       rd.topk_weights)):
+                    if x.shape[0] == 0:
+                        continue
+                    want = reference_moe(x, i, w, w13, w2)
+                    assert not y.isnan().any(), f"{tag}, rank {src}: output not written"
+                    err = ((y.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+                    assert err < 6e-3, f"{tag}, rank {src}: relative error {err}"
+                if n == 0:  # a standalone round between fused calls on the same heap
+                    _check_round(ep, rd.xs, rd.topk_ids, rd.topk_weights, region_stride=stride,
+                                 tag=f"after {tag}", num_experts=num_experts)
+        finally:
+            ep.close()
+    assert len(patterns) >= 2, patterns
