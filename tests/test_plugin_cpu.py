@@ -121,6 +121,7 @@ class FakeEpBuffer:
         self.call = call
         self.region_strides: list[int] = []
         self.paths: list[str] = []  # "dispatch" / "megamoe", per call
+        self.reserved_megamoe: list[int] = []  # reserve_megamoe_workspace calls
 
     def _record_dispatch(self, x, topk_ids, topk_weights, region_stride):
         """The layer hands over this rank's inputs of the call; the stride is recorded."""
@@ -142,6 +143,11 @@ class FakeEpBuffer:
             expert_outs.append(
                 reference.experts_reference(recv_x, recv_ids, recv_weights, w13, w2))
         return expert_outs
+
+    def reserve_megamoe_workspace(self, intermediate_size):
+        """What EpBuffer allocates on the GPU; recorded here."""
+        self.reserved_megamoe.append(intermediate_size)
+        return 0
 
     def _record_megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride, out):
         """As _record_dispatch, plus the layer's weights (this rank's experts) and `out`."""
@@ -1301,8 +1307,10 @@ def test_fused_layer_bounds_and_errors(vllm_config):
     assert pf.megamoe_max_stride == 0
     assert "MEGAMOE_MAX_ENTRIES" in pf.enable_megamoe(64, hidden_size=128, intermediate_size=64,
                                                       top_k=MEGAMOE_MAX_ENTRIES)
+    assert pf.buffer.reserved_megamoe == []  # nothing reserved for a refused layer
     assert pf.enable_megamoe(10**6, hidden_size=128, intermediate_size=64, top_k=8) is None
     assert pf.megamoe_max_stride == MEGAMOE_MAX_ENTRIES // (2 * 8)
+    assert pf.buffer.reserved_megamoe == [64]  # the workspace, while the model is built
     _, expert_map, _ = determine_expert_map(2, 0, 8, "linear")
     with dp_step(vllm_config, [4, 2]):
         x, _, _, ids, weights = pf.prepare(call.xs[0], call.topk_weights[0], call.topk_ids[0],

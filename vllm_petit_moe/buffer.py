@@ -440,6 +440,14 @@ class EpBuffer:
         entries, allocated at the first call and shared by every layer of that size."""
         return MEGAMOE_MAX_ENTRIES * (2 * intermediate_size + 4 * self.hidden_size)
 
+    def reserve_megamoe_workspace(self, intermediate_size: int) -> int:
+        """Allocate :meth:`megamoe`'s workspace for layers of this intermediate size now
+        (idempotent; vLLM's glue calls it while the model is built, so the memory profiler
+        counts it); returns its bytes."""
+        self._check_open()
+        self._megamoe_workspace(intermediate_size)
+        return self.megamoe_workspace_bytes(intermediate_size)
+
     def _megamoe_workspace(self, intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Sized for the largest call, so a step's tensors never change between calls: a CUDA
         # graph captured with them stays valid whatever R later steps use.

@@ -209,6 +209,8 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
         if max_stride < 1:
             return (f"W * K = {self.world_size} * {top_k} routing entries per token row exceed "
                     f"MEGAMOE_MAX_ENTRIES = {MEGAMOE_MAX_ENTRIES}")
+        # now, while vLLM builds the model: its memory profile then includes the workspace
+        self.buffer.reserve_megamoe_workspace(intermediate_size)
         self._megamoe_max_stride = max_stride
         return None
 
