@@ -435,9 +435,10 @@ class EpBuffer:
         return out
 
     def megamoe_workspace_bytes(self, intermediate_size: int) -> int:
-        """Device bytes :meth:`megamoe` adds to the heap for layers of this intermediate size:
-        the activations (bf16) and partial rows (fp32) of ``MEGAMOE_MAX_ENTRIES`` routing
-        entries, allocated at the first call and shared by every layer of that size."""
+        """Device bytes of :meth:`megamoe`'s workspace for layers of this intermediate size
+        (besides the heap): the activations (bf16) and partial rows (fp32) of
+        ``MEGAMOE_MAX_ENTRIES`` routing entries, allocated at the first call (or by
+        :meth:`reserve_megamoe_workspace`) and shared by every layer of that size."""
         return MEGAMOE_MAX_ENTRIES * (2 * intermediate_size + 4 * self.hidden_size)
 
     def reserve_megamoe_workspace(self, intermediate_size: int) -> int:

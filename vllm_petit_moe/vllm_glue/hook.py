@@ -390,7 +390,8 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
         if not decision.substitute:
             return fused_experts
         return PetitSingleGpuExperts(fused_experts.moe_config, fused_experts.quant_config,
-                                     fallback=fused_experts, layer_config=single_gpu_layer_config())
+                                     fallback=fused_experts,
+                                     layer_config=single_gpu_layer_config())
     if not envs.use_petit_moe():
         return fused_experts
     from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
