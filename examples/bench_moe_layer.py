@@ -11,6 +11,10 @@ Both kernels come from vLLM's unquantized oracle on the same weights and routing
 - with ``--petit-experts-tiles T``, also petit-experts: ``PetitPrepareAndFinalize`` +
   ``PetitExperts`` (our grouped GEMMs, tile family T; ``VLLM_PETIT_MOE_EXPERTS=1``), reported as
   ``petit_experts_us``, ``petit_experts_tflops``, ``petit_experts_speedup`` (vs default);
+- the issue's fields as well: ``vllm_us`` (= default), ``composed_us`` (= petit-experts when
+  measured), ``roofline_us`` with its parts (``layer_roofline``: weight bytes of the experts
+  with rows over the same-run HBM copy rate, FLOPs over the dense bf16 rate, rows over the
+  same-run peer-write rate), ``roofline_fraction`` (of the best petit path), ``triton_tuned``;
 - with ``--megamoe``, also the fused layer: one ``EpBuffer.megamoe`` launch per rank through
   the hook (``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS``), at the token counts it takes
   (W * tokens * K <= 2048), reported as ``megamoe_us``, ``megamoe_speedup``,
@@ -52,6 +56,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -72,8 +77,72 @@ ROUTINGS = ("uniform", "skewed")  # the default set
 SKEWS = {"uniform": None, "skewed": "hot_rank", "same": "same_experts"}
 
 # --------------------------------------------------------------------------------------------
+# Roofline (pure: CPU-testable)
+# --------------------------------------------------------------------------------------------
+
+
+def layer_roofline(shape, topk_ids, world, copy_bps, mm_flops, link_bps):
+    """The layer's lower bound at W ranks from every rank's routing (``topk_ids``: one
+    ``[T, K]`` tensor of global ids per source rank, -1 unused), per rank ``d``:
+
+    - hbm: the weight bytes of d's experts that got rows (3 * H * I * 2 each) / the HBM copy
+      rate;
+    - flops: d's token-expert pairs * 6 * H * I / the dense bf16 matmul rate;
+    - link: the rows d sends and receives over the link (each token once per other
+      destination rank, dispatch and again in the combine) * H * 2 / the peer-write rate.
+
+    ``roofline_us`` is the largest part of the slowest rank (perfect overlap); the parts are
+    each the slowest rank's."""
+    import torch
+
+    num_local = shape.num_experts // world
+    expert_bytes = 3 * shape.hidden * shape.intermediate * 2
+    row_bytes = shape.hidden * 2
+    hbm, flops, link = [0.0] * world, [0.0] * world, [0.0] * world
+    sent, received = [0] * world, [0] * world
+    for src, ids in enumerate(topk_ids):
+        ids = ids.long().cpu()
+        owner = torch.where(ids >= 0, ids // num_local, -1)
+        for d in range(world):
+            to_d = (owner == d).any(dim=1) if ids.numel() else torch.zeros(0, dtype=torch.bool)
+            if d != src:
+                rows = int(to_d.sum())
+                sent[src] += rows
+                received[d] += rows
+    for d in range(world):
+        pairs = torch.cat([i.long().cpu().flatten() for i in topk_ids]) if topk_ids else \
+            torch.zeros(0, dtype=torch.long)
+        mine = pairs[(pairs >= d * num_local) & (pairs < (d + 1) * num_local)]
+        hbm[d] = int(torch.unique(mine).numel()) * expert_bytes / copy_bps * 1e6
+        flops[d] = int(mine.numel()) * 6 * shape.hidden * shape.intermediate / mm_flops * 1e6
+        link[d] = 2 * max(sent[d], received[d]) * row_bytes / link_bps * 1e6
+    per_rank = [max(h, f, ln) for h, f, ln in zip(hbm, flops, link)]
+    return dict(roofline_us=max(per_rank), roofline_hbm_us=max(hbm),
+                roofline_flops_us=max(flops), roofline_link_us=max(link))
+
+
+# --------------------------------------------------------------------------------------------
 # Rank side
 # --------------------------------------------------------------------------------------------
+
+
+def _link_bps(buffer, world, iters=20, bytes_per_peer=32 << 20):
+    """Same-run peer-write rate of this rank (bytes/s it pushes to all peers at once, every
+    rank pushing), as bench_dispatch_combine's ceiling."""
+    import torch
+
+    src = torch.randn(bytes_per_peer // 2 + 8, device=buffer.device).bfloat16()
+    for _ in range(3):
+        buffer.peer_write(src, bytes_per_peer)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        buffer.peer_write(src, bytes_per_peer)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return bytes_per_peer * (world - 1) / statistics.median(times)
 
 
 def _rank_build(state, preset, max_tokens, seed, petit_via, paths=harness.PATHS,
@@ -96,9 +165,18 @@ def _rank_build(state, preset, max_tokens, seed, petit_via, paths=harness.PATHS,
                                 fused_max_tokens=fused_max_tokens)
     state.cache["layer"] = layer
     buffer = layer.kernels["petit"].prepare_finalize.buffer
+    from moe_layer_w1 import measure_ceilings
+    from vllm.model_executor.layers.fused_moe import fused_moe as vllm_fused_moe
+
+    copy_bps, mm_flops = measure_ceilings(state.device)
+    state.barrier()  # every rank pushes at once
+    link_bps = _link_bps(buffer, state.world_size)
+    tuned = vllm_fused_moe.get_moe_configs(num_local, shape.intermediate, None) is not None
+    state.cache["ceilings"] = (copy_bps, mm_flops, link_bps)
     return dict(gpu=torch.cuda.get_device_name(state.device), vllm_backend=layer.vllm_backend,
                 heap_mib=buffer.footprint_bytes / 2**20,
-                weights_gib=(w13.numel() + w2.numel()) * 2 / 2**30)
+                weights_gib=(w13.numel() + w2.numel()) * 2 / 2**30,
+                copy_bps=copy_bps, mm_flops=mm_flops, link_bps=link_bps, triton_tuned=tuned)
 
 
 def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed, profile_replays=0):
@@ -140,6 +218,7 @@ def _rank_bench(state, routing, num_tokens, iters, hot_fraction, seed, profile_r
         return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
 
     row = dict(pairs=pairs, hot_share=share[0], max_share=max(share),
+               roofline=layer_roofline(shape, ids, world, *state.cache["ceilings"]),
                rel_diff=rel_diff("petit"),
                max_abs_diff=(outs["petit"] - outs["default"]).abs().max().item(),
                petit_experts_rel_diff=(rel_diff(harness.PETIT_EXPERTS_PATH)
@@ -192,6 +271,15 @@ def _combine(preset, routing, num_tokens, per_rank, info, hot_fraction, iters):
         row["megamoe_speedup"] = row["megamoe_tflops"] / row["default_tflops"]
         row["megamoe_rel_diff"] = max(r["megamoe_rel_diff"] for r in per_rank)
         row["megamoe_us_ranks"] = [r[f"{harness.PETIT_FUSED_PATH}_us"] for r in per_rank]
+    # the issue's schema: vLLM's path, the composed path (petit dispatch + petit experts + petit
+    # combine, when measured), the fused layer, and the roofline (the most optimistic rank's
+    # ceilings; the routing is the same on every rank)
+    roof = min((r["roofline"] for r in per_rank), key=lambda x: x["roofline_us"])
+    row.update(vllm_us=row["default_us"], composed_us=row.get("petit_experts_us"), **roof)
+    best = row.get("megamoe_us") or row.get("petit_experts_us") or row["petit_us"]
+    row["roofline_fraction"] = roof["roofline_us"] / best
+    row.update(triton_tuned=info["triton_tuned"], hbm_copy_tbps=info["copy_bps"] / 1e12,
+               bf16_tflops=info["mm_flops"] / 1e12, link_gbps=info["link_bps"] / 1e9)
     row.update(pairs=first["pairs"], hot_share=first["hot_share"],
                hot_fraction=hot_fraction if routing == "skewed" else None,
                rel_diff=max(r["rel_diff"] for r in per_rank),
@@ -222,6 +310,7 @@ def _print_row(r):
     if "megamoe_us" in r:
         extra += (f"   megamoe {r['megamoe_us']:.1f} us, speedup {r['megamoe_speedup']:.2f}, "
                   f"rel_diff {r['megamoe_rel_diff']:.1e}")
+    extra += f"   roofline {r['roofline_us']:.1f} us ({r['roofline_fraction']:.2f} of the best)"
     print(f"{r['preset']:14} {r['routing']:8} {r['tokens']:>6} {r['default_us']:10.1f} "
           f"{r['petit_us']:9.1f} {r['default_tflops']:10.1f} {r['petit_tflops']:9.1f} "
           f"{r['speedup']:7.2f} {r['hot_share']:5.2f} {r['rel_diff']:8.1e}{flag}{extra}",

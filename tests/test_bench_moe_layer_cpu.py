@@ -99,18 +99,24 @@ def test_w2_rows_with_the_fused_layer(bench, tmp_path, capsys):
     def rank(default_us, petit_us, fused_us=None):
         r = dict(pairs=64, hot_share=0.5, rel_diff=1e-3, max_abs_diff=1e-2, finite=True,
                  petit_experts_rel_diff=None, megamoe_rel_diff=None,
-                 default_us=default_us, petit_us=petit_us)
+                 default_us=default_us, petit_us=petit_us,
+                 roofline=dict(roofline_us=30.0, roofline_hbm_us=30.0, roofline_flops_us=1.0,
+                               roofline_link_us=2.0))
         if fused_us is not None:
             r[f"{harness.PETIT_FUSED_PATH}_us"] = fused_us
             r["megamoe_rel_diff"] = 2e-3
         return r
 
-    info = dict(vllm_backend="TRITON")
+    info = dict(vllm_backend="TRITON", triton_tuned=True, copy_bps=4.2e12, mm_flops=7e14,
+                link_bps=3.5e11)
     fused = bench._combine("qwen3-30b-a3b", "uniform", 8, [rank(100.0, 90.0, 50.0),
                                                             rank(110.0, 95.0, 60.0)], info, 0.5, 20)
     assert fused["megamoe_us"] == 60.0 and fused["megamoe_us_ranks"] == [50.0, 60.0]
     assert fused["megamoe_speedup"] == pytest.approx(110.0 / 60.0)
     assert fused["megamoe_rel_diff"] == 2e-3 and fused["speedup"] == pytest.approx(110 / 95)
+    assert fused["vllm_us"] == 110.0 and fused["composed_us"] is None
+    assert fused["roofline_us"] == 30.0 and fused["roofline_fraction"] == pytest.approx(0.5)
+    assert fused["link_gbps"] == pytest.approx(350.0) and fused["triton_tuned"]
     composed = bench._combine("qwen3-30b-a3b", "uniform", 512, [rank(300.0, 250.0)] * 2, info,
                               0.5, 20)
     assert not any(k.startswith("megamoe") for k in composed)
@@ -120,3 +126,23 @@ def test_w2_rows_with_the_fused_layer(bench, tmp_path, capsys):
     bench._plot([fused, composed], tmp_path / "w2.png", "test")
     assert (tmp_path / "w2.png").stat().st_size > 0
     assert bench.parse_args(["--megamoe"]).megamoe
+
+
+def test_layer_roofline_parts(bench):
+    """The W >= 2 roofline from the routing: weight bytes of the experts with rows, pairs,
+    and rows over the link (once per token and other destination rank, both directions)."""
+    import torch
+
+    import vllm_moe_harness as harness
+
+    shape = harness.MoEShape(hidden=64, intermediate=32, num_experts=8, top_k=2)  # L = 4
+    ids = [torch.tensor([[0, 1], [0, 5], [-1, -1]]), torch.tensor([[6, 7]])]
+    r = bench.layer_roofline(shape, ids, 2, copy_bps=1e6, mm_flops=1e9, link_bps=1e3)
+    expert_bytes = 3 * 64 * 32 * 2
+    # rank 0: experts 0, 1 (3 pairs); rank 1: experts 5, 6, 7 (3 pairs)
+    assert r["roofline_hbm_us"] == pytest.approx(3 * expert_bytes / 1e6 * 1e6)
+    assert r["roofline_flops_us"] == pytest.approx(3 * 6 * 64 * 32 / 1e9 * 1e6)
+    # rank 0 sends 1 row (token 1 to rank 1), rank 1 sends 1 row (to rank 0): 2 x 1 x 128 B
+    assert r["roofline_link_us"] == pytest.approx(2 * 1 * 128 / 1e3 * 1e6)
+    assert r["roofline_us"] == max(r["roofline_hbm_us"], r["roofline_flops_us"],
+                                   r["roofline_link_us"])
