@@ -104,14 +104,12 @@ def layer_roofline(shape, topk_ids, world, copy_bps, mm_flops, link_bps):
         ids = ids.long().cpu()
         owner = torch.where(ids >= 0, ids // num_local, -1)
         for d in range(world):
-            to_d = (owner == d).any(dim=1) if ids.numel() else torch.zeros(0, dtype=torch.bool)
             if d != src:
-                rows = int(to_d.sum())
+                rows = int((owner == d).any(dim=1).sum())
                 sent[src] += rows
                 received[d] += rows
+    pairs = torch.cat([i.long().cpu().flatten() for i in topk_ids])
     for d in range(world):
-        pairs = torch.cat([i.long().cpu().flatten() for i in topk_ids]) if topk_ids else \
-            torch.zeros(0, dtype=torch.long)
         mine = pairs[(pairs >= d * num_local) & (pairs < (d + 1) * num_local)]
         hbm[d] = int(torch.unique(mine).numel()) * expert_bytes / copy_bps * 1e6
         flops[d] = int(mine.numel()) * 6 * shape.hidden * shape.intermediate / mm_flops * 1e6
