@@ -124,10 +124,14 @@ def layer_roofline(shape, topk_ids, world, copy_bps, mm_flops, link_bps):
 # --------------------------------------------------------------------------------------------
 
 
-def _link_bps(buffer, world, iters=20, bytes_per_peer=32 << 20):
+def _link_bps(buffer, world, iters=20):
     """Same-run peer-write rate of this rank (bytes/s it pushes to all peers at once, every
-    rank pushing), as bench_dispatch_combine's ceiling."""
+    rank pushing), as bench_dispatch_combine's ceiling: up to 32 MB per peer, what the heap's
+    combine region holds (the layer is built for >= LINK_MIN_TOKENS tokens for it)."""
     import torch
+
+    region = world * buffer.max_tokens_per_rank * buffer.hidden_size * 2
+    bytes_per_peer = min(32 << 20, region) // 16 * 16
 
     src = torch.randn(bytes_per_peer // 2 + 8, device=buffer.device).bfloat16()
     for _ in range(3):
@@ -141,6 +145,11 @@ def _link_bps(buffer, world, iters=20, bytes_per_peer=32 << 20):
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
     return bytes_per_peer * (world - 1) / statistics.median(times)
+
+
+# The layer's buffer holds at least this many tokens per rank, so the link ceiling is measured
+# with transfers of several MB (a few KB would measure latency, not the link).
+LINK_MIN_TOKENS = 1024
 
 
 def _rank_build(state, preset, max_tokens, seed, petit_via, paths=harness.PATHS,
@@ -462,8 +471,8 @@ def main(argv=None):
     rows, gpu = [], "unknown"
     try:
         for preset in args.presets:
-            infos = pool.run(_rank_build, preset, max(args.tokens), args.seed, args.petit_via,
-                             paths, max(args.tokens), timeout_s=900)
+            infos = pool.run(_rank_build, preset, max(max(args.tokens), LINK_MIN_TOKENS),
+                             args.seed, args.petit_via, paths, max(args.tokens), timeout_s=900)
             info = infos[0]
             gpu = info["gpu"].replace("NVIDIA ", "").replace(" ", "-")
             print(f"# {preset}: {PRESETS[preset]}, W={world}, vLLM backend {info['vllm_backend']},"
