@@ -258,3 +258,36 @@ def test_fused_layer_soak(ep_lib, megamoe_lib, world):
         finally:
             ep.close()
     assert len(patterns) >= 2, patterns
+
+
+@pytest.mark.parametrize("world,tokens,top_k,num_experts,hidden,inter", [
+    (8, [32] * 8, 8, 8, 64, 64),                    # W R K = 2048 entries (the limit), L = 1
+    (2, [5, 0], 1, 2, 64, 128),                     # top-1, one expert per rank
+    (8, [1, 0, 0, 0, 0, 0, 0, 3], 2, 64, 128, 64),  # eight ranks, six without tokens
+])
+def test_fused_layer_edges(ep_lib, megamoe_lib, world, tokens, top_k, num_experts, hidden,
+                           inter):
+    """The fused layer at its limits: the most routing entries one call takes, eight ranks,
+    top-1 and a single local expert, mostly empty ranks; against the dense MoE."""
+    gen = torch.Generator().manual_seed(5)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).bfloat16()
+    stride = max(max(tokens), 1)
+    ep = EmuEp(ep_lib, world, max_tokens=stride, hidden=hidden, max_top_k=top_k,
+               num_experts=num_experts, num_blocks=1)
+    try:
+        xs, ids, ws = _inputs(9, tokens, hidden, top_k, world, num_experts=num_experts)
+        rc, results, ys, syncs = fused_layer(ep, megamoe_lib.petit_emu_megamoe_sync_ints, xs,
+                                             ids, ws, w13, w2, stride, top_k)
+        assert rc == 0, f"launch results {results}"
+        assert all(int(s.abs().sum()) == 0 for s in syncs), "counters not reset"
+        assert ep.epochs() == [1] * world, ep.epochs()
+        for src, (y, x, i, w) in enumerate(zip(ys, xs, ids, ws)):
+            if x.shape[0] == 0:
+                continue
+            want = reference_moe(x, i.to(torch.int32), w, w13, w2)
+            assert not y.isnan().any(), f"rank {src}: output not written"
+            err = ((y.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+            assert err < 6e-3, f"rank {src}: relative error {err}"
+    finally:
+        ep.close()
