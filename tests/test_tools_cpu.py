@@ -60,6 +60,22 @@ def test_ab_compare_experts_medians_ratios_and_verdict(tmp_path, capsys):
     assert ab.main([str(tmp_path / "x_1"), str(tmp_path / "nothing")]) == 2
 
 
+def test_ab_compare_moe_layer_rows(tmp_path, capsys):
+    """bench_moe_layer.py rows (vllm_us, composed_us, megamoe_us; no tiles): compared per
+    (preset, routing, tokens), the verdict on megamoe_us by default."""
+    ab = _ab_compare()
+
+    def rows(mega_one, mega_eight):
+        return [dict(preset="deepseek-v3", routing="uniform", tokens=t, vllm_us=54.0,
+                     composed_us=61.0, megamoe_us=m, roofline_us=23.7)
+                for t, m in ((1, mega_one), (8, mega_eight))]
+    _write_run(tmp_path / "old", rows(60.0, 176.0))
+    _write_run(tmp_path / "new", rows(45.0, 176.0))
+    assert ab.main([str(tmp_path / "old"), str(tmp_path / "new"), "--tokens", "1"]) == 0
+    assert "of megamoe_us over 1 configurations: 0.750" in capsys.readouterr().out
+    assert ab.main([str(tmp_path / "old"), str(tmp_path / "new"), "--metric", "vllm_us"]) == 1
+
+
 def test_ab_compare_experts_chained_metric(tmp_path, capsys):
     """us_chain (bench_experts --chain, decode sizes only) as a second metric: compared where
     both settings have it, "-" elsewhere, the verdict on it with --metric us_chain."""

@@ -12,7 +12,8 @@ omitted).
 A and B are directory prefixes: A matches A, A_r2, A_r3, ... The kind of results is read from
 the records: expert results (key preset, routing, tokens, tiles; metrics us and, from
 bench_experts --chain, us_chain; the verdict on --metric, default us, over the configurations
-that have it) or
+that have it), MoE-layer results of bench_moe_layer.py (key preset, routing, tokens; metrics
+vllm_us, composed_us, megamoe_us, the verdict on --metric, default megamoe_us) or
 dispatch/combine results (key preset, routing, tokens, num_sms; metrics dispatch_us and
 combine_us, the verdict on --metric, default combine_us). Exit status 0 when B is faster
 (geometric mean < 1), 1 when it is not, 2 when there is nothing to compare.
@@ -28,13 +29,17 @@ import sys
 KINDS = {  # kind: (key fields, metrics, the verdict's default metric)
     # us_chain: bench_experts --chain (decode sizes only; a configuration without it shows -)
     "experts": (("preset", "routing", "tokens", "tiles"), ("us", "us_chain"), "us"),
+    "moe_layer": (("preset", "routing", "tokens"), ("vllm_us", "composed_us", "megamoe_us"),
+                  "megamoe_us"),
     "dispatch_combine": (("preset", "routing", "tokens", "num_sms"),
                          ("dispatch_us", "combine_us"), "combine_us"),
 }
 
 
 def kind_of(record):
-    return "experts" if "tiles" in record else "dispatch_combine"
+    if "tiles" in record:
+        return "experts"
+    return "moe_layer" if "vllm_us" in record else "dispatch_combine"
 
 
 def load(prefix):
@@ -62,7 +67,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="*", help="configurations in the mean")
     p.add_argument("--num-sms", type=int, nargs="*", help="dispatch/combine: SM counts in the mean")
     p.add_argument("--metric",
-                   help="the verdict's metric (us or us_chain; dispatch_us or combine_us)")
+                   help="the verdict's metric (us or us_chain; vllm_us, composed_us or "
+                        "megamoe_us; dispatch_us or combine_us)")
     args = p.parse_args(argv)
     (kind_a, a), (kind_b, b) = load(args.a), load(args.b)
     keys = sorted(set(a) & set(b))
