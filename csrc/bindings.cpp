@@ -370,7 +370,8 @@ class EpContext {
   void megamoe(const torch::Tensor& x, const torch::Tensor& topk_ids,
                const torch::Tensor& topk_weights, const torch::Tensor& w13,
                const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act,
-               torch::Tensor& partial, torch::Tensor& sync, int64_t region_stride) {
+               torch::Tensor& partial, torch::Tensor& sync, int64_t region_stride,
+               c10::optional<torch::Tensor> trace) {
     check_mapped();
     for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&x, "x"},
                                   {&topk_ids, "topk_ids"}, {&topk_weights, "topk_weights"},
@@ -418,6 +419,16 @@ class EpContext {
     a.num_local_experts = int(L);
     a.num_sms = args_.num_blocks;
     a.timeout_ticks = args_.timeout_ticks;
+    if (trace.has_value()) {  // one row of stamps per block of the grid (2 per SM)
+      check_cuda_tensor(*trace, "trace", 2);
+      PETIT_CHECK(trace->scalar_type() == torch::kInt64 &&
+                      trace->size(0) == int64_t(kMegaMoeBlocksPerSm) * args_.num_blocks &&
+                      trace->size(1) == kMegaMoeTraceSlots && trace->get_device() == device_,
+                  "trace must be int64 [%d x num_sms, %d] = [%d, %d] on this buffer's device",
+                  kMegaMoeBlocksPerSm, kMegaMoeTraceSlots,
+                  kMegaMoeBlocksPerSm * args_.num_blocks, kMegaMoeTraceSlots);
+      a.trace = trace->data_ptr<int64_t>();
+    }
     PETIT_CHECK(megamoe_ep_check(e) == petitSuccess,
                 "fused EP layer: arguments outside its limits (T <= region stride <= max tokens, "
                 "W*R*K <= %d entries, H and I multiples of %d, L = the buffer's local experts)",
@@ -996,7 +1007,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("top_k"), py::arg("region_stride"), py::arg("trace") = py::none())
       .def("megamoe", &EpContext::megamoe, py::arg("x"), py::arg("topk_ids"),
            py::arg("topk_weights"), py::arg("w13"), py::arg("w2"), py::arg("out"),
-           py::arg("act"), py::arg("partial"), py::arg("sync"), py::arg("region_stride"))
+           py::arg("act"), py::arg("partial"), py::arg("sync"), py::arg("region_stride"),
+           py::arg("trace") = py::none())
       .def("peer_write", &EpContext::peer_write, py::arg("src"), py::arg("bytes_per_peer"),
            py::arg("num_blocks"))
       .def("recv_group_counts", &EpContext::recv_group_counts)

@@ -78,9 +78,11 @@ def _ptr_array(tensors):
     return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
 
 
-def fused_layer(ep, megamoe_sync_ints, xs, ids, ws, w13, w2, region_stride, top_k, syncs=None):
+def fused_layer(ep, megamoe_sync_ints, xs, ids, ws, w13, w2, region_stride, top_k, syncs=None,
+                traces=None):
     """petit_emu_ep_megamoe on every rank at once (w13 [E, 2I, H] / w2 [E, H, I]: all ranks'
-    experts): outputs and workspaces poisoned with NaN first."""
+    experts): outputs and workspaces poisoned with NaN first; traces: per rank an int64
+    [2 x num_blocks, MEGAMOE_TRACE_SLOTS] tensor or None."""
     import ctypes
     world, local = ep.world_size, w13.shape[0] // ep.world_size
     hidden, inter = w13.shape[2], w2.shape[2]
@@ -104,7 +106,8 @@ def fused_layer(ep, megamoe_sync_ints, xs, ids, ws, w13, w2, region_stride, top_
         ctypes.c_void_p(ep.handle), (1 << world) - 1, _ptr_array(xs), _ptr_array(ids),
         _ptr_array(ws), (ctypes.c_int * world)(*[x.shape[0] for x in xs]), top_k,
         region_stride, _ptr_array(w13s), _ptr_array(w2s), inter, _ptr_array(acts),
-        _ptr_array(partials), _ptr_array(syncs), _ptr_array(outs), results)
+        _ptr_array(partials), _ptr_array(syncs), _ptr_array(outs), results,
+        None if traces is None else _ptr_array(traces))
     return rc, list(results), outs, syncs
 
 
@@ -194,7 +197,7 @@ def fused_layer_on(ep, sync_ints, xs, ids, ws, w13, w2, region_stride, top_k, ra
         ctypes.c_void_p(ep.handle), ranks_mask, _ptr_array(xs), _ptr_array(ids), _ptr_array(ws),
         (ctypes.c_int * world)(*[x.shape[0] for x in xs]), top_k, region_stride,
         _ptr_array(w13s), _ptr_array(w2s), INTERMEDIATE, _ptr_array(acts), _ptr_array(partials),
-        _ptr_array(syncs), _ptr_array(outs), results)
+        _ptr_array(syncs), _ptr_array(outs), results, None)
     del keep
 
 
@@ -291,3 +294,54 @@ def test_fused_layer_edges(ep_lib, megamoe_lib, world, tokens, top_k, num_expert
             assert err < 6e-3, f"rank {src}: relative error {err}"
     finally:
         ep.close()
+
+
+def test_fused_layer_trace_per_rank(ep_lib, megamoe_lib):
+    """The optional trace of the fused EP layer (EpBuffer.megamoe(trace=...),
+    tools/megamoe_trace.py under torchrun): on every rank entry <= routed (after every rank's
+    rows arrived) <= each task's ready <= done <= exit, the rank's tasks are its gate/up,
+    down, reduction and final tasks exactly once each, and the tool's summary counts them."""
+    import importlib.util
+    from pathlib import Path
+
+    from vllm_petit_moe.limits import MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS
+    world, tokens, top_k, num_blocks = 2, [6, 3], 4, 2
+    gen = torch.Generator().manual_seed(11)
+    w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen) * 0.05).bfloat16()
+    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen) * 0.05).bfloat16()
+    ep = EmuEp(ep_lib, world, max_tokens=8, hidden=HIDDEN, num_blocks=num_blocks)
+    traces = [torch.full((MEGAMOE_BLOCKS_PER_SM * num_blocks, MEGAMOE_TRACE_SLOTS), -1,
+                         dtype=torch.int64) for _ in range(world)]
+    try:
+        xs, ids, ws = _inputs(12, tokens, HIDDEN, top_k, world, num_experts=NUM_EXPERTS)
+        rc, results, ys, _ = fused_layer(ep, megamoe_lib.petit_emu_megamoe_sync_ints, xs, ids,
+                                         ws, w13, w2, 8, top_k, traces=traces)
+        assert rc == 0, results
+    finally:
+        ep.close()
+    spec = importlib.util.spec_from_file_location(
+        "megamoe_trace", Path(__file__).resolve().parent.parent / "tools" / "megamoe_trace.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    local = NUM_EXPERTS // world
+    for rank, trace in enumerate(traces):
+        seen = []
+        for block in trace:
+            entry, routed, exit_, count = (int(v) for v in block[:4])
+            assert 0 < entry <= routed <= exit_, (rank, block[:4])
+            last = routed
+            for i in range(count):
+                task, ready, done = (int(v) for v in block[4 + 3 * i:7 + 3 * i])
+                assert last <= ready <= done <= exit_, (rank, i, last, ready, done, exit_)
+                last = done
+                seen.append((task >> 40, (task >> 20) & 0xFFFFF, task & 0xFFFFF))
+        active = sorted({int(e) - rank * local for i in ids for e in i.flatten().tolist()
+                         if rank * local <= e < (rank + 1) * local})
+        want = [(0, e, t) for e in active for t in range(INTERMEDIATE // 16)]
+        want += [(1, e, t) for e in active for t in range(HIDDEN // 32)]
+        want += [(k, 0, t) for k in (2, 3) for t in range(HIDDEN // 32)]
+        assert sorted(seen) == sorted(want), f"rank {rank}"
+        blocks = tool.blocks_from_trace(trace.tolist())
+        summary = tool.summarize(blocks, min(b["entry"] for b in blocks))
+        assert [summary["kinds"][k]["count"] for k in tool.KINDS] == \
+            [sum(1 for w in want if w[0] == i) for i in range(len(tool.KINDS))]

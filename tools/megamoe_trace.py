@@ -16,12 +16,20 @@ preset's local share; fresh random weights; 3 untraced calls first):
 
     python tools/megamoe_trace.py --preset deepseek-v3 --tokens 1 8 64 [--out DIR]
 
+Under torchrun with several ranks (one GPU each) it traces the fused layer across the EP group
+instead (EpBuffer.megamoe: the preset's experts split over the ranks, the tokens per rank;
+rows of kind "final" are the sums of each rank's own tokens), printing rank 0's summary and
+writing every rank's file (megamoe_trace_<preset>_<tokens>_W<W>r<rank>.json):
+
+    torchrun --nproc-per-node 2 tools/megamoe_trace.py --preset qwen3-30b-a3b --tokens 1 8
+
 A GPU tool (sm_90a, the extension built); writes megamoe_trace_<preset>_<tokens>.json to --out.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -55,6 +63,30 @@ def traced_call(preset: str, tokens: int, seed: int = 0) -> tuple[list[dict], fl
     torch.cuda.synchronize()
     blocks = blocks_from_trace(trace.cpu().tolist())
     return blocks, float(min(b["entry"] for b in blocks))
+
+
+def traced_ep_call(buf, preset: str, tokens: int, seed: int = 0) -> tuple[list[dict], float]:
+    """The fused layer across the EP group of `buf` (every rank calls it): this rank's blocks
+    and the earliest entry stamp of every rank (the ranks' timers are the GPUs' globaltimer,
+    comparable within a node)."""
+    import torch.distributed as dist
+    hidden, inter, _, num_experts, top_k = PRESETS[preset]
+    local = num_experts // buf.world_size
+    g = torch.Generator(device="cuda").manual_seed(seed + buf.rank)
+    w13 = (torch.randn(local, 2 * inter, hidden, generator=g, device="cuda") * 0.02).bfloat16()
+    w2 = (torch.randn(local, hidden, inter, generator=g, device="cuda") * 0.02).bfloat16()
+    trace = buf.new_megamoe_trace()
+    for i in range(4):
+        x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+        ids = torch.stack([torch.randperm(num_experts, generator=g, device="cuda")[:top_k]
+                           for _ in range(tokens)]).int()
+        w = torch.rand(tokens, top_k, generator=g, device="cuda")
+        buf.megamoe(x, ids, w, w13, w2, region_stride=tokens, trace=trace if i == 3 else None)
+    torch.cuda.synchronize()
+    blocks = blocks_from_trace(trace.cpu().tolist())
+    entries = [None] * buf.world_size
+    dist.all_gather_object(entries, min(b["entry"] for b in blocks), group=buf.group)
+    return blocks, float(min(entries))
 
 
 def blocks_from_trace(rows: list[list[int]]) -> list[dict]:
@@ -120,10 +152,33 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    buf, rank, tag = None, 0, ""
+    if world > 1:  # under torchrun: the fused layer across the EP group
+        import torch.distributed as dist
+
+        from vllm_petit_moe.buffer import EpBuffer
+        rank = int(os.environ["RANK"])
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("gloo")
+        hidden, _, _, num_experts, _ = PRESETS[args.preset]
+        buf = EpBuffer(dist.group.WORLD, hidden_size=hidden, num_experts=num_experts,
+                       max_tokens_per_rank=max(args.tokens))
+        tag = f"_W{world}r{rank}"
     for tokens in args.tokens:
-        blocks, t0 = traced_call(args.preset, tokens)
+        blocks, t0 = (traced_call(args.preset, tokens) if buf is None
+                      else traced_ep_call(buf, args.preset, tokens))
         s = summarize(blocks, t0)
-        print(f"=== {args.preset}, {tokens} tokens: span {s['span_us']:.1f} us over "
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            path = args.out / f"megamoe_trace_{args.preset}_{tokens}{tag}.json"
+            path.write_text(json.dumps({"preset": args.preset, "tokens": tokens,
+                                        "world": world, "rank": rank,
+                                        "summary": s, "blocks": blocks}))
+        if rank != 0:
+            continue
+        print(f"=== {args.preset}, {tokens} tokens" + (f" per rank, W={world}, rank 0"
+                                                        if world > 1 else "") + f": span {s['span_us']:.1f} us over "
               f"{s['blocks']} blocks, routing {s['routing_us_median']:.2f} us (median)"
               + (f", {s['truncated_blocks']} blocks' task lists truncated"
                  if s["truncated_blocks"] else ""))
@@ -140,11 +195,8 @@ def main(argv=None) -> int:
                                          for name, v in split.items())
               + f"; gate/up -> down hand-off per expert: median {s['handoff_us_median']:.2f} us,"
               f" max {s['handoff_us_max']:.2f} us")
-        if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            path = args.out / f"megamoe_trace_{args.preset}_{tokens}.json"
-            path.write_text(json.dumps({"preset": args.preset, "tokens": tokens,
-                                        "summary": s, "blocks": blocks}))
+    if buf is not None:
+        buf.close()
     return 0
 
 

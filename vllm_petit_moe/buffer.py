@@ -22,9 +22,9 @@ import torch.distributed as dist
 from .config import CombineConfig, as_dict
 from .heap import SETUP_TIMEOUT_S, SetupError, agree, check_single_node, exchange_fds
 from .limits import (DEFAULT_MAX_WAIT_S, FP8_BLOCK_MODES, FP8_SCALE_BLOCK, MAX_EXPERTS,
-                     MAX_TOP_K, MAX_WORLD_SIZE, MEGAMOE_MAX_ENTRIES, MIN_CHUNK_VECTORS,
-                     REGION_ALIGNMENT, SIZE_MULTIPLE, TOKEN_GROUP_SIZE, check_max_wait_s,
-                     check_timeout_s)
+                     MAX_TOP_K, MAX_WORLD_SIZE, MEGAMOE_BLOCKS_PER_SM, MEGAMOE_MAX_ENTRIES,
+                     MEGAMOE_TRACE_SLOTS, MIN_CHUNK_VECTORS, REGION_ALIGNMENT, SIZE_MULTIPLE,
+                     TOKEN_GROUP_SIZE, check_max_wait_s, check_timeout_s)
 
 logger = logging.getLogger("vllm.petit_moe.buffer")  # inside vLLM's logger tree
 
@@ -382,7 +382,8 @@ class EpBuffer:
 
     def megamoe(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 w13: torch.Tensor, w2: torch.Tensor, region_stride: int | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None,
+                trace: torch.Tensor | None = None) -> torch.Tensor:
         """The whole EP MoE layer in one launch per rank (the fused kernel,
         csrc/experts/megamoe.cu): dispatch, this rank's experts on the rows it receives, and
         combine. The result equals ``combine(experts_forward(dispatch(...)))`` up to fp32
@@ -394,6 +395,10 @@ class EpBuffer:
                 (L = num_experts / W), H and I multiples of 64; W * R * K <= 2048 routing
                 entries (``ops.MEGAMOE_MAX_ENTRIES``).
             out: [T, H] bf16 (optional), written in full.
+            trace: optional int64 [2 * num_sms, MEGAMOE_TRACE_SLOTS] on this buffer's device
+                (:meth:`new_megamoe_trace`): thread 0 of each block stamps its timeline (entry,
+                routing done after every rank's rows arrived, each task's ready and done,
+                exit; layout.h), read by ``tools/megamoe_trace.py``. For diagnosis only.
         Returns out. sm_90a only. No host synchronization (unless validate_ids and not
         capturing); capturable in a CUDA graph. Collective: every rank calls it (not mixed
         with another rank's dispatch or combine of the same epoch: that is reported as a
@@ -431,8 +436,14 @@ class EpBuffer:
         self._ctx.megamoe(x.contiguous(), ids.contiguous(), topk_weights.contiguous(),
                           w13.contiguous(), w2.contiguous(), out, act, partial,
                           _megamoe_sync_buffer(self.device, local, self.hidden_size),
-                          region_stride)
+                          region_stride, trace=trace)
         return out
+
+    def new_megamoe_trace(self) -> torch.Tensor:
+        """A trace tensor for :meth:`megamoe`: int64 [2 * num_sms, MEGAMOE_TRACE_SLOTS],
+        filled with -1."""
+        return torch.full((MEGAMOE_BLOCKS_PER_SM * self.num_sms, MEGAMOE_TRACE_SLOTS), -1,
+                          dtype=torch.int64, device=self.device)
 
     def megamoe_workspace_bytes(self, intermediate_size: int) -> int:
         """Device bytes of :meth:`megamoe`'s workspace for layers of this intermediate size

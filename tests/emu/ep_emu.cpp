@@ -132,14 +132,16 @@ int combine_one(EpEmu& ep, int rank, const void* expert_out, void* out, int num_
 // once: rank r's tokens xs[r] [T_r, H] bf16, ids[r] [T_r, K] int32 global ids, weights[r],
 // its experts' w13s[r] [L, 2I, H] / w2s[r] [L, H, I], workspaces acts[r] (>= W*R*K*I bf16),
 // partials[r] (>= W*R*K*H f32), syncs[r] (zeroed, megamoe_sync_ints(L, H) ints) and outs[r]
-// [T_r, H]; each rank's grid is 2 x num_blocks blocks, all at once. results[r]: rank r's
-// launch error. Returns the first nonzero one.
+// [T_r, H]; each rank's grid is 2 x num_blocks blocks, all at once; traces (nullptr: none)
+// traces[r] int64 [2 x num_blocks, kMegaMoeTraceSlots]. results[r]: rank r's launch error.
+// Returns the first nonzero one.
 extern "C" int petit_emu_ep_megamoe(void* handle, uint32_t ranks_mask, const void* const* xs,
                                     const int32_t* const* ids, const float* const* weights,
                                     const int* num_tokens, int top_k, int region_stride,
                                     const void* const* w13s, const void* const* w2s,
                                     int intermediate, void* const* acts, float* const* partials,
-                                    int32_t* const* syncs, void* const* outs, int* results) {
+                                    int32_t* const* syncs, void* const* outs, int* results,
+                                    int64_t* const* traces) {
   EpEmu& ep = *static_cast<EpEmu*>(handle);
   return on_ranks(ep, ranks_mask, results, [&](int r) {
     emu::last_error = 0;
@@ -165,6 +167,7 @@ extern "C" int petit_emu_ep_megamoe(void* handle, uint32_t ranks_mask, const voi
     a.num_local_experts = ep.num_experts / ep.world_size;
     a.num_sms = ep.num_blocks;
     a.timeout_ticks = ep.timeout_ticks;
+    a.trace = traces != nullptr ? traces[r] : nullptr;
     return int(petit::launch_megamoe_ep(e, nullptr));
   });
 }
