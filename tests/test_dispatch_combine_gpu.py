@@ -308,6 +308,17 @@ def _rank_megamoe_expert_stage(state, cfg, seed, tokens_per_rank, top_k, inter, 
             assert err < 6e-3, f"round {r}: {name} relative error {err} on rank {rank}"
         diff = ((ys[0].float() - ys[1].float()).norm() / ys[1].float().norm()).item()
         assert diff < 8e-3, f"round {r}: megamoe vs composed {diff} on rank {rank}"
+    # traced once: every block of the grid stamped its entry <= routing <= exit and, over the
+    # grid, the rank's reduction and final tasks (H / 32 each) ran
+    trace = buf.new_megamoe_trace()
+    buf.megamoe(xs[rank], ids[rank], ws[rank], w13[mine].contiguous(), w2[mine].contiguous(),
+                region_stride=stride, trace=trace)
+    rows = trace.cpu()
+    assert bool(((rows[:, 0] > 0) & (rows[:, 0] <= rows[:, 1]) & (rows[:, 1] <= rows[:, 2]))
+                .all()), "trace: a block without ordered entry/routing/exit stamps"
+    kinds = [int(rows[b, 4 + 3 * i]) >> 40 for b in range(rows.shape[0])
+             for i in range(min(int(rows[b, 3]), (rows.shape[1] - 4) // 3))]
+    assert kinds.count(2) == kinds.count(3) == hidden // 32, "trace: reductions / final sums"
     # the fused layer in a CUDA graph, replayed with fresh inputs copied in (same count on
     # every rank)
     x, i, w = (t.clone() for t in (xs[rank], ids[rank], ws[rank]))
