@@ -100,7 +100,7 @@ class EpLayerConfig:
     megamoe_max_tokens: the fused layer (``EpBuffer.megamoe``: dispatch, this rank's experts
         and combine in one launch per rank) for R up to this, where the layer qualifies (bf16,
         H and I multiples of 64, W * R * K <= ``MEGAMOE_MAX_ENTRIES``); 0: never. Off by
-        default: verified on the CPU emulation only, never run on two GPUs (issue 32).
+        default: verified on the CPU emulation only, not yet run on two GPUs.
         Larger steps run the composed path (petit dispatch, the experts, petit combine).
     """
     megamoe_max_tokens: int = 0
