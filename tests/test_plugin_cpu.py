@@ -850,19 +850,12 @@ def test_hook_falls_back_with_a_warning_and_strict_mode_fails(kernel_hook, monke
                                                               vllm_config):
     import logging
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.petit_moe.hook")
-    logger.addHandler(handler)
     monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
     fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn)  # per-tensor: unsupported
-    try:
+    with caplog_at(hook.logger) as records:
         for _ in range(2):
             kernel = build_kernel(make_moe_config(), vllm_config, quant_config=fp8)
             assert type(kernel.prepare_finalize) is MoEPrepareAndFinalizeNaiveDPEPModular
-    finally:
-        logger.removeHandler(handler)
     warnings = [r for r in records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, "one warning per process and reason"
     assert "quantized activations" in warnings[0].getMessage()
@@ -1422,6 +1415,37 @@ def test_single_gpu_hook_runs_the_fused_layer(kernel_hook, monkeypatch):
     assert experts.path_for(600, 4, 1024, 512) == "composed"
     with pytest.raises(ValueError):
         SingleGpuLayerConfig(composed_min_tokens=0)
+    # VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS reaches the one-GPU layer's config and its log line
+    monkeypatch.setenv(envs.VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS, "64")
+    monkeypatch.setattr(hook, "_reported", set())
+    with caplog_at(hook.logger) as records:
+        experts = build_kernel(single_gpu_moe_config(), vllm_config,
+                               pf=no_dp_ep_pf()).fused_experts
+    assert experts.layer_config == SingleGpuLayerConfig(megamoe_max_tokens=64)
+    assert experts.path_for(8, 4, 1024, 512) == "megamoe"
+    assert any("MegaMoE up to 64 tokens" in r.getMessage() for r in records)
+
+
+def caplog_at(logger):
+    """Records of `logger` (INFO and up) within a with-block, whatever vLLM's logging
+    configuration propagates."""
+    import contextlib
+    import logging
+
+    @contextlib.contextmanager
+    def capture():
+        records = []
+        handler = logging.Handler(logging.INFO)
+        handler.emit = records.append
+        old_level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            yield records
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(old_level)
+    return capture()
 
 
 def test_pass_through_of_ep_backends_is_not_a_one_gpu_layer():
@@ -1459,17 +1483,10 @@ def test_single_gpu_hook_falls_back_with_a_reason_and_strict_mode_fails(kernel_h
 
     monkeypatch.setattr(compat, "platform_name", lambda: "cuda")
     monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.petit_moe.hook")
-    logger.addHandler(handler)
     fp8 = FusedMoEQuantConfig.make(torch.float8_e4m3fn)
-    try:
+    with caplog_at(hook.logger) as records:
         kernel = build_kernel(single_gpu_moe_config(), single_gpu_vllm_config(),
                               pf=no_dp_ep_pf(), quant_config=fp8)
-    finally:
-        logger.removeHandler(handler)
     assert type(kernel.fused_experts) is TritonExperts
     assert any("quantization" in r.getMessage() for r in records
                if r.levelno == logging.WARNING)
