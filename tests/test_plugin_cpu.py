@@ -238,7 +238,7 @@ class EmulatedEpBuffer(FakeEpBuffer):
         return out
 
     def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
-        call, rank = self.call, self.rank
+        rank = self.rank
         self._record_dispatch(x, topk_ids, topk_weights, region_stride)
         self.paths.append("dispatch")
         xs, ids, ws = self._all_ranks(x, topk_ids, topk_weights)
