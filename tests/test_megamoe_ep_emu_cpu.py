@@ -16,6 +16,8 @@ from conftest import build_emu_library
 from test_dispatch_combine_emu_cpu import EmuEp, _inputs, _load
 from test_megamoe_emu_cpu import reference_moe, run_emu
 
+from vllm_petit_moe.testing.soak import expert_weights
+
 HIDDEN, INTERMEDIATE, NUM_EXPERTS = 128, 64, 32
 
 
@@ -29,6 +31,19 @@ def megamoe_lib(tmp_path_factory):
     return build_emu_library(tmp_path_factory, "megamoe_emu")
 
 
+def check_layer(ys, xs, ids, ws, w13, w2, tag):
+    """Every source rank's output of the layer against the dense float64 MoE of its tokens:
+    written, and within the bf16 rounding of the activations, of each rank's partial sum and
+    of the output."""
+    for src, (y, x, i, w) in enumerate(zip(ys, xs, ids, ws)):
+        if x.shape[0] == 0:
+            continue
+        want = reference_moe(x, i.to(torch.int32), w, w13, w2)
+        assert not y.isnan().any(), f"{tag}, rank {src}: output not written"
+        err = ((y.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert err < 6e-3, f"{tag}, rank {src}: relative error {err}"
+
+
 @pytest.mark.parametrize("world,tokens,top_k,skew", [
     (2, [16, 9], 4, None),          # unequal token counts: padding rows in rank 1's region
     (2, [0, 12], 8, None),          # a rank with no tokens
@@ -38,11 +53,8 @@ def megamoe_lib(tmp_path_factory):
 def test_dispatch_megamoe_combine_is_the_moe_layer(ep_lib, megamoe_lib, world, tokens, top_k,
                                                    skew):
     region_stride = 16
-    gen = torch.Generator().manual_seed(1000 + world * 10 + top_k)
-    w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen)
-           / HIDDEN**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen)
-          / INTERMEDIATE**0.5).to(torch.bfloat16)
+    w13, w2 = expert_weights((HIDDEN, INTERMEDIATE, top_k, NUM_EXPERTS),
+                             seed=1000 + world * 10 + top_k)
     local = NUM_EXPERTS // world
     ep = EmuEp(ep_lib, world, max_tokens=region_stride, hidden=HIDDEN, num_blocks=2)
     try:
@@ -60,14 +72,7 @@ def test_dispatch_megamoe_combine_is_the_moe_layer(ep_lib, megamoe_lib, world, t
                 assert int(sync.abs().sum()) == 0, "counters not reset"
                 expert_outs.append(out)
             ys = ep.combine(expert_outs, tokens, top_k, region_stride)
-            for src, (y, x, i, w) in enumerate(zip(ys, xs, ids, ws)):
-                if x.shape[0] == 0:
-                    continue
-                want = reference_moe(x, i.to(torch.int32), w, w13, w2)
-                assert not y.isnan().any(), f"round {round_}, rank {src}: output not written"
-                err = ((y.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
-                # bf16 rounding of the activations, of each rank's partial sum and of the output
-                assert err < 6e-3, f"round {round_}, rank {src}: relative error {err}"
+            check_layer(ys, xs, ids, ws, w13, w2, f"round {round_}")
     finally:
         ep.close()
 
@@ -125,11 +130,8 @@ def test_the_fused_layer_across_ranks_is_the_moe_layer(ep_lib, megamoe_lib, worl
     from test_dispatch_combine_emu_cpu import _check_round
     sync_ints = megamoe_lib.petit_emu_megamoe_sync_ints
     region_stride = 16
-    gen = torch.Generator().manual_seed(2000 + world * 10 + top_k)
-    w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen)
-           / HIDDEN**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen)
-          / INTERMEDIATE**0.5).to(torch.bfloat16)
+    w13, w2 = expert_weights((HIDDEN, INTERMEDIATE, top_k, NUM_EXPERTS),
+                             seed=2000 + world * 10 + top_k)
     ep = EmuEp(ep_lib, world, max_tokens=region_stride, hidden=HIDDEN, num_blocks=2)
     try:
         syncs = None
@@ -141,13 +143,7 @@ def test_the_fused_layer_across_ranks_is_the_moe_layer(ep_lib, megamoe_lib, worl
             assert rc == 0, f"round {round_}: launch results {results}"
             assert all(int(s.abs().sum()) == 0 for s in syncs), "counters not reset"
             assert ep.epochs() == [round_ + 1] * world, ep.epochs()
-            for src, (y, x, i, w) in enumerate(zip(ys, xs, ids, ws)):
-                if x.shape[0] == 0:
-                    continue
-                want = reference_moe(x, i.to(torch.int32), w, w13, w2)
-                assert not y.isnan().any(), f"round {round_}, rank {src}: output not written"
-                err = ((y.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
-                assert err < 6e-3, f"round {round_}, rank {src}: relative error {err}"
+            check_layer(ys, xs, ids, ws, w13, w2, f"round {round_}")
         xs, ids, ws = _inputs(399, tokens, HIDDEN, top_k, world, skew=skew,
                               num_experts=NUM_EXPERTS)
         _check_round(ep, xs, ids, ws, region_stride=region_stride, tag="after the fused calls")
@@ -225,7 +221,7 @@ def test_fused_layer_soak(ep_lib, megamoe_lib, world):
     outputs poisoned, against the dense float64 MoE."""
     from test_dispatch_combine_emu_cpu import _check_round
 
-    from vllm_petit_moe.testing.soak import draw_round, expert_weights
+    from vllm_petit_moe.testing.soak import draw_round
     sync_ints = megamoe_lib.petit_emu_megamoe_sync_ints
     max_tokens, rounds = 16, 4
     seeds = [70_000 + 100 * world + r for r in range(rounds)]
@@ -247,14 +243,7 @@ def test_fused_layer_soak(ep_lib, megamoe_lib, world):
                 tag = f"seed {rd.seed} ({rd.pattern}, tokens {rd.tokens}, shape {shape})"
                 assert rc == 0, f"{tag}: launch results {results}"
                 assert all(int(s.abs().sum()) == 0 for s in syncs), f"{tag}: counters not reset"
-                for src, (y, x, i, w) in enumerate(zip(ys, rd.xs, rd.topk_ids,
-                                                       rd.topk_weights)):
-                    if x.shape[0] == 0:
-                        continue
-                    want = reference_moe(x, i, w, w13, w2)
-                    assert not y.isnan().any(), f"{tag}, rank {src}: output not written"
-                    err = ((y.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
-                    assert err < 6e-3, f"{tag}, rank {src}: relative error {err}"
+                check_layer(ys, rd.xs, rd.topk_ids, rd.topk_weights, w13, w2, tag)
                 if n == 0:  # a standalone round between fused calls on the same heap
                     _check_round(ep, rd.xs, rd.topk_ids, rd.topk_weights, region_stride=stride,
                                  tag=f"after {tag}", num_experts=num_experts)
@@ -272,9 +261,7 @@ def test_fused_layer_edges(ep_lib, megamoe_lib, world, tokens, top_k, num_expert
                            inter):
     """The fused layer at its limits: the most routing entries one call takes, eight ranks,
     top-1 and a single local expert, mostly empty ranks; against the dense MoE."""
-    gen = torch.Generator().manual_seed(5)
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).bfloat16()
-    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).bfloat16()
+    w13, w2 = expert_weights((hidden, inter, top_k, num_experts), seed=5)
     stride = max(max(tokens), 1)
     ep = EmuEp(ep_lib, world, max_tokens=stride, hidden=hidden, max_top_k=top_k,
                num_experts=num_experts, num_blocks=1)
@@ -285,13 +272,7 @@ def test_fused_layer_edges(ep_lib, megamoe_lib, world, tokens, top_k, num_expert
         assert rc == 0, f"launch results {results}"
         assert all(int(s.abs().sum()) == 0 for s in syncs), "counters not reset"
         assert ep.epochs() == [1] * world, ep.epochs()
-        for src, (y, x, i, w) in enumerate(zip(ys, xs, ids, ws)):
-            if x.shape[0] == 0:
-                continue
-            want = reference_moe(x, i.to(torch.int32), w, w13, w2)
-            assert not y.isnan().any(), f"rank {src}: output not written"
-            err = ((y.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
-            assert err < 6e-3, f"rank {src}: relative error {err}"
+        check_layer(ys, xs, ids, ws, w13, w2, f"{world} ranks, top-{top_k}")
     finally:
         ep.close()
 
