@@ -88,12 +88,18 @@ def test_a_slow_peer_that_beats_is_waited_for(emu):
     assert "timed out" not in out, out[-3000:]
 
 
-def test_a_peer_that_stopped_beating_is_reported_within_one_and_a_half_bounds(emu):
+def _failing_case(emu, case):
+    """Run `case` in a fresh process, which must fail (its wait traps); (output, seconds)."""
     start = time.monotonic()
-    result = run_case(__file__, emu._name, "dead", timeout=300)
+    result = run_case(__file__, emu._name, case, timeout=300)
     elapsed = time.monotonic() - start
     out = result.stdout + result.stderr
     assert result.returncode != 0 and not result.stdout.strip().endswith("ok"), out[-3000:]
+    return out, elapsed
+
+
+def test_a_peer_that_stopped_beating_is_reported_within_one_and_a_half_bounds(emu):
+    out, elapsed = _failing_case(emu, "dead")
     assert ("dispatch timed out on rank 0 waiting for rank 1, token group 0: expected epoch 1, "
             "flag holds epoch 0") in out and "its process stopped (no heartbeat)" in out, out[-3000:]
     # 1.5 bounds plus the process start and the emulator's setup
@@ -101,10 +107,6 @@ def test_a_peer_that_stopped_beating_is_reported_within_one_and_a_half_bounds(em
 
 
 def test_a_peer_that_beats_but_never_calls_is_reported_after_max_wait(emu):
-    start = time.monotonic()
-    result = run_case(__file__, emu._name, "stuck", timeout=300)
-    elapsed = time.monotonic() - start
-    out = result.stdout + result.stderr
-    assert result.returncode != 0 and not result.stdout.strip().endswith("ok"), out[-3000:]
+    out, elapsed = _failing_case(emu, "stuck")
     assert "its process is alive but the wait reached max_wait_s" in out, out[-3000:]
     assert elapsed > 4 * BOUND_HOST_S, f"reported after {elapsed:.1f} s, before max_wait_s"
