@@ -96,6 +96,12 @@ def _refuse_gemm2_hook(experts) -> None:
             "model without VLLM_USE_PETIT_MOE.")
 
 
+def layer_intermediate_size(moe_config: Any) -> int:
+    """The intermediate size of this rank's experts (``I`` of ``w2 [L, H, I]``)."""
+    intermediate = int(getattr(moe_config, "intermediate_size_per_partition", -1))
+    return intermediate if intermediate > 0 else int(moe_config.intermediate_size)
+
+
 def unsupported_reason(moe_config: Any, quant_config: Any) -> str | None:
     """Why ``PetitExperts`` cannot serve a layer (None if it can), from vLLM's
     ``FusedMoEConfig`` and ``FusedMoEQuantConfig`` only."""
@@ -109,9 +115,7 @@ def unsupported_reason(moe_config: Any, quant_config: Any) -> str | None:
     if getattr(moe_config, "has_bias", False):
         return "expert biases"
     hidden = int(moe_config.hidden_dim)
-    intermediate = int(getattr(moe_config, "intermediate_size_per_partition", -1))
-    if intermediate <= 0:
-        intermediate = int(moe_config.intermediate_size)
+    intermediate = layer_intermediate_size(moe_config)
     if hidden % SIZE_MULTIPLE or intermediate % SIZE_MULTIPLE:
         return f"hidden {hidden} / intermediate {intermediate} not multiples of {SIZE_MULTIPLE}"
     if int(moe_config.experts_per_token) > MAX_TOP_K:

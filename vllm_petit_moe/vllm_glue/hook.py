@@ -405,7 +405,8 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
     if not petit_gemms and fused_tokens == 0:
         return fused_experts
 
-    from vllm_petit_moe.vllm_glue.experts import PetitEpExperts, unsupported_reason
+    from vllm_petit_moe.vllm_glue.experts import (PetitEpExperts, layer_intermediate_size,
+                                                  unsupported_reason)
 
     asked = " and ".join(
         ([f"{envs.VLLM_PETIT_MOE_EXPERTS}=1"] if petit_gemms else [])
@@ -413,12 +414,9 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
     moe = fused_experts.moe_config
     reason = unsupported_reason(moe, fused_experts.quant_config)
     if reason is None and fused_tokens:
-        intermediate = int(getattr(moe, "intermediate_size_per_partition", -1))
-        if intermediate <= 0:
-            intermediate = int(moe.intermediate_size)
         fused_reason = prepare_finalize.enable_megamoe(
-            fused_tokens, hidden_size=int(moe.hidden_dim), intermediate_size=intermediate,
-            top_k=int(moe.experts_per_token))
+            fused_tokens, hidden_size=int(moe.hidden_dim),
+            intermediate_size=layer_intermediate_size(moe), top_k=int(moe.experts_per_token))
         if fused_reason is not None and not petit_gemms:
             reason = f"the fused layer: {fused_reason}"
         elif fused_reason is not None:  # our GEMMs still serve: composed only
