@@ -155,9 +155,10 @@ def test_limits_rejected(emu):
 def test_trace_records_every_task_once_in_order(emu):
     """The optional trace (tools/megamoe_trace.py): per block entry <= routed <= each task's
     ready <= done <= the next task's ready <= exit, and the blocks' tasks together are every
-    gate/up, down and reduction task exactly once."""
+    gate/up, down and reduction task exactly once. At most 5 * (64/16 + 64/32) + 64/32 = 32
+    tasks, all within one block's kMegaMoeTraceTasks records whichever block claims them."""
     from vllm_petit_moe.limits import MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS
-    num_rows, top_k, hidden, inter, num_local, num_sms = 9, 3, 128, 192, 5, 2
+    num_rows, top_k, hidden, inter, num_local, num_sms = 9, 3, 64, 64, 5, 2
     case = make_case(8, num_rows, top_k, hidden, inter, num_local)
     grid = MEGAMOE_BLOCKS_PER_SM * num_sms
     trace = torch.full((grid, MEGAMOE_TRACE_SLOTS), -1, dtype=torch.int64)
