@@ -81,3 +81,30 @@ def test_emulated_soak_of_randomized_rounds(emu):
     checked = sum(_batch(emu, b) for b in range(NUM_BATCHES))
     assert checked == NUM_BATCHES * ROUNDS_PER_BATCH
     print(f"emulated soak: {checked} rounds in {time.monotonic() - start:.1f} s")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rank_reference_matches_the_ep_reference(world):
+    """The GPU soak's per-rank, vectorized reference (testing.soak.RankReference) against the
+    EP reference it stands in for, over every shape and routing pattern: float32 to rounding
+    of the summation order, bf16 within one bf16 step where a sum in another order rounds the
+    other way; a wrong expert, weight or rank would be off by far more."""
+    from vllm_petit_moe.testing.soak import SHAPES, RankReference, expert_weights
+    for shape in SHAPES:
+        w13, w2 = expert_weights(shape)
+        reference = RankReference(w13, w2, world)
+        for seed in range(6):
+            rd = draw_round(1000 * world + seed, world, 12, shapes=(shape,))
+            stride = max(max(rd.tokens), 1)
+            for precision in ("kernel", "fp32"):
+                want = ref.ep_moe_reference(rd.xs, rd.topk_ids, rd.topk_weights, w13, w2, world,
+                                            precision, stride)
+                for rank in range(world):
+                    got = reference(rd.xs[rank], rd.topk_ids[rank], rd.topk_weights[rank],
+                                    precision)
+                    where = f"seed {rd.seed} ({rd.pattern}), {shape}, rank {rank}, {precision}"
+                    assert got.dtype == want[rank].dtype and got.shape == want[rank].shape, where
+                    scale = want[rank].float().abs().max().item() if got.numel() else 0.0
+                    step = 2.0**-7 if precision == "kernel" else 1e-5
+                    diff = (got.float() - want[rank].float()).abs()
+                    assert diff.numel() == 0 or diff.max().item() <= step * scale + 1e-6, where

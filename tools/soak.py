@@ -12,9 +12,12 @@ W x R x K <= 2048 entries); the rest runs dispatch -> ops.experts_forward -> com
 
 Every rank draws the same rounds (vllm_petit_moe.testing.soak.draw_round: seeds swept, shape
 from SHAPES, T per rank random with zeros, uniform / hot rank / hot expert / -1 slots /
-repeated ids), computes its own expected output with the reference (fp32 precision) and
-counts a mismatch where the layer's output leaves the tolerance derived from the reference's
-own bf16-vs-fp32 error (testing.reference.tolerance). Every --graph-every rounds a rank
+repeated ids), computes its own expected output (testing.soak.RankReference: the rounding model of
+testing.reference.ep_moe_reference, vectorized over the experts for one rank's tokens, checked
+against it by tests/test_soak_emu_cpu.py) and counts a mismatch where the layer's output
+leaves the tolerance derived from the reference's own bf16-vs-fp32 error
+(testing.reference.tolerance). --max-seconds ends a run early, at a round all ranks agree on;
+the row records the rounds that ran. Every --graph-every rounds a rank
 captures one round of fixed shapes in a CUDA graph and replays it --replays times with fresh
 inputs copied in (odd counts), each replay checked the same way. W ranks are processes on
 the visible GPUs (rank r on GPU r % num_gpus: ranks share one GPU when there are fewer),
@@ -37,14 +40,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 MAX_TOKENS = 96
 
 
-def _check(y, rd, w13s, w2s, world, stride, rank, ref):
+def _check(y, rd, reference, rank, ref):
     """(mismatch, relative error) of this rank's output y for round rd."""
     import torch
-    w13, w2 = w13s[rd.shape], w2s[rd.shape]
-    kernel = ref.ep_moe_reference(rd.xs, rd.topk_ids, rd.topk_weights, w13, w2, world,
-                                  "kernel", stride)[rank]
-    fp32 = ref.ep_moe_reference(rd.xs, rd.topk_ids, rd.topk_weights, w13, w2, world,
-                                "fp32", stride)[rank]
+    from vllm_petit_moe.testing.soak import relative_error
+    args = (rd.xs[rank], rd.topk_ids[rank], rd.topk_weights[rank])
+    kernel, fp32 = reference(*args, "kernel"), reference(*args, "fp32")
     tol = ref.tolerance(kernel, fp32)
     try:
         ref.check_close(y, fp32, tol)
@@ -53,26 +54,26 @@ def _check(y, rd, w13s, w2s, world, stride, rank, ref):
         bad = True
     if not torch.isfinite(y.float()).all():
         bad = True
-    from vllm_petit_moe.testing.soak import relative_error
     return bad, relative_error(y, fp32)
 
 
 def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
-              experts: str = "alternate") -> dict:
+              experts: str = "alternate", max_seconds: float = 0.0) -> dict:
     """One rank's share of the soak (run on every rank of a rank pool)."""
     import torch
 
     from rank_pool import get_buffer
     from vllm_petit_moe import ops
     from vllm_petit_moe.testing import reference as ref
-    from vllm_petit_moe.testing.soak import SHAPES, draw_round, expert_weights
+    from vllm_petit_moe.testing.soak import SHAPES, RankReference, draw_round, expert_weights
 
     rank, world, device = state["rank"], state["world_size"], state["device"]
     per_gpu = -(-world // max(torch.cuda.device_count(), 1))
     sms = torch.cuda.get_device_properties(device).multi_processor_count // per_gpu
-    w13s, w2s, bufs = {}, {}, {}
+    w13s, w2s, bufs, refs = {}, {}, {}, {}
     for shape in SHAPES:
         w13s[shape], w2s[shape] = expert_weights(shape, device=device)
+        refs[shape] = RankReference(w13s[shape], w2s[shape], world)
         hidden, _, top_k, experts = shape
         bufs[shape] = get_buffer(state, hidden_size=hidden, num_experts=experts,
                                  max_tokens_per_rank=MAX_TOKENS, max_top_k=top_k, num_sms=sms,
@@ -98,15 +99,19 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
                                              w13, w2)
         return buf.combine(expert_out, d.handle, out=out)
 
+    start = time.monotonic()
     stats = dict(rounds=0, rounds_megamoe=0, rounds_fused=0, graph_replays=0, mismatches=0,
                  max_rel_err=0.0, first_mismatch=None)
     for i in range(rounds):
         rd = draw_round(seed + i, world, MAX_TOKENS, device=device)
         stride = max(max(rd.tokens), 1)
         kind = path(i, rd.shape, stride)
+        # ranks enter the round together: where they share a GPU by time slices, a rank
+        # spinning in the layer while its peer still checks the last round slows both
+        torch.distributed.barrier(group=state["group"])
         y = layer(bufs[rd.shape], rd.shape, rd.xs[rank], rd.topk_ids[rank],
                   rd.topk_weights[rank], stride, kind)
-        bad, err = _check(y, rd, w13s, w2s, world, stride, rank, ref)
+        bad, err = _check(y, rd, refs[rd.shape], rank, ref)
         stats["rounds"] += 1
         stats["rounds_megamoe"] += kind == "megamoe"
         stats["rounds_fused"] += kind == "fused"
@@ -133,13 +138,20 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
                             for t in rd.xs]
                 x.copy_(fresh.xs[rank])
                 graph.replay()
-                bad, err = _check(out, fresh, w13s, w2s, world, stride, rank, ref)
+                bad, err = _check(out, fresh, refs[rd.shape], rank, ref)
                 stats["graph_replays"] += 1
                 stats["mismatches"] += bad
                 stats["max_rel_err"] = max(stats["max_rel_err"], err)
             del graph
         if (i + 1) % 1000 == 0 and rank == 0:
-            print(f"rank 0: {i + 1} rounds, {stats['mismatches']} mismatches", flush=True)
+            print(f"rank 0: {i + 1} rounds, {stats['mismatches']} mismatches, "
+                  f"{time.monotonic() - start:.0f} s", flush=True)
+        if max_seconds and (i + 1) % 100 == 0:  # every rank stops after the same round
+            late = torch.tensor([float(time.monotonic() - start > max_seconds)])
+            torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX,
+                                         group=state["group"])
+            if late.item() > 0:
+                break
     torch.cuda.synchronize()
     return stats
 
@@ -155,6 +167,8 @@ def main(argv=None) -> int:
                         default="alternate",
                         help="the path: rotate over the three (default), or always one (the "
                         "fused ones where the shape qualifies)")
+    parser.add_argument("--max-seconds", type=float, default=0.0,
+                        help="end early after this long (0: run every round)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -172,7 +186,7 @@ def main(argv=None) -> int:
     pool = ep_rank_pool(args.world, min(num_gpus, args.world))
     try:
         results = pool.run(soak.soak_rank, args.rounds, args.seed, args.graph_every, args.replays,
-                           args.experts, timeout_s=24 * 3600)
+                           args.experts, args.max_seconds, timeout_s=24 * 3600)
     finally:
         pool.close()
     seconds = time.monotonic() - start
@@ -185,7 +199,7 @@ def main(argv=None) -> int:
                rounds=sum(r["rounds"] for r in results),
                rounds_megamoe=sum(r["rounds_megamoe"] for r in results),
                rounds_fused=sum(r["rounds_fused"] for r in results),
-               rounds_per_rank=args.rounds,
+               rounds_per_rank=results[0]["rounds"], rounds_asked=args.rounds,
                graph_replays=sum(r["graph_replays"] for r in results),
                mismatches=sum(r["mismatches"] for r in results),
                max_rel_err=max(r["max_rel_err"] for r in results),

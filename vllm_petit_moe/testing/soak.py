@@ -70,6 +70,54 @@ def expert_weights(shape, seed: int = 0, device: torch.device | str = "cpu"):
     return w13.to(torch.bfloat16).to(device), w2.to(torch.bfloat16).to(device)
 
 
+class RankReference:
+    """One rank's expected output of the EP MoE layer, vectorized over the experts: the same
+    rounding model as ``reference.ep_moe_reference`` (``"kernel"``: bf16 activation, each
+    entry's weighted down row in bf16, each destination rank's sum in bf16, the sum over the
+    ranks in fp32 rounded to bf16; ``"fp32"``: the same in float64 without rounding), but
+    computed for this rank's tokens only, densely over every expert (a few batched matmuls and
+    no host synchronization, so a soak round costs milliseconds where ranks share one GPU).
+    Sums are taken in another order than the reference's, which the tolerance absorbs.
+
+    w13 ``[E, 2I, H]`` and w2 ``[E, H, I]`` global bf16 weights; their upcast copies are made
+    once here.
+    """
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, world_size: int):
+        self.world_size = world_size
+        self.num_experts, self.inter = w13.shape[0], w13.shape[1] // 2
+        self.weights = {dtype: (w13.to(dtype), w2.to(dtype))
+                        for dtype in (torch.float32, torch.float64)}
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 precision: str) -> torch.Tensor:
+        """x ``[T, H]`` bf16, topk_ids ``[T, K]`` global ids or -1, topk_weights ``[T, K]``:
+        ``[T, H]`` bf16 (``"kernel"``) or float32 (``"fp32"``)."""
+        kernel = precision == "kernel"
+        dtype = torch.float32 if kernel else torch.float64
+        w13, w2 = self.weights[dtype]
+        E, I = self.num_experts, self.inter  # noqa: E741
+        T, K = topk_ids.shape
+        valid = (topk_ids >= 0) & (topk_ids < E)
+        ids = torch.where(valid, topk_ids, 0).long()
+        gate_up = torch.einsum("th,eih->eti", x.to(dtype), w13)  # [E, T, 2I]
+        act = torch.nn.functional.silu(gate_up[..., :I]) * gate_up[..., I:]
+        if kernel:
+            act = act.to(torch.bfloat16).to(dtype)
+        down = torch.einsum("eti,ehi->eth", act, w2)  # [E, T, H]
+        rows = torch.arange(T, device=x.device)[:, None].expand(T, K)
+        weighted = down[ids, rows] * topk_weights.to(dtype)[..., None]  # [T, K, H]
+        if kernel:
+            weighted = weighted.to(torch.bfloat16).to(dtype)
+        owner = ids // (E // self.world_size)
+        route = torch.nn.functional.one_hot(owner, self.world_size).to(dtype) * valid[..., None]
+        per_rank = torch.einsum("tkw,tkh->twh", route, weighted)  # each destination's rows
+        if kernel:
+            per_rank = per_rank.to(torch.bfloat16).to(dtype)
+        y = per_rank.sum(1)
+        return y.to(torch.bfloat16) if kernel else y.to(torch.float32)
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got - want| / max(max |want|, 1e-6), in float64."""
     if want.numel() == 0:
