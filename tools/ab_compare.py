@@ -28,6 +28,8 @@ import sys
 
 KINDS = {  # kind: (key fields, metrics, the verdict's default metric)
     # us_chain: bench_experts --chain (decode sizes only; a configuration without it shows -)
+    # tiles: the family asked for (tiles_requested where recorded: "auto" resolves to names
+    # that changed between trees)
     "experts": (("preset", "routing", "tokens", "tiles"), ("us", "us_chain"), "us"),
     "moe_layer": (("preset", "routing", "tokens"), ("vllm_us", "composed_us", "megamoe_us"),
                   "megamoe_us"),
@@ -53,7 +55,9 @@ def load(prefix):
                     r = json.loads(line)
                     kind = kind or kind_of(r)
                     fields, metrics, _ = KINDS[kind]
-                    per_key = values.setdefault(tuple(r[k] for k in fields), {})
+                    key = tuple(r.get("tiles_requested", r[k]) if k == "tiles" else r[k]
+                                for k in fields)
+                    per_key = values.setdefault(key, {})
                     for m in metrics:
                         if r.get(m) is not None:
                             per_key.setdefault(m, []).append(r[m])

@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -74,8 +72,8 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
     for shape in SHAPES:
         w13s[shape], w2s[shape] = expert_weights(shape, device=device)
         refs[shape] = RankReference(w13s[shape], w2s[shape], world)
-        hidden, _, top_k, experts = shape
-        bufs[shape] = get_buffer(state, hidden_size=hidden, num_experts=experts,
+        hidden, _, top_k, num_experts = shape
+        bufs[shape] = get_buffer(state, hidden_size=hidden, num_experts=num_experts,
                                  max_tokens_per_rank=MAX_TOKENS, max_top_k=top_k, num_sms=sms,
                                  timeout_s=60.0)
     local = lambda shape: slice(rank * (shape[3] // world), (rank + 1) * (shape[3] // world))  # noqa: E731
@@ -190,9 +188,9 @@ def main(argv=None) -> int:
     finally:
         pool.close()
     seconds = time.monotonic() - start
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip() or \
-        os.environ.get("PETIT_COMMIT", "unknown")
+    sys.path.insert(0, str(ROOT / "examples"))
+    from bench_env import commit_stamp
+    commit = commit_stamp(ROOT)
     row = dict(gpu=gpu, world=args.world, num_gpus=min(num_gpus, args.world), commit=commit,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                seed=args.seed, experts=args.experts,
