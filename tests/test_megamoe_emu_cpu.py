@@ -89,8 +89,8 @@ def assert_close(out, ref):
     (2, 5, 2, 192, 64, 3, 2),      # 3 k steps over 8 warps: uneven warp split
     (3, 19, 3, 128, 192, 5, 2),    # odd counts
     (4, 40, 2, 64, 64, 2, 1),      # > 16 rows per expert: several passes
-    (5, 2, 2, 1536, 1344, 2, 1),   # 5-6 k steps per warp: the inputs' register ring wraps
-    (6, 12, 2, 1536, 320, 2, 1),   # the same with two n-tiles (> 8 rows per expert)
+    (5, 2, 2, 1536, 1344, 2, 1),   # 5-6 k steps per warp, one n-tile
+    (6, 12, 2, 1536, 320, 2, 1),   # 5-6 k steps per warp, two n-tiles (> 8 rows per expert)
 ])
 def test_matches_reference(emu, seed, num_rows, top_k, hidden, intermediate, num_local, num_sms):
     case = make_case(seed, num_rows, top_k, hidden, intermediate, num_local)
