@@ -55,6 +55,20 @@ def _check(y, rd, reference, rank, ref):
     return bad, relative_error(y, fp32)
 
 
+PATHS = ("composed", "megamoe", "fused")
+
+
+def round_path(i: int, experts: str, shape, world: int, stride: int) -> str:
+    """The path of round i: "composed", "megamoe" (the fused kernel as the expert stage) or
+    "fused" (the whole layer), in rotation for experts="alternate"; composed where the fused
+    kernel does not take the shape."""
+    from vllm_petit_moe import ops
+    hidden, inter, top_k, _ = shape
+    wanted = PATHS[i % 3] if experts == "alternate" else experts
+    qualifies = ops.megamoe_unsupported_reason(world * stride, top_k, hidden, inter) is None
+    return wanted if qualifies else "composed"
+
+
 def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
               experts: str = "alternate", max_seconds: float = 0.0) -> dict:
     """One rank's share of the soak (run on every rank of a rank pool)."""
@@ -78,12 +92,6 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
                                  timeout_s=60.0)
     local = lambda shape: slice(rank * (shape[3] // world), (rank + 1) * (shape[3] // world))  # noqa: E731
 
-    def path(i, shape, stride):  # "composed", "megamoe" (expert stage) or "fused" (the layer)
-        hidden, inter, top_k, _ = shape
-        wanted = experts if experts != "alternate" else ("composed", "megamoe", "fused")[i % 3]
-        qualifies = ops.megamoe_unsupported_reason(world * stride, top_k, hidden, inter) is None
-        return wanted if qualifies else "composed"
-
     def layer(buf, shape, x, ids, w, stride, kind, out=None):
         w13, w2 = w13s[shape][local(shape)].contiguous(), w2s[shape][local(shape)].contiguous()
         if kind == "fused":
@@ -103,7 +111,7 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
     for i in range(rounds):
         rd = draw_round(seed + i, world, MAX_TOKENS, device=device)
         stride = max(max(rd.tokens), 1)
-        kind = path(i, rd.shape, stride)
+        kind = round_path(i, experts, rd.shape, world, stride)
         # ranks enter the round together: where they share a GPU by time slices, a rank
         # spinning in the layer while its peer still checks the last round slows both
         torch.distributed.barrier(group=state["group"])
@@ -161,7 +169,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--graph-every", type=int, default=250)
     parser.add_argument("--replays", type=int, default=5)
-    parser.add_argument("--experts", choices=("alternate", "composed", "megamoe", "fused"),
+    parser.add_argument("--experts", choices=("alternate",) + PATHS,
                         default="alternate",
                         help="the path: rotate over the three (default), or always one (the "
                         "fused ones where the shape qualifies)")
