@@ -160,7 +160,8 @@ esac
 bench=$1
 while [ $# -gt 0 ]; do [ "$1" = --out-dir ] && out=$2; shift; done
 mkdir -p "$out"
-us=400; [ -f OLD_TREE ] || us=300; [ -n "${PETIT_X:-}" ] && us=$((us - PETIT_X * 100))
+us=400; [ -f OLD_TREE ] || us=300; [ -f V1_TREE ] && us=350
+[ -n "${PETIT_X:-}" ] && us=$((us - PETIT_X * 100))
 [ -n "${PETIT_Y:-}" ] && us=$((us - PETIT_Y))
 echo "{\"preset\": \"deepseek-v3\", \"routing\": \"uniform\", \"tokens\": 4096, \"num_sms\": 24, \"dispatch_us\": 236.0, \"combine_us\": $us, \"cwd\": \"$PWD\", \"bench\": \"$bench\"}" > "$out/r.jsonl"
 """
@@ -220,6 +221,26 @@ def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
                for f in (tmp_path / "out2").glob("ab-*")}
     assert benches == {"ab-new": "examples/bench_experts.py",
                        "ab-new_PETIT_X_1": "examples/bench_experts.py"}
+    # AB_TREES: a third tree (a kernel variant) built and run beside old and new
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "setup.py").write_text("")
+    (v1 / "V1_TREE").write_text("")
+    env.update(AB_OLD=str(old), AB_TREES=f"v1={v1}", AB_RUNS="old v1 new", AB_REPEATS="1",
+               AB_BENCH="examples/bench_dispatch_combine.py", OUT=str(tmp_path / "out3"))
+    three = subprocess.run(["bash", str(new / "tools" / "ab_trees.sh")], env=env,
+                           capture_output=True, text=True)
+    assert three.returncode == 0, three.stdout + three.stderr
+    cwds = {f.name: json.loads((f / "r.jsonl").read_text())["cwd"]
+            for f in (tmp_path / "out3").glob("ab-*")}
+    assert cwds == {"ab-old": str(old), "ab-v1": str(v1), "ab-new": str(new)}
+    assert "ab-old vs ab-v1" in three.stdout and "0.875" in three.stdout
+    assert sorted(p.name for p in (tmp_path / "out3").glob("build-*.log")) == \
+        ["build-new.log", "build-old.log", "build-v1.log"]
+    env.update(AB_RUNS="old v2")
+    unknown = subprocess.run(["bash", str(new / "tools" / "ab_trees.sh")], env=env,
+                             capture_output=True, text=True)
+    assert unknown.returncode == 2 and "no tree v2" in unknown.stdout
 
 
 def test_ncu_stalls_ranks_instructions_per_kernel(tmp_path, capsys):

@@ -10,7 +10,9 @@
 # runs $AB_BENCH $AB_ARGS from its own tree. A run is TREE[:NAME=VALUE[,NAME=VALUE...]] with
 # TREE `old` (AB_OLD) or `new` (this tree) and environment variables to set; its results go to
 # $OUT/ab-<tree>[_<setting>][_rN]/, and tools/ab_compare.py compares each run with the first.
-# Without AB_OLD only `new` runs are allowed (a sweep of settings of this tree). The kernels'
+# Without AB_OLD only `new` runs are allowed (a sweep of settings of this tree). More trees:
+# AB_TREES="NAME=FOLDER ..." (NAME letters and digits), each run as NAME[:settings], all built
+# at once (the cores shared), e.g. a base and two kernel variants in one call. The kernels'
 # tuning configs are benchmark arguments, not environment (AB_ARGS: --combine-configs of
 # bench_dispatch_combine.py, --expert-configs of bench_experts.py).
 #
@@ -26,22 +28,28 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 PY=${PYTHON:-python3}
-NEW=$PWD
-OLD=
-if [ -n "${AB_OLD:-}" ]; then
-  OLD=$(cd "$AB_OLD" && pwd) || exit 1
-  [ -f "$OLD/setup.py" ] || { echo "AB_OLD=$AB_OLD holds no source tree"; exit 1; }
-fi
+declare -A DIRS=([new]=$PWD)
+add_tree() {  # NAME FOLDER
+  local dir
+  [[ $1 =~ ^[A-Za-z0-9]+$ ]] || { echo "tree name '$1': letters and digits only"; exit 2; }
+  dir=$(cd "$2" && pwd) || exit 1
+  [ -f "$dir/setup.py" ] || { echo "tree $1=$2 holds no source tree"; exit 1; }
+  DIRS[$1]=$dir
+}
+[ -z "${AB_OLD:-}" ] || add_tree old "$AB_OLD"
+for entry in ${AB_TREES:-}; do add_tree "${entry%%=*}" "${entry#*=}"; done
 RUNS=${AB_RUNS:-old new}
 BENCH=${AB_BENCH:-examples/bench_dispatch_combine.py}
-case " $RUNS" in *" old"*) [ -n "$OLD" ] || { echo "AB_RUNS has old runs but no AB_OLD"; exit 2; } ;; esac
-jobs=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
-[ -n "$OLD" ] || jobs=$(nproc)
+for run in $RUNS; do
+  tree=${run%%:*}
+  [ -n "${DIRS[$tree]:-}" ] || {
+    [ "$tree" = old ] && echo "AB_RUNS has old runs but no AB_OLD" || echo "run $run: no tree $tree"
+    exit 2; }
+done
+jobs=$(( $(nproc) / ${#DIRS[@]} > 0 ? $(nproc) / ${#DIRS[@]} : 1 ))
 
-trees=("$NEW")
-[ -z "$OLD" ] || trees=("$OLD" "$NEW")
-for tree in "${trees[@]}"; do
-  (cd "$tree" && MAX_JOBS=$jobs $PY setup.py build_ext --inplace > "$OUT/build-$(basename "$tree").log" 2>&1) &
+for name in "${!DIRS[@]}"; do
+  (cd "${DIRS[$name]}" && MAX_JOBS=$jobs $PY setup.py build_ext --inplace > "$OUT/build-$name.log" 2>&1) &
 done
 build_rc=0
 for job in $(jobs -p); do wait "$job" || build_rc=1; done
@@ -52,7 +60,7 @@ first=
 for _ in $(seq "${AB_REPEATS:-2}"); do
   for run in $RUNS; do
     tree=${run%%:*}; setting=${run#"$tree"}; setting=${setting#:}
-    case $tree in old) dir=$OLD ;; new) dir=$NEW ;; *) echo "run $run: tree must be old or new"; exit 2 ;; esac
+    dir=${DIRS[$tree]}
     name=$tree${setting:+_$setting}
     tag=$(sweep_tag "$OUT/ab-" "$name")
     first=${first:-$OUT/ab-${name//[^A-Za-z0-9]/_}}
@@ -67,8 +75,8 @@ for _ in $(seq "${AB_REPEATS:-2}"); do
 done
 
 echo
-echo "================ petit-moe A/B of two trees ================"
-echo "old: ${AB_OLD:-none}  new: ${PETIT_COMMIT:-this tree}  runs: $RUNS x ${AB_REPEATS:-2}  bench rc=$bench_rc"
+echo "================ petit-moe A/B of source trees ================"
+echo "old: ${AB_OLD:-none}  new: ${PETIT_COMMIT:-this tree}${AB_TREES:+  also: $AB_TREES}  runs: $RUNS x ${AB_REPEATS:-2}  bench rc=$bench_rc"
 for run in $(printf '%s\n' $RUNS | awk '!seen[$0]++'); do
   tree=${run%%:*}; setting=${run#"$tree"}; setting=${setting#:}
   name=$tree${setting:+_$setting}
