@@ -12,14 +12,14 @@ W x R x K <= 2048 entries); the rest runs dispatch -> ops.experts_forward -> com
 
 Every rank draws the same rounds (vllm_petit_moe.testing.soak.draw_round: seeds swept, shape
 from SHAPES, T per rank random with zeros, uniform / hot rank / hot expert / -1 slots /
-repeated ids), computes its own expected output (testing.soak.RankReference: the rounding model of
-testing.reference.ep_moe_reference, vectorized over the experts for one rank's tokens, checked
-against it by tests/test_soak_emu_cpu.py) and counts a mismatch where the layer's output
-leaves the tolerance derived from the reference's own bf16-vs-fp32 error
+repeated ids), computes its own expected output (testing.soak.RankReference: the rounding
+model of testing.reference.ep_moe_reference, vectorized over the experts for one rank's
+tokens, checked against it by tests/test_soak_emu_cpu.py) and counts a mismatch where the
+layer's output leaves the tolerance derived from the reference's own bf16-vs-fp32 error
 (testing.reference.tolerance). --max-seconds ends a run early, at a round all ranks agree on;
-the row records the rounds that ran. Every --graph-every rounds a rank
-captures one round of fixed shapes in a CUDA graph and replays it --replays times with fresh
-inputs copied in (odd counts), each replay checked the same way. W ranks are processes on
+the row records the rounds that ran. Every --graph-every rounds a rank captures one round of
+fixed shapes in a CUDA graph and replays it --replays times with fresh inputs copied in (odd
+counts), each replay checked the same way. W ranks are processes on
 the visible GPUs (rank r on GPU r % num_gpus: ranks share one GPU when there are fewer),
 joined by a gloo group; each rank's persistent grid gets SMs / ranks-per-GPU SMs.
 """
