@@ -37,6 +37,7 @@ HEADER_NAMES = {
     "FP8_TOKEN_MIN_SCALE": "kFp8TokenMinScale",
     "MEGAMOE_MAX_ENTRIES": "kMegaMoeMaxEntries",
     "MEGAMOE_SIZE_MULTIPLE": "kMegaMoeSizeMultiple",
+    "MEGAMOE_TRACE_HEADER": "kMegaMoeTraceHeader",
     "MEGAMOE_TRACE_SLOTS": "kMegaMoeTraceSlots",
     "MEGAMOE_BLOCKS_PER_SM": "kMegaMoeBlocksPerSm",
     "MAX_TIMEOUT_S": "kMaxTimeoutS",

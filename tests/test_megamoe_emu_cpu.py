@@ -159,7 +159,8 @@ def test_trace_records_every_task_once_in_order(emu):
     ready <= done <= the next task's ready <= exit, and the blocks' tasks together are every
     gate/up, down and reduction task exactly once. At most 5 * (64/16 + 64/32) + 64/32 = 32
     tasks, all within one block's kMegaMoeTraceTasks records whichever block claims them."""
-    from vllm_petit_moe.limits import MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS
+    from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,
+                                       MEGAMOE_TRACE_SLOTS)
     num_rows, top_k, hidden, inter, num_local, num_sms = 9, 3, 64, 64, 5, 2
     case = make_case(8, num_rows, top_k, hidden, inter, num_local)
     grid = MEGAMOE_BLOCKS_PER_SM * num_sms
@@ -169,11 +170,13 @@ def test_trace_records_every_task_once_in_order(emu):
     assert_close(out, reference_moe(*case))
     seen = []
     for block in trace:
-        entry, routed, exit_, count = (int(v) for v in block[:4])
-        assert 0 < entry <= routed <= exit_, block[:4]
+        entry, routed, exit_, count, read, counted, issued = (int(v) for v in block[:7])
+        assert 0 < entry <= read <= counted <= routed <= exit_, block[:7]
+        assert counted <= issued <= routed, block[:7]
         last = routed
         for i in range(count):
-            task, ready, done = (int(v) for v in block[4 + 3 * i:7 + 3 * i])
+            first = MEGAMOE_TRACE_HEADER + 3 * i
+            task, ready, done = (int(v) for v in block[first:first + 3])
             assert last <= ready <= done <= exit_, (i, last, ready, done, exit_)
             last = done
             seen.append((task >> 40, (task >> 20) & 0xFFFFF, task & 0xFFFFF))
@@ -192,6 +195,8 @@ def test_trace_records_every_task_once_in_order(emu):
     blocks = tool.blocks_from_trace(trace.tolist())
     summary = tool.summarize(blocks, min(b["entry"] for b in blocks))
     assert summary["blocks"] == grid and summary["truncated_blocks"] == 0
+    steps = summary["routing_steps_us_median"]
+    assert list(steps) == ["ids", "counts", "first_loads", "sort"] and min(steps.values()) >= 0
     assert [summary["kinds"][k]["count"] for k in tool.KINDS] == \
         [sum(1 for w in want if w[0] == i) for i in range(len(tool.KINDS))]
     assert summary["span_us"] > 0 and summary["handoff_us_max"] >= summary["handoff_us_median"]

@@ -288,7 +288,8 @@ def test_fused_layer_trace_per_rank(ep_lib, megamoe_lib):
     import importlib.util
     from pathlib import Path
 
-    from vllm_petit_moe.limits import MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS
+    from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,
+                                       MEGAMOE_TRACE_SLOTS)
     world, tokens, top_k, num_blocks = 2, [2, 1], 1, 2
     gen = torch.Generator().manual_seed(11)
     w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen) * 0.05).bfloat16()
@@ -311,11 +312,13 @@ def test_fused_layer_trace_per_rank(ep_lib, megamoe_lib):
     for rank, trace in enumerate(traces):
         seen = []
         for block in trace:
-            entry, routed, exit_, count = (int(v) for v in block[:4])
-            assert 0 < entry <= routed <= exit_, (rank, block[:4])
+            entry, routed, exit_, count, read, counted, issued = (int(v) for v in block[:7])
+            assert 0 < entry <= read <= counted <= routed <= exit_, (rank, block[:7])
+            assert counted <= issued <= routed, (rank, block[:7])
             last = routed
             for i in range(count):
-                task, ready, done = (int(v) for v in block[4 + 3 * i:7 + 3 * i])
+                first = MEGAMOE_TRACE_HEADER + 3 * i
+                task, ready, done = (int(v) for v in block[first:first + 3])
                 assert last <= ready <= done <= exit_, (rank, i, last, ready, done, exit_)
                 last = done
                 seen.append((task >> 40, (task >> 20) & 0xFFFFF, task & 0xFFFFF))

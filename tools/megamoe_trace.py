@@ -6,7 +6,9 @@ control warp's wait) and the moment its stores were issued.
 
 Prints, for one preset at a few token counts (uniform routing over the global experts, the
 preset's local share; fresh random weights; 3 untraced calls first):
-- the span of the call (first block entry -> last block exit) and the routing time;
+- the span of the call (first block entry -> last block exit) and the routing time, split
+  into its steps (medians over blocks): the rows' ids read (EP: after every rank's rows
+  arrived), the experts' counts and offsets, the first weight loads issued, the sort;
 - per task kind (gate/up, down, reduction): count, first ready / last done, median duration;
 - the wait before each task (previous task done -> this one ready: claims, the control warp's
   input wait) per kind;
@@ -38,7 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vllm_petit_moe import ops  # noqa: E402
-from vllm_petit_moe.limits import MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS  # noqa: E402
+from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,  # noqa: E402
+                                   MEGAMOE_TRACE_SLOTS)
 
 # hidden, intermediate, local experts, global experts (top-8 picks from these), top-k
 PRESETS = {"deepseek-v3": (7168, 2048, 32, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 128, 8)}
@@ -96,12 +99,13 @@ def blocks_from_trace(rows: list[list[int]]) -> list[dict]:
         if row[0] < 0:  # a block the grid did not have
             continue
         tasks = []
-        for i in range(min(row[3], (MEGAMOE_TRACE_SLOTS - 4) // 3)):
-            task, ready, done = row[4 + 3 * i:7 + 3 * i]
+        for i in range(min(row[3], (MEGAMOE_TRACE_SLOTS - MEGAMOE_TRACE_HEADER) // 3)):
+            first = MEGAMOE_TRACE_HEADER + 3 * i
+            task, ready, done = row[first:first + 3]
             tasks.append({"kind": KINDS[task >> 40], "expert": (task >> 20) & 0xFFFFF,
                           "tile": task & 0xFFFFF, "ready": ready, "done": done})
         blocks.append({"entry": row[0], "routed": row[1], "exit": row[2], "count": row[3],
-                       "tasks": tasks})
+                       "ids": row[4], "counted": row[5], "issued": row[6], "tasks": tasks})
     return blocks
 
 
@@ -110,6 +114,12 @@ def summarize(blocks: list[dict], t0: float) -> dict:
     med = lambda v: statistics.median(v) if v else 0.0  # noqa: E731
     out = {"blocks": len(blocks), "span_us": us(max(b["exit"] for b in blocks)),
            "routing_us_median": med([(b["routed"] - b["entry"]) / 1e3 for b in blocks]),
+           # the routing's steps, each from the previous stamp
+           "routing_steps_us_median": {
+               step: med([(b[end] - b[begin]) / 1e3 for b in blocks])
+               for step, begin, end in (("ids", "entry", "ids"), ("counts", "ids", "counted"),
+                                        ("first_loads", "counted", "issued"),
+                                        ("sort", "issued", "routed"))},
            "truncated_blocks": sum(b["count"] > len(b["tasks"]) for b in blocks)}
     split = {"routing": 0.0, "working": 0.0, "waiting": 0.0, "tail": 0.0}
     per_kind = {k: {"count": 0, "durations": [], "waits": [], "first_ready": None,
@@ -182,6 +192,8 @@ def main(argv=None) -> int:
               f"{s['blocks']} blocks, routing {s['routing_us_median']:.2f} us (median)"
               + (f", {s['truncated_blocks']} blocks' task lists truncated"
                  if s["truncated_blocks"] else ""))
+        print("routing steps (median us): " + ", ".join(
+            f"{step} {v:.2f}" for step, v in s["routing_steps_us_median"].items()))
         print(f"{'kind':8} {'count':>6} {'first ready':>12} {'last done':>10} {'median us':>10} "
               f"{'wait med':>9} {'wait max':>9}")
         for kind, k in s["kinds"].items():

@@ -16,7 +16,8 @@ SIZE_MULTIPLE = 8  # kSizeMultiple: H and I are multiples of one 16-byte vector 
 MAX_ENTRIES = 2**31 - 1  # N*K routing entries of experts_forward are indexed with int32
 MEGAMOE_MAX_ENTRIES = 2048  # kMegaMoeMaxEntries: N*K of one fused-layer call
 MEGAMOE_SIZE_MULTIPLE = 64  # kMegaMoeSizeMultiple: H and I of the fused layer
-MEGAMOE_TRACE_SLOTS = 100  # kMegaMoeTraceSlots: int64 stamps per block of the fused layer's trace
+MEGAMOE_TRACE_HEADER = 7  # kMegaMoeTraceHeader: a block's phase stamps before its task records
+MEGAMOE_TRACE_SLOTS = 103  # kMegaMoeTraceSlots: int64 stamps per block of the fused layer's trace
 MEGAMOE_BLOCKS_PER_SM = 2  # kMegaMoeBlocksPerSm: the fused layer's grid, per SM at most
 
 # --------------------------------------------------------------------------- waits

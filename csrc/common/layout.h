@@ -14,9 +14,12 @@ constexpr int kSizeMultiple = 8;       // H and I: multiples of one 16-byte vect
 constexpr int kMegaMoeMaxEntries = 2048;  // fused layer: N*K, sorted in shared memory
 constexpr int kMegaMoeSizeMultiple = 64;  // fused layer: H and I, whole 64-k TMA box rows
 // Fused layer's optional trace (MegaMoeArgs::trace): per block, timer stamps of entry, routing
-// done, exit, the count of tasks, then (task, ready, done) of its first kMegaMoeTraceTasks.
+// done, exit, the count of tasks, the routing's steps (rows' ids read -- at EP after every
+// rank's rows arrived --, expert counts and offsets known, the first weight loads issued),
+// then (task, ready, done) of its first kMegaMoeTraceTasks.
+constexpr int kMegaMoeTraceHeader = 7;
 constexpr int kMegaMoeTraceTasks = 32;
-constexpr int kMegaMoeTraceSlots = 4 + 3 * kMegaMoeTraceTasks;
+constexpr int kMegaMoeTraceSlots = kMegaMoeTraceHeader + 3 * kMegaMoeTraceTasks;
 constexpr int kMegaMoeBlocksPerSm = 2;  // fused layer's grid: up to this many blocks per SM
 constexpr int kRegionAlignment = 256;  // bytes; keeps every region 16-byte vector aligned
 constexpr int kFp8ScaleBlock = 128;   // elements per fp8 scale (1x128 block quantization)

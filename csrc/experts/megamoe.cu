@@ -433,6 +433,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   }
   for (int e = tid; e < L; e += kThreads) cursor[e] = 0;
   __syncthreads();
+  if (trace != nullptr) trace[4] = int64_t(petit_timer());  // every row's ids read
   for (int i = tid; i < num_entries; i += kThreads) {
     const int e = expert_of[i];
     if (e >= 0) atomicAdd(&cursor[e], 1);
@@ -473,6 +474,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     }
   }
   __syncthreads();
+  if (trace != nullptr) trace[5] = int64_t(petit_timer());  // counts, offsets, active experts
 
   const int num_active = scalars[kNumActive];
   const int gate_up_tiles = I / kTileCols, down_tiles = H / kDownRows;
@@ -492,6 +494,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   prod.has_next = next_task.valid;
   int consumed = 0;
   if (!control && cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
+  if (trace != nullptr) trace[6] = int64_t(petit_timer());  // this warp's first loads issued
 
   if (warp == 0) {  // stable scatter: entry order within each expert
     for (int base = 0; base < num_entries; base += 32) {
@@ -566,10 +569,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     __syncthreads();  // R(iter)
     if (!cur_task.valid) break;
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {  // kind, expert, tile; ready
-      trace[4 + 3 * iter] = (int64_t(cur_task.kind) << 40) |
+      trace[kMegaMoeTraceHeader + 3 * iter] = (int64_t(cur_task.kind) << 40) |
                             (int64_t(cur_task.kind >= kReduce ? 0 : cur_task.expert) << 20) |
                             cur_task.tile;
-      trace[5 + 3 * iter] = int64_t(petit_timer());
+      trace[kMegaMoeTraceHeader + 1 + 3 * iter] = int64_t(petit_timer());
     }
     if (control) {
       if (lane == 0) {
@@ -748,7 +751,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       }
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
-    if (trace != nullptr && iter < kMegaMoeTraceTasks) trace[6 + 3 * iter] = int64_t(petit_timer());
+    if (trace != nullptr && iter < kMegaMoeTraceTasks) {
+      trace[kMegaMoeTraceHeader + 2 + 3 * iter] = int64_t(petit_timer());
+    }
     if (trace != nullptr) trace[3] = iter + 1;
     if (control && lane == 0) unpublished = cur_task;
     // Advance. Every step of the finished task was consumed, so pushed: the cursor is past it
