@@ -108,3 +108,39 @@ def test_rank_reference_matches_the_ep_reference(world):
                     step = 2.0**-7 if precision == "kernel" else 1e-5
                     diff = (got.float() - want[rank].float()).abs()
                     assert diff.numel() == 0 or diff.max().item() <= step * scale + 1e-6, where
+
+
+def test_check_round_agrees_with_the_reference_checks():
+    """The soak's one-transfer check (testing.soak.check_round) gives reference.check_close's
+    verdict under reference.tolerance, fails non-finite outputs, and reports max|got - fp32| /
+    max|fp32|: on outputs within and beyond the tolerance, NaN, zero and empty references."""
+    from vllm_petit_moe.testing.soak import check_round
+    g = torch.Generator().manual_seed(3)
+    fp32 = torch.randn(6, 40, generator=g)
+    kernel = fp32.bfloat16()
+
+    def verdict(got, kern, want):
+        try:
+            ref.check_close(got, want, ref.tolerance(kern, want))
+        except AssertionError:
+            return True
+        return not bool(torch.isfinite(got.float()).all())
+    cases = [kernel, (fp32 + 0.02 * torch.randn(6, 40, generator=g)).bfloat16(),
+             (fp32 * 1.001).bfloat16(), kernel.clone().index_fill_(1, torch.tensor([3]), 9.0)]
+    nan = kernel.clone()
+    nan[2, 5] = float("nan")
+    cases.append(nan)
+    verdicts = []
+    for got in cases:
+        bad, err = check_round(got, kernel, fp32)
+        assert bad == verdict(got, kernel, fp32)
+        if not bad:
+            want = (got.double() - fp32.double()).abs().max() / fp32.abs().max()
+            assert abs(err - float(want)) <= 1e-12
+        verdicts.append(bad)
+    assert verdicts == [False, True, False, True, True]
+    zero = torch.zeros(2, 8)
+    assert check_round(zero.bfloat16(), zero.bfloat16(), zero) == (False, 0.0)
+    assert check_round(torch.ones(2, 8).bfloat16(), zero.bfloat16(), zero)[0]
+    empty = torch.zeros(0, 8)
+    assert check_round(empty.bfloat16(), empty.bfloat16(), empty) == (False, 0.0)

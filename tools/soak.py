@@ -38,21 +38,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 MAX_TOKENS = 96
 
 
-def _check(y, rd, reference, rank, ref):
+def _check(y, rd, reference, rank):
     """(mismatch, relative error) of this rank's output y for round rd."""
-    import torch
-    from vllm_petit_moe.testing.soak import relative_error
+    from vllm_petit_moe.testing.soak import check_round
     args = (rd.xs[rank], rd.topk_ids[rank], rd.topk_weights[rank])
-    kernel, fp32 = reference(*args, "kernel"), reference(*args, "fp32")
-    tol = ref.tolerance(kernel, fp32)
-    try:
-        ref.check_close(y, fp32, tol)
-        bad = False
-    except AssertionError:
-        bad = True
-    if not torch.isfinite(y.float()).all():
-        bad = True
-    return bad, relative_error(y, fp32)
+    return check_round(y, reference(*args, "kernel"), reference(*args, "fp32"))
 
 
 PATHS = ("composed", "megamoe", "fused")
@@ -76,7 +66,6 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
 
     from rank_pool import get_buffer
     from vllm_petit_moe import ops
-    from vllm_petit_moe.testing import reference as ref
     from vllm_petit_moe.testing.soak import SHAPES, RankReference, draw_round, expert_weights
 
     rank, world, device = state["rank"], state["world_size"], state["device"]
@@ -117,7 +106,7 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
         torch.distributed.barrier(group=state["group"])
         y = layer(bufs[rd.shape], rd.shape, rd.xs[rank], rd.topk_ids[rank],
                   rd.topk_weights[rank], stride, kind)
-        bad, err = _check(y, rd, refs[rd.shape], rank, ref)
+        bad, err = _check(y, rd, refs[rd.shape], rank)
         stats["rounds"] += 1
         stats["rounds_megamoe"] += kind == "megamoe"
         stats["rounds_fused"] += kind == "fused"
@@ -144,7 +133,7 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
                             for t in rd.xs]
                 x.copy_(fresh.xs[rank])
                 graph.replay()
-                bad, err = _check(out, fresh, refs[rd.shape], rank, ref)
+                bad, err = _check(out, fresh, refs[rd.shape], rank)
                 stats["graph_replays"] += 1
                 stats["mismatches"] += bad
                 stats["max_rel_err"] = max(stats["max_rel_err"], err)

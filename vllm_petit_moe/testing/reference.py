@@ -724,6 +724,13 @@ def tolerance(
     max_abs, rel_fro = _errors(kernel_ref, fp32_ref)
     ref_flat = _flat_float64(fp32_ref)
     ref_max = float(ref_flat.abs().max()) if ref_flat.numel() else 0.0
+    return tolerance_from_errors(max_abs, rel_fro, ref_max, factor=factor)
+
+
+def tolerance_from_errors(max_abs: float, rel_fro: float, ref_max: float, *,
+                          factor: float = 2.0) -> Tolerance:
+    """:func:`tolerance` from the reference's own errors (max abs, relative Frobenius) and
+    ``max|fp32_ref|``, for callers that compute them elsewhere (on the device)."""
     return Tolerance(
         max_abs=factor * max_abs + 2.0**-9 * ref_max,
         rel_fro=factor * rel_fro + 2.0**-12,

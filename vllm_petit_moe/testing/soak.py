@@ -118,9 +118,22 @@ class RankReference:
         return y.to(torch.bfloat16) if kernel else y.to(torch.float32)
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max(max |want|, 1e-6), in float64."""
-    if want.numel() == 0:
-        return 0.0
-    diff = (got.double() - want.double()).abs().max()
-    return float(diff / want.double().abs().max().clamp(min=1e-6))
+def check_round(got: torch.Tensor, kernel: torch.Tensor, fp32: torch.Tensor) -> tuple[bool, float]:
+    """(mismatch, relative error) of a layer output against its reference: the verdict of
+    ``reference.check_close(got, fp32, reference.tolerance(kernel, fp32))`` or a non-finite
+    value, and ``max|got - fp32| / max(max|fp32|, 1e-6)``, computed where the tensors are with
+    one transfer to the host (the reference's functions copy each tensor to the host, a
+    synchronization each, which costs time slices where ranks share a GPU)."""
+    if fp32.numel() == 0:
+        return False, 0.0
+    g, k, f = (t.double() for t in (got, kernel, fp32))
+    dk, dg = k - f, g - f
+    k_abs, k_norm, g_abs, g_norm, f_norm, f_max, finite = torch.stack([
+        dk.abs().max(), dk.norm(), dg.abs().max(), dg.norm(), f.norm(), f.abs().max(),
+        torch.isfinite(g).all().double()]).tolist()
+
+    def rel(norm: float) -> float:
+        return norm / f_norm if f_norm > 0 else (0.0 if norm == 0 else float("inf"))
+    tol = ref.tolerance_from_errors(k_abs, rel(k_norm), f_max)
+    bad = not (g_abs <= tol.max_abs and rel(g_norm) <= tol.rel_fro) or finite != 1.0
+    return bad, g_abs / max(f_max, 1e-6)
