@@ -38,11 +38,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 MAX_TOKENS = 96
 
 
-def _check(y, rd, reference, rank):
-    """(mismatch, relative error) of this rank's output y for round rd."""
+def _check(y, inputs, reference):
+    """(mismatch, relative error) of this rank's output y for its inputs (x, ids, weights)."""
     from vllm_petit_moe.testing.soak import check_round
-    args = (rd.xs[rank], rd.topk_ids[rank], rd.topk_weights[rank])
-    return check_round(y, reference(*args, "kernel"), reference(*args, "fp32"))
+    return check_round(y, reference(*inputs, "kernel"), reference(*inputs, "fp32"))
 
 
 PATHS = ("composed", "megamoe", "fused")
@@ -98,15 +97,17 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
     stats = dict(rounds=0, rounds_megamoe=0, rounds_fused=0, graph_replays=0, mismatches=0,
                  max_rel_err=0.0, first_mismatch=None)
     for i in range(rounds):
-        rd = draw_round(seed + i, world, MAX_TOKENS, device=device)
+        # drawn on the host (every rank draws every rank's inputs, the same stream of random
+        # numbers); only this rank's go to the GPU
+        rd = draw_round(seed + i, world, MAX_TOKENS)
+        inputs = tuple(t[rank].to(device) for t in (rd.xs, rd.topk_ids, rd.topk_weights))
         stride = max(max(rd.tokens), 1)
         kind = round_path(i, experts, rd.shape, world, stride)
         # ranks enter the round together: where they share a GPU by time slices, a rank
         # spinning in the layer while its peer still checks the last round slows both
         torch.distributed.barrier(group=state["group"])
-        y = layer(bufs[rd.shape], rd.shape, rd.xs[rank], rd.topk_ids[rank],
-                  rd.topk_weights[rank], stride, kind)
-        bad, err = _check(y, rd, refs[rd.shape], rank)
+        y = layer(bufs[rd.shape], rd.shape, *inputs, stride, kind)
+        bad, err = _check(y, inputs, refs[rd.shape])
         stats["rounds"] += 1
         stats["rounds_megamoe"] += kind == "megamoe"
         stats["rounds_fused"] += kind == "fused"
@@ -119,21 +120,19 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
             # One graph of this round's shapes (every rank captures and replays the same
             # count), fresh inputs of the same token counts copied in before each replay.
             buf = bufs[rd.shape]
-            x, ids, w = (t.clone() for t in (rd.xs[rank], rd.topk_ids[rank],
-                                              rd.topk_weights[rank]))
+            x, ids, w = (t.clone() for t in inputs)
             out = torch.empty_like(x)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 layer(buf, rd.shape, x, ids, w, stride, kind, out=out)
             for r in range(replays):
-                fresh = draw_round(seed + i, world, MAX_TOKENS, device=device)
+                # every rank draws the same fresh rows for every rank; its own go in
                 gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + i * 31 + r)
-                fresh.xs = [torch.randn(t.shape, generator=gen).to(t.dtype).to(device)
-                            for t in rd.xs]
-                x.copy_(fresh.xs[rank])
+                fresh = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in rd.xs]
+                x.copy_(fresh[rank].to(device))
                 graph.replay()
-                bad, err = _check(out, fresh, refs[rd.shape], rank)
+                bad, err = _check(out, (x, ids, w), refs[rd.shape])
                 stats["graph_replays"] += 1
                 stats["mismatches"] += bad
                 stats["max_rel_err"] = max(stats["max_rel_err"], err)
