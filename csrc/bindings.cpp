@@ -111,6 +111,30 @@ void check_cuda_tensor(const torch::Tensor& t, const char* name, int64_t dim) {
               (long long)t.dim());
 }
 
+// The fused layer's tensors and sizes (api.h MegaMoeArgs), shared by the one-GPU and the EP
+// bindings, which check them first and set the rest (expert map, grid, timeout, trace).
+MegaMoeArgs megamoe_args(const torch::Tensor& x, const torch::Tensor& topk_ids,
+                         const torch::Tensor& topk_weights, const torch::Tensor& w13,
+                         const torch::Tensor& w2, torch::Tensor& act, torch::Tensor& partial,
+                         torch::Tensor& sync, torch::Tensor& out) {
+  MegaMoeArgs a{};
+  a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
+  a.topk_ids = topk_ids.data_ptr<int32_t>();
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.w13 = reinterpret_cast<const petit_bf16_bits*>(w13.data_ptr());
+  a.w2 = reinterpret_cast<const petit_bf16_bits*>(w2.data_ptr());
+  a.act = reinterpret_cast<petit_bf16_bits*>(act.data_ptr());
+  a.partial = partial.data_ptr<float>();
+  a.sync = sync.data_ptr<int32_t>();
+  a.out = reinterpret_cast<petit_bf16_bits*>(out.data_ptr());
+  a.num_rows = int(x.size(0));
+  a.top_k = int(topk_ids.size(1));
+  a.hidden = int(x.size(1));
+  a.intermediate = int(w13.size(1) / 2);
+  a.num_local_experts = int(w13.size(0));
+  return a;
+}
+
 // Owns one rank's symmetric heap plus the local device state of an EpBuffer.
 class EpContext {
  public:
@@ -402,21 +426,8 @@ class EpContext {
     MegaMoeEpArgs e{};
     e.ctx = args_;
     e.region_stride = int(region_stride);
+    e.layer = megamoe_args(x, topk_ids, topk_weights, w13, w2, act, partial, sync, out);
     MegaMoeArgs& a = e.layer;
-    a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
-    a.topk_ids = topk_ids.data_ptr<int32_t>();
-    a.topk_weights = topk_weights.data_ptr<float>();
-    a.w13 = reinterpret_cast<const petit_bf16_bits*>(w13.data_ptr());
-    a.w2 = reinterpret_cast<const petit_bf16_bits*>(w2.data_ptr());
-    a.act = reinterpret_cast<petit_bf16_bits*>(act.data_ptr());
-    a.partial = partial.data_ptr<float>();
-    a.sync = sync.data_ptr<int32_t>();
-    a.out = reinterpret_cast<petit_bf16_bits*>(out.data_ptr());
-    a.num_rows = int(T);
-    a.top_k = int(K);
-    a.hidden = int(H);
-    a.intermediate = int(I);
-    a.num_local_experts = int(L);
     a.num_sms = args_.num_blocks;
     a.timeout_ticks = args_.timeout_ticks;
     if (trace.has_value()) {  // one row of stamps per block of the grid (2 per SM)
@@ -869,17 +880,9 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
   PETIT_CHECK(timeout_s > 0.0 && timeout_s <= kMaxTimeoutS, "timeout_s %g outside (0, %g] seconds",
               timeout_s, kMaxTimeoutS);
   c10::cuda::CUDAGuard guard(x.device());
-  MegaMoeArgs a{};
-  a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
-  a.topk_ids = topk_ids.data_ptr<int32_t>();
+  MegaMoeArgs a = megamoe_args(x, topk_ids, topk_weights, w13, w2, act_workspace,
+                               partial_workspace, sync, out);
   a.expert_map = expert_map_arg(expert_map, topk_ids.device(), &a.num_global_experts);
-  a.topk_weights = topk_weights.data_ptr<float>();
-  a.w13 = reinterpret_cast<const petit_bf16_bits*>(w13.data_ptr());
-  a.w2 = reinterpret_cast<const petit_bf16_bits*>(w2.data_ptr());
-  a.act = reinterpret_cast<petit_bf16_bits*>(act_workspace.data_ptr());
-  a.partial = partial_workspace.data_ptr<float>();
-  a.sync = sync.data_ptr<int32_t>();
-  a.out = reinterpret_cast<petit_bf16_bits*>(out.data_ptr());
   if (trace.has_value()) {
     int sms = int(num_sms);
     if (sms == 0) {
@@ -894,11 +897,6 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
                 kMegaMoeBlocksPerSm, kMegaMoeTraceSlots);
     a.trace = t.data_ptr<int64_t>();
   }
-  a.num_rows = int(N);
-  a.top_k = int(K);
-  a.hidden = int(H);
-  a.intermediate = int(I);
-  a.num_local_experts = int(L);
   a.num_sms = int(num_sms);
   a.timeout_ticks = uint64_t(timeout_s * petit_timer_ticks_per_second());
   const petitError_t err = megamoe_check(a);
