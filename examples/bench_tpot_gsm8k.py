@@ -39,8 +39,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_env import VLLM_SAFE_ENV, commit_stamp, device_stamp, utc_date, write_jsonl  # noqa: E402
 from vllm_server import (  # noqa: E402
-    BACKENDS, HOST, PLUGIN_ENV, BenchError, Server, check_backend, free_port, load_prompts, log,
-    server_env, server_settings, vllm_serve_command)
+    BACKENDS, HOST, MEGAMOE_MAX_TOKENS, PLUGIN_ENV, BenchError, Server, check_backend, free_port,
+    load_prompts, log, server_env, server_settings, vllm_serve_command)
 
 ROOT = HERE.parent
 GSM8K = HERE / "data" / "gsm8k_test.jsonl"
@@ -105,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="default: default petit (petit-experts: DP >= 2 only; "
                         "petit-megamoe: the fused layer up to 64 tokens per rank)")
     p.add_argument("--strict", action="store_true", help="VLLM_PETIT_MOE_STRICT=1 for petit")
+    p.add_argument("--megamoe-max-tokens", type=int, default=MEGAMOE_MAX_TOKENS,
+                   help="petit-megamoe: the fused layer serves steps of up to this many tokens "
+                   "per rank (VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS; recorded in its rows)")
     p.add_argument("--routing-strategy", choices=ROUTING_STRATEGIES, default="uniform_random")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
     p.add_argument("--num-prompts", type=int, default=0, help="per level (default: all 1,319)")
@@ -129,8 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "petit-experts" in args.backends and args.dp < 2:
         p.error("petit-experts pairs our experts with our DP+EP dispatch/combine: it needs "
                 "--data-parallel-size >= 2 (at DP 1, petit already runs our experts)")
-    if not 0 <= args.num_prompts <= 1319 or min(args.concurrency) < 1 or args.repeats < 1:
-        p.error("--num-prompts 0..1319, --concurrency >= 1, --repeats >= 1")
+    if not 0 <= args.num_prompts <= 1319 or min(args.concurrency) < 1 or args.repeats < 1 or \
+            args.megamoe_max_tokens < 1:
+        p.error("--num-prompts 0..1319, --concurrency >= 1, --repeats >= 1, "
+                "--megamoe-max-tokens >= 1")
     return args
 
 
@@ -237,8 +242,9 @@ def main(argv=None) -> int:
                                  args.attention_backend, max_model_len=args.max_model_len,
                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                  load_format="dummy") + shlex.split(args.serve_args)
-        settings = server_settings(backend, args.strict, args.routing_strategy)
-        env = server_env(backend, args.strict, args.routing_strategy)
+        bound = dict(megamoe_max_tokens=args.megamoe_max_tokens)
+        settings = server_settings(backend, args.strict, args.routing_strategy, **bound)
+        env = server_env(backend, args.strict, args.routing_strategy, **bound)
         tag = f"{backend}_{args.routing_strategy}_r{rep}"
         benches = {c: bench_command(args.python, port, name, args.model_dir, dataset,
                                     concurrency=c, num_prompts=num_prompts,
@@ -280,7 +286,8 @@ def main(argv=None) -> int:
                                  concurrency=c, num_prompts=num_prompts,
                                  output_len=args.output_len, repeat=rep, model=name,
                                  server_start_s=round(start_s, 1),
-                                 bench_wall_s=round(time.monotonic() - wall, 1))
+                                 bench_wall_s=round(time.monotonic() - wall, 1),
+                                 **(bound if backend == "petit-megamoe" else {}))
                 if row["completed"] != num_prompts:
                     raise BenchError(f"{tag} c={c}: {row['completed']}/{num_prompts} "
                                      f"requests completed ({out})")

@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default="petit",
                    help="the flag-on server: petit's prepare/finalize with vLLM's Triton "
                         "experts (default), with petit's experts too, or with the fused layer "
-                        "for steps up to 64 tokens per rank")
+                        "for steps up to vllm_server.MEGAMOE_MAX_TOKENS tokens per rank")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--python", default=sys.executable, help="interpreter of the vLLM install")
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (default: all GPUs)")

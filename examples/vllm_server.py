@@ -26,9 +26,11 @@ PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXP
               "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS")
 # Backends: "default" (vLLM's own), "petit" (the flag), "petit-experts" (+ our GEMMs behind our
 # DP+EP dispatch/combine), "petit-megamoe" (+ the fused layer for steps of up to
-# MEGAMOE_MAX_TOKENS tokens per rank: one GPU or DP+EP).
+# MEGAMOE_MAX_TOKENS tokens per rank, or the caller's bound: one GPU or DP+EP).
 BACKENDS = ("default", "petit", "petit-experts", "petit-megamoe")
-MEGAMOE_MAX_TOKENS = 64
+# On one H200 (moe_layer_H200x1.jsonl, 0c0f4df) the fused layer is even with vLLM's Triton and
+# our composed experts up to 8 tokens and trails both from 32 (Qwen3-30B-A3B 64: 0.91x).
+MEGAMOE_MAX_TOKENS = 16
 # What the plugin logs (vllm_petit_moe/vllm_glue/hook.py, experts.py).
 # DP + EP: our dispatch/combine; one GPU: our single-GPU experts
 LOG_PETIT_USED = ("vllm-petit-moe: MoE layers use PetitPrepareAndFinalize",
@@ -62,14 +64,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_settings(backend: str, strict: bool = False,
-                    routing_strategy: str | None = None) -> dict:
+def server_settings(backend: str, strict: bool = False, routing_strategy: str | None = None,
+                    *, megamoe_max_tokens: int = MEGAMOE_MAX_TOKENS) -> dict:
     """What a server's environment gets on top of the caller's (which loses PLUGIN_ENV):
     SAFE_ENV, the backend's flags ("petit": VLLM_USE_PETIT_MOE=1; "petit-experts": also
     VLLM_PETIT_MOE_EXPERTS=1; "petit-megamoe": also VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS=
-    MEGAMOE_MAX_TOKENS; "default": none) and vLLM's routing simulation (dummy weights)."""
+    megamoe_max_tokens; "default": none) and vLLM's routing simulation (dummy weights)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: expected one of {BACKENDS}")
+    if megamoe_max_tokens < 1:
+        raise ValueError(f"megamoe_max_tokens must be >= 1, got {megamoe_max_tokens}")
     env = dict(SAFE_ENV)
     if backend != "default":
         env["VLLM_USE_PETIT_MOE"] = "1"
@@ -78,7 +82,7 @@ def server_settings(backend: str, strict: bool = False,
     if backend == "petit-experts":
         env["VLLM_PETIT_MOE_EXPERTS"] = "1"
     if backend == "petit-megamoe":
-        env["VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS"] = str(MEGAMOE_MAX_TOKENS)
+        env["VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS"] = str(megamoe_max_tokens)
     if routing_strategy:
         env.update(VLLM_MOE_ROUTING_SIMULATION_STRATEGY=routing_strategy,
                    VLLM_RANDOMIZE_DP_DUMMY_INPUTS="1")
@@ -86,12 +90,13 @@ def server_settings(backend: str, strict: bool = False,
 
 
 def server_env(backend: str, strict: bool = False, routing_strategy: str | None = None,
-               base: dict | None = None) -> dict:
+               base: dict | None = None, *, megamoe_max_tokens: int = MEGAMOE_MAX_TOKENS) -> dict:
     """The server's whole environment: `base` (default os.environ) without PLUGIN_ENV, then
     server_settings()."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if k not in PLUGIN_ENV}
-    return {**env, **server_settings(backend, strict, routing_strategy)}
+    return {**env, **server_settings(backend, strict, routing_strategy,
+                                     megamoe_max_tokens=megamoe_max_tokens)}
 
 
 def vllm_serve_command(python: str, model_dir, served_name: str, port: int, dp: int,

@@ -249,6 +249,10 @@ def test_check_backend_reads_the_plugin_log_lines():
     assert not check(one_gpu.replace("...", "MegaMoE up to 0 tokens"), "petit-megamoe")[0]
     megamoe = vllm_server.server_env("petit-megamoe", base={})
     assert megamoe["VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS"] == str(vllm_server.MEGAMOE_MAX_TOKENS)
+    bound = vllm_server.server_env("petit-megamoe", base={}, megamoe_max_tokens=8)
+    assert bound["VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS"] == "8"
+    with pytest.raises(ValueError, match="megamoe_max_tokens"):
+        vllm_server.server_env("petit-megamoe", base={}, megamoe_max_tokens=0)
     assert "VLLM_PETIT_MOE_EXPERTS" not in megamoe
     with pytest.raises(ValueError, match="backend"):
         vllm_server.server_env("petit-fast", base={})
@@ -339,8 +343,11 @@ def test_dry_run_on_one_gpu_and_usage_errors(capsys):
     assert "--data-parallel-size 1 --attention-backend" in out  # no expert parallel at DP 1
     assert "VLLM_USE_PETIT_MOE=1" in out  # petit at DP 1: the one-GPU layer
     assert "--num-prompts 1319" in out and "--max-concurrency 32" in out
+    fused = dry_run(capsys, "--backends", "petit-megamoe", "--megamoe-max-tokens", "8")
+    assert "export VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS=8" in fused
     for argv in (["--backends", "petit-experts"], ["--num-prompts", "2000"],
-                 ["--concurrency", "0"], ["--routing-strategy", "none"]):
+                 ["--concurrency", "0"], ["--routing-strategy", "none"],
+                 ["--megamoe-max-tokens", "0"]):
         with pytest.raises(SystemExit) as e:
             bench.main(["--dry-run", *argv])
         assert e.value.code == 2
