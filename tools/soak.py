@@ -19,9 +19,9 @@ layer's output leaves the tolerance derived from the reference's own bf16-vs-fp3
 (testing.reference.tolerance). --max-seconds ends a run early, at a round all ranks agree on;
 the row records the rounds that ran. Every --graph-every rounds a rank captures one round of
 fixed shapes in a CUDA graph and replays it --replays times with fresh inputs copied in (odd
-counts), each replay checked the same way. W ranks are processes on
-the visible GPUs (rank r on GPU r % num_gpus: ranks share one GPU when there are fewer),
-joined by a gloo group; each rank's persistent grid gets SMs / ranks-per-GPU SMs.
+counts), each replay checked the same way. W ranks are processes on the visible GPUs (rank r
+on GPU r % num_gpus: ranks share one GPU when there are fewer), joined by a gloo group; each
+rank's persistent grid gets SMs / ranks-per-GPU SMs.
 """
 from __future__ import annotations
 
@@ -70,18 +70,19 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
     rank, world, device = state["rank"], state["world_size"], state["device"]
     per_gpu = -(-world // max(torch.cuda.device_count(), 1))
     sms = torch.cuda.get_device_properties(device).multi_processor_count // per_gpu
-    w13s, w2s, bufs, refs = {}, {}, {}, {}
+    mine, bufs, refs = {}, {}, {}  # per shape: this rank's experts' weights, buffer, reference
     for shape in SHAPES:
-        w13s[shape], w2s[shape] = expert_weights(shape, device=device)
-        refs[shape] = RankReference(w13s[shape], w2s[shape], world)
+        w13, w2 = expert_weights(shape, device=device)
+        refs[shape] = RankReference(w13, w2, world)
         hidden, _, top_k, num_experts = shape
+        local = slice(rank * (num_experts // world), (rank + 1) * (num_experts // world))
+        mine[shape] = w13[local].contiguous(), w2[local].contiguous()
         bufs[shape] = get_buffer(state, hidden_size=hidden, num_experts=num_experts,
                                  max_tokens_per_rank=MAX_TOKENS, max_top_k=top_k, num_sms=sms,
                                  timeout_s=60.0)
-    local = lambda shape: slice(rank * (shape[3] // world), (rank + 1) * (shape[3] // world))  # noqa: E731
 
     def layer(buf, shape, x, ids, w, stride, kind, out=None):
-        w13, w2 = w13s[shape][local(shape)].contiguous(), w2s[shape][local(shape)].contiguous()
+        w13, w2 = mine[shape]
         if kind == "fused":
             return buf.megamoe(x, ids, w, w13, w2, region_stride=stride, out=out)
         d = buf.dispatch(x, ids, w, region_stride=stride)
