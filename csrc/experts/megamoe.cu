@@ -36,6 +36,7 @@
 // the control warp publishes its own finished task before it waits.
 #include <algorithm>
 #include <cstdio>
+#include <type_traits>
 
 #include "api.h"
 #include "comm/ep_sync.h"
@@ -65,6 +66,7 @@ constexpr int kStepK = 64;       // k elements per ring step: one TMA box row (1
 constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per pass: 16 expert rows
 constexpr int kPassRows = 8 * kMaxNTiles;
 constexpr int kStages = 5;       // ring steps in flight per warp
+constexpr int kInputsAhead = 4;  // input steps in flight per warp with one n-tile (W = 1)
 constexpr int kBoxRows = 16;     // one TMA box: 16 weight rows x 64 k, 128-byte swizzle
 constexpr int kBoxBytes = kBoxRows * kStepK * 2;
 constexpr int kStepBytes = 2 * kBoxBytes;  // a step: both 16-row halves of the task
@@ -328,10 +330,12 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     trace[0] = int64_t(petit_timer());
     trace[3] = 0;  // tasks run
   }
-  if (control && lane == 0) {  // the first two claims, early
-    scalars[kClaim0] = atomicAdd(&sync[kSyncClaim], 1);
-    scalars[kClaim0 + 1] = atomicAdd(&sync[kSyncClaim], 1);
-  }
+  // The first claim, early (stored once the routing's loads are issued, so the atomic's round
+  // trip overlaps them); the second after the routing, so that every block holds one task of
+  // the first wave before any holds two (two claims at once gave the first 2 x grid tasks to
+  // the first blocks in pairs: at 1 token, 384 gate/up tasks on 192 of 264 blocks).
+  int first_claim = 0;
+  if (control && lane == 0) first_claim = atomicAdd(&sync[kSyncClaim], 1);
 
   if (tid == 0) {
     for (int i = 0; i < kWarps * kStages; ++i) {
@@ -432,6 +436,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
                                : local_expert_id(row_ids, a.expert_map, a.num_global_experts, L, i));
   }
   for (int e = tid; e < L; e += kThreads) cursor[e] = 0;
+  if (control && lane == 0) scalars[kClaim0] = first_claim;
   __syncthreads();
   if (trace != nullptr) trace[4] = int64_t(petit_timer());  // every row's ids read
   for (int i = tid; i < num_entries; i += kThreads) {
@@ -473,6 +478,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       scalars[kNumActive] = active_incl;
     }
   }
+  if (control && lane == 0) scalars[kClaim0 + 1] = atomicAdd(&sync[kSyncClaim], 1);
   __syncthreads();
   if (trace != nullptr) trace[5] = int64_t(petit_timer());  // counts, offsets, active experts
 
@@ -661,7 +667,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
                                 : a.act + int64_t(begin + r) * I;
           }
         }
-        const bool two_tiles = rows > 8;
         float acc[2][kMaxNTiles][4];
 #pragma unroll
         for (int h = 0; h < 2; ++h)
@@ -669,46 +674,72 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
           for (int j = 0; j < kMaxNTiles; ++j)
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
-        // B (the rows' inputs) one step ahead: two spans of 16 bytes per n-tile
-        uint4 b_next[2][kMaxNTiles];
-        auto load_b = [&](uint4 (&dst)[2][kMaxNTiles], int s) {
+        // The warp's k steps over NT n-tiles of rows. B (the rows' inputs, global memory) is
+        // loaded D steps ahead into a register ring, so a step waits for its weights (ring
+        // kStages ahead) rather than for an input load issued one step earlier: D = 4 with one
+        // n-tile (2 in the EP instance, whose other state leaves fewer registers), 1 with two.
+        auto k_steps = [&](auto nt_tag) {
+          constexpr int NT = decltype(nt_tag)::value;
+          constexpr int D = NT == 1 ? (kEp ? 2 : kInputsAhead) : 1;
+          const int end = ws.s0 + ws.steps;
+          uint4 ahead[D][2][NT];  // step s's inputs in ahead[(s - s0) % D]
+          auto load_b = [&](uint4 (&dst)[2][NT], int s) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int j = 0; j < kMaxNTiles; ++j) {
-              dst[h][j] = b_rows[j] != nullptr
-                              ? petit_load_cg(reinterpret_cast<const uint4*>(
-                                    b_rows[j] + s * kStepK + h * kSpan + 8 * q))
-                              : zero4();
-            }
-        };
-        if (ws.steps > 0) load_b(b_next, ws.s0);
-        for (int s = ws.s0; s < ws.s0 + ws.steps; ++s) {
-          uint4 b[2][kMaxNTiles];
+              for (int j = 0; j < NT; ++j) {
+                dst[h][j] = b_rows[j] != nullptr && s < end
+                                ? petit_load_cg(reinterpret_cast<const uint4*>(
+                                      b_rows[j] + s * kStepK + h * kSpan + 8 * q))
+                                : zero4();
+              }
+          };
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
+          for (int d = 0; d < D; ++d) load_b(ahead[d], ws.s0 + d);
+          for (int base = ws.s0; base < end; base += D) {
 #pragma unroll
-            for (int j = 0; j < kMaxNTiles; ++j) b[h][j] = b_next[h][j];
-          if (s + 1 < ws.s0 + ws.steps) load_b(b_next, s + 1);
-          const int slot = consumed % kStages;
-          gemm::sm90_mbarrier_wait_parity(full_warp + slot * 8, (consumed / kStages) & 1);
-          const unsigned char* step = ring_warp + slot * kStepBytes;
+            for (int d = 0; d < D; ++d) {
+              const int s = base + d;
+              if (s < end) {
+                // this step's inputs; one step ahead (D = 1) the next load goes out before the
+                // weights' wait, from a copy, as several steps ahead it can follow the multiplies
+                uint4 (&b)[2][NT] = ahead[d];
+                uint4 held[2][NT];
+                if constexpr (D == 1) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {  // span h: chunk 4h + q of rows g, g + 8 of each box
-            const uint4 lo0 = box_chunk(step, g, 4 * h + q);
-            const uint4 hi0 = box_chunk(step, g + 8, 4 * h + q);
-            const uint4 lo1 = box_chunk(step + kBoxBytes, g, 4 * h + q);
-            const uint4 hi1 = box_chunk(step + kBoxBytes, g + 8, 4 * h + q);
-            gemm::mma_span32(acc[0][0], lo0, hi0, b[h][0]);
-            gemm::mma_span32(acc[1][0], lo1, hi1, b[h][0]);
-            if (two_tiles) {
-              gemm::mma_span32(acc[0][1], lo0, hi0, b[h][1]);
-              gemm::mma_span32(acc[1][1], lo1, hi1, b[h][1]);
+                  for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) held[h][j] = b[h][j];
+                  load_b(ahead[d], s + D);
+                }
+                const uint4 (&in)[2][NT] = D == 1 ? held : b;
+                const int slot = consumed % kStages;
+                gemm::sm90_mbarrier_wait_parity(full_warp + slot * 8, (consumed / kStages) & 1);
+                const unsigned char* step = ring_warp + slot * kStepBytes;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // span h: chunk 4h + q of rows g, g + 8 of each box
+                  const uint4 lo0 = box_chunk(step, g, 4 * h + q);
+                  const uint4 hi0 = box_chunk(step, g + 8, 4 * h + q);
+                  const uint4 lo1 = box_chunk(step + kBoxBytes, g, 4 * h + q);
+                  const uint4 hi1 = box_chunk(step + kBoxBytes, g + 8, 4 * h + q);
+#pragma unroll
+                  for (int j = 0; j < NT; ++j) {
+                    gemm::mma_span32(acc[0][j], lo0, hi0, in[h][j]);
+                    gemm::mma_span32(acc[1][j], lo1, hi1, in[h][j]);
+                  }
+                }
+                if constexpr (D > 1) load_b(ahead[d], s + D);  // after the multiplies read it
+                ++consumed;
+                petit_syncwarp();  // every lane has read the slot before lane 0 refills it
+                produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
+              }
             }
           }
-          ++consumed;
-          petit_syncwarp();  // every lane has read the slot before lane 0 refills it
-          produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
+        };
+        if (rows > 8) {
+          k_steps(std::integral_constant<int, 2>{});
+        } else {
+          k_steps(std::integral_constant<int, 1>{});
         }
         // red[warp][half][n-tile][reg][lane]
         float* mine = red + warp * (2 * kMaxNTiles * 4 * 32);
