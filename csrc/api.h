@@ -119,6 +119,9 @@ petitError_t launch_expert_reduce(const ExpertGemmArgs& args, petitStream_t stre
 // The tile family launch_experts runs for these arguments (args.tiles, or auto's choice by
 // the sizes and args.config on the current device).
 int resolve_expert_tiles(const ExpertGemmArgs& args);
+// Whether this build has sm_90a images and the current device runs them (compute capability
+// exactly 9.0): the Hopper GEMM family and the fused layer (megamoe.cu) need both.
+bool sm90a_kernels_supported();
 // Launch shape of this process's most recent gate/up (gate_up) or down GEMM launch, for
 // diagnostics (the persistent grid a family got on this device; cluster = CTAs per
 // thread-block cluster, 1 without). All zeros before the first launch; not per thread.

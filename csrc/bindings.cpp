@@ -937,6 +937,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("megamoe_sync_ints", &petit::megamoe_sync_ints,
         "Elements of the fused layer's int32 sync buffer", py::arg("num_local_experts"),
         py::arg("hidden"));
+  m.def("sm90a_kernels_supported", &petit::sm90a_kernels_supported,
+        "Whether this build has sm_90a images and the current device runs them (the Hopper "
+        "GEMM family, the fused layer)");
   m.def("megamoe_forward", &petit::megamoe_forward,
         "Fused MoE layer (W=1) in one launch: x [N,H] bf16, topk_ids [N,K] int32, topk_weights "
         "[N,K] f32, w13 [L,2I,H], w2 [L,H,I] -> out [N,H] (written in full)",

@@ -1408,6 +1408,15 @@ def test_single_gpu_hook_runs_the_fused_layer(kernel_hook, monkeypatch):
     cfg = SingleGpuLayerConfig()
     assert experts.path_for(cfg.composed_min_tokens - 1, 4, 1024, 512) == "triton"
     assert experts.path_for(cfg.composed_min_tokens, 4, 1024, 512) == "composed"
+    # MegaMoE by default up to megamoe_max_tokens, only where the GPU runs sm_90a
+    assert 0 < cfg.megamoe_max_tokens < cfg.composed_min_tokens - 1
+    from vllm_petit_moe import ops
+    monkeypatch.setattr(ops, "sm90a_kernels_supported", lambda: False)
+    assert experts.path_for(1, 4, 1024, 512) == "triton"
+    monkeypatch.setattr(ops, "sm90a_kernels_supported", lambda: True)
+    assert experts.path_for(1, 4, 1024, 512) == "megamoe"
+    assert experts.path_for(cfg.megamoe_max_tokens, 4, 1024, 512) == "megamoe"
+    assert experts.path_for(cfg.megamoe_max_tokens + 1, 4, 1024, 512) == "triton"
     experts.layer_config = SingleGpuLayerConfig(megamoe_max_tokens=64, composed_min_tokens=8)
     assert experts.path_for(64, 4, 1024, 512) == "megamoe"
     assert experts.path_for(65, 4, 1024, 512) == "composed"
@@ -1536,6 +1545,7 @@ def test_single_gpu_layer_through_vllms_kernel(path, workspace, monkeypatch, meg
 
     monkeypatch.setattr(ops, "experts_forward", emulated_experts_forward)
     monkeypatch.setattr(ops, "megamoe_forward", emulated_megamoe_forward(megamoe_emu_lib))
+    monkeypatch.setattr(ops, "sm90a_kernels_supported", lambda: True)  # the emulation runs it
     num_tokens, num_experts, top_k, hidden, intermediate = 6, 4, 2, 64, 64
     # inputs of their own per path: vLLM's workspace (the output's memory) is shared between
     # the cases, so a path that wrote nothing could not pass on the other's result

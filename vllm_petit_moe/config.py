@@ -72,9 +72,10 @@ class SingleGpuLayerConfig:
     call's token count N (Python only: the choice is made before any launch):
 
     megamoe_max_tokens: the fused MegaMoE kernel (``ops.megamoe_forward``) for N up to this
-        (0: never). Off by default: on one H200 at 0c0f4df it measured 0.975x vLLM's Triton
-        experts in the geometric mean of 1-64 tokens (0.90-1.07x; examples/results/
-        moe_layer_H200x1.jsonl, docs/experiments/megamoe-w1.md).
+        (0: never), where the GPU runs sm_90a. 8: on one H200 at 670ce44 it measured 1.00-1.22x
+        vLLM's Triton experts at 1-8 tokens (DeepSeek-V3's share 1.09-1.22x, Qwen3-30B-A3B
+        1.00-1.04x; 0.985x at Qwen3 skewed 1 token) and 0.96x at 64
+        (docs/experiments/megamoe-w1.md).
     composed_min_tokens: our composed experts (``ops.experts_forward``) from N = this; vLLM's
         own Triton experts below (and above megamoe_max_tokens). 32: in the layer benchmark
         (one H200, 44f7f41) the composed experts measured 1.02-1.09x vLLM's Triton from 32
@@ -82,7 +83,7 @@ class SingleGpuLayerConfig:
         from 8 tokens was 2.2% slower in TPOT at concurrency 8 (0c12e18,
         examples/results/tpot_gsm8k_H200x1.jsonl).
     """
-    megamoe_max_tokens: int = 0
+    megamoe_max_tokens: int = 8
     composed_min_tokens: int = 32
 
     def __post_init__(self):

@@ -252,6 +252,19 @@ def resolve_tiles(num_rows: int, top_k: int, num_local_experts: int, hidden: int
 
 
 _megamoe_sync: dict[int, torch.Tensor] = {}
+_sm90a_supported: dict[int, bool] = {}
+
+
+def sm90a_kernels_supported() -> bool:
+    """Whether the current CUDA device runs this build's sm_90a kernels (the Hopper GEMM
+    family and :func:`megamoe_forward`): the build made sm_90a images and the device has
+    compute capability 9.0 (H100/H200). False without a CUDA device. Cached per device."""
+    if not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device()
+    if index not in _sm90a_supported:
+        _sm90a_supported[index] = bool(_ops().sm90a_kernels_supported())
+    return _sm90a_supported[index]
 
 
 def megamoe_unsupported_reason(num_rows: int, top_k: int, hidden_size: int,

@@ -1034,6 +1034,8 @@ petitError_t launch_expert_gemm(const ExpertChoice& choice, bool gate_up, const 
 
 int resolve_expert_tiles(const ExpertGemmArgs& a) { return choose_expert_tiles(a).tiles; }
 
+bool sm90a_kernels_supported() { return wgmma_path_supported() == petitSuccess; }
+
 ExpertLaunchShape last_expert_gemm_launch(bool gate_up) {
   return g_gemm_launch_shape[gate_up ? 1 : 0];
 }

@@ -300,12 +300,14 @@ class PetitSingleGpuExperts(PetitExperts):
         return False
 
     def path_for(self, num_rows: int, top_k: int, hidden: int, intermediate: int) -> str:
-        """``"megamoe"``, ``"composed"`` or ``"triton"``: what ``apply`` runs for a call."""
+        """``"megamoe"``, ``"composed"`` or ``"triton"``: what ``apply`` runs for a call
+        (MegaMoE only where the GPU runs its sm_90a image: H100/H200)."""
         from vllm_petit_moe import ops
 
         cfg = self.layer_config
-        if num_rows <= cfg.megamoe_max_tokens and ops.megamoe_unsupported_reason(
-                num_rows, top_k, hidden, intermediate) is None:
+        if (num_rows <= cfg.megamoe_max_tokens and ops.megamoe_unsupported_reason(
+                num_rows, top_k, hidden, intermediate) is None
+                and ops.sm90a_kernels_supported()):
             return "megamoe"
         return "composed" if num_rows >= cfg.composed_min_tokens else "triton"
 
