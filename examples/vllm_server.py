@@ -40,6 +40,14 @@ LOG_PETIT_KEPT = ("vllm-petit-moe: VLLM_USE_PETIT_MOE=1 but unsupported here",
 LOG_PETIT_EXPERTS_USED = "vllm-petit-moe: MoE layers use PetitEpExperts"
 # the fused layer on: DP+EP (PetitEpExperts) or one GPU (PetitSingleGpuExperts)
 LOG_FUSED = re.compile(r"the fused layer for steps of up to [1-9]|MegaMoE up to [1-9]")
+LOG_ONE_GPU_BOUND = re.compile(r"MegaMoE up to (\d+) tokens")
+
+
+def _default_one_gpu_bound() -> int:
+    """The one-GPU layer's default MegaMoE bound (what the flag alone runs)."""
+    from vllm_petit_moe.config import SingleGpuLayerConfig
+
+    return SingleGpuLayerConfig().megamoe_max_tokens
 
 
 class BenchError(RuntimeError):
@@ -132,8 +140,12 @@ def check_backend(log_text: str, backend: str) -> tuple[bool, str]:
                       "grouped GEMMs...)' line"
     if backend == "petit-megamoe" and not fused:
         return False, "the fused layer asked for, but no plugin line says it is on"
-    if backend == "petit" and (experts or fused):
-        return False, f"petit asked for alone, but: {(experts or fused)[0]}"
+    # "petit" is the flag with the plugin's defaults: on one GPU they include MegaMoE up to
+    # SingleGpuLayerConfig's bound; another bound, or PetitEpExperts, comes from an opt-in
+    opted_in = experts + [ln for ln in used if (m := LOG_ONE_GPU_BOUND.search(ln))
+                          and int(m.group(1)) != _default_one_gpu_bound()]
+    if backend == "petit" and opted_in:
+        return False, f"petit asked for alone, but: {opted_in[0]}"
     if used and not kept:
         return True, f"{used[0]} [{len(used)} process(es)]" + (f"; {experts[0]}" if experts else "")
     return False, "flag on, but " + (kept[0] if kept else f"no '{LOG_PETIT_USED[0]}' line")

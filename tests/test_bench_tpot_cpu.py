@@ -246,6 +246,11 @@ def test_check_backend_reads_the_plugin_log_lines():
     one_gpu_fused = one_gpu.replace("...", "petit's composed experts from 32 tokens per call, "
                                            "vLLM's Triton experts below, MegaMoE up to 64 tokens")
     assert check(one_gpu_fused, "petit-megamoe")[0] and not check(one_gpu_fused, "petit")[0]
+    # the flag alone on one GPU: MegaMoE up to SingleGpuLayerConfig's default bound
+    from vllm_petit_moe.config import SingleGpuLayerConfig
+    one_gpu_default = one_gpu_fused.replace(
+        "up to 64", f"up to {SingleGpuLayerConfig().megamoe_max_tokens}")
+    assert check(one_gpu_default, "petit")[0]
     assert not check(one_gpu.replace("...", "MegaMoE up to 0 tokens"), "petit-megamoe")[0]
     megamoe = vllm_server.server_env("petit-megamoe", base={})
     assert megamoe["VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS"] == str(vllm_server.MEGAMOE_MAX_TOKENS)
