@@ -138,10 +138,12 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
                 stats["mismatches"] += bad
                 stats["max_rel_err"] = max(stats["max_rel_err"], err)
             del graph
-        if (i + 1) % 1000 == 0 and rank == 0:
-            print(f"rank 0: {i + 1} rounds, {stats['mismatches']} mismatches, "
-                  f"{time.monotonic() - start:.0f} s", flush=True)
-        if max_seconds and (i + 1) % 100 == 0:  # every rank stops after the same round
+        if (i + 1) % 100 == 0 and rank == 0:  # progress, so a cut-off run still says where
+            print(f"rank 0: {i + 1} rounds ({stats['rounds_megamoe']} megamoe, "
+                  f"{stats['rounds_fused']} fused), {stats['graph_replays']} replays, "
+                  f"{stats['mismatches']} mismatches, {time.monotonic() - start:.0f} s",
+                  file=sys.stderr, flush=True)
+        if max_seconds and (i + 1) % 10 == 0:  # every rank stops after the same round
             late = torch.tensor([float(time.monotonic() - start > max_seconds)])
             torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX,
                                          group=state["group"])
@@ -181,7 +183,8 @@ def main(argv=None) -> int:
     pool = ep_rank_pool(args.world, min(num_gpus, args.world))
     try:
         results = pool.run(soak.soak_rank, args.rounds, args.seed, args.graph_every, args.replays,
-                           args.experts, args.max_seconds, timeout_s=24 * 3600)
+                           args.experts, args.max_seconds,
+                           timeout_s=args.max_seconds + 600 if args.max_seconds else 24 * 3600)
     finally:
         pool.close()
     seconds = time.monotonic() - start
