@@ -293,6 +293,16 @@ class PetitSingleGpuExperts(PetitExperts):
         self.fallback = fallback
         self.layer_config = layer_config or SingleGpuLayerConfig()
         self.timeout_s = envs.timeout_s()
+        if self.layer_config.megamoe_max_tokens > 0 and torch.cuda.is_available():
+            from vllm_petit_moe import ops
+
+            if ops.sm90a_kernels_supported():
+                # MegaMoE's counters now, while the model is built: allocated at a first call
+                # inside a CUDA-graph capture they would come from the graph's pool, their
+                # zeros only recorded, not written
+                ops._megamoe_sync_buffer(torch.device("cuda", torch.cuda.current_device()),
+                                         int(moe_config.num_local_experts),
+                                         int(moe_config.hidden_dim))
 
     @staticmethod
     def _supports_batch_invariance() -> bool:
