@@ -95,6 +95,9 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
         return buf.combine(expert_out, d.handle, out=out)
 
     start = time.monotonic()
+    if rank == 0:  # --max-seconds counts from here, after the set-up
+        print(f"rank 0: set up (weights, references, {len(SHAPES)} buffers)", file=sys.stderr,
+              flush=True)
     stats = dict(rounds=0, rounds_megamoe=0, rounds_fused=0, graph_replays=0, mismatches=0,
                  max_rel_err=0.0, first_mismatch=None)
     for i in range(rounds):
