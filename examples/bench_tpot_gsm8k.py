@@ -111,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--routing-strategy", choices=ROUTING_STRATEGIES, default="uniform_random")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
     p.add_argument("--num-prompts", type=int, default=0, help="per level (default: all 1,319)")
+    p.add_argument("--prompts-per-client", type=int, default=0,
+                   help="N > 0: level c sends min(--num-prompts, N * c) prompts (a level of "
+                   "few clients costs its prompts' whole decode one after another)")
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1, help="server runs per backend, interleaved")
     p.add_argument("--attention-backend", default="TRITON_ATTN")
@@ -133,9 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("petit-experts pairs our experts with our DP+EP dispatch/combine: it needs "
                 "--data-parallel-size >= 2 (at DP 1, petit already runs our experts)")
     if not 0 <= args.num_prompts <= 1319 or min(args.concurrency) < 1 or args.repeats < 1 or \
-            args.megamoe_max_tokens < 1:
+            args.megamoe_max_tokens < 1 or args.prompts_per_client < 0:
         p.error("--num-prompts 0..1319, --concurrency >= 1, --repeats >= 1, "
-                "--megamoe-max-tokens >= 1")
+                "--megamoe-max-tokens >= 1, --prompts-per-client >= 0")
     return args
 
 
@@ -216,9 +219,11 @@ def main(argv=None) -> int:
     results = Path(args.results_dir) / f"tpot_gsm8k_{stamp['gpu']}x{args.dp}.jsonl"
     rows = read_rows(results)
     num_rows_before = len(rows)
-    num_prompts = args.num_prompts or len(load_prompts(GSM8K))
+    all_prompts = args.num_prompts or len(load_prompts(GSM8K))
+    prompts = {c: min(all_prompts, args.prompts_per_client * c) if args.prompts_per_client
+               else all_prompts for c in args.concurrency}
     done = {tuple(r[k] for k in KEY) for r in rows}
-    todo = [(rep, b, [c for c in args.concurrency if (b, args.routing_strategy, c, num_prompts,
+    todo = [(rep, b, [c for c in args.concurrency if (b, args.routing_strategy, c, prompts[c],
                                                       args.output_len, rep) not in done])
             for rep in range(args.repeats) for b in args.backends]
     todo = [t for t in todo if t[2]]
@@ -247,7 +252,7 @@ def main(argv=None) -> int:
         env = server_env(backend, args.strict, args.routing_strategy, **bound)
         tag = f"{backend}_{args.routing_strategy}_r{rep}"
         benches = {c: bench_command(args.python, port, name, args.model_dir, dataset,
-                                    concurrency=c, num_prompts=num_prompts,
+                                    concurrency=c, num_prompts=prompts[c],
                                     output_len=args.output_len, result_dir=work,
                                     result_filename=f"bench_{tag}_c{c}.json") for c in levels}
         if args.dry_run:
@@ -270,6 +275,7 @@ def main(argv=None) -> int:
                 raise BenchError(f"{tag}: {evidence}")
             log(f"{tag}: healthy after {start_s:.0f} s; {evidence}")
             for c in levels:
+                num_prompts = prompts[c]
                 if time_left() < guess("bench_wall_s", concurrency=c, num_prompts=num_prompts,
                                        output_len=args.output_len):
                     break

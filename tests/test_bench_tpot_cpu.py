@@ -343,16 +343,27 @@ def test_dry_run_prints_every_server_and_bench_command_with_its_env(capsys, tmp_
     assert str(tmp_path / "tpot_gsm8k_H200x2.jsonl") in out
 
 
-def test_dry_run_on_one_gpu_and_usage_errors(capsys):
+def test_dry_run_on_one_gpu_and_usage_errors(capsys, tmp_path):
     out = dry_run(capsys)
     assert "--data-parallel-size 1 --attention-backend" in out  # no expert parallel at DP 1
     assert "VLLM_USE_PETIT_MOE=1" in out  # petit at DP 1: the one-GPU layer
     assert "--num-prompts 1319" in out and "--max-concurrency 32" in out
     fused = dry_run(capsys, "--backends", "petit-megamoe", "--megamoe-max-tokens", "8")
     assert "export VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS=8" in fused
+    # few clients, few prompts: level c sends min(--num-prompts, N * c)
+    scaled = dry_run(capsys, "--backends", "default", "--concurrency", "1", "2", "64",
+                     "--num-prompts", "64", "--prompts-per-client", "16",
+                     "--results-dir", str(tmp_path))  # no earlier rows to skip
+    sent = {}
+    for line in scaled.splitlines():
+        if " bench serve " in line:
+            words = line.split()
+            sent[int(words[words.index("--max-concurrency") + 1])] = \
+                int(words[words.index("--num-prompts") + 1])
+    assert sent == {1: 16, 2: 32, 64: 64}
     for argv in (["--backends", "petit-experts"], ["--num-prompts", "2000"],
                  ["--concurrency", "0"], ["--routing-strategy", "none"],
-                 ["--megamoe-max-tokens", "0"]):
+                 ["--megamoe-max-tokens", "0"], ["--prompts-per-client", "-1"]):
         with pytest.raises(SystemExit) as e:
             bench.main(["--dry-run", *argv])
         assert e.value.code == 2
