@@ -16,6 +16,8 @@ after S seconds and exits 3 while work is left. --plot draws TPOT p50 vs concurr
 
   python3 examples/bench_tpot_gsm8k.py --dry-run                     # commands and env only
   python3 examples/bench_tpot_gsm8k.py --data-parallel-size 1        # one GPU: default, petit
+  python3 examples/bench_tpot_gsm8k.py --dp 1 --concurrency 1 2 4 8 32 64 --num-prompts 64 \
+      --prompts-per-client 16                                         # 16 prompts at 1 client
   python3 examples/bench_tpot_gsm8k.py --data-parallel-size 2 --repeats 2 --plot
   python3 examples/bench_tpot_gsm8k.py --report examples/results/tpot_gsm8k_H200x2.jsonl --plot
 
