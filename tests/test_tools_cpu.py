@@ -243,6 +243,50 @@ def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
     assert unknown.returncode == 2 and "no tree v2" in unknown.stdout
 
 
+@pytest.mark.skipif(shutil.which("patch") is None or shutil.which("git") is None,
+                    reason="needs git and patch")
+def test_ab_prepare_makes_tree_folders_from_refs_and_patches(tmp_path):
+    """tools/ab_prepare.sh: NAME=REF becomes a folder with what a build, the benchmarks, the
+    tests and the tools need (not examples/models or results); NAME=REF+PATCH has the patch
+    applied; bad names, refs, missing or failing patches are refused."""
+    import difflib
+    head = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:setup.py"],
+                          capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    changed = head.stdout + "# patched by the test\n"
+    patch = tmp_path / "setup.patch"
+    patch.write_text("".join(difflib.unified_diff(
+        head.stdout.splitlines(keepends=True), changed.splitlines(keepends=True),
+        "a/setup.py", "b/setup.py")))
+    out = tmp_path / "trees"
+    script = str(ROOT / "tools" / "ab_prepare.sh")
+    env = {"PATH": "/usr/bin:/bin", "AB_DIR": str(out), "HOME": str(tmp_path)}
+
+    def run(*specs):
+        return subprocess.run(["bash", script, *specs], env=env, capture_output=True, text=True)
+
+    result = run("base=HEAD", f"mod=HEAD+{patch}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (out / "base" / "setup.py").read_text() == head.stdout
+    assert (out / "mod" / "setup.py").read_text() == changed
+    for tree in ("base", "mod"):
+        assert (out / tree / "csrc" / "api.h").exists()
+        assert (out / tree / "tools" / "ab_trees.sh").exists()
+        assert (out / tree / "tests" / "conftest.py").exists()
+        assert not (out / tree / "examples" / "models").exists()
+    assert run("mod=HEAD+" + str(patch)).returncode == 0  # replaced, not patched twice
+    assert (out / "mod" / "setup.py").read_text() == changed
+    assert run("bad-name=HEAD").returncode == 2
+    assert run("x=no-such-ref").returncode == 2
+    assert run(f"x=HEAD+{tmp_path / 'missing.patch'}").returncode == 2
+    lines = head.stdout.splitlines(keepends=True)  # a patch made against another setup.py
+    other = lines[:-1] + ["# a line HEAD does not have\n"]
+    (tmp_path / "stale.patch").write_text("".join(difflib.unified_diff(
+        other, other[:-1] + ["# changed\n"], "a/setup.py", "b/setup.py")))
+    assert run(f"x=HEAD+{tmp_path / 'stale.patch'}").returncode == 1
+
+
 def test_ncu_stalls_ranks_instructions_per_kernel(tmp_path, capsys):
     """tools/ncu_stalls.py on an Nsight Compute source-page export (one table per kernel, each
     after its "Kernel Name" line): each kernel's instructions by warp-stall samples, their share

@@ -3,10 +3,9 @@
 # dispatch/combine benchmark (or AB_BENCH=examples/bench_experts.py, the expert GEMMs: give
 # it AB_ARGS and AB_METRIC=us), so a kernel change is measured against its parent on the same
 # GPUs in the same call. AB_OLD names a folder holding the other tree, made before the call
-# with `git archive <commit> csrc vllm_petit_moe setup.py examples/<the benchmark> |
-# tar -x -C <folder>` (untracked, so it travels with the working tree, which must stay under
-# the device call's 64 MiB; delete it afterwards). Both trees are built at once (half the
-# cores each); then every run of AB_RUNS, repeated AB_REPEATS times in interleaved order,
+# by tools/ab_prepare.sh (old=<commit>; untracked, so it travels with the working tree, which
+# must stay under the device call's 64 MiB; delete it afterwards). Both trees are built at once
+# (half the cores each); then every run of AB_RUNS, repeated AB_REPEATS times in interleaved order,
 # runs $AB_BENCH $AB_ARGS from its own tree. A run is TREE[:NAME=VALUE[,NAME=VALUE...]] with
 # TREE `old` (AB_OLD) or `new` (this tree) and environment variables to set; its results go to
 # $OUT/ab-<tree>[_<setting>][_rN]/, and tools/ab_compare.py compares each run with the first.
