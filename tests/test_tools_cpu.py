@@ -250,10 +250,12 @@ def test_ab_prepare_makes_tree_folders_from_refs_and_patches(tmp_path):
     tests and the tools need (not examples/models or results); NAME=REF+PATCH has the patch
     applied; bad names, refs, missing or failing patches are refused."""
     import difflib
+    top = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"],
+                         capture_output=True, text=True)
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != ROOT:
+        pytest.skip("not the top of a git checkout (CI tests a copy of the tree)")
     head = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:setup.py"],
-                          capture_output=True, text=True)
-    if head.returncode != 0:
-        pytest.skip("not a git checkout")
+                          capture_output=True, text=True, check=True)
     changed = head.stdout + "# patched by the test\n"
     patch = tmp_path / "setup.patch"
     patch.write_text("".join(difflib.unified_diff(

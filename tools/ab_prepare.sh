@@ -15,6 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
+top=$(git rev-parse --show-toplevel 2> /dev/null || true)
+[ "$top" = "$ROOT" ] || { echo "ab_prepare: $ROOT is not the top of a git checkout"; exit 2; }
 DIR=${AB_DIR:-$ROOT}
 [ $# -gt 0 ] || { sed -n '2,14p' "$0"; exit 2; }
 for spec in "$@"; do
