@@ -246,47 +246,57 @@ def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
 @pytest.mark.skipif(shutil.which("patch") is None or shutil.which("git") is None,
                     reason="needs git and patch")
 def test_ab_prepare_makes_tree_folders_from_refs_and_patches(tmp_path):
-    """tools/ab_prepare.sh: NAME=REF becomes a folder with what a build, the benchmarks, the
-    tests and the tools need (not examples/models or results); NAME=REF+PATCH has the patch
-    applied; bad names, refs, missing or failing patches are refused."""
+    """tools/ab_prepare.sh, in a scratch git repository: NAME=REF becomes a folder with what a
+    build, the benchmarks, the tests and the tools need (not examples/models); NAME=REF+PATCH
+    has the patch applied; bad names, refs, missing or failing patches are refused."""
     import difflib
-    top = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"],
-                         capture_output=True, text=True)
-    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != ROOT:
-        pytest.skip("not the top of a git checkout (CI tests a copy of the tree)")
-    head = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:setup.py"],
-                          capture_output=True, text=True, check=True)
-    changed = head.stdout + "# patched by the test\n"
+    repo = tmp_path / "repo"
+    files = {"setup.py": "import os\nprint('setup')\nx = 1\n", "pyproject.toml": "[x]\n",
+             "csrc/api.h": "// api\n", "vllm_petit_moe/__init__.py": "", "tests/conftest.py": "",
+             "examples/bench.py": "", "examples/models/m.json": "{}"}
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    (repo / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "ab_prepare.sh", repo / "tools" / "ab_prepare.sh")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GIT_AUTHOR_NAME": "t",
+           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
+        subprocess.run(["git", *cmd], cwd=repo, env=env, check=True)
+    base = files["setup.py"]
+    changed = base + "# patched by the test\n"
     patch = tmp_path / "setup.patch"
     patch.write_text("".join(difflib.unified_diff(
-        head.stdout.splitlines(keepends=True), changed.splitlines(keepends=True),
+        base.splitlines(keepends=True), changed.splitlines(keepends=True),
         "a/setup.py", "b/setup.py")))
     out = tmp_path / "trees"
-    script = str(ROOT / "tools" / "ab_prepare.sh")
-    env = {"PATH": "/usr/bin:/bin", "AB_DIR": str(out), "HOME": str(tmp_path)}
 
     def run(*specs):
-        return subprocess.run(["bash", script, *specs], env=env, capture_output=True, text=True)
+        return subprocess.run(["bash", str(repo / "tools" / "ab_prepare.sh"), *specs],
+                              env={**env, "AB_DIR": str(out)}, capture_output=True, text=True)
 
     result = run("base=HEAD", f"mod=HEAD+{patch}")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (out / "base" / "setup.py").read_text() == head.stdout
+    assert (out / "base" / "setup.py").read_text() == base
     assert (out / "mod" / "setup.py").read_text() == changed
     for tree in ("base", "mod"):
-        assert (out / tree / "csrc" / "api.h").exists()
-        assert (out / tree / "tools" / "ab_trees.sh").exists()
-        assert (out / tree / "tests" / "conftest.py").exists()
+        for name in ("csrc/api.h", "tools/ab_prepare.sh", "tests/conftest.py",
+                     "examples/bench.py"):
+            assert (out / tree / name).exists(), name
         assert not (out / tree / "examples" / "models").exists()
     assert run("mod=HEAD+" + str(patch)).returncode == 0  # replaced, not patched twice
     assert (out / "mod" / "setup.py").read_text() == changed
     assert run("bad-name=HEAD").returncode == 2
     assert run("x=no-such-ref").returncode == 2
     assert run(f"x=HEAD+{tmp_path / 'missing.patch'}").returncode == 2
-    lines = head.stdout.splitlines(keepends=True)  # a patch made against another setup.py
-    other = lines[:-1] + ["# a line HEAD does not have\n"]
+    other = ["import os\n", "a line HEAD does not have\n"]  # made against another setup.py
     (tmp_path / "stale.patch").write_text("".join(difflib.unified_diff(
-        other, other[:-1] + ["# changed\n"], "a/setup.py", "b/setup.py")))
+        other, ["import os\n", "changed\n"], "a/setup.py", "b/setup.py")))
     assert run(f"x=HEAD+{tmp_path / 'stale.patch'}").returncode == 1
+    copy = tmp_path / "copy"  # an untracked copy (as CI tests one) is refused
+    shutil.copytree(repo / "tools", copy / "tools")
+    assert subprocess.run(["bash", str(copy / "tools" / "ab_prepare.sh"), "x=HEAD"], env=env,
+                          capture_output=True).returncode == 2
 
 
 def test_ncu_stalls_ranks_instructions_per_kernel(tmp_path, capsys):
