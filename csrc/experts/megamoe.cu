@@ -444,11 +444,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     if (e >= 0) atomicAdd(&cursor[e], 1);
   }
   __syncthreads();
-  if (warp == 0) {  // offsets and the active experts: one warp, lane l owns 16 experts
-    constexpr int kPerLane = kMaxExperts / 32;
+  if (warp == 0) {  // offsets and the active experts: one warp, lane l owns experts
+    const int per_lane = (L + 31) / 32;  // [l * per_lane, (l + 1) * per_lane)
     int count = 0, actives = 0;
-    for (int i = 0; i < kPerLane; ++i) {
-      const int e = lane * kPerLane + i;
+    for (int i = 0; i < per_lane; ++i) {
+      const int e = lane * per_lane + i;
       const int c = e < L ? cursor[e] : 0;
       count += c;
       actives += c > 0 ? 1 : 0;
@@ -463,8 +463,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       }
     }
     int offset = count_incl - count, slot = active_incl - actives;
-    for (int i = 0; i < kPerLane; ++i) {
-      const int e = lane * kPerLane + i;
+    for (int i = 0; i < per_lane; ++i) {
+      const int e = lane * per_lane + i;
       if (e < L) {
         const int c = cursor[e];
         offsets[e] = offset;
@@ -478,7 +478,15 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       scalars[kNumActive] = active_incl;
     }
   }
-  if (control && lane == 0) scalars[kClaim0 + 1] = atomicAdd(&sync[kSyncClaim], 1);
+  // The second claim: issued here; at W = 1 its value is stored only after the first weight
+  // loads (the barrier below does not wait for the atomic's round trip, and the first loads
+  // need only the first claim). The EP kernel, whose routing waits for the peers' rows anyway,
+  // stores it first (deferred, its registers spill).
+  int second_claim = 0;
+  if (control && lane == 0) {
+    second_claim = atomicAdd(&sync[kSyncClaim], 1);
+    if (kEp) scalars[kClaim0 + 1] = second_claim;
+  }
   __syncthreads();
   if (trace != nullptr) trace[5] = int64_t(petit_timer());  // counts, offsets, active experts
 
@@ -488,19 +496,23 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     return decode_task<kEp>(id, num_active, gate_up_tiles, down_tiles, active, offsets);
   };
 
-  // The weight stream of the first two tasks goes out before the sort.
+  // The first task's weight stream goes out before the sort (the second task's, whose claim
+  // is stored meanwhile, after it).
   const unsigned char* ring_warp = ring + warp * (kStages * kStepBytes);
   const uint32_t ring_warp_addr = gemm::smem_addr_u32(ring_warp);
   const uint32_t full_warp = gemm::smem_addr_u32(full + warp * kStages);
   Producer prod{};
-  Task cur_task = task_of(scalars[kClaim0]);
-  Task next_task = task_of(scalars[kClaim0 + 1]);
+  Task cur_task = task_of(scalars[kClaim0]), next_task{};
   prod.cur = warp_stream(cur_task, a);
-  prod.next = warp_stream(next_task, a);
-  prod.has_next = next_task.valid;
+  if constexpr (kEp) {
+    next_task = task_of(scalars[kClaim0 + 1]);
+    prod.next = warp_stream(next_task, a);
+    prod.has_next = next_task.valid;
+  }
   int consumed = 0;
   if (!control && cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
   if (trace != nullptr) trace[6] = int64_t(petit_timer());  // this warp's first loads issued
+  if (!kEp && control && lane == 0) scalars[kClaim0 + 1] = second_claim;
 
   if (warp == 0) {  // stable scatter: entry order within each expert
     for (int base = 0; base < num_entries; base += 32) {
@@ -516,6 +528,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   }
   __syncthreads();
   if (trace != nullptr) trace[1] = int64_t(petit_timer());
+  if constexpr (!kEp) {
+    next_task = task_of(scalars[kClaim0 + 1]);
+    prod.next = warp_stream(next_task, a);
+    prod.has_next = next_task.valid;
+  }
 
   if (!kEp && num_active == 0) {  // no entry served: the layer's output is 0
     const int64_t vectors = int64_t(N) * H / 8;
