@@ -1,8 +1,8 @@
 """GPU soak of the EP MoE layer (issue 31): >= 10^4 randomized rounds of dispatch -> experts
 -> combine per run against the torch reference, with CUDA-graph replays in between; writes one
 JSONL line to examples/results/soak_<gpu>x<W>.jsonl. The path rotates (--experts alternate):
-round i % 3 == 1 runs the fused layer kernel as the expert stage (ops.megamoe_forward over the
-received rows), i % 3 == 2 the whole layer fused (EpBuffer.megamoe: dispatch, experts and
+seed % 3 == 1 runs the fused layer kernel as the expert stage (ops.megamoe_forward over the
+received rows), seed % 3 == 2 the whole layer fused (EpBuffer.megamoe: dispatch, experts and
 combine in one launch), where the round's shape qualifies (H and I multiples of 64,
 W x R x K <= 2048 entries); the rest runs dispatch -> ops.experts_forward -> combine.
 `rounds_megamoe` and `rounds_fused` count the first two.
@@ -47,20 +47,25 @@ def _check(y, inputs, reference):
 PATHS = ("composed", "megamoe", "fused")
 
 
-def round_path(i: int, experts: str, shape, world: int, stride: int) -> str:
-    """The path of round i: "composed", "megamoe" (the fused kernel as the expert stage) or
-    "fused" (the whole layer), in rotation for experts="alternate"; composed where the fused
+def round_path(seed: int, experts: str, shape, world: int, stride: int) -> str:
+    """The path of the round drawn from `seed`: "composed", "megamoe" (the fused kernel as the
+    expert stage) or "fused" (the whole layer), in rotation by seed for experts="alternate"
+    (so `--seed S --rounds 1` replays round S of a run from seed 0); composed where the fused
     kernel does not take the shape."""
     from vllm_petit_moe import ops
     hidden, inter, top_k, _ = shape
-    wanted = PATHS[i % 3] if experts == "alternate" else experts
+    wanted = PATHS[seed % 3] if experts == "alternate" else experts
     qualifies = ops.megamoe_unsupported_reason(world * stride, top_k, hidden, inter) is None
     return wanted if qualifies else "composed"
 
 
 def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
-              experts: str = "alternate", max_seconds: float = 0.0) -> dict:
-    """One rank's share of the soak (run on every rank of a rank pool)."""
+              experts: str = "alternate", max_seconds: float = 0.0,
+              timeout_s: float = 60.0) -> dict:
+    """One rank's share of the soak (run on every rank of a rank pool). timeout_s bounds a
+    wait on a peer, max_wait_s (a wait on a peer whose process still beats) is twice it: a
+    deadlock of live ranks becomes an error naming the wait within 2 x timeout_s, not
+    EpBuffer's 30-minute default."""
     import torch
 
     from rank_pool import get_buffer
@@ -79,7 +84,7 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
         mine[shape] = w13[local].contiguous(), w2[local].contiguous()
         bufs[shape] = get_buffer(state, hidden_size=hidden, num_experts=num_experts,
                                  max_tokens_per_rank=MAX_TOKENS, max_top_k=top_k, num_sms=sms,
-                                 timeout_s=60.0)
+                                 timeout_s=timeout_s, max_wait_s=2 * timeout_s)
 
     def layer(buf, shape, x, ids, w, stride, kind, out=None):
         w13, w2 = mine[shape]
@@ -106,12 +111,17 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
         rd = draw_round(seed + i, world, MAX_TOKENS)
         inputs = tuple(t[rank].to(device) for t in (rd.xs, rd.topk_ids, rd.topk_weights))
         stride = max(max(rd.tokens), 1)
-        kind = round_path(i, experts, rd.shape, world, stride)
+        kind = round_path(rd.seed, experts, rd.shape, world, stride)
         # ranks enter the round together: where they share a GPU by time slices, a rank
         # spinning in the layer while its peer still checks the last round slows both
         torch.distributed.barrier(group=state["group"])
-        y = layer(bufs[rd.shape], rd.shape, *inputs, stride, kind)
-        bad, err = _check(y, inputs, refs[rd.shape])
+        try:
+            y = layer(bufs[rd.shape], rd.shape, *inputs, stride, kind)
+            bad, err = _check(y, inputs, refs[rd.shape])
+        except Exception as e:  # which round: --seed <its seed> --rounds 1 replays it
+            raise RuntimeError(f"rank {rank}: round {i} (seed {rd.seed}, path {kind}, shape "
+                               f"{rd.shape}, tokens {rd.tokens}, {rd.pattern}, region stride "
+                               f"{stride}) failed: {e}") from e
         stats["rounds"] += 1
         stats["rounds_megamoe"] += kind == "megamoe"
         stats["rounds_fused"] += kind == "fused"
@@ -169,6 +179,8 @@ def main(argv=None) -> int:
                         "fused ones where the shape qualifies)")
     parser.add_argument("--max-seconds", type=float, default=0.0,
                         help="end early after this long (0: run every round)")
+    parser.add_argument("--timeout-s", type=float, default=60.0,
+                        help="EpBuffer's timeout_s; max_wait_s is twice it")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -186,7 +198,7 @@ def main(argv=None) -> int:
     pool = ep_rank_pool(args.world, min(num_gpus, args.world))
     try:
         results = pool.run(soak.soak_rank, args.rounds, args.seed, args.graph_every, args.replays,
-                           args.experts, args.max_seconds,
+                           args.experts, args.max_seconds, args.timeout_s,
                            timeout_s=args.max_seconds + 600 if args.max_seconds else 24 * 3600)
     finally:
         pool.close()
