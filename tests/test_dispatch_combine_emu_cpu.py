@@ -47,7 +47,7 @@ def _load(lib):
     lib.petit_emu_ep_epoch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.petit_emu_ep_dispatch.argtypes = [p, ctypes.c_uint32, p, p, i, p, p, i, i, i, p]
-    lib.petit_emu_ep_combine.argtypes = [p, p, p, p, i, i, p]
+    lib.petit_emu_ep_combine.argtypes = [p, ctypes.c_uint32, p, p, p, i, i, p]
     lib.petit_emu_ep_rounds.argtypes = [p, i, p, p, p, p, i, i, p, p]
     lib.petit_emu_ep_peer_write.argtypes = [p, p, ctypes.c_longlong, i, p]
     lib.petit_emu_ep_set_combine_config.argtypes = [p, i, i, i, i]
@@ -146,13 +146,15 @@ class EmuEp:
             outs.append((recv_x, recv_ids, recv_w, scales, counts.view(world, groups)))
         return outs
 
-    def combine(self, expert_outs, num_tokens, top_k, region_stride):
-        """Every rank's combine at once; outputs poisoned with NaN first."""
+    def combine(self, expert_outs, num_tokens, top_k, region_stride, ranks=None):
+        """Every rank's combine at once (or those of `ranks`); outputs poisoned with NaN
+        first."""
         ys = [torch.full((t, self.hidden), float("nan"), dtype=torch.bfloat16)
               for t in num_tokens]
         expert_outs = [e.contiguous() for e in expert_outs]
         results = _ints([0] * self.world_size)
-        rc = self.lib.petit_emu_ep_combine(self.handle, _ptrs(expert_outs), _ptrs(ys),
+        mask = sum(1 << r for r in (ranks if ranks is not None else range(self.world_size)))
+        rc = self.lib.petit_emu_ep_combine(self.handle, mask, _ptrs(expert_outs), _ptrs(ys),
                                            _ints(num_tokens), top_k, region_stride, results)
         assert rc == 0, f"combine launch returned {list(results)}"
         return ys
@@ -441,6 +443,12 @@ def _case(lib_path, case):
         xs, ids, ws = _inputs(9, [4, 4], 64, 2, 2)
         ep.dispatch(xs, ids, ws, region_stride=4, ranks=[0])
         print("dispatch returned")
+    elif case == "zero_token_combine":  # rank 1 has no tokens; rank 0 never combines
+        ep = EmuEp(lib, 2, max_tokens=8, hidden=64, timeout_s=0.05)
+        xs, ids, ws = _inputs(9, [4, 0], 64, 2, 2)
+        recv = ep.dispatch(xs, ids, ws, region_stride=4)
+        ep.combine([r[0] for r in recv], [4, 0], 2, 4, ranks=[1])
+        print("combine returned")
     else:
         raise ValueError(case)
 
@@ -495,6 +503,20 @@ def test_invalid_combine_config_is_refused(emu):
         assert emu.petit_emu_ep_combine_plan(ep.handle, 0, 8, 2, 32, out) != 0
     finally:
         ep.close()
+
+
+def test_a_rank_without_tokens_waits_for_its_peers_combine(emu):
+    """A rank with no tokens reduces nothing, yet its combine must not return before every
+    peer's combine of the epoch has started: else its next dispatch can overwrite its flag in
+    a peer that has not read it yet, and that peer waits for an epoch the flag no longer shows
+    (the W = 2 soak's hang at 0 tokens on both ranks, 22c66b7). Rank 0 never combines: rank
+    1's combine must time out naming rank 0."""
+    result = run_case(__file__, emu._name, "zero_token_combine")
+    assert result.returncode != 0, "a combine without tokens returned before its peer's"
+    assert "combine returned" not in result.stdout
+    out = result.stdout + result.stderr
+    assert "combine timed out on rank 1 waiting for rank 0, token group 0: expected epoch 1, " \
+        "flag holds epoch 0" in out, out[-2000:]
 
 
 def test_a_missing_rank_times_out_naming_rank_peer_and_epoch(emu):

@@ -534,26 +534,36 @@ PETIT_GLOBAL void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   if (a.static_reduce) {
     const int item = int(blockIdx.x) - a.num_send_blocks;
     if (item >= 0 && item < num_reduce) wait_and_reduce(item);
-    combine_trace_stamp(a, kTraceEnd);
-    return;
-  }
-  // Otherwise every block claims items in group order until none is left.
-  while (true) {
-    if (threadIdx.x == 0) s_claim = int(petit_atomic_add_gpu(&c.state->reduce_next, 1));
-    __syncthreads();
-    const int item = s_claim;
-    if (item >= num_reduce) break;  // block-uniform
-    wait_and_reduce(item);
-  }
-
-  // ---- the last block to finish resets the claim counter for the next combine (every
-  // block's final, failed claim precedes its increment here).
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (petit_atomic_add_gpu(&c.state->combine_done, 1) == gridDim.x - 1) {
-      c.state->reduce_next = 0;
-      c.state->combine_done = 0;
+  } else {
+    // Otherwise every block claims items in group order until none is left.
+    while (true) {
+      if (threadIdx.x == 0) s_claim = int(petit_atomic_add_gpu(&c.state->reduce_next, 1));
+      __syncthreads();
+      const int item = s_claim;
+      if (item >= num_reduce) break;  // block-uniform
+      wait_and_reduce(item);
     }
+    // ---- the last block to finish resets the claim counter for the next combine (every
+    // block's final, failed claim precedes its increment here).
+    if (threadIdx.x == 0) {
+      __threadfence();
+      if (petit_atomic_add_gpu(&c.state->combine_done, 1) == gridDim.x - 1) {
+        c.state->reduce_next = 0;
+        c.state->combine_done = 0;
+      }
+    }
+  }
+  // A rank without tokens reduces nothing and so would wait for no peer: its next dispatch
+  // could then overwrite its flag in a peer whose dispatch of this epoch has not read it yet
+  // (that peer then waits for an epoch the flag no longer shows: a hang of live ranks). So
+  // block 0 waits for one flag of each peer's combine (group 0, chunk 0: every peer sends
+  // every group of the region stride to every source, whatever its tokens), raised only after
+  // that peer's dispatch of this epoch completed. With tokens, the reductions wait for these.
+  if (num_reduce == 0 && blockIdx.x == 0) {
+    for (int peer = threadIdx.x; peer < W; peer += blockDim.x)
+      if (peer != c.rank)
+        wait_flag(c, my_flags + int64_t(peer) * l.max_groups * l.max_chunks, epoch, tag, peer,
+                  1, 0);
   }
   combine_trace_stamp(a, kTraceEnd);
 }

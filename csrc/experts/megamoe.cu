@@ -97,7 +97,9 @@ enum Scalar { kNumActive = 0, kClaim0 = 1, kExitHere = 4, kEpochLo = 5, kEpochHi
               kRouteMask = 7 };
 
 // Sync words (MegaMoeArgs::sync): all zero between calls. kSyncExperts: [L] gate/up tiles
-// done per expert, then [H / 32] down tiles done per row tile, then (EP) reductions done.
+// done per expert, then [H / 32] down tiles done per row tile, then (EP) one count of the
+// reductions done and the blocks past their wait for the dispatch flags (the last of those
+// H / 32 + grid arrivals raises "reductions done" at every rank).
 enum SyncWord { kSyncClaim = 0, kSyncExit = 1, kSyncExperts = 2 };
 
 #if PETIT_SM80_PATH
@@ -272,6 +274,13 @@ PETIT_DEVICE uint64_t* reductions_flag(const EpContextArgs& c, int dst, int src)
 PETIT_HOST_DEVICE uint32_t reductions_tag(int region_stride, int top_k) {
   return combine_flag_tag(region_stride, top_k, 16);
 }
+// "This rank's reductions are in every rank's heap": one fence (after the caller's count),
+// then every rank's flag.
+PETIT_DEVICE void publish_reductions(const EpContextArgs& c, uint64_t epoch, int R, int K) {
+  publish_fence();
+  for (int d = 0; d < c.world_size; ++d)
+    publish_flag(reductions_flag(c, d, c.rank), make_flag(epoch, reductions_tag(R, K), 1));
+}
 
 PETIT_DEVICE float bf16_lo(uint32_t bits) { return as_float(bits << 16); }
 PETIT_DEVICE float bf16_hi(uint32_t bits) { return as_float(bits & 0xFFFF0000u); }
@@ -310,7 +319,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   int* sync = a.sync;
   int* gate_up_done = sync + kSyncExperts;   // [L] by local expert
   int* tile_done = gate_up_done + L;         // [H / kDownRows] by down row tile
-  int* reductions_done = tile_done + H / kDownRows;  // EP
+  int* reductions_done = tile_done + H / kDownRows;  // EP: and blocks past the dispatch wait
   // The rows, their routing and their weights: the caller's (W = 1) or this rank's dispatch
   // regions (EP: local expert ids or -1, W x R rows at region stride R).
   char* const my_heap = kEp ? rank_heap(c, c.rank) : nullptr;
@@ -427,6 +436,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       }
     }
     __syncthreads();
+    // Counted with the reductions: "reductions done" goes out only once every block has read
+    // its dispatch flags, since a peer that sees it may end the call and overwrite them here
+    // with its next call's (a block still waiting would wait forever, its peers alive).
+    if (tid == 0 && atomicAdd(reductions_done, 1) == H / kDownRows + int(gridDim.x) - 1)
+      publish_reductions(c, epoch, R, K);
   }
 
   // ---- 1. routing in shared memory: counts, offsets and the active experts first (the
@@ -563,12 +577,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       // the rows went to peers' heaps: a system-scope release, then the count; the last
       // reduction of this rank tells every rank its rows are in (dispatch's publish_item)
       petit_fence_acq_rel_sys();
-      if (atomicAdd(reductions_done, 1) == down_tiles - 1) {
-        publish_fence();
-        for (int d = 0; d < c.world_size; ++d) {
-          publish_flag(reductions_flag(c, d, c.rank), make_flag(epoch, reductions_tag(R, K), 1));
-        }
-      }
+      if (atomicAdd(reductions_done, 1) == down_tiles + int(gridDim.x) - 1)
+        publish_reductions(c, epoch, R, K);
     } else {
       __threadfence();  // release: the compute warps' stores, ordered before it by S
       if (t.kind == kGateUp) atomicAdd(&gate_up_done[t.expert], 1);

@@ -321,12 +321,14 @@ extern "C" int petit_emu_ep_combine_each(void* handle, const void* const* expert
   });
 }
 
-// Combine on every rank at once: expert_outs[r] [W*R, H] bf16, outs[r] [num_tokens[r], H].
-extern "C" int petit_emu_ep_combine(void* handle, const void* const* expert_outs,
-                                    void* const* outs, const int* num_tokens, int top_k,
-                                    int region_stride, int* results) {
+// Combine on the ranks of ranks_mask at once: expert_outs[r] [W*R, H] bf16, outs[r]
+// [num_tokens[r], H].
+extern "C" int petit_emu_ep_combine(void* handle, uint32_t ranks_mask,
+                                    const void* const* expert_outs, void* const* outs,
+                                    const int* num_tokens, int top_k, int region_stride,
+                                    int* results) {
   EpEmu& ep = *static_cast<EpEmu*>(handle);
-  return on_ranks(ep, all_ranks(ep), results, [&](int r) {
+  return on_ranks(ep, ranks_mask, results, [&](int r) {
     return combine_one(ep, r, expert_outs[r], outs[r], num_tokens[r], top_k, region_stride);
   });
 }
