@@ -2,8 +2,8 @@
 # Here, before a device call (the GPU machine's copy of the tree has no usable .git): make the
 # source-tree folders that tools/ab_trees.sh compares, from git refs and optional patches.
 #
-#   bash tools/ab_prepare.sh old=main sk=exp/megamoe-gateup-splitk \
-#       el=main+docs/experiments/megamoe-early-loads.patch
+#   bash tools/ab_prepare.sh old=main branch=exp/my-kernel-change \
+#       patched=main+my-kernel-change.patch
 #
 # Each NAME=REF[+PATCH] (NAME letters and digits) becomes the folder $AB_DIR/NAME (default: the
 # repository root; an existing one is replaced): `git archive REF` of what a build, the
@@ -11,7 +11,7 @@
 # tests, tools, examples without models/ and results/), then PATCH applied exactly (patch -p1,
 # no fuzz; a path relative to the repository root). Untracked, the folders travel with the
 # working tree to the device (keep the whole under the call's 64 MiB; delete them afterwards);
-# then AB_OLD=old AB_TREES="sk=sk el=el" ... bash tools/ab_trees.sh there.
+# then AB_OLD=old AB_TREES="branch=branch patched=patched" ... bash tools/ab_trees.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
