@@ -21,7 +21,9 @@ the row records the rounds that ran. Every --graph-every rounds a rank captures 
 fixed shapes in a CUDA graph and replays it --replays times with fresh inputs copied in (odd
 counts), each replay checked the same way. W ranks are processes on the visible GPUs (rank r
 on GPU r % num_gpus: ranks share one GPU when there are fewer), joined by a gloo group; each
-rank's persistent grid gets SMs / ranks-per-GPU SMs.
+rank's persistent grid gets SMs / ranks-per-GPU SMs. A round in which a rank has no tokens
+is not synchronized on that rank (nothing to check), so it runs ahead into the next round as
+in a serving loop: that found the zero-token combine race fixed in 1b3a2a2.
 """
 from __future__ import annotations
 
