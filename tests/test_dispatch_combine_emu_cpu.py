@@ -511,18 +511,21 @@ def test_a_rank_without_tokens_waits_for_its_peers_combine(emu):
     a peer that has not read it yet, and that peer waits for an epoch the flag no longer shows
     (the W = 2 soak's hang at 0 tokens on both ranks, 22c66b7). Rank 0 never combines: rank
     1's combine must time out naming rank 0."""
-    result = run_case(__file__, emu._name, "zero_token_combine")
-    assert result.returncode != 0, "a combine without tokens returned before its peer's"
-    assert "combine returned" not in result.stdout
-    out = result.stdout + result.stderr
-    assert "combine timed out on rank 1 waiting for rank 0, token group 0: expected epoch 1, " \
-        "flag holds epoch 0" in out, out[-2000:]
+    _assert_case_traps(emu, "zero_token_combine", "combine",
+                       "combine timed out on rank 1 waiting for rank 0, token group 0: "
+                       "expected epoch 1, flag holds epoch 0")
 
 
 def test_a_missing_rank_times_out_naming_rank_peer_and_epoch(emu):
-    result = run_case(__file__, emu._name, "missing_rank")
-    assert result.returncode != 0, "a dispatch without its peer must trap, not return"
-    assert "dispatch returned" not in result.stdout
+    _assert_case_traps(emu, "missing_rank", "dispatch",
+                       "dispatch timed out on rank 0 waiting for rank 1, token group 0: "
+                       "expected epoch 1, flag holds epoch 0")
+
+
+def _assert_case_traps(emu, case, phase, message):
+    """_case(case) in a fresh process must trap (its `phase` never returns) printing message."""
+    result = run_case(__file__, emu._name, case)
+    assert result.returncode != 0, f"{case}: the {phase} returned instead of trapping"
+    assert f"{phase} returned" not in result.stdout
     out = result.stdout + result.stderr
-    assert "dispatch timed out on rank 0 waiting for rank 1, token group 0: expected epoch 1, " \
-        "flag holds epoch 0" in out, out[-2000:]
+    assert message in out, out[-2000:]
