@@ -174,6 +174,8 @@ def ratio_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path) -> None:
+    """The newest commit's rows (the file keeps earlier commits' rows below them)."""
+    rows = [r for r in rows if r["commit"] == rows[-1]["commit"]]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
