@@ -10,9 +10,10 @@ the MoE layer, so the servers always run with VLLM_MOE_ROUTING_SIMULATION_STRATE
 (--routing-strategy, recorded in every row) and VLLM_RANDOMIZE_DP_DUMMY_INPUTS=1.
 
 One JSONL row per (backend, concurrency, repeat) goes to
-<results-dir>/tpot_gsm8k_<gpu>x<dp>.jsonl as soon as its level is done; rows already there are
-skipped (rerun the same command to resume). --max-runtime S starts nothing expected to end
-after S seconds and exits 3 while work is left. --plot draws TPOT p50 vs concurrency.
+<results-dir>/tpot_gsm8k_<gpu>x<dp>.jsonl as soon as its level is done; rows of the same
+commit already there are skipped (rerun the same command to resume). --max-runtime S starts
+nothing expected to end after S seconds and exits 3 while work is left. --plot draws TPOT p50
+vs concurrency.
 
   python3 examples/bench_tpot_gsm8k.py --dry-run                     # commands and env only
   python3 examples/bench_tpot_gsm8k.py --data-parallel-size 1        # one GPU: default, petit
@@ -173,9 +174,14 @@ def ratio_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def of_commit(rows: list[dict], commit: str | None = None) -> list[dict]:
+    """The rows measured at `commit` (default: the newest row's): a results file keeps earlier
+    commits' rows, which neither count as done nor enter the table and plot."""
+    commit = commit or (rows[-1]["commit"] if rows else None)
+    return [r for r in rows if r["commit"] == commit]
+
+
 def plot(rows: list[dict], path) -> None:
-    """The newest commit's rows (the file keeps earlier commits' rows below them)."""
-    rows = [r for r in rows if r["commit"] == rows[-1]["commit"]]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -211,7 +217,7 @@ def plot(rows: list[dict], path) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.report:
-        rows = read_rows(args.report)
+        rows = of_commit(read_rows(args.report))
         print(ratio_table(rows))
         if args.plot and rows:
             plot(rows, Path(args.report).with_suffix(".png"))
@@ -226,7 +232,7 @@ def main(argv=None) -> int:
     all_prompts = args.num_prompts or len(load_prompts(GSM8K))
     prompts = {c: min(all_prompts, args.prompts_per_client * c) if args.prompts_per_client
                else all_prompts for c in args.concurrency}
-    done = {tuple(r[k] for k in KEY) for r in rows}
+    done = {tuple(r[k] for k in KEY) for r in of_commit(rows, stamp["commit"])}
     todo = [(rep, b, [c for c in args.concurrency if (b, args.routing_strategy, c, prompts[c],
                                                       args.output_len, rep) not in done])
             for rep in range(args.repeats) for b in args.backends]
@@ -317,9 +323,10 @@ def main(argv=None) -> int:
             log(f"{tag}: server {server.stop()}")
     if args.dry_run:
         return 0
-    print(ratio_table(rows))
-    if args.plot and rows:
-        plot(rows, results.with_suffix(".png"))
+    current = of_commit(rows, stamp["commit"])
+    print(ratio_table(current))
+    if args.plot and current:
+        plot(current, results.with_suffix(".png"))
     left = sum(len(levels) for *_, levels in todo) - (len(rows) - num_rows_before)
     log(f"{'COMPLETE' if left <= 0 else f'{left} level(s) left: rerun to resume'} "
         f"in {time.monotonic() - t0:.0f} s")

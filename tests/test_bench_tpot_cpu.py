@@ -378,7 +378,8 @@ def row(backend, conc, rep, tpot, strategy="uniform_random", **kw):
     return r
 
 
-def test_resume_skips_the_rows_already_there(capsys, tmp_path):
+def test_resume_skips_the_rows_already_there(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PETIT_COMMIT", "abc")  # the rows' commit
     rows = [row("default", 8, 0, 5.0), row("petit", 8, 0, 4.0), row("default", 64, 0, 9.0),
             row("petit", 64, 0, 7.0, num_prompts=100)]  # another configuration: not done
     bench.write_jsonl(tmp_path / "tpot_gsm8k_H200x2.jsonl", rows)
@@ -396,6 +397,10 @@ def test_resume_skips_the_rows_already_there(capsys, tmp_path):
     out = dry_run(capsys, "--dp", "2", "--concurrency", "8", "64", "--repeats", "2",
                   "--results-dir", str(tmp_path))
     assert "0 server run(s) to do" in out and "bench serve" not in out
+    monkeypatch.setenv("PETIT_COMMIT", "def")  # another commit's rows are not its results
+    out = dry_run(capsys, "--dp", "2", "--concurrency", "8", "64", "--repeats", "2",
+                  "--results-dir", str(tmp_path))
+    assert "4 server run(s) to do" in out
 
 
 def test_table_gives_petit_over_default_per_repeat_and_the_plot_draws(tmp_path, capsys):
