@@ -195,3 +195,16 @@ def test_probe_build_marks_every_warp_specialized_kernel(nvcc, tmp_path):
     assert len(ws_bodies) == NUM_WS_KERNELS
     for body in ws_bodies:
         assert "g_petit_probe" in body and "%globaltimer" in body, body.split("(", 1)[0]
+
+
+def test_stream_probe_builds_without_spills(nvcc, tmp_path):
+    """tools/stream_probe.cu (a standalone GPU diagnostic, docs/experiments/megamoe-w1.md)
+    builds as its header says, every pattern's kernel without spills."""
+    result = subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v",
+                             "-o", str(tmp_path / "stream_probe"),
+                             str(ROOT / "tools" / "stream_probe.cu")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (tmp_path / "stream_probe").exists()
+    spills = re.findall(r"(\d+) bytes spill stores", result.stderr)
+    assert len(spills) >= 5 and all(int(s) == 0 for s in spills), result.stderr[-4000:]
