@@ -200,7 +200,8 @@ def test_probe_build_marks_every_warp_specialized_kernel(nvcc, tmp_path):
 def test_stream_probe_builds_without_spills(nvcc, tmp_path):
     """tools/stream_probe.cu (a standalone GPU diagnostic, docs/experiments/megamoe-w1.md)
     builds as its header says, every pattern's kernel without spills."""
-    result = subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v",
+    result = subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90a", "-DPETIT_SM90A_BUILT=1",
+                             f"-I{ROOT / 'csrc'}", "-Xptxas", "-v",
                              "-o", str(tmp_path / "stream_probe"),
                              str(ROOT / "tools" / "stream_probe.cu")],
                             capture_output=True, text=True, timeout=600)

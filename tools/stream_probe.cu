@@ -2,7 +2,8 @@
 // the fused MoE layer (csrc/experts/megamoe.cu) streams its few active experts in a 1-token
 // decode call? No multiplies: the warps only wait for their ring slots and read one chunk.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/stream_probe tools/stream_probe.cu
+//   nvcc -O3 -std=c++17 -arch=sm_90a -DPETIT_SM90A_BUILT=1 -Icsrc -o /tmp/stream_probe \
+//     tools/stream_probe.cu
 //   /tmp/stream_probe            # prints a table: pattern, region, blocks, GB/s, in-kernel GB/s
 //
 // Patterns (a task = 32 weight rows x the whole k range, tasks dealt to the blocks in order):
@@ -15,15 +16,16 @@
 //   ldg      every thread of the grid 16-byte loads, grid-stride over the region
 // Each launch reads the next of enough copies of the region that none is in L2. GB/s = region
 // bytes / (time of 50 launches / 50); "in-kernel" = region bytes / (last block out - first
-// block in, %globaltimer), without the launch gaps.
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <cudaTypedefs.h>
-
+// block in, %globaltimer), without the launch gaps. The mbarrier waits, TMA boxes and tensor
+// maps are the expert kernels' own (csrc/gemm): bounded waits, the same weight-map encoding.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+
+#include "gemm/sm90_mainloop_wgmma_ws.h"
+
+using namespace petit::gemm;
 
 #define CHECK(x)                                                                         \
   do {                                                                                   \
@@ -34,33 +36,11 @@
     }                                                                                    \
   } while (0)
 
-enum Pattern { kMegamoe, kRotated, kTall, kBulk, kLdg, kPatterns };
+enum Pattern { kMegamoe, kRotated, kTall, kBulk, kLdg };
 const char* kNames[] = {"megamoe", "rotated", "tall", "bulk", "ldg"};
 constexpr int kWarps = 4, kStages = 5, kStepBytes = 4096, kTaskRows = 32, kStepK = 64;
 
-__device__ uint64_t timer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ void bar_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
-}
-__device__ void expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes));
-}
-__device__ void wait_parity(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra W;\n}\n" ::"r"(bar), "r"(parity));
-}
-__device__ void tma_2d(uint32_t dst, const CUtensorMap* map, int k, int row, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst), "l"(map), "r"(k), "r"(row), "r"(bar)
-      : "memory");
-}
+// A 1-D bulk copy global -> shared (the expert kernels copy boxes only).
 __device__ void bulk_1d(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -77,7 +57,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       (reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));
   __shared__ uint64_t full[kWarps * kStages];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint64_t t0 = timer();
+  const uint64_t t0 = sm90_globaltimer_ns();
   uint32_t acc = 0;
   if constexpr (P == kLdg) {
     const int64_t n = int64_t(rows) * k / 8;
@@ -88,8 +68,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     }
   } else {
     if (lane == 0)
-      for (int s = 0; s < kStages; ++s) bar_init(smem_u32(&full[warp * kStages + s]));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      for (int s = 0; s < kStages; ++s)
+        sm90_mbarrier_init(smem_addr_u32(&full[warp * kStages + s]), 1);
+    sm90_fence_mbarrier_init();
     __syncthreads();
     unsigned char* my_ring = ring + warp * kStages * kStepBytes;
     const int steps = k / kStepK / kWarps;  // this warp's quarter of a task's k range
@@ -103,26 +84,27 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       if constexpr (P == kRotated) j = (j + 5 * task) % steps;
       const int kstep = warp * steps + j;
       const int slot = n % kStages;
-      const uint32_t dst = smem_u32(my_ring + slot * kStepBytes);
-      const uint32_t bar = smem_u32(&full[warp * kStages + slot]);
-      expect_tx(bar, kStepBytes);
+      const uint32_t dst = smem_addr_u32(my_ring + slot * kStepBytes);
+      const uint32_t bar = smem_addr_u32(&full[warp * kStages + slot]);
+      sm90_mbarrier_arrive_expect_tx(bar, kStepBytes);
       if constexpr (P == kBulk) {
         const char* base = reinterpret_cast<const char*>(w) +
                            int64_t(task) * kTaskRows * k * 2 +
                            (int64_t(warp) * steps + j) * kStepBytes;
         bulk_1d(dst, base, kStepBytes, bar);
       } else if constexpr (P == kTall) {
-        tma_2d(dst, &map32, kstep * kStepK, task * kTaskRows, bar);
+        sm90_tma_load_4d(dst, &map32, kstep * kStepK, task * kTaskRows, 0, 0, bar);
       } else {
-        tma_2d(dst, &map16, kstep * kStepK, task * kTaskRows, bar);
-        tma_2d(dst + kStepBytes / 2, &map16, kstep * kStepK, task * kTaskRows + 16, bar);
+        sm90_tma_load_4d(dst, &map16, kstep * kStepK, task * kTaskRows, 0, 0, bar);
+        sm90_tma_load_4d(dst + kStepBytes / 2, &map16, kstep * kStepK, task * kTaskRows + 16, 0,
+                         0, bar);
       }
     };
     if (lane == 0)
       for (int n = 0; n < kStages && n < total; ++n) issue(n);
     for (int n = 0; n < total; ++n) {
       const int slot = n % kStages;
-      wait_parity(smem_u32(&full[warp * kStages + slot]), (n / kStages) & 1);
+      sm90_mbarrier_wait_parity(smem_addr_u32(&full[warp * kStages + slot]), (n / kStages) & 1);
       const uint4 v = *reinterpret_cast<const uint4*>(my_ring + slot * kStepBytes + lane * 16);
       acc ^= v.x ^ v.w;
       __syncwarp();
@@ -133,27 +115,16 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   __syncthreads();
   if (threadIdx.x == 0) {
     atomicMin(reinterpret_cast<unsigned long long*>(&stamps[0]), t0);
-    atomicMax(reinterpret_cast<unsigned long long*>(&stamps[1]), timer());
+    atomicMax(reinterpret_cast<unsigned long long*>(&stamps[1]), sm90_globaltimer_ns());
   }
 }
 
-CUtensorMap make_map(void* base, int rows, int k, int box_rows) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (encode == nullptr) {  // the driver's entry point, resolved through the runtime (no -lcuda)
-    cudaDriverEntryPointQueryResult q;
-    CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled",
-                                           reinterpret_cast<void**>(&encode), 12000,
-                                           cudaEnableDefault, &q));
-  }
+// rows x k bf16 as the expert kernels' weight map (one group, one expert), boxes of box_rows
+CUtensorMap make_map(char* base, int rows, int k, int box_rows) {
   CUtensorMap map;
-  const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(k) * 2};
-  const cuuint32_t box[2] = {kStepK, cuuint32_t(box_rows)}, es[2] = {1, 1};
-  if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, es,
-             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) !=
-      CUDA_SUCCESS) {
-    fprintf(stderr, "cuTensorMapEncodeTiled failed\n");
+  if (sm90_encode_weight_map(&map, reinterpret_cast<const petit_bf16_bits*>(base), k, rows, 1, 1,
+                             box_rows) != petitSuccess) {
+    fprintf(stderr, "the weight map of %d x %d (boxes of %d rows) failed\n", rows, k, box_rows);
     exit(1);
   }
   return map;
@@ -201,6 +172,8 @@ void run(const char* region, int rows, int k, int grid, int copies, char* buf, s
     span_ns = std::min(span_ns, double(got[1] - got[0]));
   }
   CHECK(cudaGetLastError());
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
   const double us = ms * 1e3 / iters;
   printf("%-8s %-24s %5d %9.1f %8.0f %8.1f %8.0f\n", kNames[P], region, grid, us,
          bytes / us / 1e3, span_ns / 1e3, bytes / span_ns);
@@ -240,6 +213,8 @@ int main() {
     float ms = 0;
     CHECK(cudaEventElapsedTime(&ms, a, b));
     printf("copy rate (read + write): %.0f GB/s\n", 2.0 * 5 * n / (ms * 1e6));
+    CHECK(cudaEventDestroy(a));
+    CHECK(cudaEventDestroy(b));
     CHECK(cudaFree(src));
     CHECK(cudaFree(dst));
   }
