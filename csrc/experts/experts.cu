@@ -26,6 +26,7 @@
 #include "gemm/epilogues.h"
 #include "gemm/mainloop_simt.h"
 #include "gemm/scheduler.h"
+#include "common/launch.h"
 #include "common/probe.h"
 #if PETIT_SM80_PATH
 #include "gemm/sm90_epilogue_staged.h"
@@ -692,57 +693,10 @@ int persistent_grid(const ExpertGemmArgs& a, int out_cols, int block_m, int bloc
   return int(max_tiles < resident ? max_tiles : resident);
 }
 
-// Launches of the expert kernels: on CUDA devices of compute capability 9.0 and newer with
-// programmatic stream serialization (programmatic dependent launch), so that a kernel's blocks
-// are scheduled onto SMs as the previous kernel's blocks exit instead of after its whole grid
-// has drained and the next launch has been processed: every expert kernel starts with
-// petit_grid_dependency_sync (platform.h), which waits for the previous kernel's completion
-// and memory before touching global memory. The row lists, gate/up, down and reduce kernels
-// of one call thus follow each other with shorter gaps (most visible at decode sizes, where a
-// call is a few tens of microseconds).
-bool programmatic_launch_enabled() {
-#if PETIT_CUDA && !PETIT_EMU_PTX
-  int device = 0, major = 0;
-  if (petitGetDevice(&device) != petitSuccess ||
-      petitDeviceGetAttribute(&major, petitDevAttrComputeCapabilityMajor, device) != petitSuccess)
-    return false;
-  return major >= 9;
-#else
-  return false;
-#endif
-}
-
-// cluster > 1 (the multicast main loop's kernels): launched in thread-block clusters of that
-// many CTAs along x (grid a multiple of it, sized by launch_persistent). programmatic: with
-// the programmatic dependent launch attribute.
-#if PETIT_CUDA && !PETIT_EMU_PTX
-struct LaunchConfig {
-  cudaLaunchAttribute attributes[2];
-  cudaLaunchConfig_t config;
-  LaunchConfig(int grid, int threads, int smem_bytes, int cluster, bool programmatic,
-               petitStream_t stream) {
-    config = {};
-    config.gridDim = dim3(grid);
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = size_t(smem_bytes);
-    config.stream = stream;
-    config.attrs = attributes;
-    config.numAttrs = 0;
-    if (programmatic) {
-      cudaLaunchAttribute& a = attributes[config.numAttrs++];
-      a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      a.val.programmaticStreamSerializationAllowed = 1;
-    }
-    if (cluster > 1) {
-      cudaLaunchAttribute& a = attributes[config.numAttrs++];
-      a.id = cudaLaunchAttributeClusterDimension;
-      a.val.clusterDim.x = unsigned(cluster);
-      a.val.clusterDim.y = 1;
-      a.val.clusterDim.z = 1;
-    }
-  }
-};
-#endif
+// Launches of the expert kernels: programmatic (common/launch.h) where the device allows, every
+// expert kernel starting with petit_grid_dependency_sync. The row lists, gate/up, down and
+// reduce kernels of one call thus follow each other with shorter gaps (most visible at decode
+// sizes, where a call is a few tens of microseconds).
 
 // The shape of the latest launch_kernel call and of the latest GEMM launches
 // (last_expert_gemm_launch).

@@ -41,6 +41,7 @@
 #include "api.h"
 #include "comm/ep_sync.h"
 #include "common/expert_ids.h"
+#include "common/launch.h"
 #include "gemm/epilogues.h"
 #if PETIT_SM80_PATH
 #include "gemm/sm80_mma.h"
@@ -331,6 +332,17 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       kEp ? reinterpret_cast<const float*>(my_heap + c.layout.dispatch_weights) : a.topk_weights;
 
   const bool control = warp == kWarps;  // fences, counters, claims and waits: never streams
+  // Before the previous kernel of the stream has completed (programmatic launch): only what
+  // touches no global memory.
+  if (tid == 0) {
+    for (int i = 0; i < kWarps * kStages; ++i) {
+      gemm::sm90_mbarrier_init(gemm::smem_addr_u32(full + i), 1);
+    }
+    gemm::sm90_fence_mbarrier_init();
+    gemm::sm90_prefetch_tensor_map(&w13_map);
+    gemm::sm90_prefetch_tensor_map(&w2_map);
+  }  // visible after the routing's first barrier
+  petit_grid_dependency_sync();
   // the optional trace (layout.h): thread 0 stamps its block's phases and tasks
   int64_t* const trace = a.trace != nullptr && tid == 0
                              ? a.trace + int64_t(blockIdx.x) * kMegaMoeTraceSlots
@@ -345,15 +357,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   // the first blocks in pairs: at 1 token, 384 gate/up tasks on 192 of 264 blocks).
   int first_claim = 0;
   if (control && lane == 0) first_claim = atomicAdd(&sync[kSyncClaim], 1);
-
-  if (tid == 0) {
-    for (int i = 0; i < kWarps * kStages; ++i) {
-      gemm::sm90_mbarrier_init(gemm::smem_addr_u32(full + i), 1);
-    }
-    gemm::sm90_fence_mbarrier_init();
-    gemm::sm90_prefetch_tensor_map(&w13_map);
-    gemm::sm90_prefetch_tensor_map(&w2_map);
-  }  // visible after the routing's first barrier
 
   // ---- 0. EP: push this rank's tokens to their experts' ranks (dispatch's layout, flags and
   // tag), then wait until every rank's have arrived here. The grid is co-resident (the
@@ -923,8 +926,16 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
   err = petitFuncSetAttribute(md::megamoe_kernel<kEp>,
                               petitFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != petitSuccess) return err;
+#if PETIT_EMU_PTX
   petitLaunchKernel(md::megamoe_kernel<kEp>, dim3(grid), dim3(md::kThreads), smem, stream, e,
                     w13_map, w2_map);
+#else
+  // programmatic (common/launch.h): the blocks take the SMs as the previous kernel's exit and
+  // set up their barriers before its completion
+  const LaunchConfig launch(grid, md::kThreads, smem, 1, true, stream);
+  err = cudaLaunchKernelEx(&launch.config, md::megamoe_kernel<kEp>, e, w13_map, w2_map);
+  if (err != petitSuccess) return err;
+#endif
   return petitGetLastError();
 #endif
 }
