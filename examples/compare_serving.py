@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Serve one model with and without VLLM_USE_PETIT_MOE and check that the outputs agree.
 
-Starts `vllm serve` on this node's GPUs (data parallel = number of GPUs,
-`--enable-expert-parallel`, CUDA graphs on, TRITON_ATTN) twice: with the flag ("petit", strict:
-a layer that would fall back fails the start; or, with --backend petit-experts, the flag and
-VLLM_PETIT_MOE_EXPERTS=1: petit's expert GEMMs as well, whose use the server log must show) and
-without it ("default": vLLM's allgather/reduce-scatter and Triton experts). Each server
+Starts `vllm serve` on this node's GPUs (data parallel = number of GPUs, with
+`--enable-expert-parallel` from 2; CUDA graphs on, TRITON_ATTN) twice: with the flag ("petit",
+strict: a layer that would fall back fails the start; or, with --backend petit-experts, the flag
+and VLLM_PETIT_MOE_EXPERTS=1: petit's expert GEMMs as well, whose use the server log must show)
+and without it ("default": vLLM's allgather/reduce-scatter and Triton experts). On one GPU
+(`--dp 1`, or a node with one GPU) the flag's defaults put the fused layer (MegaMoE) on every
+decode step (the prompts are answered one after another: 1 token per step) and petit's
+composed or vLLM's Triton experts on the prefills, against vLLM's Triton experts throughout. Each server
 answers the same GSM8K prompts with greedy decoding and the top-5 logprobs of every generated
 token. The model defaults to a seeded checkpoint at a
 realistic weight scale (examples/make_seeded_checkpoint.py: the bundled tiny Qwen3-MoE with the
@@ -30,7 +33,7 @@ written as soon as that server is done) in --log-dir.
     python3 examples/compare_serving.py --model-dir DIR --num-prompts 32 --max-tokens 32
     python3 examples/compare_serving.py --backend petit-experts  # PetitExperts as well
 
-Needs >= 2 GPUs, vLLM 0.24 and this package visible to the servers' Python (see README.md;
+Needs a GPU, vLLM 0.24 and this package visible to the servers' Python (see README.md;
 on a devkit GPU machine: `bash tools/vllm_gpu_check.sh build meta`, `. /tmp/vllm-site/env.sh`,
 `export PYTHONPATH=/tmp/petit-moe-meta:$PWD:$PYTHONPATH`). Exit status: 0 agree, 1 disagree or
 an error, 2 usage.
@@ -153,8 +156,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     gpus = bench.visible_gpus()
     dp = args.dp or len(gpus)
-    if dp < 2:
-        print(f"compare_serving: needs >= 2 GPUs for DP + EP, found {len(gpus)}", file=sys.stderr)
+    if dp < 1 or dp > len(gpus):
+        print(f"compare_serving: --dp {dp} needs as many GPUs, found {len(gpus)}",
+              file=sys.stderr)
         return 2
     env = dict(os.environ, **bench.SAFE_ENV)
     try:
