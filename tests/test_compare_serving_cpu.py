@@ -166,3 +166,13 @@ def test_compare_rounding_runs_end_to_end(tmp_path):
         assert all(len(f) == 3 and f[1] == 0 for f in r["routing_flips"])  # one MoE layer
         assert r["flip_at_max_diff"] in (True, False)
     assert 0 <= summary["over_2tol_at_a_flip"] <= summary["prompts_over_2tol"] <= 2
+
+
+@pytest.mark.parametrize("gpus, dp", [([], 0), (["NVIDIA H200"], 2)])
+def test_compare_serving_refuses_more_ranks_than_gpus(monkeypatch, capsys, gpus, dp):
+    # one GPU is enough (--dp 1: the one-GPU path); more data-parallel ranks than GPUs is not
+    monkeypatch.setattr(compare_serving.bench, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(compare_serving.bench, "check_plugin_visible",
+                        lambda *a: pytest.fail("must refuse before starting anything"))
+    assert compare_serving.main(["--dp", str(dp)]) == 2
+    assert f"--dp {dp} needs as many GPUs, found {len(gpus)}" in capsys.readouterr().err
