@@ -12,10 +12,16 @@ nat with no fault anywhere.
 This script measures that effect on the CPU, with no GPU kernel involved: the seeded tiny
 Qwen3-MoE of compare_serving (examples/make_seeded_checkpoint.py, same seed and scales) in
 Hugging Face transformers (bf16), decoded greedily twice over the same GSM8K prompts, once per
-reduction of the same bf16 partials:
+backend of --pair, each modelled by where it rounds (both GEMMs accumulate in fp32):
 
-    petit   fp32 sum in ascending expert order, rounded to bf16 once
-    triton  bf16 sum in top-k slot order, rounded after every add
+    petit    petit's composed experts: SiLU·mul from the fp32 gate/up rounded to bf16, each
+             entry's weighted output rounded to bf16, fp32 sum in ascending expert order,
+             rounded to bf16 once
+    megamoe  the fused layer (one GPU): SiLU·mul from the fp32 gate/up rounded to bf16, the
+             weighted outputs kept in fp32 and summed in top-k slot order, rounded once
+    triton   vLLM's Triton experts: gate/up rounded to bf16 (the GEMM's output), SiLU·mul
+             rounded to bf16, each weighted output rounded to bf16, bf16 sum in top-k slot
+             order (`moe_sum`), rounded after every add
 
 and reports compare_serving's statistics between the two (identical prompts, largest logprob
 difference on the common prefix, divergences and whether they are near-ties, agreement at
@@ -24,10 +30,10 @@ while the tokens still agree. A large logprob difference that sits on such a rou
 what rounding does; one without a flip would point at a fault.
 
     python examples/compare_rounding_cpu.py                      # 64 prompts, ~4 min on 2 cores
-    python examples/compare_rounding_cpu.py --num-prompts 16 --max-tokens 16
+    python examples/compare_rounding_cpu.py --pair megamoe,triton --num-prompts 16
 
-Writes examples/results/compare_rounding_cpu.json (--results-dir). Needs torch and
-transformers (installed with vLLM).
+Writes examples/results/compare_rounding_cpu.json (compare_rounding_cpu_<a>-<b>.json for
+another pair; --results-dir). Needs torch and transformers (installed with vLLM).
 """
 from __future__ import annotations
 
@@ -46,13 +52,16 @@ import compare_serving  # noqa: E402  (the comparison itself)
 import make_seeded_checkpoint as seeded  # noqa: E402
 from bench_env import commit_stamp, utc_date  # noqa: E402
 
-REDUCTIONS = ("petit", "triton")
+BACKENDS = ("petit", "megamoe", "triton")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--pair", default="petit,triton",
+                   help=f"the two backends compared, A,B from {', '.join(BACKENDS)} "
+                        "(default: %(default)s)")
     p.add_argument("--tol", type=float, default=0.1, help="compare_serving's tolerance (nats)")
     p.add_argument("--data", type=Path, default=compare_serving.DEFAULT_DATA)
     p.add_argument("--model-dir", type=Path, default=None,
@@ -61,14 +70,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.max_tokens < 1 or args.tol <= 0:
         p.error("--num-prompts and --max-tokens must be >= 1, --tol > 0")
+    args.pair = tuple(args.pair.split(","))
+    if len(args.pair) != 2 or args.pair[0] == args.pair[1] or not set(args.pair) <= set(BACKENDS):
+        p.error(f"--pair: two different backends of {BACKENDS}, got {args.pair}")
     return args
 
 
 def reduce_partials(parts, top_k_index, reduction: str):
-    """parts [T, K, H] bf16 (a token's weighted per-entry expert outputs, slot order) -> [T, H]
-    bf16, summed as `reduction` does."""
+    """parts [T, K, H] (a token's weighted per-entry expert outputs in slot order: fp32 for
+    megamoe, bf16 for the others) -> [T, H] bf16, summed as backend `reduction` does."""
     import torch
 
+    if reduction == "megamoe":
+        return parts.float().sum(dim=1).to(torch.bfloat16)
     if reduction == "petit":
         order = top_k_index.argsort(dim=1)
         ordered = parts.gather(1, order[:, :, None].expand_as(parts)).float()
@@ -78,14 +92,14 @@ def reduce_partials(parts, top_k_index, reduction: str):
         for k in range(1, parts.shape[1]):
             acc = (acc.float() + parts[:, k].float()).to(torch.bfloat16)
         return acc
-    raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    raise ValueError(f"reduction must be one of {BACKENDS}, got {reduction!r}")
 
 
 class RoutedExperts:
     """Replacement forward of transformers' Qwen3MoeExperts: both GEMMs in fp32 on the bf16
-    weights, SiLU·mul rounded to bf16, each entry's weighted output rounded to bf16 (the
-    rounding points petit and vLLM's Triton experts share), then `reduction`. Records the
-    sorted top-k ids of every call in `routes[step]` (one list per forward, in layer order)."""
+    weights, rounded where backend `reduction` rounds (the module docstring), then summed as
+    it sums. Records the sorted top-k ids of every call in `routes[step]` (one list per
+    forward, in layer order)."""
 
     def __init__(self):
         self.reduction = "petit"
@@ -97,14 +111,17 @@ class RoutedExperts:
         self.routes[-1].append(top_k_index.sort(dim=1).values.clone())
         x = hidden_states.float()
         num_tokens, top_k = top_k_index.shape
-        parts = torch.zeros(num_tokens, top_k, x.shape[1], dtype=torch.bfloat16)
+        fp32_parts = self.reduction == "megamoe"
+        parts = torch.zeros(num_tokens, top_k, x.shape[1],
+                            dtype=torch.float32 if fp32_parts else torch.bfloat16)
         for expert in top_k_index.unique().tolist():
             rows, slots = torch.where(top_k_index == expert)
             gate, up = (x[rows] @ module.gate_up_proj[expert].float().T).chunk(2, dim=-1)
+            if self.reduction == "triton":  # the gate/up GEMM writes bf16
+                gate, up = gate.to(torch.bfloat16).float(), up.to(torch.bfloat16).float()
             act = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).float()
-            y = act @ module.down_proj[expert].float().T
-            parts[rows, slots] = (top_k_weights[rows, slots].float()[:, None] * y).to(
-                torch.bfloat16)
+            y = top_k_weights[rows, slots].float()[:, None] * (act @ module.down_proj[expert].float().T)
+            parts[rows, slots] = y if fp32_parts else y.to(torch.bfloat16)
         return reduce_partials(parts, top_k_index, self.reduction)
 
 
@@ -163,7 +180,7 @@ def main(argv=None) -> int:
             module.forward = functools.partial(experts, module)
     prompts = bench.load_prompts(args.data, limit=args.num_prompts)
     runs = {}
-    for reduction in REDUCTIONS:
+    for reduction in args.pair:
         experts.reduction = reduction
         runs[reduction] = [greedy(model, tokenizer, experts, p, args.max_tokens)
                            for p in prompts]
@@ -171,7 +188,7 @@ def main(argv=None) -> int:
             raise RuntimeError("the replacement expert forward was not called in every "
                                "forward: this transformers' Qwen3-MoE is laid out differently")
     per_prompt = []
-    for a, b in zip(runs["petit"], runs["triton"]):
+    for a, b in zip(runs[args.pair[0]], runs[args.pair[1]]):
         result = compare_serving.compare(a, b, args.tol)
         result["routing_flips"] = routing_flips(a, b, result["common_prefix"])
         result["flip_at_max_diff"] = any(f[0] == result["max_diff_position"]
@@ -181,7 +198,7 @@ def main(argv=None) -> int:
     very_large = [r for r in per_prompt if r["max_logprob_diff"] > 2 * args.tol]
     summary = dict(
         commit=commit_stamp(ROOT), date=utc_date(), model=str(model_dir),
-        reductions=list(REDUCTIONS), tol=args.tol, num_prompts=len(prompts),
+        reductions=list(args.pair), tol=args.tol, num_prompts=len(prompts),
         max_tokens=args.max_tokens, agree=all(r["agree"] for r in per_prompt),
         identical_prompts=sum(r["common_prefix"] == r["length"] for r in per_prompt),
         max_logprob_diff=max(r["max_logprob_diff"] for r in per_prompt),
@@ -193,7 +210,8 @@ def main(argv=None) -> int:
         over_2tol_at_a_flip=sum(r["flip_at_max_diff"] for r in very_large),
         per_prompt=per_prompt)
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    path = args.results_dir / "compare_rounding_cpu.json"
+    suffix = "" if args.pair == ("petit", "triton") else "_" + "-".join(args.pair)
+    path = args.results_dir / f"compare_rounding_cpu{suffix}.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{summary['identical_prompts']}/{len(prompts)} prompts identical over "
           f"{args.max_tokens} tokens; max logprob difference on common prefixes "

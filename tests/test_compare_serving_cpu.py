@@ -135,6 +135,10 @@ def test_rounding_reductions_differ_as_their_kernels_do():
     ids = torch.tensor([[5, 1, 3]])
     assert rounding.reduce_partials(parts, ids, "petit").item() == 258.0
     assert rounding.reduce_partials(parts, ids, "triton").item() == 256.0
+    # megamoe: the fp32 partials summed in slot order, rounded once
+    fp32 = torch.tensor([[[256.0], [0.75], [0.5]]])
+    assert rounding.reduce_partials(fp32, ids, "megamoe").item() == 258.0  # 257.25 -> 258
+    assert rounding.reduce_partials(fp32.bfloat16(), ids, "triton").item() == 256.0
     with pytest.raises(ValueError, match="reduction"):
         rounding.reduce_partials(parts, ids, "fp64")
 
