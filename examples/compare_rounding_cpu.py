@@ -31,9 +31,11 @@ what rounding does; one without a flip would point at a fault.
 
     python examples/compare_rounding_cpu.py                      # 64 prompts, ~4 min on 2 cores
     python examples/compare_rounding_cpu.py --pair megamoe,triton --num-prompts 16
+    python examples/compare_rounding_cpu.py --pair megamoe,triton --fault tile  # what a fault does
 
 Writes examples/results/compare_rounding_cpu.json (compare_rounding_cpu_<a>-<b>.json for
-another pair; --results-dir). Needs torch and transformers (installed with vLLM).
+another pair, _fault-<name> appended with --fault; --results-dir), with the quantiles of the
+logprob differences over every common-prefix position. Needs torch and transformers (installed with vLLM).
 """
 from __future__ import annotations
 
@@ -53,6 +55,11 @@ import make_seeded_checkpoint as seeded  # noqa: E402
 from bench_env import commit_stamp, utc_date  # noqa: E402
 
 BACKENDS = ("petit", "megamoe", "triton")
+# Faults injected into the first backend of the pair (--fault), to see what the comparison
+# catches: the last top-k slot's expert output missing; the routing weights not applied; one
+# 32-row tile of H missing from the lowest-numbered expert with rows in every call; every 50th
+# MoE call's first token given 0 (a stale or unwritten row).
+FAULTS = ("none", "drop-slot", "unweighted", "tile", "rare-row")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pair", default="petit,triton",
                    help=f"the two backends compared, A,B from {', '.join(BACKENDS)} "
                         "(default: %(default)s)")
+    p.add_argument("--fault", choices=FAULTS, default="none",
+                   help="a fault injected into the first backend of --pair")
     p.add_argument("--tol", type=float, default=0.1, help="compare_serving's tolerance (nats)")
     p.add_argument("--data", type=Path, default=compare_serving.DEFAULT_DATA)
     p.add_argument("--model-dir", type=Path, default=None,
@@ -103,6 +112,8 @@ class RoutedExperts:
 
     def __init__(self):
         self.reduction = "petit"
+        self.fault = "none"
+        self.calls = 0
         self.routes = []
 
     def __call__(self, module, hidden_states, top_k_index, top_k_weights):
@@ -120,9 +131,20 @@ class RoutedExperts:
             if self.reduction == "triton":  # the gate/up GEMM writes bf16
                 gate, up = gate.to(torch.bfloat16).float(), up.to(torch.bfloat16).float()
             act = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).float()
-            y = top_k_weights[rows, slots].float()[:, None] * (act @ module.down_proj[expert].float().T)
+            weights = top_k_weights[rows, slots].float()[:, None]
+            y = act @ module.down_proj[expert].float().T
+            if self.fault != "unweighted":
+                y = weights * y
+            if self.fault == "tile" and expert == int(top_k_index.min()):
+                y[:, :32] = 0
             parts[rows, slots] = y if fp32_parts else y.to(torch.bfloat16)
-        return reduce_partials(parts, top_k_index, self.reduction)
+        if self.fault == "drop-slot":
+            parts[:, -1] = 0
+        out = reduce_partials(parts, top_k_index, self.reduction)
+        self.calls += 1
+        if self.fault == "rare-row" and self.calls % 50 == 0:
+            out[0] = 0
+        return out
 
 
 def greedy(model, tokenizer, experts, prompt: str, max_tokens: int) -> dict:
@@ -180,8 +202,9 @@ def main(argv=None) -> int:
             module.forward = functools.partial(experts, module)
     prompts = bench.load_prompts(args.data, limit=args.num_prompts)
     runs = {}
-    for reduction in args.pair:
+    for i, reduction in enumerate(args.pair):
         experts.reduction = reduction
+        experts.fault = args.fault if i == 0 else "none"
         runs[reduction] = [greedy(model, tokenizer, experts, p, args.max_tokens)
                            for p in prompts]
         if not all(step for run in runs[reduction] for step in run["routes"]):
@@ -198,7 +221,7 @@ def main(argv=None) -> int:
     very_large = [r for r in per_prompt if r["max_logprob_diff"] > 2 * args.tol]
     summary = dict(
         commit=commit_stamp(ROOT), date=utc_date(), model=str(model_dir),
-        reductions=list(args.pair), tol=args.tol, num_prompts=len(prompts),
+        reductions=list(args.pair), fault=args.fault, tol=args.tol, num_prompts=len(prompts),
         max_tokens=args.max_tokens, agree=all(r["agree"] for r in per_prompt),
         identical_prompts=sum(r["common_prefix"] == r["length"] for r in per_prompt),
         max_logprob_diff=max(r["max_logprob_diff"] for r in per_prompt),
@@ -208,9 +231,11 @@ def main(argv=None) -> int:
         # step (the forward of step s gives the logprob of generated token s)
         prompts_over_2tol=len(very_large),
         over_2tol_at_a_flip=sum(r["flip_at_max_diff"] for r in very_large),
+        quantiles=compare_serving.pooled_quantiles(per_prompt),
         per_prompt=per_prompt)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.pair == ("petit", "triton") else "_" + "-".join(args.pair)
+    suffix += "" if args.fault == "none" else f"_fault-{args.fault}"
     path = args.results_dir / f"compare_rounding_cpu{suffix}.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{summary['identical_prompts']}/{len(prompts)} prompts identical over "
@@ -220,6 +245,7 @@ def main(argv=None) -> int:
           f"a routing flip of that step; "
           f"{len(summary['divergences'])} divergence(s), near-ties: "
           f"{[d['near_tie'] for d in summary['divergences']]}")
+    print("pooled logprob differences: " + json.dumps(summary["quantiles"]))
     for i, r in enumerate(per_prompt):
         if r["max_logprob_diff"] > args.tol:
             print(f"  prompt {i}: {r['max_logprob_diff']:.3f} nats at step "

@@ -107,6 +107,7 @@ def compare(a: dict, b: dict, tol: float) -> dict:
     worst = max(range(n), key=diffs.__getitem__, default=None)
     result = dict(common_prefix=n, length=min(len(a["tokens"]), len(b["tokens"])),
                   max_logprob_diff=max(diffs, default=0.0), divergence=None,
+                  diffs=diffs,  # per position of the common prefix
                   # where the largest difference is, and the two logprobs there (diagnosis)
                   max_diff_position=worst,
                   max_diff_logprobs=None if worst is None else [a["logprobs"][worst],
@@ -125,6 +126,15 @@ def compare(a: dict, b: dict, tol: float) -> dict:
         ok = ok and near_tie
     result["agree"] = ok
     return result
+
+
+def pooled_quantiles(per_prompt: list[dict]) -> dict:
+    """Quantiles of the logprob differences of every common-prefix position of every prompt."""
+    diffs = sorted(d for r in per_prompt for d in r["diffs"])
+    if not diffs:
+        return dict(positions=0, q50=0.0, q90=0.0, q99=0.0, max=0.0)
+    at = lambda f: diffs[round(f * (len(diffs) - 1))]  # noqa: E731
+    return dict(positions=len(diffs), q50=at(0.5), q90=at(0.9), q99=at(0.99), max=diffs[-1])
 
 
 def run_backend(args, backend: str, model_dir: Path, prompts: list[str], dp: int) -> dict:
@@ -189,6 +199,7 @@ def main(argv=None) -> int:
         identical_prompts=sum(r["common_prefix"] == r["length"] for r in per_prompt),
         max_logprob_diff=max(r["max_logprob_diff"] for r in per_prompt),
         divergences=[r["divergence"] for r in per_prompt if r["divergence"]],
+        quantiles=pooled_quantiles(per_prompt),
         evidence={b: runs[b]["evidence"] for b in runs},
         healthy_s={b: runs[b]["healthy_s"] for b in runs}, per_prompt=per_prompt)
     args.results_dir.mkdir(parents=True, exist_ok=True)
@@ -200,6 +211,7 @@ def main(argv=None) -> int:
           f"{summary['max_logprob_diff']:.4f} nats (tol {args.tol}); "
           f"{len(summary['divergences'])} divergence(s), near-ties: "
           f"{[d['near_tie'] for d in summary['divergences']]}")
+    print("pooled logprob differences: " + json.dumps(summary["quantiles"]))
     print(("AGREE" if agree else "DISAGREE") + f": wrote {path}")
     return 0 if agree else 1
 

@@ -180,3 +180,45 @@ def test_compare_serving_refuses_more_ranks_than_gpus(monkeypatch, capsys, gpus,
                         lambda *a: pytest.fail("must refuse before starting anything"))
     assert compare_serving.main(["--dp", str(dp)]) == 2
     assert f"--dp {dp} needs as many GPUs, found {len(gpus)}" in capsys.readouterr().err
+
+
+def test_pooled_quantiles_over_common_prefixes():
+    per_prompt = [dict(diffs=[0.0, 0.5]), dict(diffs=[]), dict(diffs=[0.25, 0.125, 1.0])]
+    q = compare_serving.pooled_quantiles(per_prompt)
+    assert q == dict(positions=5, q50=0.25, q90=1.0, q99=1.0, max=1.0)
+    assert compare_serving.pooled_quantiles([dict(diffs=[])])["positions"] == 0
+
+
+@pytest.mark.parametrize("fault", rounding.FAULTS)
+def test_rounding_faults_change_what_they_name(fault):
+    """The injected faults of compare_rounding_cpu against the fault-free fused-layer rounding,
+    on one call of random experts: each changes only what it names."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+    gen = torch.Generator().manual_seed(3)
+    E, H, I, T, K = 4, 64, 32, 3, 2
+    module = SimpleNamespace(
+        gate_up_proj=(torch.randn(E, 2 * I, H, generator=gen) * 0.2).bfloat16(),
+        down_proj=(torch.randn(E, H, I, generator=gen) * 0.2).bfloat16())
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    ids = torch.tensor([[1, 2], [3, 1], [2, 3]])
+    weights = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.9, 0.1]])
+
+    def run(fault, calls=0):
+        experts = rounding.RoutedExperts()
+        experts.reduction, experts.fault, experts.calls = "megamoe", fault, calls
+        experts.routes = [[]]
+        return experts(module, x, ids, weights).float()
+
+    clean, out = run("none"), run(fault)
+    if fault == "none":
+        assert torch.equal(out, clean)
+    elif fault == "tile":  # expert 1 (the lowest with rows) lost rows 0-31 of H: tokens 0, 1
+        assert not torch.equal(out[:2, :32], clean[:2, :32])
+        assert torch.equal(out[2], clean[2]) and torch.equal(out[:, 32:], clean[:, 32:])
+    elif fault == "rare-row":  # only every 50th call, its first token
+        assert torch.equal(out, clean)
+        late = run(fault, calls=49)
+        assert torch.equal(late[0], torch.zeros(H)) and torch.equal(late[1:], clean[1:])
+    else:  # drop-slot, unweighted: every token
+        assert all(not torch.equal(out[t], clean[t]) for t in range(T))
