@@ -24,8 +24,8 @@ backend of --pair, each modelled by where it rounds (both GEMMs accumulate in fp
              order (`moe_sum`), rounded after every add
 
 and reports compare_serving's statistics between the two (identical prompts, largest logprob
-difference on the common prefix, divergences and whether they are near-ties, agreement at
---tol) plus, per prompt, the decode steps at which some layer's top-k expert set differs
+difference on the common prefix, divergences and whether they are near-ties, its verdict and
+the strict per-prompt agreement at --tol) plus, per prompt, the decode steps at which some layer's top-k expert set differs
 while the tokens still agree. A large logprob difference that sits on such a routing flip is
 what rounding does; one without a flip would point at a fault.
 
@@ -219,10 +219,11 @@ def main(argv=None) -> int:
         per_prompt.append(result)
     large = [r for r in per_prompt if r["max_logprob_diff"] > args.tol]
     very_large = [r for r in per_prompt if r["max_logprob_diff"] > 2 * args.tol]
+    result = compare_serving.verdict(per_prompt, args.tol)
     summary = dict(
         commit=commit_stamp(ROOT), date=utc_date(), model=str(model_dir),
         reductions=list(args.pair), fault=args.fault, tol=args.tol, num_prompts=len(prompts),
-        max_tokens=args.max_tokens, agree=all(r["agree"] for r in per_prompt),
+        max_tokens=args.max_tokens, agree=result["agree"], strict=result["strict"],
         identical_prompts=sum(r["common_prefix"] == r["length"] for r in per_prompt),
         max_logprob_diff=max(r["max_logprob_diff"] for r in per_prompt),
         divergences=[r["divergence"] for r in per_prompt if r["divergence"]],
@@ -231,7 +232,8 @@ def main(argv=None) -> int:
         # step (the forward of step s gives the logprob of generated token s)
         prompts_over_2tol=len(very_large),
         over_2tol_at_a_flip=sum(r["flip_at_max_diff"] for r in very_large),
-        quantiles=compare_serving.pooled_quantiles(per_prompt),
+        divergences_not_near_tie=result["divergences_not_near_tie"],
+        quantiles=result["quantiles"],
         per_prompt=per_prompt)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.pair == ("petit", "triton") else "_" + "-".join(args.pair)

@@ -15,16 +15,23 @@ realistic weight scale (examples/make_seeded_checkpoint.py: the bundled tiny Qwe
 Qwen3 tokenizer), because `--load-format dummy` weights give nearly uniform logits on which
 greedy tokens flip at any rounding difference.
 
-Agreement, per prompt, with tolerance --tol (nats, default 0.1):
+Per prompt, with tolerance --tol (nats, default 0.1), a prompt agrees strictly when
 - on the common prefix of the two greedy sequences, the chosen tokens' logprobs differ by at
-  most --tol (the two backends sum the experts' outputs in different orders and precisions:
-  petit in fp32 in rank order, vLLM in its reduce-scatter, so bit equality is not expected);
+  most --tol, and
 - where the sequences diverge, the two tokens were a near-tie in both runs: each run's
   logprob of the other run's token is within 2 x --tol of its own choice (and among its top 5).
-The run passes when every prompt agrees. Backends that round differently can fail it with no
-fault: a different last bit in one layer's output can flip a later layer's near-tied expert
-choice for a token and move its logprobs by tenths of a nat (examples/compare_rounding_cpu.py
-measures how often on this model, on the CPU). Results: compare_serving_<gpu>x<W>.json
+Two correct backends that round differently do not pass that for every prompt: a different
+last bit in one layer's output can flip a later layer's near-tied expert choice for a token
+and move its logprobs by tenths of a nat, and the served logprobs come from bf16 logits whose
+steps at this model's top logits (0.06-0.125 nats) are the size of --tol. So the run agrees
+when the differences are of rounding's size and rare (every count over all prompts):
+- the 99th percentile of the logprob differences over every common-prefix position <= 2 x tol,
+- at most 1/5 of the prompts differ by more than 2 x tol on their common prefix,
+- at most 1/8 of the prompts diverge other than at a near-tie.
+Calibrated on the CPU (examples/compare_rounding_cpu.py, 64 prompts): pairs of correct
+roundings pass it, and each injected fault fails it, down to one 32-row tile of one expert
+missing or every 50th call's first token zeroed. "strict" records whether every prompt
+agreed strictly. Results: compare_serving_<gpu>x<W>.json
 (compare_serving_<gpu>x<W>_petit-experts.json with --backend petit-experts) in --results-dir
 (default examples/results); server logs and each server's outputs (outputs_<backend>.json,
 written as soon as that server is done) in --log-dir.
@@ -137,6 +144,17 @@ def pooled_quantiles(per_prompt: list[dict]) -> dict:
     return dict(positions=len(diffs), q50=at(0.5), q90=at(0.9), q99=at(0.99), max=diffs[-1])
 
 
+def verdict(per_prompt: list[dict], tol: float) -> dict:
+    """The run's agreement (module doc): the pooled quantiles, the two counts and the result."""
+    n = len(per_prompt)
+    q = pooled_quantiles(per_prompt)
+    over_2tol = sum(r["max_logprob_diff"] > 2 * tol for r in per_prompt)
+    far = sum(r["divergence"] is not None and not r["divergence"]["near_tie"] for r in per_prompt)
+    return dict(quantiles=q, prompts_over_2tol=over_2tol, divergences_not_near_tie=far,
+                strict=all(r["agree"] for r in per_prompt),
+                agree=q["q99"] <= 2 * tol and 5 * over_2tol <= n and 8 * far <= n)
+
+
 def run_backend(args, backend: str, model_dir: Path, prompts: list[str], dp: int) -> dict:
     port = bench.free_port()
     cmd = bench.vllm_serve_command(args.python, model_dir, "m", port, dp, "TRITON_ATTN",
@@ -188,18 +206,22 @@ def main(argv=None) -> int:
         return 1
     per_prompt = [compare(a, b, args.tol) for a, b in
                   zip(runs[args.backend]["outputs"], runs["default"]["outputs"])]
-    agree = all(r["agree"] for r in per_prompt)
+    result = verdict(per_prompt, args.tol)
+    agree = result["agree"]
     summary = dict(
         gpu=bench.short_gpu_name(gpus[0]) if gpus else "none", world=dp,
         model=str(model_dir), commit=commit_stamp(ROOT),
         date=utc_date(),
         vllm_version=bench.probe_vllm_version(args.python, env), tol=args.tol,
         backend=args.backend, num_prompts=len(prompts), max_tokens=args.max_tokens,
-        agree=agree,
+        agree=agree, strict=result["strict"],
         identical_prompts=sum(r["common_prefix"] == r["length"] for r in per_prompt),
+        prompts_over_tol=sum(r["max_logprob_diff"] > args.tol for r in per_prompt),
+        prompts_over_2tol=result["prompts_over_2tol"],
+        divergences_not_near_tie=result["divergences_not_near_tie"],
         max_logprob_diff=max(r["max_logprob_diff"] for r in per_prompt),
         divergences=[r["divergence"] for r in per_prompt if r["divergence"]],
-        quantiles=pooled_quantiles(per_prompt),
+        quantiles=result["quantiles"],
         evidence={b: runs[b]["evidence"] for b in runs},
         healthy_s={b: runs[b]["healthy_s"] for b in runs}, per_prompt=per_prompt)
     args.results_dir.mkdir(parents=True, exist_ok=True)

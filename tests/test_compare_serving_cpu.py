@@ -222,3 +222,28 @@ def test_rounding_faults_change_what_they_name(fault):
         assert torch.equal(late[0], torch.zeros(H)) and torch.equal(late[1:], clean[1:])
     else:  # drop-slot, unweighted: every token
         assert all(not torch.equal(out[t], clean[t]) for t in range(T))
+
+
+def _prompt(diffs, divergence=None):
+    return dict(diffs=diffs, max_logprob_diff=max(diffs, default=0.0), divergence=divergence,
+                agree=max(diffs, default=0.0) <= 0.1 and (divergence is None
+                                                           or divergence["near_tie"]))
+
+
+def test_verdict_takes_rounding_and_refuses_faults():
+    near, far = dict(near_tie=True), dict(near_tie=False)
+    clean = [_prompt([0.0] * 10 + [0.004] * 4 + [0.06] * 2)] * 14  # 16 tokens each
+    # rounding: one step of a bf16 logit here and there, one routing flip, a near-tie divergence
+    rounding = clean + [_prompt([0.125, 0.3]), _prompt([0.01], near)]
+    v = compare_serving.verdict(rounding, 0.1)
+    assert v["agree"] and not v["strict"]
+    assert (v["prompts_over_2tol"], v["divergences_not_near_tie"]) == (1, 0)
+    assert compare_serving.verdict(clean, 0.1) == dict(
+        v, prompts_over_2tol=0, strict=True, quantiles=compare_serving.pooled_quantiles(clean))
+    # a fault: large differences at many positions (the 99th percentile over 2 x tol) ...
+    assert not compare_serving.verdict(clean + [_prompt([0.5] * 8)], 0.1)["agree"]
+    # ... or more than 1/5 of the prompts over 2 x tol, or 1/8 diverging away from near-ties
+    assert not compare_serving.verdict(clean[:12] + [_prompt([0.0] * 60 + [0.3])] * 4,
+                                       0.1)["agree"]
+    assert not compare_serving.verdict(clean[:13] + [_prompt([0.0], far)] * 3, 0.1)["agree"]
+    assert compare_serving.verdict(clean[:14] + [_prompt([0.0], far)] * 2, 0.1)["agree"]
