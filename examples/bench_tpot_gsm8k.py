@@ -11,8 +11,10 @@ the MoE layer, so the servers always run with VLLM_MOE_ROUTING_SIMULATION_STRATE
 
 One JSONL row per (backend, concurrency, repeat) goes to
 <results-dir>/tpot_gsm8k_<gpu>x<dp>.jsonl as soon as its level is done; rows of the same
-commit already there are skipped (rerun the same command to resume). --max-runtime S starts
-nothing expected to end after S seconds and exits 3 while work is left. --plot draws TPOT p50
+commit already there are skipped (rerun the same command to resume). --max-runtime S plans
+only the server runs whose estimate fits in S seconds, every backend measuring the same
+levels (later repeats dropped first, then the highest levels), starts nothing expected to end
+after S seconds, and exits 3 while work is left. --plot draws TPOT p50
 vs concurrency.
 
   python3 examples/bench_tpot_gsm8k.py --dry-run                     # commands and env only
@@ -214,6 +216,33 @@ def plot(rows: list[dict], path) -> None:
     log(f"wrote {path}")
 
 
+# Time guesses for --max-runtime where no earlier row of the results file measured the same
+# (one H200, Qwen3-30B-A3B config: a server healthy after 120-170 s, a level of 8-16 prompts
+# per client 35-55 s)
+START_GUESS_S, LEVEL_GUESS_S = 150.0, 45.0
+
+
+def fit_budget(todo: list, budget: float, start_s: float, level_s) -> list:
+    """The server runs of `todo` ([(repeat, backend, levels)]) that fit in `budget` seconds,
+    every backend measuring the same levels: later repeats go first, then the highest
+    concurrency levels of every run alike. [] when not even the lowest level fits."""
+    def cost(runs):
+        return sum(start_s + sum(level_s(c) for c in levels) for *_, levels in runs)
+
+    for reps in sorted({rep for rep, *_ in todo}, reverse=True):
+        runs = [t for t in todo if t[0] <= reps]
+        levels = sorted({c for *_, ls in runs for c in ls})
+        while levels:
+            fit = [(rep, b, [c for c in ls if c in levels]) for rep, b, ls in runs]
+            fit = [t for t in fit if t[2]]
+            if cost(fit) <= budget:
+                return fit
+            if reps > min(rep for rep, *_ in todo):
+                break  # drop a repeat before any level
+            levels.pop()
+    return []
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.report:
@@ -250,6 +279,15 @@ def main(argv=None) -> int:
     def guess(field, **match) -> float:  # longest earlier measurement of the same thing
         return max((r.get(field, 0) for r in rows
                     if all(r.get(k) == v for k, v in match.items())), default=0.0)
+
+    planned = sum(len(levels) for *_, levels in todo)
+    if args.max_runtime and not args.dry_run:  # paired levels, not one backend's alone
+        todo = fit_budget(todo, args.max_runtime, guess("server_start_s") or START_GUESS_S,
+                          lambda c: guess("bench_wall_s", concurrency=c, num_prompts=prompts[c],
+                                          output_len=args.output_len) or LEVEL_GUESS_S)
+        if sum(len(levels) for *_, levels in todo) < planned:
+            log(f"--max-runtime {args.max_runtime:.0f} s: running {todo or 'nothing'} of "
+                f"{planned} (repeat, backend, level) runs; rerun to resume")
 
     for rep, backend, levels in todo:
         port, name = free_port(), Path(args.model_dir).name
@@ -327,7 +365,7 @@ def main(argv=None) -> int:
     print(ratio_table(current))
     if args.plot and current:
         plot(current, results.with_suffix(".png"))
-    left = sum(len(levels) for *_, levels in todo) - (len(rows) - num_rows_before)
+    left = planned - (len(rows) - num_rows_before)
     log(f"{'COMPLETE' if left <= 0 else f'{left} level(s) left: rerun to resume'} "
         f"in {time.monotonic() - t0:.0f} s")
     return 0 if left <= 0 else 3

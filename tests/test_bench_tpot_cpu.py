@@ -583,3 +583,17 @@ def test_simulated_routing_reaches_petit_prepare_and_experts(strategy, monkeypat
     unsimulated = reference.ep_moe_reference(call.xs, argmax_ids, call.topk_weights, call.w13,
                                              call.w2, 2)[0]
     assert not torch.allclose(out.float(), unsimulated.float(), atol=1e-2)
+
+
+def test_fit_budget_keeps_levels_paired():
+    """--max-runtime plans whole server runs, every backend the same levels: later repeats
+    go first, then the highest levels of every run alike."""
+    todo = [(0, "default", [1, 2]), (0, "petit", [1, 2]), (1, "default", [1, 2]),
+            (1, "petit", [1, 2])]
+    level = {1: 40.0, 2: 45.0}.__getitem__
+    assert bench.fit_budget(todo, 1e9, 150.0, level) == todo
+    assert bench.fit_budget(todo, 470.0, 150.0, level) == todo[:2]     # 2 x (150 + 85)
+    assert bench.fit_budget(todo, 469.0, 150.0, level) == [(0, "default", [1]), (0, "petit", [1])]
+    assert bench.fit_budget(todo, 379.0, 150.0, level) == []           # 2 x (150 + 40) > 379
+    resumed = [(0, "petit", [2]), (1, "default", [1, 2]), (1, "petit", [1, 2])]
+    assert bench.fit_budget(resumed, 200.0, 150.0, level) == [(0, "petit", [2])]
