@@ -13,7 +13,8 @@ constexpr int kMaxExperts = 512;
 constexpr int kSizeMultiple = 8;       // H and I: multiples of one 16-byte vector of bf16
 constexpr int kMegaMoeMaxEntries = 2048;  // fused layer: N*K, sorted in shared memory
 constexpr int kMegaMoeSizeMultiple = 64;  // fused layer: H and I, whole 64-k TMA box rows
-// Fused layer's optional trace (MegaMoeArgs::trace): per block, timer stamps of entry, routing
+// Fused layer's optional trace (MegaMoeArgs::trace): per block, timer stamps of entry (after
+// griddepcontrol.wait: the previous kernel has completed), routing
 // done, exit, the count of tasks, the routing's steps (rows' ids read -- at EP after every
 // rank's rows arrived --, expert counts and offsets known, the first weight loads issued),
 // then (task, ready, done) of its first kMegaMoeTraceTasks.
