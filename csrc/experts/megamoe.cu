@@ -332,8 +332,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       kEp ? reinterpret_cast<const float*>(my_heap + c.layout.dispatch_weights) : a.topk_weights;
 
   const bool control = warp == kWarps;  // fences, counters, claims and waits: never streams
-  // Before the previous kernel of the stream has completed (programmatic launch): only what
-  // touches no global memory.
+  // Before the previous kernel of the stream has completed (programmatic launch, W = 1):
+  // only what touches no global memory.
   if (tid == 0) {
     for (int i = 0; i < kWarps * kStages; ++i) {
       gemm::sm90_mbarrier_init(gemm::smem_addr_u32(full + i), 1);
@@ -342,7 +342,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     gemm::sm90_prefetch_tensor_map(&w13_map);
     gemm::sm90_prefetch_tensor_map(&w2_map);
   }  // visible after the routing's first barrier
-  petit_grid_dependency_sync();
+  // The EP kernel neither waits (it is launched plainly) nor lets the next kernel start early
+  // (launch_dependents): that kernel's blocks could take SMs a peer's grid needs (launch_kernel).
+  if constexpr (!kEp) petit_grid_dependency_sync();
   // the optional trace (layout.h): thread 0 stamps its block's phases and tasks
   int64_t* const trace = a.trace != nullptr && tid == 0
                              ? a.trace + int64_t(blockIdx.x) * kMegaMoeTraceSlots
@@ -930,9 +932,12 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
   petitLaunchKernel(md::megamoe_kernel<kEp>, dim3(grid), dim3(md::kThreads), smem, stream, e,
                     w13_map, w2_map);
 #else
-  // programmatic (common/launch.h): the blocks take the SMs as the previous kernel's exit and
-  // set up their barriers before its completion
-  const LaunchConfig launch(grid, md::kThreads, smem, 1, true, stream);
+  // W = 1 programmatic (common/launch.h): the blocks take the SMs as the previous kernel's
+  // exit and set up their barriers before its completion, and let the next kernel do the
+  // same. Not the EP kernel: where ranks share a GPU, blocks of a kernel started early (its
+  // own, or the next one's) could hold the SMs a peer's grid needs to be resident (every
+  // rank's grid must be, for the sends before the waits).
+  const LaunchConfig launch(grid, md::kThreads, smem, 1, !kEp, stream);
   err = cudaLaunchKernelEx(&launch.config, md::megamoe_kernel<kEp>, e, w13_map, w2_map);
   if (err != petitSuccess) return err;
 #endif
