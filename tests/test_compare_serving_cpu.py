@@ -247,3 +247,30 @@ def test_verdict_takes_rounding_and_refuses_faults():
                                        0.1)["agree"]
     assert not compare_serving.verdict(clean[:13] + [_prompt([0.0], far)] * 3, 0.1)["agree"]
     assert compare_serving.verdict(clean[:14] + [_prompt([0.0], far)] * 2, 0.1)["agree"]
+
+
+def test_compare_serving_writes_its_verdict(monkeypatch, tmp_path, capsys):
+    """main() end to end with the two servers replaced by canned outputs: the summary holds
+    the verdict, the strict result, the counts and the quantiles; the exit status follows
+    the verdict."""
+    monkeypatch.setattr(compare_serving.bench, "visible_gpus", lambda: ["NVIDIA H200"])
+    monkeypatch.setattr(compare_serving.bench, "check_plugin_visible", lambda *a: None)
+    monkeypatch.setattr(compare_serving.bench, "probe_vllm_version", lambda *a: "0.24.0")
+
+    def outputs(lp):  # 16 prompts x 4 tokens, the same tokens, logprobs lp
+        return [dict(tokens=["a", "b", "c", "d"], logprobs=[lp] * 4, top=[{}] * 4)] * 16
+
+    for shift, rc in ((0.06, 0), (0.5, 1)):
+        runs = {"petit": outputs(-1.0 - shift), "default": outputs(-1.0)}
+        monkeypatch.setattr(compare_serving, "run_backend",
+                            lambda args, b, *rest: dict(healthy_s=1.0, evidence="e",
+                                                        outputs=runs[b]))
+        assert compare_serving.main(["--dp", "1", "--num-prompts", "16", "--model-dir",
+                                     str(tmp_path), "--results-dir", str(tmp_path)]) == rc
+        s = json.loads((tmp_path / "compare_serving_H200x1.json").read_text())
+        assert s["agree"] == s["strict"] == (rc == 0) and s["world"] == 1
+        assert s["identical_prompts"] == 16 and s["prompts_over_tol"] == (16 if rc else 0)
+        assert s["prompts_over_2tol"] == (16 if rc else 0) and s["divergences_not_near_tie"] == 0
+        assert s["quantiles"]["positions"] == 64
+        assert s["quantiles"]["q99"] == pytest.approx(shift)
+    assert "DISAGREE" in capsys.readouterr().out
