@@ -25,9 +25,10 @@ backend of --pair, each modelled by where it rounds (both GEMMs accumulate in fp
 
 and reports compare_serving's statistics between the two (identical prompts, largest logprob
 difference on the common prefix, divergences and whether they are near-ties, its verdict and
-the strict per-prompt agreement at --tol) plus, per prompt, the decode steps at which some layer's top-k expert set differs
-while the tokens still agree. A large logprob difference that sits on such a routing flip is
-what rounding does; one without a flip would point at a fault.
+the strict per-prompt agreement at --tol) plus, per prompt, the decode steps at which some
+layer's top-k expert set differs while the tokens still agree. A large logprob difference
+that sits on such a routing flip is what rounding does; one without a flip would point at a
+fault.
 
     python examples/compare_rounding_cpu.py                      # 64 prompts, ~4 min on 2 cores
     python examples/compare_rounding_cpu.py --pair megamoe,triton --num-prompts 16
@@ -35,7 +36,8 @@ what rounding does; one without a flip would point at a fault.
 
 Writes examples/results/compare_rounding_cpu.json (compare_rounding_cpu_<a>-<b>.json for
 another pair, _fault-<name> appended with --fault; --results-dir), with the quantiles of the
-logprob differences over every common-prefix position. Needs torch and transformers (installed with vLLM).
+logprob differences over every common-prefix position. Needs torch and transformers
+(installed with vLLM).
 """
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ and VLLM_PETIT_MOE_EXPERTS=1: petit's expert GEMMs as well, whose use the server
 and without it ("default": vLLM's allgather/reduce-scatter and Triton experts). On one GPU
 (`--dp 1`, or a node with one GPU) the flag's defaults put the fused layer (MegaMoE) on every
 decode step (the prompts are answered one after another: 1 token per step) and petit's
-composed or vLLM's Triton experts on the prefills, against vLLM's Triton experts throughout. Each server
-answers the same GSM8K prompts with greedy decoding and the top-5 logprobs of every generated
-token. The model defaults to a seeded checkpoint at a
+composed or vLLM's Triton experts on the prefills, against vLLM's Triton experts throughout.
+Each server answers the same GSM8K prompts with greedy decoding and the top-5 logprobs of
+every generated token. The model defaults to a seeded checkpoint at a
 realistic weight scale (examples/make_seeded_checkpoint.py: the bundled tiny Qwen3-MoE with the
 Qwen3 tokenizer), because `--load-format dummy` weights give nearly uniform logits on which
 greedy tokens flip at any rounding difference.
