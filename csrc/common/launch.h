@@ -55,4 +55,30 @@ struct LaunchConfig {
 };
 #endif
 
+// One launch of `kernel` on `grid` blocks: with the attributes above where there are any
+// (CUDA), clusters run by the CPU emulation's cluster launch, otherwise a plain launch.
+template <class Kernel, class... Args>
+petitError_t launch_with_attributes(Kernel kernel, int grid, int threads, int smem_bytes,
+                                    int cluster, bool programmatic, petitStream_t stream,
+                                    const Args&... args) {
+#if PETIT_CUDA && !PETIT_EMU_PTX
+  LaunchConfig launch(grid, threads, smem_bytes, cluster, programmatic, stream);
+  if (launch.config.numAttrs > 0) {
+    const petitError_t err = cudaLaunchKernelEx(&launch.config, kernel, args...);
+    return err != petitSuccess ? err : petitGetLastError();
+  }
+#elif PETIT_EMU_PTX
+  (void)programmatic;
+  if (cluster > 1) {
+    petitLaunchKernelCluster(kernel, dim3(grid), dim3(threads), smem_bytes, stream, cluster,
+                             args...);
+    return petitGetLastError();
+  }
+#else
+  (void)cluster, (void)programmatic;
+#endif
+  petitLaunchKernel(kernel, dim3(grid), dim3(threads), smem_bytes, stream, args...);
+  return petitGetLastError();
+}
+
 }  // namespace petit

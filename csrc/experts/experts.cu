@@ -707,21 +707,8 @@ template <class Kernel, class... Args>
 petitError_t launch_kernel(Kernel kernel, int grid, int threads, int smem_bytes, int cluster,
                            petitStream_t stream, const Args&... args) {
   g_launch_shape = ExpertLaunchShape{grid, threads, smem_bytes, cluster};
-#if PETIT_CUDA && !PETIT_EMU_PTX
-  LaunchConfig launch(grid, threads, smem_bytes, cluster, programmatic_launch_enabled(), stream);
-  if (launch.config.numAttrs > 0) {
-    const petitError_t err = cudaLaunchKernelEx(&launch.config, kernel, args...);
-    return err != petitSuccess ? err : petitGetLastError();
-  }
-#elif PETIT_EMU_PTX
-  if (cluster > 1) {
-    petitLaunchKernelCluster(kernel, dim3(grid), dim3(threads), smem_bytes, stream, cluster,
-                             args...);
-    return petitGetLastError();
-  }
-#endif
-  petitLaunchKernel(kernel, dim3(grid), dim3(threads), smem_bytes, stream, args...);
-  return petitGetLastError();
+  return launch_with_attributes(kernel, grid, threads, smem_bytes, cluster,
+                                programmatic_launch_enabled(), stream, args...);
 }
 
 // A persistent grid of clusters: a multiple of `cluster` CTAs, at most as many clusters as can

@@ -928,20 +928,13 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
   err = petitFuncSetAttribute(md::megamoe_kernel<kEp>,
                               petitFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != petitSuccess) return err;
-#if PETIT_EMU_PTX
-  petitLaunchKernel(md::megamoe_kernel<kEp>, dim3(grid), dim3(md::kThreads), smem, stream, e,
-                    w13_map, w2_map);
-#else
   // W = 1 programmatic (common/launch.h): the blocks take the SMs as the previous kernel's
   // exit and set up their barriers before its completion, and let the next kernel do the
   // same. Not the EP kernel: where ranks share a GPU, blocks of a kernel started early (its
   // own, or the next one's) could hold the SMs a peer's grid needs to be resident (every
   // rank's grid must be, for the sends before the waits).
-  const LaunchConfig launch(grid, md::kThreads, smem, 1, !kEp, stream);
-  err = cudaLaunchKernelEx(&launch.config, md::megamoe_kernel<kEp>, e, w13_map, w2_map);
-  if (err != petitSuccess) return err;
-#endif
-  return petitGetLastError();
+  return launch_with_attributes(md::megamoe_kernel<kEp>, grid, md::kThreads, smem, 1, !kEp,
+                                stream, e, w13_map, w2_map);
 #endif
 }
 
