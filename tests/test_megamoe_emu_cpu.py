@@ -100,6 +100,23 @@ def test_matches_reference(emu, seed, num_rows, top_k, hidden, intermediate, num
     assert int(sync.abs().sum()) == 0, "counters not reset for the next call"
 
 
+def test_skewed_rows_split_into_row_groups(emu):
+    """An expert with more than 16 rows gets one task per 16-row group (the last one
+    partial): one hot expert with 71 rows, one with 17, one with 16 exactly, one with 1."""
+    hidden, intermediate, num_local = 128, 64, 5
+    counts = {0: 71, 2: 17, 3: 16, 4: 1}
+    flat = torch.tensor([e for e, c in counts.items() for _ in range(c)], dtype=torch.int32)
+    g = torch.Generator().manual_seed(12)
+    flat = flat[torch.randperm(flat.numel(), generator=g)]
+    ids = torch.cat([flat, torch.full((1,), -1, dtype=torch.int32)]).view(-1, 2)  # 106 = 53 x 2
+    case = make_case(13, ids.shape[0], 2, hidden, intermediate, num_local, ids=ids)
+    for num_sms in (1, 3):
+        rc, out, sync = run_emu(emu, *case, num_sms=num_sms)
+        assert rc == 0
+        assert_close(out, reference_moe(*case))
+        assert int(sync.abs().sum()) == 0
+
+
 def test_deterministic_across_grids_and_schedules(emu):
     """Each output is a fixed-order computation: the same bits whatever block ran which task
     (co-resident blocks claiming concurrently, or blocks one after another, other grid
@@ -154,15 +171,29 @@ def test_limits_rejected(emu):
     assert rc != 0 and out.isnan().all()
 
 
+def _trace_tool():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "megamoe_trace", Path(__file__).resolve().parent.parent / "tools" / "megamoe_trace.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
 def test_trace_records_every_task_once_in_order(emu):
     """The optional trace (tools/megamoe_trace.py): per block entry <= routed <= each task's
     ready <= done <= the next task's ready <= exit, and the blocks' tasks together are every
-    gate/up, down and reduction task exactly once. At most 5 * (64/16 + 64/32) + 64/32 = 32
-    tasks, all within one block's kMegaMoeTraceTasks records whichever block claims them."""
+    (expert, row group) gate/up and down task and every reduction exactly once. Expert 0 has
+    20 rows (two groups), expert 1 has 3: 3 * (64/16 + 64/32) + 64/32 = 20 tasks, all within
+    one block's kMegaMoeTraceTasks records whichever block claims them."""
     from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,
                                        MEGAMOE_TRACE_SLOTS)
-    num_rows, top_k, hidden, inter, num_local, num_sms = 9, 3, 64, 64, 5, 2
-    case = make_case(8, num_rows, top_k, hidden, inter, num_local)
+    num_rows, top_k, hidden, inter, num_local, num_sms = 23, 1, 64, 64, 2, 2
+    ids = torch.tensor([0] * 20 + [1] * 3, dtype=torch.int32)
+    ids = ids[torch.randperm(num_rows, generator=torch.Generator().manual_seed(8))].view(-1, 1)
+    case = make_case(8, num_rows, top_k, hidden, inter, num_local, ids=ids)
+    tool = _trace_tool()
     grid = MEGAMOE_BLOCKS_PER_SM * num_sms
     trace = torch.full((grid, MEGAMOE_TRACE_SLOTS), -1, dtype=torch.int64)
     rc, out, _ = run_emu(emu, *case, num_sms=num_sms, trace=trace)
@@ -179,19 +210,13 @@ def test_trace_records_every_task_once_in_order(emu):
             task, ready, done = (int(v) for v in block[first:first + 3])
             assert last <= ready <= done <= exit_, (i, last, ready, done, exit_)
             last = done
-            seen.append((task >> 40, (task >> 20) & 0xFFFFF, task & 0xFFFFF))
-    active = sorted({int(e) for e in case[1].flatten().tolist() if 0 <= e < num_local})
-    want = [(0, e, t) for e in active for t in range(inter // 16)]
-    want += [(1, e, t) for e in active for t in range(hidden // 32)]
-    want += [(2, 0, t) for t in range(hidden // 32)]
+            seen.append(tool.task_fields(task))
+    groups = {0: 2, 1: 1}
+    want = [(0, e, r, t) for e in groups for r in range(groups[e]) for t in range(inter // 16)]
+    want += [(1, e, r, t) for e in groups for r in range(groups[e]) for t in range(hidden // 32)]
+    want += [(2, 0, 0, t) for t in range(hidden // 32)]
     assert sorted(seen) == sorted(want)
     # tools/megamoe_trace.py's summary of the same trace
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location(
-        "megamoe_trace", Path(__file__).resolve().parent.parent / "tools" / "megamoe_trace.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     blocks = tool.blocks_from_trace(trace.tolist())
     summary = tool.summarize(blocks, min(b["entry"] for b in blocks))
     assert summary["blocks"] == grid and summary["truncated_blocks"] == 0

@@ -321,12 +321,12 @@ def test_fused_layer_trace_per_rank(ep_lib, megamoe_lib):
                 task, ready, done = (int(v) for v in block[first:first + 3])
                 assert last <= ready <= done <= exit_, (rank, i, last, ready, done, exit_)
                 last = done
-                seen.append((task >> 40, (task >> 20) & 0xFFFFF, task & 0xFFFFF))
+                seen.append(tool.task_fields(task))
         active = sorted({int(e) - rank * local for i in ids for e in i.flatten().tolist()
                          if rank * local <= e < (rank + 1) * local})
-        want = [(0, e, t) for e in active for t in range(INTERMEDIATE // 16)]
-        want += [(1, e, t) for e in active for t in range(HIDDEN // 32)]
-        want += [(k, 0, t) for k in (2, 3) for t in range(HIDDEN // 32)]
+        want = [(0, e, 0, t) for e in active for t in range(INTERMEDIATE // 16)]
+        want += [(1, e, 0, t) for e in active for t in range(HIDDEN // 32)]
+        want += [(k, 0, 0, t) for k in (2, 3) for t in range(HIDDEN // 32)]
         assert sorted(seen) == sorted(want), f"rank {rank}"
         blocks = tool.blocks_from_trace(trace.tolist())
         summary = tool.summarize(blocks, min(b["entry"] for b in blocks))

@@ -92,6 +92,12 @@ def traced_ep_call(buf, preset: str, tokens: int, seed: int = 0) -> tuple[list[d
     return blocks, float(min(entries))
 
 
+def task_fields(record: int) -> tuple[int, int, int, int]:
+    """A task record of the trace (megamoe.cu): (kind index into KINDS, local expert, row
+    group, tile); expert and group are 0 for reductions and final sums."""
+    return record >> 48, (record >> 32) & 0xFFFF, (record >> 16) & 0xFFFF, record & 0xFFFF
+
+
 def blocks_from_trace(rows: list[list[int]]) -> list[dict]:
     """The trace tensor's rows (one per block, layout.h) as dicts; unused rows skipped."""
     blocks = []
@@ -102,8 +108,9 @@ def blocks_from_trace(rows: list[list[int]]) -> list[dict]:
         for i in range(min(row[3], (MEGAMOE_TRACE_SLOTS - MEGAMOE_TRACE_HEADER) // 3)):
             first = MEGAMOE_TRACE_HEADER + 3 * i
             task, ready, done = row[first:first + 3]
-            tasks.append({"kind": KINDS[task >> 40], "expert": (task >> 20) & 0xFFFFF,
-                          "tile": task & 0xFFFFF, "ready": ready, "done": done})
+            kind, expert, group, tile = task_fields(task)
+            tasks.append({"kind": KINDS[kind], "expert": expert, "group": group, "tile": tile,
+                          "ready": ready, "done": done})
         blocks.append({"entry": row[0], "routed": row[1], "exit": row[2], "count": row[3],
                        "ids": row[4], "counted": row[5], "issued": row[6], "tasks": tasks})
     return blocks
