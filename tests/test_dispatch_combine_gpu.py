@@ -317,7 +317,8 @@ def _rank_megamoe_expert_stage(state, cfg, seed, tokens_per_rank, top_k, inter, 
     rows = trace.cpu()
     assert bool(((rows[:, 0] > 0) & (rows[:, 0] <= rows[:, 1]) & (rows[:, 1] <= rows[:, 2]))
                 .all()), "trace: a block without ordered entry/routing/exit stamps"
-    kinds = [int(rows[b, MEGAMOE_TRACE_HEADER + 3 * i]) >> 40 for b in range(rows.shape[0])
+    # (a task record: kind << 48 | expert << 32 | row group << 16 | tile, megamoe_trace.py)
+    kinds = [int(rows[b, MEGAMOE_TRACE_HEADER + 3 * i]) >> 48 for b in range(rows.shape[0])
              for i in range(min(int(rows[b, 3]), (rows.shape[1] - MEGAMOE_TRACE_HEADER) // 3))]
     assert kinds.count(2) == kinds.count(3) == hidden // 32, "trace: reductions / final sums"
     # the fused layer in a CUDA graph, replayed with fresh inputs copied in (same count on

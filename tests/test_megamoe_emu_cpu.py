@@ -58,8 +58,13 @@ def make_case(seed, num_rows, top_k, hidden, intermediate, num_local, *, invalid
     return x, ids, weights, w13.to(torch.bfloat16), w2.to(torch.bfloat16)
 
 
+# the emulated device's L2: 0 splits every expert's rows into 16-row groups (the launcher's rule
+# where the grid's weight tiles exceed L2); WHOLE_L2 keeps one group per expert (passes)
+WHOLE_L2 = 1 << 30
+
+
 def run_emu(emu, x, ids, weights, w13, w2, *, num_sms=1, at_once=True, sync=None,
-            expert_map=None, trace=None):
+            expert_map=None, trace=None, l2_bytes=0):
     num_rows, hidden = x.shape
     top_k, num_local, intermediate = ids.shape[1], w13.shape[0], w13.shape[1] // 2
     entries = max(1, num_rows * top_k)
@@ -72,7 +77,7 @@ def run_emu(emu, x, ids, weights, w13, w2, *, num_sms=1, at_once=True, sync=None
         _ptr(x), _ptr(ids.contiguous()), _ptr(expert_map),
         0 if expert_map is None else expert_map.numel(), _ptr(weights.contiguous()),
         _ptr(w13), _ptr(w2), _ptr(act), _ptr(partial), _ptr(sync), _ptr(out), num_rows, top_k,
-        hidden, intermediate, num_local, num_sms, int(at_once), _ptr(trace))
+        hidden, intermediate, num_local, num_sms, int(at_once), _ptr(trace), l2_bytes)
     return rc, out, sync
 
 
@@ -88,21 +93,30 @@ def assert_close(out, ref):
     (1, 3, 4, 64, 128, 4, 1),
     (2, 5, 2, 192, 64, 3, 2),      # 3 k steps over 8 warps: uneven warp split
     (3, 19, 3, 128, 192, 5, 2),    # odd counts
-    (4, 40, 2, 64, 64, 2, 1),      # > 16 rows per expert: several passes
+    (4, 40, 2, 64, 64, 2, 1),      # > 16 rows per expert: several row groups or passes
     (5, 2, 2, 1536, 1344, 2, 1),   # 5-6 k steps per warp, one n-tile
     (6, 12, 2, 1536, 320, 2, 1),   # 5-6 k steps per warp, two n-tiles (> 8 rows per expert)
 ])
 def test_matches_reference(emu, seed, num_rows, top_k, hidden, intermediate, num_local, num_sms):
+    """With 16-row groups and with one group per expert (passes): the reference, and the same
+    bits."""
     case = make_case(seed, num_rows, top_k, hidden, intermediate, num_local)
-    rc, out, sync = run_emu(emu, *case, num_sms=num_sms)
-    assert rc == 0
-    assert_close(out, reference_moe(*case))
-    assert int(sync.abs().sum()) == 0, "counters not reset for the next call"
+    outs = []
+    for l2_bytes in (0, WHOLE_L2):
+        rc, out, sync = run_emu(emu, *case, num_sms=num_sms, l2_bytes=l2_bytes)
+        assert rc == 0
+        assert_close(out, reference_moe(*case))
+        assert int(sync.abs().sum()) == 0, "counters not reset for the next call"
+        outs.append(out.view(torch.int16))
+    assert torch.equal(outs[0], outs[1])
 
 
-def test_skewed_rows_split_into_row_groups(emu):
-    """An expert with more than 16 rows gets one task per 16-row group (the last one
-    partial): one hot expert with 71 rows, one with 17, one with 16 exactly, one with 1."""
+def test_skewed_rows_in_groups_or_passes(emu):
+    """Where the launcher splits experts' rows into 16-row groups, an expert with more than 16
+    rows gets one task per group (the last one partial); otherwise one task makes a pass per 16
+    rows. One hot expert with 71 rows, one with 17, one with 16 exactly, one with 1: both
+    schedules match the reference, and bit for bit each other (a row's sums do not depend on
+    which task or pass computed it)."""
     hidden, intermediate, num_local = 128, 64, 5
     counts = {0: 71, 2: 17, 3: 16, 4: 1}
     flat = torch.tensor([e for e, c in counts.items() for _ in range(c)], dtype=torch.int32)
@@ -110,11 +124,14 @@ def test_skewed_rows_split_into_row_groups(emu):
     flat = flat[torch.randperm(flat.numel(), generator=g)]
     ids = torch.cat([flat, torch.full((1,), -1, dtype=torch.int32)]).view(-1, 2)  # 106 = 53 x 2
     case = make_case(13, ids.shape[0], 2, hidden, intermediate, num_local, ids=ids)
-    for num_sms in (1, 3):
-        rc, out, sync = run_emu(emu, *case, num_sms=num_sms)
+    ref, first = reference_moe(*case), None
+    for num_sms, l2_bytes in ((1, 0), (3, 0), (2, WHOLE_L2)):
+        rc, out, sync = run_emu(emu, *case, num_sms=num_sms, l2_bytes=l2_bytes)
         assert rc == 0
-        assert_close(out, reference_moe(*case))
+        assert_close(out, ref)
         assert int(sync.abs().sum()) == 0
+        first = out if first is None else first
+        assert torch.equal(out.view(torch.int16), first.view(torch.int16))
 
 
 def test_deterministic_across_grids_and_schedules(emu):

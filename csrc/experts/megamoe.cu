@@ -15,14 +15,15 @@
 //      sort is deterministic). Limited to kMegaMoeMaxEntries entries (N*K).
 //   2. Tasks, claimed in order from one counter: every (active expert, 16-column gate/up
 //      tile, row group), then every (active expert, 32-row down tile, row group), then one
-//      reduction per 32-row tile of H. A row group is 16 of the expert's rows: an expert with
-//      more rows gets more tasks, not longer ones (the skew adaptation), and the groups of one
-//      tile are consecutive claims, so they stream the same weights at once (HBM once, L2 for
-//      the others) instead of one block re-streaming them per 16 rows. A weight task is 32
-//      weight rows (gate + up rows of the same 16 columns, or 32 rows of w2) times the whole k
-//      range, split over the compute warps and summed in shared memory. The weights are the M
-//      operand of mma.sync m16n8k16 (gemm/sm80_mma.h), the group's rows the N operand, 8 per
-//      n-tile.
+//      reduction per 32-row tile of H. A weight task is 32 weight rows (gate + up rows of the
+//      same 16 columns, or 32 rows of w2) times the whole k range, split over the compute warps
+//      and summed in shared memory. The weights are the M operand of mma.sync m16n8k16
+//      (gemm/sm80_mma.h), the group's rows the N operand, 8 per n-tile, 16 per pass over the
+//      task's weights. Row groups (the skew adaptation): where the grid's weight tiles fit in
+//      L2, a group is all of an expert's rows, and a task's later passes re-read its tile from
+//      L2; where they do not, a pass would re-stream it from HBM, so a group is 16 rows: an
+//      expert with more rows gets more tasks, consecutive claims that stream the same tile at
+//      once (from HBM once) on several blocks (the launcher's choice, group_shift).
 //   3. Weights stream by TMA into a per-warp ring of kStages steps that runs ahead across task
 //      boundaries, so a task's weights are in flight before its inputs exist.
 //   4. A gate/up task writes act[pos][cols] = bf16(silu(gate) * up) and raises its expert's
@@ -68,8 +69,12 @@ constexpr int kTileCols = 16;    // gate/up task: 16 columns of I (16 gate + 16 
 constexpr int kDownRows = 32;    // down task: 32 rows of H (two 16-row m-tiles)
 constexpr int kSpan = 32;        // k elements of one mma_span32 (two mma.sync k16)
 constexpr int kStepK = 64;       // k elements per ring step: one TMA box row (128 bytes)
-constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per task: 16 expert rows
-constexpr int kGroupRows = 8 * kMaxNTiles;  // an expert's rows per weight task (a row group)
+constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per pass: 16 expert rows
+constexpr int kPassRows = 8 * kMaxNTiles;
+constexpr int kSplitShift = 4;   // log2 of a row group's rows where tiles do not fit in L2
+constexpr int kWholeShift = 11;  // log2 of kMegaMoeMaxEntries: one group per expert
+static_assert(1 << kSplitShift == kPassRows && 1 << kWholeShift == kMegaMoeMaxEntries,
+              "row groups of one pass, or of every row");
 constexpr int kStages = 5;       // ring steps in flight per warp
 constexpr int kInputsAhead = 4;  // input steps in flight per warp with one n-tile (W = 1)
 constexpr int kBoxRows = 16;     // one TMA box: 16 weight rows x 64 k, 128-byte swizzle
@@ -152,14 +157,19 @@ enum TaskKind { kGateUp = 0, kDown = 1, kReduce = 2, kFinal = 3 };
 struct Task {
   bool valid;
   int kind;
-  int expert, tile, group, groups;  // groups: the expert's row groups
-  int begin, count;                 // the group's first sorted position and rows (<= 16)
+  int expert, tile;
+  int begin, count;  // the row group's first sorted position and rows
 };
 
+// An expert's row groups (its rows split by 1 << group_shift).
+PETIT_DEVICE int groups_of(int expert, const int32_t* offsets, int group_shift) {
+  return (offsets[expert + 1] - offsets[expert] + (1 << group_shift) - 1) >> group_shift;
+}
+
 template <bool kEp>
-PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int gate_up_tiles,
-                              int down_tiles, const int32_t* active, const int32_t* group_base,
-                              const int32_t* offsets) {
+PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int group_shift,
+                              int gate_up_tiles, int down_tiles, const int32_t* active,
+                              const int32_t* group_base, const int32_t* offsets) {
   Task t{};
   const int num_gate_up = num_groups * gate_up_tiles, num_down = num_groups * down_tiles;
   // W = 1 with no entry: no task (the output is zeroed); EP: the reductions and final sums
@@ -176,31 +186,36 @@ PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int gate
   const bool gate_up = task < num_gate_up;
   const int local = gate_up ? task : task - num_gate_up;
   const int tiles = gate_up ? gate_up_tiles : down_tiles;
-  // the active slot s with group_base[s] <= local / tiles < group_base[s + 1]
+  t.kind = gate_up ? kGateUp : kDown;
   const int unit = local / tiles;
+  if (num_groups == num_active) {  // one group per expert: slot = unit
+    t.expert = active[unit];
+    t.tile = local - unit * tiles;
+    t.begin = offsets[t.expert];
+    t.count = offsets[t.expert + 1] - t.begin;
+    return t;
+  }
+  // the active slot s with group_base[s] <= local / tiles < group_base[s + 1]
   int lo = 0, hi = num_active - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
     if (group_base[mid] <= unit) lo = mid; else hi = mid - 1;
   }
-  const int rest = local - tiles * group_base[lo];
-  t.kind = gate_up ? kGateUp : kDown;
+  const int rest = local - tiles * group_base[lo], groups = group_base[lo + 1] - group_base[lo];
   t.expert = active[lo];
-  t.groups = group_base[lo + 1] - group_base[lo];
-  t.tile = rest / t.groups;
-  t.group = rest % t.groups;
-  t.begin = offsets[t.expert] + t.group * kGroupRows;
-  t.count = min(kGroupRows, offsets[t.expert + 1] - t.begin);
+  t.tile = rest / groups;
+  t.begin = offsets[t.expert] + ((rest - t.tile * groups) << group_shift);
+  t.count = min(1 << group_shift, offsets[t.expert + 1] - t.begin);
   return t;
 }
 
 // This warp's weight stream of one task: the two 16-row boxes of a step (half 0 / half 1:
-// box coordinates row, group, expert of the task's weight map) and its steps [s0, s0 + steps)
-// of kStepK.
+// box coordinates row, group, expert of the task's weight map), its steps [s0, s0 + steps)
+// of kStepK, and the passes over them.
 struct WarpStream {
   bool gate_up;
   int row0, row1, group0, group1, expert;
-  int s0, steps;
+  int s0, steps, total;  // total = passes * steps
 };
 
 PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
@@ -221,10 +236,11 @@ PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   const int k_steps = (ws.gate_up ? a.hidden : a.intermediate) / kStepK;
   ws.s0 = warp * k_steps / kWarps;
   ws.steps = (warp + 1) * k_steps / kWarps - ws.s0;
+  ws.total = ws.steps * ((t.count + kPassRows - 1) / kPassRows);
   return ws;
 }
 
-// Sum over the warps of output (half, weight row `row` in [0, 16), row n of the group).
+// Sum over the warps of output (half, weight row `row` in [0, 16), row n of the pass).
 PETIT_DEVICE float reduced(const float* red, int half, int row, int n) {
   const int j = n / 8, col = n % 8;
   const int reg = (col % 2) + 2 * (row / 8), lane = (row % 8) * 4 + col / 2;
@@ -244,18 +260,20 @@ struct Producer {
   WarpStream cur, next;  // the cursor's task and the one after it
   bool has_next;
   int iter;              // the block iteration whose task cur is
-  int step;              // of cur: 0 .. cur.steps
+  int step;              // of cur: 0 .. cur.total
+  int kstep;             // step % cur.steps
   int pushed;            // steps issued so far (slot = pushed % kStages)
 };
 
 PETIT_DEVICE void produce(Producer& p, int consumed, uint32_t ring_warp, uint32_t full_warp,
                           const CUtensorMap* w13_map, const CUtensorMap* w2_map) {
   while (p.pushed - consumed < kStages) {
-    if (p.step >= p.cur.steps) {
+    if (p.step >= p.cur.total) {
       if (!p.has_next) return;
       p.cur = p.next;
       p.has_next = false;
       p.step = 0;
+      p.kstep = 0;
       ++p.iter;
       continue;
     }
@@ -263,7 +281,7 @@ PETIT_DEVICE void produce(Producer& p, int consumed, uint32_t ring_warp, uint32_
       const int slot = p.pushed % kStages;
       const uint32_t dst = ring_warp + slot * kStepBytes, bar = full_warp + slot * 8;
       const CUtensorMap* map = p.cur.gate_up ? w13_map : w2_map;
-      const int k = (p.cur.s0 + p.step) * kStepK;
+      const int k = (p.cur.s0 + p.kstep) * kStepK;
       gemm::sm90_mbarrier_arrive_expect_tx(bar, kStepBytes);
       gemm::sm90_tma_load_4d(dst, map, k, p.cur.row0, p.cur.group0, p.cur.expert, bar);
       gemm::sm90_tma_load_4d(dst + kBoxBytes, map, k, p.cur.row1, p.cur.group1, p.cur.expert,
@@ -271,6 +289,7 @@ PETIT_DEVICE void produce(Producer& p, int consumed, uint32_t ring_warp, uint32_
     }
     ++p.step;
     ++p.pushed;
+    if (++p.kstep == p.cur.steps) p.kstep = 0;  // the next pass starts over the k steps
   }
 }
 
@@ -307,9 +326,11 @@ PETIT_DEVICE float bf16_hi(uint32_t bits) { return as_float(bits & 0xFFFF0000u);
 // the routing (dispatch's layout and flags), the experts run on the W x R received rows, each
 // reduction task sends its rows back to their source ranks' combine regions, the last one
 // raises "reductions done" at every rank, and final tasks sum each own token's W rows.
+// group_shift: log2 of a row group's rows (kSplitShift or kWholeShift, the launcher's).
 template <bool kEp>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
-    megamoe_kernel(const MegaMoeEpArgs e, const __grid_constant__ CUtensorMap w13_map,
+    megamoe_kernel(const MegaMoeEpArgs e, const int group_shift,
+                   const __grid_constant__ CUtensorMap w13_map,
                    const __grid_constant__ CUtensorMap w2_map) {
 #if PETIT_SM90A_BODY
   const MegaMoeArgs& a = e.layer;
@@ -323,7 +344,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   int32_t* offsets = reinterpret_cast<int32_t*>(smem + SmemLayout::kOffsets);
   int32_t* cursor = reinterpret_cast<int32_t*>(smem + SmemLayout::kCursor);
   int32_t* active = reinterpret_cast<int32_t*>(smem + SmemLayout::kActive);
-  int32_t* group_base = reinterpret_cast<int32_t*>(smem + SmemLayout::kGroupBase);
+  int32_t* group_base = active + kMaxExperts;  // one base register for both
+  static_assert(SmemLayout::kGroupBase == SmemLayout::kActive + 4 * kMaxExperts, "adjacent");
   int32_t* scalars = reinterpret_cast<int32_t*>(smem + SmemLayout::kScalars);
   float* red = reinterpret_cast<float*>(smem + SmemLayout::kReduce);
 
@@ -481,13 +503,14 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   __syncthreads();
   if (warp == 0) {  // offsets, the active experts and their row groups: one warp, lane l
     const int per_lane = (L + 31) / 32;  // owns experts [l * per_lane, (l + 1) * per_lane)
+    const int group_mask = (1 << group_shift) - 1;
     int count = 0, actives = 0, groups = 0;
     for (int i = 0; i < per_lane; ++i) {
       const int e = lane * per_lane + i;
       const int c = e < L ? cursor[e] : 0;
       count += c;
       actives += c > 0 ? 1 : 0;
-      groups += (c + kGroupRows - 1) / kGroupRows;
+      groups += (c + group_mask) >> group_shift;
     }
     int count_incl = count, active_incl = actives, group_incl = groups;  // inclusive scans
     for (int d = 1; d < 32; d <<= 1) {
@@ -512,7 +535,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
           group_base[slot++] = group;
         }
         offset += c;
-        group += (c + kGroupRows - 1) / kGroupRows;
+        group += (c + group_mask) >> group_shift;
       }
     }
     if (lane == 31) {
@@ -534,11 +557,16 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   __syncthreads();
   if (trace != nullptr) trace[5] = int64_t(petit_timer());  // counts, offsets, active experts
 
-  const int num_active = scalars[kNumActive], num_groups = scalars[kNumGroups];
+  // The active experts and their row groups: the EP kernel holds them in registers, the W = 1
+  // kernel reads them from shared memory at each use (its registers spill otherwise; the EP
+  // kernel's spill more the other way round).
+  const int held_active = scalars[kNumActive], held_groups = scalars[kNumGroups];
+  auto num_active = [&] { return kEp ? held_active : scalars[kNumActive]; };
+  auto num_groups = [&] { return kEp ? held_groups : scalars[kNumGroups]; };
   const int gate_up_tiles = I / kTileCols, down_tiles = H / kDownRows;
   auto task_of = [&](int id) {
-    return decode_task<kEp>(id, num_active, num_groups, gate_up_tiles, down_tiles, active,
-                            group_base, offsets);
+    return decode_task<kEp>(id, num_active(), num_groups(), group_shift,
+                            gate_up_tiles, down_tiles, active, group_base, offsets);
   };
 
   // The first task's weight stream goes out before the sort (the second task's, whose claim
@@ -579,7 +607,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     prod.has_next = next_task.valid;
   }
 
-  if (!kEp && num_active == 0) {  // no entry served: the layer's output is 0
+  if (!kEp && num_active() == 0) {  // no entry served: the layer's output is 0
     const int64_t vectors = int64_t(N) * H / 8;
     for (int64_t v = int64_t(blockIdx.x) * kThreads + tid; v < vectors;
          v += int64_t(gridDim.x) * kThreads) {
@@ -602,7 +630,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     return t.kind == kDown ? &gate_up_done[t.expert] : &tile_done[t.tile];
   };
   auto target_of = [&](const Task& t) {
-    return t.kind == kDown ? gate_up_tiles * t.groups : num_groups;
+    return t.kind == kDown ? gate_up_tiles * groups_of(t.expert, offsets, group_shift)
+                           : num_groups();
   };
   auto publish = [&](Task& t) {
     if (!t.valid) return;
@@ -635,9 +664,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     __syncthreads();  // R(iter)
     if (!cur_task.valid) break;
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {  // kind, expert, group, tile; ready
+      const int group =
+          cur_task.kind >= kReduce ? 0 : (cur_task.begin - offsets[cur_task.expert]) >> group_shift;
       trace[kMegaMoeTraceHeader + 3 * iter] = (int64_t(cur_task.kind) << 48) |
                                               (int64_t(cur_task.expert) << 32) |
-                                              (int64_t(cur_task.group) << 16) | cur_task.tile;
+                                              (int64_t(group) << 16) | cur_task.tile;
       trace[kMegaMoeTraceHeader + 1 + 3 * iter] = int64_t(petit_timer());
     }
     if (control) {
@@ -714,127 +745,131 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     } else {
       const bool gate_up = cur_task.kind == kGateUp;
       const WarpStream ws = warp_stream(cur_task, a);
-      const int tile = cur_task.tile, begin = cur_task.begin, rows = cur_task.count;
-      const petit_bf16_bits* b_rows[kMaxNTiles];
+      const int tile = cur_task.tile, begin = cur_task.begin, count = cur_task.count;
+      for (int pass = 0; pass < count; pass += kPassRows) {
+        const int rows = min(kPassRows, count - pass);
+        const petit_bf16_bits* b_rows[kMaxNTiles];
 #pragma unroll
-      for (int j = 0; j < kMaxNTiles; ++j) {
-        const int r = j * 8 + g;
-        b_rows[j] = nullptr;
-        if (r < rows) {
-          b_rows[j] = gate_up ? rows_x + int64_t(sorted[begin + r] / K) * H
-                              : a.act + int64_t(begin + r) * I;
+        for (int j = 0; j < kMaxNTiles; ++j) {
+          const int r = pass + j * 8 + g;
+          b_rows[j] = nullptr;
+          if (r < count) {
+            b_rows[j] = gate_up ? rows_x + int64_t(sorted[begin + r] / K) * H
+                                : a.act + int64_t(begin + r) * I;
+          }
         }
-      }
-      float acc[2][kMaxNTiles][4];
+        float acc[2][kMaxNTiles][4];
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int j = 0; j < kMaxNTiles; ++j)
+          for (int j = 0; j < kMaxNTiles; ++j)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
-      // The warp's k steps over NT n-tiles of rows. B (the rows' inputs, global memory) is
-      // loaded D steps ahead into a register ring, so a step waits for its weights (ring
-      // kStages ahead) rather than for an input load issued one step earlier: D = 4 with one
-      // n-tile (2 in the EP instance, whose other state leaves fewer registers), 1 with two.
-      auto k_steps = [&](auto nt_tag) {
-        constexpr int NT = decltype(nt_tag)::value;
-        constexpr int D = NT == 1 ? (kEp ? 2 : kInputsAhead) : 1;
-        const int end = ws.s0 + ws.steps;
-        uint4 ahead[D][2][NT];  // step s's inputs in ahead[(s - s0) % D]
-        auto load_b = [&](uint4 (&dst)[2][NT], int s) {
+            for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
+        // The warp's k steps over NT n-tiles of rows. B (the rows' inputs, global memory) is
+        // loaded D steps ahead into a register ring, so a step waits for its weights (ring
+        // kStages ahead) rather than for an input load issued one step earlier: D = 4 with one
+        // n-tile (2 in the EP instance, whose other state leaves fewer registers), 1 with two.
+        auto k_steps = [&](auto nt_tag) {
+          constexpr int NT = decltype(nt_tag)::value;
+          constexpr int D = NT == 1 ? (kEp ? 2 : kInputsAhead) : 1;
+          const int end = ws.s0 + ws.steps;
+          uint4 ahead[D][2][NT];  // step s's inputs in ahead[(s - s0) % D]
+          auto load_b = [&](uint4 (&dst)[2][NT], int s) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-              dst[h][j] = b_rows[j] != nullptr && s < end
-                              ? petit_load_cg(reinterpret_cast<const uint4*>(
-                                    b_rows[j] + s * kStepK + h * kSpan + 8 * q))
-                              : zero4();
-            }
-        };
-#pragma unroll
-        for (int d = 0; d < D; ++d) load_b(ahead[d], ws.s0 + d);
-        for (int base = ws.s0; base < end; base += D) {
-#pragma unroll
-          for (int d = 0; d < D; ++d) {
-            const int s = base + d;
-            if (s < end) {
-              // this step's inputs; one step ahead (D = 1) the next load goes out before the
-              // weights' wait, from a copy, as several steps ahead it can follow the multiplies
-              uint4 (&b)[2][NT] = ahead[d];
-              uint4 held[2][NT];
-              if constexpr (D == 1) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                  for (int j = 0; j < NT; ++j) held[h][j] = b[h][j];
-                load_b(ahead[d], s + D);
+              for (int j = 0; j < NT; ++j) {
+                dst[h][j] = b_rows[j] != nullptr && s < end
+                                ? petit_load_cg(reinterpret_cast<const uint4*>(
+                                      b_rows[j] + s * kStepK + h * kSpan + 8 * q))
+                                : zero4();
               }
-              const uint4 (&in)[2][NT] = D == 1 ? held : b;
-              const int slot = consumed % kStages;
-              gemm::sm90_mbarrier_wait_parity(full_warp + slot * 8, (consumed / kStages) & 1);
-              const unsigned char* step = ring_warp + slot * kStepBytes;
+          };
 #pragma unroll
-              for (int h = 0; h < 2; ++h) {  // span h: chunk 4h + q of rows g, g + 8 of each box
-                const uint4 lo0 = box_chunk(step, g, 4 * h + q);
-                const uint4 hi0 = box_chunk(step, g + 8, 4 * h + q);
-                const uint4 lo1 = box_chunk(step + kBoxBytes, g, 4 * h + q);
-                const uint4 hi1 = box_chunk(step + kBoxBytes, g + 8, 4 * h + q);
+          for (int d = 0; d < D; ++d) load_b(ahead[d], ws.s0 + d);
+          for (int base = ws.s0; base < end; base += D) {
 #pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                  gemm::mma_span32(acc[0][j], lo0, hi0, in[h][j]);
-                  gemm::mma_span32(acc[1][j], lo1, hi1, in[h][j]);
+            for (int d = 0; d < D; ++d) {
+              const int s = base + d;
+              if (s < end) {
+                // this step's inputs; one step ahead (D = 1) the next load goes out before the
+                // weights' wait, from a copy, as several steps ahead it can follow the multiplies
+                uint4 (&b)[2][NT] = ahead[d];
+                uint4 held[2][NT];
+                if constexpr (D == 1) {
+#pragma unroll
+                  for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) held[h][j] = b[h][j];
+                  load_b(ahead[d], s + D);
                 }
+                const uint4 (&in)[2][NT] = D == 1 ? held : b;
+                const int slot = consumed % kStages;
+                gemm::sm90_mbarrier_wait_parity(full_warp + slot * 8, (consumed / kStages) & 1);
+                const unsigned char* step = ring_warp + slot * kStepBytes;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // span h: chunk 4h + q of rows g, g + 8 of each box
+                  const uint4 lo0 = box_chunk(step, g, 4 * h + q);
+                  const uint4 hi0 = box_chunk(step, g + 8, 4 * h + q);
+                  const uint4 lo1 = box_chunk(step + kBoxBytes, g, 4 * h + q);
+                  const uint4 hi1 = box_chunk(step + kBoxBytes, g + 8, 4 * h + q);
+#pragma unroll
+                  for (int j = 0; j < NT; ++j) {
+                    gemm::mma_span32(acc[0][j], lo0, hi0, in[h][j]);
+                    gemm::mma_span32(acc[1][j], lo1, hi1, in[h][j]);
+                  }
+                }
+                if constexpr (D > 1) load_b(ahead[d], s + D);  // after the multiplies read it
+                ++consumed;
+                petit_syncwarp();  // every lane has read the slot before lane 0 refills it
+                produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
               }
-              if constexpr (D > 1) load_b(ahead[d], s + D);  // after the multiplies read it
-              ++consumed;
-              petit_syncwarp();  // every lane has read the slot before lane 0 refills it
-              produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
             }
           }
-        }
-      };
-      if (rows > 8) {
-        k_steps(std::integral_constant<int, 2>{});
-      } else {
-        k_steps(std::integral_constant<int, 1>{});
-      }
-      // red[warp][half][n-tile][reg][lane]
-      float* mine = red + warp * (2 * kMaxNTiles * 4 * 32);
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < kMaxNTiles; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
-          }
-      gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);
-      // Epilogue: item -> (expert row n, 2 consecutive weight rows or columns).
-      for (int item = tid; item < kGroupRows * 16; item += kComputeThreads) {
-        const int n = item / 16, part = item % 16;
-        if (n >= rows) break;
-        const int pos = begin + n;
-        if (gate_up) {
-          if (part < 8) {
-            const int c = 2 * part;  // columns c, c + 1 of the tile
-            const float a0 = gemm::silu(reduced(red, 0, c, n)) * reduced(red, 1, c, n);
-            const float a1 = gemm::silu(reduced(red, 0, c + 1, n)) * reduced(red, 1, c + 1, n);
-            const uint32_t packed = uint32_t(petit_float_to_bf16(a0)) |
-                                    (uint32_t(petit_float_to_bf16(a1)) << 16);
-            *reinterpret_cast<uint32_t*>(a.act + int64_t(pos) * I + tile * kTileCols + c) =
-                packed;
-          }
+        };
+        if (rows > 8) {
+          k_steps(std::integral_constant<int, 2>{});
         } else {
-          const int entry = sorted[pos];
-          const float weight = row_weights[entry];
-          const int r0 = 2 * part;  // rows r0, r0 + 1 of the tile (half r0 / 16)
-          float2 v;
-          v.x = weight * reduced(red, r0 / 16, r0 % 16, n);
-          v.y = weight * reduced(red, r0 / 16, r0 % 16 + 1, n);
-          *reinterpret_cast<float2*>(a.partial + int64_t(entry) * H + tile * kDownRows + r0) =
-              v;
+          k_steps(std::integral_constant<int, 1>{});
         }
+        // red[warp][half][n-tile][reg][lane]
+        float* mine = red + warp * (2 * kMaxNTiles * 4 * 32);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < kMaxNTiles; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
+            }
+        gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);
+        // Epilogue: item -> (expert row n, 2 consecutive weight rows or columns).
+        for (int item = tid; item < kPassRows * 16; item += kComputeThreads) {
+          const int n = item / 16, part = item % 16;
+          if (n >= rows) break;
+          const int pos = begin + pass + n;
+          if (gate_up) {
+            if (part < 8) {
+              const int c = 2 * part;  // columns c, c + 1 of the tile
+              const float a0 = gemm::silu(reduced(red, 0, c, n)) * reduced(red, 1, c, n);
+              const float a1 = gemm::silu(reduced(red, 0, c + 1, n)) * reduced(red, 1, c + 1, n);
+              const uint32_t packed = uint32_t(petit_float_to_bf16(a0)) |
+                                      (uint32_t(petit_float_to_bf16(a1)) << 16);
+              *reinterpret_cast<uint32_t*>(a.act + int64_t(pos) * I + tile * kTileCols + c) =
+                  packed;
+            }
+          } else {
+            const int entry = sorted[pos];
+            const float weight = row_weights[entry];
+            const int r0 = 2 * part;  // rows r0, r0 + 1 of the tile (half r0 / 16)
+            float2 v;
+            v.x = weight * reduced(red, r0 / 16, r0 % 16, n);
+            v.y = weight * reduced(red, r0 / 16, r0 % 16 + 1, n);
+            *reinterpret_cast<float2*>(a.partial + int64_t(entry) * H + tile * kDownRows + r0) =
+                v;
+          }
+        }
+        gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);  // red is reused by the next pass
       }
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
@@ -851,6 +886,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       if (prod.iter == iter) {
         prod.cur = prod.next;
         prod.step = 0;
+        prod.kstep = 0;
         prod.iter = iter + 1;
       }
       prod.next = warp_stream(next_task, a);
@@ -876,7 +912,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     __threadfence();
   }
 #else
-  (void)e, (void)w13_map, (void)w2_map;
+  (void)e, (void)group_shift, (void)w13_map, (void)w2_map;
 #endif
 }
 
@@ -947,6 +983,20 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
                                           a.num_local_experts, md::kBoxRows)) != petitSuccess) {
     return err;
   }
+  // Row groups: split an expert's rows into 16-row tasks where a pass over a block's weight
+  // tile (32 rows x the whole k) would re-read it from HBM, i.e. where the tiles that the
+  // grid's blocks stream meanwhile exceed L2 (DeepSeek-V3's share: 264 x 458 KB on one H200);
+  // otherwise (Qwen3-30B-A3B: 264 x 128 KB) one task per expert and tile, its passes served
+  // from L2 (on one H200 the split measured 1.08-1.10x slower there at 256 tokens, and 0.80x
+  // at DeepSeek-V3 skewed 256 tokens: docs/experiments/megamoe-w1.md).
+  int l2_bytes = 0;
+  if ((err = petitDeviceGetAttribute(&l2_bytes, petitDevAttrL2CacheSize, device)) !=
+      petitSuccess) {
+    return err;
+  }
+  const int64_t tile_bytes = int64_t(2) * md::kDownRows * std::max(a.hidden, a.intermediate);
+  const int group_shift =
+      int64_t(grid) * tile_bytes > l2_bytes ? md::kSplitShift : md::kWholeShift;
   const int smem = md::SmemLayout::kBytes;
   err = petitFuncSetAttribute(md::megamoe_kernel<kEp>,
                               petitFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -957,7 +1007,7 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
   // own, or the next one's) could hold the SMs a peer's grid needs to be resident (every
   // rank's grid must be, for the sends before the waits).
   return launch_with_attributes(md::megamoe_kernel<kEp>, grid, md::kThreads, smem, 1, !kEp,
-                                stream, e, w13_map, w2_map);
+                                stream, e, group_shift, w13_map, w2_map);
 #endif
 }
 
@@ -982,7 +1032,7 @@ petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
   const int64_t entries = int64_t(args.num_rows) * args.top_k;
   const int64_t max_groups = std::min<int64_t>(
       entries, std::min<int64_t>(entries, args.num_local_experts) +
-                   entries / megamoe_detail::kGroupRows);
+                   entries / megamoe_detail::kPassRows);
   const int64_t max_tasks =
       max_groups * (args.intermediate / megamoe_detail::kTileCols +
                     args.hidden / megamoe_detail::kDownRows) +

@@ -11,15 +11,18 @@
 
 // Runs launch_megamoe on host memory with a grid of `num_sms` blocks. at_once = 1: every
 // block of the grid runs at the same time (as co-resident blocks do on the GPU); 0: the blocks
-// run one after another (a grid larger than the GPU can hold). Returns the petitError_t.
+// run one after another (a grid larger than the GPU can hold). l2_bytes: the L2 size the
+// emulated device reports (the launcher splits experts' rows into 16-row groups when the
+// grid's weight tiles exceed it). Returns the petitError_t.
 extern "C" int petit_emu_megamoe(const uint16_t* x, const int32_t* topk_ids,
                                  const int32_t* expert_map, int num_global_experts,
                                  const float* topk_weights, const uint16_t* w13,
                                  const uint16_t* w2, uint16_t* act, float* partial,
                                  int32_t* sync, uint16_t* out, int num_rows, int top_k,
                                  int hidden, int intermediate, int num_local_experts,
-                                 int num_sms, int at_once, int64_t* trace) {
+                                 int num_sms, int at_once, int64_t* trace, int l2_bytes) {
   emu::last_error = 0;
+  emu::l2_bytes = l2_bytes;
   emu::cc_major = 9;
   emu::cc_minor = 0;
   emu::grid_at_once = at_once != 0;
@@ -45,6 +48,7 @@ extern "C" int petit_emu_megamoe(const uint16_t* x, const int32_t* topk_ids,
   a.trace = trace;
   const int rc = int(petit::launch_megamoe(a, nullptr));
   emu::grid_at_once = false;
+  emu::l2_bytes = 0;
   return rc;
 }
 
