@@ -23,7 +23,7 @@
 //      L2, a group is all of an expert's rows, and a task's later passes re-read its tile from
 //      L2; where they do not, a pass would re-stream it from HBM, so a group is 16 rows: an
 //      expert with more rows gets more tasks, consecutive claims that stream the same tile at
-//      once (from HBM once) on several blocks (the launcher's choice, group_shift).
+//      once (from HBM once) on several blocks (the launcher's choice: kSplit).
 //   3. Weights stream by TMA into a per-warp ring of kStages steps that runs ahead across task
 //      boundaries, so a task's weights are in flight before its inputs exist.
 //   4. A gate/up task writes act[pos][cols] = bf16(silu(gate) * up) and raises its expert's
@@ -71,10 +71,8 @@ constexpr int kSpan = 32;        // k elements of one mma_span32 (two mma.sync k
 constexpr int kStepK = 64;       // k elements per ring step: one TMA box row (128 bytes)
 constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per pass: 16 expert rows
 constexpr int kPassRows = 8 * kMaxNTiles;
-constexpr int kSplitShift = 4;   // log2 of a row group's rows where tiles do not fit in L2
-constexpr int kWholeShift = 11;  // log2 of kMegaMoeMaxEntries: one group per expert
-static_assert(1 << kSplitShift == kPassRows && 1 << kWholeShift == kMegaMoeMaxEntries,
-              "row groups of one pass, or of every row");
+constexpr int kGroupShift = 4;   // kSplit: a row group is 1 << kGroupShift rows, one pass
+static_assert(1 << kGroupShift == kPassRows, "a row group is one pass");
 constexpr int kStages = 5;       // ring steps in flight per warp
 constexpr int kInputsAhead = 4;  // input steps in flight per warp with one n-tile (W = 1)
 constexpr int kBoxRows = 16;     // one TMA box: 16 weight rows x 64 k, 128-byte swizzle
@@ -161,15 +159,16 @@ struct Task {
   int begin, count;  // the row group's first sorted position and rows
 };
 
-// An expert's row groups (its rows split by 1 << group_shift).
-PETIT_DEVICE int groups_of(int expert, const int32_t* offsets, int group_shift) {
-  return (offsets[expert + 1] - offsets[expert] + (1 << group_shift) - 1) >> group_shift;
+// The row groups of an expert with `rows` rows (kSplit; otherwise one per expert).
+PETIT_HOST_DEVICE constexpr int row_groups(int rows) {
+  return (rows + kPassRows - 1) >> kGroupShift;
 }
 
-template <bool kEp>
-PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int group_shift,
-                              int gate_up_tiles, int down_tiles, const int32_t* active,
-                              const int32_t* group_base, const int32_t* offsets) {
+// kSplit = false: one row group per expert (num_groups == num_active, group_base unused).
+template <bool kEp, bool kSplit>
+PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int gate_up_tiles,
+                              int down_tiles, const int32_t* active, const int32_t* group_base,
+                              const int32_t* offsets) {
   Task t{};
   const int num_gate_up = num_groups * gate_up_tiles, num_down = num_groups * down_tiles;
   // W = 1 with no entry: no task (the output is zeroed); EP: the reductions and final sums
@@ -188,7 +187,7 @@ PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int grou
   const int tiles = gate_up ? gate_up_tiles : down_tiles;
   t.kind = gate_up ? kGateUp : kDown;
   const int unit = local / tiles;
-  if (num_groups == num_active) {  // one group per expert: slot = unit
+  if (!kSplit || num_groups == num_active) {  // one group per expert: slot = unit
     t.expert = active[unit];
     t.tile = local - unit * tiles;
     t.begin = offsets[t.expert];
@@ -204,8 +203,8 @@ PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int grou
   const int rest = local - tiles * group_base[lo], groups = group_base[lo + 1] - group_base[lo];
   t.expert = active[lo];
   t.tile = rest / groups;
-  t.begin = offsets[t.expert] + ((rest - t.tile * groups) << group_shift);
-  t.count = min(1 << group_shift, offsets[t.expert + 1] - t.begin);
+  t.begin = offsets[t.expert] + (rest - t.tile * groups) * kPassRows;
+  t.count = min(kPassRows, offsets[t.expert + 1] - t.begin);
   return t;
 }
 
@@ -326,11 +325,10 @@ PETIT_DEVICE float bf16_hi(uint32_t bits) { return as_float(bits & 0xFFFF0000u);
 // the routing (dispatch's layout and flags), the experts run on the W x R received rows, each
 // reduction task sends its rows back to their source ranks' combine regions, the last one
 // raises "reductions done" at every rank, and final tasks sum each own token's W rows.
-// group_shift: log2 of a row group's rows (kSplitShift or kWholeShift, the launcher's).
-template <bool kEp>
+// kSplit: an expert's rows in row groups of 16 (the launcher's choice), else one group.
+template <bool kEp, bool kSplit>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
-    megamoe_kernel(const MegaMoeEpArgs e, const int group_shift,
-                   const __grid_constant__ CUtensorMap w13_map,
+    megamoe_kernel(const MegaMoeEpArgs e, const __grid_constant__ CUtensorMap w13_map,
                    const __grid_constant__ CUtensorMap w2_map) {
 #if PETIT_SM90A_BODY
   const MegaMoeArgs& a = e.layer;
@@ -503,20 +501,19 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   __syncthreads();
   if (warp == 0) {  // offsets, the active experts and their row groups: one warp, lane l
     const int per_lane = (L + 31) / 32;  // owns experts [l * per_lane, (l + 1) * per_lane)
-    const int group_mask = (1 << group_shift) - 1;
     int count = 0, actives = 0, groups = 0;
     for (int i = 0; i < per_lane; ++i) {
       const int e = lane * per_lane + i;
       const int c = e < L ? cursor[e] : 0;
       count += c;
       actives += c > 0 ? 1 : 0;
-      groups += (c + group_mask) >> group_shift;
+      if constexpr (kSplit) groups += row_groups(c);
     }
     int count_incl = count, active_incl = actives, group_incl = groups;  // inclusive scans
     for (int d = 1; d < 32; d <<= 1) {
-      const int c = petit_shfl(count_incl, lane >= d ? lane - d : lane);
-      const int n = petit_shfl(active_incl, lane >= d ? lane - d : lane);
-      const int gr = petit_shfl(group_incl, lane >= d ? lane - d : lane);
+      const int src = lane >= d ? lane - d : lane;
+      const int c = petit_shfl(count_incl, src), n = petit_shfl(active_incl, src);
+      const int gr = kSplit ? petit_shfl(group_incl, src) : 0;
       if (lane >= d) {
         count_incl += c;
         active_incl += n;
@@ -531,18 +528,20 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         offsets[e] = offset;
         cursor[e] = offset;
         if (c > 0) {
-          active[slot] = e;
-          group_base[slot++] = group;
+          if constexpr (kSplit) group_base[slot] = group;
+          active[slot++] = e;
         }
         offset += c;
-        group += (c + group_mask) >> group_shift;
+        if constexpr (kSplit) group += row_groups(c);
       }
     }
     if (lane == 31) {
       offsets[L] = count_incl;
       scalars[kNumActive] = active_incl;
-      group_base[active_incl] = group_incl;
-      scalars[kNumGroups] = group_incl;
+      if constexpr (kSplit) {
+        group_base[active_incl] = group_incl;
+        scalars[kNumGroups] = group_incl;
+      }
     }
   }
   // The second claim: issued here; at W = 1 its value is stored only after the first weight
@@ -557,16 +556,19 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   __syncthreads();
   if (trace != nullptr) trace[5] = int64_t(petit_timer());  // counts, offsets, active experts
 
-  // The active experts and their row groups: the EP kernel holds them in registers, the W = 1
-  // kernel reads them from shared memory at each use (its registers spill otherwise; the EP
+  // The active experts and their row groups, held in registers, but read from shared memory
+  // at each use by the W = 1 kernel with row groups (its registers spill otherwise; the EP
   // kernel's spill more the other way round).
-  const int held_active = scalars[kNumActive], held_groups = scalars[kNumGroups];
-  auto num_active = [&] { return kEp ? held_active : scalars[kNumActive]; };
-  auto num_groups = [&] { return kEp ? held_groups : scalars[kNumGroups]; };
+  constexpr bool kHeld = kEp || !kSplit;
+  const int held_active = scalars[kNumActive], held_groups = kSplit ? scalars[kNumGroups] : 0;
+  auto num_active = [&] { return kHeld ? held_active : scalars[kNumActive]; };
+  auto num_groups = [&] {
+    return !kSplit ? num_active() : kHeld ? held_groups : scalars[kNumGroups];
+  };
   const int gate_up_tiles = I / kTileCols, down_tiles = H / kDownRows;
   auto task_of = [&](int id) {
-    return decode_task<kEp>(id, num_active(), num_groups(), group_shift,
-                            gate_up_tiles, down_tiles, active, group_base, offsets);
+    return decode_task<kEp, kSplit>(id, num_active(), num_groups(), gate_up_tiles, down_tiles,
+                                    active, group_base, offsets);
   };
 
   // The first task's weight stream goes out before the sort (the second task's, whose claim
@@ -630,8 +632,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     return t.kind == kDown ? &gate_up_done[t.expert] : &tile_done[t.tile];
   };
   auto target_of = [&](const Task& t) {
-    return t.kind == kDown ? gate_up_tiles * groups_of(t.expert, offsets, group_shift)
-                           : num_groups();
+    const int groups =
+        kSplit ? row_groups(offsets[t.expert + 1] - offsets[t.expert]) : 1;
+    return t.kind == kDown ? gate_up_tiles * groups : num_groups();
   };
   auto publish = [&](Task& t) {
     if (!t.valid) return;
@@ -665,7 +668,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     if (!cur_task.valid) break;
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {  // kind, expert, group, tile; ready
       const int group =
-          cur_task.kind >= kReduce ? 0 : (cur_task.begin - offsets[cur_task.expert]) >> group_shift;
+          cur_task.kind >= kReduce ? 0 : (cur_task.begin - offsets[cur_task.expert]) / kPassRows;
       trace[kMegaMoeTraceHeader + 3 * iter] = (int64_t(cur_task.kind) << 48) |
                                               (int64_t(cur_task.expert) << 32) |
                                               (int64_t(group) << 16) | cur_task.tile;
@@ -912,7 +915,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     __threadfence();
   }
 #else
-  (void)e, (void)group_shift, (void)w13_map, (void)w2_map;
+  (void)e, (void)w13_map, (void)w2_map;
 #endif
 }
 
@@ -957,7 +960,7 @@ int megamoe_smem_bytes() { return megamoe_detail::SmemLayout::kBytes; }
 
 namespace {
 
-// Encodes the weight maps and launches megamoe_kernel<kEp> with `grid` blocks.
+// Encodes the weight maps and launches megamoe_kernel<kEp, split> with `grid` blocks.
 template <bool kEp>
 petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t stream) {
 #if !PETIT_SM80_PATH || !PETIT_SM90A_BUILT
@@ -985,29 +988,33 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
   }
   // Row groups: split an expert's rows into 16-row tasks where a pass over a block's weight
   // tile (32 rows x the whole k) would re-read it from HBM, i.e. where the tiles that the
-  // grid's blocks stream meanwhile exceed L2 (DeepSeek-V3's share: 264 x 458 KB on one H200);
-  // otherwise (Qwen3-30B-A3B: 264 x 128 KB) one task per expert and tile, its passes served
-  // from L2 (on one H200 the split measured 1.08-1.10x slower there at 256 tokens, and 0.80x
-  // at DeepSeek-V3 skewed 256 tokens: docs/experiments/megamoe-w1.md).
+  // grid's blocks stream meanwhile exceed L2 (DeepSeek-V3's share: 264 x 458 KB on one H200),
+  // and where an expert can have more than 16 rows; otherwise (Qwen3-30B-A3B: 264 x 128 KB)
+  // one task per expert and tile, its passes served from L2 (on one H200 splitting measured
+  // 1.08-1.10x slower there at 256 tokens, and 0.79x at DeepSeek-V3 skewed 256 tokens:
+  // docs/experiments/megamoe-w1.md). Two kernels, so that the unsplit one pays nothing for it.
   int l2_bytes = 0;
   if ((err = petitDeviceGetAttribute(&l2_bytes, petitDevAttrL2CacheSize, device)) !=
       petitSuccess) {
     return err;
   }
+  const int64_t rows = kEp ? int64_t(e.ctx.world_size) * e.region_stride : a.num_rows;
   const int64_t tile_bytes = int64_t(2) * md::kDownRows * std::max(a.hidden, a.intermediate);
-  const int group_shift =
-      int64_t(grid) * tile_bytes > l2_bytes ? md::kSplitShift : md::kWholeShift;
+  const bool split = rows * a.top_k > md::kPassRows && int64_t(grid) * tile_bytes > l2_bytes;
   const int smem = md::SmemLayout::kBytes;
-  err = petitFuncSetAttribute(md::megamoe_kernel<kEp>,
-                              petitFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != petitSuccess) return err;
   // W = 1 programmatic (common/launch.h): the blocks take the SMs as the previous kernel's
   // exit and set up their barriers before its completion, and let the next kernel do the
   // same. Not the EP kernel: where ranks share a GPU, blocks of a kernel started early (its
   // own, or the next one's) could hold the SMs a peer's grid needs to be resident (every
   // rank's grid must be, for the sends before the waits).
-  return launch_with_attributes(md::megamoe_kernel<kEp>, grid, md::kThreads, smem, 1, !kEp,
-                                stream, e, group_shift, w13_map, w2_map);
+  auto launch = [&](auto kernel) {
+    petitError_t rc =
+        petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (rc != petitSuccess) return rc;
+    return launch_with_attributes(kernel, grid, md::kThreads, smem, 1, !kEp, stream, e, w13_map,
+                                  w2_map);
+  };
+  return split ? launch(md::megamoe_kernel<kEp, true>) : launch(md::megamoe_kernel<kEp, false>);
 #endif
 }
 
