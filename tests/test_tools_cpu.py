@@ -163,14 +163,15 @@ mkdir -p "$out"
 us=400; [ -f OLD_TREE ] || us=300; [ -f V1_TREE ] && us=350
 [ -n "${PETIT_X:-}" ] && us=$((us - PETIT_X * 100))
 [ -n "${PETIT_Y:-}" ] && us=$((us - PETIT_Y))
-echo "{\"preset\": \"deepseek-v3\", \"routing\": \"uniform\", \"tokens\": 4096, \"num_sms\": 24, \"dispatch_us\": 236.0, \"combine_us\": $us, \"cwd\": \"$PWD\", \"bench\": \"$bench\"}" > "$out/r.jsonl"
+echo "{\"preset\": \"deepseek-v3\", \"routing\": \"uniform\", \"tokens\": 4096, \"num_sms\": 24, \"dispatch_us\": 236.0, \"combine_us\": $us, \"cwd\": \"$PWD\", \"bench\": \"$bench\", \"commit\": \"$PETIT_COMMIT\"}" > "$out/r.jsonl"
 """
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
     """tools/ab_trees.sh with a stand-in python: every run in interleaved repeats, from its own
-    tree, with all of its NAME=VALUE settings, into its own folder; ab_compare's summary last."""
+    tree, with all of its NAME=VALUE settings, into its own folder, stamped with its commit
+    (ab_prepare.sh's .petit_commit, else PETIT_COMMIT); ab_compare's summary last."""
     import json
     import sys
     new, old = tmp_path / "new", tmp_path / "old"
@@ -181,13 +182,14 @@ def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
     old.mkdir()
     (old / "setup.py").write_text("")
     (old / "OLD_TREE").write_text("")
+    (old / ".petit_commit").write_text("abc1234\n")
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     out = tmp_path / "out"
     env = dict(PATH="/usr/bin:/bin", PYTHON=str(fake), REAL_PYTHON=sys.executable,
                AB_COMPARE=str(new / "tools" / "ab_compare.py"), OUT=str(out), AB_OLD=str(old),
-               AB_RUNS="old new new:PETIT_X=1,PETIT_Y=2", AB_REPEATS="2")
+               AB_RUNS="old new new:PETIT_X=1,PETIT_Y=2", AB_REPEATS="2", PETIT_COMMIT="def5678")
     result = subprocess.run(["bash", str(new / "tools" / "ab_trees.sh")], env=env,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -196,6 +198,7 @@ def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
         record = json.loads((folder / "r.jsonl").read_text())
         runs[folder.name] = (record["combine_us"], record["cwd"])
         assert record["bench"] == "examples/bench_dispatch_combine.py"
+        assert record["commit"] == ("abc1234" if folder.name.startswith("ab-old") else "def5678")
     assert runs == {
         "ab-old": (400, str(old)), "ab-old_r2": (400, str(old)),
         "ab-new": (300, str(new)), "ab-new_r2": (300, str(new)),
@@ -279,6 +282,10 @@ def test_ab_prepare_makes_tree_folders_from_refs_and_patches(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (out / "base" / "setup.py").read_text() == base
     assert (out / "mod" / "setup.py").read_text() == changed
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, env=env,
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert (out / "base" / ".petit_commit").read_text() == head + "\n"
+    assert (out / "mod" / ".petit_commit").read_text() == head + "+setup.patch\n"
     for tree in ("base", "mod"):
         for name in ("csrc/api.h", "tools/ab_prepare.sh", "tests/conftest.py",
                      "examples/bench.py"):

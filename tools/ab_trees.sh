@@ -13,7 +13,8 @@
 # AB_TREES="NAME=FOLDER ..." (NAME letters and digits), each run as NAME[:settings], all built
 # at once (the cores shared), e.g. a base and two kernel variants in one call. The kernels'
 # tuning configs are benchmark arguments, not environment (AB_ARGS: --combine-configs of
-# bench_dispatch_combine.py, --expert-configs of bench_experts.py).
+# bench_dispatch_combine.py, --expert-configs of bench_experts.py). Results are stamped with
+# each tree's commit: ab_prepare.sh's for its folders, PETIT_COMMIT (pass it) for this tree.
 #
 #   AB_OLD=ab_old AB_RUNS="old new" AB_REPEATS=2 \
 #     AB_ARGS="--routings uniform --tokens 128 4096 --num-sms 24 132 --iters 20" \
@@ -65,7 +66,10 @@ for _ in $(seq "${AB_REPEATS:-2}"); do
     first=${first:-$OUT/ab-${name//[^A-Za-z0-9]/_}}
     echo "=== $run ($tag)" | tee -a "$OUT/ab.log"
     # shellcheck disable=SC2086
-    (cd "$dir" && env ${setting:+${setting//,/ }} PYTHONPATH="$dir:${PYTHONPATH:-}" \
+    # results stamped with the tree's commit: ab_prepare.sh's .petit_commit, else $PETIT_COMMIT
+    commit=${PETIT_COMMIT:-unknown}
+    [ -f "$dir/.petit_commit" ] && commit=$(cat "$dir/.petit_commit")
+    (cd "$dir" && env ${setting:+${setting//,/ }} PYTHONPATH="$dir:${PYTHONPATH:-}" PETIT_COMMIT="$commit" \
       timeout ${BENCH_TIMEOUT:-300} $PY "$BENCH" \
       ${AB_ARGS:---routings uniform --tokens 128 4096 16384 --num-sms 24 0 --iters 20} \
       --out-dir "$OUT/ab-$tag") 2>&1 | grep -vi "warn" >> "$OUT/ab.log"
