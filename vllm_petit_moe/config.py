@@ -72,10 +72,10 @@ class SingleGpuLayerConfig:
     call's token count N (Python only: the choice is made before any launch):
 
     megamoe_max_tokens: the fused MegaMoE kernel (``ops.megamoe_forward``) for N up to this
-        (0: never), where the GPU runs sm_90a. 8: on one H200 at 4819b37 it measured
-        1.01-1.26x vLLM's Triton experts at 1-8 tokens (DeepSeek-V3's share 1.10-1.26x
-        uniform, Qwen3-30B-A3B 1.01-1.05x; 0.996x at DeepSeek-V3 skewed 8 tokens) and
-        0.93-1.02x at 64 (docs/experiments/megamoe-w1.md).
+        (0: never), where the GPU runs sm_90a. 8: on one H200 at 34a91a8 it measured
+        1.03-1.28x vLLM's Triton experts at 1-8 tokens (DeepSeek-V3's share 1.08-1.28x
+        uniform, Qwen3-30B-A3B 1.03-1.07x; 1.00x at DeepSeek-V3 skewed 8 tokens) and
+        0.93-1.03x at 64 (examples/results/moe_layer_H200x1.jsonl).
     composed_min_tokens: our composed experts (``ops.experts_forward``) from N = this; vLLM's
         own Triton experts below (and above megamoe_max_tokens). 32: in the layer benchmark
         (one H200, 44f7f41) the composed experts measured 1.02-1.09x vLLM's Triton from 32
