@@ -556,10 +556,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   __syncthreads();
   if (trace != nullptr) trace[5] = int64_t(petit_timer());  // counts, offsets, active experts
 
-  // The active experts and their row groups: held in registers by the EP kernel, read from
-  // shared memory at each use by the W = 1 kernel (its registers spill otherwise; the EP
+  // The active experts and their row groups, held in registers, but read from shared memory
+  // at each use by the W = 1 kernel with row groups (its registers spill otherwise; the EP
   // kernel's spill more the other way round).
-  constexpr bool kHeld = kEp;
+  constexpr bool kHeld = kEp || !kSplit;
   const int held_active = scalars[kNumActive], held_groups = kSplit ? scalars[kNumGroups] : 0;
   auto num_active = [&] { return kHeld ? held_active : scalars[kNumActive]; };
   auto num_groups = [&] {
@@ -771,11 +771,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         // The warp's k steps over NT n-tiles of rows. B (the rows' inputs, global memory) is
         // loaded D steps ahead into a register ring, so a step waits for its weights (ring
         // kStages ahead) rather than for an input load issued one step earlier: D = 4 with one
-        // n-tile, 2 with two (the EP instance, whose other state leaves fewer registers: 2 and
-        // 1).
+        // n-tile (2 in the EP instance, whose other state leaves fewer registers), 1 with two.
         auto k_steps = [&](auto nt_tag) {
           constexpr int NT = decltype(nt_tag)::value;
-          constexpr int D = NT == 1 ? (kEp ? 2 : kInputsAhead) : (kEp ? 1 : 2);
+          constexpr int D = NT == 1 ? (kEp ? 2 : kInputsAhead) : 1;
           const int end = ws.s0 + ws.steps;
           uint4 ahead[D][2][NT];  // step s's inputs in ahead[(s - s0) % D]
           auto load_b = [&](uint4 (&dst)[2][NT], int s) {
