@@ -58,8 +58,9 @@ def make_case(seed, num_rows, top_k, hidden, intermediate, num_local, *, invalid
     return x, ids, weights, w13.to(torch.bfloat16), w2.to(torch.bfloat16)
 
 
-# the emulated device's L2: 0 splits every expert's rows into 16-row groups (the launcher's rule
-# where the grid's weight tiles exceed L2); WHOLE_L2 keeps one group per expert (passes)
+# the emulated device's L2: with 0 the launcher splits experts' rows into 16-row groups (its
+# rule where the grid's weight tiles exceed L2) in every call of more than 16 routing entries;
+# WHOLE_L2 keeps one group per expert (passes)
 WHOLE_L2 = 1 << 30
 
 

@@ -151,7 +151,7 @@ T& block_static(int key) {
 }
 thread_local unsigned char* dynamic_smem = nullptr;  // this thread's block's
 int cc_major = 2, cc_minor = 0, sm_count = 2;
-int l2_bytes = 0;  // the L2 size reported (MegaMoE's row groups: 0 splits every expert's rows)
+int l2_bytes = 0;  // the L2 size reported (MegaMoE's row groups: with 0, every grid's tiles exceed it)
 // Thread-block clusters (launch_cluster): this thread's rank in its cluster, the dynamic shared
 // memory of every block of the cluster (by rank) and a barrier of all the cluster's threads.
 thread_local int cluster_rank = 0;
