@@ -37,7 +37,8 @@ for spec in "$@"; do
     echo "ab_prepare: $patch does not apply to $ref"
     exit 1
   fi
+  short=$(git rev-parse --short "$ref")
   # the results' commit stamp there (ab_trees.sh exports it as PETIT_COMMIT for this tree)
-  echo "$(git rev-parse --short "$ref")${patch:++$(basename "$patch")}" > "$out/.petit_commit"
-  echo "$name: $(git rev-parse --short "$ref")${patch:+ + $patch}, $(du -sh "$out" | cut -f1)"
+  echo "$short${patch:++$(basename "$patch")}" > "$out/.petit_commit"
+  echo "$name: $short${patch:+ + $patch}, $(du -sh "$out" | cut -f1)"
 done

@@ -65,10 +65,10 @@ for _ in $(seq "${AB_REPEATS:-2}"); do
     tag=$(sweep_tag "$OUT/ab-" "$name")
     first=${first:-$OUT/ab-${name//[^A-Za-z0-9]/_}}
     echo "=== $run ($tag)" | tee -a "$OUT/ab.log"
-    # shellcheck disable=SC2086
     # results stamped with the tree's commit: ab_prepare.sh's .petit_commit, else $PETIT_COMMIT
     commit=${PETIT_COMMIT:-unknown}
     [ -f "$dir/.petit_commit" ] && commit=$(cat "$dir/.petit_commit")
+    # shellcheck disable=SC2086
     (cd "$dir" && env ${setting:+${setting//,/ }} PYTHONPATH="$dir:${PYTHONPATH:-}" PETIT_COMMIT="$commit" \
       timeout ${BENCH_TIMEOUT:-300} $PY "$BENCH" \
       ${AB_ARGS:---routings uniform --tokens 128 4096 16384 --num-sms 24 0 --iters 20} \
