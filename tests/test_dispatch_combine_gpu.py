@@ -270,7 +270,7 @@ def _rank_megamoe_expert_stage(state, cfg, seed, tokens_per_rank, top_k, inter, 
     and against the composed experts (ops.experts_forward) on the same received rows; the
     dispatch / combine calls and the fused ones alternate on one buffer (their epochs)."""
     from vllm_petit_moe import ops
-    from vllm_petit_moe.limits import MEGAMOE_TRACE_HEADER
+    from script_module import load_script
     rank, world, device = state["rank"], state["world_size"], state["device"]
     buf = get_buffer(state, **cfg)
     hidden, num_experts = cfg["hidden_size"], cfg["num_experts"]
@@ -317,10 +317,11 @@ def _rank_megamoe_expert_stage(state, cfg, seed, tokens_per_rank, top_k, inter, 
     rows = trace.cpu()
     assert bool(((rows[:, 0] > 0) & (rows[:, 0] <= rows[:, 1]) & (rows[:, 1] <= rows[:, 2]))
                 .all()), "trace: a block without ordered entry/routing/exit stamps"
-    # (a task record: kind << 48 | expert << 32 | row group << 16 | tile, megamoe_trace.py)
-    kinds = [int(rows[b, MEGAMOE_TRACE_HEADER + 3 * i]) >> 48 for b in range(rows.shape[0])
-             for i in range(min(int(rows[b, 3]), (rows.shape[1] - MEGAMOE_TRACE_HEADER) // 3))]
-    assert kinds.count(2) == kinds.count(3) == hidden // 32, "trace: reductions / final sums"
+    tool = load_script("tools/megamoe_trace.py")
+    kinds = [task["kind"] for block in tool.blocks_from_trace(rows.tolist())
+             for task in block["tasks"]]
+    assert kinds.count("reduce") == kinds.count("final") == hidden // 32, \
+        "trace: reductions / final sums"
     # the fused layer in a CUDA graph, replayed with fresh inputs copied in (same count on
     # every rank)
     x, i, w = (t.clone() for t in (xs[rank], ids[rank], ws[rank]))

@@ -190,13 +190,8 @@ def test_limits_rejected(emu):
 
 
 def _trace_tool():
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location(
-        "megamoe_trace", Path(__file__).resolve().parent.parent / "tools" / "megamoe_trace.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    from script_module import load_script
+    return load_script("tools/megamoe_trace.py")
 
 
 def test_trace_records_every_task_once_in_order(emu):

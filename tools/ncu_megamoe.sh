@@ -4,7 +4,9 @@
 # random weights, and each launch's most-stalled instructions (tools/ncu_stalls.py): where its
 # warps wait (weight ring mbarriers, input loads, the control warp's counters). Text under $OUT
 # (default /tmp/petit-ncu-megamoe).
-#   NCU_PRESET (deepseek-v3 | qwen3-30b-a3b), NCU_TOKENS (default "1 8")
+#   NCU_PRESET (deepseek-v3 | qwen3-30b-a3b), NCU_TOKENS (default "1 8"), NCU_PICK (the global
+#   experts top-8 picks from, the first ones local: default 256 for DeepSeek-V3, 128 for Qwen3;
+#   DeepSeek-V3 with 64 and 256 tokens gives its 32 experts 32 rows each, as skewed routing does)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/petit-ncu-megamoe}
@@ -13,8 +15,9 @@ PY=${PYTHON:-python3}
 NCU=$(command -v ncu || ls "${CUDA_HOME:-/usr/local/cuda}"/bin/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 2; }
 PRESET=${NCU_PRESET:-deepseek-v3}
+PICK=${NCU_PICK:-0}
 for tokens in ${NCU_TOKENS:-1 8}; do
-  rep=$OUT/megamoe_${PRESET}_$tokens
+  rep=$OUT/megamoe_${PRESET}_${tokens}${NCU_PICK:+_pick$PICK}
   "$NCU" --set full --import-source no -f -o "$rep" --kernel-name "regex:megamoe" \
     --launch-skip 2 --launch-count 1 "$PY" -c "
 import torch
@@ -22,6 +25,7 @@ from vllm_petit_moe import ops
 # local experts, and the global experts that top-8 picks from (ids >= local: another rank's)
 hidden, inter, experts, pick = {'deepseek-v3': (7168, 2048, 32, 256),
                                 'qwen3-30b-a3b': (2048, 768, 128, 128)}['$PRESET']
+pick = $PICK or pick
 g = torch.Generator(device='cuda').manual_seed(0)
 w13 = torch.randn(experts, 2 * inter, hidden, device='cuda', dtype=torch.bfloat16, generator=g) * 0.02
 w2 = torch.randn(experts, hidden, inter, device='cuda', dtype=torch.bfloat16, generator=g) * 0.02
