@@ -92,14 +92,13 @@ struct SmemLayout {
   static constexpr int kExpertOf = kFull + 8 * kWarps * kStages;              // int16 [E]
   static constexpr int kSorted = kExpertOf + 2 * kMegaMoeMaxEntries;           // int32 [E]
   static constexpr int kOffsets = kSorted + 4 * kMegaMoeMaxEntries;           // int32 [L+1]
-  static constexpr int kActive = kOffsets + 4 * (kMaxExperts + 16);           // int32 [L]
+  static constexpr int kCursor = kOffsets + 4 * (kMaxExperts + 16);           // int32 [L]
+  static constexpr int kActive = kCursor + 4 * kMaxExperts;                   // int32 [L]
   static constexpr int kGroupBase = kActive + 4 * kMaxExperts;  // int32 [active + 1]
   static constexpr int kScalars = kGroupBase + 4 * (kMaxExperts + 4);         // int32 [12]
-  // float [warps][2][n-tiles][4][32]; during the routing int32 [warps][L]: the sort's cursors
-  static constexpr int kReduce = kScalars + 4 * 12;
+  static constexpr int kReduce = kScalars + 4 * 12;  // float [warps][2][n-tiles][4][32]
   static constexpr int kBytes = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
 };
-static_assert(2 * kMaxNTiles * 4 * 32 >= kMaxExperts, "the sort's cursors fit in kReduce");
 static_assert(kBlocksPerSm * (SmemLayout::kBytes + 1024) <= 228 * 1024, "two blocks per SM");
 // kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3); EP: the call's epoch
 // (two words) and a send item's route mask; kNumGroups: the row groups of all active experts
@@ -341,6 +340,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   int16_t* expert_of = reinterpret_cast<int16_t*>(smem + SmemLayout::kExpertOf);
   int32_t* sorted = reinterpret_cast<int32_t*>(smem + SmemLayout::kSorted);
   int32_t* offsets = reinterpret_cast<int32_t*>(smem + SmemLayout::kOffsets);
+  int32_t* cursor = reinterpret_cast<int32_t*>(smem + SmemLayout::kCursor);
   int32_t* active = reinterpret_cast<int32_t*>(smem + SmemLayout::kActive);
   int32_t* group_base = active + kMaxExperts;  // one base register for both
   static_assert(SmemLayout::kGroupBase == SmemLayout::kActive + 4 * kMaxExperts, "adjacent");
@@ -490,22 +490,13 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     expert_of[i] = int16_t(kEp ? local_expert_id(row_ids, nullptr, L, L, i)
                                : local_expert_id(row_ids, a.expert_map, a.num_global_experts, L, i));
   }
-  // The entries in up to kWarps contiguous chunks of whole warp steps, one per compute warp:
-  // cursor[w][e] counts chunk w's entries of expert e, then holds where the next of them goes
-  // in `sorted` (the warps scatter their chunks at once, the order stable: entry order within
-  // each expert). A few entries are one chunk, as when one warp sorted them all.
-  int32_t* cursor = reinterpret_cast<int32_t*>(red);
-  const int chunk = max(32, (num_entries + 32 * kWarps - 1) / (32 * kWarps) * 32);
-  const int chunks = (num_entries + chunk - 1) / chunk;
-  for (int i = tid; i < chunks * L; i += kThreads) cursor[(i / L) * kMaxExperts + i % L] = 0;
+  for (int e = tid; e < L; e += kThreads) cursor[e] = 0;
   if (control && lane == 0) scalars[kClaim0] = first_claim;
   __syncthreads();
   if (trace != nullptr) trace[4] = int64_t(petit_timer());  // every row's ids read
-  if (!control) {
-    for (int i = warp * chunk + lane; i < min(num_entries, (warp + 1) * chunk); i += 32) {
-      const int e = expert_of[i];
-      if (e >= 0) atomicAdd(&cursor[warp * kMaxExperts + e], 1);
-    }
+  for (int i = tid; i < num_entries; i += kThreads) {
+    const int e = expert_of[i];
+    if (e >= 0) atomicAdd(&cursor[e], 1);
   }
   __syncthreads();
   if (warp == 0) {  // offsets, the active experts and their row groups: one warp, lane l
@@ -513,10 +504,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     int count = 0, actives = 0, groups = 0;
     for (int i = 0; i < per_lane; ++i) {
       const int e = lane * per_lane + i;
-      int c = 0;
-      if (e < L) {
-        for (int w = 0; w < chunks; ++w) c += cursor[w * kMaxExperts + e];
-      }
+      const int c = e < L ? cursor[e] : 0;
       count += c;
       actives += c > 0 ? 1 : 0;
       if constexpr (kSplit) groups += row_groups(c);
@@ -536,13 +524,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     for (int i = 0; i < per_lane; ++i) {
       const int e = lane * per_lane + i;
       if (e < L) {
+        const int c = cursor[e];
         offsets[e] = offset;
-        int c = 0;
-        for (int w = 0; w < chunks; ++w) {  // counts -> each chunk's first position
-          const int n = cursor[w * kMaxExperts + e];
-          cursor[w * kMaxExperts + e] = offset + c;
-          c += n;
-        }
+        cursor[e] = offset;
         if (c > 0) {
           if constexpr (kSplit) group_base[slot] = group;
           active[slot++] = e;
@@ -605,17 +589,15 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   if (trace != nullptr) trace[6] = int64_t(petit_timer());  // this warp's first loads issued
   if (!kEp && control && lane == 0) scalars[kClaim0 + 1] = second_claim;
 
-  if (!control) {  // stable scatter of the warp's chunk
-    int32_t* mine = cursor + warp * kMaxExperts;
-    const int end = min(num_entries, (warp + 1) * chunk);
-    for (int base = warp * chunk; base < end; base += 32) {
+  if (warp == 0) {  // stable scatter: entry order within each expert
+    for (int base = 0; base < num_entries; base += 32) {
       const int i = base + lane;
-      const int e = i < end ? expert_of[i] : -1;
+      const int e = i < num_entries ? expert_of[i] : -1;
       const petit_lanemask_t same = petit_match_any(e);
       const petit_lanemask_t below = same & petit_lanemask_lt();
-      if (e >= 0) sorted[mine[e] + petit_popc(below)] = i;
+      if (e >= 0) sorted[cursor[e] + petit_popc(below)] = i;
       petit_syncwarp();
-      if (e >= 0 && below == 0) mine[e] += petit_popc(same);
+      if (e >= 0 && below == 0) cursor[e] += petit_popc(same);
       petit_syncwarp();
     }
   }
