@@ -96,17 +96,14 @@ struct SmemLayout {
   static constexpr int kActive = kCursor + 4 * kMaxExperts;                   // int32 [L]
   static constexpr int kGroupBase = kActive + 4 * kMaxExperts;  // int32 [active + 1]
   static constexpr int kScalars = kGroupBase + 4 * (kMaxExperts + 4);         // int32 [12]
-  static constexpr int kTasks = kScalars + 4 * 12;   // int32 [2][kTaskInts]: claimed tasks
-  static constexpr int kReduce = kTasks + 4 * 12;    // float [warps][2][n-tiles][4][32]
+  static constexpr int kReduce = kScalars + 4 * 12;  // float [warps][2][n-tiles][4][32]
   static constexpr int kBytes = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
 };
 static_assert(kBlocksPerSm * (SmemLayout::kBytes + 1024) <= 228 * 1024, "two blocks per SM");
-// kClaim0, kClaim0 + 1: the claims of iterations 0 and 1; kClaimed: the last iteration
-// (>= 2) whose claimed task is stored in kTasks (slot iteration % 2; the producers read it
-// mid-task once it is); EP: the call's epoch (two words) and a send item's route mask;
-// kNumGroups: the row groups of all active experts
+// kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3); EP: the call's epoch
+// (two words) and a send item's route mask; kNumGroups: the row groups of all active experts
 enum Scalar { kNumActive = 0, kClaim0 = 1, kExitHere = 4, kEpochLo = 5, kEpochHi = 6,
-              kRouteMask = 7, kNumGroups = 8, kClaimed = 9 };
+              kRouteMask = 7, kNumGroups = 8 };
 
 // Sync words (MegaMoeArgs::sync): all zero between calls. kSyncExperts: [L] gate/up tiles
 // done per expert, then [H / 32] down tiles done per row tile, then (EP) one count of the
@@ -161,19 +158,6 @@ struct Task {
   int expert, tile;
   int begin, count;  // the row group's first sorted position and rows
 };
-constexpr int kTaskInts = 6;  // a Task in shared memory (SmemLayout::kTasks)
-static_assert(2 * kTaskInts <= 12, "two task slots");
-PETIT_DEVICE void store_task(int32_t* dst, const Task& t) {
-  dst[0] = t.valid;
-  dst[1] = t.kind;
-  dst[2] = t.expert;
-  dst[3] = t.tile;
-  dst[4] = t.begin;
-  dst[5] = t.count;
-}
-PETIT_DEVICE Task load_task(const int32_t* src) {
-  return Task{src[0] != 0, src[1], src[2], src[3], src[4], src[5]};
-}
 
 // The row groups of an expert with `rows` rows (kSplit; otherwise one per expert).
 PETIT_HOST_DEVICE constexpr int row_groups(int rows) {
@@ -267,28 +251,29 @@ PETIT_DEVICE float reduced(const float* red, int half, int row, int n) {
 }
 
 // The warp's weight stream runs ahead of its multiplies across task boundaries: a producer
-// cursor walks the current task's steps, then the next task's (claimed during the current
-// one: `next_of` moves the cursor on once that claim is in); lane 0 issues each step as two
-// TMA boxes into the warp's ring slot, completing the slot's mbarrier. The warp consumes
-// slots in order; a slot is refilled only after every lane of the warp has read it (the
-// refill follows the multiplies that used it).
+// cursor walks the current task's steps, then the next task's (whose id is known one
+// iteration ahead); lane 0 issues each step as two TMA boxes into the warp's ring slot,
+// completing the slot's mbarrier. The warp consumes slots in order; a slot is refilled only
+// after every lane of the warp has read it (the refill follows the multiplies that used it).
 struct Producer {
-  WarpStream cur;  // the cursor's task
-  int iter;        // the block iteration whose task cur is
-  int step;        // of cur: 0 .. cur.total
-  int kstep;       // step % cur.steps
-  int pushed;      // steps issued so far (slot = pushed % kStages)
+  WarpStream cur, next;  // the cursor's task and the one after it
+  bool has_next;
+  int iter;              // the block iteration whose task cur is
+  int step;              // of cur: 0 .. cur.total
+  int kstep;             // step % cur.steps
+  int pushed;            // steps issued so far (slot = pushed % kStages)
 };
 
-// next_of(p): moves the cursor to the task of iteration p.iter + 1 if its claim is stored
-// (returns whether it did; warp-uniform).
-template <class NextOf>
 PETIT_DEVICE void produce(Producer& p, int consumed, uint32_t ring_warp, uint32_t full_warp,
-                          const CUtensorMap* w13_map, const CUtensorMap* w2_map,
-                          NextOf&& next_of) {
+                          const CUtensorMap* w13_map, const CUtensorMap* w2_map) {
   while (p.pushed - consumed < kStages) {
     if (p.step >= p.cur.total) {
-      if (!next_of(p)) return;
+      if (!p.has_next) return;
+      p.cur = p.next;
+      p.has_next = false;
+      p.step = 0;
+      p.kstep = 0;
+      ++p.iter;
       continue;
     }
     if (petit_lane_id() == 0) {
@@ -360,7 +345,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   int32_t* group_base = active + kMaxExperts;  // one base register for both
   static_assert(SmemLayout::kGroupBase == SmemLayout::kActive + 4 * kMaxExperts, "adjacent");
   int32_t* scalars = reinterpret_cast<int32_t*>(smem + SmemLayout::kScalars);
-  int32_t* task_slots = reinterpret_cast<int32_t*>(smem + SmemLayout::kTasks);
   float* red = reinterpret_cast<float*>(smem + SmemLayout::kReduce);
 
   const int tid = threadIdx.x, lane = petit_lane_id(), warp = petit_warp_id();
@@ -507,10 +491,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
                                : local_expert_id(row_ids, a.expert_map, a.num_global_experts, L, i));
   }
   for (int e = tid; e < L; e += kThreads) cursor[e] = 0;
-  if (control && lane == 0) {
-    scalars[kClaim0] = first_claim;
-    scalars[kClaimed] = 0;
-  }
+  if (control && lane == 0) scalars[kClaim0] = first_claim;
   __syncthreads();
   if (trace != nullptr) trace[4] = int64_t(petit_timer());  // every row's ids read
   for (int i = tid; i < num_entries; i += kThreads) {
@@ -589,28 +570,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     return decode_task<kEp, kSplit>(id, num_active(), num_groups(), gate_up_tiles, down_tiles,
                                     active, group_base, offsets);
   };
-  // A producer's look at the task of the iteration after its cursor's, once the control warp
-  // has stored it (the task, then kClaimed; lane 0 reads them, the warp takes its values).
-  auto next_of = [&](Producer& p) {
-    const volatile int32_t* const vs = scalars;
-    if (petit_shfl(lane == 0 ? vs[kClaimed] : 0, 0) < p.iter + 1) return false;
-    __threadfence_block();
-    const volatile int32_t* const slot = task_slots + kTaskInts * ((p.iter + 1) % 2);
-    int32_t v[kTaskInts];
-#pragma unroll
-    for (int i = 0; i < kTaskInts; ++i) v[i] = petit_shfl(lane == 0 ? slot[i] : 0, 0);
-    p.cur = warp_stream(load_task(v), a);  // none past an invalid task: nothing is claimed
-    p.step = p.kstep = 0;
-    ++p.iter;
-    return true;
-  };
-  // The control warp's lane 0: the claimed task of iteration `iter` (>= 1) for everyone
-  // (read at S(iter - 1) by the block, before by the producers).
-  auto post_task = [&](int iter, const Task& t) {
-    store_task(task_slots + kTaskInts * (iter % 2), t);
-    __threadfence_block();
-    *reinterpret_cast<volatile int32_t*>(&scalars[kClaimed]) = iter;
-  };
 
   // The first task's weight stream goes out before the sort (the second task's, whose claim
   // is stored meanwhile, after it).
@@ -618,22 +577,17 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   const uint32_t ring_warp_addr = gemm::smem_addr_u32(ring_warp);
   const uint32_t full_warp = gemm::smem_addr_u32(full + warp * kStages);
   Producer prod{};
-  Task cur_task = task_of(scalars[kClaim0]);
-  Task next_task{};  // the control warp's: the task of the next iteration
+  Task cur_task = task_of(scalars[kClaim0]), next_task{};
   prod.cur = warp_stream(cur_task, a);
-  if (kEp && control && lane == 0) {
+  if constexpr (kEp) {
     next_task = task_of(scalars[kClaim0 + 1]);
-    post_task(1, next_task);
+    prod.next = warp_stream(next_task, a);
+    prod.has_next = next_task.valid;
   }
   int consumed = 0;
-  if (!control && cur_task.valid) {
-    produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map, next_of);
-  }
+  if (!control && cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
   if (trace != nullptr) trace[6] = int64_t(petit_timer());  // this warp's first loads issued
-  if (!kEp && control && lane == 0) {
-    next_task = task_of(second_claim);
-    post_task(1, next_task);
-  }
+  if (!kEp && control && lane == 0) scalars[kClaim0 + 1] = second_claim;
 
   if (warp == 0) {  // stable scatter: entry order within each expert
     for (int base = 0; base < num_entries; base += 32) {
@@ -649,6 +603,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   }
   __syncthreads();
   if (trace != nullptr) trace[1] = int64_t(petit_timer());
+  if constexpr (!kEp) {
+    next_task = task_of(scalars[kClaim0 + 1]);
+    prod.next = warp_stream(next_task, a);
+    prod.has_next = next_task.valid;
+  }
 
   if (!kEp && num_active() == 0) {  // no entry served: the layer's output is 0
     const int64_t vectors = int64_t(N) * H / 8;
@@ -660,11 +619,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
 
   // ---- 2. tasks. Per iteration: R (ready: the control warp has acquired what the task
   // reads from other blocks), the compute warps' work, S (every store of the task issued).
-  // The control warp claims one task ahead (at R of the task before it: a block that finishes
-  // early takes the late tasks, which two ahead went to blocks still busy with long ones too),
-  // publishes each finished task (fence + counter) while the compute warps run the next one,
-  // and checks the next task's inputs early; the compute warps never fence (a fence would
-  // wait for their weight loads in flight) and wait at R only when an input is really missing.
+  // The control warp claims two tasks ahead, publishes each finished task (fence + counter)
+  // while the compute warps run the next one, and checks the next task's inputs early; the
+  // compute warps never fence (a fence would wait for their weight loads in flight) and wait
+  // at R only when an input is really missing.
   const int g = lane / 4, q = lane % 4;
   // control warp, lane 0: the finished task not yet published, and whether the current task's
   // inputs were seen complete (acquired) already
@@ -718,17 +676,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     }
     if (control) {
       if (lane == 0) {
-        // claim the task of iteration iter + 1 (that of iteration 1 was claimed with the
-        // routing), publish the previous task, store the claim for the producers (then
-        // kClaimed), look at the next task's inputs
-        if (iter > 0) {
-          const int claim = atomicAdd(&sync[kSyncClaim], 1);
-          publish(unpublished);
-          next_task = task_of(claim);
-          post_task(iter + 1, next_task);
-        } else {
-          publish(unpublished);
-        }
+        // publish the previous task, claim the task of iteration iter + 2 (read after
+        // S(iter)), look at the next task's inputs
+        publish(unpublished);
+        scalars[kClaim0 + (iter + 2) % 3] = atomicAdd(&sync[kSyncClaim], 1);
         inputs_seen = next_task.valid && next_task.kind != kGateUp && next_task.kind != kFinal &&
                       petit_load_acquire_gpu(counter_of(next_task)) >= target_of(next_task);
       }
@@ -874,7 +825,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
                 if constexpr (D > 1) load_b(ahead[d], s + D);  // after the multiplies read it
                 ++consumed;
                 petit_syncwarp();  // every lane has read the slot before lane 0 refills it
-                produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map, next_of);
+                produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
               }
             }
           }
@@ -924,26 +875,26 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);  // red is reused by the next pass
       }
     }
-    __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 1 is in
+    __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {
       trace[kMegaMoeTraceHeader + 2 + 3 * iter] = int64_t(petit_timer());
     }
     if (trace != nullptr) trace[3] = iter + 1;
     if (control && lane == 0) unpublished = cur_task;
     // Advance. Every step of the finished task was consumed, so pushed: the cursor is past it
-    // (in the new current task, whose successor is not claimed yet), or exactly at its end if
-    // it never moved on (it may not have seen the new task's claim).
-    cur_task = load_task(task_slots + kTaskInts * ((iter + 1) % 2));
+    // (in the new current task), or exactly at its end if it never needed to move on.
+    cur_task = next_task;
+    next_task = task_of(scalars[kClaim0 + (iter + 2) % 3]);
     if (!control) {
       if (prod.iter == iter) {
-        prod.cur = warp_stream(cur_task, a);
+        prod.cur = prod.next;
         prod.step = 0;
         prod.kstep = 0;
         prod.iter = iter + 1;
       }
-      if (cur_task.valid) {
-        produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map, next_of);
-      }
+      prod.next = warp_stream(next_task, a);
+      prod.has_next = next_task.valid;
+      if (cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
     }
   }
   // No weight load is in flight here: the producer only loads the current and the next task,

@@ -335,7 +335,6 @@ inline void petit_store_relaxed_sys(uint64_t* ptr, uint64_t value) {
 inline void petit_fence_sys() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void petit_fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline uint32_t petit_atomic_add_gpu(uint32_t* ptr, uint32_t value) {
   return __atomic_fetch_add(ptr, value, __ATOMIC_SEQ_CST);
 }
