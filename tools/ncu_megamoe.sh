@@ -26,6 +26,8 @@ from vllm_petit_moe import ops
 hidden, inter, experts, pick = {'deepseek-v3': (7168, 2048, 32, 256),
                                 'qwen3-30b-a3b': (2048, 768, 128, 128)}['$PRESET']
 pick = $PICK or pick
+if pick < 8:
+    raise SystemExit(f'NCU_PICK={pick}: top-8 needs at least 8 experts to pick from')
 g = torch.Generator(device='cuda').manual_seed(0)
 w13 = torch.randn(experts, 2 * inter, hidden, device='cuda', dtype=torch.bfloat16, generator=g) * 0.02
 w2 = torch.randn(experts, hidden, inter, device='cuda', dtype=torch.bfloat16, generator=g) * 0.02
