@@ -86,7 +86,8 @@ static_assert(kDownRows == 32, "megamoe_sync_ints (api.h) counts H / 32 row tile
 // warpgroup: one wgmma m64n32k16 per k16, both operands in shared memory, the weights from a
 // block ring of kWideStages steps (TMA, ahead across tasks), the rows' inputs from a ring of
 // kWideInputSlots steps that every compute thread fills by cp.async kWideInputsAhead steps
-// ahead within the task. No partial sums across warps.
+// ahead within the task; a step's wgmma retires during the next step (wait_group 1), so a
+// slot is free again two steps after its use. No partial sums across warps.
 constexpr int kWideCols = 32;       // gate/up task: 32 columns of I (64 weight rows)
 constexpr int kWideDownRows = 64;   // down task: 64 rows of H (two reduction row tiles)
 constexpr int kWideRows = 32;       // rows of a row group: the wgmma N
@@ -95,7 +96,7 @@ static_assert(1 << kWideGroupShift == kWideRows, "a wide row group is 32 rows");
 constexpr int kWideStepBytes = 64 * kStepK * 2;
 constexpr int kWideInputBytes = kWideRows * kStepK * 2;
 constexpr int kWideInputsAhead = 3;
-constexpr int kWideInputSlots = kWideInputsAhead + 1;
+constexpr int kWideInputSlots = kWideInputsAhead + 2;
 // the narrow kernel's four warp rings hold the block ring and the inputs' ring
 constexpr int kWideStages =
     (kWarps * kStages * kStepBytes - kWideInputSlots * kWideInputBytes) / kWideStepBytes;
@@ -818,8 +819,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     } else if constexpr (kWide) {
       // A wide task: D[64 weight rows][32 rows] over the whole k, by the warpgroup. Step s:
       // every thread's input copies of step s are in and fenced for the async proxy, and
-      // (the barrier) every warp retired step s - 1's wgmma, so warp 0 refills the weight
-      // slots up to it and the inputs of step s + kWideInputsAhead go into step s - 1's slot.
+      // (the barrier) every warp retired step s - 2's wgmma (wait_group 1 after step s - 1's),
+      // so warp 0 refills the weight slots up to it and the inputs of step
+      // s + kWideInputsAhead go into step s - 2's slot.
       const bool gate_up = cur_task.kind == kGateUp;
       const int tile = cur_task.tile, begin = cur_task.begin, count = cur_task.count;
       const int k_dim = gate_up ? H : I, steps = k_dim / kStepK;
@@ -845,7 +847,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         gemm::cp_async_wait<kWideInputsAhead - 1>();
         gemm::sm90_fence_proxy_async_smem();  // this thread's input copies, for the wgmma
         gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);
-        if (producer) produce<true>(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
+        if (producer)  // every step before the previous one has retired (at s = 0: all)
+          produce<true>(prod, consumed - (s > 0), ring_warp_addr, full_warp, &w13_map, &w2_map);
         if (s + kWideInputsAhead < steps)
           inputs.issue(input_slot(s + kWideInputsAhead), (s + kWideInputsAhead) * kStepK, k_dim);
         gemm::cp_async_commit();
@@ -862,11 +865,12 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
                                            s > 0 || ks > 0);
         }
         gemm::sm90_wgmma_commit();
-        gemm::sm90_wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kWideRows / 2; ++i) gemm::sm90_fence_operand(acc[i]);
+        gemm::sm90_wgmma_wait<1>();  // step s - 1's group
         ++consumed;
       }
+      gemm::sm90_wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kWideRows / 2; ++i) gemm::sm90_fence_operand(acc[i]);
       gemm::cp_async_wait<0>();  // the trailing groups are empty: retire them
       // Epilogue: acc[4c + 2h + e] is weight row 16 warp + g + 8h, row n = 8c + 2q + e.
 #pragma unroll
