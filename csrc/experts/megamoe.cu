@@ -840,9 +840,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         if (d < steps) inputs.issue(input_slot(d), d * kStepK, k_dim);
         gemm::cp_async_commit();
       }
-      float acc[kWideRows / 2];
-#pragma unroll
-      for (int i = 0; i < kWideRows / 2; ++i) acc[i] = 0.0f;
+      // one accumulator per k16 of a step: the four wgmma of a step are independent (one
+      // chain through one accumulator serializes them at the wgmma latency); summed at the end
+      constexpr int kChains = kStepK / 16;
+      float chain[kChains][kWideRows / 2];
       for (int s = 0; s < steps; ++s) {
         gemm::cp_async_wait<kWideInputsAhead - 1>();
         gemm::sm90_fence_proxy_async_smem();  // this thread's input copies, for the wgmma
@@ -856,21 +857,28 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         gemm::sm90_mbarrier_wait_parity(full_warp + slot * 8, (consumed / kWideStages) & 1);
         const uint32_t weights = ring_warp_addr + slot * kWideStepBytes, rows_in = input_slot(s);
 #pragma unroll
-        for (int i = 0; i < kWideRows / 2; ++i) gemm::sm90_fence_operand(acc[i]);
+        for (int ks = 0; ks < kChains; ++ks)
+#pragma unroll
+          for (int i = 0; i < kWideRows / 2; ++i) gemm::sm90_fence_operand(chain[ks][i]);
         gemm::sm90_wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < kStepK / 16; ++ks) {
-          gemm::sm90_wgmma_bf16<kWideRows>(acc, gemm::sm90_desc_sw128(weights + ks * 32),
-                                           gemm::sm90_desc_sw128(rows_in + ks * 32),
-                                           s > 0 || ks > 0);
+        for (int ks = 0; ks < kChains; ++ks) {
+          gemm::sm90_wgmma_bf16<kWideRows>(chain[ks], gemm::sm90_desc_sw128(weights + ks * 32),
+                                           gemm::sm90_desc_sw128(rows_in + ks * 32), s > 0);
         }
         gemm::sm90_wgmma_commit();
         gemm::sm90_wgmma_wait<1>();  // step s - 1's group
         ++consumed;
       }
       gemm::sm90_wgmma_wait<0>();
+      float acc[kWideRows / 2];
 #pragma unroll
-      for (int i = 0; i < kWideRows / 2; ++i) gemm::sm90_fence_operand(acc[i]);
+      for (int i = 0; i < kWideRows / 2; ++i) {
+#pragma unroll
+        for (int ks = 0; ks < kChains; ++ks) gemm::sm90_fence_operand(chain[ks][i]);
+        acc[i] = (chain[0][i] + chain[1][i]) + (chain[2][i] + chain[3][i]);
+      }
+      static_assert(kChains == 4, "the sum above");
       gemm::cp_async_wait<0>();  // the trailing groups are empty: retire them
       // Epilogue: acc[4c + 2h + e] is weight row 16 warp + g + 8h, row n = 8c + 2q + e.
 #pragma unroll
