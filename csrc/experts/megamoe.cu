@@ -235,7 +235,7 @@ PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   const int k_steps = (ws.gate_up ? a.hidden : a.intermediate) / kStepK;
   ws.s0 = warp * k_steps / kWarps;
   ws.steps = (warp + 1) * k_steps / kWarps - ws.s0;
-  ws.total = ws.steps * ((t.count + kPassRows - 1) / kPassRows);
+  ws.total = ws.steps * row_groups(t.count);  // a pass is a row group's rows
   return ws;
 }
 
