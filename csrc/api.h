@@ -158,8 +158,6 @@ struct MegaMoeArgs {
   int intermediate;                // I
   int num_local_experts;           // L
   int num_sms;                     // grid = up to 2 blocks per SM; 0: query the device
-  int wide_min_rows;               // wide (wgmma) tasks when N*K >= wide_min_rows * L, the
-                                   // routing entries per local expert; 0: never (W = 1 only)
   uint64_t timeout_ticks;          // bound of the in-kernel waits (petit_timer ticks), > 0
   int64_t* trace;                  // diagnostics, nullptr: none. [grid][kMegaMoeTraceSlots]
                                    // timer stamps (layout.h; tools/megamoe_trace.py reads them)

@@ -845,8 +845,7 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
                      const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act_workspace,
                      torch::Tensor& partial_workspace, torch::Tensor& sync,
                      c10::optional<torch::Tensor> expert_map, int64_t num_sms,
-                     double timeout_s, c10::optional<torch::Tensor> trace,
-                     int64_t wide_min_rows) {
+                     double timeout_s, c10::optional<torch::Tensor> trace) {
   check_cuda_tensor(x, "x", 2);
   check_cuda_tensor(topk_ids, "topk_ids", 2);
   check_cuda_tensor(topk_weights, "topk_weights", 2);
@@ -899,9 +898,6 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
     a.trace = t.data_ptr<int64_t>();
   }
   a.num_sms = int(num_sms);
-  PETIT_CHECK(wide_min_rows >= 0 && wide_min_rows <= kMegaMoeMaxEntries,
-              "wide_min_rows %lld outside [0, %d]", (long long)wide_min_rows, kMegaMoeMaxEntries);
-  a.wide_min_rows = int(wide_min_rows);
   a.timeout_ticks = uint64_t(timeout_s * petit_timer_ticks_per_second());
   const petitError_t err = megamoe_check(a);
   PETIT_CHECK(err == petitSuccess,
@@ -950,7 +946,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("topk_ids"), py::arg("topk_weights"), py::arg("w13"),
         py::arg("w2"), py::arg("out"), py::arg("act_workspace"), py::arg("partial_workspace"),
         py::arg("sync"), py::arg("expert_map") = py::none(), py::arg("num_sms") = 0,
-        py::arg("timeout_s") = 30.0, py::arg("trace") = py::none(), py::arg("wide_min_rows") = 0);
+        py::arg("timeout_s") = 30.0, py::arg("trace") = py::none());
   m.def("expert_row_lists", &petit::expert_row_lists,
         "Routing block [N,K] int32 (local ids, or global ids with expert_map [E] int32) -> "
         "(counts [L], offsets [L+1], sorted_entries [N*K])",

@@ -398,9 +398,6 @@ def parse_args(argv=None):
                    help="also time the fused layer (EpBuffer.megamoe through the hook, "
                         "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS) at the token counts it takes "
                         "(W * tokens * K <= MEGAMOE_MAX_ENTRIES): megamoe_us")
-    p.add_argument("--megamoe-wide-min-rows", type=int, default=None, metavar="N",
-                   help="--world 1: MegaMoE's wide tasks from N routing entries per local expert "
-                        "(0: never; default: ops.megamoe_forward's); recorded in each row")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--profile", action="store_true",
                    help="also sum each path's kernel time by category (torch.profiler)")
@@ -421,8 +418,6 @@ def parse_args(argv=None):
         p.error("--profile-replays must be >= 1")
     if not 0.0 <= args.hot_fraction <= 1.0:
         p.error("--hot-fraction must be in [0, 1]")
-    if args.megamoe_wide_min_rows is not None and args.megamoe_wide_min_rows < 0:
-        p.error("--megamoe-wide-min-rows must be >= 0")
     return args
 
 
@@ -433,8 +428,7 @@ def _main_w1(args):
     presets = [p for p in args.presets if p in w1.W1_PRESETS]
     tokens = args.tokens_given or (w1.W1_QUICK_TOKENS if args.quick else w1.W1_TOKENS)
     routings = [r for r in args.routings if r in ("uniform", "skewed")]
-    rows = w1.run_w1(presets, routings, tokens, args.iters, args.seed,
-                     wide_min_rows=args.megamoe_wide_min_rows)
+    rows = w1.run_w1(presets, routings, tokens, args.iters, args.seed)
     if not rows:
         return 1
     stamp = device_stamp(ROOT, 1)

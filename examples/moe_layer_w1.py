@@ -94,15 +94,13 @@ def _graph_us(fn, iters):
     return time_replays_us(graph, iters) / CHAIN, graph
 
 
-def run_w1(preset_names, routings, tokens_list, iters, seed, log=print, wide_min_rows=None):
-    """Rows of the W=1 benchmark (see the module docstring). wide_min_rows: MegaMoE's
-    (``ops.megamoe_forward``; None: its default)."""
+def run_w1(preset_names, routings, tokens_list, iters, seed, log=print):
+    """Rows of the W=1 benchmark (see the module docstring)."""
     import torch
     from vllm.model_executor.layers.fused_moe import fused_moe as vllm_fused_moe
 
     from vllm_petit_moe import ops
 
-    wide = {} if wide_min_rows is None else dict(wide_min_rows=wide_min_rows)
     device = torch.device("cuda", torch.cuda.current_device())
     copy_rate, mm_rate = measure_ceilings(device)
     log(f"# ceilings: HBM copy {copy_rate / 1e12:.2f} TB/s (read + write), dense bf16 "
@@ -153,7 +151,7 @@ def run_w1(preset_names, routings, tokens_list, iters, seed, log=print, wide_min
                         ids, w = routes[i]
                         if fused:
                             ops.megamoe_forward(xs[i], ids, w, w13, w2, out=outs["mega"][i],
-                                                expert_map=expert_map, **wide)
+                                                expert_map=expert_map)
                         else:
                             ops.experts_forward(xs[i], ids, w, w13, w2, out=outs["mega"][i],
                                                 expert_map=expert_map)
@@ -193,9 +191,7 @@ def run_w1(preset_names, routings, tokens_list, iters, seed, log=print, wide_min
                            vllm_over_megamoe=vllm_us / mega_us,
                            composed_over_megamoe=comp_us / mega_us,
                            roofline_fraction=roof_us / mega_us,
-                           rel_diff=max(diffs), composed_rel_diff=comp_diff, chain=CHAIN,
-                           **({} if wide_min_rows is None
-                              else dict(megamoe_wide_min_rows=wide_min_rows)))
+                           rel_diff=max(diffs), composed_rel_diff=comp_diff, chain=CHAIN)
                 rows.append(row)
                 log(f"{name:14} {routing:8} {tokens:>6} {vllm_us:9.1f} {comp_us:9.1f} "
                     f"{mega_us:9.1f} {roof_us:9.1f} {row['vllm_over_megamoe']:6.2f} "

@@ -65,7 +65,7 @@ WHOLE_L2 = 1 << 30
 
 
 def run_emu(emu, x, ids, weights, w13, w2, *, num_sms=1, at_once=True, sync=None,
-            expert_map=None, trace=None, l2_bytes=0, wide_min_rows=0):
+            expert_map=None, trace=None, l2_bytes=0):
     num_rows, hidden = x.shape
     top_k, num_local, intermediate = ids.shape[1], w13.shape[0], w13.shape[1] // 2
     entries = max(1, num_rows * top_k)
@@ -78,8 +78,7 @@ def run_emu(emu, x, ids, weights, w13, w2, *, num_sms=1, at_once=True, sync=None
         _ptr(x), _ptr(ids.contiguous()), _ptr(expert_map),
         0 if expert_map is None else expert_map.numel(), _ptr(weights.contiguous()),
         _ptr(w13), _ptr(w2), _ptr(act), _ptr(partial), _ptr(sync), _ptr(out), num_rows, top_k,
-        hidden, intermediate, num_local, num_sms, int(at_once), _ptr(trace), l2_bytes,
-        wide_min_rows)
+        hidden, intermediate, num_local, num_sms, int(at_once), _ptr(trace), l2_bytes)
     return rc, out, sync
 
 
@@ -101,14 +100,13 @@ def assert_close(out, ref):
 ])
 def test_matches_reference(emu, seed, num_rows, top_k, hidden, intermediate, num_local, num_sms):
     """With 16-row groups and with one group per expert (passes): the reference, and the same
-    bits. Wide tasks (wgmma, 32-row groups): the reference."""
+    bits."""
     case = make_case(seed, num_rows, top_k, hidden, intermediate, num_local)
-    ref, outs = reference_moe(*case), []
-    for l2_bytes, wide_min_rows in ((0, 0), (WHOLE_L2, 0), (0, 1)):
-        rc, out, sync = run_emu(emu, *case, num_sms=num_sms, l2_bytes=l2_bytes,
-                                wide_min_rows=wide_min_rows)
+    outs = []
+    for l2_bytes in (0, WHOLE_L2):
+        rc, out, sync = run_emu(emu, *case, num_sms=num_sms, l2_bytes=l2_bytes)
         assert rc == 0
-        assert_close(out, ref)
+        assert_close(out, reference_moe(*case))
         assert int(sync.abs().sum()) == 0, "counters not reset for the next call"
         outs.append(out.view(torch.int16))
     assert torch.equal(outs[0], outs[1])
@@ -130,29 +128,6 @@ def test_skewed_rows_in_groups_or_passes(emu):
     ref, first = reference_moe(*case), None
     for num_sms, l2_bytes in ((1, 0), (3, 0), (2, WHOLE_L2)):
         rc, out, sync = run_emu(emu, *case, num_sms=num_sms, l2_bytes=l2_bytes)
-        assert rc == 0
-        assert_close(out, ref)
-        assert int(sync.abs().sum()) == 0
-        first = out if first is None else first
-        assert torch.equal(out.view(torch.int16), first.view(torch.int16))
-
-
-def test_wide_tasks_on_skewed_rows(emu):
-    """Wide tasks (wgmma on 64 weight rows x 32-row groups): one hot expert with 71 rows (groups
-    of 32, 32 and 7), 33, 32 exactly, 1 and an idle expert; several k steps (the inputs' ring
-    wraps within a task, the block's weight ring across tasks). The reference, the same bits
-    on other grids and with the blocks one after another, and counters reset for the next
-    call (two calls on one sync buffer)."""
-    hidden, intermediate, num_local = 448, 320, 6
-    counts = {0: 71, 1: 33, 3: 32, 5: 1}
-    flat = torch.tensor([e for e, c in counts.items() for _ in range(c)], dtype=torch.int32)
-    flat = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(14))]
-    ids = torch.cat([flat, torch.full((1,), -1, dtype=torch.int32)]).view(-1, 2)  # 138 = 69 x 2
-    case = make_case(15, ids.shape[0], 2, hidden, intermediate, num_local, ids=ids)
-    ref, first, sync = reference_moe(*case), None, None
-    for num_sms, at_once in ((2, True), (1, True), (3, False)):
-        rc, out, sync = run_emu(emu, *case, num_sms=num_sms, at_once=at_once, sync=sync,
-                                wide_min_rows=1)
         assert rc == 0
         assert_close(out, ref)
         assert int(sync.abs().sum()) == 0
@@ -219,14 +194,12 @@ def _trace_tool():
     return load_script("tools/megamoe_trace.py")
 
 
-@pytest.mark.parametrize("wide", [False, True])
-def test_trace_records_every_task_once_in_order(emu, wide):
+def test_trace_records_every_task_once_in_order(emu):
     """The optional trace (tools/megamoe_trace.py): per block entry <= routed <= each task's
     ready <= done <= the next task's ready <= exit, and the blocks' tasks together are every
     (expert, row group) gate/up and down task and every reduction exactly once. Expert 0 has
-    20 rows (two 16-row groups), expert 1 has 3: 3 * (64/16 + 64/32) + 64/32 = 20 tasks, all
-    within one block's kMegaMoeTraceTasks records whichever block claims them. Wide tasks:
-    one 32-row group each, 2 * (64/32 + 64/64) + 64/32 = 8 tasks."""
+    20 rows (two groups), expert 1 has 3: 3 * (64/16 + 64/32) + 64/32 = 20 tasks, all within
+    one block's kMegaMoeTraceTasks records whichever block claims them."""
     from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,
                                        MEGAMOE_TRACE_SLOTS)
     num_rows, top_k, hidden, inter, num_local, num_sms = 23, 1, 64, 64, 2, 2
@@ -236,7 +209,7 @@ def test_trace_records_every_task_once_in_order(emu, wide):
     tool = _trace_tool()
     grid = MEGAMOE_BLOCKS_PER_SM * num_sms
     trace = torch.full((grid, MEGAMOE_TRACE_SLOTS), -1, dtype=torch.int64)
-    rc, out, _ = run_emu(emu, *case, num_sms=num_sms, trace=trace, wide_min_rows=int(wide))
+    rc, out, _ = run_emu(emu, *case, num_sms=num_sms, trace=trace)
     assert rc == 0
     assert_close(out, reference_moe(*case))
     seen = []
@@ -251,10 +224,9 @@ def test_trace_records_every_task_once_in_order(emu, wide):
             assert last <= ready <= done <= exit_, (i, last, ready, done, exit_)
             last = done
             seen.append(tool.task_fields(task))
-    groups = {0: 1, 1: 1} if wide else {0: 2, 1: 1}
-    cols, rows = (32, 64) if wide else (16, 32)
-    want = [(0, e, r, t) for e in groups for r in range(groups[e]) for t in range(inter // cols)]
-    want += [(1, e, r, t) for e in groups for r in range(groups[e]) for t in range(hidden // rows)]
+    groups = {0: 2, 1: 1}
+    want = [(0, e, r, t) for e in groups for r in range(groups[e]) for t in range(inter // 16)]
+    want += [(1, e, r, t) for e in groups for r in range(groups[e]) for t in range(hidden // 32)]
     want += [(2, 0, 0, t) for t in range(hidden // 32)]
     assert sorted(seen) == sorted(want)
     # tools/megamoe_trace.py's summary of the same trace

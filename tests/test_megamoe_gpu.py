@@ -52,16 +52,14 @@ def rel_err(out, ref):
 
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 8, 33, 256])
 @pytest.mark.parametrize("shape", ["qwen3", "odd"])
-@pytest.mark.parametrize("tasks", ["narrow", "wide"])
-def test_matches_reference_and_composed(num_rows, shape, tasks):
-    """Narrow tasks (mma.sync per warp) and wide ones (wgmma; where N*K >= L, else narrow)."""
+def test_matches_reference_and_composed(num_rows, shape):
     from vllm_petit_moe import ops
 
     hidden, inter, num_local, top_k = {"qwen3": (2048, 768, 128, 8),
                                        "odd": (448, 192, 7, 3)}[shape]
     case = make_case(num_rows, top_k, hidden, inter, num_local, seed=num_rows)
     out = torch.full((num_rows, hidden), float("nan"), device="cuda").to(torch.bfloat16)
-    ops.megamoe_forward(*case, out=out, wide_min_rows=1 if tasks == "wide" else 0)
+    ops.megamoe_forward(*case, out=out)
     ref = reference_moe(*case)
     assert not out.isnan().any()
     assert rel_err(out, ref) < 4e-3
@@ -69,37 +67,18 @@ def test_matches_reference_and_composed(num_rows, shape, tasks):
     assert rel_err(out, composed.float()) < 8e-3
 
 
-@pytest.mark.parametrize("wide_min_rows", [0, 1])
-def test_expert_map_deepseek_share(wide_min_rows):
+def test_expert_map_deepseek_share():
     """DeepSeek-V3's EP8 share: 256 global ids, 32 local experts through vLLM's expert_map."""
     from vllm_petit_moe import ops
 
     expert_map = torch.full((256,), -1, dtype=torch.int32, device="cuda")
     expert_map[64:96] = torch.arange(32, dtype=torch.int32, device="cuda")
     case = make_case(64, 8, 7168, 2048, 32, seed=7, num_global=256, invalid=0.0)
-    out = ops.megamoe_forward(*case, expert_map=expert_map, wide_min_rows=wide_min_rows)
+    out = ops.megamoe_forward(*case, expert_map=expert_map)
     assert rel_err(out, reference_moe(*case, expert_map=expert_map)) < 4e-3
 
 
-def test_wide_tasks_on_hot_experts():
-    """Wide tasks where row groups matter: 256 tokens x 8 slots on 16 experts, two of them hot
-    (every token's first two slots: 256 rows each, 8 groups of 32), with -1 slots; the
-    reference, and the same bits on a smaller grid."""
-    from vllm_petit_moe import ops
-
-    x, ids, w, w13, w2 = make_case(256, 8, 2048, 768, 16, seed=21)
-    ids[:, 0], ids[:, 1] = 3, 11
-    ids[:, 2:][ids[:, 2:] == 3] = -1
-    ids[:, 2:][ids[:, 2:] == 11] = -1
-    out = torch.full_like(x, float("nan"))
-    ops.megamoe_forward(x, ids, w, w13, w2, out=out, wide_min_rows=1)
-    assert rel_err(out, reference_moe(x, ids, w, w13, w2)) < 4e-3
-    again = ops.megamoe_forward(x, ids, w, w13, w2, wide_min_rows=1, num_sms=17)
-    assert torch.equal(again.view(torch.int16), out.view(torch.int16))
-
-
-@pytest.mark.parametrize("wide_min_rows", [0, 1])
-def test_graph_replays_fresh_inputs_back_to_back(wide_min_rows):
+def test_graph_replays_fresh_inputs_back_to_back():
     """Two layers back to back in one graph, 101 replays with fresh inputs copied in: every
     replay bit-equal to an eager call (the kernel is deterministic) and the counters zero."""
     from vllm_petit_moe import ops
@@ -108,11 +87,10 @@ def test_graph_replays_fresh_inputs_back_to_back(wide_min_rows):
     x, ids, w = (t.clone() for t in layers[0][:3])
     mid = torch.empty_like(x)
     out = torch.empty_like(x)
-    tasks = dict(wide_min_rows=wide_min_rows)
 
     def forward():
-        ops.megamoe_forward(x, ids, w, *layers[0][3:], out=mid, **tasks)
-        ops.megamoe_forward(mid, ids, w, *layers[1][3:], out=out, **tasks)
+        ops.megamoe_forward(x, ids, w, *layers[0][3:], out=mid)
+        ops.megamoe_forward(mid, ids, w, *layers[1][3:], out=out)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -129,8 +107,8 @@ def test_graph_replays_fresh_inputs_back_to_back(wide_min_rows):
         w.copy_(torch.rand(w.shape, generator=g, device="cuda"))
         out.fill_(float("nan"))
         graph.replay()
-        expect = ops.megamoe_forward(ops.megamoe_forward(x, ids, w, *layers[0][3:], **tasks),
-                                     ids, w, *layers[1][3:], **tasks)
+        expect = ops.megamoe_forward(ops.megamoe_forward(x, ids, w, *layers[0][3:]), ids, w,
+                                     *layers[1][3:])
         assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
     torch.cuda.synchronize()
     assert int(ops._megamoe_sync_buffer(x.device, 128, 2048).abs().sum()) == 0
@@ -148,5 +126,3 @@ def test_limits_raise():
     case = make_case(2, 2, 2048, 768, 4, seed=1)
     with pytest.raises(ValueError, match="timeout_s"):
         ops.megamoe_forward(*case, timeout_s=0)
-    with pytest.raises(ValueError, match="wide_min_rows"):
-        ops.megamoe_forward(*case, wide_min_rows=-1)

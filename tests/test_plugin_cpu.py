@@ -1518,7 +1518,7 @@ def emulated_megamoe_forward(lib):
     import ctypes
 
     def forward(x, topk_ids, topk_weights, w13, w2, *, out, expert_map=None, act_workspace,
-                partial_workspace, num_sms=0, timeout_s=30.0, wide_min_rows=8):
+                partial_workspace, num_sms=0, timeout_s=30.0):
         num_rows, hidden = x.shape
         top_k, num_local, intermediate = topk_ids.shape[1], w13.shape[0], w13.shape[1] // 2
         sync = torch.zeros(lib.petit_emu_megamoe_sync_ints(num_local, hidden), dtype=torch.int32)
@@ -1528,8 +1528,7 @@ def emulated_megamoe_forward(lib):
             0 if expert_map is None else expert_map.numel(), ptr(topk_weights), ptr(w13),
             ptr(w2), ptr(act_workspace), ptr(partial_workspace), ptr(sync), ptr(out), num_rows,
             top_k, hidden, intermediate, num_local, 2, 1, None,  # no trace
-            1 << 30,  # l2_bytes: the emulated L2 holds every weight tile (no row groups)
-            wide_min_rows)
+            1 << 30)  # l2_bytes: the emulated L2 holds every weight tile (no row groups)
         assert rc == 0 and int(sync.abs().sum()) == 0
         return out
 

@@ -6,8 +6,7 @@
 # (default /tmp/petit-ncu-megamoe).
 #   NCU_PRESET (deepseek-v3 | qwen3-30b-a3b), NCU_TOKENS (default "1 8"), NCU_PICK (the global
 #   experts top-8 picks from, the first ones local: default 256 for DeepSeek-V3, 128 for Qwen3;
-#   DeepSeek-V3 with 64 and 256 tokens gives its 32 experts 32 rows each, as skewed routing does),
-#   NCU_WIDE (ops.megamoe_forward's wide_min_rows: 1 wide tasks, 0 narrow; default its default)
+#   DeepSeek-V3 with 64 and 256 tokens gives its 32 experts 32 rows each, as skewed routing does)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/petit-ncu-megamoe}
@@ -18,7 +17,7 @@ NCU=$(command -v ncu || ls "${CUDA_HOME:-/usr/local/cuda}"/bin/ncu 2>/dev/null |
 PRESET=${NCU_PRESET:-deepseek-v3}
 PICK=${NCU_PICK:-0}
 for tokens in ${NCU_TOKENS:-1 8}; do
-  rep=$OUT/megamoe_${PRESET}_${tokens}${NCU_PICK:+_pick$PICK}${NCU_WIDE:+_wide$NCU_WIDE}
+  rep=$OUT/megamoe_${PRESET}_${tokens}${NCU_PICK:+_pick$PICK}
   "$NCU" --set full --import-source no -f -o "$rep" --kernel-name "regex:megamoe" \
     --launch-skip 2 --launch-count 1 "$PY" -c "
 import torch
@@ -37,8 +36,7 @@ for _ in range(3):
     ids = torch.stack([torch.randperm(pick, device='cuda', generator=g)[:8] for _ in range($tokens)]).int()
     ids[0, 0] = 0  # at least one local expert
     w = torch.rand($tokens, 8, device='cuda', generator=g)
-    ops.megamoe_forward(x, ids, w, w13, w2, **({} if '${NCU_WIDE:-}' == '' else
-                                               dict(wide_min_rows=int('${NCU_WIDE:-0}'))))
+    ops.megamoe_forward(x, ids, w, w13, w2)
 torch.cuda.synchronize()
 " > "$rep.log" 2>&1
   [ -f "$rep.ncu-rep" ] || { echo "$PRESET $tokens: no report"; tail -5 "$rep.log"; continue; }

@@ -309,7 +309,6 @@ def megamoe_forward(
     num_sms: int = 0,
     timeout_s: float = 30.0,
     trace: torch.Tensor | None = None,
-    wide_min_rows: int = 8,
 ) -> torch.Tensor:
     """The MoE layer of :func:`experts_forward` (same arguments and result up to fp32 rounding
     order; W=1: no dispatch) as ONE persistent kernel: routing, gate/up + SiLU·mul, down +
@@ -325,11 +324,6 @@ def megamoe_forward(
     trace: diagnostics only (``tools/megamoe_trace.py``): an int64 CUDA tensor of at least
     ``MEGAMOE_BLOCKS_PER_SM * SMs * MEGAMOE_TRACE_SLOTS`` elements that receives, per block,
     timer stamps (ns) of its phases and tasks (layout: ``csrc/common/layout.h``).
-    wide_min_rows: calls with ``N*K >= wide_min_rows * L`` routing entries (that many rows per
-    local expert on average) run wide tasks: 64 weight rows x up to 32 of an expert's rows per
-    task, one wgmma per k16 over the block's four warps; fewer entries run the narrow tasks
-    (32 weight rows x 16 rows, mma.sync per warp), whose more and smaller tasks suit decode.
-    ``0``: never wide. At most ``MEGAMOE_MAX_ENTRIES``.
 
     Calls on one device must be ordered on one stream (they share the device's counters).
     Returns ``out [N, H] bfloat16``: ``Σ_k w[n,k] · expert(x[n])`` summed in fp32 in slot order.
@@ -344,9 +338,6 @@ def megamoe_forward(
     timeout_s = check_timeout_s(timeout_s)
     if num_sms < 0:
         raise ValueError(f"num_sms must be >= 0, got {num_sms}")
-    if not 0 <= wide_min_rows <= MEGAMOE_MAX_ENTRIES:
-        raise ValueError(f"wide_min_rows must be in [0, {MEGAMOE_MAX_ENTRIES}] "
-                         f"(MEGAMOE_MAX_ENTRIES), got {wide_min_rows}")
     if trace is not None and (trace.dtype != torch.int64 or trace.device != x.device
                               or not trace.is_contiguous()):
         raise ValueError(f"trace must be a contiguous int64 tensor on {x.device}, got "
@@ -370,6 +361,5 @@ def megamoe_forward(
     sync = _megamoe_sync_buffer(x.device, w13.shape[0], hidden_size)
     _ops().megamoe_forward(x, topk_ids, topk_weights, w13, w2, out, act_workspace,
                            partial_workspace, sync, expert_map=expert_map, num_sms=num_sms,
-                           timeout_s=float(timeout_s), trace=trace,
-                           wide_min_rows=int(wide_min_rows))
+                           timeout_s=float(timeout_s), trace=trace)
     return out

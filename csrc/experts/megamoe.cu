@@ -79,30 +79,6 @@ constexpr int kBoxRows = 16;     // one TMA box: 16 weight rows x 64 k, 128-byte
 constexpr int kBoxBytes = kBoxRows * kStepK * 2;
 constexpr int kStepBytes = 2 * kBoxBytes;  // a step: both 16-row halves of the task
 static_assert(kDownRows == 32, "megamoe_sync_ints (api.h) counts H / 32 row tiles");
-// Wide tasks (kWide: the launcher's choice for calls with many rows per expert): a task is 64
-// weight rows (32 columns of I as 8 gate rows, 8 up rows, 8 gate rows, ...: a thread's two
-// accumulator rows are gate and up of one column; or 64 rows of H) times one row group of up
-// to 32 of the expert's rows, over the whole k range. The block's four compute warps are one
-// warpgroup: one wgmma m64n32k16 per k16 (four independent accumulators), both operands in
-// shared memory, from a block ring of kWideStages stages (a step's weights by TMA, its rows'
-// inputs by cp.async from warp 0's lanes) handed over through mbarriers only: full[s] (the
-// TMA bytes, warp 0's 32 cp.async arrivals), empty[s] (each warp once its wgmma reading the
-// stage retired, one step later: wait_group 1). Warp 0 refills a stage right after its own
-// multiplies; the weights run ahead across tasks, the inputs as soon as their rows exist (a
-// gate/up task's once the routing is sorted, a down task's after its ready point R).
-constexpr int kWideCols = 32;       // gate/up task: 32 columns of I (64 weight rows)
-constexpr int kWideDownRows = 64;   // down task: 64 rows of H (two reduction row tiles)
-constexpr int kWideRows = 32;       // rows of a row group: the wgmma N
-constexpr int kWideGroupShift = 5;
-static_assert(1 << kWideGroupShift == kWideRows, "a wide row group is 32 rows");
-constexpr int kWideStepBytes = 64 * kStepK * 2;                   // a step's weights
-constexpr int kWideStageBytes = kWideStepBytes + kWideRows * kStepK * 2;  // + its rows' inputs
-// the narrow kernel's four warp rings hold the block's stages
-constexpr int kWideStages = kWarps * kStages * kStepBytes / kWideStageBytes;
-static_assert(kWideStages >= 4 && 2 * kWideStages <= kWarps * kStages, "stages and barriers");
-static_assert(kWideStageBytes % 1024 == 0, "stages on 1024-byte swizzle atoms");
-constexpr int kWideFullArrivals = 1 + 32;  // the weights' expect_tx, warp 0's cp.async
-static_assert(kWideDownRows == 2 * kDownRows, "a wide down task covers two row tiles");
 static_assert(kMegaMoeSizeMultiple % kStepK == 0, "H and I are whole ring steps");
 #if PETIT_SM80_PATH
 static_assert(kStepK == gemm::kTmaBoxK, "a step is one box row");
@@ -147,18 +123,13 @@ PETIT_DEVICE float as_float(uint32_t bits) {
 
 // The control warp's bounded wait until *counter >= target (acquire).
 // expert >= 0: a down task waits for that expert's gate/up tasks; -1 - t: a reduction waits
-// for the down tasks of row tile t. kReport = false (the wide kernel): trap without the
-// printf, whose call anywhere in a kernel serializes its wgmma (ptxas C7510). At W = 1 only a
-// bug can exceed the bound (no peers), and the launch fails either way.
-template <bool kReport>
+// for the down tasks of row tile t.
 PETIT_DEVICE void wait_count(const int* counter, int target, uint64_t timeout_ticks, int expert) {
   const uint64_t start = petit_timer();
   int seen = petit_load_acquire_gpu(counter);
   while (seen < target) {
     if (petit_timer() - start > timeout_ticks) {
-      if (!kReport) {
-        petit_trap();
-      } else if (expert >= 0) {
+      if (expert >= 0) {
         printf("petit_moe: fused MoE layer (W=1) timed out in block %d waiting for the gate/up "
                "tasks of local expert %d: %d of %d arrived\n",
                int(blockIdx.x), expert, seen, target);
@@ -188,34 +159,27 @@ struct Task {
   int begin, count;  // the row group's first sorted position and rows
 };
 
-// Rows of a row group: a narrow task's pass, or a wide task's wgmma N.
-template <bool kWide>
-constexpr int kGroupRows = kWide ? kWideRows : kPassRows;
-
-// The row groups of an expert with `rows` rows (kSplit; otherwise one per expert); the passes
-// of a narrow task over `rows` rows.
-template <bool kWide>
+// The row groups of an expert with `rows` rows (kSplit; otherwise one per expert).
 PETIT_HOST_DEVICE constexpr int row_groups(int rows) {
-  return (rows + kGroupRows<kWide> - 1) >> (kWide ? kWideGroupShift : kGroupShift);
+  return (rows + kPassRows - 1) >> kGroupShift;
 }
 
 // kSplit = false: one row group per expert (num_groups == num_active, group_base unused).
-// gate_up_tiles, down_tiles: the weight tasks of a row group; reduce_tiles: H / kDownRows.
-template <bool kEp, bool kSplit, bool kWide>
+template <bool kEp, bool kSplit>
 PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int gate_up_tiles,
-                              int down_tiles, int reduce_tiles, const int32_t* active,
-                              const int32_t* group_base, const int32_t* offsets) {
+                              int down_tiles, const int32_t* active, const int32_t* group_base,
+                              const int32_t* offsets) {
   Task t{};
   const int num_gate_up = num_groups * gate_up_tiles, num_down = num_groups * down_tiles;
   // W = 1 with no entry: no task (the output is zeroed); EP: the reductions and final sums
   // run regardless (the peers wait for this rank's "reductions done")
   t.valid = (kEp || num_active > 0) &&
-            task < num_gate_up + num_down + reduce_tiles * (kEp ? 2 : 1);
+            task < num_gate_up + num_down + down_tiles * (kEp ? 2 : 1);
   if (!t.valid) return t;
   if (task >= num_gate_up + num_down) {
     const int tile = task - num_gate_up - num_down;
-    t.kind = tile < reduce_tiles ? kReduce : kFinal;
-    t.tile = tile % reduce_tiles;
+    t.kind = tile < down_tiles ? kReduce : kFinal;
+    t.tile = tile % down_tiles;
     return t;
   }
   const bool gate_up = task < num_gate_up;
@@ -239,33 +203,26 @@ PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int gate
   const int rest = local - tiles * group_base[lo], groups = group_base[lo + 1] - group_base[lo];
   t.expert = active[lo];
   t.tile = rest / groups;
-  t.begin = offsets[t.expert] + (rest - t.tile * groups) * kGroupRows<kWide>;
-  t.count = min(kGroupRows<kWide>, offsets[t.expert + 1] - t.begin);
+  t.begin = offsets[t.expert] + (rest - t.tile * groups) * kPassRows;
+  t.count = min(kPassRows, offsets[t.expert + 1] - t.begin);
   return t;
 }
 
 // This warp's weight stream of one task: the two 16-row boxes of a step (half 0 / half 1:
 // box coordinates row, group, expert of the task's weight map), its steps [s0, s0 + steps)
-// of kStepK, and the passes over them. kWide: the block's stream (its warp 0 issues it), the
-// task's 64 weight rows from row0, every step of k, one pass.
+// of kStepK, and the passes over them.
 struct WarpStream {
   bool gate_up;
   int row0, row1, group0, group1, expert;
   int s0, steps, total;  // total = passes * steps
 };
 
-template <bool kWide>
 PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   const int warp = petit_warp_id();
   WarpStream ws{};
   if (!t.valid || t.kind >= kReduce) return ws;  // no weights
   ws.gate_up = t.kind == kGateUp;
   ws.expert = t.expert;
-  if constexpr (kWide) {
-    ws.row0 = t.tile * (ws.gate_up ? kWideCols : kWideDownRows);
-    ws.steps = ws.total = (ws.gate_up ? a.hidden : a.intermediate) / kStepK;
-    return ws;
-  }
   if (ws.gate_up) {  // w13 as {H, I, 2, L}: gate (group 0) and up (group 1) rows of the tile
     ws.row0 = ws.row1 = t.tile * kTileCols;
     ws.group0 = 0;
@@ -278,7 +235,7 @@ PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   const int k_steps = (ws.gate_up ? a.hidden : a.intermediate) / kStepK;
   ws.s0 = warp * k_steps / kWarps;
   ws.steps = (warp + 1) * k_steps / kWarps - ws.s0;
-  ws.total = ws.steps * row_groups<false>(t.count);  // a pass is a row group's rows
+  ws.total = ws.steps * row_groups(t.count);  // a pass is a row group's rows
   return ws;
 }
 
@@ -335,95 +292,6 @@ PETIT_DEVICE void produce(Producer& p, int consumed, uint32_t ring_warp, uint32_
   }
 }
 
-// Warp 0's rows' inputs of one wide task (kWide): a step's are issued into its stage once both
-// the stage holds its weights' transaction and the rows exist (ready).
-struct WideInputs {
-  gemm::CpAsyncLoader<kWideRows, 32, gemm::Sw128Swizzle> rows;
-  int k_dim;
-  int first;   // the ring position of the task's step 0
-  int issued;  // the task's steps whose inputs are issued
-  bool ready;
-};
-
-// Warp 0: task t's rows exist (its inputs may be issued).
-PETIT_DEVICE void wide_ready(WideInputs& w, const Task& t, const petit_bf16_bits* rows_x,
-                            const petit_bf16_bits* act, const int32_t* sorted, int K, int H,
-                            int I) {
-  const bool gate_up = t.kind == kGateUp;
-  w.k_dim = gate_up ? H : I;
-  w.rows.init(
-      [&](int n) -> const petit_bf16_bits* {
-        if (n >= t.count) return nullptr;
-        return gate_up ? rows_x + int64_t(sorted[t.begin + n] / K) * H
-                       : act + int64_t(t.begin + n) * I;
-      },
-      rows_x);
-  w.ready = true;
-}
-
-// The block's ring of wide stages: stage p % kWideStages of ring position p, its full and empty
-// barriers (empty[s] after the kWideStages full ones).
-struct WideRing {
-  uint32_t stages, full;
-  PETIT_DEVICE uint32_t stage(int p) const { return stages + (p % kWideStages) * kWideStageBytes; }
-  PETIT_DEVICE uint32_t full_bar(int p) const { return full + (p % kWideStages) * 8; }
-  PETIT_DEVICE uint32_t empty_bar(int p) const {
-    return full + (kWideStages + p % kWideStages) * 8;
-  }
-  // warp 0: the inputs of task step t into its stage, arriving on its full barrier once landed
-  PETIT_DEVICE void issue_inputs(const WideInputs& w, int t) const {
-    const int p = w.first + t;
-    w.rows.issue(stage(p) + kWideStepBytes, t * kStepK, w.k_dim);
-    gemm::sm90_cp_async_mbarrier_arrive_noinc(full_bar(p));
-  }
-  // warp 0: the producer's steps up to ring position `limit` (exclusive), each once the
-  // stage's previous step has retired in every warp: its weights, and its inputs where ready
-  // (in[i & 1]: the inputs of the task of block iteration i).
-  PETIT_DEVICE void fill(Producer& p, WideInputs (&in)[2], int limit, const CUtensorMap* w13_map,
-                         const CUtensorMap* w2_map) const {
-    for (;;) {
-      if (p.step >= p.cur.total) {
-        if (!p.has_next) return;
-        p.cur = p.next;
-        p.has_next = false;
-        p.step = 0;
-        ++p.iter;
-        continue;
-      }
-      const int pos = p.pushed;
-      if (pos >= limit) return;
-      if (petit_lane_id() == 0) {
-        if (pos >= kWideStages)
-          gemm::sm90_mbarrier_wait_parity(empty_bar(pos), (pos / kWideStages - 1) & 1);
-        const uint32_t dst = stage(pos), bar = full_bar(pos);
-        const CUtensorMap* map = p.cur.gate_up ? w13_map : w2_map;
-        const int k = p.step * kStepK;
-        gemm::sm90_mbarrier_arrive_expect_tx(bar, kWideStepBytes);
-        if (p.cur.gate_up) {  // per box: 8 columns' gate rows, then their up rows
-#pragma unroll
-          for (int b = 0; b < kWideCols / 8; ++b)
-            gemm::sm90_tma_load_4d(dst + b * 2048, map, k, p.cur.row0 + 8 * b, 0, p.cur.expert,
-                                   bar);
-        } else {
-          gemm::sm90_tma_load_4d(dst, map, k, p.cur.row0, 0, p.cur.expert, bar);
-        }
-      }
-      petit_syncwarp();  // the stage is free for every lane's copies
-      WideInputs& w = in[p.iter & 1];
-      if (p.step == 0) {
-        w.first = pos;
-        w.issued = 0;
-      }
-      if (w.ready && w.issued == p.step) {
-        issue_inputs(w, p.step);
-        ++w.issued;
-      }
-      ++p.step;
-      ++p.pushed;
-    }
-  }
-};
-
 // Lane (g, q)'s 16 bytes of box row r (g or g + 8) for span h of a step: k = 32h + 8q of the
 // box's 64, i.e. 16-byte chunk 4h + q, at its 128-byte swizzled position.
 PETIT_DEVICE uint4 box_chunk(const unsigned char* box, int r, int chunk) {
@@ -458,8 +326,7 @@ PETIT_DEVICE float bf16_hi(uint32_t bits) { return as_float(bits & 0xFFFF0000u);
 // reduction task sends its rows back to their source ranks' combine regions, the last one
 // raises "reductions done" at every rank, and final tasks sum each own token's W rows.
 // kSplit: an expert's rows in row groups of 16 (the launcher's choice), else one group.
-// kWide (with kSplit, W = 1): wide tasks on row groups of 32 rows (kWideCols above).
-template <bool kEp, bool kSplit, bool kWide>
+template <bool kEp, bool kSplit>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     megamoe_kernel(const MegaMoeEpArgs e, const __grid_constant__ CUtensorMap w13_map,
                    const __grid_constant__ CUtensorMap w2_map) {
@@ -504,9 +371,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   // Before the previous kernel of the stream has completed (programmatic launch, W = 1):
   // only what touches no global memory.
   if (tid == 0) {
-    for (int i = 0; i < kWarps * kStages; ++i) {  // kWide: full[kWideStages], empty[...]
-      const int count = !kWide ? 1 : i < kWideStages ? kWideFullArrivals : kWarps;
-      gemm::sm90_mbarrier_init(gemm::smem_addr_u32(full + i), count);
+    for (int i = 0; i < kWarps * kStages; ++i) {
+      gemm::sm90_mbarrier_init(gemm::smem_addr_u32(full + i), 1);
     }
     gemm::sm90_fence_mbarrier_init();
     gemm::sm90_prefetch_tensor_map(&w13_map);
@@ -641,7 +507,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       const int c = e < L ? cursor[e] : 0;
       count += c;
       actives += c > 0 ? 1 : 0;
-      if constexpr (kSplit) groups += row_groups<kWide>(c);
+      if constexpr (kSplit) groups += row_groups(c);
     }
     int count_incl = count, active_incl = actives, group_incl = groups;  // inclusive scans
     for (int d = 1; d < 32; d <<= 1) {
@@ -666,7 +532,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
           active[slot++] = e;
         }
         offset += c;
-        if constexpr (kSplit) group += row_groups<kWide>(c);
+        if constexpr (kSplit) group += row_groups(c);
       }
     }
     if (lane == 31) {
@@ -699,39 +565,27 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   auto num_groups = [&] {
     return !kSplit ? num_active() : kHeld ? held_groups : scalars[kNumGroups];
   };
-  static_assert(!kWide || (kSplit && !kEp), "wide tasks: W = 1, on row groups");
-  const int gate_up_tiles = I / (kWide ? kWideCols : kTileCols);
-  const int down_tiles = H / (kWide ? kWideDownRows : kDownRows);
-  const int reduce_tiles = kWide ? H / kDownRows : down_tiles;  // (one register when narrow)
+  const int gate_up_tiles = I / kTileCols, down_tiles = H / kDownRows;
   auto task_of = [&](int id) {
-    return decode_task<kEp, kSplit, kWide>(id, num_active(), num_groups(), gate_up_tiles,
-                                           down_tiles, reduce_tiles, active, group_base, offsets);
+    return decode_task<kEp, kSplit>(id, num_active(), num_groups(), gate_up_tiles, down_tiles,
+                                    active, group_base, offsets);
   };
 
   // The first task's weight stream goes out before the sort (the second task's, whose claim
   // is stored meanwhile, after it).
-  // kWide: one block ring (warp 0 produces), the inputs' ring after it
-  const unsigned char* ring_warp = ring + (kWide ? 0 : warp * (kStages * kStepBytes));
+  const unsigned char* ring_warp = ring + warp * (kStages * kStepBytes);
   const uint32_t ring_warp_addr = gemm::smem_addr_u32(ring_warp);
-  const uint32_t full_warp = gemm::smem_addr_u32(full + (kWide ? 0 : warp * kStages));
-  const bool producer = !control && (!kWide || warp == 0);
+  const uint32_t full_warp = gemm::smem_addr_u32(full + warp * kStages);
   Producer prod{};
   Task cur_task = task_of(scalars[kClaim0]), next_task{};
-  prod.cur = warp_stream<kWide>(cur_task, a);
+  prod.cur = warp_stream(cur_task, a);
   if constexpr (kEp) {
     next_task = task_of(scalars[kClaim0 + 1]);
-    prod.next = warp_stream<kWide>(next_task, a);
+    prod.next = warp_stream(next_task, a);
     prod.has_next = next_task.valid;
   }
   int consumed = 0;
-  WideInputs wide_in[2] = {};  // kWide, warp 0: the inputs of the tasks of even / odd iterations
-  const WideRing wring{ring_warp_addr, full_warp};
-  if (producer && cur_task.valid) {
-    if constexpr (kWide)
-      wring.fill(prod, wide_in, kWideStages, &w13_map, &w2_map);  // weights: no rows yet
-    else
-      produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
-  }
+  if (!control && cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
   if (trace != nullptr) trace[6] = int64_t(petit_timer());  // this warp's first loads issued
   if (!kEp && control && lane == 0) scalars[kClaim0 + 1] = second_claim;
 
@@ -751,10 +605,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   if (trace != nullptr) trace[1] = int64_t(petit_timer());
   if constexpr (!kEp) {
     next_task = task_of(scalars[kClaim0 + 1]);
-    prod.next = warp_stream<kWide>(next_task, a);
+    prod.next = warp_stream(next_task, a);
     prod.has_next = next_task.valid;
-    if (kWide && producer && next_task.valid && next_task.kind == kGateUp)  // sorted: its rows
-      wide_ready(wide_in[1], next_task, rows_x, a.act, sorted, K, H, I);
   }
 
   if (!kEp && num_active() == 0) {  // no entry served: the layer's output is 0
@@ -781,7 +633,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   };
   auto target_of = [&](const Task& t) {
     const int groups =
-        kSplit ? row_groups<kWide>(offsets[t.expert + 1] - offsets[t.expert]) : 1;
+        kSplit ? row_groups(offsets[t.expert + 1] - offsets[t.expert]) : 1;
     return t.kind == kDown ? gate_up_tiles * groups : num_groups();
   };
   auto publish = [&](Task& t) {
@@ -790,16 +642,12 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       // the rows went to peers' heaps: a system-scope release, then the count; the last
       // reduction of this rank tells every rank its rows are in (dispatch's publish_item)
       petit_fence_acq_rel_sys();
-      if (atomicAdd(reductions_done, 1) == reduce_tiles + int(gridDim.x) - 1)
+      if (atomicAdd(reductions_done, 1) == down_tiles + int(gridDim.x) - 1)
         publish_reductions(c, epoch, R, K);
     } else {
       __threadfence();  // release: the compute warps' stores, ordered before it by S
       if (t.kind == kGateUp) atomicAdd(&gate_up_done[t.expert], 1);
-      if (t.kind == kDown && !kWide) atomicAdd(&tile_done[t.tile], 1);
-      if (t.kind == kDown && kWide) {  // both row tiles of the task's 64 rows
-        atomicAdd(&tile_done[2 * t.tile], 1);
-        atomicAdd(&tile_done[2 * t.tile + 1], 1);
-      }
+      if (t.kind == kDown) atomicAdd(&tile_done[t.tile], 1);
     }
     t.valid = false;
   };
@@ -812,7 +660,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
           wait_flag(c, reductions_flag(c, c.rank, d), epoch, reductions_tag(R, K), d, 1, 0);
         }
       } else if (waits) {
-        wait_count<!kWide>(counter_of(cur_task), target_of(cur_task), a.timeout_ticks,
+        wait_count(counter_of(cur_task), target_of(cur_task), a.timeout_ticks,
                    cur_task.kind == kDown ? cur_task.expert : -1 - cur_task.tile);
       }
     }
@@ -820,9 +668,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     if (!cur_task.valid) break;
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {  // kind, expert, group, tile; ready
       const int group =
-          cur_task.kind >= kReduce
-              ? 0
-              : (cur_task.begin - offsets[cur_task.expert]) / kGroupRows<kWide>;
+          cur_task.kind >= kReduce ? 0 : (cur_task.begin - offsets[cur_task.expert]) / kPassRows;
       trace[kMegaMoeTraceHeader + 3 * iter] = (int64_t(cur_task.kind) << 48) |
                                               (int64_t(cur_task.expert) << 32) |
                                               (int64_t(group) << 16) | cur_task.tile;
@@ -899,76 +745,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         }
         *reinterpret_cast<uint4*>(a.out + int64_t(i) * H + tile_col) = packed;
       }
-    } else if constexpr (kWide) {
-      // A wide task: D[64 weight rows][32 rows] over the whole k, by the warpgroup. Step s (ring
-      // position consumed): wait for its stage, multiply, retire step s - 1 (wait_group 1) and
-      // hand its stage back (empty), then warp 0 refills it (ring position s - 1 + stages).
-      const bool gate_up = cur_task.kind == kGateUp;
-      const int tile = cur_task.tile, begin = cur_task.begin, count = cur_task.count;
-      const int steps = (gate_up ? H : I) / kStepK;
-      if (producer) {  // the rows exist from R on: the inputs of the steps already filled
-        WideInputs& w = wide_in[iter & 1];
-        if (!w.ready) wide_ready(w, cur_task, rows_x, a.act, sorted, K, H, I);
-        const int filled = prod.iter > iter ? steps : prod.step;
-        for (int t = w.issued; t < filled; ++t) wring.issue_inputs(w, t);
-        w.issued = max(w.issued, filled);
-      }
-      // one accumulator per k16 of a step: the four wgmma of a step are independent (one
-      // chain through one accumulator serializes them at the wgmma latency); summed at the end
-      constexpr int kChains = kStepK / 16;
-      float chain[kChains][kWideRows / 2];
-      for (int s = 0; s < steps; ++s, ++consumed) {
-        gemm::sm90_mbarrier_wait_parity(wring.full_bar(consumed), (consumed / kWideStages) & 1);
-        gemm::sm90_fence_proxy_async_smem();  // warp 0's input copies, for the wgmma
-        const uint32_t weights = wring.stage(consumed), rows_in = weights + kWideStepBytes;
-#pragma unroll
-        for (int ks = 0; ks < kChains; ++ks)
-#pragma unroll
-          for (int i = 0; i < kWideRows / 2; ++i) gemm::sm90_fence_operand(chain[ks][i]);
-        gemm::sm90_wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kChains; ++ks) {
-          gemm::sm90_wgmma_bf16<kWideRows>(chain[ks], gemm::sm90_desc_sw128(weights + ks * 32),
-                                           gemm::sm90_desc_sw128(rows_in + ks * 32), s > 0);
-        }
-        gemm::sm90_wgmma_commit();
-        gemm::sm90_wgmma_wait<1>();  // step s - 1's group
-        if (s > 0 && lane == 0) gemm::sm90_mbarrier_arrive(wring.empty_bar(consumed - 1));
-        // every step before this one is handed back (the previous task's at its end)
-        if (producer)
-          wring.fill(prod, wide_in, consumed + kWideStages, &w13_map, &w2_map);
-      }
-      gemm::sm90_wgmma_wait<0>();
-      if (lane == 0) gemm::sm90_mbarrier_arrive(wring.empty_bar(consumed - 1));
-      float acc[kWideRows / 2];
-#pragma unroll
-      for (int i = 0; i < kWideRows / 2; ++i) {
-#pragma unroll
-        for (int ks = 0; ks < kChains; ++ks) gemm::sm90_fence_operand(chain[ks][i]);
-        acc[i] = (chain[0][i] + chain[1][i]) + (chain[2][i] + chain[3][i]);
-      }
-      static_assert(kChains == 4, "the sum above");
-      // Epilogue: acc[4c + 2h + e] is weight row 16 warp + g + 8h, row n = 8c + 2q + e.
-#pragma unroll
-      for (int c = 0; c < kWideRows / 8; ++c)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int n = 8 * c + 2 * q + e;
-          if (n >= count) continue;
-          if (gate_up) {  // h = 0: gate, h = 1: up of column 8 warp + g of the tile
-            a.act[int64_t(begin + n) * I + tile * kWideCols + 8 * warp + g] =
-                petit_float_to_bf16(gemm::silu(acc[4 * c + e]) * acc[4 * c + 2 + e]);
-          } else {
-            const int entry = sorted[begin + n];
-            const float weight = row_weights[entry];
-            float* dst = a.partial + int64_t(entry) * H + tile * kWideDownRows + 16 * warp + g;
-            dst[0] = weight * acc[4 * c + e];
-            dst[8] = weight * acc[4 * c + 2 + e];
-          }
-        }
     } else {
       const bool gate_up = cur_task.kind == kGateUp;
-      const WarpStream ws = warp_stream<false>(cur_task, a);
+      const WarpStream ws = warp_stream(cur_task, a);
       const int tile = cur_task.tile, begin = cur_task.begin, count = cur_task.count;
       for (int pass = 0; pass < count; pass += kPassRows) {
         const int rows = min(kPassRows, count - pass);
@@ -1113,20 +892,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         prod.kstep = 0;
         prod.iter = iter + 1;
       }
-      prod.next = warp_stream<kWide>(next_task, a);
+      prod.next = warp_stream(next_task, a);
       prod.has_next = next_task.valid;
-      if constexpr (kWide) {
-        if (producer) {  // iteration iter + 2's inputs (its slot's task, iter, is done)
-          WideInputs& w = wide_in[iter & 1];
-          w.ready = false;
-          w.issued = 0;
-          if (next_task.valid && next_task.kind == kGateUp)
-            wide_ready(w, next_task, rows_x, a.act, sorted, K, H, I);
-          if (cur_task.valid) wring.fill(prod, wide_in, consumed + kWideStages, &w13_map, &w2_map);
-        }
-      } else if (producer && cur_task.valid) {
-        produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
-      }
+      if (cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
     }
   }
   // No weight load is in flight here: the producer only loads the current and the next task,
@@ -1164,8 +932,7 @@ petitError_t megamoe_check(const MegaMoeArgs& a) {
       a.hidden % kMegaMoeSizeMultiple || a.intermediate <= 0 ||
       a.intermediate % kMegaMoeSizeMultiple || a.num_local_experts < 1 ||
       a.num_local_experts > kMaxExperts || int64_t(a.num_rows) * a.top_k > kMegaMoeMaxEntries ||
-      a.num_sms < 0 || a.wide_min_rows < 0 || a.timeout_ticks == 0 || !aligned ||
-      a.sync == nullptr ||
+      a.num_sms < 0 || a.timeout_ticks == 0 || !aligned || a.sync == nullptr ||
       (a.expert_map != nullptr && a.num_global_experts < 1)) {
     return petitErrorInvalidValue;
   }
@@ -1193,13 +960,7 @@ int megamoe_smem_bytes() { return megamoe_detail::SmemLayout::kBytes; }
 
 namespace {
 
-// Whether a W = 1 call runs wide tasks (MegaMoeArgs::wide_min_rows).
-bool megamoe_wide(const MegaMoeArgs& a) {
-  return a.wide_min_rows > 0 &&
-         int64_t(a.num_rows) * a.top_k >= int64_t(a.wide_min_rows) * a.num_local_experts;
-}
-
-// Encodes the weight maps and launches megamoe_kernel<kEp, split, wide> with `grid` blocks.
+// Encodes the weight maps and launches megamoe_kernel<kEp, split> with `grid` blocks.
 template <bool kEp>
 petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t stream) {
 #if !PETIT_SM80_PATH || !PETIT_SM90A_BUILT
@@ -1218,17 +979,11 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
     return err;
   }
   if (cc_major != 9 || cc_minor != 0) return petitErrorNotSupported;  // TMA + sm_90a image
-  // wide tasks' boxes: w13 8 rows x both groups (gate rows, then the same columns' up rows),
-  // w2 64 rows; otherwise 16 rows of one group
-  const bool wide = !kEp && megamoe_wide(a);
   CUtensorMap w13_map, w2_map;
   if ((err = gemm::sm90_encode_weight_map(&w13_map, a.w13, a.hidden, a.intermediate, 2,
-                                          a.num_local_experts, wide ? 8 : md::kBoxRows,
-                                          wide ? 2 : 1)) != petitSuccess ||
+                                          a.num_local_experts, md::kBoxRows)) != petitSuccess ||
       (err = gemm::sm90_encode_weight_map(&w2_map, a.w2, a.intermediate, a.hidden, 1,
-                                          a.num_local_experts,
-                                          wide ? md::kWideDownRows : md::kBoxRows)) !=
-          petitSuccess) {
+                                          a.num_local_experts, md::kBoxRows)) != petitSuccess) {
     return err;
   }
   // Row groups: split an expert's rows into 16-row tasks where a pass over a block's weight
@@ -1259,11 +1014,7 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
     return launch_with_attributes(kernel, grid, md::kThreads, smem, 1, !kEp, stream, e, w13_map,
                                   w2_map);
   };
-  if constexpr (!kEp) {
-    if (wide) return launch(md::megamoe_kernel<false, true, true>);
-  }
-  return split ? launch(md::megamoe_kernel<kEp, true, false>)
-               : launch(md::megamoe_kernel<kEp, false, false>);
+  return split ? launch(md::megamoe_kernel<kEp, true>) : launch(md::megamoe_kernel<kEp, false>);
 #endif
 }
 
@@ -1284,17 +1035,15 @@ petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
     return err;
   }
   // kBlocksPerSm blocks per SM, fewer when the most row groups the entries can form have fewer
-  // tasks (an active expert's groups: its rows / 16 or, wide, / 32, rounded up).
-  namespace md = megamoe_detail;
-  const bool wide = megamoe_wide(args);
+  // tasks (an active expert's groups: its rows / 16, rounded up).
   const int64_t entries = int64_t(args.num_rows) * args.top_k;
   const int64_t max_groups = std::min<int64_t>(
       entries, std::min<int64_t>(entries, args.num_local_experts) +
-                   entries / (wide ? md::kWideRows : md::kPassRows));
+                   entries / megamoe_detail::kPassRows);
   const int64_t max_tasks =
-      max_groups * (args.intermediate / (wide ? md::kWideCols : md::kTileCols) +
-                    args.hidden / (wide ? md::kWideDownRows : md::kDownRows)) +
-      args.hidden / md::kDownRows;
+      max_groups * (args.intermediate / megamoe_detail::kTileCols +
+                    args.hidden / megamoe_detail::kDownRows) +
+      args.hidden / megamoe_detail::kDownRows;
   const int grid = int(std::max<int64_t>(
       1, std::min<int64_t>(kMegaMoeBlocksPerSm * int64_t(num_sms), max_tasks)));
   MegaMoeEpArgs e{};

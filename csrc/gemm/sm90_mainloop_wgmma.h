@@ -170,27 +170,11 @@ PETIT_DEVICE void sm90_wgmma_m64n64k16_bf16(float (&d)[32], uint64_t desc_a, uin
 #endif
 }
 
-PETIT_DEVICE void sm90_wgmma_m64n32k16_bf16(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
-                                            int scale_d) {
-#if PETIT_SM90A_DEVICE
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7,"
-      " %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "%16, %17, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-#endif
-}
-
 template <int kN>
 PETIT_DEVICE void sm90_wgmma_bf16(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
                                   int scale_d) {
-  static_assert(kN == 32 || kN == 64 || kN == 128 || kN == 256,
-                "wrapped wgmma shapes: m64n32k16, m64n64k16, m64n128k16, m64n256k16");
+  static_assert(kN == 64 || kN == 128 || kN == 256,
+                "wrapped wgmma shapes: m64n64k16, m64n128k16, m64n256k16");
 #if PETIT_EMU_PTX
   emu_ptx::wgmma<kN>(d, desc_a, desc_b, scale_d);
 #else
@@ -198,10 +182,8 @@ PETIT_DEVICE void sm90_wgmma_bf16(float (&d)[kN / 2], uint64_t desc_a, uint64_t 
     sm90_wgmma_m64n256k16_bf16(d, desc_a, desc_b, scale_d);
   } else if constexpr (kN == 128) {
     sm90_wgmma_m64n128k16_bf16(d, desc_a, desc_b, scale_d);
-  } else if constexpr (kN == 64) {
-    sm90_wgmma_m64n64k16_bf16(d, desc_a, desc_b, scale_d);
   } else {
-    sm90_wgmma_m64n32k16_bf16(d, desc_a, desc_b, scale_d);
+    sm90_wgmma_m64n64k16_bf16(d, desc_a, desc_b, scale_d);
   }
 #endif
 }

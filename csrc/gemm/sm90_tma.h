@@ -28,23 +28,20 @@ namespace gemm {
 constexpr int kTmaBoxK = 64;  // bf16 per box row: 128 bytes, the 128-byte swizzle's row
 
 // Host: the tensor map of a [experts][groups][rows][k] bf16 weight tensor (k contiguous, every
-// dimension dense), boxes of kTmaBoxK x box_rows x box_groups x 1, 128-byte swizzle,
-// out-of-bounds elements read as zeros. A box lands in shared memory in box order: its
-// box_rows rows of group g, then those of group g + 1, ... petitErrorInvalidValue for shapes
-// TMA cannot describe (k not a multiple of 8, a base not 16-byte aligned, box_rows outside
-// 1..256, box_groups outside 1..groups), petitErrorNotSupported when the driver lacks the call.
+// dimension dense), boxes of kTmaBoxK x box_rows x 1 x 1, 128-byte swizzle, out-of-bounds
+// elements read as zeros. petitErrorInvalidValue for shapes TMA cannot describe (k not a
+// multiple of 8, a base not 16-byte aligned, box_rows outside 1..256), petitErrorNotSupported
+// when the driver lacks the call.
 inline petitError_t sm90_encode_weight_map(CUtensorMap* map, const petit_bf16_bits* base, int k,
-                                           int rows, int groups, int experts, int box_rows,
-                                           int box_groups = 1) {
+                                           int rows, int groups, int experts, int box_rows) {
   if (k <= 0 || k % 8 != 0 || rows <= 0 || groups <= 0 || experts <= 0 || box_rows <= 0 ||
-      box_rows > 256 || box_groups < 1 || box_groups > groups ||
-      reinterpret_cast<uintptr_t>(base) % 16 != 0)
+      box_rows > 256 || reinterpret_cast<uintptr_t>(base) % 16 != 0)
     return petitErrorInvalidValue;
   const cuuint64_t dims[4] = {cuuint64_t(k), cuuint64_t(rows), cuuint64_t(groups),
                               cuuint64_t(experts)};
   const cuuint64_t row_bytes = cuuint64_t(k) * sizeof(petit_bf16_bits);
   const cuuint64_t strides[3] = {row_bytes, row_bytes * rows, row_bytes * rows * groups};
-  const cuuint32_t box[4] = {kTmaBoxK, cuuint32_t(box_rows), cuuint32_t(box_groups), 1};
+  const cuuint32_t box[4] = {kTmaBoxK, cuuint32_t(box_rows), 1, 1};
 #if PETIT_EMU_PTX
   emu_ptx::tensor_map_encode(map, base, dims, strides, box);
   return petitSuccess;

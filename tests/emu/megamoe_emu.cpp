@@ -13,16 +13,14 @@
 // block of the grid runs at the same time (as co-resident blocks do on the GPU); 0: the blocks
 // run one after another (a grid larger than the GPU can hold). l2_bytes: the L2 size the
 // emulated device reports (the launcher splits experts' rows into 16-row groups when the
-// grid's weight tiles exceed it). wide_min_rows: MegaMoeArgs::wide_min_rows (0: narrow tasks).
-// Returns the petitError_t.
+// grid's weight tiles exceed it). Returns the petitError_t.
 extern "C" int petit_emu_megamoe(const uint16_t* x, const int32_t* topk_ids,
                                  const int32_t* expert_map, int num_global_experts,
                                  const float* topk_weights, const uint16_t* w13,
                                  const uint16_t* w2, uint16_t* act, float* partial,
                                  int32_t* sync, uint16_t* out, int num_rows, int top_k,
                                  int hidden, int intermediate, int num_local_experts,
-                                 int num_sms, int at_once, int64_t* trace, int l2_bytes,
-                                 int wide_min_rows) {
+                                 int num_sms, int at_once, int64_t* trace, int l2_bytes) {
   emu::last_error = 0;
   emu::l2_bytes = l2_bytes;
   emu::cc_major = 9;
@@ -46,7 +44,6 @@ extern "C" int petit_emu_megamoe(const uint16_t* x, const int32_t* topk_ids,
   a.intermediate = intermediate;
   a.num_local_experts = num_local_experts;
   a.num_sms = num_sms;
-  a.wide_min_rows = wide_min_rows;
   a.timeout_ticks = uint64_t(20e9);
   a.trace = trace;
   const int rc = int(petit::launch_megamoe(a, nullptr));
