@@ -31,8 +31,9 @@ NUM_WS_KERNELS = 7
 # bound of 168 registers for 2 blocks of 192 threads per SM) spill up to 16 bytes with CUDA
 # 13.0. Their SASS showed what: the upper word of the local-memory address of the timeout
 # reports' printf buffer, stored once at the start and reloaded only before those printf calls
-# (a failing wait) and once after the send phase. Moving the report out of line removed it but made every wait a
-# call that saves ~400 bytes of registers (and the dispatch/combine kernels spill 160).
+# (a failing wait) and once after the send phase. Moving the report out of line removed it but
+# made every wait a call that saves ~400 bytes of registers (and the dispatch/combine kernels
+# spill 160).
 ALLOWED_SPILL_BYTES = {
     "_ZN5petit14megamoe_detail14megamoe_kernelILb1ELb" + split +
     "EEEvNS_13MegaMoeEpArgsE14CUtensorMap_stS3_": 16 for split in "01"
