@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 WS_KERNEL = re.compile(r"_ws_(?:auto_)?kernel")
 WS_ENTRY = re.compile(r"\.(?:visible )?\.?entry \w+_ws_(?:auto_)?kernel")
 NUM_WS_KERNELS = 7
-# The one exception, bounded: the fused EP kernels (megamoe_kernel<true, split>, at their
-# bound of 168 registers for 2 blocks of 192 threads per SM) spill up to 16 bytes with CUDA
-# 13.0. Their SASS showed what: the upper word of the local-memory address of the timeout
-# reports' printf buffer, stored once at the start and reloaded only before those printf calls
-# (a failing wait) and once after the send phase. Moving the report out of line removed it but
+# The one exception, bounded: the fused EP kernels (megamoe_kernel<true, split>: 168
+# registers, 2 blocks of 160 threads per SM) spill up to 16 bytes with CUDA 13.0. Their SASS
+# showed what: the upper word of the local-memory address of the timeout reports' printf
+# buffer, stored once at the start and reloaded only before those printf calls (a failing
+# wait) and once after the send phase. Moving the report out of line removed it but
 # made every wait a call that saves ~400 bytes of registers (and the dispatch/combine kernels
 # spill 160).
 ALLOWED_SPILL_BYTES = {
