@@ -72,16 +72,13 @@ class SingleGpuLayerConfig:
     call's token count N (Python only: the choice is made before any launch):
 
     megamoe_max_tokens: the fused MegaMoE kernel (``ops.megamoe_forward``) for N up to this
-        (0: never), where the GPU runs sm_90a. 8: on one H200 at 34a91a8 it measured
-        1.03-1.28x vLLM's Triton experts at 1-8 tokens (DeepSeek-V3's share 1.08-1.28x
-        uniform, Qwen3-30B-A3B 1.03-1.07x; 1.00x at DeepSeek-V3 skewed 8 tokens) and
-        0.93-1.03x at 64 (examples/results/moe_layer_H200x1.jsonl).
+        (0: never), where the GPU runs sm_90a. 8: the layer benchmark on H200 measured it at
+        least as fast as vLLM's Triton experts up to 8 tokens on both presets and routings, and
+        slower at 16 on one (examples/results/moe_layer_H200x1.jsonl).
     composed_min_tokens: our composed experts (``ops.experts_forward``) from N = this; vLLM's
-        own Triton experts below (and above megamoe_max_tokens). 32: in the layer benchmark
-        (one H200, 44f7f41) the composed experts measured 1.02-1.09x vLLM's Triton from 32
-        tokens on both presets but only 0.98-1.06x at 8-16, and serving Qwen3-30B-A3B with them
-        from 8 tokens was 2.2% slower in TPOT at concurrency 8 (0c12e18,
-        examples/results/tpot_gsm8k_H200x1.jsonl).
+        own Triton experts below (and above megamoe_max_tokens). 32: from there the composed
+        experts measured faster than vLLM's Triton on both presets; below, neither in the layer
+        benchmark nor in served TPOT (examples/results/tpot_gsm8k_H200x1.jsonl).
     """
     megamoe_max_tokens: int = 8
     composed_min_tokens: int = 32

@@ -629,13 +629,14 @@ int combine_reduce_chunks(const CombineConfig& config, int num_chunks, int num_v
   return chunks > num_chunks ? chunks : num_chunks;
 }
 
-// Tail split of large combines (config.tail_chunks; 0 or 1 = off): when every (group, peer) pair is one send item and the pairs take at
-// most kTailSplitMaxRounds rounds of >= kTailSplitMinSenders senders, the last round's pairs
-// go out in that many hidden chunks each (within the flag slots and the chunk size bound).
-// The last round's rows then land in sub-rounds instead of all at the end, and only the last
-// sub-round's reduction runs after the transfer. Few senders keep every pair whole: each
-// extra item costs its sender a route-mask read, two barriers and a fence, which is what
-// made 4 send chunks throughout 1.65x slower on 24 SMs. Returns the chunks, or 0 for none.
+// Tail split of large combines (config.tail_chunks; 0 or 1 = off): when every (group, peer)
+// pair is one send item and the pairs take at most kTailSplitMaxRounds rounds of >=
+// kTailSplitMinSenders senders, the last round's pairs go out in that many hidden chunks each
+// (within the flag slots and the chunk size bound). The last round's rows then land in
+// sub-rounds instead of all at the end, and only the last sub-round's reduction runs after
+// the transfer. Few senders keep every pair whole: each extra item costs its sender a
+// route-mask read, two barriers and a fence (docs/experiments/combine-reduction.md). Returns
+// the chunks, or 0 for none.
 constexpr int kTailSplitMaxRounds = 3;
 constexpr int kTailSplitMinSenders = 48;
 int combine_tail_chunks(const CombineConfig& config, int send_chunks, int64_t rounds,

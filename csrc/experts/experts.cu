@@ -54,9 +54,7 @@ using DownLarge = SimtTileConfig<128, 128, 16, 8, 8, 1, 2>;
 // loads in flight per thread: 40 registers under ptxas of nvcc 13.0 for sm_90a, so 6 blocks per
 // SM) runs it, since there a thread's memory round trips are the time; larger calls are bound
 // by HBM and run the kernel of one load at a time (31 registers: 8 blocks per SM) over a grid of
-// as many blocks as fit at once. Measured on H200 (README, "Expert GEMMs"): the batched kernel
-// is 1-2 us faster at decode sizes and 10-17% slower than the slot-by-slot one at DeepSeek-V3
-// 8192 tokens/rank.
+// as many blocks as fit at once (measured: docs/experiments/local-reduction.md).
 constexpr int kReduceThreads = 256;
 constexpr int kReduceBatch = 4;
 constexpr int kReduceBlocksPerSmBatched = 6;

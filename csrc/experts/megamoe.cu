@@ -990,9 +990,9 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
   // tile (32 rows x the whole k) would re-read it from HBM, i.e. where the tiles that the
   // grid's blocks stream meanwhile exceed L2 (DeepSeek-V3's share: 264 x 458 KB on one H200),
   // and where an expert can have more than 16 rows; otherwise (Qwen3-30B-A3B: 264 x 128 KB)
-  // one task per expert and tile, its passes served from L2 (on one H200 splitting measured
-  // 1.08-1.10x slower there at 256 tokens, and 0.79x at DeepSeek-V3 skewed 256 tokens:
-  // docs/experiments/megamoe-w1.md). Two kernels, so that the unsplit one pays nothing for it.
+  // one task per expert and tile, its passes served from L2, where splitting only adds tasks
+  // (measured: docs/experiments/megamoe-w1.md). Two kernels, so that the unsplit one pays
+  // nothing for it.
   int l2_bytes = 0;
   if ((err = petitDeviceGetAttribute(&l2_bytes, petitDevAttrL2CacheSize, device)) !=
       petitSuccess) {
