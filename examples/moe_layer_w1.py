@@ -13,8 +13,10 @@ in L2 for the next, as in a model's consecutive layers), timed as the median rep
 - ``roofline_us`` = max(weight bytes of the experts that got rows / the same-run HBM copy rate,
   FLOPs / the same-run dense bf16 matmul rate), with both parts, and the ratios.
 
-Presets: Qwen3-30B-A3B (128 experts, all local) and DeepSeek-V3's EP8 share (256 global experts,
-32 local through vLLM's expert_map, so ~1 of a token's 8 slots is served). Routing: uniform (K
+Presets: Qwen3-30B-A3B (128 experts, all local), DeepSeek-V3's EP8 share (256 global experts,
+32 local through vLLM's expert_map, so ~1 of a token's 8 slots is served) and DeepSeek-V2-Lite
+(64 experts, top-6, intermediate 1408: a model served on one GPU; its shared experts are
+outside the fused MoE layer). Routing: uniform (K
 distinct experts per token) or skewed (half of the probability mass on 1/8 of the experts).
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ class W1Preset:
 W1_PRESETS = {
     "qwen3-30b-a3b": W1Preset(2048, 768, 128, 128, 8),
     "deepseek-v3": W1Preset(7168, 2048, 256, 32, 8),
+    "deepseek-v2-lite": W1Preset(2048, 1408, 64, 64, 6),
 }
 
 

@@ -105,6 +105,7 @@ class MoEShape:
 PRESETS = {
     "deepseek-v3": MoEShape(hidden=7168, intermediate=2048, num_experts=256, top_k=8),
     "qwen3-30b-a3b": MoEShape(hidden=2048, intermediate=768, num_experts=128, top_k=8),
+    "deepseek-v2-lite": MoEShape(hidden=2048, intermediate=1408, num_experts=64, top_k=6),
 }
 
 

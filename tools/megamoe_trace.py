@@ -43,8 +43,9 @@ from vllm_petit_moe import ops  # noqa: E402
 from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,  # noqa: E402
                                    MEGAMOE_TRACE_SLOTS)
 
-# hidden, intermediate, local experts, global experts (top-8 picks from these), top-k
-PRESETS = {"deepseek-v3": (7168, 2048, 32, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 128, 8)}
+# hidden, intermediate, local experts, global experts (the top-k picks from these), top-k
+PRESETS = {"deepseek-v3": (7168, 2048, 32, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 128, 8),
+           "deepseek-v2-lite": (2048, 1408, 64, 64, 6)}
 KINDS = ("gate/up", "down", "reduce", "final")  # final: EP calls only
 
 
