@@ -16,8 +16,8 @@ in L2 for the next, as in a model's consecutive layers), timed as the median rep
 Presets: Qwen3-30B-A3B (128 experts, all local), DeepSeek-V3's EP8 share (256 global experts,
 32 local through vLLM's expert_map, so ~1 of a token's 8 slots is served) and DeepSeek-V2-Lite
 (64 experts, top-6, intermediate 1408: a model served on one GPU; its shared experts are
-outside the fused MoE layer). Routing: uniform (K
-distinct experts per token) or skewed (half of the probability mass on 1/8 of the experts).
+outside the fused MoE layer). Routing: uniform (K distinct experts per token) or skewed (half
+of the probability mass on 1/8 of the experts).
 """
 from __future__ import annotations
 
