@@ -22,7 +22,9 @@ of the probability mass on 1/8 of the experts).
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+import vllm_moe_harness as harness  # tests/, put on sys.path by bench_moe_layer.py
 
 CHAIN = 8
 W1_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192]
@@ -38,11 +40,10 @@ class W1Preset:
     top_k: int
 
 
-W1_PRESETS = {
-    "qwen3-30b-a3b": W1Preset(2048, 768, 128, 128, 8),
-    "deepseek-v3": W1Preset(7168, 2048, 256, 32, 8),
-    "deepseek-v2-lite": W1Preset(2048, 1408, 64, 64, 6),
-}
+# the harness' shapes, with the local experts of each
+W1_PRESETS = {name: W1Preset(**asdict(harness.PRESETS[name]), num_local=num_local)
+              for name, num_local in (("qwen3-30b-a3b", 128), ("deepseek-v3", 32),
+                                      ("deepseek-v2-lite", 64))}
 
 
 def random_routing(num_tokens, preset, routing, generator, device):

@@ -21,7 +21,10 @@ import sys
 import zlib
 from pathlib import Path
 
-PRESETS = {"deepseek-v3": (7168, 2048, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 8)}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import vllm_moe_harness as harness  # noqa: E402
+
+PRESETS = {name: harness.PRESETS[name] for name in ("deepseek-v3", "qwen3-30b-a3b")}
 TOKENS = [1, 2, 8, 32, 128, 512, 2048, 8192]
 WORLD = 2
 
@@ -32,8 +35,9 @@ def digests(tree: Path, tokens: list[int]) -> dict[str, str]:
 
     from vllm_petit_moe import ops
     out = {}
-    for preset, (hidden, inter, experts, top_k) in PRESETS.items():
-        local = experts // WORLD
+    for preset, shape in PRESETS.items():
+        hidden, inter, top_k = shape.hidden, shape.intermediate, shape.top_k
+        local = shape.num_experts // WORLD
         g = torch.Generator(device="cuda").manual_seed(1)
         w13 = (torch.randn(local, 2 * inter, hidden, generator=g, device="cuda")
                / hidden**0.5).bfloat16()

@@ -38,14 +38,20 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+import vllm_moe_harness as harness  # noqa: E402
 from vllm_petit_moe import ops  # noqa: E402
 from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,  # noqa: E402
                                    MEGAMOE_TRACE_SLOTS)
 
-# hidden, intermediate, local experts, global experts (the top-k picks from these), top-k
-PRESETS = {"deepseek-v3": (7168, 2048, 32, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 128, 8),
-           "deepseek-v2-lite": (2048, 1408, 64, 64, 6)}
+# hidden, intermediate, local experts, global experts (the top-k picks from these), top-k:
+# the harness' shapes, with the local experts of each at W=1
+PRESETS = {name: (s.hidden, s.intermediate, local, s.num_experts, s.top_k)
+           for name, local in (("deepseek-v3", 32), ("qwen3-30b-a3b", 128),
+                               ("deepseek-v2-lite", 64))
+           for s in [harness.PRESETS[name]]}
 KINDS = ("gate/up", "down", "reduce", "final")  # final: EP calls only
 
 
