@@ -41,17 +41,16 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-import vllm_moe_harness as harness  # noqa: E402
+sys.path.insert(0, str(ROOT / "examples"))
+from moe_layer_w1 import W1_PRESETS  # noqa: E402
 from vllm_petit_moe import ops  # noqa: E402
 from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,  # noqa: E402
                                    MEGAMOE_TRACE_SLOTS)
 
 # hidden, intermediate, local experts, global experts (the top-k picks from these), top-k:
-# the harness' shapes, with the local experts of each at W=1
-PRESETS = {name: (s.hidden, s.intermediate, local, s.num_experts, s.top_k)
-           for name, local in (("deepseek-v3", 32), ("qwen3-30b-a3b", 128),
-                               ("deepseek-v2-lite", 64))
-           for s in [harness.PRESETS[name]]}
+# the one-GPU layer benchmark's presets
+PRESETS = {name: (p.hidden, p.intermediate, p.num_local, p.num_experts, p.top_k)
+           for name, p in W1_PRESETS.items()}
 KINDS = ("gate/up", "down", "reduce", "final")  # final: EP calls only
 
 
