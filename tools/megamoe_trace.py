@@ -47,15 +47,14 @@ from vllm_petit_moe import ops  # noqa: E402
 from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,  # noqa: E402
                                    MEGAMOE_TRACE_SLOTS)
 
-# hidden, intermediate, local experts, global experts (the top-k picks from these), top-k:
-# the one-GPU layer benchmark's presets
-PRESETS = {name: (p.hidden, p.intermediate, p.num_local, p.num_experts, p.top_k)
-           for name, p in W1_PRESETS.items()}
+PRESETS = W1_PRESETS  # the one-GPU layer benchmark's (the top-k picks from num_experts ids)
 KINDS = ("gate/up", "down", "reduce", "final")  # final: EP calls only
 
 
 def traced_call(preset: str, tokens: int, seed: int = 0) -> tuple[list[dict], float]:
-    hidden, inter, local, pick, top_k = PRESETS[preset]
+    shape = PRESETS[preset]
+    hidden, inter, top_k = shape.hidden, shape.intermediate, shape.top_k
+    local, pick = shape.num_local, shape.num_experts
     g = torch.Generator(device="cuda").manual_seed(seed)
     w13 = (torch.randn(local, 2 * inter, hidden, generator=g, device="cuda") * 0.02).bfloat16()
     w2 = (torch.randn(local, hidden, inter, generator=g, device="cuda") * 0.02).bfloat16()
@@ -79,7 +78,9 @@ def traced_ep_call(buf, preset: str, tokens: int, seed: int = 0) -> tuple[list[d
     and the earliest entry stamp of every rank (the ranks' timers are the GPUs' globaltimer,
     comparable within a node)."""
     import torch.distributed as dist
-    hidden, inter, _, num_experts, top_k = PRESETS[preset]
+    shape = PRESETS[preset]
+    hidden, inter, top_k = shape.hidden, shape.intermediate, shape.top_k
+    num_experts = shape.num_experts
     local = num_experts // buf.world_size
     g = torch.Generator(device="cuda").manual_seed(seed + buf.rank)
     w13 = (torch.randn(local, 2 * inter, hidden, generator=g, device="cuda") * 0.02).bfloat16()
@@ -184,8 +185,8 @@ def main(argv=None) -> int:
         rank = int(os.environ["RANK"])
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group("gloo")
-        hidden, _, _, num_experts, _ = PRESETS[args.preset]
-        buf = EpBuffer(dist.group.WORLD, hidden_size=hidden, num_experts=num_experts,
+        shape = PRESETS[args.preset]
+        buf = EpBuffer(dist.group.WORLD, hidden_size=shape.hidden, num_experts=shape.num_experts,
                        max_tokens_per_rank=max(args.tokens))
         tag = f"_W{world}r{rank}"
     for tokens in args.tokens:
