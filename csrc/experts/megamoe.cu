@@ -250,53 +250,6 @@ PETIT_DEVICE float reduced(const float* red, int half, int row, int n) {
   return sum;
 }
 
-// The warp's weight stream runs ahead of its multiplies across task boundaries: a producer
-// cursor walks the current task's steps, then the next task's (whose id is known one
-// iteration ahead); lane 0 issues each step as two TMA boxes into the warp's ring slot,
-// completing the slot's mbarrier. The warp consumes slots in order; a slot is refilled only
-// after every lane of the warp has read it (the refill follows the multiplies that used it).
-struct Producer {
-  WarpStream cur, next;  // the cursor's task and the one after it
-  bool has_next;
-  int iter;              // the block iteration whose task cur is
-  int step;              // of cur: 0 .. cur.total
-  int kstep;             // step % cur.steps
-  int pushed;            // steps issued so far (slot = pushed % kStages)
-};
-
-PETIT_DEVICE void produce(Producer& p, int consumed, uint32_t ring_warp, uint32_t full_warp,
-                          const CUtensorMap* w13_map, const CUtensorMap* w2_map) {
-  while (p.pushed - consumed < kStages) {
-    if (p.step >= p.cur.total) {
-      if (!p.has_next) return;
-      p.cur = p.next;
-      p.has_next = false;
-      p.step = 0;
-      p.kstep = 0;
-      ++p.iter;
-      continue;
-    }
-    if (petit_lane_id() == 0) {
-      const int slot = p.pushed % kStages;
-      const uint32_t dst = ring_warp + slot * kStepBytes, bar = full_warp + slot * 8;
-      const CUtensorMap* map = p.cur.gate_up ? w13_map : w2_map;
-      const int k = (p.cur.s0 + p.kstep) * kStepK;
-      gemm::sm90_mbarrier_arrive_expect_tx(bar, kStepBytes);
-      gemm::sm90_tma_load_4d(dst, map, k, p.cur.row0, p.cur.group0, p.cur.expert, bar);
-      gemm::sm90_tma_load_4d(dst + kBoxBytes, map, k, p.cur.row1, p.cur.group1, p.cur.expert,
-                             bar);
-    }
-    ++p.step;
-    ++p.pushed;
-    if (++p.kstep == p.cur.steps) p.kstep = 0;  // the next pass starts over the k steps
-  }
-}
-
-// Lane (g, q)'s 16 bytes of box row r (g or g + 8) for span h of a step: k = 32h + 8q of the
-// box's 64, i.e. 16-byte chunk 4h + q, at its 128-byte swizzled position.
-PETIT_DEVICE uint4 box_chunk(const unsigned char* box, int r, int chunk) {
-  return *reinterpret_cast<const uint4*>(box + r * 128 + ((chunk ^ (r & 7)) * 16));
-}
 
 // EP: the flag in rank `dst`'s heap that says "rank `src` has sent back every row of dst's
 // tokens it reduced in this call" (the combine flag slot [src][group 0][chunk 0]; the fused
@@ -319,12 +272,690 @@ PETIT_DEVICE void publish_reductions(const EpContextArgs& c, uint64_t epoch, int
 PETIT_DEVICE float bf16_lo(uint32_t bits) { return as_float(bits << 16); }
 PETIT_DEVICE float bf16_hi(uint32_t bits) { return as_float(bits & 0xFFFF0000u); }
 
-// The kernel (CUDA only: TMA tensor maps; an sm_90a body, empty in other device passes).
+// ------------------------------------------------------------------ the block's state
+
+// The block's shared memory (SmemLayout), carved once at entry.
+struct Smem {
+  unsigned char* ring;  // [warps][stages] weight steps, 1024-byte aligned
+  uint64_t* full;       // [warps][stages] the steps' mbarriers
+  int16_t* expert_of;   // [entries] local expert of each routing entry, -1: not served
+  int32_t* sorted;      // [entries] the entries by expert, entry order within an expert
+  int32_t* offsets;     // [L + 1] each expert's first sorted position
+  int32_t* cursor;      // [L] counts, then the sort's cursors
+  int32_t* active;      // [L] the experts with rows, ascending
+  int32_t* group_base;  // [active + 1] kSplit: each active expert's first row group
+  int32_t* scalars;     // [12] Scalar
+  float* red;           // [warps][2][n-tiles][4][32] the warps' sums of a pass
+};
+
+PETIT_DEVICE Smem carve_smem(unsigned char* smem) {
+  Smem s;
+  s.ring = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem + SmemLayout::kRing) + 1023) & ~uintptr_t(1023));
+  s.full = reinterpret_cast<uint64_t*>(smem + SmemLayout::kFull);
+  s.expert_of = reinterpret_cast<int16_t*>(smem + SmemLayout::kExpertOf);
+  s.sorted = reinterpret_cast<int32_t*>(smem + SmemLayout::kSorted);
+  s.offsets = reinterpret_cast<int32_t*>(smem + SmemLayout::kOffsets);
+  s.cursor = reinterpret_cast<int32_t*>(smem + SmemLayout::kCursor);
+  s.active = reinterpret_cast<int32_t*>(smem + SmemLayout::kActive);
+  s.group_base = s.active + kMaxExperts;  // one base register for both
+  static_assert(SmemLayout::kGroupBase == SmemLayout::kActive + 4 * kMaxExperts, "adjacent");
+  s.scalars = reinterpret_cast<int32_t*>(smem + SmemLayout::kScalars);
+  s.red = reinterpret_cast<float*>(smem + SmemLayout::kReduce);
+  return s;
+}
+
+// What the experts see: the rows, their routing and their weights (the caller's at W = 1; at
+// EP this rank's dispatch regions: W x R rows at region stride R, local expert ids or -1),
+// the layer's sizes and the call's counters in the sync buffer.
+struct Layer {
+  const petit_bf16_bits* rows_x;
+  const int32_t* row_ids;
+  const float* row_weights;
+  int num_rows, top_k, hidden, intermediate, num_local_experts, num_entries;
+  int* gate_up_done;     // [L] gate/up tasks done, by local expert
+  int* tile_done;        // [H / kDownRows] down row groups done, by row tile
+  int* reductions_done;  // EP: reductions done and blocks past the dispatch wait
+};
+
+template <bool kEp>
+PETIT_DEVICE Layer layer_of(const MegaMoeEpArgs& e) {
+  const MegaMoeArgs& a = e.layer;
+  const EpContextArgs& c = e.ctx;
+  Layer l;
+  char* const my_heap = kEp ? rank_heap(c, c.rank) : nullptr;
+  l.rows_x = kEp ? reinterpret_cast<const petit_bf16_bits*>(my_heap + c.layout.dispatch_rows)
+                 : a.x;
+  l.row_ids = kEp ? reinterpret_cast<const int32_t*>(my_heap + c.layout.dispatch_ids)
+                  : a.topk_ids;
+  l.row_weights = kEp ? reinterpret_cast<const float*>(my_heap + c.layout.dispatch_weights)
+                      : a.topk_weights;
+  l.num_rows = kEp ? c.world_size * e.region_stride : a.num_rows;
+  l.top_k = a.top_k;
+  l.hidden = a.hidden;
+  l.intermediate = a.intermediate;
+  l.num_local_experts = a.num_local_experts;
+  l.num_entries = l.num_rows * l.top_k;
+  l.gate_up_done = a.sync + kSyncExperts;
+  l.tile_done = l.gate_up_done + l.num_local_experts;
+  l.reductions_done = l.tile_done + l.hidden / kDownRows;
+  return l;
+}
+
+// One claim of the next task in the call's order (claims are ordered: see decode_task).
+PETIT_DEVICE int claim_task(int* sync) { return atomicAdd(&sync[kSyncClaim], 1); }
+
+// ------------------------------------------------------------------ EP dispatch (role)
+
+// Pushes this rank's tokens to their experts' ranks (dispatch's layout, flags and tag), then
+// waits until every rank's have arrived here; returns the call's epoch. The grid is
+// co-resident (the launcher's rule), so every block's sends complete before any block can wait
+// for them.
+PETIT_DEVICE uint64_t ep_dispatch(const MegaMoeEpArgs& e, const Layer& lay, const Smem& s) {
+  const MegaMoeArgs& a = e.layer;
+  const EpContextArgs& c = e.ctx;
+  const HeapLayout& l = c.layout;
+  const int tid = threadIdx.x, lane = petit_lane_id(), warp = petit_warp_id();
+  const int R = e.region_stride, K = a.top_k, H = a.hidden;
+  if (tid == 0) {
+    const uint64_t next = *reinterpret_cast<const volatile uint64_t*>(&c.state->epoch) + 1;
+    s.scalars[kEpochLo] = int32_t(uint32_t(next));
+    s.scalars[kEpochHi] = int32_t(uint32_t(next >> 32));
+  }
+  __syncthreads();
+  const uint64_t epoch =
+      (uint64_t(uint32_t(s.scalars[kEpochHi])) << 32) | uint32_t(s.scalars[kEpochLo]);
+  const int W = c.world_size, E = c.num_experts, Lc = c.num_local_experts;
+  const uint32_t tag = dispatch_flag_tag(R, K, kQuantNone);
+  const int groups = ceil_div(R, kTokenGroupSize), num_vectors = H / 8;
+  for (int item = blockIdx.x; item < groups * W; item += gridDim.x) {
+    const int group = item / W, dst = (c.rank + 1 + item % W) % W;  // peers first
+    char* dst_heap = rank_heap(c, dst);
+    if (warp == 0) {  // lane t: token group * 32 + t, its slots for dst and its rank mask
+      const int token = group * kTokenGroupSize + lane;
+      bool routed = false;
+      if (token < R) {
+        const int64_t slot = (int64_t(c.rank) * R + token) * K;
+        int32_t* dst_ids = reinterpret_cast<int32_t*>(dst_heap + l.dispatch_ids) + slot;
+        float* dst_weights = reinterpret_cast<float*>(dst_heap + l.dispatch_weights) + slot;
+        uint32_t rank_mask = 0;
+        int dropped = 0;
+        for (int k = 0; k < K; ++k) {
+          int32_t local = -1;
+          float weight = 0.f;
+          if (token < a.num_rows) {
+            const int64_t id = int64_t(a.topk_ids[int64_t(token) * K + k]);
+            const int owner = expert_owner(id, E, Lc);
+            dropped += (owner < 0 && id != -1);
+            if (owner >= 0) {
+              rank_mask |= 1u << owner;
+              if (owner == dst) {
+                local = int32_t(id - int64_t(dst) * Lc);
+                weight = a.topk_weights[int64_t(token) * K + k];
+              }
+            }
+          }
+          routed |= (local >= 0);
+          dst_ids[k] = local;
+          dst_weights[k] = weight;
+        }
+        if (dst == c.rank && token < a.num_rows) {
+          c.token_rank_mask[token] = rank_mask;
+          if (dropped > 0) atomicAdd(&c.diagnostics->dropped_ids, dropped);
+        }
+      }
+      const uint32_t mask = uint32_t(petit_ballot(routed));
+      if (lane == 0) s.scalars[kRouteMask] = int32_t(mask);
+    }
+    __syncthreads();
+    const uint32_t mask = uint32_t(s.scalars[kRouteMask]);
+    const int routed_rows = petit_popc(mask);
+    for (int u = warp; u < routed_rows; u += kWarps + 1) {  // the control warp copies too
+      const int token = group * kTokenGroupSize + nth_set_bit(mask, u);
+      warp_copy(reinterpret_cast<uint4*>(dst_heap + l.dispatch_rows) +
+                    (int64_t(c.rank) * R + token) * num_vectors,
+                reinterpret_cast<const uint4*>(a.x) + int64_t(token) * num_vectors, 0,
+                num_vectors, lane);
+    }
+    __syncthreads();  // the block's stores, then one system fence and the flag
+    if (tid == 0) {
+      publish_fence();
+      publish_flag(reinterpret_cast<uint64_t*>(dst_heap + l.dispatch_flags) +
+                       int64_t(c.rank) * l.max_groups + group,
+                   make_flag(epoch, tag, uint32_t(routed_rows)));
+    }
+  }
+  if (warp == kWarps) {  // the control warp: every (source, group) of this call, bounded
+    const uint64_t* flags =
+        reinterpret_cast<const uint64_t*>(rank_heap(c, c.rank) + l.dispatch_flags);
+    for (int f = lane; f < W * groups; f += 32) {
+      const int src = f / groups, group = f % groups;
+      wait_flag(c, flags + int64_t(src) * l.max_groups + group, epoch, tag, src, 0, group);
+    }
+  }
+  __syncthreads();
+  // Counted with the reductions: "reductions done" goes out only once every block has read
+  // its dispatch flags, since a peer that sees it may end the call and overwrite them here
+  // with its next call's (a block still waiting would wait forever, its peers alive).
+  if (tid == 0 && atomicAdd(lay.reductions_done, 1) == H / kDownRows + int(gridDim.x) - 1)
+    publish_reductions(c, epoch, R, K);
+  return epoch;
+}
+
+// ------------------------------------------------------------------ routing (role)
+// Redundantly in every block's shared memory, so no block waits for another: counts, offsets
+// and the active experts first (the weight stream can start from them), then the stable sort
+// of the entries (positions agree across blocks because the sort is deterministic).
+
+// Every entry's local expert (-1: not served here); the counts cleared.
+template <bool kEp>
+PETIT_DEVICE void route_experts(const MegaMoeArgs& a, const Layer& l, const Smem& s) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i < l.num_entries; i += kThreads) {
+    s.expert_of[i] =
+        int16_t(kEp ? local_expert_id(l.row_ids, nullptr, l.num_local_experts,
+                                      l.num_local_experts, i)
+                    : local_expert_id(l.row_ids, a.expert_map, a.num_global_experts,
+                                      l.num_local_experts, i));
+  }
+  for (int e = tid; e < l.num_local_experts; e += kThreads) s.cursor[e] = 0;
+}
+
+// Each expert's entries, counted in cursor (after route_experts' barrier).
+PETIT_DEVICE void route_count(const Layer& l, const Smem& s) {
+  for (int i = threadIdx.x; i < l.num_entries; i += kThreads) {
+    const int e = s.expert_of[i];
+    if (e >= 0) atomicAdd(&s.cursor[e], 1);
+  }
+}
+
+// Warp 0: the offsets (cursor becomes each expert's first position), the active experts, their
+// row groups (kSplit) and the totals in scalars. Lane l owns experts
+// [l * per_lane, (l + 1) * per_lane); one warp-wide inclusive scan.
+template <bool kSplit>
+PETIT_DEVICE void route_scan(int L, const Smem& s) {
+  static_assert(kMaxExperts % 32 == 0, "the routing scan: kMaxExperts / 32 experts per lane");
+  const int lane = petit_lane_id();
+  const int per_lane = (L + 31) / 32;
+  int count = 0, actives = 0, groups = 0;
+  for (int i = 0; i < per_lane; ++i) {
+    const int e = lane * per_lane + i;
+    const int c = e < L ? s.cursor[e] : 0;
+    count += c;
+    actives += c > 0 ? 1 : 0;
+    if constexpr (kSplit) groups += row_groups(c);
+  }
+  int count_incl = count, active_incl = actives, group_incl = groups;  // inclusive scans
+  for (int d = 1; d < 32; d <<= 1) {
+    const int src = lane >= d ? lane - d : lane;
+    const int c = petit_shfl(count_incl, src), n = petit_shfl(active_incl, src);
+    const int gr = kSplit ? petit_shfl(group_incl, src) : 0;
+    if (lane >= d) {
+      count_incl += c;
+      active_incl += n;
+      group_incl += gr;
+    }
+  }
+  int offset = count_incl - count, slot = active_incl - actives, group = group_incl - groups;
+  for (int i = 0; i < per_lane; ++i) {
+    const int e = lane * per_lane + i;
+    if (e < L) {
+      const int c = s.cursor[e];
+      s.offsets[e] = offset;
+      s.cursor[e] = offset;
+      if (c > 0) {
+        if constexpr (kSplit) s.group_base[slot] = group;
+        s.active[slot++] = e;
+      }
+      offset += c;
+      if constexpr (kSplit) group += row_groups(c);
+    }
+  }
+  if (lane == 31) {
+    s.offsets[L] = count_incl;
+    s.scalars[kNumActive] = active_incl;
+    if constexpr (kSplit) {
+      s.group_base[active_incl] = group_incl;
+      s.scalars[kNumGroups] = group_incl;
+    }
+  }
+}
+
+// Warp 0: the stable scatter of the entries into sorted (entry order within each expert).
+PETIT_DEVICE void route_sort(int num_entries, const Smem& s) {
+  const int lane = petit_lane_id();
+  for (int base = 0; base < num_entries; base += 32) {
+    const int i = base + lane;
+    const int e = i < num_entries ? s.expert_of[i] : -1;
+    const petit_lanemask_t same = petit_match_any(e);
+    const petit_lanemask_t below = same & petit_lanemask_lt();
+    if (e >= 0) s.sorted[s.cursor[e] + petit_popc(below)] = i;
+    petit_syncwarp();
+    if (e >= 0 && below == 0) s.cursor[e] += petit_popc(same);
+    petit_syncwarp();
+  }
+}
+
+// ------------------------------------------------------------------ the schedule
+
+// The block's view of the call's tasks once routed: the active experts and their row groups,
+// held in registers, but read from shared memory at each use by the W = 1 kernel with row
+// groups (its registers spill otherwise; the EP kernel's spill more the other way round).
+template <bool kEp, bool kSplit>
+struct Schedule {
+  static constexpr bool kHeld = kEp || !kSplit;
+  const Smem& s;
+  int held_active, held_groups;
+  int gate_up_tiles, down_tiles;
+
+  PETIT_DEVICE int num_active() const { return kHeld ? held_active : s.scalars[kNumActive]; }
+  PETIT_DEVICE int num_groups() const {
+    return !kSplit ? num_active() : kHeld ? held_groups : s.scalars[kNumGroups];
+  }
+  PETIT_DEVICE Task task(int id) const {
+    return decode_task<kEp, kSplit>(id, num_active(), num_groups(), gate_up_tiles, down_tiles,
+                                    s.active, s.group_base, s.offsets);
+  }
+  // A down task waits for its expert's gate/up tasks, a reduction for its row tile's down
+  // tasks (every row group's).
+  PETIT_DEVICE const int* counter_of(const Task& t, const Layer& l) const {
+    return t.kind == kDown ? &l.gate_up_done[t.expert] : &l.tile_done[t.tile];
+  }
+  PETIT_DEVICE int target_of(const Task& t) const {
+    const int groups = kSplit ? row_groups(s.offsets[t.expert + 1] - s.offsets[t.expert]) : 1;
+    return t.kind == kDown ? gate_up_tiles * groups : num_groups();
+  }
+};
+
+template <bool kEp, bool kSplit>
+PETIT_DEVICE Schedule<kEp, kSplit> schedule_of(const Layer& l, const Smem& s) {
+  return Schedule<kEp, kSplit>{s, s.scalars[kNumActive], kSplit ? s.scalars[kNumGroups] : 0,
+                               l.intermediate / kTileCols, l.hidden / kDownRows};
+}
+
+// ------------------------------------------------------------------ the control warp (role)
+// Lane 0 of the control warp: waits (bounded, acquire) until the current task's inputs are
+// complete, publishes each finished task (fence + counter) while the compute warps run the
+// next one, and claims two tasks ahead. The compute warps never fence (a fence would wait for
+// their weight loads in flight) and wait at R only when an input is really missing.
+template <bool kEp, bool kSplit>
+struct Control {
+  Task unpublished;  // the finished task not yet published
+  bool inputs_seen;  // the current task's inputs were seen complete (acquired) already
+
+  PETIT_DEVICE void publish(Task& t, const MegaMoeEpArgs& e, const Layer& l, uint64_t epoch,
+                            int down_tiles) {
+    if (!t.valid) return;
+    if (kEp && t.kind == kReduce) {
+      // the rows went to peers' heaps: a system-scope release, then the count; the last
+      // reduction of this rank tells every rank its rows are in (dispatch's publish_item)
+      petit_fence_acq_rel_sys();
+      if (atomicAdd(l.reductions_done, 1) == down_tiles + int(gridDim.x) - 1)
+        publish_reductions(e.ctx, epoch, e.region_stride, l.top_k);
+    } else {
+      __threadfence();  // release: the compute warps' stores, ordered before it by S
+      if (t.kind == kGateUp) atomicAdd(&l.gate_up_done[t.expert], 1);
+      if (t.kind == kDown) atomicAdd(&l.tile_done[t.tile], 1);
+    }
+    t.valid = false;
+  }
+
+  // Before R(iter): what the current task reads from other blocks is complete.
+  PETIT_DEVICE void await_inputs(const Task& cur, const Schedule<kEp, kSplit>& sc,
+                                 const MegaMoeEpArgs& e, const Layer& l, uint64_t epoch) {
+    const EpContextArgs& c = e.ctx;
+    const bool waits = cur.valid && cur.kind != kGateUp && !inputs_seen;
+    if (waits || !cur.valid) publish(unpublished, e, l, epoch, sc.down_tiles);  // ours may
+                                                                                // be awaited
+    if (kEp && waits && cur.kind == kFinal) {  // every rank's rows of our tokens
+      for (int d = 0; d < c.world_size; ++d) {
+        wait_flag(c, reductions_flag(c, c.rank, d), epoch,
+                  reductions_tag(e.region_stride, l.top_k), d, 1, 0);
+      }
+    } else if (waits) {
+      wait_count(sc.counter_of(cur, l), sc.target_of(cur), e.layer.timeout_ticks,
+                 cur.kind == kDown ? cur.expert : -1 - cur.tile);
+    }
+  }
+
+  // During the compute warps' task: publish the previous task, claim the task of iteration
+  // iter + 2 (read after S(iter)), look at the next task's inputs.
+  PETIT_DEVICE void step(int iter, const Task& next, const Schedule<kEp, kSplit>& sc,
+                         const MegaMoeEpArgs& e, const Layer& l, uint64_t epoch, int* scalars) {
+    publish(unpublished, e, l, epoch, sc.down_tiles);
+    scalars[kClaim0 + (iter + 2) % 3] = claim_task(e.layer.sync);
+    inputs_seen = next.valid && next.kind != kGateUp && next.kind != kFinal &&
+                  petit_load_acquire_gpu(sc.counter_of(next, l)) >= sc.target_of(next);
+  }
+};
+
+// ------------------------------------------------------------------ weight stream (loader)
+// The warp's weight stream runs ahead of its multiplies across task boundaries: a producer
+// cursor walks the current task's steps, then the next task's (whose id is known one
+// iteration ahead); lane 0 issues each step as two TMA boxes into the warp's ring slot,
+// completing the slot's mbarrier. The warp consumes slots in order; a slot is refilled only
+// after every lane of the warp has read it (the refill follows the multiplies that used it).
+
+// The warp's ring: kStages steps and their mbarriers, and the tensor maps it loads from.
+struct WarpRing {
+  const unsigned char* steps;  // [kStages][kStepBytes]
+  uint32_t steps_addr, full_addr;
+  const CUtensorMap* w13_map;
+  const CUtensorMap* w2_map;
+};
+
+struct Producer {
+  WarpStream cur, next;  // the cursor's task and the one after it
+  bool has_next;
+  int iter;              // the block iteration whose task cur is
+  int step;              // of cur: 0 .. cur.total
+  int kstep;             // step % cur.steps
+  int pushed;            // steps issued so far (slot = pushed % kStages)
+};
+
+PETIT_DEVICE void produce(Producer& p, int consumed, const WarpRing& r) {
+  while (p.pushed - consumed < kStages) {
+    if (p.step >= p.cur.total) {
+      if (!p.has_next) return;
+      p.cur = p.next;
+      p.has_next = false;
+      p.step = 0;
+      p.kstep = 0;
+      ++p.iter;
+      continue;
+    }
+    if (petit_lane_id() == 0) {
+      const int slot = p.pushed % kStages;
+      const uint32_t dst = r.steps_addr + slot * kStepBytes, bar = r.full_addr + slot * 8;
+      const CUtensorMap* map = p.cur.gate_up ? r.w13_map : r.w2_map;
+      const int k = (p.cur.s0 + p.kstep) * kStepK;
+      gemm::sm90_mbarrier_arrive_expect_tx(bar, kStepBytes);
+      gemm::sm90_tma_load_4d(dst, map, k, p.cur.row0, p.cur.group0, p.cur.expert, bar);
+      gemm::sm90_tma_load_4d(dst + kBoxBytes, map, k, p.cur.row1, p.cur.group1, p.cur.expert,
+                             bar);
+    }
+    ++p.step;
+    ++p.pushed;
+    if (++p.kstep == p.cur.steps) p.kstep = 0;  // the next pass starts over the k steps
+  }
+}
+
+// Lane (g, q)'s 16 bytes of box row r (g or g + 8) for span h of a step: k = 32h + 8q of the
+// box's 64, i.e. 16-byte chunk 4h + q, at its 128-byte swizzled position.
+PETIT_DEVICE uint4 box_chunk(const unsigned char* box, int r, int chunk) {
+  return *reinterpret_cast<const uint4*>(box + r * 128 + ((chunk ^ (r & 7)) * 16));
+}
+
+// ------------------------------------------------------------------ gate/up and down (roles)
+
+// One pass's multiplies: this warp's k steps over NT n-tiles of the pass's rows, the weights
+// (M) from the warp's ring, the rows' inputs (N) from global memory at b_rows[j] (nullptr: a
+// missing row), into acc[half][n-tile]. B is loaded D steps ahead into a register ring, so a
+// step waits for its weights (ring kStages ahead) rather than for an input load issued one
+// step earlier: D = 4 with one n-tile (2 in the EP instance, whose other state leaves fewer
+// registers), 1 with two.
+template <bool kEp, int NT>
+PETIT_DEVICE void mainloop(const WarpStream& ws, const petit_bf16_bits* const (&b_rows)[kMaxNTiles],
+                           float (&acc)[2][kMaxNTiles][4], Producer& prod, int& consumed,
+                           const WarpRing& ring) {
+  constexpr int D = NT == 1 ? (kEp ? 2 : kInputsAhead) : 1;
+  const int lane = petit_lane_id(), g = lane / 4, q = lane % 4;
+  const int end = ws.s0 + ws.steps;
+  uint4 ahead[D][2][NT];  // step s's inputs in ahead[(s - s0) % D]
+  auto load_b = [&](uint4 (&dst)[2][NT], int s) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        dst[h][j] = b_rows[j] != nullptr && s < end
+                        ? petit_load_cg(reinterpret_cast<const uint4*>(
+                              b_rows[j] + s * kStepK + h * kSpan + 8 * q))
+                        : zero4();
+      }
+  };
+#pragma unroll
+  for (int d = 0; d < D; ++d) load_b(ahead[d], ws.s0 + d);
+  for (int base = ws.s0; base < end; base += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int s = base + d;
+      if (s < end) {
+        // this step's inputs; one step ahead (D = 1) the next load goes out before the
+        // weights' wait, from a copy, as several steps ahead it can follow the multiplies
+        uint4 (&b)[2][NT] = ahead[d];
+        uint4 held[2][NT];
+        if constexpr (D == 1) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < NT; ++j) held[h][j] = b[h][j];
+          load_b(ahead[d], s + D);
+        }
+        const uint4 (&in)[2][NT] = D == 1 ? held : b;
+        const int slot = consumed % kStages;
+        gemm::sm90_mbarrier_wait_parity(ring.full_addr + slot * 8, (consumed / kStages) & 1);
+        const unsigned char* step = ring.steps + slot * kStepBytes;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // span h: chunk 4h + q of rows g, g + 8 of each box
+          const uint4 lo0 = box_chunk(step, g, 4 * h + q);
+          const uint4 hi0 = box_chunk(step, g + 8, 4 * h + q);
+          const uint4 lo1 = box_chunk(step + kBoxBytes, g, 4 * h + q);
+          const uint4 hi1 = box_chunk(step + kBoxBytes, g + 8, 4 * h + q);
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            gemm::mma_span32(acc[0][j], lo0, hi0, in[h][j]);
+            gemm::mma_span32(acc[1][j], lo1, hi1, in[h][j]);
+          }
+        }
+        if constexpr (D > 1) load_b(ahead[d], s + D);  // after the multiplies read it
+        ++consumed;
+        petit_syncwarp();  // every lane has read the slot before lane 0 refills it
+        produce(prod, consumed, ring);
+      }
+    }
+  }
+}
+
+// Gate/up epilogue of a pass: act[pos][cols] = bf16(silu(gate) * up) for the pass's `rows`
+// rows, from the warps' sums (item: row n, columns c, c + 1 of the tile).
+PETIT_DEVICE void gate_up_epilogue(const Task& t, int pass, int rows, const Layer& l,
+                                   petit_bf16_bits* act, const float* red) {
+  for (int item = threadIdx.x; item < kPassRows * 16; item += kComputeThreads) {
+    const int n = item / 16, part = item % 16;
+    if (n >= rows) break;
+    const int pos = t.begin + pass + n;
+    if (part < 8) {
+      const int c = 2 * part;  // columns c, c + 1 of the tile
+      const float a0 = gemm::silu(reduced(red, 0, c, n)) * reduced(red, 1, c, n);
+      const float a1 = gemm::silu(reduced(red, 0, c + 1, n)) * reduced(red, 1, c + 1, n);
+      const uint32_t packed = uint32_t(petit_float_to_bf16(a0)) |
+                              (uint32_t(petit_float_to_bf16(a1)) << 16);
+      *reinterpret_cast<uint32_t*>(act + int64_t(pos) * l.intermediate + t.tile * kTileCols +
+                                   c) = packed;
+    }
+  }
+}
+
+// Down epilogue of a pass: partial[entry][rows] = weight * (act . w2^T) as fp32, per routing
+// entry (item: row n, rows r0, r0 + 1 of the tile).
+PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, const Layer& l,
+                                const Smem& s, float* partial) {
+  for (int item = threadIdx.x; item < kPassRows * 16; item += kComputeThreads) {
+    const int n = item / 16, part = item % 16;
+    if (n >= rows) break;
+    const int entry = s.sorted[t.begin + pass + n];
+    const float weight = l.row_weights[entry];
+    const int r0 = 2 * part;  // rows r0, r0 + 1 of the tile (half r0 / 16)
+    float2 v;
+    v.x = weight * reduced(s.red, r0 / 16, r0 % 16, n);
+    v.y = weight * reduced(s.red, r0 / 16, r0 % 16 + 1, n);
+    *reinterpret_cast<float2*>(partial + int64_t(entry) * l.hidden + t.tile * kDownRows + r0) =
+        v;
+  }
+}
+
+// A gate/up or down task on the compute warps: per pass of up to 16 rows, the mainloop, the
+// warps' sums through shared memory, then the kind's epilogue.
+template <bool kEp>
+PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& l,
+                              const Smem& s, Producer& prod, int& consumed, const WarpRing& ring) {
+  const int lane = petit_lane_id(), warp = petit_warp_id(), g = lane / 4;
+  const bool gate_up = t.kind == kGateUp;
+  const WarpStream ws = warp_stream(t, a);
+  for (int pass = 0; pass < t.count; pass += kPassRows) {
+    const int rows = min(kPassRows, t.count - pass);
+    const petit_bf16_bits* b_rows[kMaxNTiles];
+#pragma unroll
+    for (int j = 0; j < kMaxNTiles; ++j) {
+      const int r = pass + j * 8 + g;
+      b_rows[j] = nullptr;
+      if (r < t.count) {
+        b_rows[j] = gate_up ? l.rows_x + int64_t(s.sorted[t.begin + r] / l.top_k) * l.hidden
+                            : a.act + int64_t(t.begin + r) * l.intermediate;
+      }
+    }
+    float acc[2][kMaxNTiles][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < kMaxNTiles; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
+    if (rows > 8) {
+      mainloop<kEp, 2>(ws, b_rows, acc, prod, consumed, ring);
+    } else {
+      mainloop<kEp, 1>(ws, b_rows, acc, prod, consumed, ring);
+    }
+    // red[warp][half][n-tile][reg][lane]
+    float* mine = s.red + warp * (2 * kMaxNTiles * 4 * 32);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < kMaxNTiles; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
+        }
+    gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);
+    if (gate_up) {
+      gate_up_epilogue(t, pass, rows, l, a.act, s.red);
+    } else {
+      down_epilogue(t, pass, rows, l, s, a.partial);
+    }
+    gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);  // red is reused next pass
+  }
+}
+
+// ------------------------------------------------------------------ reduction and EP combine
+
+// A reduction task: every expert's partials of row tile `tile` are in; each token's slots are
+// summed in slot order (fp32, deterministic). W = 1: into out[:, tile]; EP: row n = token
+// n % R of rank n / R goes into that rank's combine region, slot of this rank (rows no local
+// expert served are never read there).
+template <bool kEp>
+PETIT_DEVICE void reduce_task(int tile, const MegaMoeEpArgs& e, const Layer& l,
+                              const Smem& s) {
+  const MegaMoeArgs& a = e.layer;
+  const int tid = threadIdx.x, r0 = 4 * (tid % 8), K = l.top_k, H = l.hidden;
+  for (int n = tid / 8; n < l.num_rows; n += kComputeThreads / 8) {
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    bool served = false;
+    for (int k = 0; k < K; ++k) {
+      const int entry = n * K + k;
+      if (s.expert_of[entry] < 0) continue;
+      served = true;
+      const uint4 raw = petit_load_cg(reinterpret_cast<const uint4*>(
+          a.partial + int64_t(entry) * H + tile * kDownRows + r0));
+      v[0] += as_float(raw.x);
+      v[1] += as_float(raw.y);
+      v[2] += as_float(raw.z);
+      v[3] += as_float(raw.w);
+    }
+    uint2 packed;
+    packed.x = uint32_t(petit_float_to_bf16(v[0])) | (uint32_t(petit_float_to_bf16(v[1])) << 16);
+    packed.y = uint32_t(petit_float_to_bf16(v[2])) | (uint32_t(petit_float_to_bf16(v[3])) << 16);
+    if constexpr (kEp) {
+      if (served) {
+        const int R = e.region_stride;
+        petit_bf16_bits* dst = reinterpret_cast<petit_bf16_bits*>(rank_heap(e.ctx, n / R) +
+                                                                  e.ctx.layout.combine_rows);
+        *reinterpret_cast<uint2*>(dst + (int64_t(e.ctx.rank) * R + n % R) * H +
+                                  tile * kDownRows + r0) = packed;
+      }
+    } else {
+      *reinterpret_cast<uint2*>(a.out + int64_t(n) * H + tile * kDownRows + r0) = packed;
+    }
+  }
+}
+
+// EP final task (the combine's reduction): every rank's rows of this rank's tokens are in;
+// out[i, tile] = the sum over the ranks d that served token i, in rank order, in fp32.
+PETIT_DEVICE void final_task(int tile, const MegaMoeEpArgs& e) {
+  const MegaMoeArgs& a = e.layer;
+  const EpContextArgs& c = e.ctx;
+  const int tid = threadIdx.x, H = a.hidden, R = e.region_stride;
+  const petit_bf16_bits* rows =
+      reinterpret_cast<const petit_bf16_bits*>(rank_heap(c, c.rank) + c.layout.combine_rows);
+  const int c0 = 8 * (tid % 4), tile_col = tile * kDownRows + c0;
+  for (int i = tid / 4; i < a.num_rows; i += kComputeThreads / 4) {
+    const uint32_t mask = c.token_rank_mask[i];
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int d = 0; d < c.world_size; ++d) {
+      if (((mask >> d) & 1u) == 0) continue;
+      const uint4 raw = petit_load_cg(reinterpret_cast<const uint4*>(
+          rows + (int64_t(d) * R + i) * H + tile_col));
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[2 * j] += bf16_lo(w[j]);
+        v[2 * j + 1] += bf16_hi(w[j]);
+      }
+    }
+    uint4 packed;
+    uint32_t* p = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      p[j] = uint32_t(petit_float_to_bf16(v[2 * j])) |
+             (uint32_t(petit_float_to_bf16(v[2 * j + 1])) << 16);
+    }
+    *reinterpret_cast<uint4*>(a.out + int64_t(i) * H + tile_col) = packed;
+  }
+}
+
+// The trace's task record (thread 0): kind, expert, row group, tile; and its ready stamp.
+PETIT_DEVICE void trace_task(int64_t* trace, int iter, const Task& t, const int32_t* offsets) {
+  const int group = t.kind >= kReduce ? 0 : (t.begin - offsets[t.expert]) / kPassRows;
+  trace[kMegaMoeTraceHeader + 3 * iter] = (int64_t(t.kind) << 48) | (int64_t(t.expert) << 32) |
+                                          (int64_t(group) << 16) | t.tile;
+  trace[kMegaMoeTraceHeader + 1 + 3 * iter] = int64_t(petit_timer());
+}
+
+// The last block out resets the counters for the next call (same stream: no memset launch,
+// CUDA-graph capturable); at EP it also spends the call's epoch.
+template <bool kEp>
+PETIT_DEVICE void exit_block(const MegaMoeEpArgs& e, const Smem& s, uint64_t epoch) {
+  const MegaMoeArgs& a = e.layer;
+  const int tid = threadIdx.x;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s.scalars[kExitHere] = atomicAdd(&a.sync[kSyncExit], 1) == int(gridDim.x) - 1;
+  __syncthreads();
+  if (s.scalars[kExitHere]) {
+    __threadfence();
+    for (int i = tid; i < megamoe_sync_ints(a.num_local_experts, a.hidden); i += kThreads)
+      a.sync[i] = 0;
+    // EP: the call's epoch is spent (the next dispatch, combine or fused call uses the next)
+    if (kEp && tid == 0) *reinterpret_cast<volatile uint64_t*>(&e.ctx.state->epoch) = epoch;
+    __threadfence();
+  }
+}
+
+// ------------------------------------------------------------------ the kernel
+// (CUDA only: TMA tensor maps; an sm_90a body, empty in other device passes.)
 // kEp = false: one GPU, e.layer only. kEp = true: a rank of an EP group (e.ctx, its heap):
-// the rank's tokens are first pushed to their experts' ranks and every rank's arrive before
-// the routing (dispatch's layout and flags), the experts run on the W x R received rows, each
-// reduction task sends its rows back to their source ranks' combine regions, the last one
-// raises "reductions done" at every rank, and final tasks sum each own token's W rows.
+// ep_dispatch first, the experts run on the W x R received rows, each reduction task sends
+// its rows back to their source ranks' combine regions, the last one raises "reductions done"
+// at every rank, and final tasks sum each own token's W rows.
 // kSplit: an expert's rows in row groups of 16 (the launcher's choice), else one group.
 template <bool kEp, bool kSplit>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
@@ -332,47 +963,16 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
                    const __grid_constant__ CUtensorMap w2_map) {
 #if PETIT_SM90A_BODY
   const MegaMoeArgs& a = e.layer;
-  const EpContextArgs& c = e.ctx;
-  PETIT_DYNAMIC_SMEM(smem);
-  unsigned char* ring = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem + SmemLayout::kRing) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + SmemLayout::kFull);
-  int16_t* expert_of = reinterpret_cast<int16_t*>(smem + SmemLayout::kExpertOf);
-  int32_t* sorted = reinterpret_cast<int32_t*>(smem + SmemLayout::kSorted);
-  int32_t* offsets = reinterpret_cast<int32_t*>(smem + SmemLayout::kOffsets);
-  int32_t* cursor = reinterpret_cast<int32_t*>(smem + SmemLayout::kCursor);
-  int32_t* active = reinterpret_cast<int32_t*>(smem + SmemLayout::kActive);
-  int32_t* group_base = active + kMaxExperts;  // one base register for both
-  static_assert(SmemLayout::kGroupBase == SmemLayout::kActive + 4 * kMaxExperts, "adjacent");
-  int32_t* scalars = reinterpret_cast<int32_t*>(smem + SmemLayout::kScalars);
-  float* red = reinterpret_cast<float*>(smem + SmemLayout::kReduce);
-
+  PETIT_DYNAMIC_SMEM(smem_bytes);
+  const Smem s = carve_smem(smem_bytes);
+  const Layer l = layer_of<kEp>(e);
   const int tid = threadIdx.x, lane = petit_lane_id(), warp = petit_warp_id();
-  static_assert(kMaxExperts % 32 == 0, "the routing scan: kMaxExperts / 32 experts per lane");
-  const int R = e.region_stride;  // EP
-  const int N = kEp ? c.world_size * R : a.num_rows;  // the rows the experts see
-  const int K = a.top_k, H = a.hidden, I = a.intermediate;
-  const int L = a.num_local_experts, num_entries = N * K;
-  int* sync = a.sync;
-  int* gate_up_done = sync + kSyncExperts;   // [L] by local expert
-  int* tile_done = gate_up_done + L;         // [H / kDownRows] by down row tile
-  int* reductions_done = tile_done + H / kDownRows;  // EP: and blocks past the dispatch wait
-  // The rows, their routing and their weights: the caller's (W = 1) or this rank's dispatch
-  // regions (EP: local expert ids or -1, W x R rows at region stride R).
-  char* const my_heap = kEp ? rank_heap(c, c.rank) : nullptr;
-  const petit_bf16_bits* const rows_x =
-      kEp ? reinterpret_cast<const petit_bf16_bits*>(my_heap + c.layout.dispatch_rows) : a.x;
-  const int32_t* const row_ids =
-      kEp ? reinterpret_cast<const int32_t*>(my_heap + c.layout.dispatch_ids) : a.topk_ids;
-  const float* const row_weights =
-      kEp ? reinterpret_cast<const float*>(my_heap + c.layout.dispatch_weights) : a.topk_weights;
-
   const bool control = warp == kWarps;  // fences, counters, claims and waits: never streams
   // Before the previous kernel of the stream has completed (programmatic launch, W = 1):
   // only what touches no global memory.
   if (tid == 0) {
     for (int i = 0; i < kWarps * kStages; ++i) {
-      gemm::sm90_mbarrier_init(gemm::smem_addr_u32(full + i), 1);
+      gemm::sm90_mbarrier_init(gemm::smem_addr_u32(s.full + i), 1);
     }
     gemm::sm90_fence_mbarrier_init();
     gemm::sm90_prefetch_tensor_map(&w13_map);
@@ -394,497 +994,93 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   // the first wave before any holds two (two claims at once gave the first 2 x grid tasks to
   // the first blocks in pairs: at 1 token, 384 gate/up tasks on 192 of 264 blocks).
   int first_claim = 0;
-  if (control && lane == 0) first_claim = atomicAdd(&sync[kSyncClaim], 1);
+  if (control && lane == 0) first_claim = claim_task(a.sync);
 
-  // ---- 0. EP: push this rank's tokens to their experts' ranks (dispatch's layout, flags and
-  // tag), then wait until every rank's have arrived here. The grid is co-resident (the
-  // launcher's rule), so every block's sends complete before any block can wait for them.
   uint64_t epoch = 0;
-  if constexpr (kEp) {
-    const HeapLayout& l = c.layout;
-    if (tid == 0) {
-      const uint64_t next = *reinterpret_cast<const volatile uint64_t*>(&c.state->epoch) + 1;
-      scalars[kEpochLo] = int32_t(uint32_t(next));
-      scalars[kEpochHi] = int32_t(uint32_t(next >> 32));
-    }
-    __syncthreads();
-    epoch = (uint64_t(uint32_t(scalars[kEpochHi])) << 32) | uint32_t(scalars[kEpochLo]);
-    const int W = c.world_size, E = c.num_experts, Lc = c.num_local_experts;
-    const uint32_t tag = dispatch_flag_tag(R, K, kQuantNone);
-    const int groups = ceil_div(R, kTokenGroupSize), num_vectors = H / 8;
-    for (int item = blockIdx.x; item < groups * W; item += gridDim.x) {
-      const int group = item / W, dst = (c.rank + 1 + item % W) % W;  // peers first
-      char* dst_heap = rank_heap(c, dst);
-      if (warp == 0) {  // lane t: token group * 32 + t, its slots for dst and its rank mask
-        const int token = group * kTokenGroupSize + lane;
-        bool routed = false;
-        if (token < R) {
-          const int64_t slot = (int64_t(c.rank) * R + token) * K;
-          int32_t* dst_ids = reinterpret_cast<int32_t*>(dst_heap + l.dispatch_ids) + slot;
-          float* dst_weights = reinterpret_cast<float*>(dst_heap + l.dispatch_weights) + slot;
-          uint32_t rank_mask = 0;
-          int dropped = 0;
-          for (int k = 0; k < K; ++k) {
-            int32_t local = -1;
-            float weight = 0.f;
-            if (token < a.num_rows) {
-              const int64_t id = int64_t(a.topk_ids[int64_t(token) * K + k]);
-              const int owner = expert_owner(id, E, Lc);
-              dropped += (owner < 0 && id != -1);
-              if (owner >= 0) {
-                rank_mask |= 1u << owner;
-                if (owner == dst) {
-                  local = int32_t(id - int64_t(dst) * Lc);
-                  weight = a.topk_weights[int64_t(token) * K + k];
-                }
-              }
-            }
-            routed |= (local >= 0);
-            dst_ids[k] = local;
-            dst_weights[k] = weight;
-          }
-          if (dst == c.rank && token < a.num_rows) {
-            c.token_rank_mask[token] = rank_mask;
-            if (dropped > 0) atomicAdd(&c.diagnostics->dropped_ids, dropped);
-          }
-        }
-        const uint32_t mask = uint32_t(petit_ballot(routed));
-        if (lane == 0) scalars[kRouteMask] = int32_t(mask);
-      }
-      __syncthreads();
-      const uint32_t mask = uint32_t(scalars[kRouteMask]);
-      const int routed_rows = petit_popc(mask);
-      for (int u = warp; u < routed_rows; u += kWarps + 1) {  // the control warp copies too
-        const int token = group * kTokenGroupSize + nth_set_bit(mask, u);
-        warp_copy(reinterpret_cast<uint4*>(dst_heap + l.dispatch_rows) +
-                      (int64_t(c.rank) * R + token) * num_vectors,
-                  reinterpret_cast<const uint4*>(a.x) + int64_t(token) * num_vectors, 0,
-                  num_vectors, lane);
-      }
-      __syncthreads();  // the block's stores, then one system fence and the flag
-      if (tid == 0) {
-        publish_fence();
-        publish_flag(reinterpret_cast<uint64_t*>(dst_heap + l.dispatch_flags) +
-                         int64_t(c.rank) * l.max_groups + group,
-                     make_flag(epoch, tag, uint32_t(routed_rows)));
-      }
-    }
-    if (control) {  // every (source, group) of this call, bounded (the peers' contract)
-      const uint64_t* flags = reinterpret_cast<const uint64_t*>(my_heap + l.dispatch_flags);
-      for (int f = lane; f < W * groups; f += 32) {
-        const int src = f / groups, group = f % groups;
-        wait_flag(c, flags + int64_t(src) * l.max_groups + group, epoch, tag, src, 0, group);
-      }
-    }
-    __syncthreads();
-    // Counted with the reductions: "reductions done" goes out only once every block has read
-    // its dispatch flags, since a peer that sees it may end the call and overwrite them here
-    // with its next call's (a block still waiting would wait forever, its peers alive).
-    if (tid == 0 && atomicAdd(reductions_done, 1) == H / kDownRows + int(gridDim.x) - 1)
-      publish_reductions(c, epoch, R, K);
-  }
+  if constexpr (kEp) epoch = ep_dispatch(e, l, s);
 
-  // ---- 1. routing in shared memory: counts, offsets and the active experts first (the
-  // weight stream can start from them), then the stable sort of the entries.
-  for (int i = tid; i < num_entries; i += kThreads) {
-    expert_of[i] = int16_t(kEp ? local_expert_id(row_ids, nullptr, L, L, i)
-                               : local_expert_id(row_ids, a.expert_map, a.num_global_experts, L, i));
-  }
-  for (int e = tid; e < L; e += kThreads) cursor[e] = 0;
-  if (control && lane == 0) scalars[kClaim0] = first_claim;
+  route_experts<kEp>(a, l, s);
+  if (control && lane == 0) s.scalars[kClaim0] = first_claim;
   __syncthreads();
   if (trace != nullptr) trace[4] = int64_t(petit_timer());  // every row's ids read
-  for (int i = tid; i < num_entries; i += kThreads) {
-    const int e = expert_of[i];
-    if (e >= 0) atomicAdd(&cursor[e], 1);
-  }
+  route_count(l, s);
   __syncthreads();
-  if (warp == 0) {  // offsets, the active experts and their row groups: one warp, lane l
-    const int per_lane = (L + 31) / 32;  // owns experts [l * per_lane, (l + 1) * per_lane)
-    int count = 0, actives = 0, groups = 0;
-    for (int i = 0; i < per_lane; ++i) {
-      const int e = lane * per_lane + i;
-      const int c = e < L ? cursor[e] : 0;
-      count += c;
-      actives += c > 0 ? 1 : 0;
-      if constexpr (kSplit) groups += row_groups(c);
-    }
-    int count_incl = count, active_incl = actives, group_incl = groups;  // inclusive scans
-    for (int d = 1; d < 32; d <<= 1) {
-      const int src = lane >= d ? lane - d : lane;
-      const int c = petit_shfl(count_incl, src), n = petit_shfl(active_incl, src);
-      const int gr = kSplit ? petit_shfl(group_incl, src) : 0;
-      if (lane >= d) {
-        count_incl += c;
-        active_incl += n;
-        group_incl += gr;
-      }
-    }
-    int offset = count_incl - count, slot = active_incl - actives, group = group_incl - groups;
-    for (int i = 0; i < per_lane; ++i) {
-      const int e = lane * per_lane + i;
-      if (e < L) {
-        const int c = cursor[e];
-        offsets[e] = offset;
-        cursor[e] = offset;
-        if (c > 0) {
-          if constexpr (kSplit) group_base[slot] = group;
-          active[slot++] = e;
-        }
-        offset += c;
-        if constexpr (kSplit) group += row_groups(c);
-      }
-    }
-    if (lane == 31) {
-      offsets[L] = count_incl;
-      scalars[kNumActive] = active_incl;
-      if constexpr (kSplit) {
-        group_base[active_incl] = group_incl;
-        scalars[kNumGroups] = group_incl;
-      }
-    }
-  }
+  if (warp == 0) route_scan<kSplit>(l.num_local_experts, s);
   // The second claim: issued here; at W = 1 its value is stored only after the first weight
   // loads (the barrier below does not wait for the atomic's round trip, and the first loads
   // need only the first claim). The EP kernel, whose routing waits for the peers' rows anyway,
   // stores it first (deferred, its registers spill).
   int second_claim = 0;
   if (control && lane == 0) {
-    second_claim = atomicAdd(&sync[kSyncClaim], 1);
-    if (kEp) scalars[kClaim0 + 1] = second_claim;
+    second_claim = claim_task(a.sync);
+    if (kEp) s.scalars[kClaim0 + 1] = second_claim;
   }
   __syncthreads();
   if (trace != nullptr) trace[5] = int64_t(petit_timer());  // counts, offsets, active experts
 
-  // The active experts and their row groups, held in registers, but read from shared memory
-  // at each use by the W = 1 kernel with row groups (its registers spill otherwise; the EP
-  // kernel's spill more the other way round).
-  constexpr bool kHeld = kEp || !kSplit;
-  const int held_active = scalars[kNumActive], held_groups = kSplit ? scalars[kNumGroups] : 0;
-  auto num_active = [&] { return kHeld ? held_active : scalars[kNumActive]; };
-  auto num_groups = [&] {
-    return !kSplit ? num_active() : kHeld ? held_groups : scalars[kNumGroups];
-  };
-  const int gate_up_tiles = I / kTileCols, down_tiles = H / kDownRows;
-  auto task_of = [&](int id) {
-    return decode_task<kEp, kSplit>(id, num_active(), num_groups(), gate_up_tiles, down_tiles,
-                                    active, group_base, offsets);
-  };
-
+  const Schedule<kEp, kSplit> sc = schedule_of<kEp, kSplit>(l, s);
   // The first task's weight stream goes out before the sort (the second task's, whose claim
   // is stored meanwhile, after it).
-  const unsigned char* ring_warp = ring + warp * (kStages * kStepBytes);
-  const uint32_t ring_warp_addr = gemm::smem_addr_u32(ring_warp);
-  const uint32_t full_warp = gemm::smem_addr_u32(full + warp * kStages);
+  const unsigned char* ring_warp = s.ring + warp * (kStages * kStepBytes);
+  const WarpRing ring{ring_warp, gemm::smem_addr_u32(ring_warp),
+                      gemm::smem_addr_u32(s.full + warp * kStages), &w13_map, &w2_map};
   Producer prod{};
-  Task cur_task = task_of(scalars[kClaim0]), next_task{};
+  Task cur_task = sc.task(s.scalars[kClaim0]), next_task{};
   prod.cur = warp_stream(cur_task, a);
   if constexpr (kEp) {
-    next_task = task_of(scalars[kClaim0 + 1]);
+    next_task = sc.task(s.scalars[kClaim0 + 1]);
     prod.next = warp_stream(next_task, a);
     prod.has_next = next_task.valid;
   }
   int consumed = 0;
-  if (!control && cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
+  if (!control && cur_task.valid) produce(prod, consumed, ring);
   if (trace != nullptr) trace[6] = int64_t(petit_timer());  // this warp's first loads issued
-  if (!kEp && control && lane == 0) scalars[kClaim0 + 1] = second_claim;
+  if (!kEp && control && lane == 0) s.scalars[kClaim0 + 1] = second_claim;
 
-  if (warp == 0) {  // stable scatter: entry order within each expert
-    for (int base = 0; base < num_entries; base += 32) {
-      const int i = base + lane;
-      const int e = i < num_entries ? expert_of[i] : -1;
-      const petit_lanemask_t same = petit_match_any(e);
-      const petit_lanemask_t below = same & petit_lanemask_lt();
-      if (e >= 0) sorted[cursor[e] + petit_popc(below)] = i;
-      petit_syncwarp();
-      if (e >= 0 && below == 0) cursor[e] += petit_popc(same);
-      petit_syncwarp();
-    }
-  }
+  if (warp == 0) route_sort(l.num_entries, s);
   __syncthreads();
   if (trace != nullptr) trace[1] = int64_t(petit_timer());
   if constexpr (!kEp) {
-    next_task = task_of(scalars[kClaim0 + 1]);
+    next_task = sc.task(s.scalars[kClaim0 + 1]);
     prod.next = warp_stream(next_task, a);
     prod.has_next = next_task.valid;
   }
 
-  if (!kEp && num_active() == 0) {  // no entry served: the layer's output is 0
-    const int64_t vectors = int64_t(N) * H / 8;
+  if (!kEp && sc.num_active() == 0) {  // no entry served: the layer's output is 0
+    const int64_t vectors = int64_t(l.num_rows) * l.hidden / 8;
     for (int64_t v = int64_t(blockIdx.x) * kThreads + tid; v < vectors;
          v += int64_t(gridDim.x) * kThreads) {
       reinterpret_cast<uint4*>(a.out)[v] = zero4();
     }
   }
 
-  // ---- 2. tasks. Per iteration: R (ready: the control warp has acquired what the task
-  // reads from other blocks), the compute warps' work, S (every store of the task issued).
-  // The control warp claims two tasks ahead, publishes each finished task (fence + counter)
-  // while the compute warps run the next one, and checks the next task's inputs early; the
-  // compute warps never fence (a fence would wait for their weight loads in flight) and wait
-  // at R only when an input is really missing.
-  const int g = lane / 4, q = lane % 4;
-  // control warp, lane 0: the finished task not yet published, and whether the current task's
-  // inputs were seen complete (acquired) already
-  Task unpublished{};
-  bool inputs_seen = false;
-  auto counter_of = [&](const Task& t) -> const int* {
-    return t.kind == kDown ? &gate_up_done[t.expert] : &tile_done[t.tile];
-  };
-  auto target_of = [&](const Task& t) {
-    const int groups =
-        kSplit ? row_groups(offsets[t.expert + 1] - offsets[t.expert]) : 1;
-    return t.kind == kDown ? gate_up_tiles * groups : num_groups();
-  };
-  auto publish = [&](Task& t) {
-    if (!t.valid) return;
-    if (kEp && t.kind == kReduce) {
-      // the rows went to peers' heaps: a system-scope release, then the count; the last
-      // reduction of this rank tells every rank its rows are in (dispatch's publish_item)
-      petit_fence_acq_rel_sys();
-      if (atomicAdd(reductions_done, 1) == down_tiles + int(gridDim.x) - 1)
-        publish_reductions(c, epoch, R, K);
-    } else {
-      __threadfence();  // release: the compute warps' stores, ordered before it by S
-      if (t.kind == kGateUp) atomicAdd(&gate_up_done[t.expert], 1);
-      if (t.kind == kDown) atomicAdd(&tile_done[t.tile], 1);
-    }
-    t.valid = false;
-  };
+  // ---- the tasks. Per iteration: R (ready: the control warp has acquired what the task
+  // reads from other blocks), the task's role, S (every store of the task issued).
+  Control<kEp, kSplit> ctl{};
   for (int iter = 0;; ++iter) {
-    if (control && lane == 0) {
-      const bool waits = cur_task.valid && cur_task.kind != kGateUp && !inputs_seen;
-      if (waits || !cur_task.valid) publish(unpublished);  // ours may be what it waits for
-      if (kEp && waits && cur_task.kind == kFinal) {  // every rank's rows of our tokens
-        for (int d = 0; d < c.world_size; ++d) {
-          wait_flag(c, reductions_flag(c, c.rank, d), epoch, reductions_tag(R, K), d, 1, 0);
-        }
-      } else if (waits) {
-        wait_count(counter_of(cur_task), target_of(cur_task), a.timeout_ticks,
-                   cur_task.kind == kDown ? cur_task.expert : -1 - cur_task.tile);
-      }
-    }
+    if (control && lane == 0) ctl.await_inputs(cur_task, sc, e, l, epoch);
     __syncthreads();  // R(iter)
     if (!cur_task.valid) break;
-    if (trace != nullptr && iter < kMegaMoeTraceTasks) {  // kind, expert, group, tile; ready
-      const int group =
-          cur_task.kind >= kReduce ? 0 : (cur_task.begin - offsets[cur_task.expert]) / kPassRows;
-      trace[kMegaMoeTraceHeader + 3 * iter] = (int64_t(cur_task.kind) << 48) |
-                                              (int64_t(cur_task.expert) << 32) |
-                                              (int64_t(group) << 16) | cur_task.tile;
-      trace[kMegaMoeTraceHeader + 1 + 3 * iter] = int64_t(petit_timer());
-    }
+    if (trace != nullptr && iter < kMegaMoeTraceTasks) trace_task(trace, iter, cur_task, s.offsets);
     if (control) {
-      if (lane == 0) {
-        // publish the previous task, claim the task of iteration iter + 2 (read after
-        // S(iter)), look at the next task's inputs
-        publish(unpublished);
-        scalars[kClaim0 + (iter + 2) % 3] = atomicAdd(&sync[kSyncClaim], 1);
-        inputs_seen = next_task.valid && next_task.kind != kGateUp && next_task.kind != kFinal &&
-                      petit_load_acquire_gpu(counter_of(next_task)) >= target_of(next_task);
-      }
+      if (lane == 0) ctl.step(iter, next_task, sc, e, l, epoch, s.scalars);
     } else if (cur_task.kind == kReduce) {
-      // every expert's partials of this row tile are in: sum each token's slots in order
-      const int tile = cur_task.tile, r0 = 4 * (tid % 8);
-      for (int n = tid / 8; n < N; n += kComputeThreads / 8) {
-        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        bool served = false;
-        for (int k = 0; k < K; ++k) {
-          const int entry = n * K + k;
-          if (expert_of[entry] < 0) continue;
-          served = true;
-          const uint4 raw = petit_load_cg(reinterpret_cast<const uint4*>(
-              a.partial + int64_t(entry) * H + tile * kDownRows + r0));
-          s[0] += as_float(raw.x);
-          s[1] += as_float(raw.y);
-          s[2] += as_float(raw.z);
-          s[3] += as_float(raw.w);
-        }
-        uint2 packed;
-        packed.x = uint32_t(petit_float_to_bf16(s[0])) | (uint32_t(petit_float_to_bf16(s[1])) << 16);
-        packed.y = uint32_t(petit_float_to_bf16(s[2])) | (uint32_t(petit_float_to_bf16(s[3])) << 16);
-        if constexpr (kEp) {
-          // row n = token n % R of rank n / R: into that rank's combine region, slot of this
-          // rank (rows no local expert served are never read there)
-          if (served) {
-            petit_bf16_bits* dst =
-                reinterpret_cast<petit_bf16_bits*>(rank_heap(c, n / R) + c.layout.combine_rows);
-            *reinterpret_cast<uint2*>(dst + (int64_t(c.rank) * R + n % R) * H +
-                                      tile * kDownRows + r0) = packed;
-          }
-        } else {
-          *reinterpret_cast<uint2*>(a.out + int64_t(n) * H + tile * kDownRows + r0) = packed;
-        }
-      }
+      reduce_task<kEp>(cur_task.tile, e, l, s);
     } else if (kEp && cur_task.kind == kFinal) {
-      // every rank's rows of this rank's tokens are in: out[i, tile] = sum over the ranks d
-      // that served token i, in rank order, in fp32 (the combine's reduction)
-      const petit_bf16_bits* rows =
-          reinterpret_cast<const petit_bf16_bits*>(my_heap + c.layout.combine_rows);
-      const int c0 = 8 * (tid % 4), tile_col = cur_task.tile * kDownRows + c0;
-      for (int i = tid / 4; i < a.num_rows; i += kComputeThreads / 4) {
-        const uint32_t mask = c.token_rank_mask[i];
-        float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int d = 0; d < c.world_size; ++d) {
-          if (((mask >> d) & 1u) == 0) continue;
-          const uint4 raw = petit_load_cg(reinterpret_cast<const uint4*>(
-              rows + (int64_t(d) * R + i) * H + tile_col));
-          const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            s[2 * j] += bf16_lo(w[j]);
-            s[2 * j + 1] += bf16_hi(w[j]);
-          }
-        }
-        uint4 packed;
-        uint32_t* p = reinterpret_cast<uint32_t*>(&packed);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          p[j] = uint32_t(petit_float_to_bf16(s[2 * j])) |
-                 (uint32_t(petit_float_to_bf16(s[2 * j + 1])) << 16);
-        }
-        *reinterpret_cast<uint4*>(a.out + int64_t(i) * H + tile_col) = packed;
-      }
+      final_task(cur_task.tile, e);
     } else {
-      const bool gate_up = cur_task.kind == kGateUp;
-      const WarpStream ws = warp_stream(cur_task, a);
-      const int tile = cur_task.tile, begin = cur_task.begin, count = cur_task.count;
-      for (int pass = 0; pass < count; pass += kPassRows) {
-        const int rows = min(kPassRows, count - pass);
-        const petit_bf16_bits* b_rows[kMaxNTiles];
-#pragma unroll
-        for (int j = 0; j < kMaxNTiles; ++j) {
-          const int r = pass + j * 8 + g;
-          b_rows[j] = nullptr;
-          if (r < count) {
-            b_rows[j] = gate_up ? rows_x + int64_t(sorted[begin + r] / K) * H
-                                : a.act + int64_t(begin + r) * I;
-          }
-        }
-        float acc[2][kMaxNTiles][4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int j = 0; j < kMaxNTiles; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
-        // The warp's k steps over NT n-tiles of rows. B (the rows' inputs, global memory) is
-        // loaded D steps ahead into a register ring, so a step waits for its weights (ring
-        // kStages ahead) rather than for an input load issued one step earlier: D = 4 with one
-        // n-tile (2 in the EP instance, whose other state leaves fewer registers), 1 with two.
-        auto k_steps = [&](auto nt_tag) {
-          constexpr int NT = decltype(nt_tag)::value;
-          constexpr int D = NT == 1 ? (kEp ? 2 : kInputsAhead) : 1;
-          const int end = ws.s0 + ws.steps;
-          uint4 ahead[D][2][NT];  // step s's inputs in ahead[(s - s0) % D]
-          auto load_b = [&](uint4 (&dst)[2][NT], int s) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-              for (int j = 0; j < NT; ++j) {
-                dst[h][j] = b_rows[j] != nullptr && s < end
-                                ? petit_load_cg(reinterpret_cast<const uint4*>(
-                                      b_rows[j] + s * kStepK + h * kSpan + 8 * q))
-                                : zero4();
-              }
-          };
-#pragma unroll
-          for (int d = 0; d < D; ++d) load_b(ahead[d], ws.s0 + d);
-          for (int base = ws.s0; base < end; base += D) {
-#pragma unroll
-            for (int d = 0; d < D; ++d) {
-              const int s = base + d;
-              if (s < end) {
-                // this step's inputs; one step ahead (D = 1) the next load goes out before the
-                // weights' wait, from a copy, as several steps ahead it can follow the multiplies
-                uint4 (&b)[2][NT] = ahead[d];
-                uint4 held[2][NT];
-                if constexpr (D == 1) {
-#pragma unroll
-                  for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int j = 0; j < NT; ++j) held[h][j] = b[h][j];
-                  load_b(ahead[d], s + D);
-                }
-                const uint4 (&in)[2][NT] = D == 1 ? held : b;
-                const int slot = consumed % kStages;
-                gemm::sm90_mbarrier_wait_parity(full_warp + slot * 8, (consumed / kStages) & 1);
-                const unsigned char* step = ring_warp + slot * kStepBytes;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {  // span h: chunk 4h + q of rows g, g + 8 of each box
-                  const uint4 lo0 = box_chunk(step, g, 4 * h + q);
-                  const uint4 hi0 = box_chunk(step, g + 8, 4 * h + q);
-                  const uint4 lo1 = box_chunk(step + kBoxBytes, g, 4 * h + q);
-                  const uint4 hi1 = box_chunk(step + kBoxBytes, g + 8, 4 * h + q);
-#pragma unroll
-                  for (int j = 0; j < NT; ++j) {
-                    gemm::mma_span32(acc[0][j], lo0, hi0, in[h][j]);
-                    gemm::mma_span32(acc[1][j], lo1, hi1, in[h][j]);
-                  }
-                }
-                if constexpr (D > 1) load_b(ahead[d], s + D);  // after the multiplies read it
-                ++consumed;
-                petit_syncwarp();  // every lane has read the slot before lane 0 refills it
-                produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
-              }
-            }
-          }
-        };
-        if (rows > 8) {
-          k_steps(std::integral_constant<int, 2>{});
-        } else {
-          k_steps(std::integral_constant<int, 1>{});
-        }
-        // red[warp][half][n-tile][reg][lane]
-        float* mine = red + warp * (2 * kMaxNTiles * 4 * 32);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int j = 0; j < kMaxNTiles; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
-            }
-        gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);
-        // Epilogue: item -> (expert row n, 2 consecutive weight rows or columns).
-        for (int item = tid; item < kPassRows * 16; item += kComputeThreads) {
-          const int n = item / 16, part = item % 16;
-          if (n >= rows) break;
-          const int pos = begin + pass + n;
-          if (gate_up) {
-            if (part < 8) {
-              const int c = 2 * part;  // columns c, c + 1 of the tile
-              const float a0 = gemm::silu(reduced(red, 0, c, n)) * reduced(red, 1, c, n);
-              const float a1 = gemm::silu(reduced(red, 0, c + 1, n)) * reduced(red, 1, c + 1, n);
-              const uint32_t packed = uint32_t(petit_float_to_bf16(a0)) |
-                                      (uint32_t(petit_float_to_bf16(a1)) << 16);
-              *reinterpret_cast<uint32_t*>(a.act + int64_t(pos) * I + tile * kTileCols + c) =
-                  packed;
-            }
-          } else {
-            const int entry = sorted[pos];
-            const float weight = row_weights[entry];
-            const int r0 = 2 * part;  // rows r0, r0 + 1 of the tile (half r0 / 16)
-            float2 v;
-            v.x = weight * reduced(red, r0 / 16, r0 % 16, n);
-            v.y = weight * reduced(red, r0 / 16, r0 % 16 + 1, n);
-            *reinterpret_cast<float2*>(a.partial + int64_t(entry) * H + tile * kDownRows + r0) =
-                v;
-          }
-        }
-        gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);  // red is reused by the next pass
-      }
+      weight_task<kEp>(cur_task, a, l, s, prod, consumed, ring);
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {
       trace[kMegaMoeTraceHeader + 2 + 3 * iter] = int64_t(petit_timer());
     }
     if (trace != nullptr) trace[3] = iter + 1;
-    if (control && lane == 0) unpublished = cur_task;
+    if (control && lane == 0) ctl.unpublished = cur_task;
     // Advance. Every step of the finished task was consumed, so pushed: the cursor is past it
     // (in the new current task), or exactly at its end if it never needed to move on.
     cur_task = next_task;
-    next_task = task_of(scalars[kClaim0 + (iter + 2) % 3]);
+    next_task = sc.task(s.scalars[kClaim0 + (iter + 2) % 3]);
     if (!control) {
       if (prod.iter == iter) {
         prod.cur = prod.next;
@@ -894,26 +1090,14 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       }
       prod.next = warp_stream(next_task, a);
       prod.has_next = next_task.valid;
-      if (cur_task.valid) produce(prod, consumed, ring_warp_addr, full_warp, &w13_map, &w2_map);
+      if (cur_task.valid) produce(prod, consumed, ring);
     }
   }
   // No weight load is in flight here: the producer only loads the current and the next task,
   // and the loop ends at the first invalid one, whose successors are invalid too.
 
   if (trace != nullptr) trace[2] = int64_t(petit_timer());
-
-  // ---- 3. the last block out resets the counters for the next call
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) scalars[kExitHere] = atomicAdd(&sync[kSyncExit], 1) == int(gridDim.x) - 1;
-  __syncthreads();
-  if (scalars[kExitHere]) {
-    __threadfence();
-    for (int i = tid; i < megamoe_sync_ints(L, H); i += kThreads) sync[i] = 0;
-    // EP: the call's epoch is spent (the next dispatch, combine or fused call uses the next)
-    if (kEp && tid == 0) *reinterpret_cast<volatile uint64_t*>(&c.state->epoch) = epoch;
-    __threadfence();
-  }
+  exit_block<kEp>(e, s, epoch);
 #else
   (void)e, (void)w13_map, (void)w2_map;
 #endif
