@@ -145,8 +145,13 @@ struct MegaMoeArgs {
   const int32_t* expert_map;       // [num_global_experts] or nullptr
   int num_global_experts;
   const float* topk_weights;       // [N*K]
-  const petit_bf16_bits* w13;      // [L, 2I, H]
-  const petit_bf16_bits* w2;       // [L, H, I]
+  const void* w13;                 // [L, 2I, H] bf16, or e4m3 with w13_scale
+  const void* w2;                  // [L, H, I] bf16, or e4m3 with w2_scale
+  // Block fp8 weights (the checkpoints' format, vLLM's layout in place): fp32 scales of each
+  // 128 x 128 block, weight = e4m3 * scale; both nullptr: bf16 weights. H and I then
+  // multiples of kFp8ScaleBlock (layout.h).
+  const float* w13_scale;          // [L, 2I / 128, H / 128]
+  const float* w2_scale;           // [L, H / 128, I / 128]
   petit_bf16_bits* act;            // [N*K, I] workspace
   float* partial;                  // [N*K, H] workspace: weighted fp32 down projections
   int32_t* sync;                   // [megamoe_sync_ints(L, H)] zero before the first call; every

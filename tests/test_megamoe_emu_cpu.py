@@ -65,7 +65,7 @@ WHOLE_L2 = 1 << 30
 
 
 def run_emu(emu, x, ids, weights, w13, w2, *, num_sms=1, at_once=True, sync=None,
-            expert_map=None, trace=None, l2_bytes=0):
+            expert_map=None, trace=None, l2_bytes=0, w13_scale=None, w2_scale=None):
     num_rows, hidden = x.shape
     top_k, num_local, intermediate = ids.shape[1], w13.shape[0], w13.shape[1] // 2
     entries = max(1, num_rows * top_k)
@@ -78,7 +78,8 @@ def run_emu(emu, x, ids, weights, w13, w2, *, num_sms=1, at_once=True, sync=None
         _ptr(x), _ptr(ids.contiguous()), _ptr(expert_map),
         0 if expert_map is None else expert_map.numel(), _ptr(weights.contiguous()),
         _ptr(w13), _ptr(w2), _ptr(act), _ptr(partial), _ptr(sync), _ptr(out), num_rows, top_k,
-        hidden, intermediate, num_local, num_sms, int(at_once), _ptr(trace), l2_bytes)
+        hidden, intermediate, num_local, num_sms, int(at_once), _ptr(trace), l2_bytes,
+        _ptr(w13_scale), _ptr(w2_scale))
     return rc, out, sync
 
 
@@ -110,6 +111,74 @@ def test_matches_reference(emu, seed, num_rows, top_k, hidden, intermediate, num
         assert int(sync.abs().sum()) == 0, "counters not reset for the next call"
         outs.append(out.view(torch.int16))
     assert torch.equal(outs[0], outs[1])
+
+
+def quantize_block_fp8(w, block=128):
+    """[L, R, C] float -> (e4m3 [L, R, C], fp32 scales [L, R/128, C/128], the dequantized
+    weights in float64): the checkpoints' 128 x 128 block quantization (scale = amax / 448)."""
+    num, rows, cols = w.shape
+    blocks = w.view(num, rows // block, block, cols // block, block)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12) / 448.0
+    expand = scale[:, :, None, :, None]
+    q = (blocks / expand).to(torch.float8_e4m3fn)
+    deq = (q.double() * expand.double()).view(num, rows, cols)
+    return q.view(num, rows, cols).contiguous(), scale.float().contiguous(), deq
+
+
+def make_fp8_case(seed, num_rows, top_k, hidden, intermediate, num_local, **kwargs):
+    """A case with block-fp8 weights: (x, ids, weights, w13 e4m3, w2 e4m3), the scales and
+    the dequantized weights the reference uses. The blocks' magnitudes differ by up to ~e^8, so
+    a wrong block's scale shows; the e4m3 values include subnormals and both signs."""
+    x, ids, weights, w13, w2 = make_case(seed, num_rows, top_k, hidden, intermediate, num_local,
+                                         **kwargs)
+    g = torch.Generator().manual_seed(seed + 1000)
+    block_gain = torch.exp(2 * torch.randn(num_local, 2 * intermediate // 128, 1, hidden // 128,
+                                           1, generator=g))
+    w13f = (w13.float().view(num_local, 2 * intermediate // 128, 128, hidden // 128, 128)
+            * block_gain).view(w13.shape)
+    w2f = w2.float()
+    q13, s13, d13 = quantize_block_fp8(w13f)
+    q2, s2, d2 = quantize_block_fp8(w2f)
+    return (x, ids, weights, q13.view(torch.uint8), q2.view(torch.uint8)), (s13, s2), (d13, d2)
+
+
+@pytest.mark.parametrize("seed,num_rows,top_k,hidden,intermediate,num_local,num_sms", [
+    (20, 1, 1, 128, 128, 1, 1),     # one token, one k step for one warp only
+    (21, 3, 4, 256, 128, 4, 1),
+    (22, 19, 3, 128, 384, 5, 2),    # odd counts, 3 down k steps over 4 warps
+    (23, 40, 2, 128, 128, 2, 1),    # > 8 rows per expert: several 8-row passes
+    (24, 2, 2, 1536, 1408, 2, 1),   # 3 k steps per warp
+])
+def test_fp8_weights_match_reference(emu, seed, num_rows, top_k, hidden, intermediate,
+                                     num_local, num_sms):
+    """Block-fp8 weights (e4m3 + one fp32 scale per 128 x 128 block, vLLM's layout): the
+    reference on the dequantized weights, with 16-row groups and with one group per expert;
+    the same bits either way."""
+    case, (s13, s2), (d13, d2) = make_fp8_case(seed, num_rows, top_k, hidden, intermediate,
+                                               num_local)
+    x, ids, weights = case[:3]
+    ref = reference_moe(x, ids, weights, d13, d2)
+    outs = []
+    for l2_bytes in (0, WHOLE_L2):
+        rc, out, sync = run_emu(emu, *case, num_sms=num_sms, l2_bytes=l2_bytes, w13_scale=s13,
+                                w2_scale=s2)
+        assert rc == 0
+        assert_close(out, ref)
+        assert int(sync.abs().sum()) == 0, "counters not reset for the next call"
+        outs.append(out.view(torch.int16))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_fp8_limits_rejected(emu):
+    """fp8 weights need H and I multiples of the 128 scale block and both scale tensors."""
+    case, (s13, s2), _ = make_fp8_case(25, 2, 2, 128, 128, 2)
+    rc, out, _ = run_emu(emu, *case, w13_scale=s13, w2_scale=None)
+    assert rc != 0 and out.isnan().all()
+    x, ids, weights, w13, w2 = make_case(26, 2, 2, 192, 128, 2)
+    w13_bytes = w13.view(torch.uint8)[..., :192].contiguous()
+    rc, out, _ = run_emu(emu, x, ids, weights, w13_bytes, w2.view(torch.uint8)[..., :128].contiguous(),
+                         w13_scale=torch.ones(2, 2, 2), w2_scale=torch.ones(2, 2, 1))
+    assert rc != 0 and out.isnan().all()
 
 
 def test_skewed_rows_in_groups_or_passes(emu):

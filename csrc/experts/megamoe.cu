@@ -69,8 +69,10 @@ constexpr int kTileCols = 16;    // gate/up task: 16 columns of I (16 gate + 16 
 constexpr int kDownRows = 32;    // down task: 32 rows of H (two 16-row m-tiles)
 constexpr int kSpan = 32;        // k elements of one mma_span32 (two mma.sync k16)
 constexpr int kStepK = 64;       // k elements per ring step: one TMA box row (128 bytes)
+constexpr int kStepK8 = 128;     // the same with e4m3 weights: one scale block of k
 constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per pass: 16 expert rows
 constexpr int kPassRows = 8 * kMaxNTiles;
+constexpr int kPassRows8 = 8;    // e4m3 weights: one n-tile per pass (mainloop_fp8)
 constexpr int kGroupShift = 4;   // kSplit: a row group is 1 << kGroupShift rows, one pass
 static_assert(1 << kGroupShift == kPassRows, "a row group is one pass");
 constexpr int kStages = 5;       // ring steps in flight per warp
@@ -82,6 +84,7 @@ static_assert(kDownRows == 32, "megamoe_sync_ints (api.h) counts H / 32 row tile
 static_assert(kMegaMoeSizeMultiple % kStepK == 0, "H and I are whole ring steps");
 #if PETIT_SM80_PATH
 static_assert(kStepK == gemm::kTmaBoxK, "a step is one box row");
+static_assert(kStepK8 == kFp8ScaleBlock, "an e4m3 step is one box row and one scale block");
 #endif
 
 // Offsets of the block's shared memory (dynamic, 16-byte aligned pieces).
@@ -217,6 +220,7 @@ struct WarpStream {
   int s0, steps, total;  // total = passes * steps
 };
 
+template <bool kFp8>
 PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   const int warp = petit_warp_id();
   WarpStream ws{};
@@ -232,10 +236,11 @@ PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
     ws.row1 = ws.row0 + kBoxRows;
     ws.group0 = ws.group1 = 0;
   }
-  const int k_steps = (ws.gate_up ? a.hidden : a.intermediate) / kStepK;
+  const int k_steps = (ws.gate_up ? a.hidden : a.intermediate) / (kFp8 ? kStepK8 : kStepK);
   ws.s0 = warp * k_steps / kWarps;
   ws.steps = (warp + 1) * k_steps / kWarps - ws.s0;
-  ws.total = ws.steps * row_groups(t.count);  // a pass is a row group's rows
+  // a pass: a row group's rows (e4m3: 8 of them)
+  ws.total = ws.steps * (kFp8 ? (t.count + kPassRows8 - 1) / kPassRows8 : row_groups(t.count));
   return ws;
 }
 
@@ -653,6 +658,7 @@ struct Producer {
   int pushed;            // steps issued so far (slot = pushed % kStages)
 };
 
+template <bool kFp8>
 PETIT_DEVICE void produce(Producer& p, int consumed, const WarpRing& r) {
   while (p.pushed - consumed < kStages) {
     if (p.step >= p.cur.total) {
@@ -668,7 +674,7 @@ PETIT_DEVICE void produce(Producer& p, int consumed, const WarpRing& r) {
       const int slot = p.pushed % kStages;
       const uint32_t dst = r.steps_addr + slot * kStepBytes, bar = r.full_addr + slot * 8;
       const CUtensorMap* map = p.cur.gate_up ? r.w13_map : r.w2_map;
-      const int k = (p.cur.s0 + p.kstep) * kStepK;
+      const int k = (p.cur.s0 + p.kstep) * (kFp8 ? kStepK8 : kStepK);
       gemm::sm90_mbarrier_arrive_expect_tx(bar, kStepBytes);
       gemm::sm90_tma_load_4d(dst, map, k, p.cur.row0, p.cur.group0, p.cur.expert, bar);
       gemm::sm90_tma_load_4d(dst + kBoxBytes, map, k, p.cur.row1, p.cur.group1, p.cur.expert,
@@ -750,17 +756,81 @@ PETIT_DEVICE void mainloop(const WarpStream& ws, const petit_bf16_bits* const (&
         if constexpr (D > 1) load_b(ahead[d], s + D);  // after the multiplies read it
         ++consumed;
         petit_syncwarp();  // every lane has read the slot before lane 0 refills it
-        produce(prod, consumed, ring);
+        produce<false>(prod, consumed, ring);
       }
     }
   }
 }
 
+// The mainloop with e4m3 weights (128 x 128 blocks of one fp32 scale): a step is 128 k, one
+// scale block; a pass is at most 8 rows (one n-tile: kPassRows8). A lane's 16-byte chunk
+// 4h + q of a box row is 16 weights along k; they are widened to bf16 exactly in registers
+// (e4m3_x4_to_bf16: k pairs (0, 2), (1, 3) of each word) and the bf16 inputs of the same k
+// permuted alike (bf16_pairs_even_odd), so the bf16 mma.sync runs as in the bf16 mainloop. A
+// step's products are summed apart and added to acc times the step's block scale, per half
+// (a half's 16 rows lie in one 128-row block), in fp32. The next step's inputs and scales are
+// loaded after the multiplies (one step ahead: more spill at two).
+PETIT_DEVICE void mainloop_fp8(const WarpStream& ws, const petit_bf16_bits* b_row,
+                               const float* const (&scale_rows)[2], float (&acc)[2][4],
+                               Producer& prod, int& consumed, const WarpRing& ring) {
+  const int lane = petit_lane_id(), g = lane / 4, q = lane % 4;
+  const int end = ws.s0 + ws.steps;
+  uint4 b[2][2];   // [span h][c]: bf16 of k 128s + 64h + 16q + 8c ..
+  float scale[2];  // [half]
+  auto load = [&](int s) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        b[h][c] = b_row != nullptr && s < end
+                      ? petit_load_cg(reinterpret_cast<const uint4*>(
+                            b_row + s * kStepK8 + h * 64 + 16 * q + 8 * c))
+                      : zero4();
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) scale[h] = s < end ? scale_rows[h][s] : 0.0f;
+  };
+  load(ws.s0);
+  for (int s = ws.s0; s < end; ++s) {
+    const int slot = consumed % kStages;
+    gemm::sm90_mbarrier_wait_parity(ring.full_addr + slot * 8, (consumed / kStages) & 1);
+    const unsigned char* step = ring.steps + slot * kStepBytes;
+    float part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // chunk 4h + q of rows g, g + 8 of each box
+      const uint4 w[4] = {box_chunk(step, g, 4 * h + q), box_chunk(step, g + 8, 4 * h + q),
+                          box_chunk(step + kBoxBytes, g, 4 * h + q),
+                          box_chunk(step + kBoxBytes, g + 8, 4 * h + q)};
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {  // k 8c .. 8c + 7 of the chunk: words 2c, 2c + 1
+        uint4 a[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t lo = c == 0 ? w[i].x : w[i].z, hi = c == 0 ? w[i].y : w[i].w;
+          a[i] = make_uint4(gemm::e4m3_x4_to_bf16(lo << 8), gemm::e4m3_x4_to_bf16(lo),
+                            gemm::e4m3_x4_to_bf16(hi << 8), gemm::e4m3_x4_to_bf16(hi));
+        }
+        const uint4 bk = gemm::bf16_pairs_even_odd(b[h][c]);
+        gemm::mma_span32(part[0], a[0], a[1], bk);
+        gemm::mma_span32(part[1], a[2], a[3], bk);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[h][r] = fmaf(part[h][r], scale[h], acc[h][r]);
+    load(s + 1);  // after the multiplies read the registers
+    ++consumed;
+    petit_syncwarp();  // every lane has read the slot before lane 0 refills it
+    produce<true>(prod, consumed, ring);
+  }
+}
+
 // Gate/up epilogue of a pass: act[pos][cols] = bf16(silu(gate) * up) for the pass's `rows`
 // rows, from the warps' sums (item: row n, columns c, c + 1 of the tile).
-PETIT_DEVICE void gate_up_epilogue(const Task& t, int pass, int rows, const Layer& l,
-                                   petit_bf16_bits* act, const float* red) {
-  for (int item = threadIdx.x; item < kPassRows * 16; item += kComputeThreads) {
+PETIT_DEVICE void gate_up_epilogue(const Task& t, int pass, int rows, int pass_rows,
+                                   const Layer& l, petit_bf16_bits* act, const float* red) {
+  for (int item = threadIdx.x; item < pass_rows * 16; item += kComputeThreads) {
     const int n = item / 16, part = item % 16;
     if (n >= rows) break;
     const int pos = t.begin + pass + n;
@@ -778,9 +848,9 @@ PETIT_DEVICE void gate_up_epilogue(const Task& t, int pass, int rows, const Laye
 
 // Down epilogue of a pass: partial[entry][rows] = weight * (act . w2^T) as fp32, per routing
 // entry (item: row n, rows r0, r0 + 1 of the tile).
-PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, const Layer& l,
-                                const Smem& s, float* partial) {
-  for (int item = threadIdx.x; item < kPassRows * 16; item += kComputeThreads) {
+PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, int pass_rows,
+                                const Layer& l, const Smem& s, float* partial) {
+  for (int item = threadIdx.x; item < pass_rows * 16; item += kComputeThreads) {
     const int n = item / 16, part = item % 16;
     if (n >= rows) break;
     const int entry = s.sorted[t.begin + pass + n];
@@ -796,20 +866,36 @@ PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, const Layer& 
 
 // A gate/up or down task on the compute warps: per pass of up to 16 rows, the mainloop, the
 // warps' sums through shared memory, then the kind's epilogue.
-template <bool kEp>
+template <bool kEp, bool kFp8>
 PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& l,
                               const Smem& s, Producer& prod, int& consumed, const WarpRing& ring) {
+  constexpr int kRows = kFp8 ? kPassRows8 : kPassRows;  // rows per pass
   const int lane = petit_lane_id(), warp = petit_warp_id(), g = lane / 4;
   const bool gate_up = t.kind == kGateUp;
-  const WarpStream ws = warp_stream(t, a);
-  for (int pass = 0; pass < t.count; pass += kPassRows) {
-    const int rows = min(kPassRows, t.count - pass);
+  const WarpStream ws = warp_stream<kFp8>(t, a);
+  // e4m3: the two halves' scale rows, [L, 2I / 128, H / 128] (gate, then up rows) or
+  // [L, H / 128, I / 128]; a half's 16 rows lie in one 128-row block
+  const float* scale_rows[2] = {nullptr, nullptr};
+  if constexpr (kFp8) {
+    const int blocks_h = l.hidden / kStepK8, blocks_i = l.intermediate / kStepK8;
+    if (gate_up) {
+      const float* base = a.w13_scale + int64_t(t.expert) * 2 * blocks_i * blocks_h;
+      scale_rows[0] = base + (t.tile * kTileCols / kStepK8) * blocks_h;
+      scale_rows[1] = base + (blocks_i + t.tile * kTileCols / kStepK8) * blocks_h;
+    } else {
+      scale_rows[0] =
+          a.w2_scale + (int64_t(t.expert) * blocks_h + t.tile * kDownRows / kStepK8) * blocks_i;
+      scale_rows[1] = scale_rows[0];
+    }
+  }
+  for (int pass = 0; pass < t.count; pass += kRows) {
+    const int rows = min(kRows, t.count - pass);
     const petit_bf16_bits* b_rows[kMaxNTiles];
 #pragma unroll
     for (int j = 0; j < kMaxNTiles; ++j) {
       const int r = pass + j * 8 + g;
       b_rows[j] = nullptr;
-      if (r < t.count) {
+      if (r < t.count && (!kFp8 || j == 0)) {
         b_rows[j] = gate_up ? l.rows_x + int64_t(s.sorted[t.begin + r] / l.top_k) * l.hidden
                             : a.act + int64_t(t.begin + r) * l.intermediate;
       }
@@ -821,7 +907,14 @@ PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& 
       for (int j = 0; j < kMaxNTiles; ++j)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
-    if (rows > 8) {
+    if constexpr (kFp8) {
+      float acc8[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+      mainloop_fp8(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[h][0][r] = acc8[h][r];
+    } else if (rows > 8) {
       mainloop<kEp, 2>(ws, b_rows, acc, prod, consumed, ring);
     } else {
       mainloop<kEp, 1>(ws, b_rows, acc, prod, consumed, ring);
@@ -838,9 +931,9 @@ PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& 
         }
     gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);
     if (gate_up) {
-      gate_up_epilogue(t, pass, rows, l, a.act, s.red);
+      gate_up_epilogue(t, pass, rows, kRows, l, a.act, s.red);
     } else {
-      down_epilogue(t, pass, rows, l, s, a.partial);
+      down_epilogue(t, pass, rows, kRows, l, s, a.partial);
     }
     gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);  // red is reused next pass
   }
@@ -957,7 +1050,8 @@ PETIT_DEVICE void exit_block(const MegaMoeEpArgs& e, const Smem& s, uint64_t epo
 // its rows back to their source ranks' combine regions, the last one raises "reductions done"
 // at every rank, and final tasks sum each own token's W rows.
 // kSplit: an expert's rows in row groups of 16 (the launcher's choice), else one group.
-template <bool kEp, bool kSplit>
+// kFp8: e4m3 weights with 128 x 128 block scales (MegaMoeArgs::w13_scale), else bf16.
+template <bool kEp, bool kSplit, bool kFp8>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     megamoe_kernel(const MegaMoeEpArgs e, const __grid_constant__ CUtensorMap w13_map,
                    const __grid_constant__ CUtensorMap w2_map) {
@@ -1026,14 +1120,14 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
                       gemm::smem_addr_u32(s.full + warp * kStages), &w13_map, &w2_map};
   Producer prod{};
   Task cur_task = sc.task(s.scalars[kClaim0]), next_task{};
-  prod.cur = warp_stream(cur_task, a);
+  prod.cur = warp_stream<kFp8>(cur_task, a);
   if constexpr (kEp) {
     next_task = sc.task(s.scalars[kClaim0 + 1]);
-    prod.next = warp_stream(next_task, a);
+    prod.next = warp_stream<kFp8>(next_task, a);
     prod.has_next = next_task.valid;
   }
   int consumed = 0;
-  if (!control && cur_task.valid) produce(prod, consumed, ring);
+  if (!control && cur_task.valid) produce<kFp8>(prod, consumed, ring);
   if (trace != nullptr) trace[6] = int64_t(petit_timer());  // this warp's first loads issued
   if (!kEp && control && lane == 0) s.scalars[kClaim0 + 1] = second_claim;
 
@@ -1042,7 +1136,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   if (trace != nullptr) trace[1] = int64_t(petit_timer());
   if constexpr (!kEp) {
     next_task = sc.task(s.scalars[kClaim0 + 1]);
-    prod.next = warp_stream(next_task, a);
+    prod.next = warp_stream<kFp8>(next_task, a);
     prod.has_next = next_task.valid;
   }
 
@@ -1069,7 +1163,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     } else if (kEp && cur_task.kind == kFinal) {
       final_task(cur_task.tile, e);
     } else {
-      weight_task<kEp>(cur_task, a, l, s, prod, consumed, ring);
+      weight_task<kEp, kFp8>(cur_task, a, l, s, prod, consumed, ring);
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {
@@ -1088,9 +1182,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         prod.kstep = 0;
         prod.iter = iter + 1;
       }
-      prod.next = warp_stream(next_task, a);
+      prod.next = warp_stream<kFp8>(next_task, a);
       prod.has_next = next_task.valid;
-      if (cur_task.valid) produce(prod, consumed, ring);
+      if (cur_task.valid) produce<kFp8>(prod, consumed, ring);
     }
   }
   // No weight load is in flight here: the producer only loads the current and the next task,
@@ -1120,6 +1214,14 @@ petitError_t megamoe_check(const MegaMoeArgs& a) {
       (a.expert_map != nullptr && a.num_global_experts < 1)) {
     return petitErrorInvalidValue;
   }
+  // block fp8 weights: both scale tensors, H and I whole scale blocks (and ring steps)
+  if ((a.w13_scale == nullptr) != (a.w2_scale == nullptr) ||
+      (a.w13_scale != nullptr &&
+       (a.hidden % kFp8ScaleBlock || a.intermediate % kFp8ScaleBlock ||
+        ((reinterpret_cast<uintptr_t>(a.w13_scale) | reinterpret_cast<uintptr_t>(a.w2_scale)) &
+         3) != 0))) {
+    return petitErrorInvalidValue;
+  }
   return petitSuccess;
 }
 
@@ -1130,6 +1232,7 @@ petitError_t megamoe_ep_check(const MegaMoeEpArgs& e) {
   rows.expert_map = nullptr;
   const MegaMoeArgs& a = e.layer;
   if (megamoe_check(rows) != petitSuccess || a.expert_map != nullptr ||
+      a.w13_scale != nullptr ||  // fp8 weights: W = 1 only, for now
       c.heap_base == nullptr || c.token_rank_mask == nullptr || c.world_size < 1 ||
       a.num_rows > e.region_stride || e.region_stride < 1 ||
       e.region_stride > c.layout.max_tokens || a.top_k > c.layout.max_top_k ||
@@ -1164,9 +1267,13 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
   }
   if (cc_major != 9 || cc_minor != 0) return petitErrorNotSupported;  // TMA + sm_90a image
   CUtensorMap w13_map, w2_map;
-  if ((err = gemm::sm90_encode_weight_map(&w13_map, a.w13, a.hidden, a.intermediate, 2,
+  const bool fp8 = a.w13_scale != nullptr;
+  const int element_bytes = fp8 ? 1 : 2;
+  if ((err = gemm::sm90_encode_weight_map_of(&w13_map, a.w13, element_bytes, a.hidden,
+                                             a.intermediate, 2,
                                           a.num_local_experts, md::kBoxRows)) != petitSuccess ||
-      (err = gemm::sm90_encode_weight_map(&w2_map, a.w2, a.intermediate, a.hidden, 1,
+      (err = gemm::sm90_encode_weight_map_of(&w2_map, a.w2, element_bytes, a.intermediate,
+                                             a.hidden, 1,
                                           a.num_local_experts, md::kBoxRows)) != petitSuccess) {
     return err;
   }
@@ -1183,7 +1290,8 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
     return err;
   }
   const int64_t rows = kEp ? int64_t(e.ctx.world_size) * e.region_stride : a.num_rows;
-  const int64_t tile_bytes = int64_t(2) * md::kDownRows * std::max(a.hidden, a.intermediate);
+  const int64_t tile_bytes =
+      int64_t(element_bytes) * md::kDownRows * std::max(a.hidden, a.intermediate);
   const bool split = rows * a.top_k > md::kPassRows && int64_t(grid) * tile_bytes > l2_bytes;
   const int smem = md::SmemLayout::kBytes;
   // W = 1 programmatic (common/launch.h): the blocks take the SMs as the previous kernel's
@@ -1198,7 +1306,14 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
     return launch_with_attributes(kernel, grid, md::kThreads, smem, 1, !kEp, stream, e, w13_map,
                                   w2_map);
   };
-  return split ? launch(md::megamoe_kernel<kEp, true>) : launch(md::megamoe_kernel<kEp, false>);
+  if constexpr (!kEp) {
+    if (fp8) {
+      return split ? launch(md::megamoe_kernel<false, true, true>)
+                   : launch(md::megamoe_kernel<false, false, true>);
+    }
+  }
+  return split ? launch(md::megamoe_kernel<kEp, true, false>)
+               : launch(md::megamoe_kernel<kEp, false, false>);
 #endif
 }
 

@@ -44,6 +44,42 @@ PETIT_DEVICE void mma_span32(float (&d)[4], const uint4& lo, const uint4& hi, co
   mma_16816_bf16(d, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
 }
 
+// e4m3 weights widened to bf16 for the same mma.sync. Bytes 1 and 3 of `t` (two e4m3fn values)
+// -> bf16x2 (low half from byte 1): sign, then the 4 exponent and 3 mantissa bits placed under
+// bf16's exponent bias, which reads as the e4m3 value times 2^-120 (a bf16 subnormal where the
+// e4m3 value is one); times 2^120 (exact: at most 4 significant bits, in range) gives it
+// exactly. Bytes 0 and 2 are those of `t << 8`: a word's k order becomes (0, 2), (1, 3), which
+// bf16_pairs_even_odd applies to the B operand alike. e4m3fn's NaN (0x7F) is not produced by
+// the checkpoints' quantizers and is not handled.
+PETIT_DEVICE uint32_t e4m3_x4_to_bf16(uint32_t t) {
+  const uint32_t scaled = (t & 0x80008000u) | ((t >> 4) & 0x07F007F0u);
+#if PETIT_SM80_DEVICE
+  uint32_t out;
+  // bf16x2 * 2^120 (0x7B80 each), round-to-nearest: exact here, subnormal inputs included
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(out) : "r"(scaled), "r"(0x7B807B80u), "r"(0x80008000u));
+  return out;
+#else
+  uint32_t out = 0;
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t bits = ((scaled >> (16 * half)) & 0xFFFFu) << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    f *= 0x1p120f;
+    uint32_t widened;
+    __builtin_memcpy(&widened, &f, 4);
+    out |= (widened >> 16) << (16 * half);
+  }
+  return out;
+#endif
+}
+
+// Eight bf16 along k as uint4 {k0k1, k2k3, k4k5, k6k7} -> {k0k2, k1k3, k4k6, k5k7}: the k order
+// of e4m3_x4_to_bf16's words (low half first).
+PETIT_DEVICE uint4 bf16_pairs_even_odd(const uint4& v) {
+  return make_uint4((v.x & 0xFFFFu) | (v.y << 16), (v.x >> 16) | (v.y & 0xFFFF0000u),
+                    (v.z & 0xFFFFu) | (v.w << 16), (v.z >> 16) | (v.w & 0xFFFF0000u));
+}
+
 // 16-byte load of streamed weights: read once per call, so kept out of L1.
 PETIT_DEVICE uint4 load_stream(const void* ptr) {
 #if PETIT_SM80_DEVICE

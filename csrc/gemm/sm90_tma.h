@@ -27,34 +27,42 @@ namespace gemm {
 
 constexpr int kTmaBoxK = 64;  // bf16 per box row: 128 bytes, the 128-byte swizzle's row
 
-// Host: the tensor map of a [experts][groups][rows][k] bf16 weight tensor (k contiguous, every
-// dimension dense), boxes of kTmaBoxK x box_rows x 1 x 1, 128-byte swizzle, out-of-bounds
-// elements read as zeros. petitErrorInvalidValue for shapes TMA cannot describe (k not a
-// multiple of 8, a base not 16-byte aligned, box_rows outside 1..256), petitErrorNotSupported
-// when the driver lacks the call.
-inline petitError_t sm90_encode_weight_map(CUtensorMap* map, const petit_bf16_bits* base, int k,
-                                           int rows, int groups, int experts, int box_rows) {
-  if (k <= 0 || k % 8 != 0 || rows <= 0 || groups <= 0 || experts <= 0 || box_rows <= 0 ||
-      box_rows > 256 || reinterpret_cast<uintptr_t>(base) % 16 != 0)
+// Host: the tensor map of a [experts][groups][rows][k] weight tensor of bf16 (element_bytes 2)
+// or one-byte elements (1: e4m3), k contiguous, every dimension dense; boxes of one 128-byte
+// row (kTmaBoxK bf16, 128 bytes) x box_rows x 1 x 1, 128-byte swizzle, out-of-bounds elements
+// read as zeros. petitErrorInvalidValue for shapes TMA cannot describe (rows of k not a
+// multiple of 16 bytes, a base not 16-byte aligned, box_rows outside 1..256),
+// petitErrorNotSupported when the driver lacks the call.
+inline petitError_t sm90_encode_weight_map_of(CUtensorMap* map, const void* base,
+                                              int element_bytes, int k, int rows, int groups,
+                                              int experts, int box_rows) {
+  if ((element_bytes != 1 && element_bytes != 2) || k <= 0 || k % (16 / element_bytes) != 0 ||
+      rows <= 0 || groups <= 0 || experts <= 0 || box_rows <= 0 || box_rows > 256 ||
+      reinterpret_cast<uintptr_t>(base) % 16 != 0)
     return petitErrorInvalidValue;
   const cuuint64_t dims[4] = {cuuint64_t(k), cuuint64_t(rows), cuuint64_t(groups),
                               cuuint64_t(experts)};
-  const cuuint64_t row_bytes = cuuint64_t(k) * sizeof(petit_bf16_bits);
+  const cuuint64_t row_bytes = cuuint64_t(k) * element_bytes;
   const cuuint64_t strides[3] = {row_bytes, row_bytes * rows, row_bytes * rows * groups};
-  const cuuint32_t box[4] = {kTmaBoxK, cuuint32_t(box_rows), 1, 1};
+  const cuuint32_t box[4] = {cuuint32_t(128 / element_bytes), cuuint32_t(box_rows), 1, 1};
 #if PETIT_EMU_PTX
-  emu_ptx::tensor_map_encode(map, base, dims, strides, box);
+  emu_ptx::tensor_map_encode(map, base, dims, strides, box, element_bytes);
   return petitSuccess;
 #else
   if (petit_vmm_load() != CUDA_SUCCESS || petit_driver().tensor_map_encode_tiled == nullptr)
     return petitErrorNotSupported;
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult r = petit_driver().tensor_map_encode_tiled(
-      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<petit_bf16_bits*>(base), dims, strides,
-      box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      map, element_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8,
+      4, const_cast<void*>(base), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? petitSuccess : petitErrorInvalidValue;
 #endif
+}
+inline petitError_t sm90_encode_weight_map(CUtensorMap* map, const petit_bf16_bits* base, int k,
+                                           int rows, int groups, int experts, int box_rows) {
+  return sm90_encode_weight_map_of(map, base, 2, k, rows, groups, experts, box_rows);
 }
 
 // Box (c0 = k, c1 = row, c2 = group, c3 = expert) of `map` into shared memory at `dst`

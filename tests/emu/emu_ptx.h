@@ -287,7 +287,7 @@ static_assert(sizeof(Mbarrier) == 8, "an mbarrier is 8 bytes of shared memory");
 struct TensorMap {
   const unsigned char* base;
   uint64_t dims[4];     // elements, innermost first
-  uint64_t strides[4];  // bytes; strides[0] = the element size (bf16)
+  uint64_t strides[4];  // bytes; strides[0] = the element size (2: bf16, 1: e4m3)
   uint32_t box[4];      // elements per box, innermost first
 };
 static_assert(sizeof(TensorMap) <= sizeof(CUtensorMap), "fits a CUtensorMap's bytes");
@@ -310,8 +310,9 @@ inline Mbarrier* mbarrier_at(uint32_t bar) {
 inline const unsigned char* tx_key(uint32_t bar) { return smem_ptr(bar); }
 
 inline void tensor_map_encode(CUtensorMap* map, const void* base, const cuuint64_t (&dims)[4],
-                              const cuuint64_t (&strides)[3], const cuuint32_t (&box)[4]) {
-  TensorMap m{static_cast<const unsigned char*>(base), {}, {2, 0, 0, 0}, {}};
+                              const cuuint64_t (&strides)[3], const cuuint32_t (&box)[4],
+                              int element_bytes = 2) {
+  TensorMap m{static_cast<const unsigned char*>(base), {}, {uint64_t(element_bytes), 0, 0, 0}, {}};
   for (int d = 0; d < 4; ++d) {
     m.dims[d] = dims[d];
     m.box[d] = box[d];
@@ -340,13 +341,14 @@ inline int64_t perform(const TmaCopy& c) {
             offset += g[d] * int64_t(m.strides[d]);
           }
           // the swizzle of the address (the blocks' shared memory is 1024-byte aligned)
-          uintptr_t addr = reinterpret_cast<uintptr_t>(c.dst) + uintptr_t(n) * 2;
+          const int size = int(m.strides[0]);
+          uintptr_t addr = reinterpret_cast<uintptr_t>(c.dst) + uintptr_t(n) * size;
           addr ^= ((addr >> 7) & 7u) << 4;
           uint16_t bits = 0;
-          if (in) std::memcpy(&bits, m.base + offset, 2);
-          std::memcpy(reinterpret_cast<void*>(addr), &bits, 2);
+          if (in) std::memcpy(&bits, m.base + offset, size);
+          std::memcpy(reinterpret_cast<void*>(addr), &bits, size);
         }
-  return n * 2;
+  return n * int64_t(m.strides[0]);
 }
 
 // Into the block of cluster rank `rank` (-1: this thread's block).
@@ -359,7 +361,7 @@ inline void tma_load_4d_into(int rank, uint32_t dst, const CUtensorMap* map, int
   }
   TmaCopy copy{smem_ptr(dst), {}, {c0, c1, c2, c3}};
   std::memcpy(&copy.map, map, sizeof(TensorMap));
-  if (copy.map.box[0] * 2 != 128) trap("128-byte swizzle needs 128-byte box rows");
+  if (copy.map.box[0] * copy.map.strides[0] != 128) trap("128-byte swizzle needs 128-byte box rows");
   std::lock_guard<std::mutex> lock(mbarrier_mutex);
   mbarrier_tx[tx_key(bar)].copies.push_back(copy);
 }

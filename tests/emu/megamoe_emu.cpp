@@ -13,14 +13,16 @@
 // block of the grid runs at the same time (as co-resident blocks do on the GPU); 0: the blocks
 // run one after another (a grid larger than the GPU can hold). l2_bytes: the L2 size the
 // emulated device reports (the launcher splits experts' rows into 16-row groups when the
-// grid's weight tiles exceed it). Returns the petitError_t.
+// grid's weight tiles exceed it). w13_scale / w2_scale: block fp8 weights (w13, w2 then e4m3
+// bytes), nullptr: bf16. Returns the petitError_t.
 extern "C" int petit_emu_megamoe(const uint16_t* x, const int32_t* topk_ids,
                                  const int32_t* expert_map, int num_global_experts,
                                  const float* topk_weights, const uint16_t* w13,
                                  const uint16_t* w2, uint16_t* act, float* partial,
                                  int32_t* sync, uint16_t* out, int num_rows, int top_k,
                                  int hidden, int intermediate, int num_local_experts,
-                                 int num_sms, int at_once, int64_t* trace, int l2_bytes) {
+                                 int num_sms, int at_once, int64_t* trace, int l2_bytes,
+                                 const float* w13_scale, const float* w2_scale) {
   emu::last_error = 0;
   emu::l2_bytes = l2_bytes;
   emu::cc_major = 9;
@@ -34,6 +36,8 @@ extern "C" int petit_emu_megamoe(const uint16_t* x, const int32_t* topk_ids,
   a.topk_weights = topk_weights;
   a.w13 = w13;
   a.w2 = w2;
+  a.w13_scale = w13_scale;
+  a.w2_scale = w2_scale;
   a.act = act;
   a.partial = partial;
   a.sync = sync;
