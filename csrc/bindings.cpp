@@ -845,7 +845,9 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
                      const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act_workspace,
                      torch::Tensor& partial_workspace, torch::Tensor& sync,
                      c10::optional<torch::Tensor> expert_map, int64_t num_sms,
-                     double timeout_s, c10::optional<torch::Tensor> trace) {
+                     double timeout_s, c10::optional<torch::Tensor> trace,
+                     c10::optional<torch::Tensor> w13_scale,
+                     c10::optional<torch::Tensor> w2_scale) {
   check_cuda_tensor(x, "x", 2);
   check_cuda_tensor(topk_ids, "topk_ids", 2);
   check_cuda_tensor(topk_weights, "topk_weights", 2);
@@ -854,9 +856,28 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
   check_cuda_tensor(out, "out", 2);
   const int64_t N = x.size(0), H = x.size(1), K = topk_ids.size(1);
   const int64_t L = w13.size(0), I = w13.size(1) / 2;
-  PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && w13.scalar_type() == torch::kBFloat16 &&
-                  w2.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "x, w13, w2 and out must be bfloat16");
+  // block fp8 weights: e4m3 with fp32 scales per 128 x 128 block, both or neither
+  const bool fp8 = w13_scale.has_value();
+  const auto weight_type = fp8 ? torch::kFloat8_e4m3fn : torch::kBFloat16;
+  PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && w13.scalar_type() == weight_type &&
+                  w2.scalar_type() == weight_type && out.scalar_type() == torch::kBFloat16 &&
+                  w2_scale.has_value() == fp8,
+              "x and out must be bfloat16, w13 and w2 bfloat16, or float8_e4m3fn with both "
+              "w13_scale and w2_scale");
+  if (fp8) {
+    const int64_t B = kFp8ScaleBlock;
+    for (const torch::Tensor* t : {&*w13_scale, &*w2_scale}) {
+      check_cuda_tensor(*t, "w13_scale / w2_scale", 3);
+      PETIT_CHECK(t->scalar_type() == torch::kFloat32, "w13_scale and w2_scale must be float32");
+    }
+    PETIT_CHECK(H % B == 0 && (w13.size(1) / 2) % B == 0 &&
+                    w13_scale->size(0) == w13.size(0) && w13_scale->size(1) == w13.size(1) / B &&
+                    w13_scale->size(2) == H / B && w2_scale->size(0) == w13.size(0) &&
+                    w2_scale->size(1) == H / B && w2_scale->size(2) == (w13.size(1) / 2) / B,
+                "fp8 weights: H and I multiples of %lld, w13_scale [L, 2I/%lld, H/%lld], "
+                "w2_scale [L, H/%lld, I/%lld]", (long long)B, (long long)B, (long long)B,
+                (long long)B, (long long)B);
+  }
   PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32 &&
                   topk_weights.scalar_type() == torch::kFloat32,
               "topk_ids must be int32 and topk_weights float32");
@@ -883,6 +904,10 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
   MegaMoeArgs a = megamoe_args(x, topk_ids, topk_weights, w13, w2, act_workspace,
                                partial_workspace, sync, out);
   a.expert_map = expert_map_arg(expert_map, topk_ids.device(), &a.num_global_experts);
+  if (fp8) {
+    a.w13_scale = w13_scale->data_ptr<float>();
+    a.w2_scale = w2_scale->data_ptr<float>();
+  }
   if (trace.has_value()) {
     int sms = int(num_sms);
     if (sms == 0) {
@@ -946,7 +971,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("topk_ids"), py::arg("topk_weights"), py::arg("w13"),
         py::arg("w2"), py::arg("out"), py::arg("act_workspace"), py::arg("partial_workspace"),
         py::arg("sync"), py::arg("expert_map") = py::none(), py::arg("num_sms") = 0,
-        py::arg("timeout_s") = 30.0, py::arg("trace") = py::none());
+        py::arg("timeout_s") = 30.0, py::arg("trace") = py::none(),
+        py::arg("w13_scale") = py::none(), py::arg("w2_scale") = py::none());
   m.def("expert_row_lists", &petit::expert_row_lists,
         "Routing block [N,K] int32 (local ids, or global ids with expert_map [E] int32) -> "
         "(counts [L], offsets [L+1], sorted_entries [N*K])",

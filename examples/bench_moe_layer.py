@@ -398,6 +398,9 @@ def parse_args(argv=None):
                    help="also time the fused layer (EpBuffer.megamoe through the hook, "
                         "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS) at the token counts it takes "
                         "(W * tokens * K <= MEGAMOE_MAX_ENTRIES): megamoe_us")
+    p.add_argument("--dtypes", nargs="+", default=["bf16"], choices=("bf16", "fp8"),
+                   help="--world 1: expert weights, bf16 and/or block fp8 (e4m3, 128 x 128 "
+                        "scales: vLLM's Triton fp8 experts vs MegaMoE)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--profile", action="store_true",
                    help="also sum each path's kernel time by category (torch.profiler)")
@@ -428,7 +431,8 @@ def _main_w1(args):
     presets = [p for p in args.presets if p in w1.W1_PRESETS]
     tokens = args.tokens_given or (w1.W1_QUICK_TOKENS if args.quick else w1.W1_TOKENS)
     routings = [r for r in args.routings if r in ("uniform", "skewed")]
-    rows = w1.run_w1(presets, routings, tokens, args.iters, args.seed)
+    rows = [row for dtype in args.dtypes
+            for row in w1.run_w1(presets, routings, tokens, args.iters, args.seed, dtype=dtype)]
     if not rows:
         return 1
     stamp = device_stamp(ROOT, 1)

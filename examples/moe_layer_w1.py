@@ -43,7 +43,7 @@ class W1Preset:
 # the harness' shapes, with the local experts of each
 W1_PRESETS = {name: W1Preset(**asdict(harness.PRESETS[name]), num_local=num_local)
               for name, num_local in (("qwen3-30b-a3b", 128), ("deepseek-v3", 32),
-                                      ("deepseek-v2-lite", 64))}
+                                      ("deepseek-v2-lite", 64), ("qwen3-235b-a22b", 128))}
 
 
 def random_routing(num_tokens, preset, routing, generator, device):
@@ -98,12 +98,34 @@ def _graph_us(fn, iters):
     return time_replays_us(graph, iters) / CHAIN, graph
 
 
-def run_w1(preset_names, routings, tokens_list, iters, seed, log=print):
-    """Rows of the W=1 benchmark (see the module docstring)."""
+def _moe_fp32(x, ids, weights, w13, w2, num_local):
+    """fp32 MoE on float weights (e.g. the dequantized fp8 ones), act rounded to bf16 as every
+    path does: the reference of the fp8 rows' errors."""
+    import torch
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w13.shape[1] // 2
+    for e in torch.unique(ids).tolist():
+        if not 0 <= e < num_local:
+            continue
+        rows, slots = torch.nonzero(ids == e, as_tuple=True)
+        h = x[rows].float() @ w13[e].T
+        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(torch.bfloat16)
+        out.index_add_(0, rows, (act.float() @ w2[e].T) * weights[rows, slots, None])
+    return out
+
+
+def run_w1(preset_names, routings, tokens_list, iters, seed, log=print, dtype="bf16"):
+    """Rows of the W=1 benchmark (see the module docstring). dtype fp8: the weights as a block
+    fp8 checkpoint holds them (e4m3, one fp32 scale per 128 x 128 block): vLLM's Triton fp8 w8a8
+    experts (block [128, 128], activations quantized per 1 x 128 inside) against MegaMoE on the
+    same e4m3 weights and scales (bf16 activations); no composed path; each row's errors are
+    against an fp32 MoE on the dequantized weights (err_vllm, err_megamoe)."""
     import torch
     from vllm.model_executor.layers.fused_moe import fused_moe as vllm_fused_moe
 
     from vllm_petit_moe import ops
+    from vllm_petit_moe.testing.reference import block_fp8_quantize
+    fp8 = dtype == "fp8"
 
     device = torch.device("cuda", torch.cuda.current_device())
     copy_rate, mm_rate = measure_ceilings(device)
@@ -117,13 +139,25 @@ def run_w1(preset_names, routings, tokens_list, iters, seed, log=print):
                / p.hidden**0.5).to(torch.bfloat16).to(device)
         w2 = (torch.randn(p.num_local, p.hidden, p.intermediate, generator=g)
               / p.intermediate**0.5).to(torch.bfloat16).to(device)
+        quant_config, scales, deq = None, {}, None
+        if fp8:
+            from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+            w13, s13, d13 = block_fp8_quantize(w13)
+            w2, s2, d2 = block_fp8_quantize(w2)
+            quant_config = fp8_w8a8_moe_quant_config(w1_scale=s13, w2_scale=s2,
+                                                     block_shape=[128, 128])
+            scales, deq = dict(w13_scale=s13, w2_scale=s2), (d13, d2)
         expert_map = None
         if p.num_local < p.num_experts:
             expert_map = torch.full((p.num_experts,), -1, dtype=torch.int32, device=device)
             expert_map[: p.num_local] = torch.arange(p.num_local, dtype=torch.int32,
                                                      device=device)
-        tuned = vllm_fused_moe.get_moe_configs(p.num_local, p.intermediate, None) is not None
-        expert_bytes = 3 * p.hidden * p.intermediate * 2
+        tuned = vllm_fused_moe.get_moe_configs(
+            p.num_local, p.intermediate, "fp8_w8a8" if fp8 else None,
+            *((128, 128) if fp8 else ())) is not None
+        # an expert's weight bytes (fp8: and its block scales)
+        expert_bytes = (3 * p.hidden * p.intermediate + 3 * p.hidden * p.intermediate // 128**2 * 4
+                        if fp8 else 3 * p.hidden * p.intermediate * 2)
         log(f"# {name}: H={p.hidden} I={p.intermediate} E={p.num_experts} local={p.num_local} "
             f"K={p.top_k}, vLLM tuned config: {tuned}")
         log(f"{'preset':14} {'routing':8} {'tokens':>6} {'vllm_us':>9} {'composed':>9} "
@@ -135,16 +169,18 @@ def run_w1(preset_names, routings, tokens_list, iters, seed, log=print):
                 routes = [random_routing(tokens, p, routing, g, device) for _ in range(CHAIN)]
                 outs = {k: [torch.empty_like(x) for x in xs] for k in ("vllm", "comp", "mega")}
                 fused = ops.megamoe_unsupported_reason(tokens, p.top_k, p.hidden,
-                                                       p.intermediate) is None
+                                                       p.intermediate, fp8=fp8) is None
 
                 def vllm_path():
                     for i in range(CHAIN):
                         ids, w = routes[i]
                         outs["vllm"][i].copy_(vllm_fused_moe.fused_experts(
                             xs[i], w13, w2, w, ids, global_num_experts=p.num_experts,
-                            expert_map=expert_map))
+                            expert_map=expert_map, quant_config=quant_config))
 
                 def composed_path():
+                    if fp8:
+                        return
                     for i in range(CHAIN):
                         ids, w = routes[i]
                         ops.experts_forward(xs[i], ids, w, w13, w2, out=outs["comp"][i],
@@ -155,7 +191,11 @@ def run_w1(preset_names, routings, tokens_list, iters, seed, log=print):
                         ids, w = routes[i]
                         if fused:
                             ops.megamoe_forward(xs[i], ids, w, w13, w2, out=outs["mega"][i],
-                                                expert_map=expert_map)
+                                                expert_map=expert_map, **scales)
+                        elif fp8:
+                            outs["mega"][i].copy_(vllm_fused_moe.fused_experts(
+                                xs[i], w13, w2, w, ids, global_num_experts=p.num_experts,
+                                expert_map=expert_map, quant_config=quant_config))
                         else:
                             ops.experts_forward(xs[i], ids, w, w13, w2, out=outs["mega"][i],
                                                 expert_map=expert_map)
@@ -173,9 +213,18 @@ def run_w1(preset_names, routings, tokens_list, iters, seed, log=print):
                     ref = outs["vllm"][i].float()
                     diffs.append(((outs["mega"][i].float() - ref).norm()
                                   / ref.norm().clamp_min(1e-30)).item())
-                comp_diff = max(((outs["comp"][i].float() - outs["vllm"][i].float()).norm()
-                                 / outs["vllm"][i].float().norm().clamp_min(1e-30)).item()
-                                for i in range(CHAIN))
+                comp_diff = None if fp8 else max(
+                    ((outs["comp"][i].float() - outs["vllm"][i].float()).norm()
+                     / outs["vllm"][i].float().norm().clamp_min(1e-30)).item()
+                    for i in range(CHAIN))
+                errors = {}
+                if fp8:  # against the fp32 MoE on the dequantized weights, first call
+                    ids0, w0 = routes[0]
+                    local0 = torch.where((ids0 >= 0) & (ids0 < p.num_local), ids0, -1)
+                    ref = _moe_fp32(xs[0], local0, w0, *deq, p.num_local)
+                    for key in ("vllm", "mega"):
+                        errors[key] = ((outs[key][0].float() - ref).norm()
+                                       / ref.norm().clamp_min(1e-30)).item()
                 active, pairs = [], []
                 for ids, _ in routes:
                     local = ids[(ids >= 0) & (ids < p.num_local)]
@@ -186,21 +235,27 @@ def run_w1(preset_names, routings, tokens_list, iters, seed, log=print):
                 hbm_us = weight_bytes / copy_rate * 1e6
                 flops_us = flops / mm_rate * 1e6
                 roof_us = max(hbm_us, flops_us)
-                row = dict(preset=name, routing=routing, tokens=tokens, vllm_us=vllm_us,
-                           composed_us=comp_us, megamoe_us=mega_us, roofline_us=roof_us,
+                row = dict(preset=name, dtype=dtype, routing=routing, tokens=tokens,
+                           vllm_us=vllm_us, composed_us=None if fp8 else comp_us,
+                           megamoe_us=mega_us, roofline_us=roof_us,
                            roofline_hbm_us=hbm_us, roofline_flops_us=flops_us,
                            weight_bytes=weight_bytes, flops=flops,
                            hbm_copy_tbps=copy_rate / 1e12, bf16_tflops=mm_rate / 1e12,
                            triton_tuned=tuned, megamoe_path="fused" if fused else "composed",
                            vllm_over_megamoe=vllm_us / mega_us,
-                           composed_over_megamoe=comp_us / mega_us,
+                           composed_over_megamoe=None if fp8 else comp_us / mega_us,
+                           err_vllm=errors.get("vllm"), err_megamoe=errors.get("mega"),
                            roofline_fraction=roof_us / mega_us,
                            rel_diff=max(diffs), composed_rel_diff=comp_diff, chain=CHAIN)
                 rows.append(row)
-                log(f"{name:14} {routing:8} {tokens:>6} {vllm_us:9.1f} {comp_us:9.1f} "
+                err = (f" err vllm {errors['vllm']:.1e} mega {errors['mega']:.1e}" if fp8
+                       else "")
+                log(f"{name:14} {routing:8} {tokens:>6} {vllm_us:9.1f} "
+                    f"{comp_us if not fp8 else float('nan'):9.1f} "
                     f"{mega_us:9.1f} {roof_us:9.1f} {row['vllm_over_megamoe']:6.2f} "
-                    f"{row['composed_over_megamoe']:6.2f} {row['roofline_fraction']:6.2f} "
-                    f"{row['megamoe_path']} diff {row['rel_diff']:.1e}")
+                    f"{row['composed_over_megamoe'] or float('nan'):6.2f} "
+                    f"{row['roofline_fraction']:6.2f} "
+                    f"{row['megamoe_path']} diff {row['rel_diff']:.1e}{err}")
                 del gv, gc, gm
         del w13, w2
         torch.cuda.empty_cache()
@@ -212,12 +267,12 @@ def plot_w1(rows, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    presets = sorted({r["preset"] for r in rows})
+    presets = sorted({(r["preset"], r.get("dtype", "bf16")) for r in rows})
     fig, axes = plt.subplots(len(presets), 2, figsize=(13, 4.2 * len(presets)), squeeze=False)
-    for row_axes, preset in zip(axes, presets):
+    for row_axes, (preset, dtype) in zip(axes, presets):
         for routing, marker in zip(("uniform", "skewed"), "os"):
-            sel = sorted((r for r in rows if r["preset"] == preset and r["routing"] == routing),
-                         key=lambda r: r["tokens"])
+            sel = sorted((r for r in rows if r["preset"] == preset and r["routing"] == routing
+                          and r.get("dtype", "bf16") == dtype), key=lambda r: r["tokens"])
             if not sel:
                 continue
             t = [r["tokens"] for r in sel]
@@ -225,6 +280,8 @@ def plot_w1(rows, path, title):
                                       ("composed_us", ":", "petit composed"),
                                       ("megamoe_us", "-", "petit MegaMoE"),
                                       ("roofline_us", "-.", "roofline")):
+                if any(r[key] is None for r in sel):  # fp8 rows: no composed path
+                    continue
                 row_axes[0].plot(t, [r[key] for r in sel], style + marker,
                                  label=f"{label}, {routing}")
             row_axes[1].plot(t, [r["vllm_over_megamoe"] for r in sel], "-" + marker,
@@ -232,10 +289,10 @@ def plot_w1(rows, path, title):
             row_axes[1].plot(t, [r["roofline_fraction"] for r in sel], "-." + marker,
                              label=f"roofline / MegaMoE, {routing}")
         row_axes[0].set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per layer call",
-                        title=f"{preset}: time")
+                        title=f"{preset} {dtype}: time")
         row_axes[1].axhline(1.0, color="k", lw=0.8)
         row_axes[1].set(xscale="log", xlabel="tokens", ylabel="ratio",
-                        title=f"{preset}: speedup and roofline fraction")
+                        title=f"{preset} {dtype}: speedup and roofline fraction")
         for ax in row_axes:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)

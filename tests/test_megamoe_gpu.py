@@ -126,3 +126,108 @@ def test_limits_raise():
     case = make_case(2, 2, 2048, 768, 4, seed=1)
     with pytest.raises(ValueError, match="timeout_s"):
         ops.megamoe_forward(*case, timeout_s=0)
+
+
+def make_fp8_case(num_rows, top_k, hidden, inter, num_local, *, seed, **kwargs):
+    """A case with block-fp8 weights as a checkpoint holds them (e4m3 + fp32 scale per 128 x 128
+    block; blocks' magnitudes spread over ~e^+-4, so a wrong block's scale shows): (x, ids, w,
+    w13 e4m3, w2 e4m3), (w13_scale, w2_scale), the dequantized (w13, w2) in float32."""
+    from vllm_petit_moe.testing.reference import block_fp8_quantize
+
+    x, ids, w, w13, w2 = make_case(num_rows, top_k, hidden, inter, num_local, seed=seed,
+                                   **kwargs)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    gains = torch.exp(torch.randn(num_local, 2 * inter // 128, 1, hidden // 128, 1,
+                                  generator=g, device="cuda"))
+    w13 = (w13.float().view(num_local, 2 * inter // 128, 128, hidden // 128, 128)
+           * gains).view(num_local, 2 * inter, hidden)
+    q13, s13, d13 = block_fp8_quantize(w13)
+    q2, s2, d2 = block_fp8_quantize(w2)
+    return (x, ids, w, q13, q2), (s13, s2), (d13, d2)
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 8, 33])
+@pytest.mark.parametrize("shape", ["qwen3", "qwen3-235b", "deepseek-share"])
+def test_fp8_weights_match_dequantized_reference(num_rows, shape):
+    """Block-fp8 weights used in place: the fp32 reference on the dequantized weights, within
+    the bf16 output's rounding (the kernel's products are exact, its sums fp32)."""
+    from vllm_petit_moe import ops
+
+    hidden, inter, num_local, top_k = {"qwen3": (2048, 768, 128, 8),
+                                       "qwen3-235b": (4096, 1536, 128, 8),
+                                       "deepseek-share": (7168, 2048, 32, 8)}[shape]
+    case, (s13, s2), deq = make_fp8_case(num_rows, top_k, hidden, inter, num_local,
+                                         seed=num_rows)
+    out = torch.full((num_rows, hidden), float("nan"), device="cuda").to(torch.bfloat16)
+    ops.megamoe_forward(*case, out=out, w13_scale=s13, w2_scale=s2)
+    assert not out.isnan().any()
+    assert rel_err(out, reference_moe(*case[:3], *deq)) < 4e-3
+
+
+def test_fp8_every_e4m3_code_widens_exactly():
+    """Weights drawn from every finite e4m3 code (subnormals, zeros, both signs), and a layer
+    whose weights are all subnormal codes (a flush to zero would leave out = 0): the fp32
+    reference on the dequantized weights."""
+    from vllm_petit_moe import ops
+
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    subnormal = torch.tensor([c for c in range(256) if (c & 0x78) == 0 and c & 7],
+                             dtype=torch.uint8)
+    hidden, inter, num_local, top_k = 256, 256, 4, 2
+    g = torch.Generator().manual_seed(5)
+    for table in (codes, subnormal):
+        x, ids, w, _, _ = make_case(6, top_k, hidden, inter, num_local, seed=9, invalid=0.0)
+        w13 = table[torch.randint(0, table.numel(), (num_local, 2 * inter, hidden), generator=g)]
+        w2 = table[torch.randint(0, table.numel(), (num_local, hidden, inter), generator=g)]
+        w13, w2 = (t.view(torch.float8_e4m3fn).cuda() for t in (w13, w2))
+        s13 = torch.rand(num_local, 2 * inter // 128, hidden // 128, generator=g).cuda() + 0.5
+        s2 = torch.rand(num_local, hidden // 128, inter // 128, generator=g).cuda() + 0.5
+        if table is subnormal:
+            s13, s2 = s13 * 256, s2 * 64  # dequantized weights of O(1)
+        deq = [(q.float().view(q.shape[0], q.shape[1] // 128, 128, q.shape[2] // 128, 128)
+                * s[:, :, None, :, None]).view(q.shape) for q, s in ((w13, s13), (w2, s2))]
+        out = ops.megamoe_forward(x, ids, w, w13, w2, w13_scale=s13, w2_scale=s2)
+        ref = reference_moe(x, ids, w, *deq)
+        assert ref.abs().max() > 0
+        assert rel_err(out, ref) < 4e-3
+
+
+def test_fp8_graph_replays_equal_eager():
+    """fp8 weights in a CUDA graph, 31 replays with fresh inputs: bit-equal to eager calls."""
+    from vllm_petit_moe import ops
+
+    case, (s13, s2), _ = make_fp8_case(4, 8, 2048, 768, 128, seed=11)
+    x, ids, w = (t.clone() for t in case[:3])
+    out = torch.empty_like(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.megamoe_forward(x, ids, w, *case[3:], out=out, w13_scale=s13, w2_scale=s2)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        ops.megamoe_forward(x, ids, w, *case[3:], out=out, w13_scale=s13, w2_scale=s2)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    for _ in range(31):
+        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
+        ids.copy_(torch.randint(-1, 128, ids.shape, generator=g, device="cuda"))
+        w.copy_(torch.rand(w.shape, generator=g, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        expect = ops.megamoe_forward(x, ids, w, *case[3:], w13_scale=s13, w2_scale=s2)
+        assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
+
+
+def test_fp8_limits_raise():
+    from vllm_petit_moe import ops
+
+    case, (s13, s2), _ = make_fp8_case(2, 2, 256, 128, 2, seed=1)
+    with pytest.raises(ValueError, match="w2_scale"):
+        ops.megamoe_forward(*case, w13_scale=s13)
+    with pytest.raises(ValueError, match="w13_scale"):
+        ops.megamoe_forward(*case, w13_scale=s13[:, :1], w2_scale=s2)
+    x, ids, w, w13, w2 = make_case(2, 2, 192, 128, 2, seed=1)
+    with pytest.raises(ValueError, match="scale block"):
+        ops.megamoe_forward(x, ids, w, w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="float8_e4m3fn weights"):
+        ops.megamoe_forward(*make_case(2, 2, 256, 128, 2, seed=1), w13_scale=s13, w2_scale=s2)

@@ -106,6 +106,7 @@ PRESETS = {
     "deepseek-v3": MoEShape(hidden=7168, intermediate=2048, num_experts=256, top_k=8),
     "qwen3-30b-a3b": MoEShape(hidden=2048, intermediate=768, num_experts=128, top_k=8),
     "deepseek-v2-lite": MoEShape(hidden=2048, intermediate=1408, num_experts=64, top_k=6),
+    "qwen3-235b-a22b": MoEShape(hidden=4096, intermediate=1536, num_experts=128, top_k=8),
 }
 
 

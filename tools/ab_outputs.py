@@ -8,9 +8,11 @@ half; tools/ab_trees.sh times them). Run once per tree, each a built checkout, o
 
 For each preset (rank 0's share at W=2: E/2 local experts), routing (uniform local ids with
 -1 slots, or 80% of the slots on 1/8 of the experts) and token count (W x tokens received
-rows), it runs that tree's `ops.experts_forward` with its default tiles on inputs drawn from
-a seeded CUDA generator (the same bits in both runs) and records the SHA-256 of the output's
-bytes. --compare prints the configurations whose outputs differ and exits 1 if any does.
+rows), it runs that tree's `ops.experts_forward` with its default tiles (--op megamoe: its
+`ops.megamoe_forward` on the token count's rows, at most MEGAMOE_MAX_ENTRIES entries) on
+inputs drawn from a seeded CUDA generator (the same bits in both runs) and records the SHA-256
+of the output's bytes. --compare prints the configurations whose outputs differ and exits 1 if
+any does.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ TOKENS = [1, 2, 8, 32, 128, 512, 2048, 8192]
 WORLD = 2
 
 
-def digests(tree: Path, tokens: list[int]) -> dict[str, str]:
+def digests(tree: Path, tokens: list[int], op: str = "experts") -> dict[str, str]:
     sys.path.insert(0, str(tree.resolve()))
     import torch
 
@@ -45,7 +47,7 @@ def digests(tree: Path, tokens: list[int]) -> dict[str, str]:
               / inter**0.5).bfloat16()
         for routing in ("uniform", "skewed"):
             for t in tokens:
-                rows = WORLD * t
+                rows = WORLD * t if op == "experts" else t
                 g.manual_seed(zlib.crc32(f"{preset}/{routing}/{t}".encode()))
                 x = torch.randn(rows, hidden, generator=g, device="cuda").bfloat16()
                 ids = torch.randint(0, local, (rows, top_k), generator=g, device="cuda")
@@ -54,7 +56,8 @@ def digests(tree: Path, tokens: list[int]) -> dict[str, str]:
                     ids = torch.where(hot, ids % max(1, local // 8), ids)
                 ids[torch.rand(rows, top_k, generator=g, device="cuda") < 0.4] = -1
                 w = torch.rand(rows, top_k, generator=g, device="cuda")
-                y = ops.experts_forward(x, ids.int(), w, w13, w2)
+                forward = ops.experts_forward if op == "experts" else ops.megamoe_forward
+                y = forward(x, ids.int(), w, w13, w2)
                 torch.cuda.synchronize()
                 out[f"{preset}/{routing}/{t}"] = hashlib.sha256(
                     y.view(torch.int16).cpu().numpy().tobytes()).hexdigest()
@@ -68,6 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--tree", type=Path, help="a built checkout whose vllm_petit_moe to run")
     p.add_argument("--out", type=Path, help="JSON of {configuration: sha256}")
     p.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    p.add_argument("--op", choices=("experts", "megamoe"), default="experts",
+                   help="the op whose outputs are hashed")
     p.add_argument("--compare", type=Path, nargs=2, metavar=("A", "B"))
     args = p.parse_args(argv)
     if args.compare:
@@ -80,7 +85,7 @@ def main(argv=None) -> int:
         return 1 if differ or not common else 0
     if args.tree is None or args.out is None:
         p.error("--tree and --out (or --compare A B)")
-    args.out.write_text(json.dumps(digests(args.tree, args.tokens), indent=1))
+    args.out.write_text(json.dumps(digests(args.tree, args.tokens, args.op), indent=1))
     return 0
 
 

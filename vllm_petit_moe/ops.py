@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from .config import ExpertConfig, as_dict
-from .limits import (MAX_ENTRIES, MAX_LOCAL_EXPERTS, MAX_TOP_K, MEGAMOE_MAX_ENTRIES,
-                     MEGAMOE_SIZE_MULTIPLE, SIZE_MULTIPLE, check_timeout_s)
+from .limits import (FP8_SCALE_BLOCK, MAX_ENTRIES, MAX_LOCAL_EXPERTS, MAX_TOP_K,
+                     MEGAMOE_MAX_ENTRIES, MEGAMOE_SIZE_MULTIPLE, SIZE_MULTIPLE, check_timeout_s)
 
 TILES = {"auto": 0, "simt": 1, "wgmma_narrow": 2, "wgmma_m64": 3, "wgmma": 4, "wgmma_mc": 5}
 """Tile families of the expert GEMMs (csrc/api.h ExpertTiles). ``auto`` (the default) chooses;
@@ -72,9 +72,12 @@ def validate_experts_inputs(
     recv_topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    *,
+    allow_fp8: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming the limit if :func:`experts_forward` cannot take these
-    tensors. Reads shapes, dtypes and devices only (no host sync)."""
+    tensors (``allow_fp8``: nor :func:`megamoe_forward`, which also takes float8_e4m3fn
+    weights). Reads shapes, dtypes and devices only (no host sync)."""
     if recv_x.dim() != 2 or recv_x.dtype != torch.bfloat16:
         raise ValueError(
             f"recv_x must be a 2-D bfloat16 tensor [N, H], got {recv_x.dtype} "
@@ -102,9 +105,10 @@ def validate_experts_inputs(
         raise ValueError(f"top-k K={top_k} must be in [1, {MAX_TOP_K}] (MAX_TOP_K)")
     if num_rows * top_k > MAX_ENTRIES:
         raise ValueError(f"N*K = {num_rows * top_k} routing entries exceed {MAX_ENTRIES}")
-    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+    weight_dtypes = (torch.bfloat16, torch.float8_e4m3fn) if allow_fp8 else (torch.bfloat16,)
+    if w13.dtype not in weight_dtypes or w2.dtype != w13.dtype:
         raise ValueError(
-            f"w13 and w2 must be bfloat16 (quantized weights are not supported), got "
+            f"w13 and w2 must both be {' or '.join(str(d) for d in weight_dtypes)}, got "
             f"{w13.dtype} and {w2.dtype}"
         )
     if w13.dim() != 3 or w13.shape[2] != hidden_size or w13.shape[1] % 2:
@@ -268,15 +272,40 @@ def sm90a_kernels_supported() -> bool:
 
 
 def megamoe_unsupported_reason(num_rows: int, top_k: int, hidden_size: int,
-                               intermediate_size: int) -> str | None:
-    """Why :func:`megamoe_forward` cannot take a call of these sizes (None if it can)."""
+                               intermediate_size: int, *, fp8: bool = False) -> str | None:
+    """Why :func:`megamoe_forward` cannot take a call of these sizes (None if it can); fp8:
+    with block-fp8 weights."""
     if num_rows * top_k > MEGAMOE_MAX_ENTRIES:
         return (f"N*K = {num_rows}*{top_k} routing entries > {MEGAMOE_MAX_ENTRIES} "
                 "(MEGAMOE_MAX_ENTRIES)")
     if hidden_size % MEGAMOE_SIZE_MULTIPLE or intermediate_size % MEGAMOE_SIZE_MULTIPLE:
         return (f"hidden {hidden_size} / intermediate {intermediate_size} not multiples of "
                 f"{MEGAMOE_SIZE_MULTIPLE}")
+    if fp8 and (hidden_size % FP8_SCALE_BLOCK or intermediate_size % FP8_SCALE_BLOCK):
+        return (f"fp8 weights: hidden {hidden_size} / intermediate {intermediate_size} not "
+                f"multiples of the {FP8_SCALE_BLOCK} scale block")
     return None
+
+
+def _check_block_scales(fp8: bool, w13_scale: torch.Tensor | None,
+                        w2_scale: torch.Tensor | None, num_local_experts: int, hidden_size: int,
+                        intermediate_size: int, device: torch.device) -> None:
+    """The block scales of fp8 weights: contiguous float32 [L, 2I/128, H/128] and
+    [L, H/128, I/128] on the weights' device; none with bf16 weights."""
+    if not fp8:
+        if w13_scale is not None or w2_scale is not None:
+            raise ValueError("w13_scale / w2_scale are for float8_e4m3fn weights; w13 and w2 "
+                             "are bfloat16")
+        return
+    blocks_h, blocks_i = hidden_size // FP8_SCALE_BLOCK, intermediate_size // FP8_SCALE_BLOCK
+    want = {"w13_scale": (num_local_experts, 2 * blocks_i, blocks_h),
+            "w2_scale": (num_local_experts, blocks_h, blocks_i)}
+    for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if scale is None or tuple(scale.shape) != want[name] or scale.dtype != torch.float32 \
+                or not scale.is_contiguous() or scale.device != device:
+            got = "None" if scale is None else f"{scale.dtype} {tuple(scale.shape)} on {scale.device}"
+            raise ValueError(f"float8_e4m3fn weights need {name}: a contiguous float32 tensor "
+                             f"{want[name]} (128 x 128 blocks) on {device}, got {got}")
 
 
 def _megamoe_sync_buffer(device: torch.device, num_local_experts: int,
@@ -309,6 +338,8 @@ def megamoe_forward(
     num_sms: int = 0,
     timeout_s: float = 30.0,
     trace: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE layer of :func:`experts_forward` (same arguments and result up to fp32 rounding
     order; W=1: no dispatch) as ONE persistent kernel: routing, gate/up + SiLU·mul, down +
@@ -316,8 +347,11 @@ def megamoe_forward(
 
     x ``[N, H] bfloat16``; topk_ids ``[N, K] int32`` (local ids, ``-1`` or any id outside
     ``[0, L)`` unused; with ``expert_map``: global ids); topk_weights ``[N, K] float32``;
-    w13 ``[L, 2I, H]``, w2 ``[L, H, I]`` bfloat16. ``N*K <= MEGAMOE_MAX_ENTRIES`` and H, I
-    multiples of ``MEGAMOE_SIZE_MULTIPLE`` (:func:`megamoe_unsupported_reason`).
+    w13 ``[L, 2I, H]``, w2 ``[L, H, I]`` bfloat16, or block fp8: float8_e4m3fn with
+    ``w13_scale [L, 2I/128, H/128]`` and ``w2_scale [L, H/128, I/128]`` float32 (weight = e4m3 ·
+    scale of its 128 x 128 block: the checkpoints' layout as vLLM loads it, used in place; the
+    products are exact and summed in fp32). ``N*K <= MEGAMOE_MAX_ENTRIES`` and H, I multiples
+    of ``MEGAMOE_SIZE_MULTIPLE`` (fp8: of ``FP8_SCALE_BLOCK``; :func:`megamoe_unsupported_reason`).
     act_workspace ``>= N*K*I`` bfloat16, partial_workspace ``>= N*K*H`` float32 (allocated when
     absent). num_sms: SMs the grid may use (0: all; two blocks per SM). timeout_s: bound of the
     kernel's internal waits (a bug, not a peer, would exceed it: the kernel then traps).
@@ -328,13 +362,17 @@ def megamoe_forward(
     Calls on one device must be ordered on one stream (they share the device's counters).
     Returns ``out [N, H] bfloat16``: ``Σ_k w[n,k] · expert(x[n])`` summed in fp32 in slot order.
     """
-    validate_experts_inputs(x, topk_ids, topk_weights, w13, w2)
+    validate_experts_inputs(x, topk_ids, topk_weights, w13, w2, allow_fp8=True)
     num_rows, hidden_size = x.shape
     top_k = topk_ids.shape[1]
-    intermediate_size = w13.shape[1] // 2
-    reason = megamoe_unsupported_reason(num_rows, top_k, hidden_size, intermediate_size)
+    num_local_experts, intermediate_size = w13.shape[0], w13.shape[1] // 2
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    reason = megamoe_unsupported_reason(num_rows, top_k, hidden_size, intermediate_size,
+                                        fp8=fp8)
     if reason is not None:
         raise ValueError(f"megamoe_forward: {reason}")
+    _check_block_scales(fp8, w13_scale, w2_scale, num_local_experts, hidden_size,
+                        intermediate_size, x.device)
     timeout_s = check_timeout_s(timeout_s)
     if num_sms < 0:
         raise ValueError(f"num_sms must be >= 0, got {num_sms}")
@@ -361,5 +399,6 @@ def megamoe_forward(
     sync = _megamoe_sync_buffer(x.device, w13.shape[0], hidden_size)
     _ops().megamoe_forward(x, topk_ids, topk_weights, w13, w2, out, act_workspace,
                            partial_workspace, sync, expert_map=expert_map, num_sms=num_sms,
-                           timeout_s=float(timeout_s), trace=trace)
+                           timeout_s=float(timeout_s), trace=trace, w13_scale=w13_scale,
+                           w2_scale=w2_scale)
     return out

@@ -339,6 +339,20 @@ def quantize_fp8_reference(x: torch.Tensor, mode: Fp8Quant) -> tuple[torch.Tenso
     return q.to(torch.float8_e4m3fn), scales
 
 
+def block_fp8_quantize(w: torch.Tensor, block: int = 128
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert weights ``[L, R, C]`` (R, C multiples of ``block``) as an fp8 checkpoint stores
+    them: (e4m3 ``[L, R, C]``, fp32 scales ``[L, R/block, C/block]`` with scale = block amax /
+    448, the dequantized weights e4m3 · scale in float32)."""
+    num, rows, cols = w.shape
+    blocks = w.float().view(num, rows // block, block, cols // block, block)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12) / FP8_E4M3_MAX
+    expand = scale[:, :, None, :, None]
+    q = (blocks / expand).to(torch.float8_e4m3fn)
+    deq = (q.float() * expand).view(num, rows, cols)
+    return q.view(num, rows, cols).contiguous(), scale.contiguous(), deq
+
+
 def dequantize_fp8_reference(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``[T, H]`` float32 from :func:`quantize_fp8_reference`'s output (either mode)."""
     num_tokens, hidden_size = q.shape
