@@ -58,10 +58,6 @@ def _extension_modules():
     archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
     if "9.0a" in (a.strip().removesuffix("+PTX") for a in archs):
         nvcc_flags.append("-DPETIT_SM90A_BUILT=1")
-    # A diagnostics build: the expert kernels' start-up probe (csrc/common/probe.h,
-    # tools/expert_startup_probe.py); never for serving.
-    if os.environ.get("PETIT_MOE_PROBE") == "1":
-        nvcc_flags.append("-DPETIT_MOE_PROBE=1")
     ext = CUDAExtension(
         name="vllm_petit_moe._C",
         sources=[str(Path("csrc") / s) for s in KERNEL_SOURCES + BINDING_SOURCES],

@@ -129,10 +129,6 @@ struct ExpertLaunchShape {
   int grid, threads, smem_bytes, cluster;
 };
 ExpertLaunchShape last_expert_gemm_launch(bool gate_up);
-// The start-up probe of the warp-specialized expert kernels (probe.h; a build with
-// PETIT_MOE_PROBE=1): waits for the device, copies its kProbeBlocks x kProbeSlots timestamps
-// (ns; 0: not reached) into `out` and zeroes them. petitErrorNotSupported without the probe.
-petitError_t expert_probe_read(unsigned long long* out);
 
 // ------------------------------------------------------------------ megamoe.cu
 // MegaMoE at W=1: the whole MoE layer of experts_forward (same inputs, same result up to fp32

@@ -27,7 +27,6 @@
 #include "gemm/mainloop_simt.h"
 #include "gemm/scheduler.h"
 #include "common/launch.h"
-#include "common/probe.h"
 #if PETIT_SM80_PATH
 #include "gemm/sm90_epilogue_staged.h"
 #include "gemm/sm90_mainloop_wgmma_ws.h"
@@ -276,21 +275,6 @@ PETIT_DEVICE void device_fence() {
 #endif
 }
 
-// petit_grid_dependency_sync with the start-up probe's first two marks (probe.h; nothing in
-// a build without it).
-PETIT_DEVICE void probed_grid_dependency_sync() {
-  probe_first(kProbeEntry, threadIdx.x == 0);
-  petit_grid_dependency_sync();
-  probe_first(kProbeWaited, threadIdx.x == 0);
-}
-
-// Consumer thread 0 after a tile's epilogue: the probe's stored marks and tile count.
-PETIT_DEVICE void probe_stored() {
-  probe_first(kProbeFirstStored, threadIdx.x == 0);
-  probe_last(kProbeLastStored, threadIdx.x == 0);
-  probe_count(kProbeTiles, threadIdx.x == 0);
-}
-
 // The wgmma and wgmma_mc kernels, one per GEMM (Mainloop = Sm90WgmmaWsMainloop): the weight
 // rows come through `b_map`, the tensor map of w13 (dims {H, I, 2, L}) or w2 ({I, H, 1, L})
 // that launch_ws_gemm encodes. The scheduler and the ring are set up by the whole block; then
@@ -316,7 +300,6 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
   Scheduler scheduler;
   scheduler.init(a.expert_offsets, a.num_local_experts, Cfg::kBlockM,
                  (out_cols + Cfg::kBlockN - 1) / Cfg::kBlockN, scheduler_smem);
-  probe_first(kProbeScheduled, threadIdx.x == 0);
   Mainloop mainloop;
   mainloop.init(tc_dynamic_smem);
   const int num_tiles = scheduler.num_tiles();
@@ -328,7 +311,6 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
     if (Mainloop::is_tma_issuer()) gemm::sm90_prefetch_tensor_map(b_map);
     for (int u = first; u < num_tiles; u += step) {
       const gemm::TileCoord tile = scheduler.tile(u, rank);
-      probe_first(kProbeFirstClaim, Mainloop::is_tma_issuer());
       typename Mainloop::LoaderA a_loader;
       a_init(a_loader, tile);
       typename Mainloop::LoaderB b_loader;
@@ -345,20 +327,15 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
                       "the staging buffer is the main loop's user shared memory");
         const typename Epilogue::Rows rows = epilogue.prefetch(tile.row_begin, tile.num_rows);
         mainloop.consume(k_dim);
-        probe_first(kProbeFirstConsumed, threadIdx.x == 0);
         epilogue.apply(mainloop.acc, rows, tile.num_rows, tile.n_tile * Cfg::kBlockN,
                        Mainloop::user_smem(tc_dynamic_smem) + kSchedulerBytes<Cfg>);
-        probe_stored();
       } else {
         mainloop.consume(k_dim);
-        probe_first(kProbeFirstConsumed, threadIdx.x == 0);
         epilogue.apply(mainloop.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                        tile.num_rows, tile.n_tile * Cfg::kBlockN);
-        probe_stored();
       }
     }
     if constexpr (kStaged) Epilogue::finish();
-    probe_last(kProbeExit, threadIdx.x == 0);
   }
   mainloop.finish();
 }
@@ -366,7 +343,7 @@ PETIT_DEVICE void expert_ws_gemm(const ExpertGemmArgs& a, const CUtensorMap* b_m
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_gate_up_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map) {
-  probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     expert_ws_gemm<Mainloop>(
@@ -382,7 +359,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
 template <class Mainloop>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(Mainloop::kThreads, 1)
     expert_down_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w2_map) {
-  probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (Mainloop::kCompiled) {
     using Cfg = typename Mainloop::Cfg;
     expert_ws_gemm<Mainloop, true>(
@@ -473,7 +450,6 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
     static_assert(GateUp::kUserBytes >= kSchedulerBytes<CfgG> + (CfgG::kStages + 2) * 4,
                   "the scheduler's storage, the stage tags and the claims are the main loop's "
                   "user shared memory");
-    probe_first(kProbeScheduled, threadIdx.x == 0);  // m_tiles: built by the caller
     PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // GateUp::kSmemBytes
     unsigned char* user = GateUp::user_smem(tc_dynamic_smem);
     volatile int* stage_tags = reinterpret_cast<volatile int*>(user + kSchedulerBytes<CfgG>);
@@ -509,7 +485,6 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
         return claims[claim++ & 1];
       };
       int u = claim_next();
-      probe_first(kProbeFirstClaim, leader);
       for (; u < num_gate_up; u = claim_next()) {
         const gemm::TileCoord tile = gate_up_tiles.tile(u);
         typename GateUp::LoaderA a_loader;
@@ -521,12 +496,10 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
       Down down;
       down.continue_from(gate_up);
       for (; u < num_units; u = claim_next()) {
-        probe_first(kProbeDownClaim, leader);
         const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
         typename Down::LoaderB b_loader;
         b_loader.init(w2_map, tile.expert, tile.n_tile * CfgD::kBlockN);
         fused_wait_gate_up(a.gate_up_done, tile.expert, arrivals(tile.expert));
-        probe_first(kProbeDownReady, leader);
         typename Down::LoaderA a_loader;
         a_loader.init([&](int r) { return down_a_row(a, tile, r); }, a.act);
         down.produce(a_loader, b_loader, a.intermediate, 0, false, stage_tags, u);
@@ -541,11 +514,9 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
         for (; u >= 0 && u < num_gate_up; u = gate_up.peek_tag(stage_tags)) {
           const gemm::TileCoord tile = gate_up_tiles.tile(u);
           gate_up.consume(a.hidden);
-          probe_first(kProbeFirstConsumed, threadIdx.x == 0);
           epilogue.apply(gate_up.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                          tile.num_rows, tile.n_tile * CfgG::kBlockN);
           fused_gate_up_arrive(a.gate_up_done, tile.expert);
-          probe_stored();
         }
       }
       Down down;
@@ -553,15 +524,11 @@ PETIT_DEVICE void fused_ws_gemms(const ExpertGemmArgs& a, const CUtensorMap* w13
       const gemm::WeightedEntryEpilogue<CfgD> epilogue{a.partial, a.sorted_entries,
                                                        a.topk_weights, a.hidden};
       for (; u >= 0; u = down.peek_tag(stage_tags)) {
-        probe_first(kProbeDownFull, threadIdx.x == 0);  // the tile's first stage: full
         const gemm::TileCoord tile = down_tiles.tile(u - num_gate_up);
         down.consume(a.intermediate);
-        probe_first(kProbeDownConsumed, threadIdx.x == 0);
         epilogue.apply(down.acc, int(threadIdx.x), int(threadIdx.x), tile.row_begin,
                        tile.num_rows, tile.n_tile * CfgD::kBlockN);
-        probe_stored();
       }
-      probe_last(kProbeExit, threadIdx.x == 0);
     }
   }
 }
@@ -570,7 +537,7 @@ template <class GateUp, class Down>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
     expert_fused_ws_kernel(ExpertGemmArgs a, const __grid_constant__ CUtensorMap w13_map,
                            const __grid_constant__ CUtensorMap w2_map) {
-  probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (GateUp::kCompiled) {
     PETIT_DYNAMIC_SMEM(tc_dynamic_smem);  // the scheduler's storage: the user shared memory
     auto& smem = *reinterpret_cast<typename FusedScheduler<GateUp::kThreads>::SharedStorage*>(
@@ -579,13 +546,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(GateUp::kThreads, 1)
                                  fused_m_tiles<GateUp::kThreads>(a, GateUp::Cfg::kBlockM, smem));
   }
 }
-
-#if PETIT_EMU_PTX
-// The branch of the last expert_fused_ws_auto_kernel (1: narrow, 0: m64; -1 before any), for
-// the emulated tests (tests/emu/experts_emu.cpp): both branches give the same bits, so the
-// output cannot tell which one ran.
-inline int g_emu_fused_auto_narrow = -1;
-#endif
 
 // auto's wgmma_m64 regime (choose_expert_tiles: from ExpertConfig::narrow_max_rows to
 // m64_max_rows routing entries per local expert): the m64 tiles (MG, MD), or the narrow ones (NG, ND:
@@ -602,7 +562,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
                                 const __grid_constant__ CUtensorMap narrow_w2,
                                 const __grid_constant__ CUtensorMap m64_w13,
                                 const __grid_constant__ CUtensorMap m64_w2, int num_sms) {
-  probed_grid_dependency_sync();  // launched programmatically (launch_kernel)
+  petit_grid_dependency_sync();  // launched programmatically (launch_kernel)
   if constexpr (MG::kCompiled) {
     static_assert(NG::kThreads == MG::kThreads && NG::Cfg::kBlockM == MG::Cfg::kBlockM,
                   "one block shape and m-tile for both families");
@@ -615,9 +575,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(MG::kThreads, 1)
     const int64_t m64_tiles = int64_t(m_tiles.tile_prefix[a.num_local_experts]) *
                               ((a.intermediate + MG::Cfg::kBlockN - 1) / MG::Cfg::kBlockN);
     const bool narrow = 2 * m64_tiles <= num_sms;
-#if PETIT_EMU_PTX
-    if (blockIdx.x == 0 && threadIdx.x == 0) g_emu_fused_auto_narrow = narrow ? 1 : 0;
-#endif
     if (narrow)
       fused_ws_gemms<NG, ND>(a, &narrow_w13, &narrow_w2, m_tiles);
     else
@@ -977,22 +934,6 @@ bool sm90a_kernels_supported() { return wgmma_path_supported() == petitSuccess; 
 
 ExpertLaunchShape last_expert_gemm_launch(bool gate_up) {
   return g_gemm_launch_shape[gate_up ? 1 : 0];
-}
-
-petitError_t expert_probe_read(unsigned long long* out) {
-#if PETIT_PROBE_BUILT
-  constexpr size_t kBytes = sizeof(g_petit_probe);
-  cudaError_t err = cudaDeviceSynchronize();
-  if (err == cudaSuccess) err = cudaMemcpyFromSymbol(out, g_petit_probe, kBytes);
-  void* device = nullptr;
-  if (err == cudaSuccess) err = cudaGetSymbolAddress(&device, g_petit_probe);
-  if (err == cudaSuccess) err = cudaMemset(device, 0, kBytes);
-  if (err == cudaSuccess) err = cudaDeviceSynchronize();
-  return err;
-#else
-  (void)out;
-  return petitErrorNotSupported;
-#endif
 }
 
 petitError_t launch_expert_reduce(const ExpertGemmArgs& a, petitStream_t stream) {
