@@ -24,8 +24,9 @@ ROOT = Path(__file__).parent.resolve()
 CSRC = ROOT / "csrc"
 
 # Sources of the extension: framework-free kernels + the one torch binding file.
-KERNEL_SOURCES = ["comm/heap.cpp", "comm/dispatch_combine.cu", "experts/routing.cu", "experts/experts.cu",
-                  "experts/megamoe.cu"]
+KERNEL_SOURCES = ["comm/heap.cpp", "comm/dispatch_combine.cu", "experts/routing.cu",
+                  "experts/tile_choice.cu", "experts/gemm_sm90.cu", "experts/gemm_simt.cu",
+                  "experts/reduce.cu", "experts/megamoe.cu"]
 BINDING_SOURCES = ["bindings.cpp"]
 
 # The vLLM versions the glue supports (vllm_petit_moe/vllm_glue/compat.py SUPPORTED_VLLM, which

@@ -1,5 +1,6 @@
-"""CPU: the expert kernels (csrc/experts/experts.cu) run unchanged under a thread-per-GPU-thread
-emulation (tests/emu/experts_emu.cpp), against the torch reference.
+"""CPU: the expert kernels (csrc/experts/: gemm_sm90.cu, gemm_simt.cu, reduce.cu, launched as
+tile_choice.cu chooses) run unchanged under a thread-per-GPU-thread emulation
+(tests/emu/experts_emu.cpp), against the torch reference.
 
 This checks the kernels' index math, bounds handling, persistent tile loop, scheduler scan and
 barrier placement before (and besides) the GPU tests in test_experts_gpu.py; it says nothing
@@ -418,7 +419,7 @@ def test_reduction_maps_global_ids_through_the_expert_map(emu):
 def test_reduction_kernels_one_wave_and_grid_agree(emu):
     """The local reduction runs batched loads in one wave when the call's 8-column chunks fit
     kReduceBlocksPerSmBatched (6) blocks of 256 threads per SM, else one load at a time over
-    a grid (experts.cu, launch_expert_reduce). Same problem, 2600 chunks (40 rows, hidden 520):
+    a grid (reduce.cu, launch_expert_reduce). Same problem, 2600 chunks (40 rows, hidden 520):
     11 blocks > 6 on 1 SM (the grid kernel), <= 12 on 2 SMs (one wave): bit-equal (the GEMMs
     do not depend on the grid), and right against the reference, with 1-8 valid slots per row
     (top-k 8: a wave's batches of 4 and their remainder)."""

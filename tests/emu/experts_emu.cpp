@@ -1,5 +1,6 @@
-// CPU emulation of the expert kernels (csrc/experts/experts.cu), for tests without a GPU: the kernel
-// source runs unchanged on the thread-per-GPU-thread runtime of emu_runtime.h.
+// CPU emulation of the expert kernels (csrc/experts/: the tile choice, both GEMM families and
+// the local reduction), for tests without a GPU: the kernel sources run unchanged on the
+// thread-per-GPU-thread runtime of emu_runtime.h, all in this one translation unit.
 //
 // Built by tests/test_experts_emu_cpu.py:
 //   g++ -std=c++17 -O1 -shared -fPIC -pthread -I csrc -I $CUDA_HOME/include \
@@ -9,7 +10,10 @@
 #include <cmath>
 #include <vector>
 
-#include "experts/experts.cu"
+#include "experts/gemm_simt.cu"
+#include "experts/gemm_sm90.cu"
+#include "experts/reduce.cu"
+#include "experts/tile_choice.cu"
 
 // emu_ptx::trap(what) on this thread: for the test of what a trap reports (it aborts).
 extern "C" void petit_emu_trap(const char* what) { emu_ptx::trap(what); }
