@@ -10,7 +10,9 @@
 
 namespace petit {
 
-inline bool aligned16(const void* p) { return p != nullptr && (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+inline bool aligned16(const void* p) {
+  return p != nullptr && (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
 
 inline petitError_t check_args(const ExpertGemmArgs& a) {
   if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
