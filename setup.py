@@ -24,8 +24,9 @@ ROOT = Path(__file__).parent.resolve()
 CSRC = ROOT / "csrc"
 
 # Sources of the extension: framework-free kernels + the one torch binding file.
-KERNEL_SOURCES = ["comm/heap.cpp", "comm/dispatch_combine.cu", "experts/routing.cu", "experts/experts.cu",
-                  "experts/megamoe.cu"]
+KERNEL_SOURCES = ["comm/heap.cpp", "comm/dispatch_combine.cu", "experts/routing.cu",
+                  "experts/tile_choice.cu", "experts/gemm_sm90.cu", "experts/gemm_simt.cu",
+                  "experts/reduce.cu", "experts/megamoe.cu"]
 BINDING_SOURCES = ["bindings.cpp"]
 
 # The vLLM versions the glue supports (vllm_petit_moe/vllm_glue/compat.py SUPPORTED_VLLM, which
@@ -58,10 +59,6 @@ def _extension_modules():
     archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
     if "9.0a" in (a.strip().removesuffix("+PTX") for a in archs):
         nvcc_flags.append("-DPETIT_SM90A_BUILT=1")
-    # A diagnostics build: the expert kernels' start-up probe (csrc/common/probe.h,
-    # tools/expert_startup_probe.py); never for serving.
-    if os.environ.get("PETIT_MOE_PROBE") == "1":
-        nvcc_flags.append("-DPETIT_MOE_PROBE=1")
     ext = CUDAExtension(
         name="vllm_petit_moe._C",
         sources=[str(Path("csrc") / s) for s in KERNEL_SOURCES + BINDING_SOURCES],

@@ -30,8 +30,8 @@ PETIT_HOST_DEVICE int64_t row_list_workspace_ints(int num_entries, int num_local
 }
 petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stream);
 
-// ------------------------------------------------------------------ experts.cu
-// Expert grouped GEMMs on the row lists above (see docs/architecture.md, "Expert kernels").
+// ----------------------- tile_choice.cu, gemm_sm90.cu, gemm_simt.cu, reduce.cu
+// Expert grouped GEMMs on the row lists above (see docs/architecture.md, "Expert GEMMs").
 // With pos = a position in sorted_entries order, entry = sorted_entries[pos], e = the local
 // expert of pos, row = entry / K:
 //   gate/up:  act[pos] = bf16(silu(x[row] . w13[e, :I]^T) * (x[row] . w13[e, I:]^T))
@@ -43,7 +43,7 @@ petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stre
 // K <= kMaxTopK, N*K < 2^31; every pointer 16-byte aligned.
 //
 // Tile families: one Hopper family (sm_90a, warp-specialized wgmma) in four regimes, and the
-// portable SIMT fallback. kExpertTilesAuto picks one (experts.cu, choose_expert_tiles, with
+// portable SIMT fallback. kExpertTilesAuto picks one (tile_choice.cu, choose_expert_tiles, with
 // the bounds of ExpertGemmArgs::config); naming another forces it (for tests and debugging).
 // The Hopper regimes return petitErrorNotSupported where the build has no sm_90a image or the
 // device is not compute capability 9.0 (HIP, older GPUs). wgmma_narrow and wgmma_m64 give the
@@ -129,10 +129,6 @@ struct ExpertLaunchShape {
   int grid, threads, smem_bytes, cluster;
 };
 ExpertLaunchShape last_expert_gemm_launch(bool gate_up);
-// The start-up probe of the warp-specialized expert kernels (probe.h; a build with
-// PETIT_MOE_PROBE=1): waits for the device, copies its kProbeBlocks x kProbeSlots timestamps
-// (ns; 0: not reached) into `out` and zeroes them. petitErrorNotSupported without the probe.
-petitError_t expert_probe_read(unsigned long long* out);
 
 // ------------------------------------------------------------------ megamoe.cu
 // MegaMoE at W=1: the whole MoE layer of experts_forward (same inputs, same result up to fp32

@@ -20,7 +20,6 @@
 
 #include "api.h"
 #include "common/fp8.h"
-#include "common/probe.h"
 
 namespace petit {
 namespace {
@@ -999,22 +998,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "(grid, threads, dynamic smem bytes, CTAs per cluster) of this process's latest gate/up "
       "or down GEMM launch; zeros before the first",
       py::arg("gate_up"));
-  m.def(
-      "expert_probe_read",
-      []() {
-        torch::Tensor t = torch::empty({petit::kProbeBlocks, petit::kProbeSlots},
-                                       torch::dtype(torch::kInt64));
-        const petitError_t err =
-            petit::expert_probe_read(reinterpret_cast<unsigned long long*>(t.data_ptr()));
-        PETIT_CHECK(err != petitErrorNotSupported,
-                    "this build has no start-up probe: rebuild with PETIT_MOE_PROBE=1 in the "
-                    "environment (tools/expert_startup_probe.py)");
-        PETIT_CHECK_OK(err, "expert_probe_read");
-        return t;
-      },
-      "The expert kernels' start-up probe (csrc/common/probe.h, a PETIT_MOE_PROBE=1 build): [blocks, "
-      "slots] int64 %globaltimer ns of each block's marked points (0: not reached), zeroed on "
-      "the device by the read; waits for the device first");
   py::class_<EpContext>(m, "EpContext")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                     double, const py::dict&>(),

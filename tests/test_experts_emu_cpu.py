@@ -1,5 +1,6 @@
-"""CPU: the expert kernels (csrc/experts/experts.cu) run unchanged under a thread-per-GPU-thread
-emulation (tests/emu/experts_emu.cpp), against the torch reference.
+"""CPU: the expert kernels (csrc/experts/: gemm_sm90.cu, gemm_simt.cu, reduce.cu, launched as
+tile_choice.cu chooses) run unchanged under a thread-per-GPU-thread emulation
+(tests/emu/experts_emu.cpp), against the torch reference.
 
 This checks the kernels' index math, bounds handling, persistent tile loop, scheduler scan and
 barrier placement before (and besides) the GPU tests in test_experts_gpu.py; it says nothing
@@ -47,7 +48,7 @@ def load_experts_emu(tmp_path_factory):
     lib.petit_emu_set_expert_config.restype = None
     lib.petit_emu_default_expert_config.restype = None
     lib.petit_emu_fused_gemms.restype = ctypes.c_int
-    lib.petit_emu_fused_auto_narrow.restype = ctypes.c_int
+    lib.petit_emu_fused_claims.restype = ctypes.c_int
     return lib
 
 
@@ -418,7 +419,7 @@ def test_reduction_maps_global_ids_through_the_expert_map(emu):
 def test_reduction_kernels_one_wave_and_grid_agree(emu):
     """The local reduction runs batched loads in one wave when the call's 8-column chunks fit
     kReduceBlocksPerSmBatched (6) blocks of 256 threads per SM, else one load at a time over
-    a grid (experts.cu, launch_expert_reduce). Same problem, 2600 chunks (40 rows, hidden 520):
+    a grid (reduce.cu, launch_expert_reduce). Same problem, 2600 chunks (40 rows, hidden 520):
     11 blocks > 6 on 1 SM (the grid kernel), <= 12 on 2 SMs (one wave): bit-equal (the GEMMs
     do not depend on the grid), and right against the reference, with 1-8 valid slots per row
     (top-k 8: a wave's batches of 4 and their remainder)."""
@@ -469,19 +470,28 @@ def test_auto_fused_gemms_pick_the_tiles_on_the_device(sm90, num_sms):
     in a kernel that runs the narrow tiles when twice the m64 gate/up tiles (m-tiles x n-tiles
     of 128 columns) are no more than the SMs, else the m64 ones. 40 rows x top-4 over 5
     experts (32 entries each, one m-tile each) with intermediate 136 (2 n-tiles): 10 m64
-    tiles, so narrow from 20 SMs, m64 below. Either way bit-equal to both explicit regimes
-    (whose kernels make no such choice) and within the reference's tolerance."""
+    tiles, so narrow from 20 SMs, m64 below. Which tiles ran shows in the tile claim counter
+    (gate_up_done[L]: the call's units plus one claim past them per block). Either way
+    bit-equal to both explicit regimes (whose kernels make no such choice) and within the
+    reference's tolerance."""
     ids = torch.randint(0, 5, (40, 4), generator=torch.Generator().manual_seed(3),
                         dtype=torch.int32)
     problem = make_problem(ids, 136, 136, 5, seed=101)
-    sm90.petit_emu_fused_auto_narrow()  # forget earlier runs
+    m_tiles = sum((int(n) + 63) // 64 for n in torch.bincount(ids.flatten().long(), minlength=5))
+    assert m_tiles == 5
+
+    def units(block_n_gate_up, block_n_down):  # the call's gate/up + down tiles
+        return m_tiles * (-(-136 // block_n_gate_up) + -(-136 // block_n_down))
+
     out, used = run_emulated(sm90, *problem, tiles="auto", num_sms=num_sms)
     assert used == "wgmma_m64" and sm90.petit_emu_fused_gemms() == 1
-    assert sm90.petit_emu_fused_auto_narrow() == (1 if num_sms >= 20 else 0)
+    # which tiles ran: every block's last claim is the one past the call's units
+    ran = sm90.petit_emu_fused_claims() - last_launch(sm90, True)["grid"]
+    assert ran == (units(64, 128) if num_sms >= 20 else units(128, 256))
     check_against_reference(out, problem)
-    for tiles in ("wgmma_narrow", "wgmma_m64"):
+    for tiles, block_n in (("wgmma_narrow", (64, 128)), ("wgmma_m64", (128, 256))):
         assert torch.equal(out, run_emulated(sm90, *problem, tiles=tiles, num_sms=num_sms)[0])
-        assert sm90.petit_emu_fused_auto_narrow() == -1  # explicit regimes: the plain kernels
+        assert sm90.petit_emu_fused_claims() - last_launch(sm90, True)["grid"] == units(*block_n)
 
 
 def test_auto_narrow_bound_from_the_config(sm90):

@@ -313,7 +313,7 @@ def test_cluster_launch_shape():
 
 @pytest.mark.parametrize("tiles", ["auto", "small"])
 def test_programmatic_launch_sees_every_input(tiles):
-    """Programmatic dependent launch (sm_90+, experts.cu launch_kernel): each kernel of a call
+    """Programmatic dependent launch (sm_90+, experts/persistent_launch.h launch_kernel): each kernel of a call
     may be scheduled before the previous one has drained and must still see all of its
     output. 12 calls with fresh data, sizes on both sides of auto's 64-row bound and
     NaN-poisoned workspaces (a kernel reading its input early would read NaN or the previous

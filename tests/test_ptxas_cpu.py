@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# The warp-specialized expert kernels (experts.cu): every Hopper kernel.
+# The warp-specialized expert kernels (experts/gemm_sm90.cu): every Hopper kernel.
 WS_KERNEL = re.compile(r"_ws_(?:auto_)?kernel")
 WS_ENTRY = re.compile(r"\.(?:visible )?\.?entry \w+_ws_(?:auto_)?kernel")
 NUM_WS_KERNELS = 7
@@ -80,8 +80,10 @@ def nvcc():
     return path
 
 
-@pytest.mark.parametrize("source", ["experts/experts.cu", "comm/dispatch_combine.cu", "experts/routing.cu",
-                                    "experts/megamoe.cu"])
+# Every source with kernels (experts/tile_choice.cu is host code only).
+@pytest.mark.parametrize("source", ["experts/gemm_sm90.cu", "experts/gemm_simt.cu",
+                                    "experts/reduce.cu", "comm/dispatch_combine.cu",
+                                    "experts/routing.cu", "experts/megamoe.cu"])
 def test_no_kernel_spills_and_no_serialized_wgmma(nvcc, source, tmp_path):
     report = _ptxas_report(nvcc, source, tmp_path)
     kernels = report["kernels"]
@@ -94,7 +96,7 @@ def test_no_kernel_spills_and_no_serialized_wgmma(nvcc, source, tmp_path):
 
 
 def test_warp_specialized_kernels_launch_with_their_register_budget(nvcc, tmp_path):
-    kernels = _ptxas_report(nvcc, "experts/experts.cu", tmp_path)["kernels"]
+    kernels = _ptxas_report(nvcc, "experts/gemm_sm90.cu", tmp_path)["kernels"]
     ws = {name: k for name, k in kernels.items() if WS_KERNEL.search(name)}
     # gate/up and (staged) down of wgmma and wgmma_mc; the fused gate/up + down of wgmma_m64
     # and wgmma_narrow; auto's fused kernel holding both
@@ -106,17 +108,17 @@ def test_warp_specialized_kernels_launch_with_their_register_budget(nvcc, tmp_pa
 
 
 def test_the_reductions_fit_their_blocks_per_sm(nvcc, tmp_path):
-    """experts.cu runs its local reduction as one wave of kReduceBlocksPerSmBatched blocks per SM
+    """reduce.cu runs its local reduction as one wave of kReduceBlocksPerSmBatched blocks per SM
     (expert_reduce_kernel<kReduceBatch>) or over a grid of kReduceBlocksPerSm blocks per SM
     (expert_reduce_kernel<1>), kReduceThreads threads each: their registers must fit the 64K
     register file at once, or the wave would not be one, or a partial second wave of blocks
     would trail every large call."""
-    source = (ROOT / "csrc" / "experts" / "experts.cu").read_text()
+    source = (ROOT / "csrc" / "experts" / "reduce.cu").read_text()
 
     def constant(name):
         return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
     threads, batch = constant("kReduceThreads"), constant("kReduceBatch")
-    kernels = _ptxas_report(nvcc, "experts/experts.cu", tmp_path)["kernels"]
+    kernels = _ptxas_report(nvcc, "experts/reduce.cu", tmp_path)["kernels"]
     reduce = {name: k for name, k in kernels.items() if "expert_reduce_kernel" in name}
     # mangled template arguments: ILi1E (kBatch = 1) and ILi<batch>E
     one = [k for name, k in reduce.items() if "ILi1E" in name]
@@ -129,11 +131,10 @@ def test_the_reductions_fit_their_blocks_per_sm(nvcc, tmp_path):
 
 def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
     ptx_path = tmp_path / "experts.ptx"
-    result = subprocess.run([nvcc, *FLAGS, "-ptx", str(ROOT / "csrc" / "experts" / "experts.cu"),
+    result = subprocess.run([nvcc, *FLAGS, "-ptx", str(ROOT / "csrc" / "experts" / "gemm_sm90.cu"),
                              "-o", str(ptx_path)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     ptx = ptx_path.read_text()
-    assert "g_petit_probe" not in ptx  # the start-up probe's marks: only in a probe build
     # The body of each .entry, up to the next one.
     entries = re.split(r"\n(?=\.(?:visible )?\.?entry )", ptx)
     ws_bodies = [e for e in entries if WS_ENTRY.match(e)]
@@ -176,26 +177,6 @@ def test_warp_specialized_ptx_has_the_pipeline_instructions(nvcc, tmp_path):
         for instruction in ("cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read",
                             "cp.async.bulk.wait_group 0", "bar.sync", "fence.proxy.async"):
             assert instruction in body, instruction
-
-
-def test_probe_build_marks_every_warp_specialized_kernel(nvcc, tmp_path):
-    """PETIT_MOE_PROBE=1 (setup.py adds -DPETIT_MOE_PROBE=1; tools/expert_startup_probe.py):
-    the probe array exists and every warp-specialized kernel writes %globaltimer stamps
-    into it (the serving build has neither: see the test above)."""
-    ptx_path = tmp_path / "experts_probe.ptx"
-    result = subprocess.run([nvcc, *FLAGS, "-DPETIT_MOE_PROBE=1", "-ptx",
-                             str(ROOT / "csrc" / "experts" / "experts.cu"), "-o", str(ptx_path)],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    ptx = ptx_path.read_text()
-    # kProbeBlocks x kProbeSlots = 1024 x 16 eight-byte stamps
-    assert re.search(r"\.global .*g_petit_probe\w*\[(131072|16384)\]", ptx), \
-        [line for line in ptx.splitlines() if "g_petit_probe" in line][:3]
-    entries = re.split(r"\n(?=\.(?:visible )?\.?entry )", ptx)
-    ws_bodies = [e for e in entries if WS_ENTRY.match(e)]
-    assert len(ws_bodies) == NUM_WS_KERNELS
-    for body in ws_bodies:
-        assert "g_petit_probe" in body and "%globaltimer" in body, body.split("(", 1)[0]
 
 
 def test_stream_probe_builds_without_spills(nvcc, tmp_path):

@@ -8,10 +8,10 @@
 
 namespace petit {
 
-// The automatic choice of the expert GEMMs' regime (experts.cu, choose_expert_tiles) by the
-// host-known estimate of routing entries per local expert, N*K / L. The estimate overstates
-// the mean rows of an expert by the EP world size (the other ranks' entries are in N*K too),
-// hence bounds above the tile heights. Bounds are exclusive below, inclusive from.
+// The automatic choice of the expert GEMMs' regime (experts/tile_choice.cu,
+// choose_expert_tiles) by the host-known estimate of routing entries per local expert, N*K / L.
+// The estimate overstates the mean rows of an expert by the EP world size (the other ranks'
+// entries are in N*K too), hence bounds above the tile heights. Bounds are exclusive below, inclusive from.
 struct ExpertConfig {
   // Below this many entries per local expert: wgmma_narrow, 64 x 128 tiles (4x the tiles of
   // wgmma_m64 per expert, so a decode step's few experts spread over more SMs).

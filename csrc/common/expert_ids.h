@@ -1,5 +1,5 @@
 // The one validity rule for a routing entry's expert id, shared by the row-list kernels
-// (routing.cu) and the local reduction (experts.cu), so both always agree on which entries a
+// (routing.cu) and the local reduction (reduce.cu), so both always agree on which entries a
 // rank serves. Framework-free (platform.h only), CUDA and HIP.
 #pragma once
 

@@ -1,5 +1,5 @@
 // Staged epilogue of the warp-specialized down GEMM (sm90_mainloop_wgmma_ws.h) of the wgmma
-// and wgmma_mc regimes (experts.cu): the same
+// and wgmma_mc regimes (experts/gemm_sm90.cu): the same
 // output as WeightedEntryEpilogue (epilogues.h: partial[entry][n] = bf16(weight[entry] * acc),
 // bit for bit), but
 //   - the routing weights of the thread's rows and the destination entry of each tile row are

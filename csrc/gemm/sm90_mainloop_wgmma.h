@@ -13,8 +13,8 @@
 //
 // CUDA only (included where PETIT_SM80_PATH is set); the asm is emitted only in sm_90a device
 // passes (PETIT_SM90A_DEVICE), elsewhere the kernels built on it have no body and the
-// launchers refuse the family (experts.cu, wgmma_path_supported). Under the CPU emulation
-// (PETIT_EMU_PTX) the kernels have a body and the wgmma is tests/emu/emu_ptx.h's.
+// launchers refuse the family (experts/gemm_sm90.cu, wgmma_path_supported). Under the CPU
+// emulation (PETIT_EMU_PTX) the kernels have a body and the wgmma is tests/emu/emu_ptx.h's.
 #pragma once
 
 #include "../common/platform.h"

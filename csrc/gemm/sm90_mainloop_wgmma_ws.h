@@ -27,7 +27,6 @@
 // CPU emulation (PETIT_EMU_PTX) the mbarriers and TMA copies are tests/emu/emu_ptx.h's.
 #pragma once
 
-#include "../common/probe.h"
 #include "sm90_mainloop_wgmma.h"
 #include "sm90_tma.h"
 
@@ -359,7 +358,6 @@ struct Sm90WgmmaWsMainloop {
     sm90_mbarrier_arrive_expect_tx(full + 8 * s, LoaderB::kStageBytes);
     b_loader.issue(ring + s * kStageBytes + LoaderA::kStageBytes, kt * Cfg::kBlockK, full + 8 * s,
                    rank, multicast);
-    probe_first(kProbeFirstIssue, true);  // the TMA issuer (start-up probe, ../probe.h)
   }
 
   // A consumer warp hands a stage back: on its `empty` barrier, and with clusters on that of
@@ -391,7 +389,6 @@ struct Sm90WgmmaWsMainloop {
   PETIT_DEVICE int peek_tag(const volatile int* stage_tags) const {
     const uint32_t s = it % Cfg::kStages;
     sm90_mbarrier_wait_parity(full + 8 * s, (it / Cfg::kStages) & 1u);
-    probe_first(kProbeFirstFull, threadIdx.x == 0);
     return stage_tags[s];
   }
 
@@ -409,8 +406,6 @@ struct Sm90WgmmaWsMainloop {
     for (int kt = 0; kt < num_k_tiles; ++kt, ++it) {
       const uint32_t s = it % Cfg::kStages;
       sm90_mbarrier_wait_parity(full + 8 * s, (it / Cfg::kStages) & 1u);
-      probe_first(kProbeFirstFull, threadIdx.x == 0);
-      probe_count(kProbeKTiles, threadIdx.x == 0);
       // The producers' cp.async writes of the A rows (generic proxy) before this warpgroup's
       // wgmma reads (async proxy) of the stage; the TMA's rows are async-proxy writes.
       sm90_fence_proxy_async_smem();

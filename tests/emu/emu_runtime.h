@@ -23,7 +23,7 @@
 // the GPU). Such kernels declare their block-shared variables with PETIT_SHARED (platform.h),
 // which here gives every block its own instance.
 //
-// Include this, then the kernel source (e.g. "experts.cu"); compile with
+// Include this, then the kernel source (e.g. "experts/routing.cu"); compile with
 //   g++ -std=c++17 -O1 -shared -fPIC -pthread -I csrc -I $CUDA_HOME/include <file>.cpp
 // (the CUDA headers only provide uint4/float4/dim3 and friends; nothing links against CUDA).
 #pragma once

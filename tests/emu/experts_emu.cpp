@@ -1,5 +1,6 @@
-// CPU emulation of the expert kernels (csrc/experts/experts.cu), for tests without a GPU: the kernel
-// source runs unchanged on the thread-per-GPU-thread runtime of emu_runtime.h.
+// CPU emulation of the expert kernels (csrc/experts/: the tile choice, both GEMM families and
+// the local reduction), for tests without a GPU: the kernel sources run unchanged on the
+// thread-per-GPU-thread runtime of emu_runtime.h, all in this one translation unit.
 //
 // Built by tests/test_experts_emu_cpu.py:
 //   g++ -std=c++17 -O1 -shared -fPIC -pthread -I csrc -I $CUDA_HOME/include \
@@ -9,20 +10,22 @@
 #include <cmath>
 #include <vector>
 
-#include "experts/experts.cu"
+#include "experts/gemm_simt.cu"
+#include "experts/gemm_sm90.cu"
+#include "experts/reduce.cu"
+#include "experts/tile_choice.cu"
 
-// The branch the last expert_fused_ws_auto_kernel took (1: narrow tiles, 0: m64), then -1
-// until the next one runs.
-extern "C" int petit_emu_fused_auto_narrow() {
-  const int branch = petit::g_emu_fused_auto_narrow;
-  petit::g_emu_fused_auto_narrow = -1;
-  return branch;
-}
 // emu_ptx::trap(what) on this thread: for the test of what a trap reports (it aborts).
 extern "C" void petit_emu_trap(const char* what) { emu_ptx::trap(what); }
 // Whether the last petit_emu_experts call ran both GEMMs as one launch (expert_fused_gemms).
 static bool g_fused_gemms = false;
 extern "C" int petit_emu_fused_gemms() { return g_fused_gemms ? 1 : 0; }
+// The fused GEMMs' tile claim counter (ExpertGemmArgs::gate_up_done[L]) after the last
+// petit_emu_experts call that fused them: every block claims units until one is past the
+// last, so it ends at the call's gate/up + down tiles plus the grid (which tiles ran: the
+// narrow or the m64 ones).
+static int32_t g_fused_claims = 0;
+extern "C" int petit_emu_fused_claims() { return g_fused_claims; }
 
 // The ExpertConfig of the next calls (petit_emu_experts, petit_emu_resolve_tiles): a
 // default-constructed one until set.
@@ -81,7 +84,9 @@ extern "C" int petit_emu_experts(const uint16_t* x, const int32_t* topk_ids,
   std::vector<int32_t> done(petit::expert_fused_gemms(a) ? size_t(num_local_experts) + 1 : 0, 0);
   if (!done.empty()) a.gate_up_done = done.data();
   g_fused_gemms = !done.empty();
-  return int(petit::launch_experts(a, nullptr));
+  const int err = int(petit::launch_experts(a, nullptr));
+  if (g_fused_gemms) g_fused_claims = done[size_t(num_local_experts)];
+  return err;
 }
 
 // The compute capability the emulated device reports: 9.0 lets the Hopper regimes (run on the

@@ -103,7 +103,7 @@ void check_wgmma_ws(const char* name) {
 int main() {
   using petit::gemm::Sm90WgmmaTileConfig;
   using petit::gemm::Sm90WgmmaWsMainloop;
-  // The configurations csrc/experts/experts.cu instantiates (keep in sync), plus variants.
+  // The configurations csrc/experts/gemm_sm90.cu instantiates (keep in sync), plus variants.
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 128, 2, 4, 1>>>("wgmma gate/up");
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<128, 256, 1, 3, 1>>>("wgmma down");
   check_wgmma_ws<Sm90WgmmaWsMainloop<Sm90WgmmaTileConfig<64, 128, 2, 5, 2>>>("wgmma_m64 gate/up");
