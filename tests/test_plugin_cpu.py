@@ -1518,7 +1518,7 @@ def emulated_megamoe_forward(lib):
     import ctypes
 
     def forward(x, topk_ids, topk_weights, w13, w2, *, out, expert_map=None, act_workspace,
-                partial_workspace, num_sms=0, timeout_s=30.0):
+                partial_workspace, num_sms=0, timeout_s=30.0, w13_scale=None, w2_scale=None):
         num_rows, hidden = x.shape
         top_k, num_local, intermediate = topk_ids.shape[1], w13.shape[0], w13.shape[1] // 2
         sync = torch.zeros(lib.petit_emu_megamoe_sync_ints(num_local, hidden), dtype=torch.int32)
@@ -1528,7 +1528,8 @@ def emulated_megamoe_forward(lib):
             0 if expert_map is None else expert_map.numel(), ptr(topk_weights), ptr(w13),
             ptr(w2), ptr(act_workspace), ptr(partial_workspace), ptr(sync), ptr(out), num_rows,
             top_k, hidden, intermediate, num_local, 2, 1, None,  # no trace
-            1 << 30)  # l2_bytes: the emulated L2 holds every weight tile (no row groups)
+            1 << 30,  # l2_bytes: the emulated L2 holds every weight tile (no row groups)
+            ptr(w13_scale), ptr(w2_scale))
         assert rc == 0 and int(sync.abs().sum()) == 0
         return out
 
@@ -1574,5 +1575,110 @@ def test_single_gpu_layer_through_vllms_kernel(path, workspace, monkeypatch, meg
                            global_num_experts=num_experts, expert_map=None,
                            apply_router_weight_on_input=False)
     ref = reference.dense_moe_reference(x, ids, weights, w13, w2)
+    assert out.shape == (num_tokens, hidden) and not out.isnan().any()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+# --------------------------------------------------------------------------------------------
+# One GPU, block-fp8 checkpoints: MegaMoE on the e4m3 weights in place of vLLM's fp8 Triton
+# --------------------------------------------------------------------------------------------
+
+
+def block_fp8_quant_config(num_experts, hidden, intermediate, **overrides):
+    """vLLM's quant config of a block-fp8 checkpoint's MoE layer (what its fp8 method builds for
+    Triton: e4m3 weights, fp32 scales per 128 x 128 block, dynamic 1 x 128 activations)."""
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    fields = dict(w1_scale=torch.ones(num_experts, 2 * intermediate // 128, hidden // 128),
+                  w2_scale=torch.ones(num_experts, hidden // 128, intermediate // 128),
+                  block_shape=[128, 128])
+    fields.update(overrides)
+    return fp8_w8a8_moe_quant_config(**fields)
+
+
+def test_single_gpu_block_fp8_layer_uses_megamoe(kernel_hook, monkeypatch):
+    """A block-fp8 layer on one GPU (vLLM's fp8 Triton experts, its pass-through prepare):
+    PetitSingleGpuExperts on the same quant config, taking bf16 activations from prepare,
+    MegaMoE up to megamoe_max_tokens and vLLM's fp8 Triton experts above (never the bf16
+    composed experts); per-tensor and per-channel fp8 keep vLLM's experts with the reason."""
+    import logging
+
+    from vllm_petit_moe import ops
+    from vllm_petit_moe.config import SingleGpuLayerConfig
+
+    monkeypatch.setattr(compat, "platform_name", lambda: "cuda")
+    monkeypatch.setattr(ops, "sm90a_kernels_supported", lambda: True)
+    monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
+    moe_config = single_gpu_moe_config(num_experts=16, hidden_dim=1024, intermediate_size=512)
+    quant = block_fp8_quant_config(16, 1024, 512)
+    kernel = build_kernel(moe_config, single_gpu_vllm_config(), pf=no_dp_ep_pf(),
+                          quant_config=quant)
+    experts = kernel.fused_experts
+    assert isinstance(experts, petit_experts.PetitSingleGpuExperts)
+    assert type(experts.fallback) is TritonExperts and experts.fp8
+    assert experts.expects_unquantized_inputs
+    cfg = SingleGpuLayerConfig()
+    assert experts.path_for(1, 4, 1024, 512) == "megamoe"
+    assert experts.path_for(cfg.megamoe_max_tokens, 4, 1024, 512) == "megamoe"
+    assert experts.path_for(cfg.megamoe_max_tokens + 1, 4, 1024, 512) == "triton"
+    assert experts.path_for(cfg.composed_min_tokens, 4, 1024, 512) == "triton"
+    assert experts.path_for(1, 4, 1024, 448) == "triton"  # I not whole 128-blocks
+    # the bf16 layer is unchanged: prepare quantizes nothing there anyway
+    bf16 = build_kernel(moe_config, single_gpu_vllm_config(), pf=no_dp_ep_pf())
+    assert not bf16.fused_experts.expects_unquantized_inputs
+    # other fp8 schemes keep vLLM's experts, with the reason logged
+    schemes = {
+        "per-tensor": dict(w1_scale=torch.ones(16), w2_scale=torch.ones(16), block_shape=None),
+        "per-channel": dict(w1_scale=torch.ones(16, 1024), w2_scale=torch.ones(16, 1024),
+                            block_shape=None, per_out_ch_quant=True, per_act_token_quant=True),
+        "block [64, 64]": dict(block_shape=[64, 64]),
+    }
+    for what, fields in schemes.items():
+        with caplog_at(hook.logger) as records:
+            kernel = build_kernel(moe_config, single_gpu_vllm_config(), pf=no_dp_ep_pf(),
+                                  quant_config=block_fp8_quant_config(16, 1024, 512, **fields))
+        assert type(kernel.fused_experts) is TritonExperts, what
+        messages = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+        assert any("128 x 128" in m for m in messages), (what, messages)
+
+
+def test_single_gpu_block_fp8_layer_through_vllms_kernel(workspace, monkeypatch,
+                                                         megamoe_emu_lib):
+    """vLLM's real one-GPU FusedMoEKernel on a block-fp8 layer with PetitSingleGpuExperts:
+    prepare leaves the activations in bf16, MegaMoE (the real kernel on the CPU emulation)
+    runs on the e4m3 weights and block scales of the quant config, against the dense
+    reference on the dequantized weights."""
+    from vllm_petit_moe import ops
+    from vllm_petit_moe.config import SingleGpuLayerConfig
+
+    monkeypatch.setattr(ops, "megamoe_forward", emulated_megamoe_forward(megamoe_emu_lib))
+    monkeypatch.setattr(ops, "sm90a_kernels_supported", lambda: True)
+    num_tokens, num_experts, top_k, hidden, intermediate = 5, 4, 2, 128, 256
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k]
+                       for _ in range(num_tokens)]).to(torch.int32)
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    w13, s13, d13 = reference.block_fp8_quantize(
+        torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / 8)
+    w2, s2, d2 = reference.block_fp8_quantize(
+        torch.randn(num_experts, hidden, intermediate, generator=g) / 8)
+    moe_config = single_gpu_moe_config(num_experts=num_experts, experts_per_token=top_k,
+                                       hidden_dim=hidden, intermediate_size=intermediate)
+    quant = block_fp8_quant_config(num_experts, hidden, intermediate, w1_scale=s13,
+                                   w2_scale=s2)
+    vllm_config = single_gpu_vllm_config()
+    with set_current_vllm_config(vllm_config):
+        triton = TritonExperts(moe_config, quant)
+        experts = petit_experts.PetitSingleGpuExperts(
+            moe_config, quant, fallback=triton,
+            layer_config=SingleGpuLayerConfig(megamoe_max_tokens=num_tokens))
+        kernel = mk.FusedMoEKernel(no_dp_ep_pf(), experts)
+    assert experts.path_for(num_tokens, top_k, hidden, intermediate) == "megamoe"
+    with dp_step(vllm_config, [num_tokens]):
+        out = kernel.apply(x, w13, w2, weights, ids, activation=MoEActivation.SILU,
+                           global_num_experts=num_experts, expert_map=None,
+                           apply_router_weight_on_input=False)
+    ref = reference.dense_moe_reference(x, ids, weights, d13, d2)
     assert out.shape == (num_tokens, hidden) and not out.isnan().any()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2

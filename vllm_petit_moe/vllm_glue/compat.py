@@ -283,6 +283,38 @@ def is_no_dp_ep_prepare_finalize(prepare_finalize: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+# Block-fp8 layers: activations quantized by the experts
+# --------------------------------------------------------------------------------------------
+#
+# WHY   For a block-fp8 layer vLLM's prepare quantizes the activations to e4m3 (1 x 128 groups)
+#       before the experts run; MegaMoE takes them in bf16. Experts that say
+#       `expects_unquantized_inputs` get bf16 (prepare defers the quantization, as for
+#       FlashInfer-CUTLASS and AITER), and must quantize themselves where they hand a call to
+#       vLLM's Triton fp8 experts.
+# HOW   `moe_kernel_quantize_input` with the arguments vLLM's no-DP/no-EP prepare passes it
+#       (prepare_finalize/no_dp_ep.py, `_quantize_input`), by keyword, as far as the installed
+#       signature has them.
+# REMOVE WHEN vLLM exports the prepare step's quantization as a public function.
+
+
+def quantize_moe_input(hidden_states: Any, quant_config: Any) -> tuple[Any, Any]:
+    """(a1q, a1q_scale): ``hidden_states`` quantized as vLLM's prepare would for a layer of
+    ``quant_config`` (block fp8: e4m3 with 1 x 128 dynamic scales)."""
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
+
+    kwargs = dict(quant_dtype=quant_config.quant_dtype,
+                  per_act_token_quant=quant_config.per_act_token_quant,
+                  block_shape=quant_config.block_shape)
+    params = inspect.signature(moe_kernel_quantize_input).parameters
+    for name in ("is_scale_swizzled", "mx_alignment"):
+        if name in params and hasattr(quant_config, name):
+            kwargs[name] = getattr(quant_config, name)
+    return moe_kernel_quantize_input(hidden_states, quant_config.a1_scale, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
 # Experts: 0.33's post-GEMM2 hook
 # --------------------------------------------------------------------------------------------
 #

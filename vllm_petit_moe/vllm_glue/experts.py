@@ -102,9 +102,41 @@ def layer_intermediate_size(moe_config: Any) -> int:
     return intermediate if intermediate > 0 else int(moe_config.intermediate_size)
 
 
-def unsupported_reason(moe_config: Any, quant_config: Any) -> str | None:
+def block_fp8_unsupported_reason(quant_config: Any) -> str | None:
+    """None where a layer's quantization is what MegaMoE takes in place: e4m3 weights with one
+    fp32 scale per 128 x 128 block and activations quantized dynamically in 1 x 128 groups
+    (DeepSeek-V3/R1, Qwen3-*-FP8 and Kimi K2 checkpoints as vLLM's fp8 method loads them);
+    else why not."""
+    fp8 = torch.float8_e4m3fn
+    if quant_config is None or quant_config.weight_quant_dtype != fp8:
+        dtype = None if quant_config is None else quant_config.weight_quant_dtype
+        return f"quantization: weights {dtype} (fp8 MegaMoE takes float8_e4m3fn only)"
+    if quant_config.quant_dtype != fp8:
+        return f"quantization: activations {quant_config.quant_dtype} (not fp8 w8a8)"
+    if quant_config.block_shape != [128, 128]:
+        what = ("per-token activations" if quant_config.per_act_token_quant else
+                "per-channel weights" if quant_config.per_out_ch_quant else
+                f"block {quant_config.block_shape}" if quant_config.block_shape else
+                "per-tensor scales")
+        return f"quantization: fp8 with {what} (fp8 MegaMoE takes 128 x 128 weight blocks only)"
+    if quant_config.a1_scale is not None:
+        return "quantization: static activation scales (fp8 MegaMoE takes dynamic 1 x 128 ones)"
+    for name in ("w1_scale", "w2_scale"):
+        scale = getattr(quant_config, name)
+        if scale is None or scale.dtype != torch.float32 or scale.dim() != 3 \
+                or not scale.is_contiguous():
+            return (f"quantization: {name} "
+                    f"{None if scale is None else (scale.dtype, tuple(scale.shape))} (fp8 "
+                    "MegaMoE takes contiguous float32 [L, rows/128, k/128] block scales)")
+    return None
+
+
+def unsupported_reason(moe_config: Any, quant_config: Any, *,
+                       allow_block_fp8: bool = False) -> str | None:
     """Why ``PetitExperts`` cannot serve a layer (None if it can), from vLLM's
-    ``FusedMoEConfig`` and ``FusedMoEQuantConfig`` only."""
+    ``FusedMoEConfig`` and ``FusedMoEQuantConfig`` only. ``allow_block_fp8``: block-fp8 layers
+    (``block_fp8_unsupported_reason``) are taken too (the one-GPU experts: MegaMoE, else vLLM's
+    fp8 Triton experts)."""
     activation = getattr(moe_config, "activation", None)
     if activation != _MoEActivation.SILU:
         return f"activation {activation} (only SiLU gating)"
@@ -123,7 +155,13 @@ def unsupported_reason(moe_config: Any, quant_config: Any) -> str | None:
     if int(moe_config.num_local_experts) > MAX_LOCAL_EXPERTS:
         return f"{moe_config.num_local_experts} local experts > {MAX_LOCAL_EXPERTS}"
     if quant_config is not None:
-        if quant_config.quant_dtype is not None or quant_config.weight_quant_dtype is not None:
+        quantized = quant_config.quant_dtype is not None or \
+            quant_config.weight_quant_dtype is not None
+        if quantized and allow_block_fp8:
+            reason = block_fp8_unsupported_reason(quant_config)
+            if reason is not None:
+                return reason
+        elif quantized:
             return (
                 f"quantization (activations {quant_config.quant_dtype}, weights "
                 f"{quant_config.weight_quant_dtype}); only bf16 weights and activations"
@@ -144,9 +182,12 @@ class PetitExperts(_ExpertsModular):
     (as vLLM built them for its Triton experts).
     """
 
+    allow_block_fp8 = False  # the one-GPU experts take block-fp8 layers too
+
     def __init__(self, moe_config, quant_config):
         super().__init__(moe_config, quant_config)
-        reason = unsupported_reason(moe_config, quant_config)
+        reason = unsupported_reason(moe_config, quant_config,
+                                    allow_block_fp8=self.allow_block_fp8)
         if reason is not None:
             raise ValueError(f"vllm-petit-moe: PetitExperts cannot serve this layer: {reason}")
         self.tiles = envs.petit_experts_tiles()  # the GEMMs' tile family (ops.TILES)
@@ -280,16 +321,24 @@ class PetitSingleGpuExperts(PetitExperts):
     our composed experts (``ops.experts_forward``), or vLLM's Triton experts that it replaced
     (``fallback``), so the flag never runs a kernel measured slower than vLLM's for that size.
 
+    Block-fp8 layers (``block_fp8_unsupported_reason``): MegaMoE on the e4m3 weights and their
+    block scales as loaded, with bf16 activations (``expects_unquantized_inputs``: vLLM's
+    prepare leaves them unquantized), else vLLM's fp8 Triton experts on activations quantized
+    here as prepare would have; no composed path.
+
     Workspaces: vLLM lets the fused output alias ``workspace13``, and the fused kernel still
     reads activations while it writes finished output tiles, so ours live in ``workspace2``:
     the bf16 activations ``[M*K, I]``, then the partials ``[M*K, H]`` (fp32 for MegaMoE, bf16
     for the composed path). Both are sized for the Triton fallback as well.
     """
 
+    allow_block_fp8 = True
+
     def __init__(self, moe_config, quant_config, fallback, layer_config=None):
         from vllm_petit_moe.config import SingleGpuLayerConfig
 
         super().__init__(moe_config, quant_config)
+        self.fp8 = quant_config is not None and quant_config.weight_quant_dtype is not None
         self.fallback = fallback
         self.layer_config = layer_config or SingleGpuLayerConfig()
         self.timeout_s = envs.timeout_s()
@@ -309,17 +358,24 @@ class PetitSingleGpuExperts(PetitExperts):
         # A row's bits depend on which kernel the batch's size chose.
         return False
 
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        """Block fp8: prepare hands over bf16 activations (MegaMoE's input); ``apply``
+        quantizes them for the Triton fp8 experts where it runs those."""
+        return self.fp8
+
     def path_for(self, num_rows: int, top_k: int, hidden: int, intermediate: int) -> str:
         """``"megamoe"``, ``"composed"`` or ``"triton"``: what ``apply`` runs for a call
-        (MegaMoE only where the GPU runs its sm_90a image: H100/H200)."""
+        (MegaMoE only where the GPU runs its sm_90a image: H100/H200; block fp8: MegaMoE or
+        Triton)."""
         from vllm_petit_moe import ops
 
         cfg = self.layer_config
         if (num_rows <= cfg.megamoe_max_tokens and ops.megamoe_unsupported_reason(
-                num_rows, top_k, hidden, intermediate) is None
+                num_rows, top_k, hidden, intermediate, fp8=self.fp8) is None
                 and ops.sm90a_kernels_supported()):
             return "megamoe"
-        return "composed" if num_rows >= cfg.composed_min_tokens else "triton"
+        return "composed" if num_rows >= cfg.composed_min_tokens and not self.fp8 else "triton"
 
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
                          expert_tokens_meta, activation):
@@ -341,6 +397,9 @@ class PetitSingleGpuExperts(PetitExperts):
         hidden, intermediate = hidden_states.size(1), w1.size(1) // 2
         path = self.path_for(num_rows, top_k, hidden, intermediate)
         if path == "triton":
+            if self.fp8:  # prepare left them in bf16 (expects_unquantized_inputs)
+                hidden_states, a1q_scale = compat.quantize_moe_input(hidden_states,
+                                                                     self.quant_config)
             self.fallback.apply(output, hidden_states, w1, w2, topk_weights, topk_ids,
                                 activation, global_num_experts, expert_map, a1q_scale, a2_scale,
                                 workspace13, workspace2, expert_tokens_meta,
@@ -358,10 +417,14 @@ class PetitSingleGpuExperts(PetitExperts):
         space = workspace2.reshape(-1)
         act = space[: entries * intermediate]
         partial = space[entries * intermediate: entries * (intermediate + 2 * hidden)]
+        scales = {}
+        if self.fp8:
+            scales = dict(w13_scale=self.quant_config.w1_scale,
+                          w2_scale=self.quant_config.w2_scale)
         ops.megamoe_forward(hidden_states, ids, weights, w1, w2, out=output,
                             expert_map=kernel_map, act_workspace=act,
                             partial_workspace=partial.view(torch.float32),
-                            timeout_s=self.timeout_s)
+                            timeout_s=self.timeout_s, **scales)
 
 
 class PetitEpExperts(PetitExperts):

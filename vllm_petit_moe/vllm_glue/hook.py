@@ -346,13 +346,18 @@ def decide_single_gpu(fused_experts: Any) -> Decision:
         return _unsupported(
             f"tensor-parallel experts (tp_size={getattr(mpc, 'tp_size', 1)}): the fused layer "
             "serves one GPU holding whole experts")
-    reason = unsupported_reason(moe, fused_experts.quant_config)
+    quant_config = fused_experts.quant_config
+    reason = unsupported_reason(moe, quant_config, allow_block_fp8=True)
     if reason is not None:
         return _unsupported(reason)
     if compat.platform_name() not in SUPPORTED_PLATFORMS:
         return _unsupported(f"platform {compat.platform_name()} (supported: "
                             f"{SUPPORTED_PLATFORMS})")
     cfg = single_gpu_layer_config()
+    if quant_config is not None and quant_config.weight_quant_dtype is not None:
+        return Decision(True, f"one GPU, block fp8: MegaMoE on the e4m3 weights up to "
+                              f"{cfg.megamoe_max_tokens} tokens per call, vLLM's fp8 Triton "
+                              f"experts above (SingleGpuLayerConfig)")
     return Decision(True, f"one GPU: petit's composed experts from {cfg.composed_min_tokens} "
                           f"tokens per call, vLLM's Triton experts below, MegaMoE up to "
                           f"{cfg.megamoe_max_tokens} tokens (SingleGpuLayerConfig)")
