@@ -1,7 +1,7 @@
 // Linearized symmetric heap: each rank's allocation is created with the virtual-memory API
 // and a POSIX file-descriptor handle; all W allocations are mapped into ONE reserved range,
 // so rank r's heap is at base + r * stride on every rank. The descriptors travel between
-// processes in Python (SCM_RIGHTS over Unix sockets, vllm_petit_moe/heap.py).
+// processes in Python (SCM_RIGHTS over Unix sockets, vllm_petit_moe/rendezvous.py).
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
