@@ -13,6 +13,8 @@ shared file. After setup each rank runs an ``all_reduce`` on the group, as vLLM 
 - A peer that sends a malformed descriptor message (two descriptors, none, a rank index out
   of range or not its own, a short message) makes every rank raise SetupError at the same
   step, and no rank's descriptor count changes.
+- A rank that fails its part of the exchange (cannot connect) fails every rank at once,
+  not after the bound.
 - A rank 5 s late with a 3 s bound: both ranks raise SetupError at the same step, and the
   group's next all_reduce is correct (nothing was left half-done on it).
 """
@@ -107,6 +109,21 @@ def _misbehave(how: str) -> None:
     socket.socket.sendmsg = sendmsg
 
 
+def _refuse_connects() -> None:
+    """This rank cannot connect to its peers' heap sockets (fails its part of the exchange
+    after the sockets are listening)."""
+    import socket
+
+    original = socket.socket.connect
+
+    def connect(self, address):
+        if isinstance(address, str) and address.startswith("\0" + _SOCKET_PREFIX):
+            raise ConnectionRefusedError("refused by the test")
+        return original(self, address)
+
+    socket.socket.connect = connect
+
+
 def _wait_before_connecting(marker: str) -> None:
     """Delay this rank's connects to the heap sockets until `marker` exists (the stranger
     has connected first), at most 25 s."""
@@ -151,9 +168,12 @@ def _worker(rank, world, port, tmp, scenario, results):
             _misbehave(scenario["misbehave"])
         if rank == 1 and "wait_for" in scenario:
             _wait_before_connecting(os.path.join(tmp, scenario["wait_for"]))
+        if rank == 1 and scenario.get("refuse_connects"):
+            _refuse_connects()
         if rank == 1 and "late_s" in scenario:
             time.sleep(scenario["late_s"])
         fds_before = _num_fds()
+        start = time.monotonic()
         try:
             buf = buffer_mod.EpBuffer(group, hidden_size=128, num_experts=12,
                                       max_tokens_per_rank=64, num_sms=4)
@@ -161,6 +181,7 @@ def _worker(rank, world, port, tmp, scenario, results):
             outcome = ("ok", "")
         except Exception as e:  # noqa: BLE001
             outcome = (type(e).__name__, str(e))
+        seconds = time.monotonic() - start
         fds_after = _num_fds()
         total = torch.tensor([float(rank + 1)])
         work = dist.all_reduce(total, group=group, async_op=True)
@@ -170,7 +191,7 @@ def _worker(rank, world, port, tmp, scenario, results):
         except RuntimeError as e:
             reduced = f"{type(e).__name__}: {e}"
         results.put((rank, dict(outcome=outcome, fds=(fds_before, fds_after), mapped=mapped,
-                                all_reduce=reduced)))
+                                all_reduce=reduced, seconds=seconds)))
     except BaseException:
         results.put((rank, dict(outcome=("crash", traceback.format_exc()))))
     results.close()
@@ -335,6 +356,18 @@ def test_a_malformed_descriptor_fails_every_rank_and_leaks_nothing(tmp_path, how
         assert before == after, f"rank {rank}: {after - before} descriptors more after setup"
         assert result["all_reduce"] == world * (world + 1) / 2, (rank, result)
     assert len(steps) == 1 and None not in steps, out
+
+
+def test_a_rank_that_fails_its_exchange_does_not_leave_the_others_waiting(tmp_path):
+    out, _ = _run(tmp_path, 2, {"refuse_connects": True, "timeout_s": 60.0})
+    for rank, result in out.items():
+        kind, message = result["outcome"]
+        assert kind == "SetupError" and _step_of(message) == "descriptors", (rank, result)
+        assert "rank 1: heap descriptor exchange: ConnectionRefusedError: refused by the test" \
+            in message, message
+        assert result["seconds"] < 30.0, f"rank {rank} waited {result['seconds']:.1f} s"
+        assert result["fds"][0] == result["fds"][1], (rank, result["fds"])
+        assert result["all_reduce"] == 3.0, (rank, result)
 
 
 def test_a_late_rank_fails_at_the_same_step_and_the_group_stays_usable(tmp_path):

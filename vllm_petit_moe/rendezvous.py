@@ -149,6 +149,21 @@ class Agreement:
                 + "; ".join(f"rank {r}: {err}" for r, err in failed))
         return [o["payload"] for o in outcomes]
 
+    def failed_ahead(self) -> list[int]:
+        """Other ranks whose record of the next step is already in the store with an error:
+        they failed their part of the work before it, so a rank waiting for them there (the
+        descriptor exchange) can stop at once; the step then fails on every rank."""
+        index, failed = self._num_steps, []
+        for r in range(self.world_size):
+            key = f"{index}/rank{r}"
+            if r != self.rank and self._store.check([key]):
+                try:
+                    if self._read(r, key)["error"] is not None:
+                        failed.append(r)
+                except SetupError:
+                    failed.append(r)
+        return failed
+
     def _wait(self, keys: list[str], verdict_key: str, deadline: float) -> bool:
         """True once every key is in the store; False at `deadline` or as soon as another
         rank settled the verdict (it gave up: waiting on would not change the outcome)."""
@@ -325,11 +340,16 @@ def _send_all(rank: int, identities: list[RankIdentity], secret: bytes, fd: int,
             _send_descriptor(conn, descriptor_message(secret, rank, peer), fd)
 
 
-def _receive_all(server: socket.socket, rank: int, identities: list[RankIdentity],
+_ACCEPT_SLICE_S = 0.2  # between two looks at whether a peer already failed its part
+
+
+def _receive_all(agreement: Agreement, server: socket.socket, identities: list[RankIdentity],
                  secret: bytes, fds: list[int], deadline: float, timeout_s: float) -> None:
     """Accept until every other rank's descriptor is in `fds` (fds[r] = rank r's). A process
     that is not one of the group's ranks is closed at once, before any of its bytes (or
-    descriptors) is read, logged and otherwise ignored: the genuine rank may still connect."""
+    descriptors) is read, logged and otherwise ignored: the genuine rank may still connect.
+    Stops early when a peer has already reported its part failed (`failed_ahead`)."""
+    rank = agreement.rank
     rank_of = {identity: r for r, identity in enumerate(identities) if r != rank}
     pending = set(rank_of.values())
     refused: list[RankIdentity] = []
@@ -338,9 +358,15 @@ def _receive_all(server: socket.socket, rank: int, identities: list[RankIdentity
         try:
             if remaining <= 0:
                 raise TimeoutError
-            server.settimeout(remaining)
+            server.settimeout(min(remaining, _ACCEPT_SLICE_S))
             conn, _ = server.accept()
         except TimeoutError:
+            if remaining > _ACCEPT_SLICE_S:
+                failed = agreement.failed_ahead()
+                if failed:
+                    raise RuntimeError(f"stopped waiting: rank(s) {failed} failed their part "
+                                       "of the exchange") from None
+                continue
             raise RuntimeError(
                 f"no heap descriptor from rank(s) {sorted(pending)} within {timeout_s:g} s"
                 + (f"; refused {len(refused)} connection(s) of processes outside the group: "
@@ -395,7 +421,7 @@ def exchange_fds(agreement: Agreement, export: Callable[[], int],
         try:
             deadline = time.monotonic() + timeout_s
             _send_all(rank, identities, secret, local_fd, deadline)
-            _receive_all(server, rank, identities, secret, fds, deadline, timeout_s)
+            _receive_all(agreement, server, identities, secret, fds, deadline, timeout_s)
         except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement
             error = f"heap descriptor exchange: {type(e).__name__}: {e}"
         agreement("descriptors", error)
