@@ -348,8 +348,9 @@ class SymmetricHeap {
   // A new file descriptor for this rank's allocation (the caller sends and closes it).
   petitError_t export_fd(int* fd, char* err, int err_len);
   // Maps all ranks' allocations into one reserved range: peer_fds[r] for r != rank (ignored
-  // for r == rank; every fd is closed here). After this, base() is valid. On error the
-  // partial state is undone by release().
+  // for r == rank). Takes the descriptors: every peer fd is closed here, on every path
+  // (imported or not, success or error). After this, base() is valid. On error the partial
+  // state is undone by release().
   petitError_t map_all(const int* peer_fds, int world_size, int rank, char* err, int err_len);
   void release();
   char* base() const { return base_; }

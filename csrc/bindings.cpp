@@ -258,13 +258,18 @@ class EpContext {
     return fd;
   }
 
-  // fds[r] for r != rank: descriptors received from the peers (closed here).
+  // fds[r] for r != rank: descriptors received from the peers. Takes them: every one is
+  // closed on every path (SymmetricHeap::map_all, or here when it is not reached), so a
+  // failed setup keeps no peer's allocation alive.
   void map_peers(const std::vector<int64_t>& fds) {
-    PETIT_CHECK(heap_ != nullptr, "context is closed");
-    PETIT_CHECK(int64_t(fds.size()) == args_.world_size, "expected %d descriptors, got %zu",
-                args_.world_size, fds.size());
-    c10::cuda::CUDAGuard guard(device_);
     std::vector<int> int_fds(fds.begin(), fds.end());
+    if (heap_ == nullptr || int64_t(fds.size()) != args_.world_size) {
+      for (size_t r = 0; r < int_fds.size(); ++r)
+        if (int64_t(r) != args_.rank && int_fds[r] >= 0) close(int_fds[r]);
+      PETIT_CHECK(heap_ != nullptr, "context is closed");
+      PETIT_CHECK(false, "expected %d descriptors, got %zu", args_.world_size, fds.size());
+    }
+    c10::cuda::CUDAGuard guard(device_);
     char err[512] = {0};
     petitError_t e = heap_->map_all(int_fds.data(), args_.world_size, args_.rank, err,
                                     sizeof(err));

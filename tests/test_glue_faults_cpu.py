@@ -18,7 +18,7 @@ import pytest
 from test_plugin_cpu import (build_kernel, kernel_hook, make_moe_config,  # noqa: F401
                              single_node_cuda, vllm_config)
 from vllm_petit_moe.buffer import describe_fault
-from vllm_petit_moe.heap import SetupError
+from vllm_petit_moe.rendezvous import SetupError
 from vllm_petit_moe.vllm_glue import buffers, envs, hook
 
 

@@ -1,7 +1,7 @@
 """CPU: EpBuffer's setup never hangs and fails on every rank together (issue 31).
 
 W processes join a gloo group and run the real ``EpBuffer.__init__``: its bounded status
-exchanges (``heap.agree``), the signature check, the host check, the heap-descriptor
+agreements (``rendezvous.Agreement``), the signature check, the host check, the heap-descriptor
 exchange over Unix sockets (real SCM_RIGHTS, with /dev/null descriptors) and the mapping
 check. Only the device pieces are stand-ins: the CUDA device query, and an EpContext whose
 "heap" is one shared file mapped by every process (so the signature each rank writes is read
@@ -72,7 +72,7 @@ class FakeEpContext:
 
 def _worker(rank, world, port, heap_file, faults, kwargs, results):
     import vllm_petit_moe.buffer as buffer_mod
-    from vllm_petit_moe import heap
+    from vllm_petit_moe import rendezvous
 
     fail = faults.get(rank)
     try:
@@ -80,7 +80,7 @@ def _worker(rank, world, port, heap_file, faults, kwargs, results):
                                 world_size=world)
         if fail == "die":
             os._exit(3)  # dies before setup: the others must not wait for it unbounded
-        heap.SETUP_TIMEOUT_S = 5.0
+        rendezvous.SETUP_TIMEOUT_S = 5.0
 
         class FakeOps:
             @staticmethod
@@ -164,7 +164,7 @@ def test_a_fault_on_one_rank_raises_on_every_rank(tmp_path, fault, step, reason)
 
 
 def test_an_invalid_argument_on_one_rank_raises_on_every_rank(tmp_path):
-    from vllm_petit_moe.heap import SetupArgumentError, SetupError
+    from vllm_petit_moe.rendezvous import SetupArgumentError, SetupError
 
     assert issubclass(SetupArgumentError, ValueError) and issubclass(SetupArgumentError,
                                                                      SetupError)

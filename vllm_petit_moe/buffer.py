@@ -12,15 +12,16 @@ docs/architecture.md for the data layout and the flag/epoch protocol.
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
-import uuid
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .config import CombineConfig, as_dict
-from .heap import SETUP_TIMEOUT_S, SetupError, agree, check_single_node, exchange_fds
+from .rendezvous import (Agreement, SetupError, check_identities, check_single_node,
+                         exchange_fds, local_identity, parse_secret)
 from .limits import (DEFAULT_MAX_WAIT_S, FP8_BLOCK_MODES, FP8_SCALE_BLOCK, MAX_EXPERTS,
                      MAX_TOP_K, MAX_WORLD_SIZE, MEGAMOE_BLOCKS_PER_SM, MEGAMOE_MAX_ENTRIES,
                      MEGAMOE_TRACE_SLOTS, MIN_CHUNK_VECTORS, REGION_ALIGNMENT, SIZE_MULTIPLE,
@@ -172,11 +173,24 @@ def validate_config(*, world_size: int, hidden_size: int, num_experts: int,
         raise ValueError("petit_moe: max_tokens_per_rank must be >= 1")
 
 
+_CONFIG_FIELDS = {"signature", "host", "identity", "token", "secret"}
+
+
+def _check_token(text) -> str:
+    """Rank 0's agreed token (20 hex digits: names the heartbeat page), or SetupError."""
+    if not isinstance(text, str) or len(text) != 20 or \
+            any(c not in "0123456789abcdef" for c in text):
+        raise SetupError("petit_moe: the EP buffer's token is malformed")
+    return text
+
+
 def check_consistent(signatures: list[dict]) -> None:
     """Raise SetupError naming each differing argument and every rank's value unless all
     ranks' `EpBuffer.signature()` agree: a rank with another hidden size, expert count, token
     or top-k bound (the heap layout), SM count or CombineConfig (the combine's flags per
     group) would read its peers' rows at the wrong offsets."""
+    if not all(isinstance(sig, dict) for sig in signatures):
+        raise SetupError("petit_moe: a rank's EpBuffer signature is malformed")
     differ = [key for key in signatures[0]
               if any(sig.get(key) != signatures[0][key] for sig in signatures[1:])]
     if differ:
@@ -233,8 +247,10 @@ class EpBuffer:
         self.validate_ids = validate_ids
         self.config = CombineConfig() if config is None else config
         self.timeout_s = timeout_s
-        # Setup: every step ends in a bounded status exchange (heap.agree), so a step that
-        # fails on one rank raises SetupError on all and none blocks in a later collective.
+        # Setup: every step ends in a bounded agreement (rendezvous.Agreement, over the
+        # group's store: no collective on `group`), so a step that fails on one rank raises
+        # SetupError on all, at the same step, and none blocks in a later collective.
+        self._agreement = Agreement(group, "ep-buffer")
         error = None
         try:
             validate_config(world_size=self.world_size, hidden_size=hidden_size,
@@ -246,28 +262,38 @@ class EpBuffer:
                 raise TypeError(f"petit_moe: config must be a CombineConfig, got "
                                 f"{type(self.config).__name__}")
             self.device, self.num_sms = _local_device(num_sms)
-        except Exception as e:  # noqa: BLE001 - reported to every rank by agree
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement
             error = f"{type(e).__name__}: {e}"
         self.num_local_experts = num_experts // max(self.world_size, 1)
         # What must be equal on every rank (the heap layout, the owner of each expert id, the
-        # combine's plan), exchanged with the host name and rank 0's socket token.
-        signature = self.signature()
-        records = agree(group, "config", error,
-                        (signature, socket.gethostname(), uuid.uuid4().hex))
-        check_consistent([r[0] for r in records])
-        check_single_node([r[1] for r in records])
-        token = records[0][2]
+        # combine's plan), with the host name and the process (pid, uid) of each rank, and
+        # rank 0's token (names the heartbeat page) and descriptor secret (32 random bytes:
+        # names the sockets and signs the descriptor messages; docs/faults.md, "Threat model").
+        first = self.rank == 0
+        records = self._agreement("config", error, {
+            "signature": self.signature(), "host": socket.gethostname(),
+            "identity": local_identity(),
+            "token": secrets.token_hex(10) if first else None,
+            "secret": secrets.token_hex(32) if first else None})
+        # Every rank checks the same agreed records, so each check raises on all or none.
+        if not all(isinstance(r, dict) and _CONFIG_FIELDS <= r.keys() for r in records):
+            raise SetupError("petit_moe: a rank's EP buffer configuration record is malformed")
+        check_consistent([r["signature"] for r in records])
+        check_single_node([r["host"] for r in records])
+        identities = check_identities([r["identity"] for r in records])
+        secret = parse_secret(records[0]["secret"])
+        token = _check_token(records[0]["token"])
         self._ctx = self._step("heap", lambda: _ops().EpContext(
             self.device.index, self.rank, self.world_size, max_tokens_per_rank, hidden_size,
             max_top_k, num_experts, self.num_sms, self.timeout_s,
             combine_config=as_dict(self.config)))
         try:
-            fds = exchange_fds(group, self._ctx.export_fd(), token)
-            # map_peers zeroes this rank's flags: the agreement orders that before any peer
-            # writes them.
+            fds = exchange_fds(self._agreement, self._ctx.export_fd, identities, secret)
+            # map_peers takes the descriptors (closes every one, mapped or not) and zeroes
+            # this rank's flags: the agreement orders that before any peer writes them.
             self._step("map", lambda: self._ctx.map_peers(fds))
             self._verify_mapping()
-            self._attach_heartbeat(f"/petit_moe_hb_{token[:20]}")
+            self._attach_heartbeat(f"/petit_moe_hb_{token}")
         except BaseException:
             self._ctx.close()
             self._ctx = None
@@ -292,10 +318,10 @@ class EpBuffer:
         result, error = None, None
         try:
             result = fn()
-        except Exception as e:  # noqa: BLE001 - reported to every rank by agree
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement
             error = f"{type(e).__name__}: {e}"
         try:
-            agree(self.group, name, error)
+            self._agreement(name, error)
         except BaseException:
             close = getattr(result, "close", None)
             if close is not None:

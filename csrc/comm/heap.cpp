@@ -1,7 +1,7 @@
 // Linearized symmetric heap: each rank's allocation is created with the virtual-memory API
 // and a POSIX file-descriptor handle; all W allocations are mapped into ONE reserved range,
 // so rank r's heap is at base + r * stride on every rank. The descriptors travel between
-// processes in Python (SCM_RIGHTS over Unix sockets, vllm_petit_moe/heap.py).
+// processes in Python (SCM_RIGHTS over Unix sockets, vllm_petit_moe/rendezvous.py).
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -44,6 +44,12 @@ petitMemAllocationProp make_prop(int device) {
   return prop;
 }
 
+// Closes the peers' descriptors (every entry but `rank`'s that is >= 0).
+void close_peer_fds(const int* peer_fds, int world_size, int rank) {
+  for (int r = 0; r < world_size; ++r)
+    if (r != rank && peer_fds[r] >= 0) close(peer_fds[r]);
+}
+
 }  // namespace
 
 petitError_t SymmetricHeap::create(int device, int64_t bytes, SymmetricHeap** out, char* err,
@@ -82,24 +88,42 @@ petitError_t SymmetricHeap::export_fd(int* fd, char* err, int err_len) {
 
 petitError_t SymmetricHeap::map_all(const int* peer_fds, int world_size, int rank, char* err,
                                     int err_len) {
+  // Every peer descriptor is closed here, on every path: an open descriptor of a peer's
+  // allocation keeps that allocation alive for the life of this process, also after a
+  // failed setup has fallen back.
   if (mapped_ || peer_handles_ != nullptr) {
+    close_peer_fds(peer_fds, world_size, rank);
     format_error(err, err_len, "heap is already mapped");
+    return petitErrorInvalidValue;
+  }
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    close_peer_fds(peer_fds, world_size, rank);
+    format_error(err, err_len, "rank %d outside a world of %d", rank, world_size);
     return petitErrorInvalidValue;
   }
   world_size_ = world_size;
   peer_handles_ = new petitMemHandle_t[world_size];
   imported_ = new bool[world_size]();
-  // Import every peer's allocation; the handle keeps it alive, so the fd is closed at once.
+  // Import every peer's allocation (the imported handle keeps it alive, so each fd is closed
+  // at once); after the first failure the rest are only closed.
+  petitVmmResult import_res = petitVmmResult(0);
+  int failed_rank = -1;
   for (int r = 0; r < world_size; ++r) {
     if (r == rank) {
       peer_handles_[r] = local_handle_;
       continue;
     }
-    petitVmmResult res = petit_vmm_import_fd(&peer_handles_[r], peer_fds[r]);
-    close(peer_fds[r]);
-    PETIT_VMM_CHECK(res, "import of rank %d's heap handle", r);
-    imported_[r] = true;
+    if (failed_rank < 0) {
+      import_res = peer_fds[r] >= 0 ? petit_vmm_import_fd(&peer_handles_[r], peer_fds[r])
+                                    : petitVmmResult(1);  // no descriptor: invalid value
+      if (import_res == petitVmmResult(0))
+        imported_[r] = true;
+      else
+        failed_rank = r;
+    }
+    if (peer_fds[r] >= 0) close(peer_fds[r]);
   }
+  PETIT_VMM_CHECK(import_res, "import of rank %d's heap handle", failed_rank);
   const size_t total = size_t(stride_) * size_t(world_size);
   PETIT_VMM_CHECK(petit_vmm_reserve(&base_, total, size_t(granularity_)),
                   "reservation of a %zu-byte virtual range for %d heaps", total, world_size);

@@ -571,7 +571,8 @@ _PEER_ACCESS: dict[int, bool | None] = {}
 
 def ep_peer_access(cpu_group: Any) -> bool | None:
     """Whether the GPUs of the EP group (one per rank, found by exchanging physical device ids
-    over ``cpu_group`` with a bound: ``heap.agree``) are pairwise connected by NVLink, through
+    through the group's store with a bound: ``rendezvous.Agreement``, no collective on
+    ``cpu_group``) are pairwise connected by NVLink, through
     vLLM's platform (``is_fully_connected``, NVML). Ranks sharing one GPU count as connected.
     None where the platform cannot tell. Collective over ``cpu_group`` on its first call;
     cached per group."""
@@ -582,7 +583,7 @@ def ep_peer_access(cpu_group: Any) -> bool | None:
 
     from vllm.platforms import current_platform
 
-    from vllm_petit_moe.heap import agree
+    from vllm_petit_moe.rendezvous import Agreement
 
     physical = None
     try:
@@ -590,7 +591,7 @@ def ep_peer_access(cpu_group: Any) -> bool | None:
             torch.cuda.current_device()))
     except Exception:  # noqa: BLE001 - unknown on this rank: unknown for all
         pass
-    ids = agree(cpu_group, "peer access", None, physical)
+    ids = Agreement(cpu_group, "peer-access")("peer access", None, physical)
     distinct = sorted(set(ids))
     result: bool | None = True
     if None in distinct:

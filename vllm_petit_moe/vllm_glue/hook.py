@@ -297,7 +297,7 @@ def maybe_substitute(prepare_finalize: Any, fused_experts: Any) -> Any:
     try:
         return build_prepare_finalize(fused_experts, runtime[0])
     except Exception as e:  # noqa: BLE001 - the buffer's setup: every rank fails together
-        # EpBuffer's setup agrees on every step (heap.agree), so a failure on one rank raises
+        # EpBuffer's setup agrees on every step (rendezvous.Agreement), so a failure on one rank raises
         # on all of them and all fall back together; buffers caches the failure, so later
         # layers fall back without a new collective.
         fallback = Decision(False, f"EP buffer setup failed: {e}")
