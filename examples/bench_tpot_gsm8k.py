@@ -91,6 +91,14 @@ def client_env() -> dict:
     return {**os.environ, **VLLM_SAFE_ENV, "no_proxy": HOST, "NO_PROXY": HOST}
 
 
+def model_dtype(model_dir: Path) -> str:
+    """The expert weights' format of a model directory's config: ``fp8`` for a block-fp8
+    checkpoint (``quantization_config.quant_method`` fp8), else ``bf16``."""
+    config = json.loads((model_dir / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    return "fp8" if quant.get("quant_method") == "fp8" else "bf16"
+
+
 def result_row(result: dict, **fields) -> dict:
     """A row from `vllm bench serve`'s saved result JSON: `fields`, then RESULT_FIELDS."""
     missing = [k for k in RESULT_FIELDS if k not in result]
@@ -255,7 +263,9 @@ def main(argv=None) -> int:
     stamp = (dict(gpu=args.gpu_name or "GPU", world=args.dp, commit=commit_stamp(ROOT),
                   date=utc_date()) if args.dry_run or args.gpu_name
              else device_stamp(ROOT, args.dp))
-    results = Path(args.results_dir) / f"tpot_gsm8k_{stamp['gpu']}x{args.dp}.jsonl"
+    stamp["dtype"] = model_dtype(Path(args.model_dir))
+    suffix = "" if stamp["dtype"] == "bf16" else f"_{stamp['dtype']}"
+    results = Path(args.results_dir) / f"tpot_gsm8k_{stamp['gpu']}x{args.dp}{suffix}.jsonl"
     rows = read_rows(results)
     num_rows_before = len(rows)
     all_prompts = args.num_prompts or len(load_prompts(GSM8K))

@@ -355,9 +355,9 @@ def decide_single_gpu(fused_experts: Any) -> Decision:
                             f"{SUPPORTED_PLATFORMS})")
     cfg = single_gpu_layer_config()
     if quant_config is not None and quant_config.weight_quant_dtype is not None:
-        return Decision(True, f"one GPU, block fp8: MegaMoE on the e4m3 weights up to "
-                              f"{cfg.megamoe_max_tokens} tokens per call, vLLM's fp8 Triton "
-                              f"experts above (SingleGpuLayerConfig)")
+        return Decision(True, f"one GPU, block fp8: MegaMoE up to {cfg.megamoe_max_tokens} "
+                              f"tokens per call on the e4m3 weights, vLLM's fp8 Triton experts "
+                              f"above (SingleGpuLayerConfig)")
     return Decision(True, f"one GPU: petit's composed experts from {cfg.composed_min_tokens} "
                           f"tokens per call, vLLM's Triton experts below, MegaMoE up to "
                           f"{cfg.megamoe_max_tokens} tokens (SingleGpuLayerConfig)")
