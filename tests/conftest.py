@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rank_pool import RankPool, ep_rank_pool
+from vllm_petit_moe.testing.rank_pool import RankPool, ep_rank_pool
 
 
 def num_gpus() -> int:
@@ -56,12 +56,13 @@ def run_case(test_file: str, *args, env: dict | None = None,
     """``_case(*args)`` of the test module at ``test_file`` (pass its ``__file__``) in a fresh
     Python process, with ``env`` added to the environment: for what must not share the test
     process (a trap aborts it, a GPU fault ends its CUDA context, knobs are read once per
-    process)."""
+    process). The module's folder leads the child's PYTHONPATH, so it imports by name."""
     path = Path(test_file)
-    code = (f"import sys; sys.path.insert(0, {str(path.parent)!r}); "
-            f"import {path.stem} as t; t._case(*{args!r})")
+    pythonpath = os.pathsep.join(filter(None, [str(path.parent), os.environ.get("PYTHONPATH")]))
+    code = f"import {path.stem} as t; t._case(*{args!r})"
     return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+                          text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": pythonpath, **(env or {})})
 
 
 def assert_case_ok(result: subprocess.CompletedProcess, what: str) -> None:

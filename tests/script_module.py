@@ -2,26 +2,21 @@
 tests of their helpers, or run its --help."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+from vllm_petit_moe.testing import scripts
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_script(relpath: str):
     """The script at ROOT/relpath, executed as the module named after its file (registered in
-    sys.modules, where dataclasses and pickling look a module up), with its folder on sys.path
-    as when it runs as a script (examples import each other and bench_env that way)."""
-    path = ROOT / relpath
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    sys.modules, where dataclasses and pickling look a module up). The sibling scripts it
+    imports by name (examples import each other that way) come from examples/, which
+    pyproject.toml's pytest ``pythonpath`` lists, as when it runs as a script."""
+    return scripts.load_script(ROOT / relpath)
 
 
 def script_help(relpath: str) -> str:

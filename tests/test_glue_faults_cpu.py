@@ -137,7 +137,7 @@ def test_peer_access_probe_is_a_bounded_exchange_that_agrees_on_every_rank():
     check to the heap mapping), and none hangs or raises."""
     import torch.multiprocessing as mp
 
-    from rank_pool import free_port
+    from vllm_petit_moe.testing.rank_pool import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

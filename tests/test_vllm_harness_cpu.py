@@ -91,7 +91,7 @@ def _install_stand_ins(fake_buffers: list):
     from vllm.platforms import current_platform
 
     import test_plugin_cpu as tpc
-    import vllm_moe_harness as harness
+    from vllm_petit_moe.testing import vllm_moe_harness as harness
     from vllm_petit_moe.vllm_glue import buffers, compat
 
     torch.cuda.set_device = lambda *a, **k: None
@@ -126,7 +126,7 @@ def _rank_main(rank, world_size, port, results):
 
         import test_plugin_cpu as tpc
         import test_vllm_moe_gpu as gpu_tests
-        import vllm_moe_harness as harness
+        from vllm_petit_moe.testing import vllm_moe_harness as harness
 
         out = {}
         state = harness.init_vllm_dp_ep(rank, world_size, port)
@@ -187,7 +187,7 @@ def _rank_main(rank, world_size, port, results):
 def test_harness_wiring_on_cpu():
     import torch.multiprocessing as mp
 
-    import vllm_moe_harness as harness
+    from vllm_petit_moe.testing import vllm_moe_harness as harness
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

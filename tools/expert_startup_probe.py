@@ -22,11 +22,8 @@ kernel's.
 import argparse
 import os
 import statistics
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, ROOT)
 
 # csrc/common/probe.h's ProbeSlot, in order: (name, kind) with kind "time" or "count"
 POINTS = (
@@ -80,9 +77,11 @@ def main(argv=None):
 
     import torch
 
-    import bench_experts as bench
-    from bench_env import device_stamp, write_jsonl
     from vllm_petit_moe import _C
+    from vllm_petit_moe.testing.bench_env import device_stamp, write_jsonl
+    from vllm_petit_moe.testing.scripts import load_script
+
+    bench = load_script(os.path.join(ROOT, "examples", "bench_experts.py"))
 
     _C.expert_probe_read()  # raises in a build without the probe; clears it otherwise
     stamp = device_stamp(ROOT, args.world)
