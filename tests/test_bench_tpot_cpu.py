@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import types
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -454,13 +453,13 @@ def test_simulated_routing_reaches_petit_prepare_and_experts(strategy, monkeypat
     modular kernel such as FusedMoEKernel(PetitPrepareAndFinalize, experts), calls
     router.select_experts and hands its ids to forward_modular -> FusedMoEModularMethod.apply
     -> FusedMoEKernel.apply -> prepare. Run here, real classes throughout, on rank 0 of W=2
-    (test_plugin_cpu's FakeEpBuffer stands in for the GPU buffer, ReferenceExperts for the
+    (tests/fakes.py's FakeEpBuffer stands in for the GPU buffer, ReferenceExperts for the
     Triton GEMMs): the router logits all point at experts 0..3, so any bypass of the simulation
     would dispatch those."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
-    from test_plugin_cpu import (FakeEpBuffer, ReferenceExperts, SimulatedCall, dp_step,
-                                 make_moe_config, make_parallel_config, make_vllm_config)
+    from fakes import (FakeEpBuffer, ReferenceExperts, SimulatedCall, dp_step, make_moe_config,
+                       make_parallel_config, make_vllm_config)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.fused_moe import modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
