@@ -43,17 +43,18 @@ with open(sys.argv[4], "w") as f:
 """
 
 
-def tree_digests(tree: Path, tokens: list[int], out: Path) -> None:
-    """digests() of `tree`'s vllm_petit_moe, written to `out` as JSON: in a fresh interpreter
-    with the tree first on PYTHONPATH (this one has imported the installed vllm_petit_moe for
-    the presets)."""
+def tree_digests(tree: Path, tokens: list[int], out: Path) -> int:
+    """digests() of `tree`'s vllm_petit_moe, written to `out` as JSON (returns the exit
+    status): in a fresh interpreter in the tree with the tree first on PYTHONPATH (this one has imported the installed
+    vllm_petit_moe for the presets; `python -c` puts its working directory first)."""
     from vllm_petit_moe.testing.vllm_moe_harness import PRESETS
     shapes = {name: dataclasses.asdict(PRESETS[name]) for name in PRESET_NAMES}
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(tree.resolve())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).resolve()),
-                    json.dumps(shapes), json.dumps(tokens), str(out)], env=env, check=True)
+    return subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).resolve()),
+                           json.dumps(shapes), json.dumps(tokens), str(out.resolve())],
+                          cwd=tree.resolve(), env=env).returncode
 
 
 def digests(shapes: dict[str, dict], tokens: list[int]) -> dict[str, str]:
@@ -108,8 +109,7 @@ def main(argv=None) -> int:
         return 1 if differ or not common else 0
     if args.tree is None or args.out is None:
         p.error("--tree and --out (or --compare A B)")
-    tree_digests(args.tree, args.tokens, args.out)
-    return 0
+    return tree_digests(args.tree, args.tokens, args.out)
 
 
 if __name__ == "__main__":
