@@ -2,6 +2,7 @@
 tests of their helpers, or run its --help."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +20,17 @@ def load_script(relpath: str):
     return scripts.load_script(ROOT / relpath)
 
 
+def script_env() -> dict:
+    """The environment with this checkout first on PYTHONPATH, for a script run in a fresh
+    interpreter: it imports this checkout's vllm_petit_moe, not another one installed."""
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": pythonpath}
+
+
 def script_help(relpath: str) -> str:
     """The --help text of the script at ROOT/relpath, run in a fresh interpreter (asserting it
     exits 0, with its stderr in the message otherwise)."""
-    result = subprocess.run([sys.executable, str(ROOT / relpath), "--help"],
+    result = subprocess.run([sys.executable, str(ROOT / relpath), "--help"], env=script_env(),
                             check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout
