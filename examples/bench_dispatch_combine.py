@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from vllm_petit_moe.config import CombineConfig, as_dict, parse_config
+from vllm_petit_moe.testing.bench_env import commit_stamp, replot, utc_date, write_results
+from vllm_petit_moe.testing.combine_trace import format_combine_trace
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench_env import commit_stamp, replot, utc_date, write_results  # noqa: E402
-from vllm_petit_moe.config import CombineConfig, as_dict, parse_config  # noqa: E402
-from vllm_petit_moe.testing.combine_trace import format_combine_trace  # noqa: E402
 
 PRESETS = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, top_k=8),
@@ -191,7 +191,7 @@ def _combine_timeline(buf, step, group, replays=3):
 
 
 def _worker(rank, world, port, args, results):
-    from bench_env import MULTICAST_OFF_ENV
+    from vllm_petit_moe.testing.bench_env import MULTICAST_OFF_ENV
     os.environ.update(MULTICAST_OFF_ENV)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -66,12 +66,12 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench_env import (  # noqa: E402
+from vllm_petit_moe.config import ExpertConfig, as_dict, parse_config
+from vllm_petit_moe.ops import TILES
+from vllm_petit_moe.testing.bench_env import (
     commit_stamp, format_breakdown, profile_kernels, replot, utc_date, write_results)
-from vllm_petit_moe.config import ExpertConfig, as_dict, parse_config  # noqa: E402
-from vllm_petit_moe.ops import TILES  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PRESETS = {
     "deepseek-v3": dict(hidden=7168, intermediate=2048, num_experts=256, top_k=8),

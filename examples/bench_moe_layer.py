@@ -1,7 +1,8 @@
 """One MoE layer through vLLM's modular kernel in a real DP=W + EP setup: petit vs vLLM default.
 
-One process per GPU, each with vLLM's own distributed state (``tests/vllm_moe_harness.py``:
-``init_distributed_environment`` + ``initialize_model_parallel`` under a DP=W, EP config).
+One process per GPU, each with vLLM's own distributed state
+(``vllm_petit_moe/testing/vllm_moe_harness.py``: ``init_distributed_environment`` +
+``initialize_model_parallel`` under a DP=W, EP config).
 Both kernels come from vLLM's unquantized oracle on the same weights and routing:
 
 - default: ``MoEPrepareAndFinalizeNaiveDPEPModular`` (all-gather / reduce-scatter over NCCL)
@@ -60,15 +61,12 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-from bench_env import (  # noqa: E402
+from vllm_petit_moe.ops import TILES
+from vllm_petit_moe.testing import vllm_moe_harness as harness
+from vllm_petit_moe.testing.bench_env import (
     commit_stamp, device_stamp, format_breakdown, profile_kernels, replot, utc_date, write_results)
-from vllm_petit_moe.ops import TILES  # noqa: E402
 
-import vllm_moe_harness as harness  # noqa: E402
-
+ROOT = Path(__file__).resolve().parent.parent
 PRESETS = harness.PRESETS
 TOKENS = [2**i for i in range(13)]  # 1, 2, 4, ..., 4096 tokens per rank
 QUICK_TOKENS = [1, 8, 64, 512, 4096]

@@ -40,13 +40,14 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_env import VLLM_SAFE_ENV, commit_stamp, device_stamp, utc_date, write_jsonl  # noqa: E402
-from vllm_server import (  # noqa: E402
+from vllm_server import (
     BACKENDS, HOST, MEGAMOE_MAX_TOKENS, PLUGIN_ENV, BenchError, Server, check_backend, free_port,
     load_prompts, log, server_env, server_settings, vllm_serve_command)
 
+from vllm_petit_moe.testing.bench_env import (
+    VLLM_SAFE_ENV, commit_stamp, device_stamp, utc_date, write_jsonl)
+
+HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GSM8K = HERE / "data" / "gsm8k_test.jsonl"
 ROUTING_STRATEGIES = ("uniform_random", "normal_routing")  # vLLM 0.24's RoutingSimulator

@@ -48,13 +48,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import bench_tpot_gsm8k as bench  # (prompts)
+import compare_serving  # (the comparison itself)
+import make_seeded_checkpoint as seeded
+from vllm_petit_moe.testing.bench_env import commit_stamp, utc_date
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT))
-import bench_tpot_gsm8k as bench  # noqa: E402  (prompts)
-import compare_serving  # noqa: E402  (the comparison itself)
-import make_seeded_checkpoint as seeded  # noqa: E402
-from bench_env import commit_stamp, utc_date  # noqa: E402
 
 BACKENDS = ("petit", "megamoe", "triton")
 # Faults injected into the first backend of the pair (--fault), to see what the comparison

@@ -56,12 +56,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import make_seeded_checkpoint as seeded
+import vllm_server as bench  # (server lifecycle, plugin checks, prompts)
+from vllm_petit_moe.testing.bench_env import commit_stamp, utc_date
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT))
-import vllm_server as bench  # noqa: E402  (server lifecycle, plugin checks, prompts)
-import make_seeded_checkpoint as seeded  # noqa: E402
-from bench_env import commit_stamp, utc_date  # noqa: E402
 
 DEFAULT_DATA = ROOT / "examples" / "data" / "gsm8k_test.jsonl"
 

@@ -31,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+from bench_tpot_gsm8k import load_prompts  # (the TPOT benchmark's prompts)
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-from bench_tpot_gsm8k import load_prompts  # noqa: E402  (the TPOT benchmark's prompts)
 
 DUMMY_LOW, DUMMY_HIGH, DUMMY_SEED = -1e-3, 1e-3, 1234  # vLLM's initialize_dummy_weights
 

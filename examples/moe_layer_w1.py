@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 
-import vllm_moe_harness as harness  # tests/, put on sys.path by bench_moe_layer.py
+from vllm_petit_moe.testing import vllm_moe_harness as harness
 
 CHAIN = 8
 W1_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192]
@@ -84,7 +84,8 @@ def _graph_us(fn, iters):
     """``fn`` (CHAIN calls) captured in a CUDA graph after two eager calls on a side stream:
     (median device time of one replay / CHAIN in us, the graph)."""
     import torch
-    from vllm_moe_harness import time_replays_us
+
+    from vllm_petit_moe.testing.vllm_moe_harness import time_replays_us
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

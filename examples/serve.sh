@@ -62,7 +62,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export VLLM_ALLREDUCE_USE_SYMM_MEM=0
 # The offline vLLM bundle of the GPU machines has no FlashInfer: its sampler would make the
 # engine die at start-up (../shared/devkit/README.md, "Environment"). Same set as
-# examples/bench_env.py VLLM_SAFE_ENV; each can be overridden from the environment.
+# vllm_petit_moe/testing/bench_env.py VLLM_SAFE_ENV; each can be overridden from the environment.
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 export VLLM_NO_USAGE_STATS=${VLLM_NO_USAGE_STATS:-1} DO_NOT_TRACK=${DO_NOT_TRACK:-1}
 export VLLM_USE_PETIT_MOE=${VLLM_USE_PETIT_MOE:-1}

@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench_env import VLLM_SAFE_ENV
+from vllm_petit_moe.testing.bench_env import VLLM_SAFE_ENV
 
 HOST = "127.0.0.1"
 PROMPT_FORMAT = "Question: {question}\nAnswer:"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rank_pool import RankPool, ep_rank_pool
+from vllm_petit_moe.testing.rank_pool import RankPool, ep_rank_pool
 
 
 def num_gpus() -> int:
@@ -56,12 +56,13 @@ def run_case(test_file: str, *args, env: dict | None = None,
     """``_case(*args)`` of the test module at ``test_file`` (pass its ``__file__``) in a fresh
     Python process, with ``env`` added to the environment: for what must not share the test
     process (a trap aborts it, a GPU fault ends its CUDA context, knobs are read once per
-    process)."""
+    process). The module's folder leads the child's PYTHONPATH, so it imports by name."""
     path = Path(test_file)
-    code = (f"import sys; sys.path.insert(0, {str(path.parent)!r}); "
-            f"import {path.stem} as t; t._case(*{args!r})")
+    pythonpath = os.pathsep.join(filter(None, [str(path.parent), os.environ.get("PYTHONPATH")]))
+    code = f"import {path.stem} as t; t._case(*{args!r})"
     return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+                          text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": pythonpath, **(env or {})})
 
 
 def assert_case_ok(result: subprocess.CompletedProcess, what: str) -> None:
@@ -112,3 +113,68 @@ def rank_pools():
     yield get
     for pool in _pools.values():
         pool.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The vLLM plugin's CPU tests (tests/test_plugin_*_cpu.py, test_glue_faults_cpu.py): vLLM and
+# tests/fakes.py are imported inside the fixtures, as only those modules need them (they skip
+# without vLLM).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    """fakes.make_vllm_config(): DP=2 + EP on the CPU device."""
+    from fakes import make_vllm_config
+
+    return make_vllm_config()
+
+
+@pytest.fixture
+def kernel_hook(monkeypatch):
+    """The FusedMoEKernel patch installed for one test, with the GPU-only parts faked."""
+    from fakes import FakeEpBuffer, single_node_cuda
+    from vllm_petit_moe.vllm_glue import buffers, compat, envs, hook
+
+    created = []
+
+    def create_buffer(group, config):
+        buffer = FakeEpBuffer(0, 2, config.num_experts, call=None)
+        created.append((group, config, buffer))
+        return buffer
+
+    runtime = single_node_cuda()
+    monkeypatch.setattr(hook, "_runtime_provider", lambda: runtime)
+    monkeypatch.setattr(buffers, "_create_buffer", create_buffer)
+    monkeypatch.setattr(hook, "_reported", set())
+    monkeypatch.delenv(envs.VLLM_PETIT_MOE_STRICT, raising=False)
+    monkeypatch.delenv(envs.VLLM_PETIT_MOE_EXPERTS, raising=False)
+    monkeypatch.delenv(envs.VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS, raising=False)
+    buffers.close_all_buffers()
+    installed = compat.install_kernel_hook(hook.maybe_substitute, hook.maybe_substitute_experts)
+    try:
+        yield created
+    finally:
+        if installed:
+            compat.uninstall_kernel_hook()
+        buffers.close_all_buffers()
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    from vllm.v1.worker import workspace as vllm_workspace
+
+    if not vllm_workspace.is_workspace_manager_initialized():
+        vllm_workspace.init_workspace_manager(torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def ep_emu_lib(tmp_path_factory):
+    from test_dispatch_combine_emu_cpu import _load
+
+    return _load(build_emu_library(tmp_path_factory, "ep_emu"))
+
+
+@pytest.fixture(scope="module")
+def megamoe_emu_lib(tmp_path_factory):
+    return build_emu_library(tmp_path_factory, "megamoe_emu")

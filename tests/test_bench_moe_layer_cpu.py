@@ -1,5 +1,5 @@
 """CPU tests of examples/bench_moe_layer.py (arguments) and of the benchmarks' --profile
-kernel breakdown (examples/bench_env.py)."""
+kernel breakdown (vllm_petit_moe/testing/bench_env.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,7 +17,7 @@ def bench():
 
 
 def test_kernel_breakdown_categories():
-    import bench_env  # examples/, put on sys.path by conftest's rank_pool
+    from vllm_petit_moe.testing import bench_env
 
     kernels = [
         ("void petit::(anonymous namespace)::dispatch_kernel(petit::DispatchArgs)", 300.0),
@@ -94,7 +94,7 @@ def test_w2_rows_with_the_fused_layer(bench, tmp_path, capsys):
     """--megamoe: the fused path's per-rank times become megamoe_us (the slowest rank),
     megamoe_speedup and megamoe_rel_diff; a row without it has none of them; both print and
     plot."""
-    import vllm_moe_harness as harness
+    from vllm_petit_moe.testing import vllm_moe_harness as harness
 
     def rank(default_us, petit_us, fused_us=None):
         r = dict(pairs=64, hot_share=0.5, rel_diff=1e-3, max_abs_diff=1e-2, finite=True,
@@ -133,7 +133,7 @@ def test_layer_roofline_parts(bench):
     and rows over the link (once per token and other destination rank, both directions)."""
     import torch
 
-    import vllm_moe_harness as harness
+    from vllm_petit_moe.testing import vllm_moe_harness as harness
 
     shape = harness.MoEShape(hidden=64, intermediate=32, num_experts=8, top_k=2)  # L = 4
     ids = [torch.tensor([[0, 1], [0, 5], [-1, -1]]), torch.tensor([[6, 7]])]

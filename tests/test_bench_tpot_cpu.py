@@ -17,17 +17,17 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+import bench_tpot_gsm8k as bench
+import vllm_server
+from stand_in_server import StandInServer
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-import bench_tpot_gsm8k as bench  # noqa: E402
-import vllm_server  # noqa: E402
 
 MODEL_DIR = ROOT / "examples" / "models" / "qwen3-30b-a3b"
 
@@ -137,35 +137,6 @@ def test_serve_command_parses_and_validates_with_vllms_parser(dp, cpu_platform):
 # ------------------------------------------------------------------------------------------
 # `vllm bench serve` against a streaming stand-in server -> its result JSON -> our row
 # ------------------------------------------------------------------------------------------
-
-class StandInServer(BaseHTTPRequestHandler):
-    """GET /health, and POST /v1/completions as vLLM streams it: one SSE chunk per token,
-    TOKEN_S apart, then the usage chunk and [DONE]. Records every request body."""
-
-    TOKEN_S = 0.003
-    requests: list = []
-
-    def do_GET(self):  # vllm serve's /health
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.requests.append(body)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for _ in range(body["max_tokens"]):
-            time.sleep(self.TOKEN_S)
-            self.wfile.write(b'data: {"choices": [{"index": 0, "text": " x"}]}\n\n')
-            self.wfile.flush()
-        usage = {"prompt_tokens": 20, "completion_tokens": body["max_tokens"]}
-        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
-
-    def log_message(self, *args):
-        pass
-
 
 def test_vllm_bench_serve_result_maps_to_a_row(tmp_path):
     pytest.importorskip("vllm")
@@ -422,12 +393,12 @@ def test_table_gives_petit_over_default_per_repeat_and_the_plot_draws(tmp_path, 
 
 
 # The driver's whole loop, with `--python` a wrapper that starts this stand-in for
-# `python -m vllm.entrypoints.cli.main serve` and the real interpreter for `bench serve`.
+# `python -m vllm.entrypoints.cli.main serve` (tests/ on its PYTHONPATH) and the real
+# interpreter for `bench serve`.
 STAND_IN_SERVE = """
 import json, os, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-sys.path.insert(0, {tests!r})
-from test_bench_tpot_cpu import StandInServer
+from stand_in_server import StandInServer
 print("env", json.dumps(dict(os.environ)), flush=True)
 if os.environ.get("VLLM_USE_PETIT_MOE") == "1":
     print("INFO hook.py:207] vllm-petit-moe: MoE layers use PetitPrepareAndFinalize", flush=True)
@@ -438,9 +409,10 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])),
 
 def test_driver_runs_interleaves_resumes_and_records_the_strategy(tmp_path, capsys):
     pytest.importorskip("vllm")
-    (tmp_path / "serve.py").write_text(STAND_IN_SERVE.format(tests=str(Path(__file__).parent)))
+    (tmp_path / "serve.py").write_text(STAND_IN_SERVE)
     python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nif [ "$3" = serve ]; then exec {sys.executable} '
+    python.write_text(f'#!/bin/sh\nif [ "$3" = serve ]; then exec env '
+                      f'PYTHONPATH={Path(__file__).parent} {sys.executable} '
                       f'{tmp_path / "serve.py"} "$@"; else exec {sys.executable} "$@"; fi\n')
     python.chmod(0o755)
     argv = ["--python", str(python), "--gpu-name", "CPU", "--dp", "2", "--concurrency", "2",
@@ -481,13 +453,13 @@ def test_simulated_routing_reaches_petit_prepare_and_experts(strategy, monkeypat
     modular kernel such as FusedMoEKernel(PetitPrepareAndFinalize, experts), calls
     router.select_experts and hands its ids to forward_modular -> FusedMoEModularMethod.apply
     -> FusedMoEKernel.apply -> prepare. Run here, real classes throughout, on rank 0 of W=2
-    (test_plugin_cpu's FakeEpBuffer stands in for the GPU buffer, ReferenceExperts for the
+    (tests/fakes.py's FakeEpBuffer stands in for the GPU buffer, ReferenceExperts for the
     Triton GEMMs): the router logits all point at experts 0..3, so any bypass of the simulation
     would dispatch those."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
-    from test_plugin_cpu import (FakeEpBuffer, ReferenceExperts, SimulatedCall, dp_step,
-                                 make_moe_config, make_parallel_config, make_vllm_config)
+    from fakes import (FakeEpBuffer, ReferenceExperts, SimulatedCall, dp_step, make_moe_config,
+                       make_parallel_config, make_vllm_config)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.fused_moe import modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation

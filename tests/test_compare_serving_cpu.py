@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-
-import compare_serving  # noqa: E402
-import make_seeded_checkpoint as seeded  # noqa: E402
+import compare_serving
+import make_seeded_checkpoint as seeded
 
 TINY = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rank_pool import get_buffer
+from vllm_petit_moe.testing.rank_pool import get_buffer
 from vllm_petit_moe.config import CombineConfig
 from vllm_petit_moe.testing import reference as ref
 

@@ -15,15 +15,14 @@ import time
 
 import pytest
 
-from test_plugin_cpu import (build_kernel, kernel_hook, make_moe_config,  # noqa: F401
-                             single_node_cuda, vllm_config)
+from fakes import build_kernel, make_moe_config, single_node_cuda
 from vllm_petit_moe.buffer import describe_fault
 from vllm_petit_moe.rendezvous import SetupError
 from vllm_petit_moe.vllm_glue import buffers, envs, hook
 
 
-def test_setup_failure_falls_back_to_vllm_with_a_logged_reason(kernel_hook, monkeypatch,  # noqa: F811
-                                                               vllm_config, caplog):  # noqa: F811
+def test_setup_failure_falls_back_to_vllm_with_a_logged_reason(kernel_hook, monkeypatch,
+                                                               vllm_config, caplog):
     calls = []
 
     def failing(group, config):
@@ -45,8 +44,8 @@ def test_setup_failure_falls_back_to_vllm_with_a_logged_reason(kernel_hook, monk
     assert "EP buffer setup failed" in text and "failed on rank 1" in text, text
 
 
-def test_setup_failure_raises_at_start_up_in_strict_mode(kernel_hook, monkeypatch,  # noqa: F811
-                                                         vllm_config):  # noqa: F811
+def test_setup_failure_raises_at_start_up_in_strict_mode(kernel_hook, monkeypatch,
+                                                         vllm_config):
     def failing(group, config):
         raise SetupError("petit_moe: EP buffer setup step 'map' failed on rank 0: no path")
 
@@ -57,8 +56,8 @@ def test_setup_failure_raises_at_start_up_in_strict_mode(kernel_hook, monkeypatc
         build_kernel(make_moe_config(), vllm_config)
 
 
-def test_decide_refuses_gpus_without_peer_access(kernel_hook, monkeypatch,  # noqa: F811
-                                                 vllm_config):  # noqa: F811
+def test_decide_refuses_gpus_without_peer_access(kernel_hook, monkeypatch,
+                                                 vllm_config):
     monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
     monkeypatch.setattr(hook, "_runtime_provider",
                         lambda: single_node_cuda(peer_access=False))
@@ -137,7 +136,7 @@ def test_peer_access_probe_is_a_bounded_exchange_that_agrees_on_every_rank():
     check to the heap mapping), and none hangs or raises."""
     import torch.multiprocessing as mp
 
-    from rank_pool import free_port
+    from vllm_petit_moe.testing.rank_pool import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

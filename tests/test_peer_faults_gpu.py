@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import requires_extension, requires_gpu
-from rank_pool import free_port
+from vllm_petit_moe.testing.rank_pool import free_port
 
 pytestmark = [requires_gpu, requires_extension]
 TIMEOUT_S = 3.0
@@ -43,7 +43,7 @@ def _round_inputs(round_, rank, device):
 
 def _worker(rank, port, case, events, results):
     try:
-        from bench_env import MULTICAST_OFF_ENV
+        from vllm_petit_moe.testing.bench_env import MULTICAST_OFF_ENV
         os.environ.update(MULTICAST_OFF_ENV)
     except ImportError:
         pass

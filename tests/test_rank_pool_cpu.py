@@ -1,6 +1,7 @@
-"""CPU: the process pool every multi-rank GPU test runs on (tests/rank_pool.py): per-rank
-results and state, a failing rank's traceback, a dead or silent rank failing the call instead
-of hanging the session, setup failures, and a broken pool refusing further work."""
+"""CPU: the process pool every multi-rank GPU test runs on
+(vllm_petit_moe/testing/rank_pool.py): per-rank results and state, a failing rank's traceback,
+a dead or silent rank failing the call instead of hanging the session, setup failures, and a
+broken pool refusing further work."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from rank_pool import RankPool, RankPoolError
+from vllm_petit_moe.testing.rank_pool import RankPool, RankPoolError
 
 
 def _setup(rank, world_size, tag):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import requires_extension, requires_gpu
+from script_module import script_env
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = int(os.environ.get("PETIT_SOAK_ROUNDS", "10000"))
@@ -31,7 +32,7 @@ def test_soak(world, tmp_path):
     out = tmp_path / "soak.jsonl"
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "soak.py"), "--world",
                              str(world), "--rounds", str(ROUNDS), "--out", str(out)],
-                            capture_output=True, text=True, timeout=6 * 3600)
+                            env=script_env(), capture_output=True, text=True, timeout=6 * 3600)
     assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
     row = json.loads(out.read_text().splitlines()[-1])
     results = ROOT / "examples" / "results" / f"soak_{row['gpu']}x{world}.jsonl"

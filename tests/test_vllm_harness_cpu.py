@@ -9,9 +9,9 @@ the rank functions of test_vllm_moe_gpu.py. Replaced, because they need a GPU:
 
 - the EP group's device communicator (pynccl): ``CpuTestCommunicator`` below, vLLM's
   ``AgRsAll2AllManager`` over gloo all-gather / all-reduce;
-- the experts' Triton GEMMs: ``test_plugin_cpu.ReferenceExperts`` (vLLM's experts contract,
+- the experts' Triton GEMMs: ``fakes.ReferenceExperts`` (vLLM's experts contract,
   expert_map lookup included, on the reference);
-- the ``EpBuffer``: ``test_plugin_cpu.FakeEpBuffer`` (the architecture.md layout from the
+- the ``EpBuffer``: ``fakes.FakeEpBuffer`` (the architecture.md layout from the
   reference; it is told every rank's inputs);
 - the platform name seen by the hook ("cuda"), ``torch.cuda.set_device`` and the workspace
   device (CPU).
@@ -90,8 +90,8 @@ def _install_stand_ins(fake_buffers: list):
     import vllm.v1.worker.workspace as workspace
     from vllm.platforms import current_platform
 
-    import test_plugin_cpu as tpc
-    import vllm_moe_harness as harness
+    import fakes
+    from vllm_petit_moe.testing import vllm_moe_harness as harness
     from vllm_petit_moe.vllm_glue import buffers, compat
 
     torch.cuda.set_device = lambda *a, **k: None
@@ -107,7 +107,7 @@ def _install_stand_ins(fake_buffers: list):
     compat.platform_name = lambda: "cuda"
 
     def create_buffer(group, config):
-        buffer = tpc.FakeEpBuffer(dist.get_rank(group), dist.get_world_size(group),
+        buffer = fakes.FakeEpBuffer(dist.get_rank(group), dist.get_world_size(group),
                                   config.num_experts, None)
         buffer.config = config
         fake_buffers.append(buffer)
@@ -124,9 +124,9 @@ def _rank_main(rank, world_size, port, results):
         from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
         from vllm.v1.worker.workspace import current_workspace_manager
 
-        import test_plugin_cpu as tpc
+        import fakes
         import test_vllm_moe_gpu as gpu_tests
-        import vllm_moe_harness as harness
+        from vllm_petit_moe.testing import vllm_moe_harness as harness
 
         out = {}
         state = harness.init_vllm_dp_ep(rank, world_size, port)
@@ -145,7 +145,7 @@ def _rank_main(rank, world_size, port, results):
         current_workspace_manager().unlock()  # the reference experts' workspace differs
         for lay in (layer, direct):
             for kernel in lay.kernels.values():
-                kernel.impl.fused_experts = tpc.ReferenceExperts(lay.moe_config,
+                kernel.impl.fused_experts = fakes.ReferenceExperts(lay.moe_config,
                                                                  FUSED_MOE_UNQUANTIZED_CONFIG)
         out["compare"] = []
         for counts, paths, skew in (([5, 3], ("default", "petit"), None),
@@ -155,7 +155,7 @@ def _rank_main(rank, world_size, port, results):
             seed = 11 + sum(counts)
             xs, ids, ws = harness.make_inputs(shape, counts, seed=seed, device=state.device,
                                               skew=skew)
-            fake_buffers[0].call = tpc.SimulatedCall(xs, ids, ws, w13, w2)
+            fake_buffers[0].call = fakes.SimulatedCall(xs, ids, ws, w13, w2)
             report = gpu_tests._rank_compare(state, shape, seed, counts, paths, skew)
             y = direct.forward("petit", xs[rank], ids[rank], ws[rank], counts)
             z = layer.forward("petit", xs[rank], ids[rank], ws[rank], counts)
@@ -187,7 +187,7 @@ def _rank_main(rank, world_size, port, results):
 def test_harness_wiring_on_cpu():
     import torch.multiprocessing as mp
 
-    import vllm_moe_harness as harness
+    from vllm_petit_moe.testing import vllm_moe_harness as harness
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

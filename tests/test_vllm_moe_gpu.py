@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from vllm_moe_harness import (  # noqa: E402
+from vllm_petit_moe.testing.vllm_moe_harness import (  # noqa: E402
     PATHS,
     FUSED_MAX_TOKENS,
     PETIT_EXPERTS_PATH,

@@ -13,12 +13,9 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, ROOT)
 
 
 def run_for(fn, seconds):
@@ -73,7 +70,9 @@ def main() -> None:
 
     import torch
 
-    import bench_experts as be
+    from vllm_petit_moe.testing.scripts import load_script
+
+    be = load_script(os.path.join(ROOT, "examples", "bench_experts.py"))
 
     preset = be.PRESETS[args.preset]
     w13, w2 = be.make_weights(args.preset, 2, 0)

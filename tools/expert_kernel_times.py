@@ -16,11 +16,8 @@ includes that wait. wgmma_narrow / wgmma_m64 run both GEMMs as one fused kernel.
 import argparse
 import math
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, ROOT)
 
 # per family: (gate/up block_n per group, down block_n, rows per m-tile)
 TILE_N = {"wgmma_narrow": (64, 128, 64), "wgmma_m64": (128, 256, 64),
@@ -56,8 +53,10 @@ def main(argv=None):
 
     import torch
 
-    import bench_experts as bench
-    from bench_env import device_stamp, profile_kernels, write_jsonl
+    from vllm_petit_moe.testing.bench_env import device_stamp, profile_kernels, write_jsonl
+    from vllm_petit_moe.testing.scripts import load_script
+
+    bench = load_script(os.path.join(ROOT, "examples", "bench_experts.py"))
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     stamp = device_stamp(ROOT, args.world)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")

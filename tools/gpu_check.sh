@@ -26,6 +26,9 @@ OUT=${OUT:-/tmp/petit-gpu-check}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+# This checkout's vllm_petit_moe (built in place below, not pip-installed here): the benchmarks
+# and the tests' subprocesses import it, vllm_petit_moe.testing included.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | sed 's/^ *//')

@@ -38,16 +38,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "examples"))
-from moe_layer_w1 import W1_PRESETS  # noqa: E402
-from vllm_petit_moe import ops  # noqa: E402
-from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,  # noqa: E402
+from vllm_petit_moe import ops
+from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,
                                    MEGAMOE_TRACE_SLOTS)
+from vllm_petit_moe.testing.scripts import load_script
 
-PRESETS = W1_PRESETS  # the one-GPU layer benchmark's (the top-k picks from num_experts ids)
+ROOT = Path(__file__).resolve().parent.parent
+# the one-GPU layer benchmark's (the top-k picks from num_experts ids)
+PRESETS = load_script(ROOT / "examples" / "moe_layer_w1.py").W1_PRESETS
 KINDS = ("gate/up", "down", "reduce", "final")  # final: EP calls only
 
 

@@ -9,6 +9,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/petit-ncu}
 mkdir -p "$OUT"
+# This checkout's vllm_petit_moe (built in place): bench_experts.py imports it.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 NCU=$(command -v ncu || ls "${CUDA_HOME:-/usr/local/cuda}"/bin/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 2; }

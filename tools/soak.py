@@ -35,8 +35,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 MAX_TOKENS = 96
 
 
@@ -70,8 +68,8 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
     EpBuffer's 30-minute default."""
     import torch
 
-    from rank_pool import get_buffer
     from vllm_petit_moe import ops
+    from vllm_petit_moe.testing.rank_pool import get_buffer
     from vllm_petit_moe.testing.soak import SHAPES, RankReference, draw_round, expert_weights
 
     rank, world, device = state["rank"], state["world_size"], state["device"]
@@ -188,9 +186,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from rank_pool import ep_rank_pool
-    sys.path.insert(0, str(ROOT / "tools"))
-    import soak  # the workers unpickle soak_rank by its module, not by __main__
+    import soak  # the workers unpickle soak_rank by its module (tools/, the script's folder)
+
+    from vllm_petit_moe.testing.rank_pool import ep_rank_pool
     num_gpus = torch.cuda.device_count()
     if num_gpus == 0:
         print("soak: needs a CUDA GPU", file=sys.stderr)
@@ -205,8 +203,7 @@ def main(argv=None) -> int:
     finally:
         pool.close()
     seconds = time.monotonic() - start
-    sys.path.insert(0, str(ROOT / "examples"))
-    from bench_env import commit_stamp
+    from vllm_petit_moe.testing.bench_env import commit_stamp
     commit = commit_stamp(ROOT)
     row = dict(gpu=gpu, world=args.world, num_gpus=min(num_gpus, args.world), commit=commit,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

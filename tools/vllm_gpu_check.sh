@@ -140,7 +140,7 @@ fi
 # 5. the plugin's CPU tests (real vLLM; entry point from step 3)
 if want test-plugin; then
   # shellcheck disable=SC2086
-  run_step test-plugin 180 "$PY" -m pytest -q -rs "${pytest_args[@]}" tests/test_plugin_cpu.py
+  run_step test-plugin 180 "$PY" -m pytest -q -rs "${pytest_args[@]}" tests/test_plugin_*_cpu.py
 fi
 
 # 6. the MoE-layer benchmark (results also copied to $OUT)

@@ -12,26 +12,20 @@ the test session, and any failure closes the pool (the fixtures start a new one)
 process group and picks GPU ``rank % num_gpus`` (so W ranks can share fewer GPUs: the ranks
 then time-slice one device through the same heap mapping); its state is a dict
 (``rank, world_size, group, device`` and the cached ``buffers`` of ``get_buffer``).
-``tests/vllm_moe_harness.py: VllmRankPool`` is the same pool with vLLM's distributed setup.
+``vllm_moe_harness.VllmRankPool`` is the same pool with vLLM's distributed setup.
 """
 from __future__ import annotations
 
 import os
 import queue
 import socket
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch.multiprocessing as mp
 
-# examples/bench_env.py holds the GPU hosts' environment rules, for the tests as for the
-# benchmarks; spawned workers inherit this sys.path.
-_EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
-if _EXAMPLES not in sys.path:
-    sys.path.insert(0, _EXAMPLES)
-from bench_env import MULTICAST_OFF_ENV  # noqa: E402
+# bench_env holds the GPU hosts' environment rules, for the tests as for the benchmarks.
+from vllm_petit_moe.testing.bench_env import MULTICAST_OFF_ENV
 
 
 class RankPoolError(RuntimeError):

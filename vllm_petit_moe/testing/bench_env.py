@@ -7,8 +7,7 @@ FlashInfer sampler is not in the offline vLLM bundle, and the GPU machines have 
 Also how the benchmark drivers stamp (commit, date), write their results and sum profiled
 kernel time by category (their --profile).
 
-Not part of the package: examples and tools import it as ``bench_env`` with examples/ on
-sys.path (a script's own folder is), tests through tests/rank_pool.py, which puts it there.
+Examples, tools and tests import it as ``vllm_petit_moe.testing.bench_env``.
 """
 
 MULTICAST_OFF_ENV = {

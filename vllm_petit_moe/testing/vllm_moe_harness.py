@@ -1,7 +1,7 @@
 """One MoE layer through vLLM's real modular kernel, DP=W + EP, one process per GPU.
 
-Used by ``tests/test_vllm_moe_gpu.py`` and ``examples/bench_moe_layer.py`` (which puts this
-directory on ``sys.path``). Everything below the process pool is vLLM's own code path:
+Used by ``tests/test_vllm_moe_gpu.py``, ``examples/bench_moe_layer.py`` and tools. Everything
+below the process pool is vLLM's own code path:
 
 **Distributed setup** (``init_vllm_dp_ep``), as a vLLM GPU worker of DP rank ``r`` does it
 (``vllm/v1/worker/gpu_worker.py: init_worker_distributed_environment``):
@@ -64,8 +64,9 @@ from typing import Any
 
 import torch
 
-from rank_pool import RankPool, RankPoolError, free_port  # noqa: F401 (re-exported)
-from bench_env import VLLM_SAFE_ENV  # examples/, put on sys.path by rank_pool
+from vllm_petit_moe.testing.bench_env import VLLM_SAFE_ENV
+from vllm_petit_moe.testing.rank_pool import (  # noqa: F401 (re-exported)
+    RankPool, RankPoolError, free_port)
 
 # Set in every rank process before torch/vLLM touch NCCL.
 SAFE_ENV = VLLM_SAFE_ENV
@@ -682,7 +683,7 @@ class VllmRankPool(RankPool):
     ``run(fn, *args)`` calls the module-level ``fn(state: RankState, *args)`` on every rank
     and returns the per-rank results; an error, a dead rank or a timeout on any rank raises
     ``RankPoolError`` (with every failing rank's traceback) and closes the pool
-    (``tests/rank_pool.py``).
+    (``vllm_petit_moe.testing.rank_pool``).
     """
 
     def __init__(self, world_size: int, init_timeout_s: float = 600.0):

@@ -1,0 +1,517 @@
+"""Test doubles and builders of the vLLM plugin's CPU tests (tests/test_plugin_*_cpu.py,
+test_glue_faults_cpu.py, test_bench_tpot_cpu.py, test_vllm_harness_cpu.py). Without vLLM
+importing it skips the importing module (``pytest.importorskip``). Their fixtures
+(``vllm_config``, ``kernel_hook``, ``workspace``, ``ep_emu_lib``, ``megamoe_emu_lib``) are in
+conftest.py.
+
+vLLM's config objects, prepare/finalize classes, Triton experts object, expert maps and
+``FusedMoEKernel`` are the real ones. Faked, because they need a GPU: the ``EpBuffer``
+(``FakeEpBuffer`` below: the architecture.md layout computed with ``vllm_petit_moe.testing.reference``, every rank's inputs known to every rank, as
+in pplx-kernels' tests; ``EmulatedEpBuffer``: the same with the real dispatch and combine kernels
+on the CPU emulation of tests/emu), the runtime facts of the EP group (``EpRuntime``), and
+the Triton GEMMs (``ReferenceExperts``: vLLM's experts contract, expert_map lookup included,
+on the reference), and ``ops.experts_forward`` (``emulated_experts_forward``: a torch emulation
+of the three kernel steps). The compiled extension is never imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("vllm")
+import torch  # noqa: E402
+from vllm.config import (  # noqa: E402
+    DeviceConfig,
+    ParallelConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.forward_context import (  # noqa: E402
+    DPMetadata,
+    create_forward_context,
+    override_forward_context,
+)
+from vllm.model_executor.layers.fused_moe import modular_kernel as mk  # noqa: E402
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
+from vllm.model_executor.layers.fused_moe.config import (  # noqa: E402
+    FUSED_MOE_UNQUANTIZED_CONFIG,
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    RoutingMethodType,
+)
+from vllm.model_executor.layers.fused_moe.expert_map_manager import (  # noqa: E402
+    determine_expert_map,
+)
+from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts  # noqa: E402
+from vllm.model_executor.layers.fused_moe.prepare_finalize import (  # noqa: E402
+    MoEPrepareAndFinalizeNaiveDPEPModular,
+    make_moe_prepare_and_finalize_naive_dp_ep,
+)
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (  # noqa: E402
+    TopKWeightAndReduceNoOP,
+)
+
+from vllm_petit_moe.testing import reference  # noqa: E402
+from vllm_petit_moe.vllm_glue import hook  # noqa: E402
+from vllm_petit_moe.vllm_glue import experts as petit_experts  # noqa: E402
+from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------
+# Fakes of what needs a GPU
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeDispatchOutput:
+    recv_x: torch.Tensor
+    recv_topk_ids: torch.Tensor
+    recv_topk_weights: torch.Tensor
+    handle: object
+    recv_x_scales: torch.Tensor | None = None
+
+
+@dataclass
+class SimulatedCall:
+    """One MoE call of all W ranks: every rank's inputs and the global expert weights."""
+
+    xs: list[torch.Tensor]
+    topk_ids: list[torch.Tensor]
+    topk_weights: list[torch.Tensor]
+    w13: torch.Tensor  # [E, 2I, H] bf16
+    w2: torch.Tensor  # [E, H, I] bf16
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def local_weights(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        num_local = self.num_experts // world_size
+        experts = slice(rank * num_local, (rank + 1) * num_local)
+        return self.w13[experts], self.w2[experts]
+
+
+class FakeEpBuffer:
+    """``EpBuffer``'s API on the CPU. Dispatch returns the reference layout for this rank;
+    combine computes the other ranks' expert outputs with the reference (their inputs are
+    known here) and combines them with this rank's real ``expert_out``."""
+
+    def __init__(self, rank: int, world_size: int, num_experts: int, call: SimulatedCall | None):
+        self.rank = rank
+        self.world_size = world_size
+        self.num_local_experts = num_experts // world_size
+        self.footprint_bytes = 1 << 20
+        self.num_experts = num_experts
+        self.call = call
+        self.region_strides: list[int] = []
+        self.paths: list[str] = []  # "dispatch" / "megamoe", per call
+        self.reserved_megamoe: list[int] = []  # reserve_megamoe_workspace calls
+
+    def _record_dispatch(self, x, topk_ids, topk_weights, region_stride):
+        """The layer hands over this rank's inputs of the call; the stride is recorded."""
+        call = self.call
+        assert torch.equal(x, call.xs[self.rank])
+        assert torch.equal(topk_ids.long(), call.topk_ids[self.rank].long())
+        assert topk_weights.dtype == torch.float32
+        self.region_strides.append(region_stride)
+
+    def _expert_outs(self, expert_out, received):
+        """Every destination's expert output: this rank's `expert_out`, the others' on the
+        reference from what they received (received[d] = (recv_x bf16, ids, weights))."""
+        expert_outs = []
+        for dst_rank, (recv_x, recv_ids, recv_weights) in enumerate(received):
+            if dst_rank == self.rank:
+                expert_outs.append(expert_out)
+                continue
+            w13, w2 = self.call.local_weights(dst_rank, self.world_size)
+            expert_outs.append(
+                reference.experts_reference(recv_x, recv_ids, recv_weights, w13, w2))
+        return expert_outs
+
+    def reserve_megamoe_workspace(self, intermediate_size):
+        """What EpBuffer allocates on the GPU; recorded here."""
+        self.reserved_megamoe.append(intermediate_size)
+        return 0
+
+    def _record_megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride, out):
+        """As _record_dispatch, plus the layer's weights (this rank's experts) and `out`."""
+        self._record_dispatch(x, topk_ids, topk_weights, region_stride)
+        self.paths.append("megamoe")
+        local_w13, local_w2 = self.call.local_weights(self.rank, self.world_size)
+        assert torch.equal(w13, local_w13) and torch.equal(w2, local_w2)
+        assert out is not None and out.shape == x.shape and out.is_contiguous()
+
+    def megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride=None, out=None):
+        """The whole layer of this rank on the reference (every rank's inputs are known)."""
+        self._record_megamoe(x, topk_ids, topk_weights, w13, w2, region_stride, out)
+        call = self.call
+        out.copy_(reference.ep_moe_reference(call.xs, call.topk_ids, call.topk_weights,
+                                             call.w13, call.w2, self.world_size)[self.rank])
+        return out
+
+    def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
+        call = self.call
+        self._record_dispatch(x, topk_ids, topk_weights, region_stride)
+        self.paths.append("dispatch")
+        received = reference.dispatch_reference(
+            call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride, quant
+        )[self.rank]
+        return FakeDispatchOutput(
+            received.recv_x,
+            received.recv_topk_ids,
+            received.recv_topk_weights,
+            handle=("fake-handle", self.rank, region_stride),
+            recv_x_scales=received.recv_x_scales,
+        )
+
+    def combine(self, expert_out, handle, out=None):
+        call = self.call
+        assert handle == ("fake-handle", self.rank, self.region_strides[-1])
+        region_stride = handle[2]
+        assert expert_out.shape[0] == self.world_size * region_stride
+        dispatched = reference.dispatch_reference(
+            call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride
+        )
+        expert_outs = self._expert_outs(
+            expert_out, [(d.recv_x, d.recv_topk_ids, d.recv_topk_weights) for d in dispatched])
+        y = reference.combine_reference(expert_outs, call.topk_ids, self.num_experts)[self.rank]
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+    def close(self):
+        pass
+
+
+class EmulatedEpBuffer(FakeEpBuffer):
+    """``FakeEpBuffer`` whose dispatch and combine run the real kernels on the CPU emulation
+    (tests/emu/ep_emu.cpp) for all W ranks at once: this rank's tensors as the layer hands them
+    over, the other ranks' inputs from the call and their experts on the reference."""
+
+    def __init__(self, lib, rank: int, world_size: int, num_experts: int, call: SimulatedCall,
+                 max_tokens: int = 64, megamoe_lib=None):
+        from test_dispatch_combine_emu_cpu import EmuEp
+
+        super().__init__(rank, world_size, num_experts, call)
+        self.ep = EmuEp(lib, world_size, max_tokens, hidden=call.xs[0].shape[1],
+                        max_top_k=call.topk_ids[0].shape[1], num_experts=num_experts)
+        self.megamoe_lib = megamoe_lib
+        self._received = None
+
+    def _all_ranks(self, x, topk_ids, topk_weights):
+        """Every rank's (xs, ids, weights) of the call, this rank's as the layer handed them."""
+        call, rank = self.call, self.rank
+        xs, ws = list(call.xs), list(call.topk_weights)
+        ids = [i.to(topk_ids.dtype) for i in call.topk_ids]
+        xs[rank], ids[rank], ws[rank] = x, topk_ids, topk_weights
+        return xs, ids, ws
+
+    def megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride=None, out=None):
+        """The fused layer kernel of every rank at once on the emulation (megamoe_lib)."""
+        from test_megamoe_ep_emu_cpu import fused_layer
+
+        self._record_megamoe(x, topk_ids, topk_weights, w13, w2, region_stride, out)
+        xs, ids, ws = self._all_ranks(x, topk_ids, topk_weights)
+        rc, results, ys, syncs = fused_layer(
+            self.ep, self.megamoe_lib.petit_emu_megamoe_sync_ints, xs, ids, ws, self.call.w13,
+            self.call.w2, region_stride, topk_ids.shape[1])
+        assert rc == 0, f"fused layer launch results {results}"
+        assert all(int(sync.abs().sum()) == 0 for sync in syncs), "counters not reset"
+        out.copy_(ys[self.rank])
+        return out
+
+    def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
+        rank = self.rank
+        self._record_dispatch(x, topk_ids, topk_weights, region_stride)
+        self.paths.append("dispatch")
+        xs, ids, ws = self._all_ranks(x, topk_ids, topk_weights)
+        received = self.ep.dispatch(xs, ids, ws, region_stride, quant=quant)
+        assert not isinstance(received, int), f"dispatch launch returned {received}"
+        self._received = (received, quant)
+        recv_x, recv_ids, recv_w, scales, _ = received[rank]
+        return FakeDispatchOutput(recv_x, recv_ids, recv_w,
+                                  handle=("emulated-handle", rank, region_stride),
+                                  recv_x_scales=scales)
+
+    def combine(self, expert_out, handle, out=None):
+        call, rank = self.call, self.rank
+        assert handle == ("emulated-handle", rank, self.region_strides[-1])
+        (received, quant), region_stride = self._received, handle[2]
+        expert_outs = self._expert_outs(expert_out, [
+            (recv_x if quant is None
+             else reference.dequantize_fp8_reference(recv_x, scales).to(torch.bfloat16),
+             recv_ids, recv_w)
+            for recv_x, recv_ids, recv_w, scales, _ in received])
+        top_k = call.topk_ids[0].shape[1]
+        y = self.ep.combine(expert_outs, [t.shape[0] for t in call.xs], top_k,
+                            region_stride)[rank]
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+    def close(self):
+        self.ep.close()
+
+
+class ReferenceExperts(mk.FusedMoEExpertsModular):
+    """vLLM's Triton experts contract on the CPU: global ``topk_ids`` resolved through the
+    layer's ``expert_map`` (non-local -> contributes 0), router weights applied, top-k reduced
+    (``TopKWeightAndReduceNoOP``), output ``[M, H]``; the GEMMs are the reference's."""
+
+    @staticmethod
+    def activation_format():
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device():
+        return True
+
+    @staticmethod
+    def _supports_no_act_and_mul():
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key):
+        return weight_key is None and activation_key is None
+
+    @staticmethod
+    def _supports_activation(activation):
+        return activation == MoEActivation.SILU
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config):
+        return True
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
+                         expert_tokens_meta, activation):
+        return (M, topk, max(N, K)), (M, topk, max(N, K)), (M, K)
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOP()
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input):
+        assert expert_map is not None
+        # vLLM's moe_align_block_size needs ids in [0, E): a -1 would index expert_map[-1].
+        assert bool(((topk_ids >= 0) & (topk_ids < global_num_experts)).all())
+        local_ids = expert_map.long()[topk_ids.long()].to(torch.int32)
+        weights = torch.where(local_ids >= 0, topk_weights, 0.0)
+        output.copy_(reference.experts_reference(hidden_states, local_ids, weights, w1, w2))
+
+
+# --------------------------------------------------------------------------------------------
+# Real vLLM config objects
+# --------------------------------------------------------------------------------------------
+
+
+def make_parallel_config(**overrides) -> FusedMoEParallelConfig:
+    fields = dict(
+        tp_size=1, tp_rank=0, pcp_size=1, pcp_rank=0, dp_size=2, dp_rank=0, ep_size=2,
+        ep_rank=0, sp_size=1, use_ep=True, all2all_backend="allgather_reducescatter",
+        enable_eplb=False,
+    )
+    fields.update(overrides)
+    return FusedMoEParallelConfig(**fields)
+
+
+def make_moe_config(parallel: FusedMoEParallelConfig | None = None, **overrides) -> FusedMoEConfig:
+    parallel = parallel or make_parallel_config()
+    num_experts = overrides.pop("num_experts", 16)
+    fields = dict(
+        num_experts=num_experts,
+        experts_per_token=4,
+        hidden_dim=1024,
+        intermediate_size=512,
+        num_local_experts=num_experts // parallel.ep_size,
+        num_logical_experts=num_experts,
+        activation=MoEActivation.SILU,
+        device="cpu",
+        routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=parallel,
+        in_dtype=torch.bfloat16,
+        max_num_tokens=2048,
+    )
+    fields.update(overrides)
+    return FusedMoEConfig(**fields)
+
+
+def make_vllm_config(**parallel_kwargs) -> VllmConfig:
+    parallel_kwargs = {"data_parallel_size": 2, "enable_expert_parallel": True, **parallel_kwargs}
+    return VllmConfig(
+        parallel_config=ParallelConfig(**parallel_kwargs), device_config=DeviceConfig(device="cpu")
+    )
+
+
+def single_node_cuda(rank: int = 0, world_size: int = 2, **overrides) -> hook.EpRuntime:
+    fields = dict(platform="cuda", ep_world_size=world_size, ep_rank=rank, internode=False,
+                  cpu_group=object())
+    fields.update(overrides)
+    return hook.EpRuntime(**fields)
+
+
+def naive_pf(world_size: int = 2) -> MoEPrepareAndFinalizeNaiveDPEPModular:
+    return make_moe_prepare_and_finalize_naive_dp_ep(
+        use_monolithic=False, is_sequence_parallel=False, num_dispatchers=world_size
+    )
+
+
+def triton_experts(moe_config, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG, vllm_config=None):
+    with set_current_vllm_config(vllm_config or make_vllm_config()):
+        return TritonExperts(moe_config, quant_config)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels built through vLLM (with kernel_hook, conftest.py: through the plugin's hook)
+# --------------------------------------------------------------------------------------------
+
+
+def build_kernel(moe_config, vllm_config, pf=None, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG):
+    with set_current_vllm_config(vllm_config):
+        experts = TritonExperts(moe_config, quant_config)
+        return mk.FusedMoEKernel(pf or naive_pf(), experts)
+
+
+# --------------------------------------------------------------------------------------------
+# One rank's forward through vLLM's modular kernel
+# --------------------------------------------------------------------------------------------
+
+
+def make_call(world_size, num_tokens, *, num_experts=8, hidden=40, intermediate=24, top_k=3,
+              seed=0) -> SimulatedCall:
+    """All ranks' inputs, seeded identically everywhere; some -1 ids punched in."""
+    gen = torch.Generator().manual_seed(seed)
+    xs, ids, ws = [], [], []
+    for tokens in num_tokens:
+        topk_ids, topk_weights = reference.random_topk(tokens, num_experts, top_k, generator=gen)
+        if tokens > 1:
+            topk_ids[1, 0] = -1
+            topk_weights[1, 0] = 0.0
+        xs.append(torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16))
+        ids.append(topk_ids.to(torch.int32))
+        ws.append(topk_weights)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden**0.5)
+    w2 = (torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate**0.5)
+    return SimulatedCall(xs, ids, ws, w13.to(torch.bfloat16), w2.to(torch.bfloat16))
+
+
+def dp_step(vllm_config, num_tokens):
+    """A forward context carrying vLLM's DP metadata for one step."""
+    dp_metadata = DPMetadata(torch.tensor(num_tokens, dtype=torch.int32))
+    return override_forward_context(create_forward_context(None, vllm_config, dp_metadata))
+
+
+def run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config, experts_class,
+                                    ep_emu_lib=None, megamoe_max_tokens=0, megamoe_lib=None):
+    """Rank `rank`'s forward of `call` through vLLM's FusedMoEKernel with our prepare/finalize
+    (over a FakeEpBuffer, or with `ep_emu_lib` an EmulatedEpBuffer: the real dispatch and
+    combine kernels, and with `megamoe_lib` the fused layer, on the CPU emulation) and
+    `experts_class`, with vLLM's linear expert_map. With `megamoe_max_tokens` the experts are
+    PetitEpExperts over `experts_class` and the fused layer is enabled up to that stride.
+    Returns the output and the buffer."""
+    world_size = len(num_tokens)
+    num_experts, top_k = call.num_experts, call.topk_ids[0].shape[1]
+    hidden, intermediate = call.xs[0].shape[1], call.w2.shape[2]
+    parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
+                                    ep_rank=rank)
+    moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
+                                 hidden_dim=hidden, intermediate_size=intermediate)
+    if ep_emu_lib is None:
+        buffer = FakeEpBuffer(rank, world_size, num_experts, call)
+    else:
+        buffer = EmulatedEpBuffer(ep_emu_lib, rank, world_size, num_experts, call,
+                                  megamoe_lib=megamoe_lib)
+    pf = PetitPrepareAndFinalize(buffer, num_experts=num_experts, max_tokens_per_rank=64)
+    experts = experts_class(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG)
+    if megamoe_max_tokens:
+        assert pf.enable_megamoe(megamoe_max_tokens, hidden_size=hidden,
+                                 intermediate_size=intermediate, top_k=top_k) is None
+        experts = petit_experts.PetitEpExperts(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG, pf,
+                                               fallback=experts)
+    with set_current_vllm_config(vllm_config):
+        kernel = mk.FusedMoEKernel(pf, experts)
+    _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
+    w13, w2 = call.local_weights(rank, world_size)
+    try:
+        with dp_step(vllm_config, num_tokens):
+            out = kernel.apply(
+                call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
+                activation=MoEActivation.SILU, global_num_experts=num_experts,
+                expert_map=expert_map, apply_router_weight_on_input=False,
+            )
+    finally:
+        buffer.close()
+    return out, buffer
+
+
+# --------------------------------------------------------------------------------------------
+# Torch stand-ins of the kernels, logs
+# --------------------------------------------------------------------------------------------
+
+
+def emulated_experts_forward(recv_x, recv_topk_ids, recv_topk_weights, w13, w2, *, out,
+                             act_workspace, partial_workspace, tiles="auto", expert_map=None):
+    """``ops.experts_forward`` in torch, step by step on the caller's buffers like the kernels:
+    act in sorted order -> per-entry bf16 partials -> slot-order fp32 sum into ``out``. ``out``
+    may
+    alias ``act_workspace`` (vLLM's fused output shares workspace13). Ids follow the kernels'
+    rule (csrc/common/expert_ids.h): global ids through ``expert_map`` when given, then anything
+    outside ``[0, L)`` is a slot this rank does not serve."""
+    num_rows, hidden = recv_x.shape
+    top_k = recv_topk_ids.shape[1]
+    num_local, intermediate = w13.shape[0], w13.shape[1] // 2
+    if expert_map is not None:
+        num_global = expert_map.numel()
+        in_range = (recv_topk_ids >= 0) & (recv_topk_ids < num_global)
+        recv_topk_ids = torch.where(
+            in_range, expert_map[recv_topk_ids.clamp(0, num_global - 1).long()], -1)
+    recv_topk_ids = torch.where((recv_topk_ids >= 0) & (recv_topk_ids < num_local),
+                                recv_topk_ids, -1).int()
+    entries = num_rows * top_k
+    act = act_workspace.reshape(-1)[: entries * intermediate].view(entries, intermediate)
+    partial = partial_workspace.reshape(-1)[: entries * hidden].view(entries, hidden)
+    _, offsets, order = reference.expert_row_lists_reference(recv_topk_ids, num_local)
+    flat_weights = recv_topk_weights.reshape(-1)
+    spans = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
+    for expert, (begin, end) in enumerate(spans):
+        rows = order[begin:end].long() // top_k
+        gate_up = recv_x[rows].float() @ w13[expert].float().T
+        act[begin:end] = (torch.nn.functional.silu(gate_up[:, :intermediate])
+                          * gate_up[:, intermediate:]).to(torch.bfloat16)
+    for expert, (begin, end) in enumerate(spans):
+        entry = order[begin:end].long()
+        partial[entry] = (flat_weights[entry, None]
+                          * (act[begin:end].float() @ w2[expert].float().T)).to(partial.dtype)
+    valid = (recv_topk_ids >= 0) & (recv_topk_ids < num_local)
+    total = torch.zeros(num_rows, hidden)
+    for k in range(top_k):
+        total = total + torch.where(valid[:, k, None],
+                                    partial.view(num_rows, top_k, hidden)[:, k].float(), 0.0)
+    out.copy_(total.to(torch.bfloat16))
+    return out
+
+
+def caplog_at(logger):
+    """Records of `logger` (INFO and up) within a with-block, whatever vLLM's logging
+    configuration propagates."""
+    import contextlib
+    import logging
+
+    @contextlib.contextmanager
+    def capture():
+        records = []
+        handler = logging.Handler(logging.INFO)
+        handler.emit = records.append
+        old_level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            yield records
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(old_level)
+    return capture()
