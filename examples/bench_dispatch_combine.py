@@ -204,7 +204,7 @@ def _worker(rank, world, port, args, results):
         for num_sms, config in [(n, c) for n in args.num_sms for c in args.combine_configs]:
             buf = EpBuffer(group, hidden_size=cfg["hidden"], num_experts=cfg["num_experts"],
                            max_tokens_per_rank=max(args.tokens), max_top_k=cfg["top_k"],
-                           num_sms=num_sms or None, timeout_s=30.0, config=config)
+                           num_sms=num_sms or None, config=config)
             for routing in args.routings:
                 for tokens in args.tokens:
                     row = _bench_one(buf, rank, world, preset, routing, tokens, args.iters,

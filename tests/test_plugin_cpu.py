@@ -65,7 +65,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (  # noq
 )
 
 from vllm_petit_moe.testing import reference  # noqa: E402
-from vllm_petit_moe.vllm_glue import buffers, compat, envs, hook  # noqa: E402
+from vllm_petit_moe.vllm_glue import buffer_cache, compat, envs, hook  # noqa: E402
 from vllm_petit_moe.vllm_glue import experts as petit_experts  # noqa: E402
 from vllm_petit_moe.vllm_glue.prepare_finalize import (  # noqa: E402
     PetitPrepareAndFinalize,
@@ -793,19 +793,19 @@ def kernel_hook(monkeypatch):
 
     runtime = single_node_cuda()
     monkeypatch.setattr(hook, "_runtime_provider", lambda: runtime)
-    monkeypatch.setattr(buffers, "_create_buffer", create_buffer)
+    monkeypatch.setattr(buffer_cache, "_create_buffer", create_buffer)
     monkeypatch.setattr(hook, "_reported", set())
     monkeypatch.delenv(envs.VLLM_PETIT_MOE_STRICT, raising=False)
     monkeypatch.delenv(envs.VLLM_PETIT_MOE_EXPERTS, raising=False)
     monkeypatch.delenv(envs.VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS, raising=False)
-    buffers.close_all_buffers()
+    buffer_cache.close_all_buffers()
     installed = compat.install_kernel_hook(hook.maybe_substitute, hook.maybe_substitute_experts)
     try:
         yield created
     finally:
         if installed:
             compat.uninstall_kernel_hook()
-        buffers.close_all_buffers()
+        buffer_cache.close_all_buffers()
 
 
 def build_kernel(moe_config, vllm_config, pf=None, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG):

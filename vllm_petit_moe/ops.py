@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from .config import ExpertConfig, as_dict
-from .limits import (MAX_ENTRIES, MAX_LOCAL_EXPERTS, MAX_TOP_K, MEGAMOE_MAX_ENTRIES,
-                     MEGAMOE_SIZE_MULTIPLE, SIZE_MULTIPLE, check_timeout_s)
+from .limits import (DEFAULT_TIMEOUT_S, MAX_ENTRIES, MAX_LOCAL_EXPERTS, MAX_TOP_K,
+                     MEGAMOE_MAX_ENTRIES, MEGAMOE_SIZE_MULTIPLE, SIZE_MULTIPLE, check_timeout_s)
 
 TILES = {"auto": 0, "simt": 1, "wgmma_narrow": 2, "wgmma_m64": 3, "wgmma": 4, "wgmma_mc": 5}
 """Tile families of the expert GEMMs (csrc/api.h ExpertTiles). ``auto`` (the default) chooses;
@@ -307,7 +307,7 @@ def megamoe_forward(
     act_workspace: torch.Tensor | None = None,
     partial_workspace: torch.Tensor | None = None,
     num_sms: int = 0,
-    timeout_s: float = 30.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE layer of :func:`experts_forward` (same arguments and result up to fp32 rounding
