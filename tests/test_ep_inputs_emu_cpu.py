@@ -1,4 +1,5 @@
-"""CPU: bad inputs and cross-rank mismatches of dispatch/combine (issue 31), on the emulated
+"""CPU: bad inputs and cross-rank mismatches of dispatch/combine (each must give a named error
+or a defined result, never wrong rows or a hang; docs/faults.md), on the emulated
 ranks of tests/emu/ep_emu.cpp (the kernel sources run unchanged as host threads).
 
 - Routing ids outside [-1, E) (int64 ids >= 2^31 * L that used to alias a real expert

@@ -1,4 +1,5 @@
-"""CPU: the vLLM glue under setup faults and peer faults (issue 31).
+"""CPU: the vLLM glue under setup faults and peer faults: a fault must end in vLLM's own path
+or a named error, never a hang or a silent wrong result (docs/faults.md).
 
 - A buffer setup that fails (on every rank together: EpBuffer agrees on each setup step)
   makes the layers keep vLLM's prepare/finalize with a logged reason, once: later layers do

@@ -1,6 +1,6 @@
 """CPU emulation: a dispatch wait whose bound expired tells a slow peer from a dead one by
-the peer process's heartbeat word (docs/faults.md, issue 31), through the kernels' own code
-(tests/emu/ep_emu.cpp, csrc/comm/dispatch_combine.cu):
+the peer process's heartbeat word (docs/faults.md, "Slow-but-alive peers"), through the
+kernels' own code (tests/emu/ep_emu.cpp, csrc/comm/dispatch_combine.cu):
 
 - a peer that beats but calls only after several bounds: the wait goes on, the call completes
   and its rows are right;
