@@ -40,10 +40,9 @@ written as soon as that server is done) in --log-dir.
     python3 examples/compare_serving.py --model-dir DIR --num-prompts 32 --max-tokens 32
     python3 examples/compare_serving.py --backend petit-experts  # PetitExperts as well
 
-Needs a GPU, vLLM 0.24 and this package visible to the servers' Python (see README.md;
-on a devkit GPU machine: `bash tools/vllm_gpu_check.sh build meta`, `. /tmp/vllm-site/env.sh`,
-`export PYTHONPATH=/tmp/petit-moe-meta:$PWD:$PYTHONPATH`). Exit status: 0 agree, 1 disagree or
-an error, 2 usage.
+Needs a GPU, vLLM 0.24 and this package installed into the environment of the servers'
+Python (README.md, "Install"; --python names that interpreter). Exit status: 0 agree, 1
+disagree or an error, 2 usage.
 """
 from __future__ import annotations
 

@@ -257,6 +257,7 @@ def check_plugin_visible(python: str, env: dict) -> None:
             "print([x.value for x in e(group='vllm.general_plugins') if x.name == 'petit_moe'])")
     if _probe(python, env, code) in ("", "[]"):
         raise BenchError(
-            f"{python} does not see the vllm-petit-moe plugin: pip install "
-            "--no-build-isolation -e . (devkit GPU machine: bash tools/vllm_gpu_check.sh build "
-            "meta; . /tmp/vllm-site/env.sh; export PYTHONPATH=/tmp/petit-moe-meta:$PWD)")
+            f"{python} does not see the vllm-petit-moe plugin: install it into the environment "
+            "vllm runs from (from the repo root: CUDA_HOME=/usr/local/cuda pip install "
+            "--no-build-isolation -e .; README.md, \"Install\"), or pass that environment's "
+            "python")
