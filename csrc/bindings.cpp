@@ -154,8 +154,7 @@ class EpContext {
                 "%lld experts must be a multiple of the world size %lld and at most %d",
                 (long long)num_experts, (long long)world_size, kMaxExperts);
     PETIT_CHECK(max_tokens >= 1, "max tokens per rank must be >= 1");
-    // NaN fails both comparisons; 0 would fail every wait at once, inf never.
-    PETIT_CHECK(timeout_s > 0.0 && timeout_s <= kMaxTimeoutS,
+    PETIT_CHECK(timeout_s_valid(timeout_s),
                 "timeout_s %g outside (0, %g] seconds (the bound of every spin-wait)", timeout_s,
                 kMaxTimeoutS);
     c10::cuda::CUDAGuard guard(device_);
@@ -902,7 +901,7 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
                   sync.numel() >= megamoe_sync_ints(int(L), int(H)),
               "sync must be a contiguous int32 CUDA tensor of >= %d elements",
               megamoe_sync_ints(int(L), int(H)));
-  PETIT_CHECK(timeout_s > 0.0 && timeout_s <= kMaxTimeoutS, "timeout_s %g outside (0, %g] seconds",
+  PETIT_CHECK(timeout_s_valid(timeout_s), "timeout_s %g outside (0, %g] seconds",
               timeout_s, kMaxTimeoutS);
   c10::cuda::CUDAGuard guard(x.device());
   MegaMoeArgs a = megamoe_args(x, topk_ids, topk_weights, w13, w2, act_workspace,
@@ -975,7 +974,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("topk_ids"), py::arg("topk_weights"), py::arg("w13"),
         py::arg("w2"), py::arg("out"), py::arg("act_workspace"), py::arg("partial_workspace"),
         py::arg("sync"), py::arg("expert_map") = py::none(), py::arg("num_sms") = 0,
-        py::arg("timeout_s") = 30.0, py::arg("trace") = py::none(),
+        py::arg("timeout_s") = double(petit::kDefaultTimeoutS), py::arg("trace") = py::none(),
         py::arg("w13_scale") = py::none(), py::arg("w2_scale") = py::none());
   m.def("expert_row_lists", &petit::expert_row_lists,
         "Routing block [N,K] int32 (local ids, or global ids with expert_map [E] int32) -> "

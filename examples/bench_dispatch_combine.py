@@ -204,7 +204,7 @@ def _worker(rank, world, port, args, results):
         for num_sms, config in [(n, c) for n in args.num_sms for c in args.combine_configs]:
             buf = EpBuffer(group, hidden_size=cfg["hidden"], num_experts=cfg["num_experts"],
                            max_tokens_per_rank=max(args.tokens), max_top_k=cfg["top_k"],
-                           num_sms=num_sms or None, timeout_s=30.0, config=config)
+                           num_sms=num_sms or None, config=config)
             for routing in args.routings:
                 for tokens in args.tokens:
                     row = _bench_one(buf, rank, world, preset, routing, tokens, args.iters,
@@ -286,20 +286,24 @@ def _plot(rows, path, title):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--presets", nargs="+", default=["deepseek-v3"], choices=sorted(PRESETS))
-    p.add_argument("--routings", nargs="+", default=["uniform", "skewed"])
-    p.add_argument("--tokens", nargs="+", type=int, default=None)
+    p.add_argument("--presets", nargs="+", default=["deepseek-v3"], choices=sorted(PRESETS),
+                   help="model shapes (default: %(default)s)")
+    p.add_argument("--routings", nargs="+", default=["uniform", "skewed"],
+                   help="routing patterns (default: %(default)s)")
+    p.add_argument("--tokens", nargs="+", type=int, default=None,
+                   help=f"tokens per rank (default: {TOKENS}; --quick: {QUICK_TOKENS})")
     p.add_argument("--num-sms", nargs="+", type=int, default=[0, 24],
-                   help="grid sizes to run; 0 = every SM")
-    p.add_argument("--iters", type=int, default=30)
+                   help="grid sizes to run; 0 = every SM (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=30,
+                   help="timed graph replays (default: %(default)s; --quick: 10)")
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 10 iters")
     p.add_argument("--out-dir", default=None, help="also copy the results here")
     p.add_argument("--replot", metavar="JSONL", help="only redraw the plot of a results file")
     p.add_argument("--trace", action="store_true",
                    help="also record and print the combine's per-block timeline")
     p.add_argument("--combine-configs", nargs="+", default=[""], metavar="SPEC",
-                   help="CombineConfig settings, field=value,... each ('' = the defaults), "
-                        "each run on its own EpBuffer")
+                   help="CombineConfig settings, field=value,... each ('' = the defaults, "
+                        "the default), each run on its own EpBuffer")
     args = p.parse_args()
     try:
         args.combine_configs = [parse_config(CombineConfig, s) for s in args.combine_configs]

@@ -492,16 +492,19 @@ def plot(rows, path, title):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--presets", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS))
-    p.add_argument("--routings", nargs="+", default=list(ROUTINGS), choices=list(SKEWS))
+    p.add_argument("--presets", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS),
+                   help="model shapes (default: %(default)s)")
+    p.add_argument("--routings", nargs="+", default=list(ROUTINGS), choices=list(SKEWS),
+                   help="routing patterns (default: %(default)s)")
     p.add_argument("--tokens", nargs="+", type=int, default=None,
-                   help=f"tokens per rank (default {TOKENS})")
+                   help=f"tokens per rank (default: {TOKENS}; --quick: {QUICK_TOKENS})")
     p.add_argument("--world", type=int, default=2,
-                   help="EP world size W: rank 0 gets E/W local experts and W*T rows (default 2)")
+                   help="EP world size W: rank 0 gets E/W local experts and W*T rows "
+                        "(default: %(default)s)")
     p.add_argument("--iters", type=int, default=None, help="timed calls (default 30, quick 10)")
     p.add_argument("--hot-fraction", type=float, default=0.6,
                    help="skewed routing: probability that a pair lands on rank 0's experts "
-                        "(default 0.6; 1/W would be an even split)")
+                        "(default: %(default)s; 1/W would be an even split)")
     p.add_argument("--tiles", nargs="+", choices=tuple(TILES), default=["auto"],
                    help="petit tile families, each run on the same rows against the same "
                         "baselines (default: auto, i.e. wgmma_narrow / _m64 / wgmma / _mc on "
@@ -514,8 +517,10 @@ def parse_args(argv=None):
                    help="also sum each path's kernel time by category (torch.profiler)")
     p.add_argument("--chain", type=int, default=1, metavar="N",
                    help=f"at <= {CHAIN_MAX_TOKENS} tokens/rank also time N calls back to back "
-                        "in one CUDA graph, each on its own weight copy (default 1: off)")
-    p.add_argument("--seed", type=int, default=1234)
+                        "in one CUDA graph, each on its own weight copy (default: %(default)s; "
+                        "1: off)")
+    p.add_argument("--seed", type=int, default=1234,
+                   help="seed of the rows, routing and weights (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 10 iters")
     p.add_argument("--out-dir", default=None, help="also write the results here")
     p.add_argument("--replot", metavar="JSONL", help="only redraw the plot of a results file")

@@ -155,11 +155,11 @@ def _rank_build(state, preset, max_tokens, seed, petit_via, paths=harness.PATHS,
     """Free the previous preset's layer and build this one (local random weights)."""
     import torch
 
-    from vllm_petit_moe.vllm_glue import buffers
+    from vllm_petit_moe.vllm_glue import buffer_cache
 
     if state.cache.pop("layer", None) is not None:
         torch.cuda.synchronize()
-        buffers.close_all_buffers()  # collective in spirit: every rank does it here
+        buffer_cache.close_all_buffers()  # collective in spirit: every rank does it here
         torch.cuda.empty_cache()
     shape = PRESETS[preset]
     num_local = shape.num_experts // state.world_size
@@ -377,18 +377,22 @@ def _plot(rows, path, title):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--presets", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS))
-    p.add_argument("--routings", nargs="+", default=list(ROUTINGS), choices=list(SKEWS))
+    p.add_argument("--presets", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS),
+                   help="model shapes (default: %(default)s)")
+    p.add_argument("--routings", nargs="+", default=list(ROUTINGS), choices=list(SKEWS),
+                   help="routing patterns (default: %(default)s)")
     p.add_argument("--tokens", nargs="+", type=int, default=None,
                    help="tokens per rank (default 1, 2, 4, ..., 4096)")
     p.add_argument("--iters", type=int, default=None, help="timed replays (default 50, quick 20)")
     p.add_argument("--hot-fraction", type=float, default=0.5,
-                   help="skewed routing: probability that a pair lands on rank 0's experts")
+                   help="skewed routing: probability that a pair lands on rank 0's experts "
+                        "(default: %(default)s)")
     p.add_argument("--world", type=int, default=None,
                    help="ranks = GPUs (default: all GPUs); 1: the single-GPU layer, vLLM's "
                         "Triton experts vs our composed experts vs MegaMoE (moe_layer_w1.py)")
     p.add_argument("--petit-via", choices=("hook", "direct"), default="hook",
-                   help="build petit's kernel through the plugin hook (default) or by hand")
+                   help="build petit's kernel through the plugin hook or by hand "
+                        "(default: %(default)s)")
     p.add_argument("--petit-experts-tiles", default=None,
                    choices=tuple(TILES),
                    help="also time petit's prepare/finalize + PetitExperts with this tile family")
@@ -398,12 +402,13 @@ def parse_args(argv=None):
                         "(W * tokens * K <= MEGAMOE_MAX_ENTRIES): megamoe_us")
     p.add_argument("--dtypes", nargs="+", default=["bf16"], choices=("bf16", "fp8"),
                    help="--world 1: expert weights, bf16 and/or block fp8 (e4m3, 128 x 128 "
-                        "scales: vLLM's Triton fp8 experts vs MegaMoE)")
-    p.add_argument("--seed", type=int, default=1234)
+                        "scales: vLLM's Triton fp8 experts vs MegaMoE; default: %(default)s)")
+    p.add_argument("--seed", type=int, default=1234,
+                   help="seed of the inputs and weights (default: %(default)s)")
     p.add_argument("--profile", action="store_true",
                    help="also sum each path's kernel time by category (torch.profiler)")
     p.add_argument("--profile-replays", type=int, default=10,
-                   help="replays profiled per path with --profile (default 10)")
+                   help="replays profiled per path with --profile (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 20 iters")
     p.add_argument("--out-dir", default=None, help="also write the results here")
     p.add_argument("--replot", metavar="JSONL", help="only redraw the plot of a results file")

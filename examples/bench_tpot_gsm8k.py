@@ -113,33 +113,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=str(HERE / "models" / "qwen3-30b-a3b"),
-                   help="config.json + tokenizer; served with --load-format dummy")
-    p.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1)
+                   help="config.json + tokenizer; served with --load-format dummy "
+                        "(default: %(default)s)")
+    p.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1,
+                   help="DP ranks, with EP from 2 (default: %(default)s)")
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=None,
                    help="default: default petit (petit-experts: DP >= 2 only; "
-                        "petit-megamoe: the fused layer up to 64 tokens per rank)")
+                        "petit-megamoe: the fused layer up to --megamoe-max-tokens tokens per "
+                        "rank)")
     p.add_argument("--strict", action="store_true", help="VLLM_PETIT_MOE_STRICT=1 for petit")
     p.add_argument("--megamoe-max-tokens", type=int, default=MEGAMOE_MAX_TOKENS,
                    help="petit-megamoe: the fused layer serves steps of up to this many tokens "
-                   "per rank (VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS; recorded in its rows)")
-    p.add_argument("--routing-strategy", choices=ROUTING_STRATEGIES, default="uniform_random")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
+                   "per rank (VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS; recorded in its rows) "
+                   "(default: %(default)s)")
+    p.add_argument("--routing-strategy", choices=ROUTING_STRATEGIES, default="uniform_random",
+                   help="vLLM's routing simulation (recorded in every row) (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64],
+                   help="client levels (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=0, help="per level (default: all 1,319)")
     p.add_argument("--prompts-per-client", type=int, default=0,
                    help="N > 0: level c sends min(--num-prompts, N * c) prompts (a level of "
-                   "few clients costs its prompts' whole decode one after another)")
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=1, help="server runs per backend, interleaved")
-    p.add_argument("--attention-backend", default="TRITON_ATTN")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+                   "few clients costs its prompts' whole decode one after another); 0: "
+                   "--num-prompts at every level (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=256,
+                   help="tokens per request (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="server runs per backend, interleaved (default: %(default)s)")
+    p.add_argument("--attention-backend", default="TRITON_ATTN",
+                   help="vllm serve's --attention-backend (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="vllm serve's --max-model-len (default: %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="vllm serve's --gpu-memory-utilization (default: %(default)s)")
     p.add_argument("--serve-args", default="", help="more `vllm serve` arguments (one string)")
-    p.add_argument("--health-timeout", type=float, default=900.0)
-    p.add_argument("--max-runtime", type=float, default=0.0, help="seconds; 0: no limit")
-    p.add_argument("--results-dir", default=str(HERE / "results"))
+    p.add_argument("--health-timeout", type=float, default=900.0,
+                   help="seconds a server may take to answer /health (default: %(default)s)")
+    p.add_argument("--max-runtime", type=float, default=0.0,
+                   help="seconds; 0: no limit (default: %(default)s)")
+    p.add_argument("--results-dir", default=str(HERE / "results"),
+                   help="where tpot_gsm8k_<gpu>x<dp>.jsonl goes (default: %(default)s)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "petit-bench-tpot"),
-                   help="dataset, server logs, bench serve outputs")
-    p.add_argument("--python", default=sys.executable, help="the vLLM install's interpreter")
+                   help="dataset, server logs, bench serve outputs (default: %(default)s)")
+    p.add_argument("--python", default=sys.executable,
+                   help="the vLLM install's interpreter (default: %(default)s)")
     p.add_argument("--gpu-name", default=None, help="default: the CUDA device's (dry run: GPU)")
     p.add_argument("--plot", action="store_true", help="<results>.png: TPOT p50 vs concurrency")
     p.add_argument("--report", metavar="JSONL", help="only the table (and --plot) of a file")

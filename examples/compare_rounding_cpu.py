@@ -65,18 +65,24 @@ FAULTS = ("none", "drop-slot", "unweighted", "tile", "rare-row")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=64,
+                   help="GSM8K prompts compared (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="greedy tokens per prompt (default: %(default)s)")
     p.add_argument("--pair", default="petit,triton",
                    help=f"the two backends compared, A,B from {', '.join(BACKENDS)} "
                         "(default: %(default)s)")
     p.add_argument("--fault", choices=FAULTS, default="none",
-                   help="a fault injected into the first backend of --pair")
-    p.add_argument("--tol", type=float, default=0.1, help="compare_serving's tolerance (nats)")
-    p.add_argument("--data", type=Path, default=compare_serving.DEFAULT_DATA)
+                   help="a fault injected into the first backend of --pair "
+                        "(default: %(default)s)")
+    p.add_argument("--tol", type=float, default=0.1,
+                   help="compare_serving's tolerance, nats (default: %(default)s)")
+    p.add_argument("--data", type=Path, default=compare_serving.DEFAULT_DATA,
+                   help="GSM8K questions, JSONL (default: %(default)s)")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="the seeded checkpoint (default: written to $TMPDIR, as compare_serving)")
-    p.add_argument("--results-dir", type=Path, default=ROOT / "examples" / "results")
+    p.add_argument("--results-dir", type=Path, default=ROOT / "examples" / "results",
+                   help="where the JSON result goes (default: %(default)s)")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.max_tokens < 1 or args.tol <= 0:
         p.error("--num-prompts and --max-tokens must be >= 1, --tol > 0")

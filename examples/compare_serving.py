@@ -40,10 +40,9 @@ written as soon as that server is done) in --log-dir.
     python3 examples/compare_serving.py --model-dir DIR --num-prompts 32 --max-tokens 32
     python3 examples/compare_serving.py --backend petit-experts  # PetitExperts as well
 
-Needs a GPU, vLLM 0.24 and this package visible to the servers' Python (see README.md;
-on a devkit GPU machine: `bash tools/vllm_gpu_check.sh build meta`, `. /tmp/vllm-site/env.sh`,
-`export PYTHONPATH=/tmp/petit-moe-meta:$PWD:$PYTHONPATH`). Exit status: 0 agree, 1 disagree or
-an error, 2 usage.
+Needs a GPU, vLLM 0.24 and this package installed into the environment of the servers'
+Python (README.md, "Install"; --python names that interpreter). Exit status: 0 agree, 1
+disagree or an error, 2 usage.
 """
 from __future__ import annotations
 
@@ -70,21 +69,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=None,
                    help="model to serve (default: a seeded checkpoint written to "
                         "$TMPDIR/petit-seeded-tiny-qwen3-moe)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--tol", type=float, default=0.1, help="logprob tolerance in nats")
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="GSM8K prompts sent to both servers (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="greedy tokens per prompt (default: %(default)s)")
+    p.add_argument("--tol", type=float, default=0.1,
+                   help="logprob tolerance in nats (default: %(default)s)")
     p.add_argument("--backend", choices=("petit", "petit-experts", "petit-megamoe"),
                    default="petit",
                    help="the flag-on server: petit's prepare/finalize with vLLM's Triton "
-                        "experts (default), with petit's experts too, or with the fused layer "
-                        "for steps up to vllm_server.MEGAMOE_MAX_TOKENS tokens per rank")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--python", default=sys.executable, help="interpreter of the vLLM install")
+                        "experts (petit), with petit's experts too, or with the fused layer "
+                        f"for steps up to {bench.MEGAMOE_MAX_TOKENS} tokens per rank "
+                        "(vllm_server.MEGAMOE_MAX_TOKENS) (default: %(default)s)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                   help="GSM8K questions, JSONL (default: %(default)s)")
+    p.add_argument("--python", default=sys.executable,
+                   help="interpreter of the vLLM install (default: %(default)s)")
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (default: all GPUs)")
-    p.add_argument("--health-timeout", type=float, default=600.0)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    p.add_argument("--results-dir", type=Path, default=ROOT / "examples" / "results")
-    p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "petit-compare")
+    p.add_argument("--health-timeout", type=float, default=600.0,
+                   help="seconds a server may take to answer /health (default: %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="vllm serve's --gpu-memory-utilization (default: %(default)s)")
+    p.add_argument("--results-dir", type=Path, default=ROOT / "examples" / "results",
+                   help="where the JSON result goes (default: %(default)s)")
+    p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "petit-compare",
+                   help="server logs (default: %(default)s)")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.max_tokens < 1 or args.tol <= 0:
         p.error("--num-prompts and --max-tokens must be >= 1, --tol > 0")

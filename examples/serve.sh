@@ -7,6 +7,7 @@
 #
 #   bash examples/serve.sh [MODEL_DIR] [extra `vllm serve` args...]
 #   bash examples/serve.sh --enforce-eager                 # default model + extra args
+#   bash examples/serve.sh --help                          # this text
 #
 #   bash examples/serve.sh                                  # bundled tiny Qwen3-MoE, all GPUs
 #   DP=2 bash examples/serve.sh                             # 2 DP ranks
@@ -37,6 +38,11 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
+  # The comment block at the top of this file, without its '#'.
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"
+  exit 0
+fi
 PYTHON=${PYTHON:-python3}
 MODEL=$HERE/models/tiny-qwen3-moe
 if [ $# -gt 0 ] && [[ "$1" != -* ]]; then  # first argument: the model, unless it is an option
@@ -60,9 +66,9 @@ say() { echo "[serve.sh $(date +%H:%M:%S)] $*"; }
 # symm-mem all-reduce, which would use multicast ops).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VLLM_ALLREDUCE_USE_SYMM_MEM=0
-# The offline vLLM bundle of the GPU machines has no FlashInfer: its sampler would make the
-# engine die at start-up (../shared/devkit/README.md, "Environment"). Same set as
-# vllm_petit_moe/testing/bench_env.py VLLM_SAFE_ENV; each can be overridden from the environment.
+# A vLLM install without FlashInfer (some offline bundles) would make the engine die at
+# start-up in FlashInfer's sampler. Same set as vllm_petit_moe/testing/bench_env.py
+# VLLM_SAFE_ENV; each can be overridden from the environment.
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 export VLLM_NO_USAGE_STATS=${VLLM_NO_USAGE_STATS:-1} DO_NOT_TRACK=${DO_NOT_TRACK:-1}
 export VLLM_USE_PETIT_MOE=${VLLM_USE_PETIT_MOE:-1}
@@ -100,9 +106,9 @@ PY
 read -r NUM_GPUS VLLM_VERSION PLUGIN <<< "$(tail -1 <<< "$probe")"
 [ "$VLLM_VERSION" != missing ] || die "vLLM is not installed for $PYTHON (pip install \"vllm>=0.24,<0.34\")"
 [ "$PLUGIN" = yes ] || die "vllm-petit-moe's vllm.general_plugins entry point is not visible to \
-$PYTHON (from the repo root: CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e .; \
-on a devkit GPU machine without pip install: bash tools/vllm_gpu_check.sh build meta, then \
-. /tmp/vllm-site/env.sh; PYTHONPATH=/tmp/petit-moe-meta:\$PWD:\$PYTHONPATH bash examples/serve.sh)"
+$PYTHON: install the plugin into the environment vllm runs from (activate it, then from the \
+repo root: CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e .; see README.md, \
+\"Install\"), or set PYTHON=<that environment's python>"
 [ "$NUM_GPUS" -ge 1 ] || die "needs a CUDA GPU; found none visible to torch"
 DP=${DP:-$NUM_GPUS}
 [[ "$DP" =~ ^[0-9]+$ ]] && [ "$DP" -ge 1 ] || die "DP=$DP is not a positive number"

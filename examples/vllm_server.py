@@ -17,19 +17,23 @@ import urllib.request
 from pathlib import Path
 
 from vllm_petit_moe.testing.bench_env import VLLM_SAFE_ENV
+from vllm_petit_moe.vllm_glue.envs import ENV_VARS
 
 HOST = "127.0.0.1"
 PROMPT_FORMAT = "Question: {question}\nAnswer:"
 SAFE_ENV = {**VLLM_SAFE_ENV, "PYTHONUNBUFFERED": "1"}
-# The plugin's flags: a server gets only those of its backend, never the caller's.
-PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS",
-              "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS")
+# The plugin's variables (all of them): a server gets only those of its backend, never the
+# caller's.
+PLUGIN_ENV = tuple(ENV_VARS)
 # Backends: "default" (vLLM's own), "petit" (the flag), "petit-experts" (+ our GEMMs behind our
 # DP+EP dispatch/combine), "petit-megamoe" (+ the fused layer for steps of up to
 # MEGAMOE_MAX_TOKENS tokens per rank, or the caller's bound: one GPU or DP+EP).
 BACKENDS = ("default", "petit", "petit-experts", "petit-megamoe")
-# On one H200 (moe_layer_H200x1.jsonl, 0c0f4df) the fused layer is even with vLLM's Triton and
-# our composed experts up to 8 tokens and trails both from 32 (Qwen3-30B-A3B 64: 0.91x).
+# The petit-megamoe backend's bound (bench_tpot_gsm8k.py --megamoe-max-tokens): a benchmark
+# choice, not a default of the plugin (SingleGpuLayerConfig / EpLayerConfig hold those). Above
+# the one-GPU default, so that backend differs from "petit" there (check_backend tells them
+# apart by it), and below the sizes where the fused layer trails the other paths
+# (docs/experiments/one-gpu-thresholds.md).
 MEGAMOE_MAX_TOKENS = 16
 # What the plugin logs (vllm_petit_moe/vllm_glue/hook.py, experts.py).
 # DP + EP: our dispatch/combine; one GPU: our single-GPU experts
@@ -252,6 +256,7 @@ def check_plugin_visible(python: str, env: dict) -> None:
             "print([x.value for x in e(group='vllm.general_plugins') if x.name == 'petit_moe'])")
     if _probe(python, env, code) in ("", "[]"):
         raise BenchError(
-            f"{python} does not see the vllm-petit-moe plugin: pip install "
-            "--no-build-isolation -e . (devkit GPU machine: bash tools/vllm_gpu_check.sh build "
-            "meta; . /tmp/vllm-site/env.sh; export PYTHONPATH=/tmp/petit-moe-meta:$PWD)")
+            f"{python} does not see the vllm-petit-moe plugin: install it into the environment "
+            "vllm runs from (from the repo root: CUDA_HOME=/usr/local/cuda pip install "
+            "--no-build-isolation -e .; README.md, \"Install\"), or pass that environment's "
+            "python")

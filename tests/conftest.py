@@ -134,7 +134,7 @@ def vllm_config():
 def kernel_hook(monkeypatch):
     """The FusedMoEKernel patch installed for one test, with the GPU-only parts faked."""
     from fakes import FakeEpBuffer, single_node_cuda
-    from vllm_petit_moe.vllm_glue import buffers, compat, envs, hook
+    from vllm_petit_moe.vllm_glue import buffer_cache, compat, envs, hook
 
     created = []
 
@@ -145,19 +145,19 @@ def kernel_hook(monkeypatch):
 
     runtime = single_node_cuda()
     monkeypatch.setattr(hook, "_runtime_provider", lambda: runtime)
-    monkeypatch.setattr(buffers, "_create_buffer", create_buffer)
+    monkeypatch.setattr(buffer_cache, "_create_buffer", create_buffer)
     monkeypatch.setattr(hook, "_reported", set())
     monkeypatch.delenv(envs.VLLM_PETIT_MOE_STRICT, raising=False)
     monkeypatch.delenv(envs.VLLM_PETIT_MOE_EXPERTS, raising=False)
     monkeypatch.delenv(envs.VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS, raising=False)
-    buffers.close_all_buffers()
+    buffer_cache.close_all_buffers()
     installed = compat.install_kernel_hook(hook.maybe_substitute, hook.maybe_substitute_experts)
     try:
         yield created
     finally:
         if installed:
             compat.uninstall_kernel_hook()
-        buffers.close_all_buffers()
+        buffer_cache.close_all_buffers()
 
 
 @pytest.fixture(scope="module")

@@ -453,40 +453,38 @@ def run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config, experts
 # --------------------------------------------------------------------------------------------
 
 
-def emulated_experts_forward(recv_x, recv_topk_ids, recv_topk_weights, w13, w2, *, out,
-                             act_workspace, partial_workspace, tiles="auto", expert_map=None):
+def emulated_experts_forward(x, topk_ids, topk_weights, w13, w2, *, out, expert_map=None,
+                             act_workspace, partial_workspace, tiles="auto"):
     """``ops.experts_forward`` in torch, step by step on the caller's buffers like the kernels:
     act in sorted order -> per-entry bf16 partials -> slot-order fp32 sum into ``out``. ``out``
-    may
-    alias ``act_workspace`` (vLLM's fused output shares workspace13). Ids follow the kernels'
+    may alias ``act_workspace`` (vLLM's fused output shares workspace13). Ids follow the kernels'
     rule (csrc/common/expert_ids.h): global ids through ``expert_map`` when given, then anything
     outside ``[0, L)`` is a slot this rank does not serve."""
-    num_rows, hidden = recv_x.shape
-    top_k = recv_topk_ids.shape[1]
+    num_rows, hidden = x.shape
+    top_k = topk_ids.shape[1]
     num_local, intermediate = w13.shape[0], w13.shape[1] // 2
     if expert_map is not None:
         num_global = expert_map.numel()
-        in_range = (recv_topk_ids >= 0) & (recv_topk_ids < num_global)
-        recv_topk_ids = torch.where(
-            in_range, expert_map[recv_topk_ids.clamp(0, num_global - 1).long()], -1)
-    recv_topk_ids = torch.where((recv_topk_ids >= 0) & (recv_topk_ids < num_local),
-                                recv_topk_ids, -1).int()
+        in_range = (topk_ids >= 0) & (topk_ids < num_global)
+        topk_ids = torch.where(
+            in_range, expert_map[topk_ids.clamp(0, num_global - 1).long()], -1)
+    topk_ids = torch.where((topk_ids >= 0) & (topk_ids < num_local), topk_ids, -1).int()
     entries = num_rows * top_k
     act = act_workspace.reshape(-1)[: entries * intermediate].view(entries, intermediate)
     partial = partial_workspace.reshape(-1)[: entries * hidden].view(entries, hidden)
-    _, offsets, order = reference.expert_row_lists_reference(recv_topk_ids, num_local)
-    flat_weights = recv_topk_weights.reshape(-1)
+    _, offsets, order = reference.expert_row_lists_reference(topk_ids, num_local)
+    flat_weights = topk_weights.reshape(-1)
     spans = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
     for expert, (begin, end) in enumerate(spans):
         rows = order[begin:end].long() // top_k
-        gate_up = recv_x[rows].float() @ w13[expert].float().T
+        gate_up = x[rows].float() @ w13[expert].float().T
         act[begin:end] = (torch.nn.functional.silu(gate_up[:, :intermediate])
                           * gate_up[:, intermediate:]).to(torch.bfloat16)
     for expert, (begin, end) in enumerate(spans):
         entry = order[begin:end].long()
         partial[entry] = (flat_weights[entry, None]
                           * (act[begin:end].float() @ w2[expert].float().T)).to(partial.dtype)
-    valid = (recv_topk_ids >= 0) & (recv_topk_ids < num_local)
+    valid = (topk_ids >= 0) & (topk_ids < num_local)
     total = torch.zeros(num_rows, hidden)
     for k in range(top_k):
         total = total + torch.where(valid[:, k, None],

@@ -321,6 +321,14 @@ def test_a_trap_reports_to_stderr_and_appends_to_the_trap_log(emu, tmp_path):
     line = "emu_ptx: trap: test trap (block 0, thread 0)"
     assert line in result.stderr
     assert log.read_text() == f"earlier\n{line}\n"
+    # a trap the test expects (PETIT_EMU_EXPECT_TRAP=1) says so and stays out of the log
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                            text=True, timeout=120,
+                            env={**os.environ, "PETIT_EMU_TRAP_LOG": str(log),
+                                 "PETIT_EMU_EXPECT_TRAP": "1"})
+    assert result.returncode == -signal.SIGABRT, result
+    assert "emu_ptx: expected trap: test trap (block 0, thread 0)" in result.stderr
+    assert log.read_text() == f"earlier\n{line}\n"
 
 
 def test_auto_bounds_on_an_sm90_device(sm90):

@@ -1,4 +1,5 @@
-"""CPU: the vLLM glue under setup faults and peer faults (issue 31).
+"""CPU: the vLLM glue under setup faults and peer faults: a fault must end in vLLM's own path
+or a named error, never a hang or a silent wrong result (docs/faults.md).
 
 - A buffer setup that fails (on every rank together: EpBuffer agrees on each setup step)
   makes the layers keep vLLM's prepare/finalize with a logged reason, once: later layers do
@@ -18,7 +19,7 @@ import pytest
 from fakes import build_kernel, make_moe_config, single_node_cuda
 from vllm_petit_moe.buffer import describe_fault
 from vllm_petit_moe.rendezvous import SetupError
-from vllm_petit_moe.vllm_glue import buffers, envs, hook
+from vllm_petit_moe.vllm_glue import buffer_cache, envs, hook
 
 
 def test_setup_failure_falls_back_to_vllm_with_a_logged_reason(kernel_hook, monkeypatch,
@@ -30,7 +31,7 @@ def test_setup_failure_falls_back_to_vllm_with_a_logged_reason(kernel_hook, monk
         raise SetupError("petit_moe: EP buffer setup step 'heap' failed on rank 1: "
                          "RuntimeError: out of memory")
 
-    monkeypatch.setattr(buffers, "_create_buffer", failing)
+    monkeypatch.setattr(buffer_cache, "_create_buffer", failing)
     monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
     from vllm.model_executor.layers.fused_moe.prepare_finalize.naive_dp_ep import (
         MoEPrepareAndFinalizeNaiveDPEPModular)
@@ -49,7 +50,7 @@ def test_setup_failure_raises_at_start_up_in_strict_mode(kernel_hook, monkeypatc
     def failing(group, config):
         raise SetupError("petit_moe: EP buffer setup step 'map' failed on rank 0: no path")
 
-    monkeypatch.setattr(buffers, "_create_buffer", failing)
+    monkeypatch.setattr(buffer_cache, "_create_buffer", failing)
     monkeypatch.setenv(envs.VLLM_USE_PETIT_MOE, "1")
     monkeypatch.setenv(envs.VLLM_PETIT_MOE_STRICT, "1")
     with pytest.raises(RuntimeError, match="EP buffer setup failed.*failed on rank 0"):
@@ -88,7 +89,7 @@ class _RecordBuffer:
 
 def test_the_fault_watch_logs_the_record_as_soon_as_it_is_written(caplog):
     buf = _RecordBuffer()
-    watch = buffers.FaultWatch(buf, interval_s=0.02)
+    watch = buffer_cache.FaultWatch(buf, interval_s=0.02)
     try:
         with caplog.at_level(logging.WARNING, logger="vllm.petit_moe"):
             time.sleep(0.1)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from vllm_petit_moe import buffer, limits, ops
-from vllm_petit_moe.vllm_glue import buffers, experts, hook
+from vllm_petit_moe.vllm_glue import buffer_cache, experts, hook
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
@@ -40,6 +40,7 @@ HEADER_NAMES = {
     "MEGAMOE_TRACE_HEADER": "kMegaMoeTraceHeader",
     "MEGAMOE_TRACE_SLOTS": "kMegaMoeTraceSlots",
     "MEGAMOE_BLOCKS_PER_SM": "kMegaMoeBlocksPerSm",
+    "DEFAULT_TIMEOUT_S": "kDefaultTimeoutS",
     "MAX_TIMEOUT_S": "kMaxTimeoutS",
     "MAX_WAIT_S": "kMaxWaitS",
 }
@@ -115,9 +116,28 @@ def test_runtime_modules_take_limits_from_one_source():
                      "FP8_SCALE_BLOCK", "FP8_BLOCK_MODES"):
             if hasattr(module, name):
                 assert getattr(module, name) is getattr(limits, name), (module.__name__, name)
-    assert buffers.BufferConfig.__dataclass_fields__["max_top_k"].default == limits.MAX_TOP_K
+    assert buffer_cache.BufferConfig.__dataclass_fields__["max_top_k"].default == limits.MAX_TOP_K
     assert set(limits.FP8_QUANT_MODES) == set(buffer.DISPATCH_QUANT) - {None}
     assert set(limits.FP8_BLOCK_MODES) <= set(limits.FP8_QUANT_MODES)
+
+
+def test_one_default_timeout(monkeypatch):
+    """Every entry point's default spin-wait bound is limits.DEFAULT_TIMEOUT_S (kDefaultTimeoutS
+    on the C++ side, checked above), not a literal of its own."""
+    import inspect
+
+    from vllm_petit_moe.vllm_glue import envs
+
+    default = limits.DEFAULT_TIMEOUT_S
+    assert inspect.signature(buffer.EpBuffer).parameters["timeout_s"].default == default
+    assert inspect.signature(ops.megamoe_forward).parameters["timeout_s"].default == default
+    assert buffer_cache.BufferConfig.__dataclass_fields__["timeout_s"].default == default
+    assert limits.check_timeout_s(default) == default
+    monkeypatch.delenv(envs.VLLM_PETIT_MOE_TIMEOUT_S, raising=False)
+    assert envs.timeout_s() == default
+    bindings = (CSRC / "bindings.cpp").read_text()
+    assert 'py::arg("timeout_s") = double(petit::kDefaultTimeoutS)' in bindings
+    assert not re.search(r'py::arg\("timeout_s"\) = [0-9]', bindings)
 
 
 def test_runtime_does_not_import_the_testing_package():

@@ -1,5 +1,6 @@
 """GPU: a killed or stuck peer becomes a clear Python error on the survivor, a slow one does
-not (issue 31, docs/faults.md).
+not (docs/faults.md: a dead peer must not hang the survivor, a slow one must not be taken for
+dead).
 
 Two rank processes share GPU 0 (each its own CUDA context and half the SMs), build one
 EpBuffer (timeout_s = TIMEOUT_S, max_wait_s = MAX_WAIT_S) and run a few rounds. Then rank 1

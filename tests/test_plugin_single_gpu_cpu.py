@@ -168,7 +168,7 @@ def emulated_megamoe_forward(lib):
     import ctypes
 
     def forward(x, topk_ids, topk_weights, w13, w2, *, out, expert_map=None, act_workspace,
-                partial_workspace, num_sms=0, timeout_s=30.0, w13_scale=None, w2_scale=None):
+                partial_workspace, num_sms=0, timeout_s, w13_scale=None, w2_scale=None):
         num_rows, hidden = x.shape
         top_k, num_local, intermediate = topk_ids.shape[1], w13.shape[0], w13.shape[1] // 2
         sync = torch.zeros(lib.petit_emu_megamoe_sync_ints(num_local, hidden), dtype=torch.int32)

@@ -1,4 +1,5 @@
-"""CPU: EpBuffer's setup never hangs and fails on every rank together (issue 31).
+"""CPU: EpBuffer's setup never hangs and fails on every rank together, so no rank waits in a
+collective that a failed peer will never join (docs/faults.md).
 
 W processes join a gloo group and run the real ``EpBuffer.__init__``: its bounded status
 agreements (``rendezvous.Agreement``), the signature check, the host check, the heap-descriptor

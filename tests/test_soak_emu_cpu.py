@@ -1,4 +1,5 @@
-"""CPU: a bounded soak of dispatch -> experts -> combine on the emulated ranks (issue 31), run
+"""CPU: a bounded soak of dispatch -> experts -> combine on the emulated ranks (rare orderings
+and shapes that single tests miss must not hang or corrupt a round; docs/faults.md), run
 in CI: 32 randomized rounds by default (PETIT_EMU_SOAK_BATCHES x 8; the emulator runs a host
 thread per GPU thread, 0.5-2.5 s per round on 2 busy cores, so a few hundred rounds are for
 an explicit run), seeds swept, W = 2, 3 and 4, the shapes and routing

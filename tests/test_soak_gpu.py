@@ -1,4 +1,5 @@
-"""GPU soak (issue 31), selected with ``-m soak`` only: tools/soak.py at W=2 and W=4 (ranks
+"""GPU soak (randomized rounds find the hangs and wrong rows that single tests miss;
+docs/faults.md), selected with ``-m soak`` only: tools/soak.py at W=2 and W=4 (ranks
 sharing the visible GPUs), >= 10^4 randomized rounds per rank of the EP layer (dispatch ->
 composed experts -> combine, the fused kernel as the expert stage, or the whole layer fused,
 in rotation where the shape qualifies) with CUDA-graph replays, against the reference; each

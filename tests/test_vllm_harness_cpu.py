@@ -92,7 +92,7 @@ def _install_stand_ins(fake_buffers: list):
 
     import fakes
     from vllm_petit_moe.testing import vllm_moe_harness as harness
-    from vllm_petit_moe.vllm_glue import buffers, compat
+    from vllm_petit_moe.vllm_glue import buffer_cache, compat
 
     torch.cuda.set_device = lambda *a, **k: None
     backend_available = dist.is_backend_available
@@ -113,7 +113,7 @@ def _install_stand_ins(fake_buffers: list):
         fake_buffers.append(buffer)
         return buffer
 
-    buffers._create_buffer = create_buffer
+    buffer_cache._create_buffer = create_buffer
 
 
 def _rank_main(rank, world_size, port, results):

@@ -1,5 +1,6 @@
-"""GPU soak of the EP MoE layer (issue 31): >= 10^4 randomized rounds of dispatch -> experts
--> combine per run against the torch reference, with CUDA-graph replays in between; writes one
+"""GPU soak of the EP MoE layer (docs/faults.md: no hang, no wrong row in rare orderings and
+shapes): >= 10^4 randomized rounds of dispatch -> experts -> combine per run against the torch
+reference, with CUDA-graph replays in between; writes one
 JSONL line to examples/results/soak_<gpu>x<W>.jsonl. The path rotates (--experts alternate):
 seed % 3 == 1 runs the fused layer kernel as the expert stage (ops.megamoe_forward over the
 received rows), seed % 3 == 2 the whole layer fused (EpBuffer.megamoe: dispatch, experts and

@@ -22,10 +22,11 @@ import torch.distributed as dist
 from .config import CombineConfig, as_dict
 from .rendezvous import (Agreement, SetupError, check_identities, check_single_node,
                          exchange_fds, local_identity, parse_secret)
-from .limits import (DEFAULT_MAX_WAIT_S, FP8_BLOCK_MODES, FP8_SCALE_BLOCK, MAX_EXPERTS,
-                     MAX_TOP_K, MAX_WORLD_SIZE, MEGAMOE_BLOCKS_PER_SM, MEGAMOE_MAX_ENTRIES,
-                     MEGAMOE_TRACE_SLOTS, MIN_CHUNK_VECTORS, REGION_ALIGNMENT, SIZE_MULTIPLE,
-                     TOKEN_GROUP_SIZE, check_max_wait_s, check_timeout_s)
+from .limits import (DEFAULT_MAX_WAIT_S, DEFAULT_TIMEOUT_S, FP8_BLOCK_MODES, FP8_SCALE_BLOCK,
+                     MAX_EXPERTS, MAX_TOP_K, MAX_WORLD_SIZE, MEGAMOE_BLOCKS_PER_SM,
+                     MEGAMOE_MAX_ENTRIES, MEGAMOE_TRACE_SLOTS, MIN_CHUNK_VECTORS,
+                     REGION_ALIGNMENT, SIZE_MULTIPLE, TOKEN_GROUP_SIZE, check_max_wait_s,
+                     check_timeout_s)
 
 logger = logging.getLogger("vllm.petit_moe.buffer")  # inside vLLM's logger tree
 
@@ -232,7 +233,7 @@ class EpBuffer:
 
     def __init__(self, group: dist.ProcessGroup, *, hidden_size: int, num_experts: int,
                  max_tokens_per_rank: int, max_top_k: int = MAX_TOP_K,
-                 num_sms: int | None = None, timeout_s: float = 30.0,
+                 num_sms: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_wait_s: float = DEFAULT_MAX_WAIT_S, validate_ids: bool = True,
                  config: CombineConfig | None = None):
         self.group = group

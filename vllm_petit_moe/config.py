@@ -72,13 +72,13 @@ class SingleGpuLayerConfig:
     call's token count N (Python only: the choice is made before any launch):
 
     megamoe_max_tokens: the fused MegaMoE kernel (``ops.megamoe_forward``) for N up to this
-        (0: never), where the GPU runs sm_90a. 8: the layer benchmark on H200 measured it at
-        least as fast as vLLM's Triton experts up to 8 tokens on both presets and routings, and
-        slower at 16 on one (examples/results/moe_layer_H200x1.jsonl).
+        (0: never), where the GPU runs sm_90a.
     composed_min_tokens: our composed experts (``ops.experts_forward``) from N = this; vLLM's
-        own Triton experts below (and above megamoe_max_tokens). 32: from there the composed
-        experts measured faster than vLLM's Triton on both presets; below, neither in the layer
-        benchmark nor in served TPOT (examples/results/tpot_gsm8k_H200x1.jsonl).
+        own Triton experts below (and above megamoe_max_tokens).
+
+    The defaults are where each kernel measured at least as fast as vLLM's Triton experts
+    (docs/experiments/one-gpu-thresholds.md). ``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` overrides
+    megamoe_max_tokens (``vllm_glue.envs.single_gpu_layer_config``).
     """
     megamoe_max_tokens: int = 8
     composed_min_tokens: int = 32
@@ -97,9 +97,10 @@ class EpLayerConfig:
 
     megamoe_max_tokens: the fused layer (``EpBuffer.megamoe``: dispatch, this rank's experts
         and combine in one launch per rank) for R up to this, where the layer qualifies (bf16,
-        H and I multiples of 64, W * R * K <= ``MEGAMOE_MAX_ENTRIES``); 0: never. Off by
-        default: verified on the CPU emulation only, not yet run on two GPUs.
-        Larger steps run the composed path (petit dispatch, the experts, petit combine).
+        H and I multiples of 64, W * R * K <= ``MEGAMOE_MAX_ENTRIES``); 0: never. Larger
+        steps run the composed path (petit dispatch, the experts, petit combine). Off by
+        default until it is measured on several GPUs (docs/vllm_integration.md, "Not yet");
+        ``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` sets it (``vllm_glue.envs.ep_layer_config``).
     """
     megamoe_max_tokens: int = 0
 

@@ -21,7 +21,8 @@ MEGAMOE_TRACE_SLOTS = 103  # kMegaMoeTraceSlots: int64 stamps per block of the f
 MEGAMOE_BLOCKS_PER_SM = 2  # kMegaMoeBlocksPerSm: the fused layer's grid, per SM at most
 
 # --------------------------------------------------------------------------- waits
-MAX_TIMEOUT_S = 3600.0  # kMaxTimeoutS: bound of every in-kernel spin-wait, in seconds
+DEFAULT_TIMEOUT_S = 30.0  # kDefaultTimeoutS: default bound of every in-kernel spin-wait, seconds
+MAX_TIMEOUT_S = 3600.0  # kMaxTimeoutS: largest bound of an in-kernel spin-wait, in seconds
 MAX_WAIT_S = 86400.0  # kMaxWaitS: bound of a wait on a live (heartbeating) peer, in seconds
 
 

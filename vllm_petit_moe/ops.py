@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from .config import ExpertConfig, as_dict
-from .limits import (FP8_SCALE_BLOCK, MAX_ENTRIES, MAX_LOCAL_EXPERTS, MAX_TOP_K,
-                     MEGAMOE_MAX_ENTRIES, MEGAMOE_SIZE_MULTIPLE, SIZE_MULTIPLE, check_timeout_s)
+from .limits import (DEFAULT_TIMEOUT_S, FP8_SCALE_BLOCK, MAX_ENTRIES, MAX_LOCAL_EXPERTS,
+                     MAX_TOP_K, MEGAMOE_MAX_ENTRIES, MEGAMOE_SIZE_MULTIPLE, SIZE_MULTIPLE,
+                     check_timeout_s)
 
 TILES = {"auto": 0, "simt": 1, "wgmma_narrow": 2, "wgmma_m64": 3, "wgmma": 4, "wgmma_mc": 5}
 """Tile families of the expert GEMMs (csrc/api.h ExpertTiles). ``auto`` (the default) chooses;
@@ -67,40 +68,38 @@ def experts_workspace_shapes(
 
 
 def validate_experts_inputs(
-    recv_x: torch.Tensor,
-    recv_topk_ids: torch.Tensor,
-    recv_topk_weights: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
     allow_fp8: bool = False,
 ) -> None:
-    """Raise ``ValueError`` naming the limit if :func:`experts_forward` cannot take these
-    tensors (``allow_fp8``: nor :func:`megamoe_forward`, which also takes float8_e4m3fn
-    weights). Reads shapes, dtypes and devices only (no host sync)."""
-    if recv_x.dim() != 2 or recv_x.dtype != torch.bfloat16:
-        raise ValueError(
-            f"recv_x must be a 2-D bfloat16 tensor [N, H], got {recv_x.dtype} "
-            f"{tuple(recv_x.shape)}"
-        )
-    num_rows, hidden_size = recv_x.shape
+    """Raise ``ValueError`` naming the limit if :func:`experts_forward` (or
+    :func:`megamoe_forward`, which has further limits and, with ``allow_fp8``, also takes
+    float8_e4m3fn weights) cannot take these tensors. Reads shapes, dtypes and devices only (no
+    host sync)."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be a 2-D bfloat16 tensor [N, H], got {x.dtype} {tuple(x.shape)}")
+    num_rows, hidden_size = x.shape
     if hidden_size <= 0 or hidden_size % SIZE_MULTIPLE:
         raise ValueError(
             f"hidden size H={hidden_size} must be a positive multiple of {SIZE_MULTIPLE}"
         )
-    if recv_topk_ids.dim() != 2 or recv_topk_ids.dtype != torch.int32:
+    if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32:
         raise ValueError(
-            f"recv_topk_ids must be a 2-D int32 tensor [N, K], got {recv_topk_ids.dtype} "
-            f"{tuple(recv_topk_ids.shape)}"
+            f"topk_ids must be a 2-D int32 tensor [N, K], got {topk_ids.dtype} "
+            f"{tuple(topk_ids.shape)}"
         )
-    top_k = recv_topk_ids.shape[1]
-    if recv_topk_ids.shape[0] != num_rows or tuple(recv_topk_weights.shape) != (num_rows, top_k):
+    top_k = topk_ids.shape[1]
+    if topk_ids.shape[0] != num_rows or tuple(topk_weights.shape) != (num_rows, top_k):
         raise ValueError(
-            f"recv_topk_ids {tuple(recv_topk_ids.shape)} and recv_topk_weights "
-            f"{tuple(recv_topk_weights.shape)} must both be [N={num_rows}, K]"
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
+            f"{tuple(topk_weights.shape)} must both be [N={num_rows}, K]"
         )
-    if recv_topk_weights.dtype != torch.float32:
-        raise ValueError(f"recv_topk_weights must be float32, got {recv_topk_weights.dtype}")
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
     if not 1 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top-k K={top_k} must be in [1, {MAX_TOP_K}] (MAX_TOP_K)")
     if num_rows * top_k > MAX_ENTRIES:
@@ -129,13 +128,12 @@ def validate_experts_inputs(
             f"w2 must be [L={num_local_experts}, H={hidden_size}, I={intermediate_size}], "
             f"got {tuple(w2.shape)}"
         )
-    tensors = {"recv_x": recv_x, "recv_topk_ids": recv_topk_ids,
-               "recv_topk_weights": recv_topk_weights, "w13": w13, "w2": w2}
+    tensors = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights, "w13": w13, "w2": w2}
     for name, tensor in tensors.items():
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-        if tensor.device != recv_x.device:
-            raise ValueError(f"{name} is on {tensor.device}, recv_x on {recv_x.device}")
+        if tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device}, x on {x.device}")
 
 
 def _check_expert_map(expert_map: torch.Tensor | None, device: torch.device) -> None:
@@ -150,48 +148,49 @@ def _check_expert_map(expert_map: torch.Tensor | None, device: torch.device) -> 
 
 
 def experts_forward(
-    recv_x: torch.Tensor,
-    recv_topk_ids: torch.Tensor,
-    recv_topk_weights: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
     act_workspace: torch.Tensor | None = None,
     partial_workspace: torch.Tensor | None = None,
     tiles: str = "auto",
-    expert_map: torch.Tensor | None = None,
     config: ExpertConfig | None = None,
 ) -> torch.Tensor:
     """This rank's local experts with the local weighted reduction.
 
-    recv_x ``[N, H] bfloat16``: received rows (rows with no local id are never read).
-    recv_topk_ids ``[N, K] int32``: local expert ids ``0..L-1``; ``-1`` (or any id outside
+    x ``[N, H] bfloat16``: the rows, e.g. dispatch's ``recv_x`` (rows with no local id are
+        never read).
+    topk_ids ``[N, K] int32``: local expert ids ``0..L-1``; ``-1`` (or any id outside
         ``[0, L)``) marks a slot this rank does not serve. With ``expert_map``: global ids.
-    expert_map ``[E] int32`` (optional): vLLM's EP map, global id -> local id or ``-1``; the
-        kernels apply it to ``recv_topk_ids`` (ids outside ``[0, E)`` and map values outside
-        ``[0, L)`` mark slots this rank does not serve), so no id conversion runs before them.
-    recv_topk_weights ``[N, K] float32``: routing weights (read for valid slots only).
+    topk_weights ``[N, K] float32``: routing weights (read for valid slots only).
     w13 ``[L, 2I, H] bfloat16``: gate rows ``[0, I)``, up rows ``[I, 2I)`` (vLLM's layout).
     w2 ``[L, H, I] bfloat16``.
     out ``[N, H] bfloat16`` (optional): written in full.
-    act_workspace / partial_workspace (optional): contiguous tensors of at least the sizes of
-        :func:`experts_workspace_shapes` (bfloat16 / float32, any shape); allocated when absent.
+    expert_map ``[E] int32`` (optional): vLLM's EP map, global id -> local id or ``-1``; the
+        kernels apply it to ``topk_ids`` (ids outside ``[0, E)`` and map values outside
+        ``[0, L)`` mark slots this rank does not serve), so no id conversion runs before them.
+    act_workspace / partial_workspace (optional): contiguous bfloat16 tensors (both) of at
+        least the sizes of :func:`experts_workspace_shapes` (any shape); allocated when absent.
     tiles: a name of ``TILES`` (``"auto"``, ``"simt"``, ``"wgmma_narrow"``, ``"wgmma_m64"``,
         ``"wgmma"``, ``"wgmma_mc"``); results do not depend on it beyond fp32 rounding order.
     config: the bounds of ``auto``'s choice (:class:`~vllm_petit_moe.config.ExpertConfig`;
         default: its defaults).
 
-    Returns ``out [N, H] bfloat16``: ``Σ_{k: id valid} w[r,k] · expert_{id}(recv_x[r])``, with
+    Returns ``out [N, H] bfloat16``: ``Σ_{k: id valid} w[r,k] · expert_{id}(x[r])``, with
     bf16 GEMM operands, fp32 accumulation, the SiLU·mul activation rounded to bf16 once and
     the sum over slots ``k = 0..K-1`` in fp32 rounded to bf16 once (deterministic); rows with
     no valid id are 0. H, I must be multiples of 8, L <= 512, K <= 16.
     """
-    validate_experts_inputs(recv_x, recv_topk_ids, recv_topk_weights, w13, w2)
-    _check_expert_map(expert_map, recv_x.device)
+    validate_experts_inputs(x, topk_ids, topk_weights, w13, w2)
+    _check_expert_map(expert_map, x.device)
     if tiles not in TILES:
         raise ValueError(f"tiles must be one of {sorted(TILES)}, got {tiles!r}")
-    num_rows, hidden_size = recv_x.shape
+    num_rows, hidden_size = x.shape
     if out is not None and (
         tuple(out.shape) != (num_rows, hidden_size) or out.dtype != torch.bfloat16
     ):
@@ -200,7 +199,7 @@ def experts_forward(
             f"{tuple(out.shape)}"
         )
     (act_shape, _), (partial_shape, _) = experts_workspace_shapes(
-        num_rows, recv_topk_ids.shape[1], hidden_size, w13.shape[1] // 2
+        num_rows, topk_ids.shape[1], hidden_size, w13.shape[1] // 2
     )
     for name, workspace, shape, dtype in (
         ("act_workspace", act_workspace, act_shape, torch.bfloat16),
@@ -214,7 +213,7 @@ def experts_forward(
                 f"{workspace.dtype} {tuple(workspace.shape)}"
             )
     return _ops().experts_forward(
-        recv_x, recv_topk_ids, recv_topk_weights, w13, w2,
+        x, topk_ids, topk_weights, w13, w2,
         out=out, act_workspace=act_workspace, partial_workspace=partial_workspace,
         tiles=TILES[tiles], expert_map=expert_map, config=_config_dict(config),
     )
@@ -336,14 +335,14 @@ def megamoe_forward(
     act_workspace: torch.Tensor | None = None,
     partial_workspace: torch.Tensor | None = None,
     num_sms: int = 0,
-    timeout_s: float = 30.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     trace: torch.Tensor | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The MoE layer of :func:`experts_forward` (same arguments and result up to fp32 rounding
-    order; W=1: no dispatch) as ONE persistent kernel: routing, gate/up + SiLU·mul, down +
-    routing weight and the top-k sum.
+    """The MoE layer of :func:`experts_forward` (its arguments ``x`` to ``partial_workspace``,
+    in its order, and its result up to fp32 rounding order; W=1: no dispatch) as ONE
+    persistent kernel: routing, gate/up + SiLU·mul, down + routing weight and the top-k sum.
 
     x ``[N, H] bfloat16``; topk_ids ``[N, K] int32`` (local ids, ``-1`` or any id outside
     ``[0, L)`` unused; with ``expert_map``: global ids); topk_weights ``[N, K] float32``;
@@ -352,9 +351,11 @@ def megamoe_forward(
     scale of its 128 x 128 block: the checkpoints' layout as vLLM loads it, used in place; the
     products are exact and summed in fp32). ``N*K <= MEGAMOE_MAX_ENTRIES`` and H, I multiples
     of ``MEGAMOE_SIZE_MULTIPLE`` (fp8: of ``FP8_SCALE_BLOCK``; :func:`megamoe_unsupported_reason`).
-    act_workspace ``>= N*K*I`` bfloat16, partial_workspace ``>= N*K*H`` float32 (allocated when
-    absent). num_sms: SMs the grid may use (0: all; two blocks per SM). timeout_s: bound of the
-    kernel's internal waits (a bug, not a peer, would exceed it: the kernel then traps).
+    act_workspace ``>= N*K*I`` bfloat16, partial_workspace ``>= N*K*H`` float32 (the fused
+    kernel keeps its partials in fp32, :func:`experts_forward` rounds them to bf16); both
+    allocated when absent. num_sms: SMs the grid may use (0: all; two blocks per SM).
+    timeout_s: bound of the kernel's internal waits (a bug, not a peer, would exceed it: the
+    kernel then traps).
     trace: diagnostics only (``tools/megamoe_trace.py``): an int64 CUDA tensor of at least
     ``MEGAMOE_BLOCKS_PER_SM * SMs * MEGAMOE_TRACE_SLOTS`` elements that receives, per block,
     timer stamps (ns) of its phases and tasks (layout: ``csrc/common/layout.h``).

@@ -37,8 +37,15 @@ constexpr int kFlagEpochBits = 42;
 static_assert(kFlagEpochShift == kFlagCountBits + kFlagTagBits &&
                   kFlagEpochBits == 64 - kFlagEpochShift,
               "flag = epoch | tag | count fills 64 bits");
-// Bound of every spin-wait (seconds; EpBuffer's timeout_s, megamoe_forward's): finite, > 0.
+// Bound of every spin-wait (seconds; EpBuffer's timeout_s, megamoe_forward's,
+// VLLM_PETIT_MOE_TIMEOUT_S): kDefaultTimeoutS where the caller gives none; finite, > 0 and at
+// most kMaxTimeoutS (timeout_s_valid: the one check of the binding and the emulation).
+constexpr float kDefaultTimeoutS = 30.0f;
 constexpr float kMaxTimeoutS = 3600.0f;
+// NaN fails both comparisons; 0 would fail every wait at once, inf would never end one.
+inline bool timeout_s_valid(double timeout_s) {
+  return timeout_s > 0.0 && timeout_s <= kMaxTimeoutS;
+}
 // Bound of a dispatch/combine wait on a peer whose process is alive (its heartbeat moves):
 // EpBuffer's max_wait_s, in [timeout_s, kMaxWaitS] seconds.
 constexpr float kMaxWaitS = 86400.0f;

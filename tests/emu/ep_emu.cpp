@@ -216,7 +216,7 @@ extern "C" void* petit_emu_ep_create(int world_size, int max_tokens, int hidden,
   if (world_size < 1 || world_size > petit::kMaxWorldSize || max_tokens < 1 || hidden < 8 ||
       hidden % 8 != 0 || max_top_k < 1 || max_top_k > petit::kMaxTopK || num_experts < 1 ||
       num_experts % world_size != 0 || num_blocks < 1 ||
-      !(timeout_s > 0.0 && timeout_s <= petit::kMaxTimeoutS))  // as EpContext (bindings.cpp)
+      !petit::timeout_s_valid(timeout_s))  // as EpContext (bindings.cpp)
     return nullptr;
   auto ep = std::make_unique<EpEmu>();
   ep->world_size = world_size;

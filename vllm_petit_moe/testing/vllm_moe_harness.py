@@ -70,12 +70,6 @@ from vllm_petit_moe.testing.rank_pool import (  # noqa: F401 (re-exported)
 
 # Set in every rank process before torch/vLLM touch NCCL.
 SAFE_ENV = VLLM_SAFE_ENV
-# The plugin's flags are toggled per kernel build here; a value inherited from the caller
-# would change what "default" means.
-# (VLLM_PETIT_MOE_EXPERTS=1 would also swap in PetitExperts, and build_layer expects vLLM's
-# TritonExperts on both paths.)
-_PLUGIN_ENV = ("VLLM_USE_PETIT_MOE", "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_EXPERTS",
-               "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS")
 
 PATHS = ("default", "petit")
 # Optional third path: petit's prepare/finalize + PetitExperts (our grouped GEMMs, tile family
@@ -112,8 +106,14 @@ PRESETS = {
 
 
 def apply_safe_env() -> None:
+    """SAFE_ENV, and none of the plugin's variables (``envs.ENV_VARS``): they are toggled per
+    kernel build here, and a value inherited from the caller would change what "default"
+    means (``VLLM_PETIT_MOE_EXPERTS=1`` would also swap in PetitExperts, and build_layer
+    expects vLLM's TritonExperts on both paths)."""
+    from vllm_petit_moe.vllm_glue import envs
+
     os.environ.update(SAFE_ENV)
-    for name in _PLUGIN_ENV:
+    for name in envs.ENV_VARS:
         os.environ.pop(name, None)
 
 
@@ -243,9 +243,9 @@ def shutdown_vllm(state: RankState | None) -> None:
     """Close the EpBuffers (collective in spirit: all ranks) and vLLM's process groups."""
     torch.cuda.synchronize()
     try:
-        from vllm_petit_moe.vllm_glue import buffers
+        from vllm_petit_moe.vllm_glue import buffer_cache
 
-        buffers.close_all_buffers()
+        buffer_cache.close_all_buffers()
     finally:
         from vllm.distributed.parallel_state import (
             destroy_distributed_environment,

@@ -9,7 +9,8 @@ Modules (see docs/vllm_integration.md):
 - ``prepare_finalize``: ``PetitPrepareAndFinalize``, vLLM's modular prepare/finalize over an
   ``EpBuffer``.
 - ``experts``: ``PetitExperts``, vLLM's modular experts over our grouped GEMMs (opt-in).
-- ``buffers``: one communication buffer per process, shared by all MoE layers.
+- ``buffer_cache``: the process's ``EpBuffer`` per (group, hidden size, experts), shared by
+  all MoE layers.
 
 Importing this package imports nothing from vLLM, torch or the compiled extension: the
 plugin entry point must stay cheap in every vLLM process.

@@ -1,4 +1,7 @@
-"""Environment variables of vllm-petit-moe (read with ``os`` only; no vLLM import).
+"""Environment variables of vllm-petit-moe (read with ``os`` only; no vLLM import), and the one
+place that turns them into the configs they feed (``single_gpu_layer_config``,
+``ep_layer_config``). Defaults live where the setting does: ``limits.DEFAULT_TIMEOUT_S``,
+``config.SingleGpuLayerConfig``, ``config.EpLayerConfig``; an unset variable leaves them.
 
 They are also registered in vLLM's own registry (``vllm.envs.environment_variables``) by
 ``vllm_petit_moe.plugin.register`` so that vLLM's environment validation knows them
@@ -13,8 +16,8 @@ from typing import Any
 
 VLLM_USE_PETIT_MOE = "VLLM_USE_PETIT_MOE"
 """``1`` switches DP+EP MoE layers to our dispatch/combine, and on one GPU (no DP, TP or EP)
-vLLM's Triton experts to ``PetitSingleGpuExperts`` (ours from 32 tokens per call, vLLM's
-below; ``config.SingleGpuLayerConfig``). Default off."""
+vLLM's Triton experts to ``PetitSingleGpuExperts`` (which kernel serves which call size:
+``config.SingleGpuLayerConfig``). Default off."""
 
 VLLM_PETIT_MOE_STRICT = "VLLM_PETIT_MOE_STRICT"
 """``1``: with the flag on, fail (RuntimeError) instead of falling back to vLLM's backend for
@@ -25,9 +28,8 @@ VLLM_PETIT_MOE_EXPERTS = "VLLM_PETIT_MOE_EXPERTS"
 """``1`` (opt-in, experimental): where petit's prepare/finalize is substituted and the layer
 runs vLLM's unquantized Triton experts, also substitute ``PetitExperts`` (our grouped-GEMM
 kernels, tile family ``VLLM_PETIT_MOE_EXPERTS_TILES``, on the same weights). Only meaningful
-with ``VLLM_USE_PETIT_MOE=1``. Default off: correct on a GPU, faster than vLLM's Triton experts
-on H200 from ~512 tokens/rank, within a few percent below, and in the MoE layer still slower at
-DeepSeek-V3 1 token/rank."""
+with ``VLLM_USE_PETIT_MOE=1``. Default off (measurements: README, "Performance", and
+docs/experiments/)."""
 
 VLLM_PETIT_MOE_EXPERTS_TILES = "VLLM_PETIT_MOE_EXPERTS_TILES"
 """Debug override of the tile family of ``PetitExperts``' GEMMs: ``auto`` (default), ``simt``,
@@ -35,15 +37,14 @@ VLLM_PETIT_MOE_EXPERTS_TILES = "VLLM_PETIT_MOE_EXPERTS_TILES"
 
 VLLM_PETIT_MOE_TIMEOUT_S = "VLLM_PETIT_MOE_TIMEOUT_S"
 """Bound, in seconds, of every spin-wait of the dispatch/combine kernels before they report
-the rank/flag/epoch they waited on and fail. Default 30."""
+the rank/flag/epoch they waited on and fail. Default ``limits.DEFAULT_TIMEOUT_S``."""
 
 VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS = "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS"
 """Steps of up to this many tokens per rank run the fused MegaMoE layer (one launch per rank
 per layer): on one GPU, calls of up to N tokens (``config.SingleGpuLayerConfig``); with
 DP + EP, steps whose largest DP rank has up to N tokens (``config.EpLayerConfig``; larger steps
-keep the composed path). An integer >= 0; ``0``: never; unset: the configs' defaults (8 on
-one GPU, where the layer benchmark measured it faster than vLLM's Triton experts; 0 with
-DP + EP, not yet measured on several GPUs)."""
+keep the composed path). An integer >= 0; ``0``: never; unset: each config's own default
+(``SingleGpuLayerConfig.megamoe_max_tokens``, ``EpLayerConfig.megamoe_max_tokens``)."""
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -87,14 +88,14 @@ def petit_experts_tiles() -> str:
 
 
 def timeout_s() -> float:
-    """``VLLM_PETIT_MOE_TIMEOUT_S`` in seconds (default 30): finite, > 0 and at most
-    ``limits.MAX_TIMEOUT_S``; anything else (0, negative, inf, nan, not a number) raises
-    ValueError naming the variable and the limit."""
-    from vllm_petit_moe.limits import check_timeout_s
+    """``VLLM_PETIT_MOE_TIMEOUT_S`` in seconds (default ``limits.DEFAULT_TIMEOUT_S``): finite,
+    > 0 and at most ``limits.MAX_TIMEOUT_S``; anything else (0, negative, inf, nan, not a
+    number) raises ValueError naming the variable and the limit."""
+    from vllm_petit_moe.limits import DEFAULT_TIMEOUT_S, check_timeout_s
 
     raw = os.environ.get(VLLM_PETIT_MOE_TIMEOUT_S, "").strip()
     if not raw:
-        return 30.0
+        return DEFAULT_TIMEOUT_S
     return check_timeout_s(raw, VLLM_PETIT_MOE_TIMEOUT_S)
 
 
@@ -112,6 +113,25 @@ def megamoe_max_tokens() -> int | None:
         raise ValueError(f"{VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS}={raw!r}: expected an integer "
                          ">= 0 (tokens per rank; 0 = never)")
     return value
+
+
+def single_gpu_layer_config():
+    """``config.SingleGpuLayerConfig`` with ``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` where it is
+    set (its defaults otherwise)."""
+    from vllm_petit_moe.config import SingleGpuLayerConfig
+
+    tokens = megamoe_max_tokens()
+    return SingleGpuLayerConfig() if tokens is None else SingleGpuLayerConfig(
+        megamoe_max_tokens=tokens)
+
+
+def ep_layer_config():
+    """``config.EpLayerConfig`` with ``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` where it is set (its
+    default otherwise)."""
+    from vllm_petit_moe.config import EpLayerConfig
+
+    tokens = megamoe_max_tokens()
+    return EpLayerConfig() if tokens is None else EpLayerConfig(megamoe_max_tokens=tokens)
 
 
 ENV_VARS: dict[str, Callable[[], Any]] = {

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_petit_moe.limits import MAX_TOP_K, SIZE_MULTIPLE
-from vllm_petit_moe.vllm_glue import buffers, compat, envs
+from vllm_petit_moe.vllm_glue import buffer_cache, compat, envs
 
 logger = logging.getLogger("vllm.petit_moe.hook")
 
@@ -264,14 +264,14 @@ def build_prepare_finalize(fused_experts: Any, runtime: EpRuntime) -> Any:
     # vLLM's max_num_batched_tokens bounds the tokens of one step on one DP rank, padding for
     # CUDA graphs and across DP included (capture sizes do not exceed it).
     max_tokens = max(int(moe.max_num_tokens), int(getattr(moe, "max_capture_size", 0) or 0))
-    config = buffers.BufferConfig(
+    config = buffer_cache.BufferConfig(
         hidden_size=moe.hidden_dim,
         num_experts=moe.num_experts,
         max_tokens_per_rank=max_tokens,
         max_top_k=MAX_TOP_K,
         timeout_s=envs.timeout_s(),
     )
-    buffer = buffers.get_or_create_buffer(runtime.cpu_group, config)
+    buffer = buffer_cache.get_or_create_buffer(runtime.cpu_group, config)
     return PetitPrepareAndFinalize(
         buffer, num_experts=moe.num_experts, max_tokens_per_rank=max_tokens
     )
@@ -297,9 +297,9 @@ def maybe_substitute(prepare_finalize: Any, fused_experts: Any) -> Any:
     try:
         return build_prepare_finalize(fused_experts, runtime[0])
     except Exception as e:  # noqa: BLE001 - the buffer's setup: every rank fails together
-        # EpBuffer's setup agrees on every step (rendezvous.Agreement), so a failure on one rank raises
-        # on all of them and all fall back together; buffers caches the failure, so later
-        # layers fall back without a new collective.
+        # EpBuffer's setup agrees on every step (rendezvous.Agreement), so a failure on one
+        # rank raises on all of them and all fall back together; buffer_cache caches the
+        # failure, so later layers fall back without a new collective.
         fallback = Decision(False, f"EP buffer setup failed: {e}")
         _report(fallback, type(prepare_finalize).__name__)  # raises in strict mode
         return prepare_finalize
@@ -309,23 +309,6 @@ def _is_single_gpu_layer(prepare_finalize: Any) -> bool:
     """Whether vLLM built this layer with its no-DP/no-EP pass-through prepare/finalize (one
     GPU, or TP without EP); not vLLM 0.33's pass-through of EP backends that subclasses it."""
     return compat.is_no_dp_ep_prepare_finalize(prepare_finalize)
-
-
-def single_gpu_layer_config():
-    """``SingleGpuLayerConfig`` with ``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` where it is set."""
-    from vllm_petit_moe.config import SingleGpuLayerConfig
-
-    tokens = envs.megamoe_max_tokens()
-    return SingleGpuLayerConfig() if tokens is None else SingleGpuLayerConfig(
-        megamoe_max_tokens=tokens)
-
-
-def ep_layer_config():
-    """``EpLayerConfig`` with ``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` where it is set."""
-    from vllm_petit_moe.config import EpLayerConfig
-
-    tokens = envs.megamoe_max_tokens()
-    return EpLayerConfig() if tokens is None else EpLayerConfig(megamoe_max_tokens=tokens)
 
 
 def decide_single_gpu(fused_experts: Any) -> Decision:
@@ -353,7 +336,7 @@ def decide_single_gpu(fused_experts: Any) -> Decision:
     if compat.platform_name() not in SUPPORTED_PLATFORMS:
         return _unsupported(f"platform {compat.platform_name()} (supported: "
                             f"{SUPPORTED_PLATFORMS})")
-    cfg = single_gpu_layer_config()
+    cfg = envs.single_gpu_layer_config()
     if quant_config is not None and quant_config.weight_quant_dtype is not None:
         return Decision(True, f"one GPU, block fp8: MegaMoE up to {cfg.megamoe_max_tokens} "
                               f"tokens per call on the e4m3 weights, vLLM's fp8 Triton experts "
@@ -396,7 +379,7 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
             return fused_experts
         return PetitSingleGpuExperts(fused_experts.moe_config, fused_experts.quant_config,
                                      fallback=fused_experts,
-                                     layer_config=single_gpu_layer_config())
+                                     layer_config=envs.single_gpu_layer_config())
     if not envs.use_petit_moe():
         return fused_experts
     from vllm_petit_moe.vllm_glue.prepare_finalize import PetitPrepareAndFinalize
@@ -406,7 +389,7 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
     if not isinstance(fused_experts, compat.fused_moe_symbol("TritonExperts")):
         return fused_experts  # already ours, or experts we never replace
     petit_gemms = envs.petit_experts()
-    fused_tokens = ep_layer_config().megamoe_max_tokens
+    fused_tokens = envs.ep_layer_config().megamoe_max_tokens
     if not petit_gemms and fused_tokens == 0:
         return fused_experts
 

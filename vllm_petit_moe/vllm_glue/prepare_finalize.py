@@ -162,7 +162,7 @@ def _is_capturing() -> bool:
 class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
     """vLLM modular prepare/finalize that dispatches/combines through an ``EpBuffer``.
 
-    buffer: an ``EpBuffer`` of this rank (shared by all layers; see ``buffers``).
+    buffer: an ``EpBuffer`` of this rank (shared by all layers; see ``buffer_cache``).
     num_experts: global expert count ``E`` of the layer (``E % W == 0``).
     max_tokens_per_rank: the largest region stride ``R`` a call may use (the buffer's size).
     """

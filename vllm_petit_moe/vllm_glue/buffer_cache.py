@@ -1,4 +1,5 @@
-"""One communication buffer per process, shared by all MoE layers of a model.
+"""The process's cache of ``EpBuffer`` objects (``vllm_petit_moe.buffer``): one communication
+buffer per process, shared by all MoE layers of a model.
 
 ``get_or_create_buffer`` semantics (what the glue relies on):
 
@@ -35,9 +36,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_petit_moe.limits import MAX_TOP_K
+from vllm_petit_moe.limits import DEFAULT_TIMEOUT_S, MAX_TOP_K
 
-logger = logging.getLogger("vllm.petit_moe.buffers")
+logger = logging.getLogger("vllm.petit_moe.buffer_cache")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class BufferConfig:
     max_tokens_per_rank: int
     max_top_k: int = MAX_TOP_K
     num_sms: int | None = None
-    timeout_s: float = 30.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 @dataclass
