@@ -424,10 +424,11 @@ def test_driver_runs_interleaves_resumes_and_records_the_strategy(tmp_path, caps
     assert [(r["backend"], r["concurrency"], r["repeat"]) for r in rows] == [
         ("default", 2, 0), ("petit", 2, 0)]
     for r in rows:
-        assert list(r)[:10] == ["gpu", "world", "commit", "date", "backend", "routing_strategy",
-                                "concurrency", "num_prompts", "output_len", "repeat"]
-        assert (r["gpu"], r["world"], r["routing_strategy"], r["num_prompts"]) == (
-            "CPU", 2, "normal_routing", 4)
+        assert list(r)[:11] == ["gpu", "world", "commit", "date", "dtype", "backend",
+                                "routing_strategy", "concurrency", "num_prompts", "output_len",
+                                "repeat"]
+        assert (r["gpu"], r["world"], r["dtype"], r["routing_strategy"], r["num_prompts"]) == (
+            "CPU", 2, "bf16", "normal_routing", 4)
         # the stand-in sleeps TOKEN_S per token: 2 requests of 8 tokens in turn per client.
         # (Its TPOT can read under TOKEN_S: a busy client receives the chunks in bursts.)
         assert r["completed"] == 4 and 0 < r["tpot_ms_p50"] < 100

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rank_pool import free_port
+from vllm_petit_moe.testing.rank_pool import free_port
 
 HEAP_STRIDE = 4096
 _SOCKET_PREFIX = "petit-moe-"
