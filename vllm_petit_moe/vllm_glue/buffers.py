@@ -25,6 +25,11 @@
   it, before the trap surfaces as a generic CUDA error in vLLM; and warns when dispatch
   dropped routing ids outside [-1, E).
 
+- **Closed with their group**: when vLLM's shutdown destroys a group (``GroupCoordinator
+  .destroy``, reached by ``destroy_model_parallel``), the buffers built on it are closed first
+  and forgotten, fault watch included (``compat.on_group_destroy``), so an engine rebuilt in
+  the same process does not keep the previous one's heap and threads.
+
 The compiled extension is imported only when a buffer is actually created
 (``vllm_petit_moe.buffer`` imports it), never by this module or by the hook's decision.
 """
