@@ -310,6 +310,7 @@ class EpContext {
 
   // uint8 view of `num_bytes` at `offset` of rank `rank`'s heap, through the linear range.
   torch::Tensor heap_view(int64_t rank, int64_t offset, int64_t num_bytes) {
+    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
     check_mapped();
     PETIT_CHECK(rank >= 0 && rank < args_.world_size, "rank %lld out of range", (long long)rank);
     PETIT_CHECK(offset >= 0 && num_bytes >= 0 && offset + num_bytes <= heap_->stride(),
@@ -324,6 +325,7 @@ class EpContext {
   std::vector<torch::Tensor> dispatch(const torch::Tensor& x, const torch::Tensor& topk_ids,
                                       const torch::Tensor& topk_weights, int64_t region_stride,
                                       int64_t quant) {
+    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
     check_mapped();
     check_cuda_tensor(x, "x", 2);
     check_cuda_tensor(topk_ids, "topk_ids", 2);
@@ -380,6 +382,7 @@ class EpContext {
   // block writes its row (CombineTraceSlot), the others are left as they are.
   void combine(const torch::Tensor& expert_out, torch::Tensor& out, int64_t top_k,
                int64_t region_stride, c10::optional<torch::Tensor> trace) {
+    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
     check_mapped();
     check_cuda_tensor(expert_out, "expert_out", 2);
     check_cuda_tensor(out, "out", 2);
@@ -424,6 +427,7 @@ class EpContext {
                const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act,
                torch::Tensor& partial, torch::Tensor& sync, int64_t region_stride,
                c10::optional<torch::Tensor> trace) {
+    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
     check_mapped();
     for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&x, "x"},
                                   {&topk_ids, "topk_ids"}, {&topk_weights, "topk_weights"},
@@ -483,6 +487,7 @@ class EpContext {
 
   // Benchmark ceiling: push `bytes_per_peer` of `src` into every peer's combine region.
   void peer_write(const torch::Tensor& src, int64_t bytes_per_peer, int64_t num_blocks) {
+    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
     check_mapped();
     PETIT_CHECK(src.is_cuda() && src.is_contiguous() && src.nbytes() >= size_t(bytes_per_peer),
                 "peer_write source too small");
@@ -541,7 +546,10 @@ class EpContext {
   // "left the protocol" and the end of the beat, then the memory (the heap once its views are
   // gone too: release_heap).
   void close() {
-    args_.heap_base = nullptr;  // no launch from here on (check_mapped)
+    {  // no launch from here on (check_mapped); one already in progress is enqueued first
+      std::lock_guard<std::mutex> lock(launch_mutex_);
+      args_.heap_base = nullptr;
+    }
     if (heap_ || diag_host_ != nullptr || heartbeat_host_ != nullptr) {
       c10::cuda::CUDAGuard guard(device_);
       petitDeviceSynchronize();  // no kernel of ours may still touch the range or the words
@@ -587,6 +595,8 @@ class EpContext {
   torch::Tensor state_, token_rank_mask_, group_done_, recv_group_counts_;
   EpDiagnostics* diag_host_ = nullptr;
   mutable std::mutex diag_mutex_;       // diagnostics() against close()'s free
+  std::mutex launch_mutex_;             // a launch (or view) against close(), which runs
+                                        // without the GIL
   uint64_t* heartbeat_host_ = nullptr;  // the mapped heartbeat page (attach_heartbeat)
   size_t heartbeat_bytes_ = 0;
   HeartbeatThread heartbeat_;           // beats this rank's word (comm/heartbeat.h)

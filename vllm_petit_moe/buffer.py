@@ -241,7 +241,9 @@ class EpBuffer:
         hidden_size: H, a multiple of 8.
         num_experts: E, divisible by the world size, <= 512.
         max_tokens_per_rank: the largest T a dispatch may carry; sizes the heap
-            (2 * W * T_max * H * 2 bytes of rows per rank). Larger calls raise ValueError.
+            (2 * W * T_max * H * 2 bytes of rows per rank), at most
+            limits.MAX_TOKENS_PER_RANK (65536: the flags' call tag holds the region stride in
+            full). Larger calls raise ValueError.
         max_top_k: the largest top-k (<= 16).
         num_sms: blocks of the persistent dispatch/combine grid (default: every SM).
         timeout_s: bound of every spin-wait, in (0, 3600] seconds (limits.MAX_TIMEOUT_S).
@@ -253,6 +255,9 @@ class EpBuffer:
             [timeout_s, 86400] seconds (limits.MAX_WAIT_S): a live but stuck peer is reported
             after it.
         validate_ids: check expert ids on the host (one sync) when not capturing a graph.
+            Like any error of a collective call, a bad id raises on this rank and ends its
+            part in the protocol (its peers are told within one wait bound; later calls raise
+            BufferAbortedError).
         config: how combine splits its grid and its work
             (:class:`~vllm_petit_moe.config.CombineConfig`; default: its defaults). Equal on
             all ranks, like the other arguments: the chunks a peer's flags count follow it.
