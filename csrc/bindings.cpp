@@ -289,7 +289,7 @@ class EpContext {
     std::vector<int> int_fds(fds.begin(), fds.end());
     if (heap_ == nullptr || int64_t(fds.size()) != args_.world_size) {
       for (size_t r = 0; r < int_fds.size(); ++r)
-        if (int64_t(r) != args_.rank && int_fds[r] >= 0) close(int_fds[r]);
+        if (int64_t(r) != args_.rank && int_fds[r] >= 0) ::close(int_fds[r]);
       PETIT_CHECK(heap_ != nullptr, "context is closed");
       PETIT_CHECK(false, "expected %d descriptors, got %zu", args_.world_size, fds.size());
     }
