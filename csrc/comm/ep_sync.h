@@ -141,7 +141,12 @@ PETIT_DEVICE uint64_t wait_flag(const EpContextArgs& c, const uint64_t* flag, ui
       if (now - start > c.timeout_ticks) {
         uint64_t ahead = 0;
         if (peer_past_call(c, peer, epoch, phase, &ahead)) {
-          value = petit_load_acquire_sys(flag);  // after the peer's later flag: ours is final
+          // The peer raised our flag before its later one; a grace of 1/64 bound lets a
+          // store still in flight land (no order between the two is guaranteed across blocks).
+          const uint64_t seen_at = petit_timer();
+          do {
+            value = petit_load_acquire_sys(flag);
+          } while (flag_epoch(value) != want && petit_timer() - seen_at <= c.timeout_ticks / 64);
           if (flag_epoch(value) == want) break;
           fail_wait(c, kEpErrorOrder, ahead, epoch, tag, peer, phase, group);
         }
