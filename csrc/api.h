@@ -188,8 +188,20 @@ enum EpError : int32_t {
   kEpErrorTimeout = 1,   // a bounded wait expired: the peer's flag never showed the epoch
   kEpErrorMismatch = 2,  // the peer's flag shows the epoch with another call's tag: the two
                          // ranks called dispatch/combine with another region stride, top-k or
-                         // quant (layout.h dispatch_flag_tag / combine_flag_tag)
+                         // quant (layout.h call_tag)
+  kEpErrorPeerAborted = 3,  // the peer's heartbeat word is marked kHeartbeatAborted: it left
+                            // the protocol (an error on that rank before its call, a failed
+                            // wait of its own, or it closed its buffer)
+  kEpErrorOrder = 4,     // the peer is past this call (its freshest flag here shows a later
+                         // call: epoch, then dispatch before combine): it skipped this call or
+                         // made its calls in another order
 };
+
+// Bit of a heartbeat word (EpContextArgs::heartbeats) that says its rank left the protocol:
+// set by the host when a call raises before its launch or the buffer closes
+// (comm/heartbeat.h), and by a kernel's first failed wait (ep_sync.h fail_wait). The beat goes
+// on in the low bits; a waiter that sees the bit fails with kEpErrorPeerAborted.
+constexpr uint64_t kHeartbeatAborted = uint64_t(1) << 63;
 
 // Host-visible pinned memory, readable without a device sync (and after a trap, when the
 // CUDA context is gone). The first failing wait writes the error fields, then traps.
@@ -222,7 +234,8 @@ struct EpContextArgs {
   uint64_t timeout_ticks;
   // [W] host words every rank's process increments while it lives (mapped host memory; see
   // docs/faults.md): a wait whose bound expired goes on while its peer's word moves, up to
-  // max_wait_ticks in all. nullptr: the bound alone.
+  // max_wait_ticks in all, and fails at once when it carries kHeartbeatAborted. nullptr: the
+  // bound alone.
   const volatile uint64_t* heartbeats;
   uint64_t max_wait_ticks;
   uint32_t* token_rank_mask;  // [T_max]  ranks each own token was sent to (bit d)

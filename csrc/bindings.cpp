@@ -10,15 +10,13 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
-#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "api.h"
+#include "comm/heartbeat.h"
 #include "common/fp8.h"
 
 namespace petit {
@@ -153,7 +151,9 @@ class EpContext {
                     num_experts % world_size == 0,
                 "%lld experts must be a multiple of the world size %lld and at most %d",
                 (long long)num_experts, (long long)world_size, kMaxExperts);
-    PETIT_CHECK(max_tokens >= 1, "max tokens per rank must be >= 1");
+    PETIT_CHECK(max_tokens >= 1 && max_tokens <= kMaxTokensPerRank,
+                "max tokens per rank %lld outside [1, %d] (the call tag holds the region stride "
+                "in full)", (long long)max_tokens, kMaxTokensPerRank);
     PETIT_CHECK(timeout_s_valid(timeout_s),
                 "timeout_s %g outside (0, %g] seconds (the bound of every spin-wait)", timeout_s,
                 kMaxTimeoutS);
@@ -178,7 +178,7 @@ class EpContext {
     petitError_t e = SymmetricHeap::create(device_, args_.layout.total_bytes, &heap, err,
                                            sizeof(err));
     PETIT_CHECK(e == petitSuccess, "%s", err);
-    heap_.reset(heap);
+    heap_ = std::shared_ptr<SymmetricHeap>(heap, release_heap);
 
     auto opts = torch::TensorOptions().device(torch::kCUDA, device_);
     const int64_t groups = args_.layout.max_groups;
@@ -197,7 +197,35 @@ class EpContext {
     args_.recv_group_counts = recv_group_counts_.data_ptr<int32_t>();
   }
 
-  ~EpContext() { close(); }
+  ~EpContext() {  // EpBuffer closes first; otherwise the same wait, without the GIL too
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      close();
+    } else {
+      close();
+    }
+  }
+
+  // Unmaps and frees a heap once nothing holds it: the context (until close) and every view
+  // of it (dispatch's outputs, heap_view), so a DispatchOutput tensor kept past close() reads
+  // stale rows, never unmapped memory. Waits for the device first (a queued kernel may still
+  // read a view), without the GIL where this thread holds it (a view's last owner can be
+  // Python code).
+  static void release_heap(SymmetricHeap* heap) {
+    auto free_it = [heap] {
+      if (heap->device() >= 0) {
+        c10::cuda::CUDAGuard guard(heap->device());
+        petitDeviceSynchronize();
+      }
+      delete heap;
+    };
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      free_it();
+    } else {
+      free_it();
+    }
+  }
 
   // The heartbeat page (docs/faults.md): POSIX shared memory `name` of one word per rank,
   // created (zeroed) by the first caller (`create`) and opened by the others, mapped here and
@@ -235,17 +263,13 @@ class EpContext {
     heartbeat_bytes_ = bytes;
     args_.heartbeats = static_cast<const volatile uint64_t*>(device);
     args_.max_wait_ticks = uint64_t(max_wait_s * petit_timer_ticks_per_second());
-    const auto period = std::chrono::duration<double>(period_s);
-    heartbeat_stop_ = false;
-    heartbeat_thread_ = std::thread([this, period] {
-      uint64_t* word = heartbeat_host_ + args_.rank;
-      std::unique_lock<std::mutex> lock(heartbeat_mutex_);
-      while (!heartbeat_stop_) {
-        __atomic_store_n(word, __atomic_load_n(word, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
-        heartbeat_cv_.wait_for(lock, period);
-      }
-    });
+    heartbeat_.start(heartbeat_host_ + args_.rank, period_s);
   }
+
+  // This rank leaves the protocol (a collective call raised before its launch): its
+  // heartbeat word is marked aborted, so peers waiting for it fail at their next look
+  // (kEpErrorPeerAborted) instead of waiting max_wait_s for a live process.
+  void abort() { heartbeat_.abort(); }
 
   static void unlink_heartbeat(const std::string& name) { shm_unlink(name.c_str()); }
 
@@ -264,7 +288,7 @@ class EpContext {
     std::vector<int> int_fds(fds.begin(), fds.end());
     if (heap_ == nullptr || int64_t(fds.size()) != args_.world_size) {
       for (size_t r = 0; r < int_fds.size(); ++r)
-        if (int64_t(r) != args_.rank && int_fds[r] >= 0) close(int_fds[r]);
+        if (int64_t(r) != args_.rank && int_fds[r] >= 0) ::close(int_fds[r]);
       PETIT_CHECK(heap_ != nullptr, "context is closed");
       PETIT_CHECK(false, "expected %d descriptors, got %zu", args_.world_size, fds.size());
     }
@@ -285,6 +309,7 @@ class EpContext {
 
   // uint8 view of `num_bytes` at `offset` of rank `rank`'s heap, through the linear range.
   torch::Tensor heap_view(int64_t rank, int64_t offset, int64_t num_bytes) {
+    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
     check_mapped();
     PETIT_CHECK(rank >= 0 && rank < args_.world_size, "rank %lld out of range", (long long)rank);
     PETIT_CHECK(offset >= 0 && num_bytes >= 0 && offset + num_bytes <= heap_->stride(),
@@ -299,6 +324,7 @@ class EpContext {
   std::vector<torch::Tensor> dispatch(const torch::Tensor& x, const torch::Tensor& topk_ids,
                                       const torch::Tensor& topk_weights, int64_t region_stride,
                                       int64_t quant) {
+    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
     check_mapped();
     check_cuda_tensor(x, "x", 2);
     check_cuda_tensor(topk_ids, "topk_ids", 2);
@@ -355,6 +381,7 @@ class EpContext {
   // block writes its row (CombineTraceSlot), the others are left as they are.
   void combine(const torch::Tensor& expert_out, torch::Tensor& out, int64_t top_k,
                int64_t region_stride, c10::optional<torch::Tensor> trace) {
+    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
     check_mapped();
     check_cuda_tensor(expert_out, "expert_out", 2);
     check_cuda_tensor(out, "out", 2);
@@ -399,6 +426,7 @@ class EpContext {
                const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act,
                torch::Tensor& partial, torch::Tensor& sync, int64_t region_stride,
                c10::optional<torch::Tensor> trace) {
+    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
     check_mapped();
     for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&x, "x"},
                                   {&topk_ids, "topk_ids"}, {&topk_weights, "topk_weights"},
@@ -447,11 +475,18 @@ class EpContext {
                 "fused EP layer: arguments outside its limits (T <= region stride <= max tokens, "
                 "W*R*K <= %d entries, H and I multiples of %d, L = the buffer's local experts)",
                 kMegaMoeMaxEntries, kMegaMoeSizeMultiple);
-    PETIT_CHECK_OK(launch_megamoe_ep(e, c10::cuda::getCurrentCUDAStream()), "fused EP launch");
+    const petitError_t launched = launch_megamoe_ep(e, c10::cuda::getCurrentCUDAStream());
+    PETIT_CHECK(launched != petitErrorCooperativeLaunchTooLarge,
+                "fused EP layer: its grid of %d x num_sms = %d blocks cannot all be resident on "
+                "this GPU at once (occupancy x SMs, or num_sms above the SM count), and its "
+                "ranks spin on each other: build the EpBuffer with fewer num_sms",
+                kMegaMoeBlocksPerSm, kMegaMoeBlocksPerSm * args_.num_blocks);
+    PETIT_CHECK_OK(launched, "fused EP launch");
   }
 
   // Benchmark ceiling: push `bytes_per_peer` of `src` into every peer's combine region.
   void peer_write(const torch::Tensor& src, int64_t bytes_per_peer, int64_t num_blocks) {
+    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
     check_mapped();
     PETIT_CHECK(src.is_cuda() && src.is_contiguous() && src.nbytes() >= size_t(bytes_per_peer),
                 "peer_write source too small");
@@ -476,10 +511,15 @@ class EpContext {
 
   py::dict diagnostics() const {
     py::dict d;
+    std::lock_guard<std::mutex> lock(diag_mutex_);  // close() may free the record meanwhile
     if (diag_host_ == nullptr) return d;
     volatile EpDiagnostics* diag = diag_host_;
     const int error = int(diag->error);
-    d["error"] = error == kEpErrorTimeout ? "timeout" : (error == kEpErrorMismatch ? "mismatch" : "");
+    d["error"] = error == kEpErrorTimeout        ? "timeout"
+                 : error == kEpErrorMismatch     ? "mismatch"
+                 : error == kEpErrorPeerAborted  ? "peer_aborted"
+                 : error == kEpErrorOrder        ? "order"
+                                                 : "";
     d["timed_out"] = int(error == kEpErrorTimeout);
     d["rank"] = int(diag->rank);
     d["peer"] = int(diag->peer);
@@ -498,29 +538,35 @@ class EpContext {
   int64_t heap_stride() const { return heap_ ? heap_->stride() : 0; }
   int64_t num_blocks() const { return args_.num_blocks; }
 
+  // Bound without the GIL (py::call_guard in the module): the device wait may last until a
+  // kernel's bounded waits end, and no Python thread (the fault watch included) may be frozen
+  // meanwhile. Touches no Python object. Order: the device first, with the heartbeat still
+  // beating (a kernel of ours still running must not look dead to its peers), then the mark
+  // "left the protocol" and the end of the beat, then the memory (the heap once its views are
+  // gone too: release_heap).
   void close() {
-    if (heartbeat_thread_.joinable()) {
-      {
-        std::lock_guard<std::mutex> lock(heartbeat_mutex_);
-        heartbeat_stop_ = true;
-      }
-      heartbeat_cv_.notify_all();
-      heartbeat_thread_.join();
+    {  // no launch from here on (check_mapped); one already in progress is enqueued first
+      std::lock_guard<std::mutex> lock(launch_mutex_);
+      args_.heap_base = nullptr;
     }
-    if (heap_) {
+    if (heap_ || diag_host_ != nullptr || heartbeat_host_ != nullptr) {
       c10::cuda::CUDAGuard guard(device_);
-      petitDeviceSynchronize();  // no kernel may still touch the range
-      heap_.reset();
+      petitDeviceSynchronize();  // no kernel of ours may still touch the range or the words
     }
-    if (diag_host_ != nullptr) petitFreeHost(diag_host_);
-    diag_host_ = nullptr;
+    heartbeat_.abort();
+    heartbeat_.stop();
+    heap_.reset();
+    {
+      std::lock_guard<std::mutex> lock(diag_mutex_);
+      if (diag_host_ != nullptr) petitFreeHost(diag_host_);
+      diag_host_ = nullptr;
+    }
     if (heartbeat_host_ != nullptr) {  // after the synchronize above: no kernel reads it
       petitHostUnregister(heartbeat_host_);
       munmap(heartbeat_host_, heartbeat_bytes_);
       heartbeat_host_ = nullptr;
     }
     args_.heartbeats = nullptr;
-    args_.heap_base = nullptr;
   }
 
  private:
@@ -531,26 +577,28 @@ class EpContext {
   torch::Tensor view(char* ptr, std::vector<int64_t> sizes, torch::ScalarType dtype) const {
     // The heap is VMM memory whose pages may live on a peer GPU: name the device the
     // mapping is accessed from instead of letting torch query the pointer's home device.
+    // The view owns a share of the heap (release_heap): valid after close() too.
     const torch::Device device(torch::kCUDA, device_);
+    std::shared_ptr<SymmetricHeap> owner = heap_;
     return at::for_blob(ptr, sizes)
         .options(torch::TensorOptions().dtype(dtype).device(device))
         .target_device(device)
-        .deleter([](void*) {})
+        .deleter([owner](void*) mutable { owner.reset(); })
         .make_tensor();
   }
 
   int device_;
   CombineConfig combine_config_;
   EpContextArgs args_{};
-  std::unique_ptr<SymmetricHeap> heap_;
+  std::shared_ptr<SymmetricHeap> heap_;  // shared with the views (release_heap)
   torch::Tensor state_, token_rank_mask_, group_done_, recv_group_counts_;
   EpDiagnostics* diag_host_ = nullptr;
+  mutable std::mutex diag_mutex_;       // diagnostics() against close()'s free
+  std::mutex launch_mutex_;             // a launch (or view) against close(), which runs
+                                        // without the GIL
   uint64_t* heartbeat_host_ = nullptr;  // the mapped heartbeat page (attach_heartbeat)
   size_t heartbeat_bytes_ = 0;
-  std::thread heartbeat_thread_;
-  std::mutex heartbeat_mutex_;
-  std::condition_variable heartbeat_cv_;
-  bool heartbeat_stop_ = false;
+  HeartbeatThread heartbeat_;           // beats this rank's word (comm/heartbeat.h)
 };
 
 // SM count of a device, queried once per device (no device sync; safe under graph capture).
@@ -1031,5 +1079,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("heap_bytes", &EpContext::heap_bytes)
       .def_property_readonly("heap_stride", &EpContext::heap_stride)
       .def_property_readonly("num_blocks", &EpContext::num_blocks)
-      .def("close", &EpContext::close);
+      .def("abort", &EpContext::abort)
+      .def("close", &EpContext::close, py::call_guard<py::gil_scoped_release>());
 }

@@ -221,9 +221,12 @@ def _rank_traced_combine(state, cfg, seed, tokens_per_rank, top_k):
     expert_out = _scaled_experts(out.recv_x, out.recv_topk_ids, out.recv_topk_weights)
     y = torch.full_like(xs[rank], POISON)
     trace = buf.new_combine_trace()
-    for bad in (trace[:, :4], trace.int(), trace.cpu(), trace[:1]):  # refused before a launch
+    # refused before a launch (checked directly: a combine that raises leaves the protocol,
+    # EpBuffer._collective, and the buffer is shared by the pool's later cases)
+    from vllm_petit_moe.buffer import check_combine_trace
+    for bad in (trace[:, :4], trace.int(), trace.cpu(), trace[:1]):
         with pytest.raises(ValueError, match="trace must be"):
-            buf.combine(expert_out, out.handle, out=y, trace=bad)
+            check_combine_trace(bad, buf.num_sms, buf.device)
     buf.combine(expert_out, out.handle, out=y, trace=trace)
     expert_outs = [_scaled_experts(e.recv_x, e.recv_topk_ids, e.recv_topk_weights)
                    for e in expected]
@@ -285,9 +288,9 @@ def _rank_megamoe_expert_stage(state, cfg, seed, tokens_per_rank, top_k, inter, 
     for r in range(rounds):
         xs, ids, ws = _inputs(seed + 1 + r, tokens_per_rank, hidden, top_k, num_experts, world,
                               None, device)
-        out = buf.dispatch(xs[rank], ids[rank], ws[rank], region_stride=stride)
         ys = []
-        for experts in ("megamoe", "composed"):
+        for experts in ("megamoe", "composed"):  # a dispatch each: one combine per dispatch
+            out = buf.dispatch(xs[rank], ids[rank], ws[rank], region_stride=stride)
             stage_out = torch.full_like(out.recv_x, POISON)
             fn = ops.megamoe_forward if experts == "megamoe" else ops.experts_forward
             kwargs = {"num_sms": buf.num_sms} if experts == "megamoe" else {}
@@ -348,7 +351,17 @@ def _rank_megamoe_expert_stage(state, cfg, seed, tokens_per_rank, top_k, inter, 
 
 
 def _rank_bad_inputs(state, cfg):
-    buf = get_buffer(state, **cfg)
+    """Each bad call raises ValueError before its launch and leaves the protocol (the buffer
+    refuses later calls, BufferAbortedError): one fresh buffer per case, built collectively."""
+    from vllm_petit_moe.buffer import BufferAbortedError, EpBuffer
+    bufs = []
+
+    class Fresh:  # buf.dispatch(...) of a new buffer per case
+        def dispatch(self, *args, **kwargs):
+            bufs.append(EpBuffer(state["group"], **cfg))
+            return bufs[-1].dispatch(*args, **kwargs)
+
+    buf = Fresh()
     dev, H, T = state["device"], cfg["hidden_size"], 4
     x = torch.randn(T, H, device=dev).to(torch.bfloat16)
     ids = torch.zeros(T, 2, dtype=torch.int64, device=dev)
@@ -374,6 +387,9 @@ def _rank_bad_inputs(state, cfg):
     for fn, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             fn()
+        with pytest.raises(BufferAbortedError, match="left the collective protocol"):
+            bufs[-1].dispatch(x, ids, w)
+        bufs[-1].close()
     return True
 
 

@@ -26,6 +26,7 @@ HEADER_NAMES = {
     "MAX_TOP_K": "kMaxTopK",
     "MAX_WORLD_SIZE": "kMaxWorldSize",
     "MAX_EXPERTS": "kMaxExperts",
+    "MAX_TOKENS_PER_RANK": "kMaxTokensPerRank",
     "MAX_LOCAL_EXPERTS": "kMaxExperts",
     "SIZE_MULTIPLE": "kSizeMultiple",
     "TOKEN_GROUP_SIZE": "kTokenGroupSize",

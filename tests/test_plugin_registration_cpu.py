@@ -95,8 +95,8 @@ def test_register_without_flag_only_registers_the_env_vars():
     """), VLLM_USE_PETIT_MOE="0")
     assert out == {
         "registered": ["VLLM_PETIT_MOE_EXPERTS", "VLLM_PETIT_MOE_EXPERTS_TILES",
-                       "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS", "VLLM_PETIT_MOE_STRICT",
-                       "VLLM_PETIT_MOE_TIMEOUT_S", "VLLM_USE_PETIT_MOE"],
+                       "VLLM_PETIT_MOE_MAX_WAIT_S", "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS",
+                       "VLLM_PETIT_MOE_STRICT", "VLLM_PETIT_MOE_TIMEOUT_S", "VLLM_USE_PETIT_MOE"],
         "flag": False,
         "mk_imported": False,
         "finders": [],

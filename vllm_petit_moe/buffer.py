@@ -11,6 +11,7 @@ docs/architecture.md for the data layout and the flag/epoch protocol.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import socket
@@ -23,10 +24,10 @@ from .config import CombineConfig, as_dict
 from .rendezvous import (Agreement, SetupError, check_identities, check_single_node,
                          exchange_fds, local_identity, parse_secret)
 from .limits import (DEFAULT_MAX_WAIT_S, DEFAULT_TIMEOUT_S, FP8_BLOCK_MODES, FP8_SCALE_BLOCK,
-                     MAX_EXPERTS, MAX_TOP_K, MAX_WORLD_SIZE, MEGAMOE_BLOCKS_PER_SM,
-                     MEGAMOE_MAX_ENTRIES, MEGAMOE_TRACE_SLOTS, MIN_CHUNK_VECTORS,
-                     REGION_ALIGNMENT, SIZE_MULTIPLE, TOKEN_GROUP_SIZE, check_max_wait_s,
-                     check_timeout_s)
+                     MAX_EXPERTS, MAX_TOKENS_PER_RANK, MAX_TOP_K, MAX_WORLD_SIZE,
+                     MEGAMOE_BLOCKS_PER_SM, MEGAMOE_MAX_ENTRIES, MEGAMOE_TRACE_SLOTS,
+                     MIN_CHUNK_VECTORS, REGION_ALIGNMENT, SIZE_MULTIPLE, TOKEN_GROUP_SIZE,
+                     check_max_wait_s, check_timeout_s)
 
 logger = logging.getLogger("vllm.petit_moe.buffer")  # inside vLLM's logger tree
 
@@ -62,10 +63,20 @@ def _synchronize(device: torch.device) -> None:
 
 
 class PeerFaultError(RuntimeError):
-    """A dispatch/combine wait of this rank failed (a peer died, stalled past the timeout, or
-    made a different call): the kernel trapped, so this process's CUDA context is lost and the
-    process must restart. The message names the phase, the peer, the token group and the
-    epoch (EpBuffer.diagnostics())."""
+    """A dispatch/combine wait of this rank failed (a peer died, stalled past the timeout,
+    left the protocol, or made a different call or another call order): the kernel trapped,
+    so this process's CUDA context is lost and the process must restart. The message names
+    the phase, the peer, the token group and the epoch (EpBuffer.diagnostics())."""
+
+
+class BufferAbortedError(RuntimeError):
+    """A collective call of this EpBuffer raised on this rank before its launch: the rank left
+    the protocol (its heartbeat is marked aborted, so its peers' waits fail within one wait
+    bound, docs/faults.md) and the buffer refuses every later call. Rebuild the group."""
+
+
+# Call tag fields (csrc/common/layout.h call_tag): the region stride in bits [9, 25).
+_TAG_STRIDE_SHIFT, _TAG_KIND_SHIFT = 9, 8
 
 
 def describe_fault(d: dict) -> str | None:
@@ -76,32 +87,47 @@ def describe_fault(d: dict) -> str | None:
         return None
     where = (f"{d['phase']} on rank {d['rank']}, waiting for rank {d['peer']}, token group "
              f"{d['group']}")
+    observed, expected = d.get("observed_tag", 0), d.get("expected_tag", 0)
+    stride = lambda tag: ((tag >> _TAG_STRIDE_SHIFT) & 0xFFFF) + 1  # noqa: E731
     if error == "timeout":
         what = (f"timed out: expected epoch {d['expected_epoch']}, the flag holds epoch "
                 f"{d['observed_epoch']}"
                 + ("; the peer's process is alive but the wait reached max_wait_s"
                    if d.get("peer_alive") else ""))
+    elif error == "peer_aborted":
+        what = (f"rank {d['peer']} left the protocol at epoch {d['expected_epoch']} (its "
+                "heartbeat is marked aborted: an error on that rank before its call, a failed "
+                "wait of its own, or it closed its buffer; its log says which)")
+    elif error == "order":
+        kind = "combine" if (observed >> _TAG_KIND_SHIFT) & 1 else "dispatch"
+        what = (f"call order mismatch: rank {d['peer']} is past this call (its {kind} of "
+                f"epoch {d['observed_epoch']} is here, this rank waits at epoch "
+                f"{d['expected_epoch']}): a call skipped or made in another order")
     else:
         what = (f"call mismatch at epoch {d['expected_epoch']}: the peer's call tag "
-                f"0x{d.get('observed_tag', 0):04x} != this rank's 0x{d.get('expected_tag', 0):04x} "
-                "(region stride, top-k and quant must be equal on all ranks)")
+                f"0x{observed:07x} != this rank's 0x{expected:07x} (region stride "
+                f"{stride(observed)} vs {stride(expected)}; call kind, region stride, top-k "
+                "and quant must be equal on all ranks)")
     return (f"petit_moe: {where}: {what}. The kernel trapped: this process's CUDA context is "
             "lost (a sticky error), so the process must restart")
 
 
 @dataclass(frozen=True)
 class CombineHandle:
-    """What `combine` needs from the `dispatch` it answers. Valid until the next dispatch
-    on the same buffer."""
+    """What `combine` needs from the `dispatch` it answers. Valid for one combine, until the
+    next dispatch or fused call on the same buffer (`dispatch_index` names its dispatch)."""
     num_tokens: int
     top_k: int
     region_stride: int
+    dispatch_index: int = -1
 
 
 @dataclass(frozen=True)
 class DispatchOutput:
     """Result of `EpBuffer.dispatch` at this (destination) rank; W = world size,
-    R = region stride. The tensors are views of the heap, valid until the next dispatch.
+    R = region stride. The tensors are views of the heap, valid until the next dispatch; each
+    holds a share of the heap, so after `EpBuffer.close()` they read stale rows, never freed
+    memory, and the heap is freed when the last of them is gone.
 
     recv_x:            [W*R, H] bfloat16 (float8_e4m3fn with an fp8 `quant`); row s*R+i =
                        token i of source s if routed here (other rows are stale).
@@ -170,8 +196,10 @@ def validate_config(*, world_size: int, hidden_size: int, num_experts: int,
                          f"and divisible by the world size {world_size}")
     if not 1 <= max_top_k <= MAX_TOP_K:
         raise ValueError(f"petit_moe: max_top_k {max_top_k} outside [1, {MAX_TOP_K}]")
-    if max_tokens_per_rank < 1:
-        raise ValueError("petit_moe: max_tokens_per_rank must be >= 1")
+    if not 1 <= max_tokens_per_rank <= MAX_TOKENS_PER_RANK:
+        raise ValueError(f"petit_moe: max_tokens_per_rank {max_tokens_per_rank} outside [1, "
+                         f"{MAX_TOKENS_PER_RANK}] (the call tag carries the region stride in "
+                         "full)")
 
 
 _CONFIG_FIELDS = {"signature", "host", "identity", "token", "secret"}
@@ -214,7 +242,9 @@ class EpBuffer:
         hidden_size: H, a multiple of 8.
         num_experts: E, divisible by the world size, <= 512.
         max_tokens_per_rank: the largest T a dispatch may carry; sizes the heap
-            (2 * W * T_max * H * 2 bytes of rows per rank). Larger calls raise ValueError.
+            (2 * W * T_max * H * 2 bytes of rows per rank), at most
+            limits.MAX_TOKENS_PER_RANK (65536: the flags' call tag holds the region stride in
+            full). Larger calls raise ValueError.
         max_top_k: the largest top-k (<= 16).
         num_sms: blocks of the persistent dispatch/combine grid (default: every SM).
         timeout_s: bound of every spin-wait, in (0, 3600] seconds (limits.MAX_TIMEOUT_S).
@@ -226,6 +256,9 @@ class EpBuffer:
             [timeout_s, 86400] seconds (limits.MAX_WAIT_S): a live but stuck peer is reported
             after it.
         validate_ids: check expert ids on the host (one sync) when not capturing a graph.
+            Like any error of a collective call, a bad id raises on this rank and ends its
+            part in the protocol (its peers are told within one wait bound; later calls raise
+            BufferAbortedError).
         config: how combine splits its grid and its work
             (:class:`~vllm_petit_moe.config.CombineConfig`; default: its defaults). Equal on
             all ranks, like the other arguments: the chunks a peer's flags count follow it.
@@ -240,6 +273,9 @@ class EpBuffer:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._ctx = None
+        self._aborted: str | None = None  # why this rank left the protocol (_collective)
+        self._num_dispatches = 0  # dispatches so far; CombineHandle.dispatch_index
+        self._combine_due: int | None = None  # the dispatch a combine may answer now
         self._megamoe_workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.hidden_size = hidden_size
         self.num_experts = num_experts
@@ -367,8 +403,36 @@ class EpBuffer:
         self._step("read signatures", read)  # nobody overwrites the region before all read
 
     def _check_open(self) -> None:
+        if self._aborted is not None:
+            raise BufferAbortedError(
+                f"petit_moe: EpBuffer rank {self.rank} left the collective protocol after an "
+                f"error in a {self._aborted} (its peers were told: its heartbeat is marked "
+                "aborted); close it and rebuild the group")
         if self._ctx is None:
             raise RuntimeError("petit_moe: EpBuffer is closed")
+
+    @contextlib.contextmanager
+    def _collective(self, what: str):
+        """One collective call (dispatch, combine, megamoe). When it raises on this rank
+        (bad arguments or ids, a refused launch, an interrupt), the peers already wait for
+        this call and would see a live process for max_wait_s: the rank leaves the protocol
+        instead, marking its heartbeat aborted (EpContext.abort) so their waits fail within
+        one bound, and the buffer refuses later calls (BufferAbortedError)."""
+        self._check_open()
+        try:
+            yield
+        except BaseException:
+            self._aborted = what
+            ctx = self._ctx
+            if ctx is not None:
+                try:
+                    ctx.abort()
+                except Exception:  # noqa: BLE001 - the original error is the one to raise
+                    logger.exception("petit_moe: marking rank %d's heartbeat aborted failed",
+                                     self.rank)
+            logger.error("petit_moe: EpBuffer rank %d left the protocol: its %s raised; its "
+                         "peers' waits will fail (peer aborted)", self.rank, what)
+            raise
 
     # -------------------------------------------------------------------- hot path
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -390,22 +454,25 @@ class EpBuffer:
         No host synchronization (unless validate_ids and not capturing); capturable in a
         CUDA graph. Collective: every rank calls it.
         """
-        self._check_open()
-        region_stride = self.max_tokens_per_rank if region_stride is None else region_stride
-        self._validate_dispatch(x, topk_ids, topk_weights, region_stride)
-        if quant not in DISPATCH_QUANT:
-            raise ValueError(f"petit_moe: quant must be one of {list(DISPATCH_QUANT)}, got "
-                             f"{quant!r}")
-        if quant in FP8_BLOCK_MODES and self.hidden_size % FP8_SCALE_BLOCK:
-            raise ValueError(f"petit_moe: {quant} needs a hidden size that is a multiple "
-                             f"of {FP8_SCALE_BLOCK}, got {self.hidden_size}")
-        recv_x, recv_ids, recv_weights, recv_scales = self._ctx.dispatch(
-            x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), region_stride,
-            DISPATCH_QUANT[quant])
-        handle = CombineHandle(num_tokens=x.shape[0], top_k=topk_ids.shape[1],
-                               region_stride=region_stride)
-        return DispatchOutput(recv_x, recv_ids, recv_weights, handle,
-                              recv_scales if quant else None)
+        with self._collective("dispatch"):
+            region_stride = self.max_tokens_per_rank if region_stride is None else region_stride
+            self._validate_dispatch(x, topk_ids, topk_weights, region_stride)
+            if quant not in DISPATCH_QUANT:
+                raise ValueError(f"petit_moe: quant must be one of {list(DISPATCH_QUANT)}, got "
+                                 f"{quant!r}")
+            if quant in FP8_BLOCK_MODES and self.hidden_size % FP8_SCALE_BLOCK:
+                raise ValueError(f"petit_moe: {quant} needs a hidden size that is a multiple "
+                                 f"of {FP8_SCALE_BLOCK}, got {self.hidden_size}")
+            recv_x, recv_ids, recv_weights, recv_scales = self._ctx.dispatch(
+                x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), region_stride,
+                DISPATCH_QUANT[quant])
+            self._num_dispatches += 1
+            self._combine_due = self._num_dispatches
+            handle = CombineHandle(num_tokens=x.shape[0], top_k=topk_ids.shape[1],
+                                   region_stride=region_stride,
+                                   dispatch_index=self._num_dispatches)
+            return DispatchOutput(recv_x, recv_ids, recv_weights, handle,
+                                  recv_scales if quant else None)
 
     def megamoe(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 w13: torch.Tensor, w2: torch.Tensor, region_stride: int | None = None,
@@ -429,42 +496,48 @@ class EpBuffer:
         Returns out. sm_90a only. No host synchronization (unless validate_ids and not
         capturing); capturable in a CUDA graph. Collective: every rank calls it (not mixed
         with another rank's dispatch or combine of the same epoch: that is reported as a
-        fault). The grid takes two blocks on each of the buffer's num_sms SMs, which must be
-        free for it (co-resident). recv_tokens_per_rank does not describe these calls.
+        fault). The grid takes two blocks on each of the buffer's num_sms SMs, all resident at once
+        (its blocks and ranks spin on each other): a grid the GPU cannot hold (occupancy x
+        SMs) is refused at launch (RuntimeError, which ends the buffer like any error of a
+        collective call). What no launch can check, the caller guarantees: those SMs are
+        free for it, no other kernel running on the GPU meanwhile (another stream, another
+        process or rank sharing the GPU, MPS clients); otherwise the waits time out and trap
+        (docs/faults.md). recv_tokens_per_rank does not describe these calls.
         """
         from .ops import _megamoe_sync_buffer, megamoe_unsupported_reason
-        self._check_open()
-        region_stride = self.max_tokens_per_rank if region_stride is None else region_stride
-        self._validate_dispatch(x, topk_ids, topk_weights, region_stride)
-        top_k, local = topk_ids.shape[1], self.num_local_experts
-        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != local or w2.shape[0] != local \
-                or w13.shape[2] != self.hidden_size or w2.shape[1] != self.hidden_size \
-                or w2.shape[2] * 2 != w13.shape[1] or w13.dtype != torch.bfloat16 \
-                or w2.dtype != torch.bfloat16:
-            raise ValueError(f"petit_moe: megamoe needs w13 [L={local}, 2I, H="
-                             f"{self.hidden_size}] and w2 [L, H, I] bfloat16, got "
-                             f"{w13.dtype} {tuple(w13.shape)} and {w2.dtype} {tuple(w2.shape)}")
-        inter = w2.shape[2]
-        reason = megamoe_unsupported_reason(self.world_size * region_stride, top_k,
-                                            self.hidden_size, inter)
-        if reason is not None:
-            raise ValueError(f"petit_moe: megamoe over W x R = {self.world_size} x "
-                             f"{region_stride} rows: {reason}")
-        if out is None:
-            out = torch.empty_like(x)
-        elif out.shape != x.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-            raise ValueError(f"petit_moe: out must be contiguous bfloat16 {tuple(x.shape)}")
-        act, partial = self._megamoe_workspace(inter)
-        # int64 ids outside [-1, E) become E (dropped and counted by the kernel), never an
-        # int32 alias of a real expert
-        ids = topk_ids if topk_ids.dtype == torch.int32 else torch.where(
-            (topk_ids >= -1) & (topk_ids < self.num_experts), topk_ids,
-            self.num_experts).to(torch.int32)
-        self._ctx.megamoe(x.contiguous(), ids.contiguous(), topk_weights.contiguous(),
-                          w13.contiguous(), w2.contiguous(), out, act, partial,
-                          _megamoe_sync_buffer(self.device, local, self.hidden_size),
-                          region_stride, trace=trace)
-        return out
+        with self._collective("megamoe"):
+            region_stride = self.max_tokens_per_rank if region_stride is None else region_stride
+            self._validate_dispatch(x, topk_ids, topk_weights, region_stride)
+            top_k, local = topk_ids.shape[1], self.num_local_experts
+            if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != local or w2.shape[0] != local \
+                    or w13.shape[2] != self.hidden_size or w2.shape[1] != self.hidden_size \
+                    or w2.shape[2] * 2 != w13.shape[1] or w13.dtype != torch.bfloat16 \
+                    or w2.dtype != torch.bfloat16:
+                raise ValueError(f"petit_moe: megamoe needs w13 [L={local}, 2I, H="
+                                 f"{self.hidden_size}] and w2 [L, H, I] bfloat16, got "
+                                 f"{w13.dtype} {tuple(w13.shape)} and {w2.dtype} {tuple(w2.shape)}")
+            inter = w2.shape[2]
+            reason = megamoe_unsupported_reason(self.world_size * region_stride, top_k,
+                                                self.hidden_size, inter)
+            if reason is not None:
+                raise ValueError(f"petit_moe: megamoe over W x R = {self.world_size} x "
+                                 f"{region_stride} rows: {reason}")
+            if out is None:
+                out = torch.empty_like(x)
+            elif out.shape != x.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+                raise ValueError(f"petit_moe: out must be contiguous bfloat16 {tuple(x.shape)}")
+            act, partial = self._megamoe_workspace(inter)
+            # int64 ids outside [-1, E) become E (dropped and counted by the kernel), never an
+            # int32 alias of a real expert
+            ids = topk_ids if topk_ids.dtype == torch.int32 else torch.where(
+                (topk_ids >= -1) & (topk_ids < self.num_experts), topk_ids,
+                self.num_experts).to(torch.int32)
+            self._ctx.megamoe(x.contiguous(), ids.contiguous(), topk_weights.contiguous(),
+                              w13.contiguous(), w2.contiguous(), out, act, partial,
+                              _megamoe_sync_buffer(self.device, local, self.hidden_size),
+                              region_stride, trace=trace)
+            self._combine_due = None  # the fused call took the epoch: no combine answers it
+            return out
 
     def new_megamoe_trace(self) -> torch.Tensor:
         """A trace tensor for :meth:`megamoe`: int64 [2 * num_sms, MEGAMOE_TRACE_SLOTS],
@@ -518,23 +591,34 @@ class EpBuffer:
         Returns y [T, H] bfloat16: y[i] = sum over ranks d routed by token i of
         expert_out_d[rank*R + i], accumulated in fp32.
         """
-        self._check_open()
-        rows = self.world_size * handle.region_stride
-        if expert_out.dtype != torch.bfloat16 or tuple(expert_out.shape) != (rows, self.hidden_size):
-            raise ValueError(f"petit_moe: expert_out must be bfloat16 [{rows}, {self.hidden_size}]"
-                             f" (world*region_stride, hidden), got {expert_out.dtype} "
-                             f"{list(expert_out.shape)}")
-        if out is None:
-            out = torch.empty(handle.num_tokens, self.hidden_size, dtype=torch.bfloat16,
-                              device=self.device)
-        elif out.dtype != torch.bfloat16 or tuple(out.shape) != (handle.num_tokens, self.hidden_size):
-            raise ValueError(f"petit_moe: out must be bfloat16 [{handle.num_tokens}, "
-                             f"{self.hidden_size}], got {out.dtype} {list(out.shape)}")
-        if trace is not None:
-            check_combine_trace(trace, self.num_sms, self.device)
-        self._ctx.combine(expert_out.contiguous(), out, handle.top_k, handle.region_stride,
-                          trace)
-        return out
+        with self._collective("combine"):
+            if not isinstance(handle, CombineHandle) or handle.dispatch_index < 1 or \
+                    handle.dispatch_index != self._combine_due:
+                raise ValueError(
+                    "petit_moe: combine must answer this buffer's latest dispatch, once (the "
+                    "kernel waits at that dispatch's epoch: a repeated, late or unpaired "
+                    f"combine would read stale rows); handle of dispatch "
+                    f"{getattr(handle, 'dispatch_index', None)}, latest dispatch "
+                    f"{self._num_dispatches}"
+                    + (" already combined or followed by a fused call"
+                       if self._combine_due is None else ""))
+            rows = self.world_size * handle.region_stride
+            if expert_out.dtype != torch.bfloat16 or tuple(expert_out.shape) != (rows, self.hidden_size):
+                raise ValueError(f"petit_moe: expert_out must be bfloat16 [{rows}, {self.hidden_size}]"
+                                 f" (world*region_stride, hidden), got {expert_out.dtype} "
+                                 f"{list(expert_out.shape)}")
+            if out is None:
+                out = torch.empty(handle.num_tokens, self.hidden_size, dtype=torch.bfloat16,
+                                  device=self.device)
+            elif out.dtype != torch.bfloat16 or tuple(out.shape) != (handle.num_tokens, self.hidden_size):
+                raise ValueError(f"petit_moe: out must be bfloat16 [{handle.num_tokens}, "
+                                 f"{self.hidden_size}], got {out.dtype} {list(out.shape)}")
+            if trace is not None:
+                check_combine_trace(trace, self.num_sms, self.device)
+            self._ctx.combine(expert_out.contiguous(), out, handle.top_k, handle.region_stride,
+                              trace)
+            self._combine_due = None
+            return out
 
     def new_combine_trace(self) -> torch.Tensor:
         """A trace tensor for :meth:`combine`: int64 [num_sms, slots], filled with -1 (rows
@@ -619,12 +703,14 @@ class EpBuffer:
         self._ctx.peer_write(src, bytes_per_peer, self.num_sms)
 
     def close(self) -> None:
-        """Unmap and release the heap (waits for the device). Collective in spirit: peers
-        must not use this rank's heap afterwards."""
-        if self._ctx is not None:
-            self._ctx.close()
-            self._ctx = None
+        """Wait for the device (without holding the GIL), then stop the heartbeat (marked
+        aborted: a peer still waiting for this rank fails within one bound) and release the
+        heap: unmapped once no DispatchOutput tensor holds it either. Collective in spirit:
+        peers must not use this rank's heap afterwards. Idempotent."""
+        ctx, self._ctx = self._ctx, None  # no call of another thread starts on it from here
         self._megamoe_workspaces = {}
+        if ctx is not None:
+            ctx.close()
 
     def __del__(self):
         try:

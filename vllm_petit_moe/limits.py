@@ -11,6 +11,7 @@ from __future__ import annotations
 MAX_TOP_K = 16  # kMaxTopK: experts per token
 MAX_WORLD_SIZE = 32  # kMaxWorldSize: token -> rank masks are uint32
 MAX_EXPERTS = 512  # kMaxExperts: experts of an EpBuffer
+MAX_TOKENS_PER_RANK = 65536  # kMaxTokensPerRank: the call tag holds the region stride in full
 MAX_LOCAL_EXPERTS = MAX_EXPERTS  # experts_forward's L, checked against kMaxExperts too
 SIZE_MULTIPLE = 8  # kSizeMultiple: H and I are multiples of one 16-byte vector of bf16
 MAX_ENTRIES = 2**31 - 1  # N*K routing entries of experts_forward are indexed with int32

@@ -43,6 +43,7 @@ def register() -> None:
     envs.strict()
     envs.petit_experts()
     envs.timeout_s()
+    envs.max_wait_s()
     if not enabled:
         compat.warn_if_unsupported_vllm()
         _registered = True

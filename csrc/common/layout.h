@@ -24,16 +24,22 @@ constexpr int kMegaMoeTraceSlots = kMegaMoeTraceHeader + 3 * kMegaMoeTraceTasks;
 constexpr int kMegaMoeBlocksPerSm = 2;  // fused layer's grid: up to this many blocks per SM
 constexpr int kRegionAlignment = 256;  // bytes; keeps every region 16-byte vector aligned
 constexpr int kFp8ScaleBlock = 128;   // elements per fp8 scale (1x128 block quantization)
+// The most tokens per rank of a buffer, so the most a region stride can be: the call tag
+// carries the stride in full (layout.h call_tag), in 16 bits.
+constexpr int kMaxTokensPerRank = 65536;
 // A readiness flag (u64) = epoch << kFlagEpochShift | call tag << kFlagCountBits | count:
-// the count of rows routed in the group (0..32), the tag of the call that raised it (its
-// region stride, top-k and wire format or send chunks: dispatch_flag_tag / combine_flag_tag),
-// and the low kFlagEpochBits bits of the epoch (2^42 calls: 44 years at 3000 calls/s). A
-// waiter that finds its epoch with another tag knows the peer made a different call (region
-// stride, top-k, quant) and fails with that, instead of reading rows at the wrong offsets.
+// the count of rows routed in the group (0..32), the tag of the call that raised it (call_tag:
+// its kind, region stride in full, top-k and wire format or send chunks), and the low
+// kFlagEpochBits bits of the epoch (the call's sequence number: every dispatch or fused call
+// takes the next, a combine shares its dispatch's). A waiter that finds its epoch with another
+// tag knows the peer made a different call (region stride, top-k, quant) and fails with that,
+// instead of reading rows at the wrong offsets. Epochs compare modulo 2^kFlagEpochBits (2^33
+// dispatches: 33 days at 3000 calls/s; only equality and the order of the freshest flags are
+// ever read, flag_epoch_after).
 constexpr int kFlagCountBits = 6;
-constexpr int kFlagTagBits = 16;
-constexpr int kFlagEpochShift = 22;
-constexpr int kFlagEpochBits = 42;
+constexpr int kFlagTagBits = 25;
+constexpr int kFlagEpochShift = 31;
+constexpr int kFlagEpochBits = 33;
 static_assert(kFlagEpochShift == kFlagCountBits + kFlagTagBits &&
                   kFlagEpochBits == 64 - kFlagEpochShift,
               "flag = epoch | tag | count fills 64 bits");
@@ -78,17 +84,40 @@ PETIT_HOST_DEVICE uint32_t flag_tag(uint64_t flag) {
 PETIT_HOST_DEVICE uint32_t flag_count(uint64_t flag) {
   return uint32_t(flag & ((1u << kFlagCountBits) - 1));
 }
-// Tag of a dispatch: bits [0, 2) the wire format (DispatchQuant), [2, 6) top-k - 1, [6, 16)
-// the region stride mod 1024 (strides that differ by a multiple of 1024 are not told apart).
-PETIT_HOST_DEVICE uint32_t dispatch_flag_tag(int region_stride, int top_k, int quant) {
-  return uint32_t(quant & 3) | (uint32_t((top_k - 1) & 15) << 2) |
-         (uint32_t(region_stride & 1023) << 6);
+// The call kinds a tag names. Within one epoch a dispatch comes before its combine; a fused
+// call raises dispatch flags then its reductions flag (combine kind).
+enum CallKind : uint32_t { kCallDispatch = 0, kCallCombine = 1 };
+// Tag of a call: bits [0, 4) the variant (a dispatch's wire format, DispatchQuant; a combine's
+// send chunks per (group, peer) - 1, mod 16), [4, 8) top-k - 1, [8] the kind (CallKind),
+// [9, 25) the region stride - 1: in full (1 <= R <= kMaxTokensPerRank = 2^16).
+constexpr int kTagKindShift = 8;
+constexpr int kTagStrideShift = 9;
+static_assert(kTagStrideShift + 16 == kFlagTagBits && kMaxTokensPerRank <= (1 << 16),
+              "the tag holds every region stride in full");
+PETIT_HOST_DEVICE uint32_t call_tag(uint32_t kind, int region_stride, int top_k,
+                                    uint32_t variant) {
+  return (variant & 15u) | (uint32_t((top_k - 1) & 15) << 4) | ((kind & 1u) << kTagKindShift) |
+         (uint32_t((region_stride - 1) & 0xFFFF) << kTagStrideShift);
 }
-// Tag of a combine: [0, 4) top-k - 1, [4, 12) the region stride mod 256, [12, 16) the send
-// chunks per (group, peer) - 1 mod 16 (which hidden ranges each flag covers).
+PETIT_HOST_DEVICE uint32_t tag_kind(uint32_t tag) { return (tag >> kTagKindShift) & 1u; }
+PETIT_HOST_DEVICE int tag_region_stride(uint32_t tag) {
+  return int((tag >> kTagStrideShift) & 0xFFFF) + 1;
+}
+PETIT_HOST_DEVICE uint32_t dispatch_flag_tag(int region_stride, int top_k, int quant) {
+  return call_tag(kCallDispatch, region_stride, top_k, uint32_t(quant));
+}
+// (A combine's chunk count follows from the stride and the setup's agreed sizes; it is in the
+// tag only as a second check. The fused layer's reductions flag uses 16.)
 PETIT_HOST_DEVICE uint32_t combine_flag_tag(int region_stride, int top_k, int num_chunks) {
-  return uint32_t((top_k - 1) & 15) | (uint32_t(region_stride & 255) << 4) |
-         (uint32_t((num_chunks - 1) & 15) << 12);
+  return call_tag(kCallCombine, region_stride, top_k, uint32_t(num_chunks - 1));
+}
+// Whether epoch `a` (flag bits) is later than `b`, modulo 2^kFlagEpochBits: true for a
+// distance below half the range. Used only on the flags every call rewrites (a peer's group 0),
+// never on a flag that may be older than the previous call.
+PETIT_HOST_DEVICE bool flag_epoch_after(uint64_t a, uint64_t b) {
+  const uint64_t mask = (uint64_t(1) << kFlagEpochBits) - 1;
+  const uint64_t distance = (a - b) & mask;
+  return distance != 0 && distance < (uint64_t(1) << (kFlagEpochBits - 1));
 }
 
 PETIT_HOST_DEVICE int64_t align_up(int64_t value, int64_t alignment) {

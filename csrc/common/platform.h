@@ -101,6 +101,7 @@ typedef hipStream_t petitStream_t;
 #define petitSuccess hipSuccess
 #define petitErrorInvalidValue hipErrorInvalidValue
 #define petitErrorNotSupported hipErrorNotSupported
+#define petitErrorCooperativeLaunchTooLarge hipErrorCooperativeLaunchTooLarge
 #define petitGetErrorString hipGetErrorString
 #define petitGetLastError hipGetLastError
 #define petitGetDevice hipGetDevice
@@ -122,6 +123,7 @@ typedef hipStream_t petitStream_t;
 #define petitFuncAttributePreferredSharedMemoryCarveout \
   hipFuncAttributePreferredSharedMemoryCarveout
 #define petitFuncGetAttributes hipFuncGetAttributes
+#define petitOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
 typedef hipFuncAttributes petitFuncAttributes;
 #define petitHostAlloc(ptr, size) hipHostMalloc(ptr, size, hipHostMallocMapped)
 #define petitHostGetDevicePointer(dptr, hptr) hipHostGetDevicePointer(dptr, hptr, 0)
@@ -138,6 +140,7 @@ typedef cudaStream_t petitStream_t;
 #define petitSuccess cudaSuccess
 #define petitErrorInvalidValue cudaErrorInvalidValue
 #define petitErrorNotSupported cudaErrorNotSupported
+#define petitErrorCooperativeLaunchTooLarge cudaErrorCooperativeLaunchTooLarge
 #define petitGetErrorString cudaGetErrorString
 #define petitGetLastError cudaGetLastError
 #define petitGetDevice cudaGetDevice
@@ -159,6 +162,7 @@ typedef cudaStream_t petitStream_t;
 #define petitFuncAttributePreferredSharedMemoryCarveout \
   cudaFuncAttributePreferredSharedMemoryCarveout
 #define petitFuncGetAttributes cudaFuncGetAttributes
+#define petitOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 typedef cudaFuncAttributes petitFuncAttributes;
 #define petitHostAlloc(ptr, size) cudaHostAlloc(ptr, size, cudaHostAllocMapped)
 #define petitHostGetDevicePointer(dptr, hptr) cudaHostGetDevicePointer(dptr, hptr, 0)

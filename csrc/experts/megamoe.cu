@@ -1303,6 +1303,16 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
     petitError_t rc =
         petitFuncSetAttribute(kernel, petitFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (rc != petitSuccess) return rc;
+    if (kEp) {  // the EP grid's blocks spin on each other and on the peers': all resident
+      int per_sm = 0, sms = 0;
+      if ((rc = petitOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, md::kThreads,
+                                                               size_t(smem))) != petitSuccess ||
+          (rc = petitDeviceGetAttribute(&sms, petitDevAttrMultiProcessorCount, device)) !=
+              petitSuccess) {
+        return rc;
+      }
+      if (int64_t(grid) > int64_t(per_sm) * sms) return petitErrorCooperativeLaunchTooLarge;
+    }
     return launch_with_attributes(kernel, grid, md::kThreads, smem, 1, !kEp, stream, e, w13_map,
                                   w2_map);
   };
@@ -1355,7 +1365,17 @@ petitError_t launch_megamoe_ep(const MegaMoeEpArgs& args, petitStream_t stream) 
   petitError_t err = megamoe_ep_check(args);
   if (err != petitSuccess) return err;
   // Every block takes part in the send phase before any waits for the other ranks: the grid
-  // must be co-resident, two blocks on each of the rank's num_sms SMs.
+  // must be co-resident, two blocks on each of the rank's num_sms SMs. Refused here when it
+  // cannot be (num_sms above the device's SMs; launch_kernel: occupancy x SMs below the
+  // grid), instead of a trap after the wait bound. What no launch can check (docs/faults.md):
+  // that no other kernel holds those SMs meanwhile (another stream, another process).
+  int device = 0, device_sms = 0;
+  if ((err = petitGetDevice(&device)) != petitSuccess ||
+      (err = petitDeviceGetAttribute(&device_sms, petitDevAttrMultiProcessorCount, device)) !=
+          petitSuccess) {
+    return err;
+  }
+  if (args.layer.num_sms > device_sms) return petitErrorCooperativeLaunchTooLarge;
   return launch_kernel<true>(args, kMegaMoeBlocksPerSm * args.layer.num_sms, stream);
 }
 

@@ -151,6 +151,9 @@ T& block_static(int key) {
 }
 thread_local unsigned char* dynamic_smem = nullptr;  // this thread's block's
 int cc_major = 2, cc_minor = 0, sm_count = 2;
+// Blocks of any kernel one SM holds at once, as petitOccupancyMaxActiveBlocksPerMultiprocessor
+// reports it (the fused EP layer's launcher refuses a grid above this x sm_count).
+int blocks_per_sm = 2;
 int l2_bytes = 0;  // the L2 size reported (MegaMoE's row groups: with 0, every grid's tiles exceed it)
 // Thread-block clusters (launch_cluster): this thread's rank in its cluster, the dynamic shared
 // memory of every block of the cluster (by rank) and a barrier of all the cluster's threads.
@@ -381,6 +384,9 @@ inline uint64_t petit_timer() {
   ((attr)->ptxVersion = emu::cc_major * 10 + emu::cc_minor, petitSuccess)  // mma from 8.0
 #undef petitGetLastError
 #define petitGetLastError() (emu::last_error ? petitErrorInvalidValue : petitSuccess)
+#undef petitOccupancyMaxActiveBlocksPerMultiprocessor
+#define petitOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, threads, smem) \
+  (*(blocks) = emu::blocks_per_sm, petitSuccess)
 #undef petitGetDevice
 #define petitGetDevice(device) (*(device) = 0, petitSuccess)
 #undef petitDeviceGetAttribute

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comm/dispatch_combine.cu"
+#include "comm/heartbeat.h"  // the beat of EpContext, on the emulated ranks' words
 #include "experts/megamoe.cu"  // the fused layer across the emulated ranks (MegaMoeEpArgs)
 
 namespace {
@@ -182,6 +183,29 @@ extern "C" void petit_emu_ep_set_heartbeats(void* handle, const uint64_t* words,
   ep.max_wait_ticks = uint64_t(max_wait_s * petit_timer_ticks_per_second());
 }
 
+// The beat of one rank's heartbeat word (comm/heartbeat.h, as EpContext runs it): a host
+// thread increments `word` every period_s seconds of host time until
+// petit_emu_heartbeat_stop; petit_emu_heartbeat_abort marks the word aborted.
+extern "C" void* petit_emu_heartbeat_start(uint64_t* word, double period_s) {
+  auto* beat = new petit::HeartbeatThread();
+  beat->start(word, period_s);
+  return beat;
+}
+extern "C" void petit_emu_heartbeat_abort(void* beat) {
+  static_cast<petit::HeartbeatThread*>(beat)->abort();
+}
+extern "C" void petit_emu_heartbeat_stop(void* beat) {
+  delete static_cast<petit::HeartbeatThread*>(beat);
+}
+
+// The emulated device: its SM count and the blocks of a kernel one SM holds at once (what
+// petitDeviceGetAttribute and petitOccupancyMaxActiveBlocksPerMultiprocessor report; defaults
+// 2 and 2).
+extern "C" void petit_emu_set_device(int sm_count, int blocks_per_sm) {
+  emu::sm_count = sm_count;
+  emu::blocks_per_sm = blocks_per_sm;
+}
+
 // The CombineConfig of every rank's next combines (default-constructed until set).
 extern "C" void petit_emu_ep_set_combine_config(void* handle, int reduce_pct, int reduce_vectors,
                                                 int reduce_items, int tail_chunks) {
@@ -213,7 +237,8 @@ extern "C" int petit_emu_ep_combine_plan(void* handle, int rank, int num_tokens,
 // of the emulated timer (emu_ptx::kTimerSlowdown times slower than the host clock).
 extern "C" void* petit_emu_ep_create(int world_size, int max_tokens, int hidden, int max_top_k,
                                      int num_experts, int num_blocks, double timeout_s) {
-  if (world_size < 1 || world_size > petit::kMaxWorldSize || max_tokens < 1 || hidden < 8 ||
+  if (world_size < 1 || world_size > petit::kMaxWorldSize || max_tokens < 1 ||
+      max_tokens > petit::kMaxTokensPerRank || hidden < 8 ||
       hidden % 8 != 0 || max_top_k < 1 || max_top_k > petit::kMaxTopK || num_experts < 1 ||
       num_experts % world_size != 0 || num_blocks < 1 ||
       !petit::timeout_s_valid(timeout_s))  // as EpContext (bindings.cpp)

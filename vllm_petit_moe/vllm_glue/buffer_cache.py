@@ -26,6 +26,11 @@ buffer per process, shared by all MoE layers of a model.
   it, before the trap surfaces as a generic CUDA error in vLLM; and warns when dispatch
   dropped routing ids outside [-1, E).
 
+- **Closed with their group**: when vLLM's shutdown destroys a group (``GroupCoordinator
+  .destroy``, reached by ``destroy_model_parallel``), the buffers built on it are closed first
+  and forgotten, fault watch included (``compat.on_group_destroy``), so an engine rebuilt in
+  the same process does not keep the previous one's heap and threads.
+
 The compiled extension is imported only when a buffer is actually created
 (``vllm_petit_moe.buffer`` imports it), never by this module or by the hook's decision.
 """
@@ -36,7 +41,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_petit_moe.limits import DEFAULT_TIMEOUT_S, MAX_TOP_K
+from vllm_petit_moe.limits import DEFAULT_MAX_WAIT_S, DEFAULT_TIMEOUT_S, MAX_TOP_K
 
 logger = logging.getLogger("vllm.petit_moe.buffer_cache")
 
@@ -51,6 +56,7 @@ class BufferConfig:
     max_top_k: int = MAX_TOP_K
     num_sms: int | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    max_wait_s: float = DEFAULT_MAX_WAIT_S
 
 
 @dataclass
@@ -119,11 +125,24 @@ def _create_buffer(group: Any, config: BufferConfig) -> Any:
         max_top_k=config.max_top_k,
         num_sms=config.num_sms,
         timeout_s=config.timeout_s,
+        max_wait_s=config.max_wait_s,
         # No host sync on vLLM's forward path (DESIGN.md): validate_ids would sync once per
         # layer in every eager step (prefills beyond the CUDA-graph sizes, --enforce-eager).
         # vLLM's router only emits ids in [0, E).
         validate_ids=False,
     )
+
+
+def _close_with_the_group() -> None:
+    """Have vLLM's shutdown close our buffers before it destroys their group (compat)."""
+    try:
+        from vllm_petit_moe.vllm_glue import compat
+
+        installed = compat.on_group_destroy(close_buffers_of_group)
+    except Exception:  # noqa: BLE001 - no vLLM (benchmarks, tests): close_all_buffers remains
+        installed = False
+    if not installed:
+        logger.debug("vllm-petit-moe: no group-destroy hook; buffers close at process exit")
 
 
 def get_or_create_buffer(group: Any, config: BufferConfig) -> Any:
@@ -156,6 +175,7 @@ def get_or_create_buffer(group: Any, config: BufferConfig) -> Any:
         _FAILED[key] = e
         raise
     _BUFFERS[key] = _Entry(group, config, buffer)
+    _close_with_the_group()
     if callable(getattr(buffer, "fault", None)):
         buffer.fault_watch = FaultWatch(buffer)
     footprint = getattr(buffer, "footprint_bytes", None)
@@ -173,6 +193,15 @@ def get_or_create_buffer(group: Any, config: BufferConfig) -> Any:
     return buffer
 
 
+def _close_entry(entry: _Entry) -> None:
+    watch = getattr(entry.buffer, "fault_watch", None)
+    if watch is not None:
+        watch.stop()
+    close = getattr(entry.buffer, "close", None)
+    if close is not None:
+        close()
+
+
 def close_all_buffers() -> None:
     """Close and forget every cached buffer (tests, benchmarks, clean shutdown).
 
@@ -181,9 +210,22 @@ def close_all_buffers() -> None:
     _FAILED.clear()
     while _BUFFERS:
         _, entry = _BUFFERS.popitem()
-        watch = getattr(entry.buffer, "fault_watch", None)
-        if watch is not None:
-            watch.stop()
-        close = getattr(entry.buffer, "close", None)
-        if close is not None:
-            close()
+        _close_entry(entry)
+
+
+def close_buffers_of_group(group: Any) -> int:
+    """Close and forget the buffers built on ``group`` (and forget its failed creations):
+    what vLLM's engine shutdown calls, through ``compat.on_group_destroy``, before it
+    destroys the group. Returns how many were closed. Every rank's shutdown destroys its EP
+    group, so this runs on all ranks, like the creation."""
+    for key in [k for k in _FAILED if k[0] == id(group)]:
+        del _FAILED[key]
+    closed = 0
+    for key, entry in list(_BUFFERS.items()):
+        if entry.group is group:
+            del _BUFFERS[key]
+            _close_entry(entry)
+            closed += 1
+    if closed:
+        logger.info("vllm-petit-moe: closed %d EP buffer(s) with their group", closed)
+    return closed

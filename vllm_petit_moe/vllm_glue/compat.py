@@ -425,6 +425,63 @@ def uninstall_kernel_hook() -> bool:
     return True
 
 
+# --------------------------------------------------------------------------------------------
+# Shutdown: closing our buffers with the group they were built on
+# --------------------------------------------------------------------------------------------
+# WHY   An EpBuffer holds its heap (~1.8 GiB per rank at 8 ranks x 8192 tokens x 7168), a
+#       heartbeat thread and a fault-watch thread until closed, and vLLM has no shutdown hook
+#       for a plugin's communication buffers: an engine that shuts down in process (tests,
+#       `LLM` deleted and rebuilt, elastic restarts) then builds new groups and new buffers
+#       while the old ones live on. vLLM's own EP buffers (its all2all managers) end in
+#       `GroupCoordinator.destroy` (through `device_communicator.destroy()`), which vLLM's
+#       shutdown reaches for every group: `destroy_model_parallel` (called by
+#       `cleanup_dist_env_and_memory`, the in-process shutdown path) destroys `_EP`.
+# HOW   Wrap `vllm.distributed.parallel_state.GroupCoordinator.destroy` (once, marked like the
+#       kernel hook): before the original runs, `callback(cpu_group)` closes what was built on
+#       that coordinator's CPU group (the group `ep_group_facts` hands to the buffer).
+#       Where the class or method is missing, nothing is patched (False): buffers then live
+#       until the process exits, as before.
+# REMOVE WHEN vLLM offers a shutdown callback for communication buffers of a group.
+
+
+def on_group_destroy(callback: Callable[[Any], None]) -> bool:
+    """Call ``callback(coordinator.cpu_group)`` whenever vLLM destroys a GroupCoordinator,
+    before the group itself goes (see above). Idempotent per callback; True when the hook is
+    in place."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:
+        return False
+    cls = getattr(parallel_state, "GroupCoordinator", None)
+    current = getattr(cls, "destroy", None)
+    if current is None:
+        return False
+    callbacks = getattr(current, "_petit_moe_callbacks", None)
+    if callbacks is None:
+        original = current
+        callbacks = []
+
+        def destroy(self, *args, **kwargs):
+            group = getattr(self, "cpu_group", None)
+            if group is not None:
+                for cb in list(callbacks):
+                    try:
+                        cb(group)
+                    except Exception:  # noqa: BLE001 - vLLM's own teardown must go on
+                        logger.exception("vllm-petit-moe: closing buffers of a destroyed "
+                                         "group failed")
+            return original(self, *args, **kwargs)
+
+        destroy._petit_moe_original = original  # type: ignore[attr-defined]
+        destroy._petit_moe_callbacks = callbacks  # type: ignore[attr-defined]
+        destroy.__doc__ = original.__doc__
+        destroy.__qualname__ = getattr(original, "__qualname__", "destroy")
+        cls.destroy = destroy
+    if callback not in callbacks:
+        callbacks.append(callback)
+    return True
+
+
 def kernel_hook_installed() -> bool:
     """Whether ``FusedMoEKernel.__init__`` currently carries our patch (imports the module)."""
     kernel_cls = fused_moe_symbol("FusedMoEKernel")

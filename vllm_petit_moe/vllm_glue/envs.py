@@ -39,6 +39,13 @@ VLLM_PETIT_MOE_TIMEOUT_S = "VLLM_PETIT_MOE_TIMEOUT_S"
 """Bound, in seconds, of every spin-wait of the dispatch/combine kernels before they report
 the rank/flag/epoch they waited on and fail. Default ``limits.DEFAULT_TIMEOUT_S``."""
 
+VLLM_PETIT_MOE_MAX_WAIT_S = "VLLM_PETIT_MOE_MAX_WAIT_S"
+"""Bound, in seconds, of a dispatch/combine wait on a peer whose process is alive (its
+heartbeat moves) but does not make the call: the kernels then report a live, stuck peer. At
+least ``VLLM_PETIT_MOE_TIMEOUT_S`` and at most ``limits.MAX_WAIT_S``. Default 1800 (vLLM's own
+collectives wait as long); a peer that died or left the protocol is reported within 1.5 x the
+timeout whatever this is."""
+
 VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS = "VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS"
 """Steps of up to this many tokens per rank run the fused MegaMoE layer (one launch per rank
 per layer): on one GPU, calls of up to N tokens (``config.SingleGpuLayerConfig``); with
@@ -99,6 +106,22 @@ def timeout_s() -> float:
     return check_timeout_s(raw, VLLM_PETIT_MOE_TIMEOUT_S)
 
 
+def max_wait_s() -> float:
+    """``VLLM_PETIT_MOE_MAX_WAIT_S`` in seconds (default ``limits.DEFAULT_MAX_WAIT_S``, 1800):
+    at least ``timeout_s()`` and at most ``limits.MAX_WAIT_S``; anything else raises ValueError
+    naming the variable and the limits."""
+    from vllm_petit_moe.limits import DEFAULT_MAX_WAIT_S, check_max_wait_s
+
+    raw = os.environ.get(VLLM_PETIT_MOE_MAX_WAIT_S, "").strip()
+    timeout = timeout_s()
+    if not raw:
+        return max(DEFAULT_MAX_WAIT_S, timeout)
+    try:
+        return check_max_wait_s(raw, timeout)
+    except ValueError as e:
+        raise ValueError(f"{VLLM_PETIT_MOE_MAX_WAIT_S}={raw!r}: {e}") from None
+
+
 def megamoe_max_tokens() -> int | None:
     """``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` as an int >= 0, or None when unset (the layer
     configs' default applies); anything else raises ValueError naming the variable."""
@@ -140,6 +163,7 @@ ENV_VARS: dict[str, Callable[[], Any]] = {
     VLLM_PETIT_MOE_EXPERTS: petit_experts,
     VLLM_PETIT_MOE_EXPERTS_TILES: petit_experts_tiles,
     VLLM_PETIT_MOE_TIMEOUT_S: timeout_s,
+    VLLM_PETIT_MOE_MAX_WAIT_S: max_wait_s,
     VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS: megamoe_max_tokens,
 }
 """Name -> getter, in the form of vLLM's ``environment_variables`` registry."""

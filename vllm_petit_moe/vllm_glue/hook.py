@@ -270,6 +270,7 @@ def build_prepare_finalize(fused_experts: Any, runtime: EpRuntime) -> Any:
         max_tokens_per_rank=max_tokens,
         max_top_k=MAX_TOP_K,
         timeout_s=envs.timeout_s(),
+        max_wait_s=envs.max_wait_s(),
     )
     buffer = buffer_cache.get_or_create_buffer(runtime.cpu_group, config)
     return PetitPrepareAndFinalize(
