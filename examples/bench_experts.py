@@ -56,8 +56,8 @@ programmatic dependent launch (field ``breakdown_pdl``): a kernel starts while t
 one runs and its recorded duration includes that wait, so the categories overlap and
 overstate the GEMMs.
 Writes examples/results/experts_<gpu>_1gpu.jsonl (one GPU whatever W; fields gpu, num_gpus,
-commit, date, preset, routing, tokens, world, tflops, triton_tflops, torch_tflops, speedup_vs_triton, weight_gbps, hbm_gbps,
-dense_tflops and more) and a PNG next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
+commit, date, preset, routing, tokens, world, tflops, triton_tflops, torch_tflops,
+speedup_vs_triton, weight_gbps, hbm_gbps, dense_tflops and more) and a PNG next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
 """
 from __future__ import annotations
 

@@ -160,10 +160,11 @@ class ReferenceBuffer:
 
 
 class ReferenceKernels:
-    """The extension's experts_forward / megamoe_forward launches on the reference."""
+    """The extension's experts_forward / megamoe_forward launches on the reference
+    (`one_scale`: a broken fp8 loader that reads every block with its expert's first scale)."""
 
-    def __init__(self, calls):
-        self.calls = calls
+    def __init__(self, calls, one_scale=False):
+        self.calls, self.one_scale = calls, one_scale
 
     def experts_forward(self, x, topk_ids, topk_weights, w13, w2, *, out=None, **_):
         self.calls.append(("experts", None, topk_ids.dtype))
@@ -176,6 +177,8 @@ class ReferenceKernels:
         self.calls.append(("megamoe_fp8" if fp8 else "megamoe", None, topk_ids.dtype))
         if fp8:
             def dequantize(q, s):
+                if self.one_scale:
+                    s = s[:, :1, :1].expand_as(s)
                 return q.float() * s.repeat_interleave(FP8_SCALE_BLOCK, 1).repeat_interleave(
                     FP8_SCALE_BLOCK, 2)
             reference = RankReference(dequantize(w13, w13_scale), dequantize(w2, w2_scale), 1)
@@ -184,7 +187,7 @@ class ReferenceKernels:
             out.copy_(ref.experts_reference(x, topk_ids, topk_weights, w13, w2))
 
 
-def _run_soak_rank(monkeypatch, rounds, wrong_wire=None):
+def _run_soak_rank(monkeypatch, rounds, wrong_wire=None, one_scale=False):
     """soak_rank of tools/soak.py on the CPU at W=1 (tokens <= 8): (stats, buffer configs,
     calls)."""
     from vllm_petit_moe import ops
@@ -201,7 +204,7 @@ def _run_soak_rank(monkeypatch, rounds, wrong_wire=None):
 
     monkeypatch.setattr(soak, "MAX_TOKENS", 8)
     monkeypatch.setattr(rank_pool, "get_buffer", get_buffer)
-    monkeypatch.setattr(ops, "_ops", lambda: ReferenceKernels(calls))
+    monkeypatch.setattr(ops, "_ops", lambda: ReferenceKernels(calls, one_scale))
     monkeypatch.setattr(ops, "_megamoe_sync_buffer", lambda *args: torch.zeros(1))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(multi_processor_count=132))
@@ -241,6 +244,29 @@ def test_soak_rank_sees_a_wire_in_the_wrong_mode(monkeypatch):
                                  wrong_wire={"fp8_block128_ue8m0": "fp8_block128"})
     assert 0 < stats["mismatches"] <= stats["mix"]["rounds_wire_fp8_block128_ue8m0"], stats
     assert stats["first_mismatch"]["wire"] == "fp8_block128_ue8m0", stats
+
+
+def test_soak_rank_sees_fp8_weights_read_with_the_wrong_scales(monkeypatch):
+    """The fp8 weights' blocks have gains of their own (testing.soak.fp8_expert_weights), so
+    a kernel that scales every block by one block's scale fails the one-GPU fp8 rounds, and
+    only those."""
+    stats, _, _ = _run_soak_rank(monkeypatch, 32, one_scale=True)
+    assert 0 < stats["mismatches"] <= stats["mix"]["rounds_weights_fp8"], stats
+    assert stats["first_mismatch"]["path"] == "megamoe_w1_fp8", stats
+
+
+def test_fp8_expert_weights_are_a_block_fp8_checkpoint():
+    from vllm_petit_moe.testing.soak import fp8_expert_weights
+    shape = (256, 128, 4, 8)
+    q13, s13, q2, s2, d13, d2 = fp8_expert_weights(shape)
+    assert (q13.dtype, q2.dtype, s13.dtype, s2.dtype) == (torch.float8_e4m3fn,) * 2 + (
+        torch.float32,) * 2
+    assert tuple(q13.shape) == (8, 256, 256) and tuple(s13.shape) == (8, 2, 2)
+    assert tuple(q2.shape) == (8, 256, 128) and tuple(s2.shape) == (8, 2, 1)
+    for q, scale, deq in ((q13, s13, d13), (q2, s2, d2)):
+        expand = scale.repeat_interleave(128, 1).repeat_interleave(128, 2)
+        assert torch.equal(deq, q.float() * expand)
+    assert s13.max() / s13.min() > 4  # the blocks' gains spread their scales
 
 
 # ------------------------------------------------------------------------------------------

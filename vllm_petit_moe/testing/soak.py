@@ -202,13 +202,21 @@ def schedule_mix(plans) -> dict[str, int]:
 
 
 def fp8_expert_weights(shape, seed: int = 0, device: torch.device | str = "cpu"):
-    """`expert_weights` of `shape` as a block-fp8 checkpoint holds them
-    (testing.reference.block_fp8_quantize): (w13 e4m3 ``[E, 2I, H]``, its float32 scales
-    ``[E, 2I/128, H/128]``, w2 e4m3 ``[E, H, I]``, scales ``[E, H/128, I/128]``, and the
-    dequantized float32 w13 and w2 the reference multiplies with)."""
-    w13, w2 = expert_weights(shape, seed)
-    q13, s13, d13 = ref.block_fp8_quantize(w13)
-    q2, s2, d2 = ref.block_fp8_quantize(w2)
+    """`expert_weights` of `shape` (H and I multiples of 128), each 128 x 128 block scaled by
+    its own gain (e^N(0,1), so that a block read with another block's scale shows), as a
+    block-fp8 checkpoint holds them (testing.reference.block_fp8_quantize): (w13 e4m3
+    ``[E, 2I, H]``, its float32 scales ``[E, 2I/128, H/128]``, w2 e4m3 ``[E, H, I]``, scales
+    ``[E, H/128, I/128]``, and the dequantized float32 w13 and w2 the reference multiplies
+    with)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for w in expert_weights(shape, seed):
+        num, rows, cols = w.shape
+        b = FP8_SCALE_BLOCK
+        gains = torch.exp(torch.randn(num, rows // b, 1, cols // b, 1, generator=gen))
+        w = (w.float().view(num, rows // b, b, cols // b, b) * gains).view(num, rows, cols)
+        out.append(ref.block_fp8_quantize(w))
+    (q13, s13, d13), (q2, s2, d2) = out
     return tuple(t.to(device) for t in (q13, s13, q2, s2, d13, d2))
 
 
