@@ -12,7 +12,8 @@ combine_reference of all ranks simulated on one GPU).
     python examples/bench_dispatch_combine.py --quick             # fewer sizes
     python examples/bench_dispatch_combine.py --tokens 4096 --trace   # + the combine's timeline
     python examples/bench_dispatch_combine.py --combine-configs "" reduce_pct=40,reduce_items=0
-Writes examples/results/dispatch_combine_<gpu>x<W>.jsonl and a PNG plot next to it.
+Writes examples/results/dispatch_combine_<gpu>_<G>gpu.jsonl (one rank per GPU: G = W; rows
+lead with gpu, world, num_gpus, commit, date) and a PNG plot next to it.
 
 --combine-configs: one or more ``vllm_petit_moe.config.CombineConfig`` settings as
 ``field=value,...`` ("" for the defaults), each on its own EpBuffer (field ``combine_config``).
@@ -37,7 +38,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vllm_petit_moe.config import CombineConfig, as_dict, parse_config
-from vllm_petit_moe.testing.bench_env import commit_stamp, replot, utc_date, write_results
+from vllm_petit_moe.testing.bench_env import (
+    commit_stamp, gpu_name, replot, results_name, utc_date, write_results)
 from vllm_petit_moe.testing.combine_trace import format_combine_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -310,8 +312,9 @@ def main():
     except (TypeError, ValueError) as e:
         p.error(f"--combine-configs: {e}")
     if args.replot:
-        return replot(args.replot, _plot, lambda r: f"EpBuffer dispatch/combine, {r['gpu']} "
-                                                    f"x{r['world']}, {r['commit']}")
+        # rows before num_gpus ran one rank per GPU too
+        return replot(args.replot, _plot, lambda r: f"EpBuffer dispatch/combine, "
+                      f"{r.get('num_gpus', r['world'])} x {r['gpu']}, {r['commit']}")
     if args.tokens is None:
         args.tokens = QUICK_TOKENS if args.quick else TOKENS
     if args.quick:
@@ -340,11 +343,11 @@ def main():
                 sys.exit("bench_dispatch_combine: a worker failed (see its traceback above)")
     for proc in procs:
         proc.join()
-    gpu = torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-")
+    gpu = gpu_name(0)
     commit = commit_stamp(ROOT)
-    write_results(ROOT, f"dispatch_combine_{gpu}x{world}", rows,
-                  dict(gpu=gpu, world=world, commit=commit, date=utc_date()), _plot,
-                  f"EpBuffer dispatch/combine, {gpu} x{world}, {commit}", args.out_dir)
+    write_results(ROOT, results_name("dispatch_combine", gpu, world), rows,
+                  dict(gpu=gpu, world=world, num_gpus=world, commit=commit, date=utc_date()),
+                  _plot, f"EpBuffer dispatch/combine, {world} x {gpu}, {commit}", args.out_dir)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ difference of petit's output to the torch loop's.
 
     python examples/bench_experts.py                        # both presets, W=2, T 1..8192
     python examples/bench_experts.py --quick                # T 1, 128, 2048
-    python examples/bench_experts.py --replot examples/results/experts_H200.jsonl
+    python examples/bench_experts.py --replot examples/results/experts_H200_1gpu.jsonl
     python examples/bench_experts.py --profile --tokens 1 8 32 --tiles wgmma_narrow wgmma_m64
     python examples/bench_experts.py --tokens 8 16 --expert-configs "" narrow_max_rows=4
 Each row also records ``launch``: grid, threads, dynamic shared memory and CTAs per cluster of
@@ -55,9 +55,9 @@ each row and stored as ``breakdown`` / ``triton_breakdown``. Petit's kernels are
 programmatic dependent launch (field ``breakdown_pdl``): a kernel starts while the previous
 one runs and its recorded duration includes that wait, so the categories overlap and
 overstate the GEMMs.
-Writes examples/results/experts_<gpu>.jsonl (fields gpu, commit, date, preset, routing,
-tokens, tflops, triton_tflops, torch_tflops, speedup_vs_triton, weight_gbps, hbm_gbps,
-dense_tflops and more) and a PNG next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
+Writes examples/results/experts_<gpu>_1gpu.jsonl (one GPU whatever W; fields gpu, num_gpus,
+commit, date, preset, routing, tokens, world, tflops, triton_tflops, torch_tflops,
+speedup_vs_triton, weight_gbps, hbm_gbps, dense_tflops and more) and a PNG next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ from pathlib import Path
 from vllm_petit_moe.config import ExpertConfig, as_dict, parse_config
 from vllm_petit_moe.ops import TILES
 from vllm_petit_moe.testing.bench_env import (
-    commit_stamp, format_breakdown, profile_kernels, replot, utc_date, write_results)
+    commit_stamp, format_breakdown, gpu_name, profile_kernels, replot, results_name, utc_date,
+    write_results)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -557,7 +558,7 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         sys.exit("bench_experts needs a CUDA GPU")
-    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    gpu = gpu_name()
     commit = commit_stamp(ROOT)
     date = utc_date()
     hbm_gbps = hbm_copy_gbps()
@@ -586,7 +587,9 @@ def main(argv=None):
         del w13, w2, copies
         torch.cuda.empty_cache()
 
-    write_results(ROOT, f"experts_{gpu}", rows, dict(gpu=gpu, commit=commit, date=date), plot,
+    # one GPU whatever --world: the rows are rank 0's share of a W-rank EP world (field world)
+    write_results(ROOT, results_name("experts", gpu, 1), rows,
+                  dict(gpu=gpu, num_gpus=1, commit=commit, date=date), plot,
                   f"expert GEMMs at rank 0 of W={args.world}, {gpu}, {commit}", args.out_dir)
     bad = [r for r in rows if not r["finite"] or r["rel_diff"] >= 2e-2]
     if bad:

@@ -37,7 +37,7 @@ steps of a dummy-weight `vllm serve`; not in the default set).
 
     python examples/bench_moe_layer.py                  # both presets, tokens 1..4096
     python examples/bench_moe_layer.py --quick          # tokens 1, 8, 64, 512, 4096
-    python examples/bench_moe_layer.py --replot examples/results/moe_layer_H200x2.jsonl
+    python examples/bench_moe_layer.py --replot examples/results/moe_layer_H200_2gpu.jsonl
     python examples/bench_moe_layer.py --profile --tokens 64 1024   # + where the time goes
     python examples/bench_moe_layer.py --world 1        # one GPU: vLLM Triton / composed /
                                                         # MegaMoE / roofline (moe_layer_w1.py)
@@ -48,7 +48,8 @@ torch.profiler (CUDA activity only) and sums the device time of its kernels by c
 lists, Triton GEMM, Triton align/sum/activation, other); per replay, in us, stored per rank as
 ``<path>_breakdown`` and printed for the slowest rank. ``kernels_total`` below the replay time
 is time with no kernel running (gaps between graph nodes).
-Writes examples/results/moe_layer_<gpu>x<W>.jsonl (fields gpu, world, commit, date, preset,
+Writes examples/results/moe_layer_<gpu>_<G>gpu.jsonl (one rank per GPU: G = W; fields gpu,
+world, num_gpus, commit, date, preset,
 routing, tokens, petit_tflops, default_tflops, speedup, petit_us, default_us, ...) and a PNG
 next to it, and prints a table. The commit comes from $PETIT_COMMIT or git.
 """
@@ -64,7 +65,8 @@ from pathlib import Path
 from vllm_petit_moe.ops import TILES
 from vllm_petit_moe.testing import vllm_moe_harness as harness
 from vllm_petit_moe.testing.bench_env import (
-    commit_stamp, device_stamp, format_breakdown, profile_kernels, replot, utc_date, write_results)
+    commit_stamp, device_stamp, format_breakdown, profile_kernels, replot, results_name,
+    short_gpu_name, utc_date, write_results)
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = harness.PRESETS
@@ -438,8 +440,8 @@ def _main_w1(args):
             for row in w1.run_w1(presets, routings, tokens, args.iters, args.seed, dtype=dtype)]
     if not rows:
         return 1
-    stamp = device_stamp(ROOT, 1)
-    write_results(ROOT, f"moe_layer_{stamp['gpu']}x1", rows, stamp, w1.plot_w1,
+    stamp = device_stamp(ROOT, 1, num_gpus=1)
+    write_results(ROOT, results_name("moe_layer", stamp["gpu"], 1), rows, stamp, w1.plot_w1,
                   f"MoE layer at W=1, {stamp['gpu']}, {stamp['commit']}", args.out_dir)
     bad = [r for r in rows if not r["rel_diff"] < 2e-2]
     if bad:
@@ -455,8 +457,9 @@ def main(argv=None):
         return replot(args.replot, w1.plot_w1,
                       lambda r: f"MoE layer at W=1, {r['gpu']}, {r['commit']}")
     if args.replot:
-        return replot(args.replot, _plot, lambda r: f"MoE layer via vLLM, {r['gpu']} "
-                                                    f"x{r['world']}, {r['commit']}")
+        # rows before num_gpus ran one rank per GPU too
+        return replot(args.replot, _plot, lambda r: f"MoE layer via vLLM, "
+                      f"{r.get('num_gpus', r['world'])} x {r['gpu']}, {r['commit']}")
 
     import torch
 
@@ -481,7 +484,7 @@ def main(argv=None):
             infos = pool.run(_rank_build, preset, max(max(args.tokens), LINK_MIN_TOKENS),
                              args.seed, args.petit_via, paths, max(args.tokens), timeout_s=900)
             info = infos[0]
-            gpu = info["gpu"].replace("NVIDIA ", "").replace(" ", "-")
+            gpu = short_gpu_name(info["gpu"])
             print(f"# {preset}: {PRESETS[preset]}, W={world}, vLLM backend {info['vllm_backend']},"
                   f" petit heap {info['heap_mib']:.0f} MiB/rank, weights "
                   f"{info['weights_gib']:.1f} GiB/rank, commit {commit}", flush=True)
@@ -500,9 +503,9 @@ def main(argv=None):
         pool.close()
     if not rows:
         return 1
-    write_results(ROOT, f"moe_layer_{gpu}x{world}", rows,
-                  dict(gpu=gpu, world=world, commit=commit, date=date), _plot,
-                  f"MoE layer via vLLM's modular kernel, {gpu} x{world}, {commit}", args.out_dir)
+    write_results(ROOT, results_name("moe_layer", gpu, world), rows,
+                  dict(gpu=gpu, world=world, num_gpus=world, commit=commit, date=date), _plot,
+                  f"MoE layer via vLLM's modular kernel, {world} x {gpu}, {commit}", args.out_dir)
     bad = [r for r in rows if not r["finite"] or r["rel_diff"] >= 2e-2]
     if bad:
         print(f"WARNING: {len(bad)} configurations where petit and vLLM's outputs differ "

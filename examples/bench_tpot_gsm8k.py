@@ -10,7 +10,8 @@ the MoE layer, so the servers always run with VLLM_MOE_ROUTING_SIMULATION_STRATE
 (--routing-strategy, recorded in every row) and VLLM_RANDOMIZE_DP_DUMMY_INPUTS=1.
 
 One JSONL row per (backend, concurrency, repeat) goes to
-<results-dir>/tpot_gsm8k_<gpu>x<dp>.jsonl as soon as its level is done; rows of the same
+<results-dir>/tpot_gsm8k_<gpu>_<dp>gpu.jsonl (a DP rank per GPU; rows lead with gpu, world =
+DP, num_gpus) as soon as its level is done; rows of the same
 commit already there are skipped (rerun the same command to resume). --max-runtime S plans
 only the server runs whose estimate fits in S seconds, every backend measuring the same
 levels (later repeats dropped first, then the highest levels), starts nothing expected to end
@@ -22,7 +23,7 @@ vs concurrency.
   python3 examples/bench_tpot_gsm8k.py --dp 1 --concurrency 1 2 4 8 32 64 --num-prompts 64 \
       --prompts-per-client 16                                         # 16 prompts at 1 client
   python3 examples/bench_tpot_gsm8k.py --data-parallel-size 2 --repeats 2 --plot
-  python3 examples/bench_tpot_gsm8k.py --report examples/results/tpot_gsm8k_H200x2.jsonl --plot
+  python3 examples/bench_tpot_gsm8k.py --report examples/results/tpot_gsm8k_H200_2gpu.jsonl --plot
 
 Exit status: 0 done, 1 a server or benchmark failed, 2 usage, 3 stopped by --max-runtime.
 """
@@ -45,7 +46,7 @@ from vllm_server import (
     load_prompts, log, server_env, server_settings, vllm_serve_command)
 
 from vllm_petit_moe.testing.bench_env import (
-    VLLM_SAFE_ENV, commit_stamp, device_stamp, utc_date, write_jsonl)
+    VLLM_SAFE_ENV, commit_stamp, device_stamp, results_name, utc_date, write_jsonl)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -151,7 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-runtime", type=float, default=0.0,
                    help="seconds; 0: no limit (default: %(default)s)")
     p.add_argument("--results-dir", default=str(HERE / "results"),
-                   help="where tpot_gsm8k_<gpu>x<dp>.jsonl goes (default: %(default)s)")
+                   help="where tpot_gsm8k_<gpu>_<dp>gpu.jsonl goes (default: %(default)s)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "petit-bench-tpot"),
                    help="dataset, server logs, bench serve outputs (default: %(default)s)")
     p.add_argument("--python", default=sys.executable,
@@ -277,12 +278,14 @@ def main(argv=None) -> int:
             plot(rows, Path(args.report).with_suffix(".png"))
         return 0
     t0, work = time.monotonic(), Path(args.work_dir)
-    stamp = (dict(gpu=args.gpu_name or "GPU", world=args.dp, commit=commit_stamp(ROOT),
-                  date=utc_date()) if args.dry_run or args.gpu_name
-             else device_stamp(ROOT, args.dp))
+    # vllm serve places each DP rank (TP 1) on its own GPU
+    stamp = (dict(gpu=args.gpu_name or "GPU", world=args.dp, num_gpus=args.dp,
+                  commit=commit_stamp(ROOT), date=utc_date()) if args.dry_run or args.gpu_name
+             else device_stamp(ROOT, args.dp, num_gpus=args.dp))
     stamp["dtype"] = model_dtype(Path(args.model_dir))
     suffix = "" if stamp["dtype"] == "bf16" else f"_{stamp['dtype']}"
-    results = Path(args.results_dir) / f"tpot_gsm8k_{stamp['gpu']}x{args.dp}{suffix}.jsonl"
+    results = Path(args.results_dir) / (
+        results_name("tpot_gsm8k", stamp["gpu"], args.dp, suffix=suffix) + ".jsonl")
     rows = read_rows(results)
     num_rows_before = len(rows)
     all_prompts = args.num_prompts or len(load_prompts(GSM8K))

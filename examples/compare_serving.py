@@ -31,8 +31,8 @@ when the differences are of rounding's size and rare (every count over all promp
 Calibrated on the CPU (examples/compare_rounding_cpu.py, 64 prompts): pairs of correct
 roundings pass it, and each injected fault fails it, down to one 32-row tile of one expert
 missing or every 50th call's first token zeroed. "strict" records whether every prompt
-agreed strictly. Results: compare_serving_<gpu>x<W>.json
-(compare_serving_<gpu>x<W>_petit-experts.json with --backend petit-experts) in --results-dir
+agreed strictly. Results: compare_serving_<gpu>_<W>gpu.json (a DP rank per GPU)
+(compare_serving_<gpu>_<W>gpu_petit-experts.json with --backend petit-experts) in --results-dir
 (default examples/results); server logs and each server's outputs (outputs_<backend>.json,
 written as soon as that server is done) in --log-dir.
 
@@ -57,7 +57,7 @@ from pathlib import Path
 
 import make_seeded_checkpoint as seeded
 import vllm_server as bench  # (server lifecycle, plugin checks, prompts)
-from vllm_petit_moe.testing.bench_env import commit_stamp, utc_date
+from vllm_petit_moe.testing.bench_env import commit_stamp, results_name, utc_date
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     result = verdict(per_prompt, args.tol)
     agree = result["agree"]
     summary = dict(
-        gpu=bench.short_gpu_name(gpus[0]) if gpus else "none", world=dp,
+        gpu=bench.short_gpu_name(gpus[0]) if gpus else "none", world=dp, num_gpus=dp,
         model=str(model_dir), commit=commit_stamp(ROOT),
         date=utc_date(),
         vllm_version=bench.probe_vllm_version(args.python, env), tol=args.tol,
@@ -234,7 +234,9 @@ def main(argv=None) -> int:
         healthy_s={b: runs[b]["healthy_s"] for b in runs}, per_prompt=per_prompt)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.backend == "petit" else f"_{args.backend}"
-    path = args.results_dir / f"compare_serving_{summary['gpu']}x{dp}{suffix}.json"
+    # vllm serve places each DP rank (TP 1) on its own GPU
+    path = args.results_dir / (results_name("compare_serving", summary["gpu"], dp,
+                                            suffix=suffix) + ".json")
     path.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{summary['identical_prompts']}/{len(prompts)} prompts identical over "
           f"{args.max_tokens} tokens; max logprob difference on common prefixes "

@@ -83,7 +83,7 @@ def test_replot(bench, tmp_path):
                     routing=routing, tokens=tokens, tflops=1.0 * tokens,
                     triton_tflops=None if tokens == 1 else 2.0, torch_tflops=0.5,
                     speedup_vs_triton=None, weight_gbps=3000.0, hbm_gbps=4000.0))
-    path = tmp_path / "experts_H200.jsonl"
+    path = tmp_path / "experts_H200_1gpu.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert bench.main(["--replot", str(path)]) == 0
     assert path.with_suffix(".png").stat().st_size > 0
@@ -92,7 +92,7 @@ def test_replot(bench, tmp_path):
     several += [dict(r, tiles_requested="auto", expert_config=dict(narrow_max_rows=4))
                 for r in rows]
     assert bench._variant(several[-1]) == "auto narrow_max_rows=4"
-    path = tmp_path / "experts_H200_families.jsonl"
+    path = tmp_path / "experts_H200_1gpu_families.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in several))
     assert bench.main(["--replot", str(path)]) == 0
     assert path.with_suffix(".png").stat().st_size > 0

@@ -84,7 +84,7 @@ def test_w1_routing_and_replot(bench, tmp_path):
                preset="qwen3-30b-a3b", routing="uniform", tokens=1, vllm_us=30.0,
                composed_us=32.0, megamoe_us=31.0, roofline_us=18.0, vllm_over_megamoe=30 / 31,
                roofline_fraction=18 / 31)
-    path = tmp_path / "moe_layer_H200x1.jsonl"
+    path = tmp_path / "moe_layer_H200_1gpu.jsonl"
     path.write_text(json.dumps(row) + "\n")
     assert bench.main(["--world", "1", "--replot", str(path)]) == 0
     assert path.with_suffix(".png").stat().st_size > 0

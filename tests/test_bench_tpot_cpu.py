@@ -311,7 +311,7 @@ def test_dry_run_prints_every_server_and_bench_command_with_its_env(capsys, tmp_
         assert ("export VLLM_USE_PETIT_MOE=1" in run) == run.startswith("petit")
         assert "--data-parallel-size 2 --enable-expert-parallel" in run
         assert run.count("bench serve") == 2 and "--max-concurrency 64" in run
-    assert str(tmp_path / "tpot_gsm8k_H200x2.jsonl") in out
+    assert str(tmp_path / "tpot_gsm8k_H200_2gpu.jsonl") in out
 
 
 def test_dry_run_on_one_gpu_and_usage_errors(capsys, tmp_path):
@@ -353,7 +353,7 @@ def test_resume_skips_the_rows_already_there(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("PETIT_COMMIT", "abc")  # the rows' commit
     rows = [row("default", 8, 0, 5.0), row("petit", 8, 0, 4.0), row("default", 64, 0, 9.0),
             row("petit", 64, 0, 7.0, num_prompts=100)]  # another configuration: not done
-    bench.write_jsonl(tmp_path / "tpot_gsm8k_H200x2.jsonl", rows)
+    bench.write_jsonl(tmp_path / "tpot_gsm8k_H200_2gpu.jsonl", rows)
     out = dry_run(capsys, "--dp", "2", "--concurrency", "8", "64", "--repeats", "2",
                   "--results-dir", str(tmp_path))
     assert "(4 rows there); 3 server run(s) to do" in out
@@ -364,7 +364,7 @@ def test_resume_skips_the_rows_already_there(capsys, tmp_path, monkeypatch):
     assert "--max-concurrency 64" in runs["petit_uniform_random_r0"]
     assert runs["default_uniform_random_r1"].count("bench serve") == 2
     rows += [row(b, c, r, 5.0) for b in ("default", "petit") for c in (8, 64) for r in (0, 1)]
-    bench.write_jsonl(tmp_path / "tpot_gsm8k_H200x2.jsonl", rows)
+    bench.write_jsonl(tmp_path / "tpot_gsm8k_H200_2gpu.jsonl", rows)
     out = dry_run(capsys, "--dp", "2", "--concurrency", "8", "64", "--repeats", "2",
                   "--results-dir", str(tmp_path))
     assert "0 server run(s) to do" in out and "bench serve" not in out
@@ -385,7 +385,7 @@ def test_table_gives_petit_over_default_per_repeat_and_the_plot_draws(tmp_path, 
     assert "0.850 (0.800..0.900)" in c8 and "8.50" in c8  # median of 8 and 9
     c64 = [ln for ln in table if " 64 " in ln and "petit " in ln][0]
     assert c64.endswith("0.750 (0.750..0.750)")
-    path = tmp_path / "tpot_gsm8k_H200x2.jsonl"
+    path = tmp_path / "tpot_gsm8k_H200_2gpu.jsonl"
     bench.write_jsonl(path, rows)
     assert bench.main(["--report", str(path), "--plot"]) == 0
     assert "0.850" in capsys.readouterr().out
@@ -420,15 +420,15 @@ def test_driver_runs_interleaves_resumes_and_records_the_strategy(tmp_path, caps
             "--num-prompts", "4", "--output-len", "8", "--routing-strategy", "normal_routing",
             "--results-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")]
     assert bench.main(argv) == 0
-    rows = bench.read_rows(tmp_path / "tpot_gsm8k_CPUx2.jsonl")
+    rows = bench.read_rows(tmp_path / "tpot_gsm8k_CPU_2gpu.jsonl")
     assert [(r["backend"], r["concurrency"], r["repeat"]) for r in rows] == [
         ("default", 2, 0), ("petit", 2, 0)]
     for r in rows:
-        assert list(r)[:11] == ["gpu", "world", "commit", "date", "dtype", "backend",
-                                "routing_strategy", "concurrency", "num_prompts", "output_len",
-                                "repeat"]
-        assert (r["gpu"], r["world"], r["dtype"], r["routing_strategy"], r["num_prompts"]) == (
-            "CPU", 2, "bf16", "normal_routing", 4)
+        assert list(r)[:12] == ["gpu", "world", "num_gpus", "commit", "date", "dtype",
+                                "backend", "routing_strategy", "concurrency", "num_prompts",
+                                "output_len", "repeat"]
+        assert (r["gpu"], r["world"], r["num_gpus"], r["dtype"], r["routing_strategy"],
+                r["num_prompts"]) == ("CPU", 2, 2, "bf16", "normal_routing", 4)
         # the stand-in sleeps TOKEN_S per token: 2 requests of 8 tokens in turn per client.
         # (Its TPOT can read under TOKEN_S: a busy client receives the chunks in bursts.)
         assert r["completed"] == 4 and 0 < r["tpot_ms_p50"] < 100
@@ -440,7 +440,7 @@ def test_driver_runs_interleaves_resumes_and_records_the_strategy(tmp_path, caps
         assert env.get("VLLM_USE_PETIT_MOE") == ("1" if r["backend"] == "petit" else None)
     assert "COMPLETE" in capsys.readouterr().out
     assert bench.main(argv) == 0 and "0 server run(s) to do" in capsys.readouterr().out
-    assert len(bench.read_rows(tmp_path / "tpot_gsm8k_CPUx2.jsonl")) == 2
+    assert len(bench.read_rows(tmp_path / "tpot_gsm8k_CPU_2gpu.jsonl")) == 2
 
 
 # ------------------------------------------------------------------------------------------

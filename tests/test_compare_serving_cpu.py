@@ -263,8 +263,8 @@ def test_compare_serving_writes_its_verdict(monkeypatch, tmp_path, capsys):
                                                         outputs=runs[b]))
         assert compare_serving.main(["--dp", "1", "--num-prompts", "16", "--model-dir",
                                      str(tmp_path), "--results-dir", str(tmp_path)]) == rc
-        s = json.loads((tmp_path / "compare_serving_H200x1.json").read_text())
-        assert s["agree"] == s["strict"] == (rc == 0) and s["world"] == 1
+        s = json.loads((tmp_path / "compare_serving_H200_1gpu.json").read_text())
+        assert s["agree"] == s["strict"] == (rc == 0) and s["world"] == s["num_gpus"] == 1
         assert s["identical_prompts"] == 16 and s["prompts_over_tol"] == (16 if rc else 0)
         assert s["prompts_over_2tol"] == (16 if rc else 0) and s["divergences_not_near_tie"] == 0
         assert s["quantiles"]["positions"] == 64

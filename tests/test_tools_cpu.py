@@ -74,21 +74,6 @@ def test_ab_compare_experts_keyed_on_the_family_asked_for(tmp_path, capsys):
     assert "of us over 1 configurations: 0.950" in capsys.readouterr().out
 
 
-def test_soak_rotation_reaches_every_path():
-    """tools/soak.py's rounds rotate composed -> fused expert stage -> fused layer where the
-    shape qualifies (a shadowed name once made every round composed on a GPU); some of the
-    soak's shapes qualify at its largest stride, and a shape that does not runs composed."""
-    soak = load_script("tools/soak.py")
-    from vllm_petit_moe.testing.soak import SHAPES
-    good, odd = (1024, 256, 8, 32), (136, 64, 2, 16)
-    assert good in SHAPES and odd in SHAPES
-    assert [soak.round_path(i, "alternate", good, 2, soak.MAX_TOKENS) for i in range(3)] == \
-        ["composed", "megamoe", "fused"]
-    assert {soak.round_path(i, "alternate", odd, 2, 8) for i in range(3)} == {"composed"}
-    assert soak.round_path(4, "fused", good, 4, 64) == "fused"
-    assert soak.round_path(4, "fused", good, 4, 65) == "composed"  # 4 x 65 x 8 > 2048 entries
-
-
 def test_ab_compare_moe_layer_rows(tmp_path, capsys):
     """bench_moe_layer.py rows (vllm_us, composed_us, megamoe_us; no tiles): compared per
     (preset, routing, tokens), the verdict on megamoe_us by default."""

@@ -48,12 +48,38 @@ def utc_date() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def device_stamp(repo_root, world, **extra) -> dict:
-    """The fields that lead every results line of a one-GPU tool: gpu (the current CUDA
-    device's name without "NVIDIA ", spaces as dashes), world, commit, date, then `extra`."""
+def short_gpu_name(name: str) -> str:
+    """A CUDA device name as results name the GPU model: without "NVIDIA ", spaces as dashes
+    ("NVIDIA H200" -> "H200", "NVIDIA H100 80GB HBM3" -> "H100-80GB-HBM3")."""
+    return name.replace("NVIDIA ", "").strip().replace(" ", "-") or "unknown"
+
+
+def gpu_name(device=None) -> str:
+    """`short_gpu_name` of the current (or the given) CUDA device."""
     import torch
-    gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
-    return dict(gpu=gpu, world=world, commit=commit_stamp(repo_root), date=utc_date(), **extra)
+    return short_gpu_name(torch.cuda.get_device_name(device))
+
+
+def results_name(bench: str, gpu: str, num_gpus: int, ranks: int | None = None,
+                 suffix: str = "") -> str:
+    """The file name (no extension) of a benchmark's results: what ran is in the name, the GPU
+    model, the physical GPU count and, where processes share GPUs (`ranks` given), the rank
+    count: ``<bench>_<gpu>_<G>gpu[_<R>ranks]<suffix>``, e.g. ``dispatch_combine_H200_2gpu``,
+    ``soak_H100_1gpu_2ranks``. (Files before issue 51 were ``<bench>_<gpu>x<W>``, W the rank
+    count, which hid ranks sharing one GPU.)"""
+    if num_gpus < 1 or (ranks is not None and ranks < 1):
+        raise ValueError(f"results_name: num_gpus {num_gpus} and ranks {ranks} must be >= 1")
+    return f"{bench}_{gpu}_{num_gpus}gpu" + (f"_{ranks}ranks" if ranks is not None else "") \
+        + suffix
+
+
+def device_stamp(repo_root, world, num_gpus: int = 1, **extra) -> dict:
+    """The fields that lead every results line of a tool on the current CUDA device: gpu
+    (`gpu_name`), world (the EP world size, or DP size, the row is about), num_gpus (physical
+    GPUs the run used: 1 for a one-GPU tool, even one that models rank 0 of W), commit, date,
+    then `extra`."""
+    return dict(gpu=gpu_name(), world=world, num_gpus=num_gpus, commit=commit_stamp(repo_root),
+                date=utc_date(), **extra)
 
 
 def write_jsonl(path, rows, stamp=None) -> None:
@@ -66,8 +92,9 @@ def write_jsonl(path, rows, stamp=None) -> None:
 
 
 def write_results(repo_root, name, rows, stamp, plot, title, out_dir=None):
-    """Write `rows` to <repo_root>/examples/results/<name>.jsonl (and to `out_dir` when given),
-    one line per row led by the fields of `stamp` (gpu, world, commit, date, ...), and
+    """Write `rows` to <repo_root>/examples/results/<name>.jsonl (and to `out_dir` when given;
+    `name` from `results_name`), one line per row led by the fields of `stamp` (gpu, world,
+    num_gpus, commit, date, ...), and
     `plot(rows, <same folder>/<name>.png, title)` next to each. Returns the repo's .jsonl."""
     from pathlib import Path
     out_dirs = [Path(repo_root) / "examples" / "results"] + ([Path(out_dir)] if out_dir else [])

@@ -5,6 +5,13 @@ layer's inputs and its own expected output without collectives.
 A round: a shape (hidden H, top-k K, experts E from `SHAPES`), each rank's token count
 (random in [0, T_max], zero with probability 0.15), and a routing pattern from `PATTERNS`:
 uniform, skewed (one hot rank), a hot expert, -1 slots, repeated ids in a token.
+
+What the GPU soak runs in a round (`RoundPlan`, from `soak_round`) rotates with the seed, so
+every 32 consecutive seeds cover every combination and `--seed S --rounds 1` replays round S:
+the path (`PATHS`: dispatch -> experts -> combine, the fused kernel as the expert stage, the
+whole layer fused, or the one-GPU fused op with block-fp8 weights on each rank's own tokens),
+the dispatch wire (`WIRES`: bf16 or one of dispatch's fp8 modes) and the ids' dtype (int32 as
+vLLM's router gives them, or int64), each where the round's shape admits it.
 """
 from __future__ import annotations
 
@@ -12,11 +19,113 @@ from dataclasses import dataclass
 
 import torch
 
+from ..limits import FP8_BLOCK_MODES, FP8_QUANT_MODES, FP8_SCALE_BLOCK
 from . import reference as ref
 
 # (hidden, intermediate, top_k, num_experts): odd and round sizes, small and large top-k.
 SHAPES = ((136, 64, 2, 16), (1024, 256, 8, 32), (2048, 128, 4, 64), (256, 96, 6, 32))
 PATTERNS = ("uniform", "hot_rank", "hot_expert", "minus_one", "repeated")
+
+
+# The paths of a soak round. "megamoe_w1_fp8": ops.megamoe_forward (W=1, no dispatch) with
+# block-fp8 weights of every expert on this rank's own tokens; EpBuffer.megamoe takes bf16
+# weights only, so fp8 weights are soaked in the one-GPU op, not in an EP round.
+PATHS = ("composed", "megamoe", "fused", "megamoe_w1_fp8")
+WIRES = ("bf16",) + FP8_QUANT_MODES  # dispatch's quant: None or an fp8 mode
+ID_DTYPES = (torch.int32, torch.int64)  # vLLM's router gives int32
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What one soak round runs.
+
+    path: one of `PATHS`; wire: one of `WIRES` (always "bf16" where no dispatch of
+    EpBuffer.dispatch runs: the fused layer and the one-GPU op); id_dtype: the dtype of the
+    round's top-k ids as the layer receives them (the one-GPU op takes int32 only, so its
+    rounds are int32).
+    """
+    path: str
+    wire: str
+    id_dtype: torch.dtype
+
+    @property
+    def quant(self) -> str | None:
+        """EpBuffer.dispatch's `quant` argument."""
+        return None if self.wire == "bf16" else self.wire
+
+    @property
+    def weights(self) -> str:
+        """The experts' weight format: "fp8" (block fp8, 128 x 128 scales) or "bf16"."""
+        return "fp8" if self.path == "megamoe_w1_fp8" else "bf16"
+
+    @property
+    def ids(self) -> str:
+        return str(self.id_dtype).removeprefix("torch.")
+
+
+def path_qualifies(path: str, shape, world: int, stride: int, num_tokens: int) -> bool:
+    """Whether the kernels of `path` take a round of `shape` at region stride `stride`
+    (`num_tokens`: this round's largest per-rank token count, the one-GPU op's N)."""
+    from .. import ops
+    hidden, inter, top_k, _ = shape
+    if path == "composed":
+        return True
+    if path == "megamoe_w1_fp8":
+        return ops.megamoe_unsupported_reason(num_tokens, top_k, hidden, inter,
+                                              fp8=True) is None
+    return ops.megamoe_unsupported_reason(world * stride, top_k, hidden, inter) is None
+
+
+def round_id_dtype(seed: int, ids: str = "alternate") -> torch.dtype:
+    """The dtype of round `seed`'s ids before any path's restriction: ID_DTYPES[seed // 16 % 2]
+    ("alternate"), or "int32" / "int64"."""
+    if ids == "alternate":
+        return ID_DTYPES[seed // (len(PATHS) * len(WIRES)) % len(ID_DTYPES)]
+    names = {str(d).removeprefix("torch."): d for d in ID_DTYPES}
+    if ids not in names:
+        raise ValueError(f"soak: ids must be 'alternate' or one of {sorted(names)}, got {ids!r}")
+    return names[ids]
+
+
+def plan_round(seed: int, shape, world: int, stride: int, num_tokens: int | None = None, *,
+               path: str = "alternate", wire: str = "alternate",
+               ids: str = "alternate") -> RoundPlan:
+    """The plan of round `seed`: each of path, wire and ids rotates with the seed ("alternate":
+    path = PATHS[seed % 4], wire = WIRES[seed // 4 % 4], ids = ID_DTYPES[seed // 16 % 2]) or
+    is fixed by name. Where the shape does not admit the choice: a path falls back to
+    "composed", a 1x128-block wire (H not a multiple of 128) to "fp8_per_token"; the fused
+    layer and the one-GPU op take no wire ("bf16"), the one-GPU op int32 ids only."""
+    num_tokens = stride if num_tokens is None else num_tokens
+    path = PATHS[seed % len(PATHS)] if path == "alternate" else path
+    wire = WIRES[seed // len(PATHS) % len(WIRES)] if wire == "alternate" else wire
+    id_dtype = round_id_dtype(seed, ids)
+    if path not in PATHS or wire not in WIRES:
+        raise ValueError(f"soak: path must be one of {PATHS}, wire one of {WIRES}; got "
+                         f"{path!r}, {wire!r}")
+    if not path_qualifies(path, shape, world, stride, num_tokens):
+        path = "composed"
+    if wire in FP8_BLOCK_MODES and shape[0] % FP8_SCALE_BLOCK:
+        wire = "fp8_per_token"
+    if path in ("fused", "megamoe_w1_fp8"):
+        wire = "bf16"
+    if path == "megamoe_w1_fp8":
+        id_dtype = torch.int32
+    return RoundPlan(path, wire, id_dtype)
+
+
+def wire_rows(x: torch.Tensor, quant: str | None) -> torch.Tensor:
+    """x ``[T, H]`` bf16 as the experts see it after a dispatch with `quant`: itself (bf16
+    wire) or its fp8 quantization (testing.reference.quantize_fp8_reference, the formulas
+    dispatch quantizes with) dequantized and rounded to bf16, the experts' input format."""
+    if quant is None:
+        return x
+    return dequantize_wire(*ref.quantize_fp8_reference(x, quant))
+
+
+def dequantize_wire(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """dispatch's fp8 rows ``[N, H]`` float8_e4m3fn and their float32 scales (``[N, H/128]``
+    or ``[N, 1]``) as bf16 ``[N, H]`` (e4m3 · scale in fp32, rounded once)."""
+    return ref.dequantize_fp8_reference(q, scales).to(torch.bfloat16)
 
 
 @dataclass
@@ -58,6 +167,57 @@ def draw_round(seed: int, world_size: int, max_tokens: int, *, shapes=SHAPES,
         weights.append(w)
     move = lambda ts: [t.to(device) for t in ts]  # noqa: E731
     return Round(seed, shape, pattern, move(xs), move(ids), move(weights))
+
+
+def soak_round(seed: int, world_size: int, max_tokens: int, *, shapes=SHAPES,
+               path: str = "alternate", wire: str = "alternate", ids: str = "alternate",
+               device: torch.device | str = "cpu") -> tuple[Round, RoundPlan, int]:
+    """Round `seed` of the GPU soak and its plan: (the round with ids of the plan's dtype, the
+    plan, the region stride R = max(max tokens, 1) every rank uses). The ids' dtype is chosen
+    before the shape is drawn, so a fixed `ids` draws the same round as its rotation."""
+    id_dtype = round_id_dtype(seed, ids)
+    rd = draw_round(seed, world_size, max_tokens, shapes=shapes, device=device,
+                    id_dtype=id_dtype)
+    stride = max(max(rd.tokens), 1)
+    plan = plan_round(seed, rd.shape, world_size, stride, max(rd.tokens), path=path, wire=wire,
+                      ids=ids)
+    if plan.id_dtype != id_dtype:  # the one-GPU op's int32
+        rd.topk_ids = [t.to(plan.id_dtype) for t in rd.topk_ids]
+    return rd, plan, stride
+
+
+def schedule_mix(plans) -> dict[str, int]:
+    """Rounds per path, wire, ids dtype and weight format of `plans` (RoundPlan), as the
+    soak's results row counts them: ``rounds_<path>``, ``rounds_wire_<wire>``,
+    ``rounds_ids_<dtype>``, ``rounds_weights_<format>``, every key present (0 where none ran)."""
+    mix = {f"rounds_{p}": 0 for p in PATHS}
+    mix.update({f"rounds_wire_{w}": 0 for w in WIRES})
+    mix.update({f"rounds_ids_{str(d).removeprefix('torch.')}": 0 for d in ID_DTYPES})
+    mix.update({"rounds_weights_bf16": 0, "rounds_weights_fp8": 0})
+    for plan in plans:
+        for key in (f"rounds_{plan.path}", f"rounds_wire_{plan.wire}", f"rounds_ids_{plan.ids}",
+                    f"rounds_weights_{plan.weights}"):
+            mix[key] += 1
+    return mix
+
+
+def fp8_expert_weights(shape, seed: int = 0, device: torch.device | str = "cpu"):
+    """`expert_weights` of `shape` (H and I multiples of 128), each 128 x 128 block scaled by
+    its own gain (e^N(0,1), so that a block read with another block's scale shows), as a
+    block-fp8 checkpoint holds them (testing.reference.block_fp8_quantize): (w13 e4m3
+    ``[E, 2I, H]``, its float32 scales ``[E, 2I/128, H/128]``, w2 e4m3 ``[E, H, I]``, scales
+    ``[E, H/128, I/128]``, and the dequantized float32 w13 and w2 the reference multiplies
+    with)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for w in expert_weights(shape, seed):
+        num, rows, cols = w.shape
+        b = FP8_SCALE_BLOCK
+        gains = torch.exp(torch.randn(num, rows // b, 1, cols // b, 1, generator=gen))
+        w = (w.float().view(num, rows // b, b, cols // b, b) * gains).view(num, rows, cols)
+        out.append(ref.block_fp8_quantize(w))
+    (q13, s13, d13), (q2, s2, d2) = out
+    return tuple(t.to(device) for t in (q13, s13, q2, s2, d13, d2))
 
 
 def expert_weights(shape, seed: int = 0, device: torch.device | str = "cpu"):
@@ -137,3 +297,41 @@ def check_round(got: torch.Tensor, kernel: torch.Tensor, fp32: torch.Tensor) -> 
     tol = ref.tolerance_from_errors(k_abs, rel(k_norm), f_max)
     bad = not (g_abs <= tol.max_abs and rel(g_norm) <= tol.rel_fro) or finite != 1.0
     return bad, g_abs / max(f_max, 1e-6)
+
+
+def soak_results_name(gpu: str, num_gpus: int, ranks: int) -> str:
+    """The soak's results file name (no extension): ``soak_<gpu>_<G>gpu_<R>ranks``, the GPU
+    model, the physical GPUs and the ranks on them (bench_env.results_name)."""
+    from .bench_env import results_name
+    return results_name("soak", gpu, num_gpus, ranks)
+
+
+def soak_row(per_rank: list[dict], *, gpu: str, num_gpus: int, seed: int, rounds_asked: int,
+             path: str, wire: str, ids: str, commit: str, date: str, seconds: float) -> dict:
+    """The results line of one soak run from every rank's stats (tools/soak.py's
+    ``soak_rank``: rounds, mix (`schedule_mix` of the plans of the rounds it ran),
+    graph_replays, mismatches, max_rel_err, first_mismatch).
+
+    What ran: gpu (model), gpus (physical GPUs) and ranks (processes on them, rank r on GPU
+    r % gpus), with num_gpus and world repeating them under the names of the older soak rows
+    and the other benchmarks; the layer as vLLM's glue runs it (validate_ids False, no
+    barrier between rounds); the rotation asked for (path, wire, ids) and the rounds that ran
+    on every rank together by path, wire, ids dtype and weight format (`schedule_mix`)."""
+    ranks = len(per_rank)
+    row = dict(gpu=gpu, gpus=num_gpus, ranks=ranks, num_gpus=num_gpus, world=ranks,
+               commit=commit, date=date, seed=seed, path=path, wire=wire, ids=ids,
+               validate_ids=False, round_barrier=False,
+               rounds=sum(r["rounds"] for r in per_rank))
+    mix = schedule_mix(())
+    for key in mix:
+        mix[key] = sum(r["mix"][key] for r in per_rank)
+    row.update(mix)
+    row.update(rounds_per_rank=per_rank[0]["rounds"] if per_rank else 0,
+               rounds_asked=rounds_asked,
+               graph_replays=sum(r["graph_replays"] for r in per_rank),
+               mismatches=sum(r["mismatches"] for r in per_rank),
+               max_rel_err=max((r["max_rel_err"] for r in per_rank), default=0.0),
+               first_mismatch=next((r["first_mismatch"] for r in per_rank
+                                    if r["first_mismatch"]), None),
+               seconds=round(seconds, 1))
+    return row
