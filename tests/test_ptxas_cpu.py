@@ -4,7 +4,7 @@ The kernel sources are compiled for sm_90a as the extension build does (setup.py
 with ``-Xptxas -v``:
   - no kernel spills registers to local memory (stack frames are allowed: the dispatch/combine
     kernels keep their timeout report's printf buffer there), but for one bounded exception
-    (ALLOWED_SPILL_BYTES);
+    (ALLOWED_SPILLS);
   - the warp-specialized expert kernels are launched with the register count their setmaxnreg
     budget assumes (Sm90WgmmaWsMainloop::kLaunchRegs = 168 for 384 threads: the producer gives
     up 168 - 56 per thread and the consumers take 224), since setmaxnreg.inc would otherwise
@@ -27,16 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 WS_KERNEL = re.compile(r"_ws_(?:auto_)?kernel")
 WS_ENTRY = re.compile(r"\.(?:visible )?\.?entry \w+_ws_(?:auto_)?kernel")
 NUM_WS_KERNELS = 7
-# The one exception, bounded: the fused EP kernels (megamoe_kernel<true, split>: 168
-# registers, 2 blocks of 160 threads per SM) spill with CUDA 13.0, outside the task loop's
-# multiplies. Their SASS showed where: the task decode after the routing (a few words of the
-# first tasks, stored once per call) and the upper word of the local-memory address of the
-# timeout reports' printf buffer (reloaded only before those printf calls, a failing wait).
-# Moving the report out of line made every wait a call that saves ~400 bytes of registers.
-ALLOWED_SPILL_BYTES = {
-    "_ZN5petit14megamoe_detail14megamoe_kernelILb1ELb" + split +
-    "ELb0EEEvNS_13MegaMoeEpArgsE14CUtensorMap_stS3_": limit for split, limit in (("0", 28), ("1", 52))
-}
+# The one exception, bounded: the combine kernel (128 registers) spills two 64-bit pointers
+# with CUDA 13.0, both off its copy loops. Its SASS showed where: they are stored once and
+# reloaded only on a failing wait, to mark this rank's heartbeat word aborted and to read the
+# peer's freshest flags for the call-order report. (Matched by pattern: the kernel sits in an
+# anonymous namespace whose mangled name carries a per-build hash.)
+ALLOWED_SPILLS = [(re.compile(r"dispatch_combine_cu_\w*combine_kernel"), 40)]
+
+
+def allowed_spill_bytes(name: str) -> int:
+    return max((limit for pattern, limit in ALLOWED_SPILLS if pattern.search(name)), default=0)
+
+
 FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DPETIT_SM90A_BUILT=1",
          "-gencode", "arch=compute_90a,code=sm_90a", f"-I{ROOT / 'csrc'}"]
 
@@ -90,7 +92,7 @@ def test_no_kernel_spills_and_no_serialized_wgmma(nvcc, source, tmp_path):
     assert kernels, report["log"][-2000:]
     spilling = {name: k for name, k in kernels.items()
                 if max(k.get("spill_stores", 0), k.get("spill_loads", 0))
-                > ALLOWED_SPILL_BYTES.get(name, 0)}
+                > allowed_spill_bytes(name)}
     assert not spilling, spilling
     assert "C7510" not in report["log"], report["log"][-4000:]  # wgmma serialized
 
