@@ -1,4 +1,4 @@
-"""CPU: EpBuffer's side of one-sided errors and teardown (issue 51, items 4 and 5), on a real
+"""CPU: EpBuffer's side of one-sided errors and teardown, on a real
 ``EpBuffer`` whose compiled context is a recording stand-in (no GPU, no extension).
 
 - A collective call that raises on this rank before its launch (the issue's case: a bad id

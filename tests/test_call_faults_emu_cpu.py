@@ -1,6 +1,6 @@
 """CPU emulation: one-sided errors end in a clear failure within one and a half wait bounds, not
-in a wait of max_wait_s (issue 51, item 4), and the fused EP layer refuses a grid that cannot
-be co-resident (item 7); through the kernels' own code on the emulated ranks
+in a wait of max_wait_s, and the fused EP layer refuses a grid that cannot
+be co-resident; through the kernels' own code on the emulated ranks
 (tests/emu/ep_emu.cpp, csrc/comm/ep_sync.h).
 
 - A peer that left the protocol (a call of its that raised before the launch marks its
@@ -183,7 +183,7 @@ def test_equal_calls_with_long_strides_still_match(emu):
         ep.close()
 
 
-# ------------------------------------------------------------------------ item 7: the fused grid
+# ------------------------------------------------------------------------ the fused grid
 @pytest.fixture
 def device(emu):
     emu.petit_emu_set_device.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -1,5 +1,5 @@
-"""CPU: the vLLM glue closes what it opened when vLLM's engine shuts down (issue 51, item 5),
-and passes the live-peer bound (max_wait_s) on to its buffers (item 4).
+"""CPU: the vLLM glue closes what it opened when vLLM's engine shuts down,
+and passes the live-peer bound (max_wait_s) on to its buffers.
 
 An engine shutdown in process (``LLM`` deleted, ``cleanup_dist_env_and_memory``) runs vLLM's
 ``destroy_model_parallel``, which destroys the EP ``GroupCoordinator``; the glue closes the

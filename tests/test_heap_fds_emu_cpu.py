@@ -1,4 +1,4 @@
-"""CPU: csrc/comm/heap.cpp closes every peer descriptor on every path (issue 51, item 2).
+"""CPU: csrc/comm/heap.cpp closes every peer descriptor on every path.
 
 `SymmetricHeap::map_all` takes the descriptors received from the peers: an open descriptor of
 a peer's allocation keeps that allocation alive for the life of the process, also after a

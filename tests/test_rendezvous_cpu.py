@@ -1,4 +1,4 @@
-"""CPU: who may hand a rank a heap descriptor, and how the setup fails (issue 51).
+"""CPU: who may hand a rank a heap descriptor, and how the setup fails.
 
 W spawned processes join a gloo group, make a second gloo group that stands for vLLM's EP
 ``cpu_group``, and build an ``EpBuffer`` on it with the real setup (``rendezvous``: the

@@ -1,4 +1,4 @@
-"""CPU: what the GPU soak (tools/soak.py) runs and what its results say (issue 51, item 6).
+"""CPU: what the GPU soak (tools/soak.py) runs and what its results say.
 
 The round schedule (testing.soak.plan_round / soak_round) covers what vLLM runs: int32 and
 int64 ids, a bf16 and every fp8 dispatch wire, the composed and the fused paths, fp8 weights

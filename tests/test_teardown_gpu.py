@@ -1,4 +1,4 @@
-"""GPU: EpBuffer.close() (issue 51, item 5) on a one-rank buffer, each case in a fresh process
+"""GPU: EpBuffer.close() on a one-rank buffer, each case in a fresh process
 (a use of unmapped memory ends the CUDA context).
 
 - close() waits for the device without holding the GIL: a Python thread keeps running while

@@ -65,7 +65,7 @@ def results_name(bench: str, gpu: str, num_gpus: int, ranks: int | None = None,
     """The file name (no extension) of a benchmark's results: what ran is in the name, the GPU
     model, the physical GPU count and, where processes share GPUs (`ranks` given), the rank
     count: ``<bench>_<gpu>_<G>gpu[_<R>ranks]<suffix>``, e.g. ``dispatch_combine_H200_2gpu``,
-    ``soak_H100_1gpu_2ranks``. (Files before issue 51 were ``<bench>_<gpu>x<W>``, W the rank
+    ``soak_H100_1gpu_2ranks``. (Files written before this scheme were ``<bench>_<gpu>x<W>``, W the rank
     count, which hid ranks sharing one GPU.)"""
     if num_gpus < 1 or (ranks is not None and ranks < 1):
         raise ValueError(f"results_name: num_gpus {num_gpus} and ranks {ranks} must be >= 1")
