@@ -132,6 +132,34 @@ MegaMoeArgs megamoe_args(const torch::Tensor& x, const torch::Tensor& topk_ids,
   return a;
 }
 
+// The fused layer's weight format: bf16 w13 / w2 without scales, or block fp8 (float8_e4m3fn
+// with fp32 scales [L, 2I/128, H/128] / [L, H/128, I/128]); sets the scale pointers of `a`.
+void set_weight_format(MegaMoeArgs& a, const torch::Tensor& w13, const torch::Tensor& w2,
+                       const c10::optional<torch::Tensor>& w13_scale,
+                       const c10::optional<torch::Tensor>& w2_scale) {
+  const bool fp8 = w13_scale.has_value();
+  const auto weight_type = fp8 ? torch::kFloat8_e4m3fn : torch::kBFloat16;
+  PETIT_CHECK(w13.scalar_type() == weight_type && w2.scalar_type() == weight_type &&
+                  w2_scale.has_value() == fp8,
+              "w13 and w2 must be bfloat16, or float8_e4m3fn with both w13_scale and w2_scale");
+  if (!fp8) return;
+  const int64_t B = kFp8ScaleBlock, L = w13.size(0), I = w13.size(1) / 2, H = w13.size(2);
+  for (const torch::Tensor* t : {&*w13_scale, &*w2_scale}) {
+    check_cuda_tensor(*t, "w13_scale / w2_scale", 3);
+    PETIT_CHECK(t->scalar_type() == torch::kFloat32 && t->get_device() == w13.get_device(),
+                "w13_scale and w2_scale must be float32 on the weights' device");
+  }
+  PETIT_CHECK(H % B == 0 && I % B == 0 && w13_scale->size(0) == L &&
+                  w13_scale->size(1) == 2 * I / B && w13_scale->size(2) == H / B &&
+                  w2_scale->size(0) == L && w2_scale->size(1) == H / B &&
+                  w2_scale->size(2) == I / B,
+              "fp8 weights: H and I multiples of %lld, w13_scale [L, 2I/%lld, H/%lld], "
+              "w2_scale [L, H/%lld, I/%lld]", (long long)B, (long long)B, (long long)B,
+              (long long)B, (long long)B);
+  a.w13_scale = w13_scale->data_ptr<float>();
+  a.w2_scale = w2_scale->data_ptr<float>();
+}
+
 // Owns one rank's symmetric heap plus the local device state of an EpBuffer.
 class EpContext {
  public:
@@ -425,7 +453,8 @@ class EpContext {
                const torch::Tensor& topk_weights, const torch::Tensor& w13,
                const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act,
                torch::Tensor& partial, torch::Tensor& sync, int64_t region_stride,
-               c10::optional<torch::Tensor> trace) {
+               c10::optional<torch::Tensor> trace, c10::optional<torch::Tensor> w13_scale,
+               c10::optional<torch::Tensor> w2_scale) {
     std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
     check_mapped();
     for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&x, "x"},
@@ -437,13 +466,12 @@ class EpContext {
     }
     const int64_t T = x.size(0), K = topk_ids.size(1), L = w13.size(0), I = w13.size(1) / 2;
     const int64_t H = args_.layout.hidden, entries = args_.world_size * region_stride * K;
-    PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && w13.scalar_type() == torch::kBFloat16 &&
-                    w2.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
+    PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
                     act.scalar_type() == torch::kBFloat16 &&
                     topk_ids.scalar_type() == torch::kInt32 &&
                     topk_weights.scalar_type() == torch::kFloat32 &&
                     partial.scalar_type() == torch::kFloat32 && sync.scalar_type() == torch::kInt32,
-                "dtypes: bf16 x, w13, w2, out, act; int32 topk_ids, sync; f32 weights, partial");
+                "dtypes: bf16 x, out, act; int32 topk_ids, sync; f32 weights, partial");
     PETIT_CHECK(x.dim() == 2 && x.size(1) == H && topk_ids.size(0) == T &&
                     topk_weights.size(0) == T && topk_weights.size(1) == K &&
                     w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == L &&
@@ -459,6 +487,7 @@ class EpContext {
     e.region_stride = int(region_stride);
     e.layer = megamoe_args(x, topk_ids, topk_weights, w13, w2, act, partial, sync, out);
     MegaMoeArgs& a = e.layer;
+    set_weight_format(a, w13, w2, w13_scale, w2_scale);
     a.num_sms = args_.num_blocks;
     a.timeout_ticks = args_.timeout_ticks;
     if (trace.has_value()) {  // one row of stamps per block of the grid (2 per SM)
@@ -907,28 +936,8 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
   check_cuda_tensor(out, "out", 2);
   const int64_t N = x.size(0), H = x.size(1), K = topk_ids.size(1);
   const int64_t L = w13.size(0), I = w13.size(1) / 2;
-  // block fp8 weights: e4m3 with fp32 scales per 128 x 128 block, both or neither
-  const bool fp8 = w13_scale.has_value();
-  const auto weight_type = fp8 ? torch::kFloat8_e4m3fn : torch::kBFloat16;
-  PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && w13.scalar_type() == weight_type &&
-                  w2.scalar_type() == weight_type && out.scalar_type() == torch::kBFloat16 &&
-                  w2_scale.has_value() == fp8,
-              "x and out must be bfloat16, w13 and w2 bfloat16, or float8_e4m3fn with both "
-              "w13_scale and w2_scale");
-  if (fp8) {
-    const int64_t B = kFp8ScaleBlock;
-    for (const torch::Tensor* t : {&*w13_scale, &*w2_scale}) {
-      check_cuda_tensor(*t, "w13_scale / w2_scale", 3);
-      PETIT_CHECK(t->scalar_type() == torch::kFloat32, "w13_scale and w2_scale must be float32");
-    }
-    PETIT_CHECK(H % B == 0 && (w13.size(1) / 2) % B == 0 &&
-                    w13_scale->size(0) == w13.size(0) && w13_scale->size(1) == w13.size(1) / B &&
-                    w13_scale->size(2) == H / B && w2_scale->size(0) == w13.size(0) &&
-                    w2_scale->size(1) == H / B && w2_scale->size(2) == (w13.size(1) / 2) / B,
-                "fp8 weights: H and I multiples of %lld, w13_scale [L, 2I/%lld, H/%lld], "
-                "w2_scale [L, H/%lld, I/%lld]", (long long)B, (long long)B, (long long)B,
-                (long long)B, (long long)B);
-  }
+  PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "x and out must be bfloat16");
   PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32 &&
                   topk_weights.scalar_type() == torch::kFloat32,
               "topk_ids must be int32 and topk_weights float32");
@@ -955,10 +964,7 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
   MegaMoeArgs a = megamoe_args(x, topk_ids, topk_weights, w13, w2, act_workspace,
                                partial_workspace, sync, out);
   a.expert_map = expert_map_arg(expert_map, topk_ids.device(), &a.num_global_experts);
-  if (fp8) {
-    a.w13_scale = w13_scale->data_ptr<float>();
-    a.w2_scale = w2_scale->data_ptr<float>();
-  }
+  set_weight_format(a, w13, w2, w13_scale, w2_scale);
   if (trace.has_value()) {
     int sms = int(num_sms);
     if (sms == 0) {
@@ -1070,7 +1076,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("megamoe", &EpContext::megamoe, py::arg("x"), py::arg("topk_ids"),
            py::arg("topk_weights"), py::arg("w13"), py::arg("w2"), py::arg("out"),
            py::arg("act"), py::arg("partial"), py::arg("sync"), py::arg("region_stride"),
-           py::arg("trace") = py::none())
+           py::arg("trace") = py::none(), py::arg("w13_scale") = py::none(),
+           py::arg("w2_scale") = py::none())
       .def("peer_write", &EpContext::peer_write, py::arg("src"), py::arg("bytes_per_peer"),
            py::arg("num_blocks"))
       .def("recv_group_counts", &EpContext::recv_group_counts)

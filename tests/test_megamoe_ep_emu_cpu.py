@@ -84,10 +84,11 @@ def _ptr_array(tensors):
 
 
 def fused_layer(ep, megamoe_sync_ints, xs, ids, ws, w13, w2, region_stride, top_k, syncs=None,
-                traces=None):
+                traces=None, scales=None):
     """petit_emu_ep_megamoe on every rank at once (w13 [E, 2I, H] / w2 [E, H, I]: all ranks'
     experts): outputs and workspaces poisoned with NaN first; traces: per rank an int64
-    [2 x num_blocks, MEGAMOE_TRACE_SLOTS] tensor or None."""
+    [2 x num_blocks, MEGAMOE_TRACE_SLOTS] tensor or None; scales: (w13_scale [E, 2I/128, H/128],
+    w2_scale [E, H/128, I/128]) of block-fp8 weights (w13, w2 then e4m3 bytes), or None."""
     import ctypes
     world, local = ep.world_size, w13.shape[0] // ep.world_size
     hidden, inter = w13.shape[2], w2.shape[2]
@@ -99,6 +100,10 @@ def fused_layer(ep, megamoe_sync_ints, xs, ids, ws, w13, w2, region_stride, top_
     ws = [w.contiguous() for w in ws]
     w13s = [w13[r * local:(r + 1) * local].contiguous() for r in range(world)]
     w2s = [w2[r * local:(r + 1) * local].contiguous() for r in range(world)]
+    scale_arrays = (None, None)
+    if scales is not None:
+        scale_arrays = tuple(_ptr_array([s[r * local:(r + 1) * local].contiguous()
+                                         for r in range(world)]) for s in scales)
     acts = [torch.full((entries, inter), float("nan")).to(torch.bfloat16)
             for _ in range(world)]
     partials = [torch.full((entries, hidden), float("nan")) for _ in range(world)]
@@ -112,7 +117,7 @@ def fused_layer(ep, megamoe_sync_ints, xs, ids, ws, w13, w2, region_stride, top_
         _ptr_array(ws), (ctypes.c_int * world)(*[x.shape[0] for x in xs]), top_k,
         region_stride, _ptr_array(w13s), _ptr_array(w2s), inter, _ptr_array(acts),
         _ptr_array(partials), _ptr_array(syncs), _ptr_array(outs), results,
-        None if traces is None else _ptr_array(traces))
+        None if traces is None else _ptr_array(traces), *scale_arrays)
     return rc, list(results), outs, syncs
 
 
@@ -147,6 +152,34 @@ def test_the_fused_layer_across_ranks_is_the_moe_layer(ep_lib, megamoe_lib, worl
         xs, ids, ws = _inputs(399, tokens, HIDDEN, top_k, world, skew=skew,
                               num_experts=NUM_EXPERTS)
         _check_round(ep, xs, ids, ws, region_stride=region_stride, tag="after the fused calls")
+    finally:
+        ep.close()
+
+
+@pytest.mark.parametrize("world,tokens,top_k", [(2, [16, 9], 4), (4, [7, 16, 1, 11], 6)])
+def test_the_fused_layer_with_block_fp8_weights(ep_lib, megamoe_lib, world, tokens, top_k):
+    """Block-fp8 experts (e4m3 + one fp32 scale per 128 x 128 block, each rank its share) in
+    the fused EP layer: every rank's output against the dense MoE on the dequantized weights,
+    two calls on the same buffers and counters."""
+    from vllm_petit_moe.testing.reference import block_fp8_quantize
+    hidden, inter, num_experts, region_stride = 128, 256, 16, 16
+    w13, w2 = expert_weights((hidden, inter, top_k, num_experts), seed=3000 + world)
+    q13, s13, d13 = block_fp8_quantize(w13)
+    q2, s2, d2 = block_fp8_quantize(w2)
+    ep = EmuEp(ep_lib, world, max_tokens=region_stride, hidden=hidden, num_experts=num_experts,
+               num_blocks=2)
+    try:
+        syncs = None
+        for round_ in range(2):
+            xs, ids, ws = _inputs(500 + round_, tokens, hidden, top_k, world,
+                                  num_experts=num_experts)
+            rc, results, ys, syncs = fused_layer(
+                ep, megamoe_lib.petit_emu_megamoe_sync_ints, xs, ids, ws,
+                q13.view(torch.uint8), q2.view(torch.uint8), region_stride, top_k, syncs,
+                scales=(s13, s2))
+            assert rc == 0, f"round {round_}: launch results {results}"
+            assert all(int(s.abs().sum()) == 0 for s in syncs), "counters not reset"
+            check_layer(ys, xs, ids, ws, d13, d2, f"fp8 round {round_}")
     finally:
         ep.close()
 
@@ -193,7 +226,7 @@ def fused_layer_on(ep, sync_ints, xs, ids, ws, w13, w2, region_stride, top_k, ra
         ctypes.c_void_p(ep.handle), ranks_mask, _ptr_array(xs), _ptr_array(ids), _ptr_array(ws),
         (ctypes.c_int * world)(*[x.shape[0] for x in xs]), top_k, region_stride,
         _ptr_array(w13s), _ptr_array(w2s), INTERMEDIATE, _ptr_array(acts), _ptr_array(partials),
-        _ptr_array(syncs), _ptr_array(outs), results, None)
+        _ptr_array(syncs), _ptr_array(outs), results, None, None, None)
     del keep
 
 

@@ -477,7 +477,8 @@ class EpBuffer:
     def megamoe(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 w13: torch.Tensor, w2: torch.Tensor, region_stride: int | None = None,
                 out: torch.Tensor | None = None,
-                trace: torch.Tensor | None = None) -> torch.Tensor:
+                trace: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The whole EP MoE layer in one launch per rank (the fused kernel,
         csrc/experts/megamoe.cu): dispatch, this rank's experts on the rows it receives, and
         combine. The result equals ``combine(experts_forward(dispatch(...)))`` up to fp32
@@ -487,7 +488,9 @@ class EpBuffer:
             x, topk_ids, topk_weights, region_stride: as in :meth:`dispatch` (bf16 rows).
             w13: [L, 2I, H] bf16 and w2: [L, H, I] bf16, this rank's experts
                 (L = num_experts / W), H and I multiples of 64; W * R * K <= 2048 routing
-                entries (``ops.MEGAMOE_MAX_ENTRIES``).
+                entries (``ops.MEGAMOE_MAX_ENTRIES``). Or block fp8: float8_e4m3fn with
+                ``w13_scale [L, 2I/128, H/128]`` and ``w2_scale [L, H/128, I/128]`` float32
+                (as :func:`ops.megamoe_forward` takes them; H and I multiples of 128).
             out: [T, H] bf16 (optional), written in full.
             trace: optional int64 [2 * num_sms, MEGAMOE_TRACE_SLOTS] on this buffer's device
                 (:meth:`new_megamoe_trace`): thread 0 of each block stamps its timeline (entry,
@@ -504,24 +507,29 @@ class EpBuffer:
         process or rank sharing the GPU, MPS clients); otherwise the waits time out and trap
         (docs/faults.md). recv_tokens_per_rank does not describe these calls.
         """
-        from .ops import _megamoe_sync_buffer, megamoe_unsupported_reason
+        from .ops import _megamoe_sync_buffer, check_block_scales, megamoe_unsupported_reason
         with self._collective("megamoe"):
             region_stride = self.max_tokens_per_rank if region_stride is None else region_stride
             self._validate_dispatch(x, topk_ids, topk_weights, region_stride)
             top_k, local = topk_ids.shape[1], self.num_local_experts
             if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != local or w2.shape[0] != local \
                     or w13.shape[2] != self.hidden_size or w2.shape[1] != self.hidden_size \
-                    or w2.shape[2] * 2 != w13.shape[1] or w13.dtype != torch.bfloat16 \
-                    or w2.dtype != torch.bfloat16:
+                    or w2.shape[2] * 2 != w13.shape[1] \
+                    or w13.dtype not in (torch.bfloat16, torch.float8_e4m3fn) \
+                    or w2.dtype != w13.dtype:
                 raise ValueError(f"petit_moe: megamoe needs w13 [L={local}, 2I, H="
-                                 f"{self.hidden_size}] and w2 [L, H, I] bfloat16, got "
-                                 f"{w13.dtype} {tuple(w13.shape)} and {w2.dtype} {tuple(w2.shape)}")
+                                 f"{self.hidden_size}] and w2 [L, H, I], both bfloat16 or both "
+                                 f"float8_e4m3fn, got {w13.dtype} {tuple(w13.shape)} and "
+                                 f"{w2.dtype} {tuple(w2.shape)}")
             inter = w2.shape[2]
+            fp8 = w13.dtype == torch.float8_e4m3fn
             reason = megamoe_unsupported_reason(self.world_size * region_stride, top_k,
-                                                self.hidden_size, inter)
+                                                self.hidden_size, inter, fp8=fp8)
             if reason is not None:
                 raise ValueError(f"petit_moe: megamoe over W x R = {self.world_size} x "
                                  f"{region_stride} rows: {reason}")
+            check_block_scales(fp8, w13_scale, w2_scale, local, self.hidden_size, inter,
+                                self.device)
             if out is None:
                 out = torch.empty_like(x)
             elif out.shape != x.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
@@ -535,7 +543,8 @@ class EpBuffer:
             self._ctx.megamoe(x.contiguous(), ids.contiguous(), topk_weights.contiguous(),
                               w13.contiguous(), w2.contiguous(), out, act, partial,
                               _megamoe_sync_buffer(self.device, local, self.hidden_size),
-                              region_stride, trace=trace)
+                              region_stride, trace=trace, w13_scale=w13_scale,
+                              w2_scale=w2_scale)
             self._combine_due = None  # the fused call took the epoch: no combine answers it
             return out
 

@@ -286,7 +286,7 @@ def megamoe_unsupported_reason(num_rows: int, top_k: int, hidden_size: int,
     return None
 
 
-def _check_block_scales(fp8: bool, w13_scale: torch.Tensor | None,
+def check_block_scales(fp8: bool, w13_scale: torch.Tensor | None,
                         w2_scale: torch.Tensor | None, num_local_experts: int, hidden_size: int,
                         intermediate_size: int, device: torch.device) -> None:
     """The block scales of fp8 weights: contiguous float32 [L, 2I/128, H/128] and
@@ -372,7 +372,7 @@ def megamoe_forward(
                                         fp8=fp8)
     if reason is not None:
         raise ValueError(f"megamoe_forward: {reason}")
-    _check_block_scales(fp8, w13_scale, w2_scale, num_local_experts, hidden_size,
+    check_block_scales(fp8, w13_scale, w2_scale, num_local_experts, hidden_size,
                         intermediate_size, x.device)
     timeout_s = check_timeout_s(timeout_s)
     if num_sms < 0:

@@ -1232,7 +1232,6 @@ petitError_t megamoe_ep_check(const MegaMoeEpArgs& e) {
   rows.expert_map = nullptr;
   const MegaMoeArgs& a = e.layer;
   if (megamoe_check(rows) != petitSuccess || a.expert_map != nullptr ||
-      a.w13_scale != nullptr ||  // fp8 weights: W = 1 only, for now
       c.heap_base == nullptr || c.token_rank_mask == nullptr || c.world_size < 1 ||
       a.num_rows > e.region_stride || e.region_stride < 1 ||
       e.region_stride > c.layout.max_tokens || a.top_k > c.layout.max_top_k ||
@@ -1316,11 +1315,9 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
     return launch_with_attributes(kernel, grid, md::kThreads, smem, 1, !kEp, stream, e, w13_map,
                                   w2_map);
   };
-  if constexpr (!kEp) {
-    if (fp8) {
-      return split ? launch(md::megamoe_kernel<false, true, true>)
-                   : launch(md::megamoe_kernel<false, false, true>);
-    }
+  if (fp8) {
+    return split ? launch(md::megamoe_kernel<kEp, true, true>)
+                 : launch(md::megamoe_kernel<kEp, false, true>);
   }
   return split ? launch(md::megamoe_kernel<kEp, true, false>)
                : launch(md::megamoe_kernel<kEp, false, false>);

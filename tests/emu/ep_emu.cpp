@@ -134,15 +134,18 @@ int combine_one(EpEmu& ep, int rank, const void* expert_out, void* out, int num_
 // its experts' w13s[r] [L, 2I, H] / w2s[r] [L, H, I], workspaces acts[r] (>= W*R*K*I bf16),
 // partials[r] (>= W*R*K*H f32), syncs[r] (zeroed, megamoe_sync_ints(L, H) ints) and outs[r]
 // [T_r, H]; each rank's grid is 2 x num_blocks blocks, all at once; traces (nullptr: none)
-// traces[r] int64 [2 x num_blocks, kMegaMoeTraceSlots]. results[r]: rank r's launch error.
-// Returns the first nonzero one.
+// traces[r] int64 [2 x num_blocks, kMegaMoeTraceSlots]; w13_scales / w2_scales (nullptr:
+// bf16 weights): block-fp8 weights, w13s[r] / w2s[r] then e4m3 bytes with fp32 scales
+// [L, 2I/128, H/128] / [L, H/128, I/128]. results[r]: rank r's launch error. Returns the first
+// nonzero one.
 extern "C" int petit_emu_ep_megamoe(void* handle, uint32_t ranks_mask, const void* const* xs,
                                     const int32_t* const* ids, const float* const* weights,
                                     const int* num_tokens, int top_k, int region_stride,
                                     const void* const* w13s, const void* const* w2s,
                                     int intermediate, void* const* acts, float* const* partials,
                                     int32_t* const* syncs, void* const* outs, int* results,
-                                    int64_t* const* traces) {
+                                    int64_t* const* traces, const float* const* w13_scales,
+                                    const float* const* w2_scales) {
   EpEmu& ep = *static_cast<EpEmu*>(handle);
   return on_ranks(ep, ranks_mask, results, [&](int r) {
     emu::last_error = 0;
@@ -157,6 +160,8 @@ extern "C" int petit_emu_ep_megamoe(void* handle, uint32_t ranks_mask, const voi
     a.topk_weights = weights[r];
     a.w13 = static_cast<const petit_bf16_bits*>(w13s[r]);
     a.w2 = static_cast<const petit_bf16_bits*>(w2s[r]);
+    a.w13_scale = w13_scales != nullptr ? w13_scales[r] : nullptr;
+    a.w2_scale = w2_scales != nullptr ? w2_scales[r] : nullptr;
     a.act = static_cast<petit_bf16_bits*>(acts[r]);
     a.partial = partials[r];
     a.sync = syncs[r];
