@@ -23,8 +23,10 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).parent.resolve()
 CSRC = ROOT / "csrc"
 
-# Sources of the extension: framework-free kernels + the one torch binding file.
-KERNEL_SOURCES = ["comm/heap.cpp", "comm/dispatch_combine.cu", "experts/routing.cu",
+# Sources of the extension: framework-free kernels, heap and EP context + the one torch
+# binding file.
+KERNEL_SOURCES = ["comm/heap.cpp", "comm/ep_context.cpp", "comm/dispatch_combine.cu",
+                  "experts/routing.cu",
                   "experts/tile_choice.cu", "experts/gemm_sm90.cu", "experts/gemm_simt.cu",
                   "experts/reduce.cu", "experts/megamoe.cu"]
 BINDING_SOURCES = ["bindings.cpp"]

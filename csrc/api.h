@@ -329,6 +329,12 @@ enum CombineTraceSlot {
   kCombineTraceSlots
 };
 
+// petitErrorInvalidValue, with the reason in `err` (nullptr: none), where a call is outside
+// its context's limits: 1 <= top_k <= layout.max_top_k, 0 <= num_tokens <= region_stride <=
+// layout.max_tokens; a dispatch's quant a DispatchQuant (block modes: hidden a multiple of
+// kFp8ScaleBlock), a combine's config valid. No CUDA call; the launchers run the same check.
+petitError_t dispatch_check(const DispatchArgs& args, char* err, int err_len);
+petitError_t combine_check(const CombineArgs& args, char* err, int err_len);
 petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream);
 petitError_t launch_combine(const CombineArgs& args, petitStream_t stream);
 // Host only: what launch_combine launches for `args` (its fields set by the launcher, plus the

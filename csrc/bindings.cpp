@@ -1,22 +1,21 @@
-// The thin torch layer: tensor checks, device/stream selection, and the pybind11 module.
-// Kernels and the heap live in framework-free files (api.h); nothing here branches on the
-// platform.
+// The torch layer: tensor conversion, dtype/shape checks with messages about tensors, device
+// and stream selection, and the pybind11 module. Kernels, the heap and the EP context live in
+// framework-free files (api.h, comm/ep_context.h), which own the limits and their checks;
+// nothing here branches on the platform.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
-#include <cerrno>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "api.h"
-#include "comm/heartbeat.h"
+#include "comm/ep_context.h"
 #include "common/fp8.h"
 
 namespace petit {
@@ -76,10 +75,7 @@ CombineConfig combine_config_from(const py::dict& d) {
                       {"reduce_vectors", &c.reduce_vectors},
                       {"reduce_items", &c.reduce_items},
                       {"tail_chunks", &c.tail_chunks}});
-  PETIT_CHECK(config_valid(c),
-              "CombineConfig: reduce_pct in [0, 90], reduce_vectors and reduce_items in "
-              "[0, 2^20], tail_chunks in [0, 1024]");
-  return c;
+  return c;  // checked where it is used: EpContext, combine_check (kCombineConfigLimits)
 }
 
 // The default configs as dicts: what config.py's dataclasses must mirror.
@@ -160,475 +156,239 @@ void set_weight_format(MegaMoeArgs& a, const torch::Tensor& w13, const torch::Te
   a.w2_scale = w2_scale->data_ptr<float>();
 }
 
-// Owns one rank's symmetric heap plus the local device state of an EpBuffer.
-class EpContext {
+// ---- EpContext (comm/ep_context.h): the torch side of its calls. Tensors in, raw pointers
+// and sizes to the context, tensor views of the heap and the device state out; the context's
+// std::runtime_error becomes this module's error.
+template <class F>
+auto translated(F&& call) -> decltype(call()) {
+  try {
+    return call();
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, "petit_moe: ", e.what());
+    throw;  // not reached
+  }
+}
+
+// Runs a blocking wait without the GIL where this thread holds it (a view's last owner can be
+// Python code; the context's destructor runs under the GIL).
+void without_gil(const std::function<void()>& wait) {
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    py::gil_scoped_release no_gil;
+    wait();
+  } else {
+    wait();
+  }
+}
+
+// A view of context memory on the context's device. The heap is VMM memory whose pages may
+// live on a peer GPU: name the device the mapping is accessed from instead of letting torch
+// query the pointer's home device. The view holds a share of the memory: valid after close().
+torch::Tensor context_view(const EpContext& ctx, const OwnedPtr& p, std::vector<int64_t> sizes,
+                   torch::ScalarType dtype) {
+  const torch::Device device(torch::kCUDA, ctx.device());
+  std::shared_ptr<void> owner = p.owner;
+  return at::for_blob(p.ptr, sizes)
+      .options(torch::TensorOptions().dtype(dtype).device(device))
+      .target_device(device)
+      .deleter([owner](void*) mutable { owner.reset(); })
+      .make_tensor();
+}
+
+int checked_int(int64_t value, const char* name) {
+  PETIT_CHECK(value >= INT32_MIN && value <= INT32_MAX, "%s %lld does not fit 32 bits", name,
+              (long long)value);
+  return int(value);
+}
+
+// The class the module binds: a type of this file alone (pybind11's types are hidden; a bound
+// type of default visibility draws -Wattributes).
+class BoundEpContext final : public EpContext {
  public:
-  EpContext(int64_t device, int64_t rank, int64_t world_size, int64_t max_tokens,
-            int64_t hidden, int64_t max_top_k, int64_t num_experts, int64_t num_blocks,
-            double timeout_s, const py::dict& combine_config)
-      : device_(int(device)), combine_config_(combine_config_from(combine_config)) {
-    PETIT_CHECK(world_size >= 1 && world_size <= kMaxWorldSize, "world size %lld outside [1, %d]",
-                (long long)world_size, kMaxWorldSize);
-    PETIT_CHECK(rank >= 0 && rank < world_size, "rank %lld outside [0, %lld)", (long long)rank,
-                (long long)world_size);
-    PETIT_CHECK(hidden > 0 && hidden % 8 == 0, "hidden size %lld must be a positive multiple of 8",
-                (long long)hidden);
-    PETIT_CHECK(max_top_k >= 1 && max_top_k <= kMaxTopK, "max top-k %lld outside [1, %d]",
-                (long long)max_top_k, kMaxTopK);
-    PETIT_CHECK(num_experts >= world_size && num_experts <= kMaxExperts &&
-                    num_experts % world_size == 0,
-                "%lld experts must be a multiple of the world size %lld and at most %d",
-                (long long)num_experts, (long long)world_size, kMaxExperts);
-    PETIT_CHECK(max_tokens >= 1 && max_tokens <= kMaxTokensPerRank,
-                "max tokens per rank %lld outside [1, %d] (the call tag holds the region stride "
-                "in full)", (long long)max_tokens, kMaxTokensPerRank);
-    PETIT_CHECK(timeout_s_valid(timeout_s),
-                "timeout_s %g outside (0, %g] seconds (the bound of every spin-wait)", timeout_s,
-                kMaxTimeoutS);
-    c10::cuda::CUDAGuard guard(device_);
-    args_.layout = make_heap_layout(int(world_size), int(max_tokens), int(hidden),
-                                    int(max_top_k));
-    args_.rank = int(rank);
-    args_.world_size = int(world_size);
-    args_.num_experts = int(num_experts);
-    args_.num_local_experts = int(num_experts / world_size);
-    int num_sms = 0;
-    PETIT_CHECK_OK(petitDeviceGetAttribute(&num_sms, petitDevAttrMultiProcessorCount, device_),
-                   "SM count query");
-    PETIT_CHECK(num_blocks >= 1 && num_blocks <= num_sms,
-                "num_sms %lld must be in [1, %d] (the persistent grid must be co-resident)",
-                (long long)num_blocks, num_sms);
-    args_.num_blocks = int(num_blocks);
-    args_.timeout_ticks = uint64_t(timeout_s * petit_timer_ticks_per_second());
-
-    char err[512] = {0};
-    SymmetricHeap* heap = nullptr;
-    petitError_t e = SymmetricHeap::create(device_, args_.layout.total_bytes, &heap, err,
-                                           sizeof(err));
-    PETIT_CHECK(e == petitSuccess, "%s", err);
-    heap_ = std::shared_ptr<SymmetricHeap>(heap, release_heap);
-
-    auto opts = torch::TensorOptions().device(torch::kCUDA, device_);
-    const int64_t groups = args_.layout.max_groups;
-    state_ = torch::zeros({int64_t(sizeof(EpState) / 8)}, opts.dtype(torch::kInt64));
-    token_rank_mask_ = torch::zeros({max_tokens}, opts.dtype(torch::kInt32));
-    group_done_ = torch::zeros({world_size * groups}, opts.dtype(torch::kInt32));
-    recv_group_counts_ = torch::zeros({world_size, groups}, opts.dtype(torch::kInt32));
-    PETIT_CHECK_OK(petitHostAlloc((void**)&diag_host_, sizeof(EpDiagnostics)),
-                   "pinned diagnostics allocation");
-    memset(diag_host_, 0, sizeof(EpDiagnostics));
-    PETIT_CHECK_OK(petitHostGetDevicePointer((void**)&args_.diagnostics, diag_host_),
-                   "diagnostics device pointer");
-    args_.state = reinterpret_cast<EpState*>(state_.data_ptr());
-    args_.token_rank_mask = reinterpret_cast<uint32_t*>(token_rank_mask_.data_ptr());
-    args_.group_done = reinterpret_cast<uint32_t*>(group_done_.data_ptr());
-    args_.recv_group_counts = recv_group_counts_.data_ptr<int32_t>();
-  }
-
-  ~EpContext() {  // EpBuffer closes first; otherwise the same wait, without the GIL too
-    if (Py_IsInitialized() && PyGILState_Check()) {
-      py::gil_scoped_release no_gil;
-      close();
-    } else {
-      close();
-    }
-  }
-
-  // Unmaps and frees a heap once nothing holds it: the context (until close) and every view
-  // of it (dispatch's outputs, heap_view), so a DispatchOutput tensor kept past close() reads
-  // stale rows, never unmapped memory. Waits for the device first (a queued kernel may still
-  // read a view), without the GIL where this thread holds it (a view's last owner can be
-  // Python code).
-  static void release_heap(SymmetricHeap* heap) {
-    auto free_it = [heap] {
-      if (heap->device() >= 0) {
-        c10::cuda::CUDAGuard guard(heap->device());
-        petitDeviceSynchronize();
-      }
-      delete heap;
-    };
-    if (Py_IsInitialized() && PyGILState_Check()) {
-      py::gil_scoped_release no_gil;
-      free_it();
-    } else {
-      free_it();
-    }
-  }
-
-  // The heartbeat page (docs/faults.md): POSIX shared memory `name` of one word per rank,
-  // created (zeroed) by the first caller (`create`) and opened by the others, mapped here and
-  // registered with the GPU; a thread of this process increments this rank's word every
-  // `period_s`. Waits then go on past the bound while the peer's word moves, up to max_wait_s.
-  void attach_heartbeat(const std::string& name, bool create, double period_s,
-                        double max_wait_s) {
-    PETIT_CHECK(heartbeat_host_ == nullptr, "the heartbeat is attached already");
-    PETIT_CHECK(period_s > 0.0 && period_s * 2.0 < double(args_.timeout_ticks) /
-                                                       petit_timer_ticks_per_second(),
-                "heartbeat period %g s must be below half the wait bound", period_s);
-    PETIT_CHECK(max_wait_s * petit_timer_ticks_per_second() >= double(args_.timeout_ticks) &&
-                    max_wait_s <= kMaxWaitS,
-                "max_wait_s %g outside [timeout_s, %g]", max_wait_s, kMaxWaitS);
-    const int fd = shm_open(name.c_str(), create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
-    PETIT_CHECK(fd >= 0, "heartbeat page %s: shm_open failed (errno %d)", name.c_str(), errno);
-    const size_t bytes = size_t(sysconf(_SC_PAGESIZE));
-    PETIT_CHECK(size_t(args_.world_size) * sizeof(uint64_t) <= bytes, "heartbeat page too small");
-    const bool sized = !create || ftruncate(fd, off_t(bytes)) == 0;  // zero-filled
-    void* host = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
-                       : MAP_FAILED;
-    ::close(fd);
-    PETIT_CHECK(host != MAP_FAILED, "heartbeat page %s: mapping failed (errno %d)", name.c_str(),
-                errno);
-    c10::cuda::CUDAGuard guard(device_);
-    void* device = nullptr;
-    petitError_t e = petitHostRegisterMapped(host, bytes);
-    if (e == petitSuccess) e = petitHostGetDevicePointer(&device, host);
-    if (e != petitSuccess) {
-      petitGetLastError();
-      munmap(host, bytes);
-      PETIT_CHECK(false, "heartbeat page: registering it with the GPU failed (%d)", int(e));
-    }
-    heartbeat_host_ = static_cast<uint64_t*>(host);
-    heartbeat_bytes_ = bytes;
-    args_.heartbeats = static_cast<const volatile uint64_t*>(device);
-    args_.max_wait_ticks = uint64_t(max_wait_s * petit_timer_ticks_per_second());
-    heartbeat_.start(heartbeat_host_ + args_.rank, period_s);
-  }
-
-  // This rank leaves the protocol (a collective call raised before its launch): its
-  // heartbeat word is marked aborted, so peers waiting for it fail at their next look
-  // (kEpErrorPeerAborted) instead of waiting max_wait_s for a live process.
-  void abort() { heartbeat_.abort(); }
-
-  static void unlink_heartbeat(const std::string& name) { shm_unlink(name.c_str()); }
-
-  int64_t export_fd() {
-    int fd = -1;
-    char err[512] = {0};
-    PETIT_CHECK(heap_ != nullptr, "context is closed");
-    PETIT_CHECK(heap_->export_fd(&fd, err, sizeof(err)) == petitSuccess, "%s", err);
-    return fd;
-  }
-
-  // fds[r] for r != rank: descriptors received from the peers. Takes them: every one is
-  // closed on every path (SymmetricHeap::map_all, or here when it is not reached), so a
-  // failed setup keeps no peer's allocation alive.
-  void map_peers(const std::vector<int64_t>& fds) {
-    std::vector<int> int_fds(fds.begin(), fds.end());
-    if (heap_ == nullptr || int64_t(fds.size()) != args_.world_size) {
-      for (size_t r = 0; r < int_fds.size(); ++r)
-        if (int64_t(r) != args_.rank && int_fds[r] >= 0) ::close(int_fds[r]);
-      PETIT_CHECK(heap_ != nullptr, "context is closed");
-      PETIT_CHECK(false, "expected %d descriptors, got %zu", args_.world_size, fds.size());
-    }
-    c10::cuda::CUDAGuard guard(device_);
-    char err[512] = {0};
-    petitError_t e = heap_->map_all(int_fds.data(), args_.world_size, args_.rank, err,
-                                    sizeof(err));
-    PETIT_CHECK(e == petitSuccess, "%s", err);
-    args_.heap_base = heap_->base();
-    args_.heap_stride = heap_->stride();
-    // Flags start at epoch 0; the caller runs a barrier before any peer writes them.
-    char* own = args_.heap_base + int64_t(args_.rank) * args_.heap_stride;
-    PETIT_CHECK_OK(petitMemset(own + args_.layout.flags_begin, 0,
-                               size_t(args_.layout.flags_end - args_.layout.flags_begin)),
-                   "flag initialization");
-    PETIT_CHECK_OK(petitDeviceSynchronize(), "flag initialization");
-  }
-
-  // uint8 view of `num_bytes` at `offset` of rank `rank`'s heap, through the linear range.
-  torch::Tensor heap_view(int64_t rank, int64_t offset, int64_t num_bytes) {
-    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
-    check_mapped();
-    PETIT_CHECK(rank >= 0 && rank < args_.world_size, "rank %lld out of range", (long long)rank);
-    PETIT_CHECK(offset >= 0 && num_bytes >= 0 && offset + num_bytes <= heap_->stride(),
-                "heap view out of range");
-    return view(args_.heap_base + rank * args_.heap_stride + offset, {num_bytes},
-                torch::kUInt8);
-  }
-
-  // Returns (recv_x, recv_ids, recv_weights, recv_scales): recv_x [W*R, H] bf16 (quant 0) or
-  // float8_e4m3fn (quant 1, 2, 3: api.h DispatchQuant); recv_scales [W*R, H/128] (1, 3) or
-  // [W*R, 1] (2) float32, empty for bf16.
-  std::vector<torch::Tensor> dispatch(const torch::Tensor& x, const torch::Tensor& topk_ids,
-                                      const torch::Tensor& topk_weights, int64_t region_stride,
-                                      int64_t quant) {
-    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
-    check_mapped();
-    check_cuda_tensor(x, "x", 2);
-    check_cuda_tensor(topk_ids, "topk_ids", 2);
-    check_cuda_tensor(topk_weights, "topk_weights", 2);
-    const int64_t T = x.size(0), K = topk_ids.size(1);
-    PETIT_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16");
-    PETIT_CHECK(x.size(1) == args_.layout.hidden, "x hidden size %lld != buffer hidden size %d",
-                (long long)x.size(1), args_.layout.hidden);
-    PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32 || topk_ids.scalar_type() == torch::kInt64,
-                "topk_ids must be int32 or int64");
-    PETIT_CHECK(topk_weights.scalar_type() == torch::kFloat32, "topk_weights must be float32");
-    PETIT_CHECK(topk_ids.size(0) == T && topk_weights.size(0) == T && topk_weights.size(1) == K,
-                "x, topk_ids and topk_weights disagree on the token count / top-k");
-    PETIT_CHECK(K >= 1 && K <= args_.layout.max_top_k, "top-k %lld outside [1, %d]", (long long)K,
-                args_.layout.max_top_k);
-    PETIT_CHECK(T <= region_stride && region_stride <= args_.layout.max_tokens,
-                "need tokens (%lld) <= region stride (%lld) <= max tokens per rank (%d)",
-                (long long)T, (long long)region_stride, args_.layout.max_tokens);
-    const bool block_quant = is_block_quant(int(quant));
-    PETIT_CHECK(quant >= kQuantNone && quant <= kQuantFp8BlockUe8m0,
-                "quant %lld is not a DispatchQuant", (long long)quant);
-    PETIT_CHECK(!block_quant || args_.layout.hidden % kFp8ScaleBlock == 0,
-                "fp8 1x128 block dispatch needs a hidden size that is a multiple of %d, got %d",
-                kFp8ScaleBlock, args_.layout.hidden);
-    PETIT_CHECK(x.get_device() == device_ && topk_ids.get_device() == device_ &&
-                    topk_weights.get_device() == device_,
-                "inputs must be on the buffer's device %d", device_);
-    c10::cuda::CUDAGuard guard(device_);
-    DispatchArgs a{};
-    a.ctx = args_;
-    a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
-    a.topk_ids = topk_ids.data_ptr();
-    a.ids_are_int64 = topk_ids.scalar_type() == torch::kInt64;
-    a.topk_weights = topk_weights.data_ptr<float>();
-    a.num_tokens = int(T);
-    a.top_k = int(K);
-    a.region_stride = int(region_stride);
-    a.quant = int(quant);
-    PETIT_CHECK_OK(launch_dispatch(a, c10::cuda::getCurrentCUDAStream()), "dispatch launch");
-    char* own = args_.heap_base + int64_t(args_.rank) * args_.heap_stride;
-    const int64_t rows = int64_t(args_.world_size) * region_stride;
-    const int64_t H = args_.layout.hidden;
-    const bool fp8 = quant != kQuantNone;
-    const int64_t num_scales = block_quant ? H / kFp8ScaleBlock : 1;
-    return {view(own + args_.layout.dispatch_rows, {rows, H},
-                 fp8 ? at::ScalarType::Float8_e4m3fn : torch::kBFloat16),
-            view(own + args_.layout.dispatch_ids, {rows, K}, torch::kInt32),
-            view(own + args_.layout.dispatch_weights, {rows, K}, torch::kFloat32),
-            view(own + args_.layout.dispatch_scales, {fp8 ? rows : 0, num_scales},
-                 torch::kFloat32)};
-  }
-
-  // trace: optional int64 [num_blocks, kCombineTraceSlots] on this device; each launched
-  // block writes its row (CombineTraceSlot), the others are left as they are.
-  void combine(const torch::Tensor& expert_out, torch::Tensor& out, int64_t top_k,
-               int64_t region_stride, c10::optional<torch::Tensor> trace) {
-    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
-    check_mapped();
-    check_cuda_tensor(expert_out, "expert_out", 2);
-    check_cuda_tensor(out, "out", 2);
-    const int64_t rows = int64_t(args_.world_size) * region_stride;
-    PETIT_CHECK(expert_out.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-                "expert_out and out must be bfloat16");
-    PETIT_CHECK(expert_out.size(0) == rows && expert_out.size(1) == args_.layout.hidden,
-                "expert_out must be [world*region_stride, hidden] = [%lld, %d], got [%lld, %lld]",
-                (long long)rows, args_.layout.hidden, (long long)expert_out.size(0),
-                (long long)expert_out.size(1));
-    PETIT_CHECK(out.size(1) == args_.layout.hidden && out.size(0) <= region_stride,
-                "out must be [tokens <= region_stride, hidden]");
-    PETIT_CHECK(region_stride <= args_.layout.max_tokens, "region stride %lld > max tokens %d",
-                (long long)region_stride, args_.layout.max_tokens);
-    c10::cuda::CUDAGuard guard(device_);
-    CombineArgs a{};
-    a.ctx = args_;
-    a.expert_out = reinterpret_cast<const petit_bf16_bits*>(expert_out.data_ptr());
-    a.out = reinterpret_cast<petit_bf16_bits*>(out.data_ptr());
-    a.num_tokens = int(out.size(0));
-    a.top_k = int(top_k);
-    a.region_stride = int(region_stride);
-    a.config = combine_config_;
-    if (trace.has_value()) {
-      check_cuda_tensor(*trace, "trace", 2);
-      PETIT_CHECK(trace->scalar_type() == torch::kInt64 &&
-                      trace->size(0) == args_.num_blocks &&
-                      trace->size(1) == kCombineTraceSlots &&
-                      trace->get_device() == device_,
-                  "trace must be int64 [num_blocks, %d] = [%d, %d] on this buffer's device",
-                  int(kCombineTraceSlots), args_.num_blocks, int(kCombineTraceSlots));
-      a.trace = trace->data_ptr<int64_t>();
-    }
-    PETIT_CHECK_OK(launch_combine(a, c10::cuda::getCurrentCUDAStream()), "combine launch");
-  }
-
-  // The fused layer on this rank (api.h MegaMoeEpArgs): out [T, H] <- the MoE of x over the
-  // group's experts, dispatch and combine inside one launch. Shapes as megamoe_forward's, with
-  // global int32 ids; act / partial / sync: the workspaces of W * R * K entries.
-  void megamoe(const torch::Tensor& x, const torch::Tensor& topk_ids,
-               const torch::Tensor& topk_weights, const torch::Tensor& w13,
-               const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act,
-               torch::Tensor& partial, torch::Tensor& sync, int64_t region_stride,
-               c10::optional<torch::Tensor> trace, c10::optional<torch::Tensor> w13_scale,
-               c10::optional<torch::Tensor> w2_scale) {
-    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
-    check_mapped();
-    for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&x, "x"},
-                                  {&topk_ids, "topk_ids"}, {&topk_weights, "topk_weights"},
-                                  {&w13, "w13"}, {&w2, "w2"}, {&out, "out"}, {&act, "act"},
-                                  {&partial, "partial"}, {&sync, "sync"}}) {
-      PETIT_CHECK(t->is_cuda() && t->is_contiguous() && t->get_device() == device_,
-                  "%s must be a contiguous tensor on the buffer's device %d", name, device_);
-    }
-    const int64_t T = x.size(0), K = topk_ids.size(1), L = w13.size(0), I = w13.size(1) / 2;
-    const int64_t H = args_.layout.hidden, entries = args_.world_size * region_stride * K;
-    PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
-                    act.scalar_type() == torch::kBFloat16 &&
-                    topk_ids.scalar_type() == torch::kInt32 &&
-                    topk_weights.scalar_type() == torch::kFloat32 &&
-                    partial.scalar_type() == torch::kFloat32 && sync.scalar_type() == torch::kInt32,
-                "dtypes: bf16 x, out, act; int32 topk_ids, sync; f32 weights, partial");
-    PETIT_CHECK(x.dim() == 2 && x.size(1) == H && topk_ids.size(0) == T &&
-                    topk_weights.size(0) == T && topk_weights.size(1) == K &&
-                    w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == L &&
-                    w2.size(1) == H && w2.size(2) == I && out.numel() == T * H &&
-                    act.numel() >= entries * I && partial.numel() >= entries * H &&
-                    sync.numel() >= megamoe_sync_ints(int(L), int(H)),
-                "shapes: x [T, H=%lld], topk [T, K], w13 [L, 2I, H], w2 [L, H, I], out [T, H], "
-                "act >= W*R*K*I, partial >= W*R*K*H, sync >= megamoe_sync_ints(L, H)",
-                (long long)H);
-    c10::cuda::CUDAGuard guard(device_);
-    MegaMoeEpArgs e{};
-    e.ctx = args_;
-    e.region_stride = int(region_stride);
-    e.layer = megamoe_args(x, topk_ids, topk_weights, w13, w2, act, partial, sync, out);
-    MegaMoeArgs& a = e.layer;
-    set_weight_format(a, w13, w2, w13_scale, w2_scale);
-    a.num_sms = args_.num_blocks;
-    a.timeout_ticks = args_.timeout_ticks;
-    if (trace.has_value()) {  // one row of stamps per block of the grid (2 per SM)
-      check_cuda_tensor(*trace, "trace", 2);
-      PETIT_CHECK(trace->scalar_type() == torch::kInt64 &&
-                      trace->size(0) == int64_t(kMegaMoeBlocksPerSm) * args_.num_blocks &&
-                      trace->size(1) == kMegaMoeTraceSlots && trace->get_device() == device_,
-                  "trace must be int64 [%d x num_sms, %d] = [%d, %d] on this buffer's device",
-                  kMegaMoeBlocksPerSm, kMegaMoeTraceSlots,
-                  kMegaMoeBlocksPerSm * args_.num_blocks, kMegaMoeTraceSlots);
-      a.trace = trace->data_ptr<int64_t>();
-    }
-    PETIT_CHECK(megamoe_ep_check(e) == petitSuccess,
-                "fused EP layer: arguments outside its limits (T <= region stride <= max tokens, "
-                "W*R*K <= %d entries, H and I multiples of %d, L = the buffer's local experts)",
-                kMegaMoeMaxEntries, kMegaMoeSizeMultiple);
-    const petitError_t launched = launch_megamoe_ep(e, c10::cuda::getCurrentCUDAStream());
-    PETIT_CHECK(launched != petitErrorCooperativeLaunchTooLarge,
-                "fused EP layer: its grid of %d x num_sms = %d blocks cannot all be resident on "
-                "this GPU at once (occupancy x SMs, or num_sms above the SM count), and its "
-                "ranks spin on each other: build the EpBuffer with fewer num_sms",
-                kMegaMoeBlocksPerSm, kMegaMoeBlocksPerSm * args_.num_blocks);
-    PETIT_CHECK_OK(launched, "fused EP launch");
-  }
-
-  // Benchmark ceiling: push `bytes_per_peer` of `src` into every peer's combine region.
-  void peer_write(const torch::Tensor& src, int64_t bytes_per_peer, int64_t num_blocks) {
-    std::lock_guard<std::mutex> launching(launch_mutex_);  // against close() (no GIL)
-    check_mapped();
-    PETIT_CHECK(src.is_cuda() && src.is_contiguous() && src.nbytes() >= size_t(bytes_per_peer),
-                "peer_write source too small");
-    const int64_t region = args_.layout.flags_begin - args_.layout.combine_rows;
-    PETIT_CHECK(bytes_per_peer <= region && bytes_per_peer % 16 == 0,
-                "bytes_per_peer must be a multiple of 16 and <= %lld", (long long)region);
-    c10::cuda::CUDAGuard guard(device_);
-    PeerWriteArgs a{};
-    a.heap_base = args_.heap_base;
-    a.heap_stride = args_.heap_stride;
-    a.rank = args_.rank;
-    a.world_size = args_.world_size;
-    a.src = src.data_ptr();
-    a.heap_offset = args_.layout.combine_rows;
-    a.bytes_per_peer = bytes_per_peer;
-    a.num_blocks = int(num_blocks);
-    PETIT_CHECK_OK(launch_peer_write(a, c10::cuda::getCurrentCUDAStream()), "peer write launch");
-  }
-
-  torch::Tensor recv_group_counts() const { return recv_group_counts_; }
-  torch::Tensor epoch() const { return state_.narrow(0, 0, 1); }
-
-  py::dict diagnostics() const {
-    py::dict d;
-    std::lock_guard<std::mutex> lock(diag_mutex_);  // close() may free the record meanwhile
-    if (diag_host_ == nullptr) return d;
-    volatile EpDiagnostics* diag = diag_host_;
-    const int error = int(diag->error);
-    d["error"] = error == kEpErrorTimeout        ? "timeout"
-                 : error == kEpErrorMismatch     ? "mismatch"
-                 : error == kEpErrorPeerAborted  ? "peer_aborted"
-                 : error == kEpErrorOrder        ? "order"
-                                                 : "";
-    d["timed_out"] = int(error == kEpErrorTimeout);
-    d["rank"] = int(diag->rank);
-    d["peer"] = int(diag->peer);
-    d["phase"] = diag->phase == 0 ? "dispatch" : "combine";
-    d["group"] = int(diag->group);
-    d["expected_epoch"] = uint64_t(diag->expected_epoch);
-    d["observed_epoch"] = flag_epoch(diag->observed_flag);
-    d["expected_tag"] = uint32_t(diag->expected_tag);
-    d["peer_alive"] = int(diag->peer_alive);
-    d["observed_tag"] = flag_tag(diag->observed_flag);
-    d["dropped_ids"] = int(diag->dropped_ids);
-    return d;
-  }
-
-  int64_t heap_bytes() const { return args_.layout.total_bytes; }
-  int64_t heap_stride() const { return heap_ ? heap_->stride() : 0; }
-  int64_t num_blocks() const { return args_.num_blocks; }
-
-  // Bound without the GIL (py::call_guard in the module): the device wait may last until a
-  // kernel's bounded waits end, and no Python thread (the fault watch included) may be frozen
-  // meanwhile. Touches no Python object. Order: the device first, with the heartbeat still
-  // beating (a kernel of ours still running must not look dead to its peers), then the mark
-  // "left the protocol" and the end of the beat, then the memory (the heap once its views are
-  // gone too: release_heap).
-  void close() {
-    {  // no launch from here on (check_mapped); one already in progress is enqueued first
-      std::lock_guard<std::mutex> lock(launch_mutex_);
-      args_.heap_base = nullptr;
-    }
-    if (heap_ || diag_host_ != nullptr || heartbeat_host_ != nullptr) {
-      c10::cuda::CUDAGuard guard(device_);
-      petitDeviceSynchronize();  // no kernel of ours may still touch the range or the words
-    }
-    heartbeat_.abort();
-    heartbeat_.stop();
-    heap_.reset();
-    {
-      std::lock_guard<std::mutex> lock(diag_mutex_);
-      if (diag_host_ != nullptr) petitFreeHost(diag_host_);
-      diag_host_ = nullptr;
-    }
-    if (heartbeat_host_ != nullptr) {  // after the synchronize above: no kernel reads it
-      petitHostUnregister(heartbeat_host_);
-      munmap(heartbeat_host_, heartbeat_bytes_);
-      heartbeat_host_ = nullptr;
-    }
-    args_.heartbeats = nullptr;
-  }
-
- private:
-  void check_mapped() const {
-    PETIT_CHECK(heap_ && args_.heap_base != nullptr,
-                "the symmetric heap is not mapped (closed, or map_peers not run)");
-  }
-  torch::Tensor view(char* ptr, std::vector<int64_t> sizes, torch::ScalarType dtype) const {
-    // The heap is VMM memory whose pages may live on a peer GPU: name the device the
-    // mapping is accessed from instead of letting torch query the pointer's home device.
-    // The view owns a share of the heap (release_heap): valid after close() too.
-    const torch::Device device(torch::kCUDA, device_);
-    std::shared_ptr<SymmetricHeap> owner = heap_;
-    return at::for_blob(ptr, sizes)
-        .options(torch::TensorOptions().dtype(dtype).device(device))
-        .target_device(device)
-        .deleter([owner](void*) mutable { owner.reset(); })
-        .make_tensor();
-  }
-
-  int device_;
-  CombineConfig combine_config_;
-  EpContextArgs args_{};
-  std::shared_ptr<SymmetricHeap> heap_;  // shared with the views (release_heap)
-  torch::Tensor state_, token_rank_mask_, group_done_, recv_group_counts_;
-  EpDiagnostics* diag_host_ = nullptr;
-  mutable std::mutex diag_mutex_;       // diagnostics() against close()'s free
-  std::mutex launch_mutex_;             // a launch (or view) against close(), which runs
-                                        // without the GIL
-  uint64_t* heartbeat_host_ = nullptr;  // the mapped heartbeat page (attach_heartbeat)
-  size_t heartbeat_bytes_ = 0;
-  HeartbeatThread heartbeat_;           // beats this rank's word (comm/heartbeat.h)
+  using EpContext::EpContext;
 };
+
+std::unique_ptr<BoundEpContext> ep_create(int64_t device, int64_t rank, int64_t world_size,
+                                     int64_t max_tokens, int64_t hidden, int64_t max_top_k,
+                                     int64_t num_experts, int64_t num_blocks, double timeout_s,
+                                     const py::dict& combine_config) {
+  EpContextParams p;
+  p.combine_config = combine_config_from(combine_config);
+  p.device = device;
+  p.rank = rank;
+  p.world_size = world_size;
+  p.max_tokens = max_tokens;
+  p.hidden = hidden;
+  p.max_top_k = max_top_k;
+  p.num_experts = num_experts;
+  p.num_blocks = num_blocks;
+  p.timeout_s = timeout_s;
+  p.run_blocking = without_gil;
+  return translated([&] { return std::make_unique<BoundEpContext>(p); });
+}
+
+torch::Tensor ep_heap_view(BoundEpContext& ctx, int64_t rank, int64_t offset, int64_t num_bytes) {
+  const OwnedPtr p = translated([&] { return ctx.heap_view(rank, offset, num_bytes); });
+  return context_view(ctx, p, {num_bytes}, torch::kUInt8);
+}
+
+// Returns (recv_x, recv_ids, recv_weights, recv_scales): recv_x [W*R, H] bf16 (quant 0) or
+// float8_e4m3fn (quant 1, 2, 3: api.h DispatchQuant); recv_scales [W*R, H/128] (1, 3) or
+// [W*R, 1] (2) float32, empty for bf16. Limits (top-k, region stride, quant): dispatch_check.
+std::vector<torch::Tensor> ep_dispatch(BoundEpContext& ctx, const torch::Tensor& x,
+                                       const torch::Tensor& topk_ids,
+                                       const torch::Tensor& topk_weights, int64_t region_stride,
+                                       int64_t quant) {
+  const int device = ctx.device(), H = ctx.layout().hidden;
+  check_cuda_tensor(x, "x", 2);
+  check_cuda_tensor(topk_ids, "topk_ids", 2);
+  check_cuda_tensor(topk_weights, "topk_weights", 2);
+  const int64_t T = x.size(0), K = topk_ids.size(1);
+  PETIT_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16");
+  PETIT_CHECK(x.size(1) == H, "x hidden size %lld != buffer hidden size %d",
+              (long long)x.size(1), H);
+  PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32 || topk_ids.scalar_type() == torch::kInt64,
+              "topk_ids must be int32 or int64");
+  PETIT_CHECK(topk_weights.scalar_type() == torch::kFloat32, "topk_weights must be float32");
+  PETIT_CHECK(topk_ids.size(0) == T && topk_weights.size(0) == T && topk_weights.size(1) == K,
+              "x, topk_ids and topk_weights disagree on the token count / top-k");
+  PETIT_CHECK(x.get_device() == device && topk_ids.get_device() == device &&
+                  topk_weights.get_device() == device,
+              "inputs must be on the buffer's device %d", device);
+  DispatchArgs a{};
+  a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
+  a.topk_ids = topk_ids.data_ptr();
+  a.ids_are_int64 = topk_ids.scalar_type() == torch::kInt64;
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.num_tokens = checked_int(T, "token count");
+  a.top_k = checked_int(K, "top-k");
+  a.region_stride = checked_int(region_stride, "region stride");
+  a.quant = checked_int(quant, "quant");
+  const DispatchRegions r = translated(
+      [&] { return ctx.dispatch(a, c10::cuda::getCurrentCUDAStream(device)); });
+  const int64_t rows = int64_t(ctx.world_size()) * region_stride;
+  const bool fp8 = quant != kQuantNone;
+  const int64_t num_scales = is_block_quant(int(quant)) ? H / kFp8ScaleBlock : 1;
+  return {context_view(ctx, {r.rows, r.owner}, {rows, H},
+               fp8 ? at::ScalarType::Float8_e4m3fn : torch::kBFloat16),
+          context_view(ctx, {r.ids, r.owner}, {rows, K}, torch::kInt32),
+          context_view(ctx, {r.weights, r.owner}, {rows, K}, torch::kFloat32),
+          context_view(ctx, {r.scales, r.owner}, {fp8 ? rows : 0, num_scales}, torch::kFloat32)};
+}
+
+// trace: optional int64 [num_blocks, kCombineTraceSlots] on this device; each launched
+// block writes its row (CombineTraceSlot), the others are left as they are.
+void ep_combine(BoundEpContext& ctx, const torch::Tensor& expert_out, torch::Tensor& out,
+                int64_t top_k, int64_t region_stride, c10::optional<torch::Tensor> trace) {
+  const int device = ctx.device(), H = ctx.layout().hidden;
+  check_cuda_tensor(expert_out, "expert_out", 2);
+  check_cuda_tensor(out, "out", 2);
+  const int64_t rows = int64_t(ctx.world_size()) * region_stride;
+  PETIT_CHECK(expert_out.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "expert_out and out must be bfloat16");
+  PETIT_CHECK(expert_out.size(0) == rows && expert_out.size(1) == H,
+              "expert_out must be [world*region_stride, hidden] = [%lld, %d], got [%lld, %lld]",
+              (long long)rows, H, (long long)expert_out.size(0), (long long)expert_out.size(1));
+  PETIT_CHECK(out.size(1) == H && out.size(0) <= region_stride,
+              "out must be [tokens <= region_stride, hidden]");
+  CombineArgs a{};
+  a.expert_out = reinterpret_cast<const petit_bf16_bits*>(expert_out.data_ptr());
+  a.out = reinterpret_cast<petit_bf16_bits*>(out.data_ptr());
+  a.num_tokens = int(out.size(0));
+  a.top_k = checked_int(top_k, "top-k");
+  a.region_stride = checked_int(region_stride, "region stride");
+  if (trace.has_value()) {
+    check_cuda_tensor(*trace, "trace", 2);
+    PETIT_CHECK(trace->scalar_type() == torch::kInt64 && trace->size(0) == ctx.num_blocks() &&
+                    trace->size(1) == kCombineTraceSlots && trace->get_device() == device,
+                "trace must be int64 [num_blocks, %d] = [%d, %d] on this buffer's device",
+                int(kCombineTraceSlots), ctx.num_blocks(), int(kCombineTraceSlots));
+    a.trace = trace->data_ptr<int64_t>();
+  }
+  translated([&] { ctx.combine(a, c10::cuda::getCurrentCUDAStream(device)); });
+}
+
+// The fused layer on this rank (api.h MegaMoeEpArgs): out [T, H] <- the MoE of x over the
+// group's experts, dispatch and combine inside one launch. Shapes as megamoe_forward's, with
+// global int32 ids; act / partial / sync: the workspaces of W * R * K entries. Limits:
+// megamoe_ep_check.
+void ep_megamoe(BoundEpContext& ctx, const torch::Tensor& x, const torch::Tensor& topk_ids,
+                const torch::Tensor& topk_weights, const torch::Tensor& w13,
+                const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act,
+                torch::Tensor& partial, torch::Tensor& sync, int64_t region_stride,
+                c10::optional<torch::Tensor> trace, c10::optional<torch::Tensor> w13_scale,
+                c10::optional<torch::Tensor> w2_scale) {
+  const int device = ctx.device();
+  for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&x, "x"},
+                                {&topk_ids, "topk_ids"}, {&topk_weights, "topk_weights"},
+                                {&w13, "w13"}, {&w2, "w2"}, {&out, "out"}, {&act, "act"},
+                                {&partial, "partial"}, {&sync, "sync"}}) {
+    PETIT_CHECK(t->is_cuda() && t->is_contiguous() && t->get_device() == device,
+                "%s must be a contiguous tensor on the buffer's device %d", name, device);
+  }
+  const int64_t T = x.size(0), K = topk_ids.size(1), L = w13.size(0), I = w13.size(1) / 2;
+  const int64_t H = ctx.layout().hidden, entries = ctx.world_size() * region_stride * K;
+  PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
+                  act.scalar_type() == torch::kBFloat16 &&
+                  topk_ids.scalar_type() == torch::kInt32 &&
+                  topk_weights.scalar_type() == torch::kFloat32 &&
+                  partial.scalar_type() == torch::kFloat32 && sync.scalar_type() == torch::kInt32,
+              "dtypes: bf16 x, out, act; int32 topk_ids, sync; f32 weights, partial");
+  PETIT_CHECK(x.dim() == 2 && x.size(1) == H && topk_ids.size(0) == T &&
+                  topk_weights.size(0) == T && topk_weights.size(1) == K &&
+                  w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == L &&
+                  w2.size(1) == H && w2.size(2) == I && out.numel() == T * H &&
+                  act.numel() >= entries * I && partial.numel() >= entries * H &&
+                  sync.numel() >= megamoe_sync_ints(int(L), int(H)),
+              "shapes: x [T, H=%lld], topk [T, K], w13 [L, 2I, H], w2 [L, H, I], out [T, H], "
+              "act >= W*R*K*I, partial >= W*R*K*H, sync >= megamoe_sync_ints(L, H)",
+              (long long)H);
+  MegaMoeEpArgs e{};
+  e.region_stride = checked_int(region_stride, "region stride");
+  e.layer = megamoe_args(x, topk_ids, topk_weights, w13, w2, act, partial, sync, out);
+  set_weight_format(e.layer, w13, w2, w13_scale, w2_scale);
+  if (trace.has_value()) {  // one row of stamps per block of the grid (2 per SM)
+    check_cuda_tensor(*trace, "trace", 2);
+    PETIT_CHECK(trace->scalar_type() == torch::kInt64 &&
+                    trace->size(0) == int64_t(kMegaMoeBlocksPerSm) * ctx.num_blocks() &&
+                    trace->size(1) == kMegaMoeTraceSlots && trace->get_device() == device,
+                "trace must be int64 [%d x num_sms, %d] = [%d, %d] on this buffer's device",
+                kMegaMoeBlocksPerSm, kMegaMoeTraceSlots, kMegaMoeBlocksPerSm * ctx.num_blocks(),
+                kMegaMoeTraceSlots);
+    e.layer.trace = trace->data_ptr<int64_t>();
+  }
+  translated([&] { ctx.megamoe(e, c10::cuda::getCurrentCUDAStream(device)); });
+}
+
+// Benchmark ceiling: push `bytes_per_peer` of `src` into every peer's combine region.
+void ep_peer_write(BoundEpContext& ctx, const torch::Tensor& src, int64_t bytes_per_peer,
+                   int64_t num_blocks) {
+  PETIT_CHECK(src.is_cuda() && src.is_contiguous() && bytes_per_peer >= 0 &&
+                  src.nbytes() >= size_t(bytes_per_peer),
+              "peer_write source too small");
+  translated([&] {
+    ctx.peer_write(src.data_ptr(), bytes_per_peer, checked_int(num_blocks, "num_blocks"),
+                   c10::cuda::getCurrentCUDAStream(ctx.device()));
+  });
+}
+
+py::dict ep_diagnostics(const BoundEpContext& ctx) {
+  py::dict d;
+  EpDiagnostics diag{};
+  if (!ctx.diagnostics(&diag)) return d;
+  d["error"] = ep_error_name(diag.error);
+  d["timed_out"] = int(diag.error == kEpErrorTimeout);
+  d["rank"] = int(diag.rank);
+  d["peer"] = int(diag.peer);
+  d["phase"] = diag.phase == 0 ? "dispatch" : "combine";
+  d["group"] = int(diag.group);
+  d["expected_epoch"] = uint64_t(diag.expected_epoch);
+  d["observed_epoch"] = flag_epoch(diag.observed_flag);
+  d["expected_tag"] = uint32_t(diag.expected_tag);
+  d["peer_alive"] = int(diag.peer_alive);
+  d["observed_tag"] = flag_tag(diag.observed_flag);
+  d["dropped_ids"] = int(diag.dropped_ids);
+  return d;
+}
 
 // SM count of a device, queried once per device (no device sync; safe under graph capture).
 int num_sms_of(int device) {
@@ -887,6 +647,8 @@ py::dict combine_plan(int64_t world_size, int64_t hidden, int64_t num_tokens,
   a.top_k = 1;
   a.region_stride = int(region_stride);
   a.config = combine_config_from(combine_config);
+  char err[512] = {0};
+  PETIT_CHECK(combine_check(a, err, sizeof(err)) == petitSuccess, "%s", err);
   int grid = 0;
   PETIT_CHECK_OK(plan_combine(&a, &grid), "combine plan");
   py::dict d;
@@ -993,6 +755,7 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
 }  // namespace petit
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using petit::BoundEpContext;
   using petit::EpContext;
   m.doc() = "vllm-petit-moe compiled kernels (symmetric heap, dispatch/combine, routing, experts)";
   m.attr("kTokenGroupSize") = petit::kTokenGroupSize;
@@ -1056,36 +819,58 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "(grid, threads, dynamic smem bytes, CTAs per cluster) of this process's latest gate/up "
       "or down GEMM launch; zeros before the first",
       py::arg("gate_up"));
-  py::class_<EpContext>(m, "EpContext")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                    double, const py::dict&>(),
-           py::arg("device"), py::arg("rank"), py::arg("world_size"), py::arg("max_tokens"),
-           py::arg("hidden"), py::arg("max_top_k"), py::arg("num_experts"),
-           py::arg("num_blocks"), py::arg("timeout_s"), py::arg("combine_config") = py::dict())
-      .def("export_fd", &EpContext::export_fd)
-      .def("attach_heartbeat", &EpContext::attach_heartbeat, py::arg("name"), py::arg("create"),
-           py::arg("period_s"), py::arg("max_wait_s"))
+  py::class_<BoundEpContext>(m, "EpContext")
+      .def(py::init(&petit::ep_create), py::arg("device"), py::arg("rank"),
+           py::arg("world_size"), py::arg("max_tokens"), py::arg("hidden"), py::arg("max_top_k"),
+           py::arg("num_experts"), py::arg("num_blocks"), py::arg("timeout_s"),
+           py::arg("combine_config") = py::dict())
+      .def("export_fd",
+           [](BoundEpContext& c) {
+             return int64_t(petit::translated([&] { return c.export_fd(); }));
+           })
+      .def(
+          "attach_heartbeat",
+          [](BoundEpContext& c, const std::string& name, bool create, double period_s,
+             double max_wait_s) {
+            petit::translated([&] { c.attach_heartbeat(name, create, period_s, max_wait_s); });
+          },
+          py::arg("name"), py::arg("create"), py::arg("period_s"), py::arg("max_wait_s"))
       .def_static("unlink_heartbeat", &EpContext::unlink_heartbeat, py::arg("name"))
-      .def("map_peers", &EpContext::map_peers, py::arg("fds"))
-      .def("heap_view", &EpContext::heap_view, py::arg("rank"), py::arg("offset"),
+      .def(
+          "map_peers",
+          [](BoundEpContext& c, const std::vector<int64_t>& fds) {
+            const std::vector<int> int_fds(fds.begin(), fds.end());
+            petit::translated([&] { c.map_peers(int_fds); });
+          },
+          py::arg("fds"))
+      .def("heap_view", &petit::ep_heap_view, py::arg("rank"), py::arg("offset"),
            py::arg("num_bytes"))
-      .def("dispatch", &EpContext::dispatch, py::arg("x"), py::arg("topk_ids"),
+      .def("dispatch", &petit::ep_dispatch, py::arg("x"), py::arg("topk_ids"),
            py::arg("topk_weights"), py::arg("region_stride"), py::arg("quant") = 0)
-      .def("combine", &EpContext::combine, py::arg("expert_out"), py::arg("out"),
+      .def("combine", &petit::ep_combine, py::arg("expert_out"), py::arg("out"),
            py::arg("top_k"), py::arg("region_stride"), py::arg("trace") = py::none())
-      .def("megamoe", &EpContext::megamoe, py::arg("x"), py::arg("topk_ids"),
+      .def("megamoe", &petit::ep_megamoe, py::arg("x"), py::arg("topk_ids"),
            py::arg("topk_weights"), py::arg("w13"), py::arg("w2"), py::arg("out"),
            py::arg("act"), py::arg("partial"), py::arg("sync"), py::arg("region_stride"),
            py::arg("trace") = py::none(), py::arg("w13_scale") = py::none(),
            py::arg("w2_scale") = py::none())
-      .def("peer_write", &EpContext::peer_write, py::arg("src"), py::arg("bytes_per_peer"),
+      .def("peer_write", &petit::ep_peer_write, py::arg("src"), py::arg("bytes_per_peer"),
            py::arg("num_blocks"))
-      .def("recv_group_counts", &EpContext::recv_group_counts)
-      .def("epoch", &EpContext::epoch)
-      .def("diagnostics", &EpContext::diagnostics)
-      .def_property_readonly("heap_bytes", &EpContext::heap_bytes)
+      .def("recv_group_counts",
+           [](const BoundEpContext& c) {
+             return petit::context_view(c, c.recv_group_counts(),
+                                        {c.world_size(), c.layout().max_groups}, torch::kInt32);
+           })
+      .def("epoch",
+           [](const BoundEpContext& c) {
+             return petit::context_view(c, c.epoch(), {1}, torch::kInt64);
+           })
+      .def("diagnostics", &petit::ep_diagnostics)
+      .def_property_readonly("heap_bytes",
+                             [](const BoundEpContext& c) { return c.layout().total_bytes; })
       .def_property_readonly("heap_stride", &EpContext::heap_stride)
-      .def_property_readonly("num_blocks", &EpContext::num_blocks)
+      .def_property_readonly("num_blocks",
+                             [](const BoundEpContext& c) { return int64_t(c.num_blocks()); })
       .def("abort", &EpContext::abort)
       .def("close", &EpContext::close, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # AMD gate (no AMD GPU needed): compile every framework-free kernel source in csrc/ with hipcc
 # for an AMD target, through the same portability header (csrc/common/platform.h) the CUDA build
-# uses. Sources that include torch/pybind headers (csrc/bindings.cpp) are skipped: they need
-# a ROCm torch build. Fails on the first compile error after trying every file.
+# uses (comm/ep_context.cpp, the EP context, included). Sources that include torch/pybind
+# headers (csrc/bindings.cpp) are skipped: they need a ROCm torch build. Fails on the first
+# compile error after trying every file.
 #
 #   bash tools/hip_compile_check.sh                      # gfx90a + CDNA3 (+ gfx950), see below
 #   HIP_ARCHS="gfx90a gfx942" bash tools/hip_compile_check.sh

@@ -5,6 +5,7 @@
 // epoch-tagged flag in the peer's heap (no remote atomics). Each kernel first does all its
 // send items, then waits for its receive items: since all blocks are co-resident and sends
 // never wait, every rank's sends complete and the waits terminate (or time out).
+#include <stdarg.h>
 #include <stdio.h>
 
 #include "api.h"
@@ -651,23 +652,60 @@ int combine_tail_chunks(const CombineConfig& config, int send_chunks, int64_t ro
   return chunks >= 2 ? chunks : 0;
 }
 
-petitError_t check_context(const EpContextArgs& c, int region_stride, int num_tokens,
-                           int top_k) {
-  if (c.num_blocks < 1 || c.world_size < 1 || c.world_size > kMaxWorldSize) return petitErrorInvalidValue;
-  if (region_stride < num_tokens || region_stride > c.layout.max_tokens || num_tokens < 0)
-    return petitErrorInvalidValue;
-  if (top_k < 1 || top_k > c.layout.max_top_k || c.layout.hidden % kVecElems != 0)
-    return petitErrorInvalidValue;
+// Writes the reason of a refused call into err (nullptr: none) and returns
+// petitErrorInvalidValue.
+petitError_t refuse(char* err, int err_len, const char* fmt, ...) {
+  if (err != nullptr && err_len > 0) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(err, size_t(err_len), fmt, args);
+    va_end(args);
+  }
+  return petitErrorInvalidValue;
+}
+
+// What a dispatch and a combine both need of the context and the call: a co-resident grid,
+// 1 <= top-k <= layout.max_top_k and tokens <= region stride <= layout.max_tokens.
+petitError_t check_call(const EpContextArgs& c, int region_stride, int num_tokens, int top_k,
+                        char* err, int err_len) {
+  if (c.num_blocks < 1 || c.world_size < 1 || c.world_size > kMaxWorldSize ||
+      c.layout.hidden % kVecElems != 0)
+    return refuse(err, err_len, "context: %d blocks, world size %d, hidden size %d", c.num_blocks,
+                  c.world_size, c.layout.hidden);
+  if (top_k < 1 || top_k > c.layout.max_top_k)
+    return refuse(err, err_len, "top-k %d outside [1, %d]", top_k, c.layout.max_top_k);
+  if (num_tokens < 0 || region_stride < num_tokens || region_stride > c.layout.max_tokens)
+    return refuse(err, err_len,
+                  "need tokens (%d) <= region stride (%d) <= max tokens per rank (%d)",
+                  num_tokens, region_stride, c.layout.max_tokens);
   return petitSuccess;
 }
 
 }  // namespace
 
+petitError_t dispatch_check(const DispatchArgs& a, char* err, int err_len) {
+  const petitError_t e = check_call(a.ctx, a.region_stride, a.num_tokens, a.top_k, err, err_len);
+  if (e != petitSuccess) return e;
+  if (a.quant < kQuantNone || a.quant > kQuantFp8BlockUe8m0)
+    return refuse(err, err_len, "quant %d is not a DispatchQuant", a.quant);
+  if (is_block_quant(a.quant) && a.ctx.layout.hidden % kFp8ScaleBlock != 0)
+    return refuse(err, err_len,
+                  "fp8 1x128 block dispatch needs a hidden size that is a multiple of %d, got %d",
+                  kFp8ScaleBlock, a.ctx.layout.hidden);
+  return petitSuccess;
+}
+
+petitError_t combine_check(const CombineArgs& a, char* err, int err_len) {
+  const petitError_t e = check_call(a.ctx, a.region_stride, a.num_tokens, a.top_k, err, err_len);
+  if (e != petitSuccess) return e;
+  if (!config_valid(a.config))
+    return refuse(err, err_len, "%s", kCombineConfigLimits);
+  return petitSuccess;
+}
+
 petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
-  petitError_t err = check_context(args.ctx, args.region_stride, args.num_tokens, args.top_k);
+  const petitError_t err = dispatch_check(args, nullptr, 0);
   if (err != petitSuccess) return err;
-  if (is_block_quant(args.quant) && args.ctx.layout.hidden % kFp8ScaleBlock != 0)
-    return petitErrorInvalidValue;
   DispatchArgs a = args;
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size,
                                    a.ctx.layout.hidden / kVecElems, a.ctx.num_blocks);
@@ -683,17 +721,15 @@ petitError_t launch_dispatch(const DispatchArgs& args, petitStream_t stream) {
       {dispatch_kernel<int32_t, kQuantFp8Token>, dispatch_kernel<int64_t, kQuantFp8Token>},
       {dispatch_kernel<int32_t, kQuantFp8BlockUe8m0>,
        dispatch_kernel<int64_t, kQuantFp8BlockUe8m0>}};
-  if (a.quant < kQuantNone || a.quant > kQuantFp8BlockUe8m0) return petitErrorInvalidValue;
   const Kernel kernel = kernels[a.quant][a.ids_are_int64 ? 1 : 0];
   petitLaunchKernel(kernel, dim3(grid), dim3(kThreads), 0, stream, a);
   return petitGetLastError();
 }
 
 petitError_t plan_combine(CombineArgs* args, int* grid) {
-  petitError_t err = check_context(args->ctx, args->region_stride, args->num_tokens, args->top_k);
+  const petitError_t err = combine_check(*args, nullptr, 0);
   if (err != petitSuccess) return err;
   CombineArgs& a = *args;
-  if (!config_valid(a.config)) return petitErrorInvalidValue;
   const int max_senders = combine_send_blocks(a.config, a.ctx.num_blocks);
   a.num_chunks = choose_num_chunks(a.region_stride, a.ctx.world_size - 1,
                                    a.ctx.layout.hidden / kVecElems, max_senders);

@@ -7,8 +7,8 @@
 // (ep_sync.h fail_wait), with a plain store: the beat is an atomic add, so neither the host's
 // increments nor its own mark can undo the bit.
 //
-// Host only, framework-free (no CUDA call, no Python): the torch binding (bindings.cpp
-// EpContext) maps the word and owns one of these; tests/emu/ep_emu.cpp runs it on the
+// Host only, framework-free (no CUDA call, no Python): EpContext (comm/ep_context.cpp) maps
+// the word and owns one of these; tests/emu/ep_emu.cpp runs it on the
 // emulated ranks' words.
 #pragma once
 

@@ -58,5 +58,9 @@ inline bool config_valid(const CombineConfig& c) {
          c.reduce_vectors <= (1 << 20) && c.reduce_items >= 0 && c.reduce_items <= (1 << 20) &&
          c.tail_chunks >= 0 && c.tail_chunks <= (1 << 10);
 }
+// What config_valid(CombineConfig) demands, as an error message says it.
+constexpr const char* kCombineConfigLimits =
+    "CombineConfig: reduce_pct in [0, 90], reduce_vectors and reduce_items in [0, 2^20], "
+    "tail_chunks in [0, 1024]";
 
 }  // namespace petit

@@ -132,6 +132,8 @@ typedef hipFuncAttributes petitFuncAttributes;
   hipHostRegister(ptr, size, hipHostRegisterMapped | hipHostRegisterPortable)
 #define petitHostUnregister hipHostUnregister
 #define petitMemset hipMemset
+#define petitMalloc hipMalloc
+#define petitFree hipFree
 #define petitLaunchKernel(kernel, grid, block, smem, stream, ...) \
   hipLaunchKernelGGL(kernel, grid, block, smem, stream, __VA_ARGS__)
 #else
@@ -171,6 +173,8 @@ typedef cudaFuncAttributes petitFuncAttributes;
   cudaHostRegister(ptr, size, cudaHostRegisterMapped | cudaHostRegisterPortable)
 #define petitHostUnregister cudaHostUnregister
 #define petitMemset cudaMemset
+#define petitMalloc cudaMalloc
+#define petitFree cudaFree
 #define petitLaunchKernel(kernel, grid, block, smem, stream, ...) \
   kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
 #endif
