@@ -1,6 +1,9 @@
-// MegaMoE at W=1: a whole MoE layer (routing -> gate/up + SiLU·mul -> down + routing weight ->
-// top-k reduction) as ONE persistent launch. Design and invariants: docs/architecture.md,
-// "The fused layer (MegaMoE)".
+// MegaMoE: a whole MoE layer (routing -> gate/up + SiLU·mul -> down + routing weight ->
+// top-k reduction; across an EP group also dispatch and combine) as ONE persistent launch, on
+// bf16 or block-fp8 expert weights. Design and invariants: docs/architecture.md, "The fused
+// layer (MegaMoE)". The kernel reads as a loop over task kinds; each role is a device function
+// below (routing, claims, EP dispatch, the control warp, the weight loader, the mainloops, the
+// epilogues, the reductions).
 //
 // Why: in decode the composed chain (row lists, gate/up, down, reduction: 3-4 launches) pays
 // each launch's start and each hand-off on the critical path while the weights, the only large
