@@ -41,10 +41,10 @@ class DeviceScope {
  public:
   explicit DeviceScope(int device) : device_(device) {
     if (petitGetDevice(&previous_) != petitSuccess) previous_ = -1;
-    if (previous_ != device_) petitSetDevice(device_);
+    if (previous_ != device_) (void)petitSetDevice(device_);
   }
   ~DeviceScope() {
-    if (previous_ >= 0 && previous_ != device_) petitSetDevice(previous_);
+    if (previous_ >= 0 && previous_ != device_) (void)petitSetDevice(previous_);
   }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
@@ -141,7 +141,7 @@ EpContext::EpContext(const EpContextParams& p)
     run(run_blocking, [h] {
       if (h->device() >= 0) {
         DeviceScope scope(h->device());
-        petitDeviceSynchronize();
+        (void)petitDeviceSynchronize();
       }
       delete h;
     });
@@ -157,8 +157,8 @@ EpContext::EpContext(const EpContextParams& p)
   device_state_ = std::shared_ptr<void>(state, [run_blocking, device](void* ptr) {
     run(run_blocking, [ptr, device] {
       DeviceScope scope(device);
-      petitDeviceSynchronize();
-      petitFree(ptr);
+      (void)petitDeviceSynchronize();
+      (void)petitFree(ptr);
     });
   });
   require_ok(petitMemset(state, 0, size_t(s.total_bytes)), "device state initialization");
@@ -208,7 +208,7 @@ void EpContext::attach_heartbeat(const std::string& name, bool create, double pe
   petitError_t e = petitHostRegisterMapped(host, bytes);
   if (e == petitSuccess) e = petitHostGetDevicePointer(&device, host);
   if (e != petitSuccess) {
-    petitGetLastError();
+    (void)petitGetLastError();
     munmap(host, bytes);
     fail("heartbeat page: registering it with the GPU failed (%d)", int(e));
   }
@@ -365,18 +365,18 @@ void EpContext::close() {
   }
   if (heap_ || diag_host_ != nullptr || heartbeat_host_ != nullptr) {
     DeviceScope scope(device_);
-    petitDeviceSynchronize();  // no kernel of ours may still touch the range or the words
+    (void)petitDeviceSynchronize();  // no kernel of ours may still touch the range or the words
   }
   heartbeat_.abort();
   heartbeat_.stop();
   heap_.reset();
   {
     std::lock_guard<std::mutex> lock(diag_mutex_);
-    if (diag_host_ != nullptr) petitFreeHost(diag_host_);
+    if (diag_host_ != nullptr) (void)petitFreeHost(diag_host_);
     diag_host_ = nullptr;
   }
   if (heartbeat_host_ != nullptr) {  // after the synchronize above: no kernel reads it
-    petitHostUnregister(heartbeat_host_);
+    (void)petitHostUnregister(heartbeat_host_);
     munmap(heartbeat_host_, heartbeat_bytes_);
     heartbeat_host_ = nullptr;
   }
