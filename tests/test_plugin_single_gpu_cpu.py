@@ -186,6 +186,27 @@ def emulated_megamoe_forward(lib):
     return forward
 
 
+def through_vllms_kernel(x, ids, weights, w13, w2, quant_config, layer_config, path):
+    """One call of vLLM's real one-GPU FusedMoEKernel (its pass-through prepare/finalize,
+    workspaces and output aliasing) with PetitSingleGpuExperts holding vLLM's Triton experts
+    for ``quant_config``, after checking that ``layer_config`` sends the call to ``path``."""
+    (num_tokens, hidden), top_k = x.shape, ids.shape[1]
+    num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
+    moe_config = single_gpu_moe_config(num_experts=num_experts, experts_per_token=top_k,
+                                       hidden_dim=hidden, intermediate_size=intermediate)
+    vllm_config = single_gpu_vllm_config()
+    with set_current_vllm_config(vllm_config):
+        triton = TritonExperts(moe_config, quant_config)
+        experts = petit_experts.PetitSingleGpuExperts(moe_config, quant_config, fallback=triton,
+                                                      layer_config=layer_config)
+        kernel = mk.FusedMoEKernel(no_dp_ep_pf(), experts)
+    assert experts.path_for(num_tokens, top_k, hidden, intermediate) == path
+    with dp_step(vllm_config, [num_tokens]):
+        return kernel.apply(x, w13, w2, weights, ids, activation=MoEActivation.SILU,
+                            global_num_experts=num_experts, expert_map=None,
+                            apply_router_weight_on_input=False)
+
+
 @pytest.mark.parametrize("path", ["composed", "megamoe"])
 def test_single_gpu_layer_through_vllms_kernel(path, workspace, monkeypatch, megamoe_emu_lib):
     """vLLM's real one-GPU FusedMoEKernel (pass-through prepare/finalize, its workspaces and
@@ -208,22 +229,10 @@ def test_single_gpu_layer_through_vllms_kernel(path, workspace, monkeypatch, meg
     weights = torch.rand(num_tokens, top_k, generator=g)
     w13 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / 8).to(torch.bfloat16)
     w2 = (torch.randn(num_experts, hidden, intermediate, generator=g) / 8).to(torch.bfloat16)
-    moe_config = single_gpu_moe_config(num_experts=num_experts, experts_per_token=top_k,
-                                       hidden_dim=hidden, intermediate_size=intermediate)
-    vllm_config = single_gpu_vllm_config()
-    with set_current_vllm_config(vllm_config):
-        triton = TritonExperts(moe_config, FUSED_MOE_UNQUANTIZED_CONFIG)
-        experts = petit_experts.PetitSingleGpuExperts(
-            moe_config, FUSED_MOE_UNQUANTIZED_CONFIG, fallback=triton,
-            layer_config=SingleGpuLayerConfig(
-                megamoe_max_tokens=num_tokens if path == "megamoe" else 0,
-                composed_min_tokens=1))
-        kernel = mk.FusedMoEKernel(no_dp_ep_pf(), experts)
-    assert experts.path_for(num_tokens, top_k, hidden, intermediate) == path
-    with dp_step(vllm_config, [num_tokens]):
-        out = kernel.apply(x, w13, w2, weights, ids, activation=MoEActivation.SILU,
-                           global_num_experts=num_experts, expert_map=None,
-                           apply_router_weight_on_input=False)
+    layer_config = SingleGpuLayerConfig(
+        megamoe_max_tokens=num_tokens if path == "megamoe" else 0, composed_min_tokens=1)
+    out = through_vllms_kernel(x, ids, weights, w13, w2, FUSED_MOE_UNQUANTIZED_CONFIG,
+                               layer_config, path)
     ref = reference.dense_moe_reference(x, ids, weights, w13, w2)
     assert out.shape == (num_tokens, hidden) and not out.isnan().any()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
@@ -313,22 +322,10 @@ def test_single_gpu_block_fp8_layer_through_vllms_kernel(workspace, monkeypatch,
         torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / 8)
     w2, s2, d2 = reference.block_fp8_quantize(
         torch.randn(num_experts, hidden, intermediate, generator=g) / 8)
-    moe_config = single_gpu_moe_config(num_experts=num_experts, experts_per_token=top_k,
-                                       hidden_dim=hidden, intermediate_size=intermediate)
     quant = block_fp8_quant_config(num_experts, hidden, intermediate, w1_scale=s13,
                                    w2_scale=s2)
-    vllm_config = single_gpu_vllm_config()
-    with set_current_vllm_config(vllm_config):
-        triton = TritonExperts(moe_config, quant)
-        experts = petit_experts.PetitSingleGpuExperts(
-            moe_config, quant, fallback=triton,
-            layer_config=SingleGpuLayerConfig(megamoe_max_tokens=num_tokens))
-        kernel = mk.FusedMoEKernel(no_dp_ep_pf(), experts)
-    assert experts.path_for(num_tokens, top_k, hidden, intermediate) == "megamoe"
-    with dp_step(vllm_config, [num_tokens]):
-        out = kernel.apply(x, w13, w2, weights, ids, activation=MoEActivation.SILU,
-                           global_num_experts=num_experts, expert_map=None,
-                           apply_router_weight_on_input=False)
+    out = through_vllms_kernel(x, ids, weights, w13, w2, quant,
+                               SingleGpuLayerConfig(megamoe_max_tokens=num_tokens), "megamoe")
     ref = reference.dense_moe_reference(x, ids, weights, d13, d2)
     assert out.shape == (num_tokens, hidden) and not out.isnan().any()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
