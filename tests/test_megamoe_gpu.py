@@ -78,6 +78,32 @@ def test_expert_map_deepseek_share():
     assert rel_err(out, reference_moe(*case, expert_map=expert_map)) < 4e-3
 
 
+def captured(forward):
+    """``forward`` run once eagerly on a side stream, then captured in a CUDA graph there."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        forward()
+    return graph
+
+
+def replay_with_fresh_inputs(graph, x, ids, w, out, eager, replays, seed):
+    """``replays`` replays of ``graph`` with fresh x, ids (-1 .. 127) and weights copied in and
+    ``out`` poisoned first, each bit-equal to ``eager()``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for _ in range(replays):
+        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
+        ids.copy_(torch.randint(-1, 128, ids.shape, generator=g, device="cuda"))
+        w.copy_(torch.rand(w.shape, generator=g, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out.view(torch.int16), eager().view(torch.int16))
+
+
 def test_graph_replays_fresh_inputs_back_to_back():
     """Two layers back to back in one graph, 101 replays with fresh inputs copied in: every
     replay bit-equal to an eager call (the kernel is deterministic) and the counters zero."""
@@ -92,24 +118,11 @@ def test_graph_replays_fresh_inputs_back_to_back():
         ops.megamoe_forward(x, ids, w, *layers[0][3:], out=mid)
         ops.megamoe_forward(mid, ids, w, *layers[1][3:], out=out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        forward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        forward()
-    g = torch.Generator(device="cuda").manual_seed(3)
-    for _ in range(101):
-        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
-        ids.copy_(torch.randint(-1, 128, ids.shape, generator=g, device="cuda"))
-        w.copy_(torch.rand(w.shape, generator=g, device="cuda"))
-        out.fill_(float("nan"))
-        graph.replay()
-        expect = ops.megamoe_forward(ops.megamoe_forward(x, ids, w, *layers[0][3:]), ids, w,
-                                     *layers[1][3:])
-        assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
+    def eager():
+        return ops.megamoe_forward(ops.megamoe_forward(x, ids, w, *layers[0][3:]), ids, w,
+                                   *layers[1][3:])
+
+    replay_with_fresh_inputs(captured(forward), x, ids, w, out, eager, 101, seed=3)
     torch.cuda.synchronize()
     assert int(ops._megamoe_sync_buffer(x.device, 128, 2048).abs().sum()) == 0
 
@@ -199,23 +212,12 @@ def test_fp8_graph_replays_equal_eager():
     case, (s13, s2), _ = make_fp8_case(4, 8, 2048, 768, 128, seed=11)
     x, ids, w = (t.clone() for t in case[:3])
     out = torch.empty_like(x)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ops.megamoe_forward(x, ids, w, *case[3:], out=out, w13_scale=s13, w2_scale=s2)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        ops.megamoe_forward(x, ids, w, *case[3:], out=out, w13_scale=s13, w2_scale=s2)
-    g = torch.Generator(device="cuda").manual_seed(12)
-    for _ in range(31):
-        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
-        ids.copy_(torch.randint(-1, 128, ids.shape, generator=g, device="cuda"))
-        w.copy_(torch.rand(w.shape, generator=g, device="cuda"))
-        out.fill_(float("nan"))
-        graph.replay()
-        expect = ops.megamoe_forward(x, ids, w, *case[3:], w13_scale=s13, w2_scale=s2)
-        assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
+    graph = captured(lambda: ops.megamoe_forward(x, ids, w, *case[3:], out=out, w13_scale=s13,
+                                                 w2_scale=s2))
+    replay_with_fresh_inputs(
+        graph, x, ids, w, out,
+        lambda: ops.megamoe_forward(x, ids, w, *case[3:], w13_scale=s13, w2_scale=s2), 31,
+        seed=12)
 
 
 def test_fp8_limits_raise():
