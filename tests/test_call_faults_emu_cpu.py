@@ -196,20 +196,19 @@ def device(emu):
     (2, 1, 2),   # 2 x 2 blocks, but the kernel's occupancy holds 1 per SM
     (1, 2, 2),   # num_sms above the device's SM count
 ])
-def test_a_fused_grid_that_cannot_be_resident_is_refused(emu, device, tmp_path_factory,
+def test_a_fused_grid_that_cannot_be_resident_is_refused(emu, device, megamoe_emu_lib,
                                                          sm_count, blocks_per_sm, num_blocks):
     """Old code: launched anyway (on a GPU, blocks that never start while their peers spin:
     a trap after the wait bound)."""
     from test_megamoe_ep_emu_cpu import HIDDEN, INTERMEDIATE, NUM_EXPERTS, fused_layer
 
     from vllm_petit_moe.testing.soak import expert_weights
-    megamoe_lib = build_emu_library(tmp_path_factory, "megamoe_emu")
     device(sm_count, blocks_per_sm)
     ep = EmuEp(emu, 2, max_tokens=16, hidden=HIDDEN, num_blocks=num_blocks, timeout_s=0.2)
     try:
         w13, w2 = expert_weights((HIDDEN, INTERMEDIATE, 4, NUM_EXPERTS), seed=7)
         xs, ids, ws = _inputs(5, [8, 8], HIDDEN, 4, 2, num_experts=NUM_EXPERTS)
-        rc, results, outs, _ = fused_layer(ep, megamoe_lib.petit_emu_megamoe_sync_ints, xs, ids,
+        rc, results, outs, _ = fused_layer(ep, megamoe_emu_lib.petit_emu_megamoe_sync_ints, xs, ids,
                                            ws, w13, w2, 16, 4)
         assert results == [COOPERATIVE_LAUNCH_TOO_LARGE] * 2, results
         assert all(o.isnan().all() for o in outs), "nothing may run"

@@ -12,23 +12,12 @@ gate/up, down and the local reduction).
 import pytest
 import torch
 
-from conftest import build_emu_library
-from test_dispatch_combine_emu_cpu import EmuEp, _inputs, _load
+from test_dispatch_combine_emu_cpu import EmuEp, _inputs
 from test_megamoe_emu_cpu import reference_moe, run_emu
 
 from vllm_petit_moe.testing.soak import expert_weights
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS = 128, 64, 32
-
-
-@pytest.fixture(scope="module")
-def ep_lib(tmp_path_factory):
-    return _load(build_emu_library(tmp_path_factory, "ep_emu"))
-
-
-@pytest.fixture(scope="module")
-def megamoe_lib(tmp_path_factory):
-    return build_emu_library(tmp_path_factory, "megamoe_emu")
 
 
 def check_layer(ys, xs, ids, ws, w13, w2, tag):
@@ -50,13 +39,13 @@ def check_layer(ys, xs, ids, ws, w13, w2, tag):
     (4, [7, 16, 1, 11], 4, "one_expert"),
     (4, [13, 5, 16, 3], 6, "hot_rank"),
 ])
-def test_dispatch_megamoe_combine_is_the_moe_layer(ep_lib, megamoe_lib, world, tokens, top_k,
-                                                   skew):
+def test_dispatch_megamoe_combine_is_the_moe_layer(ep_emu_lib, megamoe_emu_lib, world, tokens,
+                                                   top_k, skew):
     region_stride = 16
     w13, w2 = expert_weights((HIDDEN, INTERMEDIATE, top_k, NUM_EXPERTS),
                              seed=1000 + world * 10 + top_k)
     local = NUM_EXPERTS // world
-    ep = EmuEp(ep_lib, world, max_tokens=region_stride, hidden=HIDDEN, num_blocks=2)
+    ep = EmuEp(ep_emu_lib, world, max_tokens=region_stride, hidden=HIDDEN, num_blocks=2)
     try:
         for round_ in range(2):  # a second round on the same buffers and counters
             xs, ids, ws = _inputs(77 + round_, tokens, HIDDEN, top_k, world, skew=skew,
@@ -66,7 +55,7 @@ def test_dispatch_megamoe_combine_is_the_moe_layer(ep_lib, megamoe_lib, world, t
             expert_outs = []
             for rank, (recv_x, recv_ids, recv_w, _, _) in enumerate(got):
                 sl = slice(rank * local, (rank + 1) * local)
-                rc, out, sync = run_emu(megamoe_lib, recv_x.contiguous(), recv_ids, recv_w,
+                rc, out, sync = run_emu(megamoe_emu_lib, recv_x.contiguous(), recv_ids, recv_w,
                                         w13[sl].contiguous(), w2[sl].contiguous(), num_sms=1)
                 assert rc == 0, f"rank {rank}: megamoe returned {rc}"
                 assert int(sync.abs().sum()) == 0, "counters not reset"
@@ -127,17 +116,17 @@ def fused_layer(ep, megamoe_sync_ints, xs, ids, ws, w13, w2, region_stride, top_
     (4, [7, 16, 1, 11], 4, "one_expert"),
     (4, [13, 5, 16, 3], 6, "hot_rank"),
 ])
-def test_the_fused_layer_across_ranks_is_the_moe_layer(ep_lib, megamoe_lib, world, tokens,
+def test_the_fused_layer_across_ranks_is_the_moe_layer(ep_emu_lib, megamoe_emu_lib, world, tokens,
                                                         top_k, skew):
     """One fused launch per rank (dispatch, experts, combine inside): three calls on the same
     buffers and counters against the dense MoE, then a standalone dispatch + combine round on
     the same heap, whose epochs must follow the fused calls'."""
     from test_dispatch_combine_emu_cpu import _check_round
-    sync_ints = megamoe_lib.petit_emu_megamoe_sync_ints
+    sync_ints = megamoe_emu_lib.petit_emu_megamoe_sync_ints
     region_stride = 16
     w13, w2 = expert_weights((HIDDEN, INTERMEDIATE, top_k, NUM_EXPERTS),
                              seed=2000 + world * 10 + top_k)
-    ep = EmuEp(ep_lib, world, max_tokens=region_stride, hidden=HIDDEN, num_blocks=2)
+    ep = EmuEp(ep_emu_lib, world, max_tokens=region_stride, hidden=HIDDEN, num_blocks=2)
     try:
         syncs = None
         for round_ in range(3):
@@ -157,7 +146,7 @@ def test_the_fused_layer_across_ranks_is_the_moe_layer(ep_lib, megamoe_lib, worl
 
 
 @pytest.mark.parametrize("world,tokens,top_k", [(2, [16, 9], 4), (4, [7, 16, 1, 11], 6)])
-def test_the_fused_layer_with_block_fp8_weights(ep_lib, megamoe_lib, world, tokens, top_k):
+def test_the_fused_layer_with_block_fp8_weights(ep_emu_lib, megamoe_emu_lib, world, tokens, top_k):
     """Block-fp8 experts (e4m3 + one fp32 scale per 128 x 128 block, each rank its share) in
     the fused EP layer: every rank's output against the dense MoE on the dequantized weights,
     two calls on the same buffers and counters."""
@@ -166,7 +155,7 @@ def test_the_fused_layer_with_block_fp8_weights(ep_lib, megamoe_lib, world, toke
     w13, w2 = expert_weights((hidden, inter, top_k, num_experts), seed=3000 + world)
     q13, s13, d13 = block_fp8_quantize(w13)
     q2, s2, d2 = block_fp8_quantize(w2)
-    ep = EmuEp(ep_lib, world, max_tokens=region_stride, hidden=hidden, num_experts=num_experts,
+    ep = EmuEp(ep_emu_lib, world, max_tokens=region_stride, hidden=hidden, num_experts=num_experts,
                num_blocks=2)
     try:
         syncs = None
@@ -174,7 +163,7 @@ def test_the_fused_layer_with_block_fp8_weights(ep_lib, megamoe_lib, world, toke
             xs, ids, ws = _inputs(500 + round_, tokens, hidden, top_k, world,
                                   num_experts=num_experts)
             rc, results, ys, syncs = fused_layer(
-                ep, megamoe_lib.petit_emu_megamoe_sync_ints, xs, ids, ws,
+                ep, megamoe_emu_lib.petit_emu_megamoe_sync_ints, xs, ids, ws,
                 q13.view(torch.uint8), q2.view(torch.uint8), region_stride, top_k, syncs,
                 scales=(s13, s2))
             assert rc == 0, f"round {round_}: launch results {results}"
@@ -192,16 +181,16 @@ def _case(ep_lib_path, megamoe_lib_path, case):
     import threading
 
     from test_dispatch_combine_emu_cpu import EmuEp, _load
-    ep_lib = _load(ctypes.CDLL(ep_lib_path))
-    ep_lib.petit_emu_ep_megamoe.restype = ctypes.c_int
-    megamoe_lib = ctypes.CDLL(megamoe_lib_path)
-    ep = EmuEp(ep_lib, 2, max_tokens=16, hidden=HIDDEN, num_blocks=2, timeout_s=0.2)
+    ep_emu_lib = _load(ctypes.CDLL(ep_lib_path))
+    ep_emu_lib.petit_emu_ep_megamoe.restype = ctypes.c_int
+    megamoe_emu_lib = ctypes.CDLL(megamoe_lib_path)
+    ep = EmuEp(ep_emu_lib, 2, max_tokens=16, hidden=HIDDEN, num_blocks=2, timeout_s=0.2)
     xs, ids, ws = _inputs(5, [8, 8], HIDDEN, 4, 2, num_experts=NUM_EXPERTS)
     gen = torch.Generator().manual_seed(5)
     w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen) * 0.05).bfloat16()
     w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen) * 0.05).bfloat16()
     fused = threading.Thread(target=fused_layer_on, args=(
-        ep, megamoe_lib.petit_emu_megamoe_sync_ints, xs, ids, ws, w13, w2, 16, 4, 1))
+        ep, megamoe_emu_lib.petit_emu_megamoe_sync_ints, xs, ids, ws, w13, w2, 16, 4, 1))
     fused.start()
     ep.dispatch(xs, ids, ws, region_stride=16, ranks=[1])
     fused.join()
@@ -230,12 +219,12 @@ def fused_layer_on(ep, sync_ints, xs, ids, ws, w13, w2, region_stride, top_k, ra
     del keep
 
 
-def test_a_fused_call_against_a_peers_standalone_calls_fails_clearly(ep_lib, megamoe_lib):
+def test_a_fused_call_against_a_peers_standalone_calls_fails_clearly(ep_emu_lib, megamoe_emu_lib):
     """Rank 0 fused, rank 1 a standalone dispatch of the same epoch: rank 1's dispatch takes
     rank 0's rows (the same layout and tag), but rank 0 waits for rank 1's reductions, which
     never come: its bounded wait reports the peer and the phase, never a hang or a result."""
     from conftest import run_case
-    result = run_case(__file__, ep_lib._name, megamoe_lib._name, "mixed", timeout=300,
+    result = run_case(__file__, ep_emu_lib._name, megamoe_emu_lib._name, "mixed", timeout=300,
                       env={"PETIT_EMU_EXPECT_TRAP": "1"})  # kept out of CI's trap log
     out = result.stdout + result.stderr
     assert result.returncode != 0 and "returned" not in result.stdout, out[-3000:]
@@ -248,7 +237,7 @@ FUSED_SOAK_SHAPES = ((128, 64, 4, 24), (192, 128, 8, 48), (64, 64, 2, 12))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_fused_layer_soak(ep_lib, megamoe_lib, world):
+def test_fused_layer_soak(ep_emu_lib, megamoe_emu_lib, world):
     """A bounded soak of the fused layer (run in CI): randomized rounds of testing.soak (token
     counts with zeros, uniform / hot rank / hot expert / -1 slots / repeated ids) back to back
     on one buffer and one set of counters, a standalone dispatch + combine round between, the
@@ -256,7 +245,7 @@ def test_fused_layer_soak(ep_lib, megamoe_lib, world):
     from test_dispatch_combine_emu_cpu import _check_round
 
     from vllm_petit_moe.testing.soak import draw_round
-    sync_ints = megamoe_lib.petit_emu_megamoe_sync_ints
+    sync_ints = megamoe_emu_lib.petit_emu_megamoe_sync_ints
     max_tokens, rounds = 16, 4
     seeds = [70_000 + 100 * world + r for r in range(rounds)]
     drawn = [draw_round(s, world, max_tokens, shapes=FUSED_SOAK_SHAPES, id_dtype=torch.int32)
@@ -264,7 +253,7 @@ def test_fused_layer_soak(ep_lib, megamoe_lib, world):
     patterns = {rd.pattern for rd in drawn}
     for shape in {rd.shape for rd in drawn}:
         hidden, _, top_k, num_experts = shape
-        ep = EmuEp(ep_lib, world, max_tokens=max_tokens, hidden=hidden, max_top_k=top_k,
+        ep = EmuEp(ep_emu_lib, world, max_tokens=max_tokens, hidden=hidden, max_top_k=top_k,
                    num_experts=num_experts, num_blocks=1 + world % 2)
         w13, w2 = expert_weights(shape, seed=world)
         syncs = None
@@ -291,17 +280,17 @@ def test_fused_layer_soak(ep_lib, megamoe_lib, world):
     (2, [5, 0], 1, 2, 64, 128),                     # top-1, one expert per rank
     (8, [1, 0, 0, 0, 0, 0, 0, 3], 2, 64, 128, 64),  # eight ranks, six without tokens
 ])
-def test_fused_layer_edges(ep_lib, megamoe_lib, world, tokens, top_k, num_experts, hidden,
+def test_fused_layer_edges(ep_emu_lib, megamoe_emu_lib, world, tokens, top_k, num_experts, hidden,
                            inter):
     """The fused layer at its limits: the most routing entries one call takes, eight ranks,
     top-1 and a single local expert, mostly empty ranks; against the dense MoE."""
     w13, w2 = expert_weights((hidden, inter, top_k, num_experts), seed=5)
     stride = max(max(tokens), 1)
-    ep = EmuEp(ep_lib, world, max_tokens=stride, hidden=hidden, max_top_k=top_k,
+    ep = EmuEp(ep_emu_lib, world, max_tokens=stride, hidden=hidden, max_top_k=top_k,
                num_experts=num_experts, num_blocks=1)
     try:
         xs, ids, ws = _inputs(9, tokens, hidden, top_k, world, num_experts=num_experts)
-        rc, results, ys, syncs = fused_layer(ep, megamoe_lib.petit_emu_megamoe_sync_ints, xs,
+        rc, results, ys, syncs = fused_layer(ep, megamoe_emu_lib.petit_emu_megamoe_sync_ints, xs,
                                              ids, ws, w13, w2, stride, top_k)
         assert rc == 0, f"launch results {results}"
         assert all(int(s.abs().sum()) == 0 for s in syncs), "counters not reset"
@@ -311,7 +300,7 @@ def test_fused_layer_edges(ep_lib, megamoe_lib, world, tokens, top_k, num_expert
         ep.close()
 
 
-def test_fused_layer_trace_per_rank(ep_lib, megamoe_lib):
+def test_fused_layer_trace_per_rank(ep_emu_lib, megamoe_emu_lib):
     """The optional trace of the fused EP layer (EpBuffer.megamoe(trace=...),
     tools/megamoe_trace.py under torchrun): on every rank entry <= routed (after every rank's
     rows arrived) <= each task's ready <= done <= exit, the rank's tasks are its gate/up,
@@ -328,12 +317,12 @@ def test_fused_layer_trace_per_rank(ep_lib, megamoe_lib):
     gen = torch.Generator().manual_seed(11)
     w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen) * 0.05).bfloat16()
     w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen) * 0.05).bfloat16()
-    ep = EmuEp(ep_lib, world, max_tokens=8, hidden=HIDDEN, num_blocks=num_blocks)
+    ep = EmuEp(ep_emu_lib, world, max_tokens=8, hidden=HIDDEN, num_blocks=num_blocks)
     traces = [torch.full((MEGAMOE_BLOCKS_PER_SM * num_blocks, MEGAMOE_TRACE_SLOTS), -1,
                          dtype=torch.int64) for _ in range(world)]
     try:
         xs, ids, ws = _inputs(12, tokens, HIDDEN, top_k, world, num_experts=NUM_EXPERTS)
-        rc, results, ys, _ = fused_layer(ep, megamoe_lib.petit_emu_megamoe_sync_ints, xs, ids,
+        rc, results, ys, _ = fused_layer(ep, megamoe_emu_lib.petit_emu_megamoe_sync_ints, xs, ids,
                                          ws, w13, w2, 8, top_k, traces=traces)
         assert rc == 0, results
     finally:
