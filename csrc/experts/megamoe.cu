@@ -922,12 +922,13 @@ PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& 
     } else {
       mainloop<kEp, 1>(ws, b_rows, acc, prod, consumed, ring);
     }
-    // red[warp][half][n-tile][reg][lane]
+    // red[warp][half][n-tile][reg][lane]; an e4m3 pass has one n-tile (the epilogue reads
+    // rows < 8 only)
     float* mine = s.red + warp * (2 * kMaxNTiles * 4 * 32);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int j = 0; j < kMaxNTiles; ++j)
+      for (int j = 0; j < (kFp8 ? 1 : kMaxNTiles); ++j)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
