@@ -21,6 +21,7 @@ that never build a MoE layer (the API server).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.util
@@ -297,21 +298,30 @@ def is_no_dp_ep_prepare_finalize(prepare_finalize: Any) -> bool:
 # REMOVE WHEN vLLM exports the prepare step's quantization as a public function.
 
 
-def quantize_moe_input(hidden_states: Any, quant_config: Any) -> tuple[Any, Any]:
-    """(a1q, a1q_scale): ``hidden_states`` quantized as vLLM's prepare would for a layer of
-    ``quant_config`` (block fp8: e4m3 with 1 x 128 dynamic scales)."""
+@functools.cache
+def _moe_quantize_input_fn() -> tuple[Callable[..., Any], frozenset[str]]:
+    """vLLM's ``moe_kernel_quantize_input`` and the optional keywords of the installed
+    version that prepare passes (looked up once, not at every call)."""
     import inspect
 
     from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
 
+    params = inspect.signature(moe_kernel_quantize_input).parameters
+    return moe_kernel_quantize_input, frozenset(
+        name for name in ("is_scale_swizzled", "mx_alignment") if name in params)
+
+
+def quantize_moe_input(hidden_states: Any, quant_config: Any) -> tuple[Any, Any]:
+    """(a1q, a1q_scale): ``hidden_states`` quantized as vLLM's prepare would for a layer of
+    ``quant_config`` (block fp8: e4m3 with 1 x 128 dynamic scales)."""
+    quantize, optional = _moe_quantize_input_fn()
     kwargs = dict(quant_dtype=quant_config.quant_dtype,
                   per_act_token_quant=quant_config.per_act_token_quant,
                   block_shape=quant_config.block_shape)
-    params = inspect.signature(moe_kernel_quantize_input).parameters
-    for name in ("is_scale_swizzled", "mx_alignment"):
-        if name in params and hasattr(quant_config, name):
+    for name in optional:
+        if hasattr(quant_config, name):
             kwargs[name] = getattr(quant_config, name)
-    return moe_kernel_quantize_input(hidden_states, quant_config.a1_scale, **kwargs)
+    return quantize(hidden_states, quant_config.a1_scale, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
