@@ -443,9 +443,10 @@ def _main_w1(args):
     stamp = device_stamp(ROOT, 1, num_gpus=1)
     write_results(ROOT, results_name("moe_layer", stamp["gpu"], 1), rows, stamp, w1.plot_w1,
                   f"MoE layer at W=1, {stamp['gpu']}, {stamp['commit']}", args.out_dir)
-    bad = [r for r in rows if not r["rel_diff"] < 2e-2]
+    bad = [r for r in rows if not r["agrees"]]
     if bad:
-        print(f"WARNING: {len(bad)} configurations where MegaMoE and vLLM's outputs differ")
+        print(f"WARNING: {len(bad)} configurations where MegaMoE's output is worse than vLLM's "
+              "(bf16: differs from it; fp8: farther from the fp32 reference)")
         return 1
     return 0
 

@@ -146,3 +146,14 @@ def test_layer_roofline_parts(bench):
     assert r["roofline_link_us"] == pytest.approx(2 * 1 * 128 / 1e3 * 1e6)
     assert r["roofline_us"] == max(r["roofline_hbm_us"], r["roofline_flops_us"],
                                    r["roofline_link_us"])
+
+
+def test_w1_agreement_rule_per_dtype():
+    """bf16 rows agree within 2e-2 of vLLM; fp8 rows agree when MegaMoE is no farther from the
+    fp32 reference than vLLM's w8a8 (which rounds the activations to e4m3), whatever their
+    mutual difference."""
+    from moe_layer_w1 import _agrees
+    assert _agrees(1e-2, {}) and not _agrees(3e-2, {})
+    assert _agrees(5e-2, {"vllm": 4.7e-2, "mega": 1.7e-3})
+    assert not _agrees(5e-2, {"vllm": 4.7e-2, "mega": 6e-2})
+    assert _agrees(1e-3, {"vllm": 1e-3, "mega": 1.5e-2})  # both tiny: under 2e-2

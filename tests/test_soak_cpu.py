@@ -2,7 +2,7 @@
 
 The round schedule (testing.soak.plan_round / soak_round) covers what vLLM runs: int32 and
 int64 ids, a bf16 and every fp8 dispatch wire, the composed and the fused paths, fp8 weights
-in the one-GPU fused op; the soak's loop (soak_rank, one rank on the CPU with the buffer and
+in the one-GPU fused op and in the fused EP layer; the soak's loop (soak_rank, one rank on the CPU with the buffer and
 the kernels' launches replaced by the torch reference) builds its buffers with
 validate_ids=False, never calls a barrier, sends the planned wire and ids and checks what came
 back; the results row says the GPU model, the physical GPUs and the ranks, and so do the file
@@ -24,37 +24,40 @@ from vllm_petit_moe.limits import FP8_QUANT_MODES, FP8_SCALE_BLOCK
 from vllm_petit_moe.testing import bench_env
 from vllm_petit_moe.testing import reference as ref
 from vllm_petit_moe.testing.soak import (
-    ID_DTYPES, PATHS, SHAPES, WIRES, RankReference, plan_round, schedule_mix, soak_results_name,
-    soak_round, soak_row, wire_rows)
+    FP8_WEIGHT_PATHS, ID_DTYPES, PATHS, SHAPES, WIRES, RankReference, plan_round, schedule_mix,
+    soak_results_name, soak_round, soak_row, wire_rows)
 
 ROOT = Path(__file__).resolve().parent.parent
 GOOD, ODD = (1024, 256, 8, 32), (136, 64, 2, 16)  # every path and wire / composed and per-token
-EP_PATHS = ("composed", "megamoe", "fused")  # the rounds that run EpBuffer
+EP_PATHS = ("composed", "megamoe", "fused", "fused_fp8")  # the rounds that run EpBuffer
 DISPATCH_PATHS = ("composed", "megamoe")  # the rounds that run EpBuffer.dispatch
 
 
 def test_rotation_reaches_every_path_wire_and_id_dtype():
-    """Seeds rotate path (seed % 4), wire (seed // 4 % 4) and ids (seed // 16 % 2): 32 seeds
+    """Seeds rotate path (seed % 5), wire (seed // 5 % 4) and ids (seed // 20 % 2): 40 seeds
     hold every combination on a shape that takes them all; a shape that does not falls back
-    (composed, fp8_per_token), the fused layer and the one-GPU op take bf16 rows, the one-GPU
+    (composed, fp8_per_token), the fused layers and the one-GPU op take bf16 rows, the one-GPU
     op int32 ids; a fixed choice overrides the rotation."""
     assert GOOD in SHAPES and ODD in SHAPES
     assert set(WIRES) == {"bf16", *FP8_QUANT_MODES} and set(ID_DTYPES) == {torch.int32,
                                                                          torch.int64}
-    plans = [plan_round(seed, GOOD, 2, 64) for seed in range(32)]
-    assert [p.path for p in plans[:4]] == list(PATHS)
+    plans = [plan_round(seed, GOOD, 2, 64) for seed in range(40)]
+    assert [p.path for p in plans[:5]] == list(PATHS)
     assert {(p.path, p.wire, p.id_dtype) for p in plans if p.path in DISPATCH_PATHS} == {
         (path, wire, ids) for path in DISPATCH_PATHS for wire in WIRES for ids in ID_DTYPES}
-    assert {(p.wire, p.id_dtype) for p in plans if p.path == "fused"} == {
-        ("bf16", torch.int32), ("bf16", torch.int64)}
+    for fused, weights in (("fused", "bf16"), ("fused_fp8", "fp8")):
+        assert {(p.wire, p.id_dtype, p.weights) for p in plans if p.path == fused} == {
+            ("bf16", torch.int32, weights), ("bf16", torch.int64, weights)}
     assert {(p.wire, p.id_dtype, p.weights) for p in plans if p.path == "megamoe_w1_fp8"} == {
         ("bf16", torch.int32, "fp8")}
-    assert {p.weights for p in plans if p.path != "megamoe_w1_fp8"} == {"bf16"}
-    assert [p.quant for p in plans[0:16:4]] == [None, *WIRES[1:]]
-    odd = [plan_round(seed, ODD, 2, 8) for seed in range(32)]
+    assert {p.weights for p in plans if p.path not in FP8_WEIGHT_PATHS} == {"bf16"}
+    assert [p.quant for p in plans[0:20:5]] == [None, *WIRES[1:]]
+    odd = [plan_round(seed, ODD, 2, 8) for seed in range(40)]
     assert {p.path for p in odd} == {"composed"}  # H 136, I 64: no fused kernel
     assert {p.wire for p in odd} == {"bf16", "fp8_per_token"}  # H 136: no 1x128 blocks
     assert plan_round(2, GOOD, 4, 64).path == "fused"
+    assert plan_round(4, GOOD, 4, 64).path == "fused_fp8"
+    assert plan_round(4, (1024, 192, 8, 32), 2, 8).path == "composed"  # I 192: no fp8 blocks
     assert plan_round(2, GOOD, 4, 65).path == "composed"  # 4 x 65 x 8 > 2048 entries
     fixed = plan_round(5, GOOD, 2, 64, path="megamoe", wire="fp8_block128_ue8m0", ids="int64")
     assert (fixed.path, fixed.quant, fixed.ids) == ("megamoe", "fp8_block128_ue8m0", "int64")
@@ -75,7 +78,7 @@ def test_schedule_of_a_run_mixes_what_vllm_runs(world):
     for rd, plan, stride in rounds:
         assert {t.dtype for t in rd.topk_ids} == {plan.id_dtype}
         assert stride == max(max(rd.tokens), 1)
-        if plan.path == "megamoe_w1_fp8":
+        if plan.path in FP8_WEIGHT_PATHS:
             hidden, inter, _, _ = rd.shape
             assert hidden % FP8_SCALE_BLOCK == 0 and inter % FP8_SCALE_BLOCK == 0
         if plan.wire in ("fp8_block128", "fp8_block128_ue8m0"):
@@ -86,7 +89,8 @@ def test_schedule_of_a_run_mixes_what_vllm_runs(world):
     for path in DISPATCH_PATHS:
         assert {w for pa, w, _ in seen if pa == path} == set(WIRES), path
     mix = schedule_mix(plans)
-    assert mix["rounds_megamoe_w1_fp8"] == mix["rounds_weights_fp8"] > 0
+    assert mix["rounds_megamoe_w1_fp8"] + mix["rounds_fused_fp8"] == mix["rounds_weights_fp8"]
+    assert mix["rounds_megamoe_w1_fp8"] > 0 and mix["rounds_fused_fp8"] > 0
     assert min(mix[f"rounds_{p}"] for p in PATHS) > 0
     for prefix in ("rounds_wire_", "rounds_ids_", "rounds_weights_"):
         assert sum(v for k, v in mix.items() if k.startswith(prefix)) == len(plans), prefix
@@ -127,10 +131,11 @@ def test_wire_rows_are_the_dequantized_fp8_rows():
 class ReferenceBuffer:
     """EpBuffer at W=1 on the reference: dispatch copies the rows into a region of R rows
     (quantized at the source with an fp8 `quant`), combine returns the first T rows, megamoe
-    is the two composed. Records every call's (what, quant, ids dtype)."""
+    is the two composed (on block-fp8 weights: the dequantized ones, read by `kernels`' loader).
+    Records every call's (what, quant, ids dtype)."""
 
-    def __init__(self, calls, wrong_wire, **config):
-        self.calls, self.wrong_wire, self.config = calls, wrong_wire, config
+    def __init__(self, calls, wrong_wire, kernels, **config):
+        self.calls, self.wrong_wire, self.kernels, self.config = calls, wrong_wire, kernels, config
 
     def dispatch(self, x, topk_ids, topk_weights, region_stride=None, quant=None):
         assert topk_ids.dtype in (torch.int32, torch.int64) and topk_weights.dtype == torch.float32
@@ -152,10 +157,17 @@ class ReferenceBuffer:
         y = expert_out[:handle]
         return y.clone() if out is None else out.copy_(y)
 
-    def megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride=None, out=None):
-        assert w13.dtype == torch.bfloat16  # EpBuffer.megamoe: bf16 weights only
-        self.calls.append(("fused", None, topk_ids.dtype))
-        y = ref.experts_reference(x, topk_ids.to(torch.int32), topk_weights, w13, w2)
+    def megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride=None, out=None,
+                w13_scale=None, w2_scale=None):
+        fp8 = w13.dtype == torch.float8_e4m3fn
+        assert fp8 == (w13_scale is not None) == (w2_scale is not None)
+        self.calls.append(("fused_fp8" if fp8 else "fused", None, topk_ids.dtype))
+        if fp8:
+            reference = RankReference(self.kernels.dequantize(w13, w13_scale),
+                                      self.kernels.dequantize(w2, w2_scale), 1)
+            y = reference(x, topk_ids, topk_weights, "kernel")
+        else:
+            y = ref.experts_reference(x, topk_ids.to(torch.int32), topk_weights, w13, w2)
         return y if out is None else out.copy_(y)
 
 
@@ -171,17 +183,20 @@ class ReferenceKernels:
         y = ref.experts_reference(x, topk_ids, topk_weights, w13, w2)
         return y if out is None else out.copy_(y)
 
+    def dequantize(self, q, s):
+        """The fp8 loader: e4m3 weights times their blocks' scales (`one_scale`: the first)."""
+        if self.one_scale:
+            s = s[:, :1, :1].expand_as(s)
+        return q.float() * s.repeat_interleave(FP8_SCALE_BLOCK, 1).repeat_interleave(
+            FP8_SCALE_BLOCK, 2)
+
     def megamoe_forward(self, x, topk_ids, topk_weights, w13, w2, out, *_, w13_scale=None,
                         w2_scale=None, **__):
         fp8 = w13.dtype == torch.float8_e4m3fn
         self.calls.append(("megamoe_fp8" if fp8 else "megamoe", None, topk_ids.dtype))
         if fp8:
-            def dequantize(q, s):
-                if self.one_scale:
-                    s = s[:, :1, :1].expand_as(s)
-                return q.float() * s.repeat_interleave(FP8_SCALE_BLOCK, 1).repeat_interleave(
-                    FP8_SCALE_BLOCK, 2)
-            reference = RankReference(dequantize(w13, w13_scale), dequantize(w2, w2_scale), 1)
+            reference = RankReference(self.dequantize(w13, w13_scale),
+                                      self.dequantize(w2, w2_scale), 1)
             out.copy_(reference(x, topk_ids, topk_weights, "kernel"))
         else:
             out.copy_(ref.experts_reference(x, topk_ids, topk_weights, w13, w2))
@@ -194,17 +209,18 @@ def _run_soak_rank(monkeypatch, rounds, wrong_wire=None, one_scale=False):
     from vllm_petit_moe.testing import rank_pool
     soak = load_script("tools/soak.py")
     calls, configs = [], []
+    kernels = ReferenceKernels(calls, one_scale)
 
     def get_buffer(state, **config):
         configs.append(config)
-        return ReferenceBuffer(calls, wrong_wire or {}, **config)
+        return ReferenceBuffer(calls, wrong_wire or {}, kernels, **config)
 
     def no_barrier(*args, **kwargs):
         raise AssertionError("the soak called a barrier between rounds")
 
     monkeypatch.setattr(soak, "MAX_TOKENS", 8)
     monkeypatch.setattr(rank_pool, "get_buffer", get_buffer)
-    monkeypatch.setattr(ops, "_ops", lambda: ReferenceKernels(calls, one_scale))
+    monkeypatch.setattr(ops, "_ops", lambda: kernels)
     monkeypatch.setattr(ops, "_megamoe_sync_buffer", lambda *args: torch.zeros(1))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(multi_processor_count=132))
@@ -217,21 +233,23 @@ def _run_soak_rank(monkeypatch, rounds, wrong_wire=None, one_scale=False):
 
 
 def test_soak_rank_runs_the_layer_as_the_glue_does(monkeypatch):
-    """32 rounds (every combination of the rotation): buffers with validate_ids=False (as
+    """80 rounds (every combination of the rotation, twice: a shape without a fused kernel
+    turns a round composed): buffers with validate_ids=False (as
     vllm_glue/buffer_cache.py builds them), no barrier, every wire sent to dispatch with int32
-    and int64 ids, the fused layer, the one-GPU op with fp8 weights and int32 ids; every round
-    matches the reference and the counts add up."""
-    stats, configs, calls = _run_soak_rank(monkeypatch, 32)
+    and int64 ids, the fused layer on bf16 and on fp8 weights, the one-GPU op with fp8 weights
+    and int32 ids; every round matches the reference and the counts add up."""
+    stats, configs, calls = _run_soak_rank(monkeypatch, 80)
     assert configs and all(c["validate_ids"] is False for c in configs)
     assert len(configs) == len(SHAPES)
-    assert stats["rounds"] == 32 and stats["mismatches"] == 0, stats
+    assert stats["rounds"] == 80 and stats["mismatches"] == 0, stats
     assert {(quant, dtype) for what, quant, dtype in calls if what == "dispatch"} == {
         (quant, dtype) for quant in (None, *FP8_QUANT_MODES) for dtype in ID_DTYPES}
     assert {dtype for what, _, dtype in calls if what == "fused"} == set(ID_DTYPES)
+    assert {dtype for what, _, dtype in calls if what == "fused_fp8"} == set(ID_DTYPES)
     assert {dtype for what, _, dtype in calls if what == "megamoe_fp8"} == {torch.int32}
     assert {"experts", "megamoe", "megamoe_fp8"} <= {what for what, _, _ in calls}
     mix = stats["mix"]
-    assert mix == schedule_mix(soak_round(seed, 1, 8)[1] for seed in range(32))
+    assert mix == schedule_mix(soak_round(seed, 1, 8)[1] for seed in range(80))
     assert min(mix[f"rounds_{p}"] for p in PATHS) > 0 and mix["rounds_ids_int64"] > 0
     assert min(mix[f"rounds_wire_{w}"] for w in WIRES) > 0 and mix["rounds_weights_fp8"] > 0
 
@@ -240,7 +258,7 @@ def test_soak_rank_sees_a_wire_in_the_wrong_mode(monkeypatch):
     """A dispatch that quantizes fp8_block128_ue8m0 rounds with fp8_block128's scales (not
     power-of-two) leaves the reference's tolerance in those rounds only: the check compares
     with the rows of the wire asked for."""
-    stats, _, _ = _run_soak_rank(monkeypatch, 32,
+    stats, _, _ = _run_soak_rank(monkeypatch, 40,
                                  wrong_wire={"fp8_block128_ue8m0": "fp8_block128"})
     assert 0 < stats["mismatches"] <= stats["mix"]["rounds_wire_fp8_block128_ue8m0"], stats
     assert stats["first_mismatch"]["wire"] == "fp8_block128_ue8m0", stats
@@ -248,11 +266,11 @@ def test_soak_rank_sees_a_wire_in_the_wrong_mode(monkeypatch):
 
 def test_soak_rank_sees_fp8_weights_read_with_the_wrong_scales(monkeypatch):
     """The fp8 weights' blocks have gains of their own (testing.soak.fp8_expert_weights), so
-    a kernel that scales every block by one block's scale fails the one-GPU fp8 rounds, and
-    only those."""
-    stats, _, _ = _run_soak_rank(monkeypatch, 32, one_scale=True)
+    a kernel that scales every block by one block's scale fails the fp8-weight rounds (the
+    one-GPU op and the fused EP layer), and only those."""
+    stats, _, _ = _run_soak_rank(monkeypatch, 40, one_scale=True)
     assert 0 < stats["mismatches"] <= stats["mix"]["rounds_weights_fp8"], stats
-    assert stats["first_mismatch"]["path"] == "megamoe_w1_fp8", stats
+    assert stats["first_mismatch"]["path"] in FP8_WEIGHT_PATHS, stats
 
 
 def test_fp8_expert_weights_are_a_block_fp8_checkpoint():

@@ -27,8 +27,8 @@ pytestmark = [requires_gpu, requires_extension]
 def _buffer():
     import torch.distributed as dist
 
-    from rank_pool import free_port
     from vllm_petit_moe.buffer import EpBuffer
+    from vllm_petit_moe.testing.rank_pool import free_port
 
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,

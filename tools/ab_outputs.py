@@ -77,6 +77,8 @@ def digests(shapes: dict[str, dict], tokens: list[int], op: str = "experts") -> 
         for routing in ("uniform", "skewed"):
             for t in tokens:
                 rows = WORLD * t if op == "experts" else t
+                if op == "megamoe" and rows * top_k > ops.MEGAMOE_MAX_ENTRIES:
+                    continue  # beyond the fused layer's limit
                 g.manual_seed(zlib.crc32(f"{preset}/{routing}/{t}".encode()))
                 x = torch.randn(rows, hidden, generator=g, device="cuda").bfloat16()
                 ids = torch.randint(0, local, (rows, top_k), generator=g, device="cuda")

@@ -49,13 +49,21 @@ PRESETS = load_script(ROOT / "examples" / "moe_layer_w1.py").W1_PRESETS
 KINDS = ("gate/up", "down", "reduce", "final")  # final: EP calls only
 
 
-def traced_call(preset: str, tokens: int, seed: int = 0) -> tuple[list[dict], float]:
+def traced_call(preset: str, tokens: int, seed: int = 0,
+                dtype: str = "bf16") -> tuple[list[dict], float]:
+    """The one-GPU layer, bf16 weights or (dtype "fp8") their block-fp8 quantization."""
     shape = PRESETS[preset]
     hidden, inter, top_k = shape.hidden, shape.intermediate, shape.top_k
     local, pick = shape.num_local, shape.num_experts
     g = torch.Generator(device="cuda").manual_seed(seed)
     w13 = (torch.randn(local, 2 * inter, hidden, generator=g, device="cuda") * 0.02).bfloat16()
     w2 = (torch.randn(local, hidden, inter, generator=g, device="cuda") * 0.02).bfloat16()
+    scales = {}
+    if dtype == "fp8":
+        from vllm_petit_moe.testing.reference import block_fp8_quantize
+        w13, s13, _ = block_fp8_quantize(w13)
+        w2, s2, _ = block_fp8_quantize(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     trace = torch.full((MEGAMOE_BLOCKS_PER_SM * sms, MEGAMOE_TRACE_SLOTS), -1,
                        dtype=torch.int64, device="cuda")
@@ -65,7 +73,7 @@ def traced_call(preset: str, tokens: int, seed: int = 0) -> tuple[list[dict], fl
                            for _ in range(tokens)]).int()
         ids[0, 0] = 0  # at least one local expert (ids >= local are other ranks')
         w = torch.rand(tokens, top_k, generator=g, device="cuda")
-        ops.megamoe_forward(x, ids, w, w13, w2, trace=trace if i == 3 else None)
+        ops.megamoe_forward(x, ids, w, w13, w2, trace=trace if i == 3 else None, **scales)
     torch.cuda.synchronize()
     blocks = blocks_from_trace(trace.cpu().tolist())
     return blocks, float(min(b["entry"] for b in blocks))
@@ -172,8 +180,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="deepseek-v3")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="expert weights (one GPU): bf16 or block fp8 (e4m3, 128 x 128 scales)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.dtype == "fp8" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        p.error("--dtype fp8: one GPU only")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     buf, rank, tag = None, 0, ""
     if world > 1:  # under torchrun: the fused layer across the EP group
@@ -188,18 +200,19 @@ def main(argv=None) -> int:
                        max_tokens_per_rank=max(args.tokens))
         tag = f"_W{world}r{rank}"
     for tokens in args.tokens:
-        blocks, t0 = (traced_call(args.preset, tokens) if buf is None
+        blocks, t0 = (traced_call(args.preset, tokens, dtype=args.dtype) if buf is None
                       else traced_ep_call(buf, args.preset, tokens))
         s = summarize(blocks, t0)
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
-            path = args.out / f"megamoe_trace_{args.preset}_{tokens}{tag}.json"
+            fp8 = "_fp8" if args.dtype == "fp8" else ""
+            path = args.out / f"megamoe_trace_{args.preset}{fp8}_{tokens}{tag}.json"
             path.write_text(json.dumps({"preset": args.preset, "tokens": tokens,
                                         "world": world, "rank": rank,
                                         "summary": s, "blocks": blocks}))
         if rank != 0:
             continue
-        print(f"=== {args.preset}, {tokens} tokens" + (f" per rank, W={world}, rank 0"
+        print(f"=== {args.preset} {args.dtype}, {tokens} tokens" + (f" per rank, W={world}, rank 0"
                                                         if world > 1 else "") + f": span {s['span_us']:.1f} us over "
               f"{s['blocks']} blocks, routing {s['routing_us_median']:.2f} us (median)"
               + (f", {s['truncated_blocks']} blocks' task lists truncated"

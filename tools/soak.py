@@ -7,14 +7,14 @@ examples/results/soak_<gpu>_<G>gpu_<R>ranks.jsonl (G physical GPUs, R ranks on t
     python tools/soak.py --ranks 4 --rounds 10000 --seed 7
     python tools/soak.py --seed 37 --rounds 1               # replay round 37 of a run
 
-What a round runs rotates with its seed (vllm_petit_moe.testing.soak.plan_round; every 32
+What a round runs rotates with its seed (vllm_petit_moe.testing.soak.plan_round; every 40
 consecutive seeds cover every combination, so `--seed S --rounds 1` replays round S):
   - the path: "composed" (EpBuffer.dispatch -> ops.experts_forward -> combine), "megamoe"
     (the fused kernel, ops.megamoe_forward, as the expert stage on the received rows),
     "fused" (the whole layer in one launch, EpBuffer.megamoe), "megamoe_w1_fp8" (the one-GPU
     fused op with block-fp8 weights, e4m3 with fp32 scales per 128 x 128 block, on each
-    rank's own tokens: EpBuffer.megamoe takes bf16 weights only, so fp8 weights are soaked in
-    the W=1 op); a shape the fused kernels do not take runs composed;
+    rank's own tokens), "fused_fp8" (the whole layer on this rank's experts' block-fp8
+    weights); a shape the fused kernels do not take runs composed;
   - the dispatch wire: bf16 or one of dispatch's fp8 modes (fp8_block128, fp8_block128_ue8m0,
     fp8_per_token; a hidden size that is not a multiple of 128 takes fp8_per_token); the
     expert stage gets the received e4m3 rows dequantized to bf16, the reference the same
@@ -79,7 +79,9 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
     per_gpu = -(-world // max(torch.cuda.device_count(), 1))
     sms = torch.cuda.get_device_properties(device).multi_processor_count // per_gpu
     mine, bufs, refs = {}, {}, {}  # per shape: this rank's experts' weights, buffer, reference
-    fp8, fp8_refs = {}, {}  # per fp8-able shape: all experts' block-fp8 weights, W=1 reference
+    # per fp8-able shape: all experts' block-fp8 weights and this rank's, the W=1 reference
+    # (every expert on this rank's tokens) and the EP one
+    fp8, fp8_mine, fp8_refs, fp8_ep_refs = {}, {}, {}, {}
     for shape in SHAPES:
         w13, w2 = expert_weights(shape, device=device)
         refs[shape] = RankReference(w13, w2, world)
@@ -94,7 +96,9 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
         if hidden % FP8_SCALE_BLOCK == 0 and inter % FP8_SCALE_BLOCK == 0:
             q13, s13, q2, s2, d13, d2 = fp8_expert_weights(shape, device=device)
             fp8[shape] = q13, s13, q2, s2
+            fp8_mine[shape] = tuple(t[local].contiguous() for t in (q13, s13, q2, s2))
             fp8_refs[shape] = RankReference(d13, d2, 1)
+            fp8_ep_refs[shape] = RankReference(d13, d2, world)
             del d13, d2
 
     def layer(plan, shape, x, ids_, w, stride, out=None):
@@ -106,6 +110,10 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
         w13, w2 = mine[shape]
         if plan.path == "fused":
             return buf.megamoe(x, ids_, w, w13, w2, region_stride=stride, out=out)
+        if plan.path == "fused_fp8":
+            q13, s13, q2, s2 = fp8_mine[shape]
+            return buf.megamoe(x, ids_, w, q13, q2, w13_scale=s13, w2_scale=s2,
+                               region_stride=stride, out=out)
         d = buf.dispatch(x, ids_, w, region_stride=stride, quant=plan.quant)
         # fp8 wire: the experts take bf16, so the received e4m3 rows are dequantized first
         # (rows no local id routes to may hold anything; the expert stage never reads them)
@@ -119,7 +127,8 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
         return buf.combine(expert_out, d.handle, out=out)
 
     def check(y, plan, shape, x, ids_, w):
-        reference = fp8_refs[shape] if plan.weights == "fp8" else refs[shape]
+        reference = {"megamoe_w1_fp8": fp8_refs, "fused_fp8": fp8_ep_refs}.get(
+            plan.path, refs)[shape]
         sent = wire_rows(x, plan.quant)  # what the experts receive from this rank
         return check_round(y, reference(sent, ids_, w, "kernel"),
                            reference(sent, ids_, w, "fp32"))
@@ -174,7 +183,8 @@ def soak_rank(state, rounds: int, seed: int, graph_every: int, replays: int,
         if (i + 1) % 100 == 0 and rank == 0:  # progress, so a cut-off run still says where
             mix = schedule_mix(plans)
             print(f"rank 0: {i + 1} rounds ({mix['rounds_megamoe']} megamoe, "
-                  f"{mix['rounds_fused']} fused, {mix['rounds_megamoe_w1_fp8']} fp8 weights, "
+                  f"{mix['rounds_fused']} fused, {mix['rounds_fused_fp8']} fused fp8, "
+                  f"{mix['rounds_megamoe_w1_fp8']} one-GPU fp8, "
                   f"{i + 1 - mix['rounds_wire_bf16']} fp8 wire, {mix['rounds_ids_int32']} "
                   f"int32 ids), {stats['graph_replays']} replays, {stats['mismatches']} "
                   f"mismatches, {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)

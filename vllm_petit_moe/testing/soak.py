@@ -7,9 +7,10 @@ A round: a shape (hidden H, top-k K, experts E from `SHAPES`), each rank's token
 uniform, skewed (one hot rank), a hot expert, -1 slots, repeated ids in a token.
 
 What the GPU soak runs in a round (`RoundPlan`, from `soak_round`) rotates with the seed, so
-every 32 consecutive seeds cover every combination and `--seed S --rounds 1` replays round S:
+every 40 consecutive seeds cover every combination and `--seed S --rounds 1` replays round S:
 the path (`PATHS`: dispatch -> experts -> combine, the fused kernel as the expert stage, the
-whole layer fused, or the one-GPU fused op with block-fp8 weights on each rank's own tokens),
+whole layer fused with bf16 or block-fp8 weights, or the one-GPU fused op with block-fp8
+weights on each rank's own tokens),
 the dispatch wire (`WIRES`: bf16 or one of dispatch's fp8 modes) and the ids' dtype (int32 as
 vLLM's router gives them, or int64), each where the round's shape admits it.
 """
@@ -27,10 +28,12 @@ SHAPES = ((136, 64, 2, 16), (1024, 256, 8, 32), (2048, 128, 4, 64), (256, 96, 6,
 PATTERNS = ("uniform", "hot_rank", "hot_expert", "minus_one", "repeated")
 
 
-# The paths of a soak round. "megamoe_w1_fp8": ops.megamoe_forward (W=1, no dispatch) with
-# block-fp8 weights of every expert on this rank's own tokens; EpBuffer.megamoe takes bf16
-# weights only, so fp8 weights are soaked in the one-GPU op, not in an EP round.
-PATHS = ("composed", "megamoe", "fused", "megamoe_w1_fp8")
+# The paths of a soak round. Block-fp8 weights (e4m3, fp32 scales per 128 x 128 block) run in
+# "megamoe_w1_fp8": ops.megamoe_forward (W=1, no dispatch) with every expert's weights on this
+# rank's own tokens, and in "fused_fp8": the whole EP layer (EpBuffer.megamoe) on this rank's
+# experts' fp8 weights.
+PATHS = ("composed", "megamoe", "fused", "megamoe_w1_fp8", "fused_fp8")
+FP8_WEIGHT_PATHS = ("megamoe_w1_fp8", "fused_fp8")
 WIRES = ("bf16",) + FP8_QUANT_MODES  # dispatch's quant: None or an fp8 mode
 ID_DTYPES = (torch.int32, torch.int64)  # vLLM's router gives int32
 
@@ -56,7 +59,7 @@ class RoundPlan:
     @property
     def weights(self) -> str:
         """The experts' weight format: "fp8" (block fp8, 128 x 128 scales) or "bf16"."""
-        return "fp8" if self.path == "megamoe_w1_fp8" else "bf16"
+        return "fp8" if self.path in FP8_WEIGHT_PATHS else "bf16"
 
     @property
     def ids(self) -> str:
@@ -73,11 +76,12 @@ def path_qualifies(path: str, shape, world: int, stride: int, num_tokens: int) -
     if path == "megamoe_w1_fp8":
         return ops.megamoe_unsupported_reason(num_tokens, top_k, hidden, inter,
                                               fp8=True) is None
-    return ops.megamoe_unsupported_reason(world * stride, top_k, hidden, inter) is None
+    return ops.megamoe_unsupported_reason(world * stride, top_k, hidden, inter,
+                                          fp8=path == "fused_fp8") is None
 
 
 def round_id_dtype(seed: int, ids: str = "alternate") -> torch.dtype:
-    """The dtype of round `seed`'s ids before any path's restriction: ID_DTYPES[seed // 16 % 2]
+    """The dtype of round `seed`'s ids before any path's restriction: ID_DTYPES[seed // 20 % 2]
     ("alternate"), or "int32" / "int64"."""
     if ids == "alternate":
         return ID_DTYPES[seed // (len(PATHS) * len(WIRES)) % len(ID_DTYPES)]
@@ -91,7 +95,7 @@ def plan_round(seed: int, shape, world: int, stride: int, num_tokens: int | None
                path: str = "alternate", wire: str = "alternate",
                ids: str = "alternate") -> RoundPlan:
     """The plan of round `seed`: each of path, wire and ids rotates with the seed ("alternate":
-    path = PATHS[seed % 4], wire = WIRES[seed // 4 % 4], ids = ID_DTYPES[seed // 16 % 2]) or
+    path = PATHS[seed % 5], wire = WIRES[seed // 5 % 4], ids = ID_DTYPES[seed // 20 % 2]) or
     is fixed by name. Where the shape does not admit the choice: a path falls back to
     "composed", a 1x128-block wire (H not a multiple of 128) to "fp8_per_token"; the fused
     layer and the one-GPU op take no wire ("bf16"), the one-GPU op int32 ids only."""
@@ -106,7 +110,7 @@ def plan_round(seed: int, shape, world: int, stride: int, num_tokens: int | None
         path = "composed"
     if wire in FP8_BLOCK_MODES and shape[0] % FP8_SCALE_BLOCK:
         wire = "fp8_per_token"
-    if path in ("fused", "megamoe_w1_fp8"):
+    if path in ("fused", *FP8_WEIGHT_PATHS):
         wire = "bf16"
     if path == "megamoe_w1_fp8":
         id_dtype = torch.int32
