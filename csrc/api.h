@@ -111,8 +111,14 @@ PETIT_HOST_DEVICE int64_t expert_act_workspace_elems(int num_rows, int top_k, in
 PETIT_HOST_DEVICE int64_t expert_partial_workspace_elems(int num_rows, int top_k, int hidden) {
   return int64_t(num_rows) * top_k * hidden;
 }
+// petitErrorInvalidValue, with the reason in `err` (nullptr: none), where a call is outside the
+// limits above (H, I, K, L, N*K), names no ExpertTiles, has num_sms < 0, an invalid config or
+// an expert_map of no entries. Reads no pointer and makes no CUDA call (the binding runs it
+// before it allocates the workspaces). The launchers below run it too, and with rows refuse
+// besides a pointer that is null or not 16-byte aligned.
+petitError_t experts_check(const ExpertGemmArgs& args, char* err, int err_len);
 // Gate/up, down (one fused launch in the 64-row regimes) and the local reduction, in stream
-// order.
+// order. num_sms = 0: the current device's SM count, queried once per device and process.
 petitError_t launch_experts(const ExpertGemmArgs& args, petitStream_t stream);
 // The local reduction alone (the last step of launch_experts).
 petitError_t launch_expert_reduce(const ExpertGemmArgs& args, petitStream_t stream);

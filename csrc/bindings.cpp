@@ -1,17 +1,21 @@
-// The torch layer: tensor conversion, dtype/shape checks with messages about tensors, device
-// and stream selection, and the pybind11 module. Kernels, the heap and the EP context live in
-// framework-free files (api.h, comm/ep_context.h), which own the limits and their checks;
-// nothing here branches on the platform.
+// The torch layer: tensors in (their device, dtype, contiguity and the shapes that relate them
+// are checked here, with messages about tensors), raw pointers and sizes out to the
+// framework-free C API (api.h, comm/ep_context.h), device and stream selection, and the
+// pybind11 module. The C API owns every limit and its check (experts_check, dispatch_check,
+// combine_check, megamoe_check, EpContext): the binding raises their messages as they are.
+// Nothing here branches on the platform.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api.h"
@@ -39,62 +43,59 @@ namespace {
     PETIT_CHECK(_err == petitSuccess, "%s failed: %s", what, petitGetErrorString(_err)); \
   } while (0)
 
-// ---- configs (common/config.h) from Python: {field: int} dicts (vllm_petit_moe/config.py);
-// an unknown field or an invalid value is an error, a missing field keeps its default.
-void set_config_field(const char* struct_name, const std::string& key, int value,
-                      std::initializer_list<std::pair<const char*, int*>> fields) {
-  for (const auto& field : fields) {
-    if (key == field.first) {
-      *field.second = value;
-      return;
-    }
-  }
-  PETIT_CHECK(false, "%s has no field %s", struct_name, key.c_str());
+// A framework-free check of the C API (api.h: *_check(args, err, err_len)), its refusal raised
+// with the check's own message.
+template <class Args>
+void require(petitError_t (*check)(const Args&, char*, int), const Args& args) {
+  char err[512] = {0};
+  PETIT_CHECK(check(args, err, sizeof(err)) == petitSuccess, "%s", err);
 }
 
-ExpertConfig expert_config_from(const py::dict& d) {
-  ExpertConfig c;
-  for (const auto& item : d)
-    set_config_field("ExpertConfig", py::str(item.first), item.second.cast<int>(),
-                     {{"narrow_max_rows", &c.narrow_max_rows},
-                      {"m64_max_rows", &c.m64_max_rows},
-                      {"mc_min_rows", &c.mc_min_rows},
-                      {"mc_min_hidden", &c.mc_min_hidden},
-                      {"simt_large_min_rows", &c.simt_large_min_rows}});
-  PETIT_CHECK(config_valid(c),
-              "ExpertConfig: bounds must be >= 0 with narrow_max_rows (%d) <= m64_max_rows (%d)",
-              c.narrow_max_rows, c.m64_max_rows);
+int checked_int(int64_t value, const char* name) {
+  PETIT_CHECK(value >= INT32_MIN && value <= INT32_MAX, "%s %lld does not fit 32 bits", name,
+              (long long)value);
+  return int(value);
+}
+
+// ---- configs (common/config.h) from Python: {field: int} dicts (vllm_petit_moe/config.py),
+// read through the header's field tables; an unknown field is an error, a missing one keeps
+// its default. Values are checked where the config is used (experts_check, combine_check,
+// EpContext).
+template <class Config, size_t kNumFields>
+Config config_from(const py::dict& d, const char* struct_name,
+                   const std::pair<const char*, int Config::*> (&fields)[kNumFields]) {
+  Config c;
+  for (const auto& item : d) {
+    const std::string key = py::str(item.first);
+    const auto* field = std::find_if(std::begin(fields), std::end(fields),
+                                     [&](const auto& f) { return key == f.first; });
+    PETIT_CHECK(field != std::end(fields), "%s has no field %s", struct_name, key.c_str());
+    c.*(field->second) = item.second.cast<int>();
+  }
   return c;
 }
 
+ExpertConfig expert_config_from(const py::dict& d) {
+  return config_from<ExpertConfig>(d, "ExpertConfig", kExpertConfigFields);
+}
+
 CombineConfig combine_config_from(const py::dict& d) {
-  CombineConfig c;
-  for (const auto& item : d)
-    set_config_field("CombineConfig", py::str(item.first), item.second.cast<int>(),
-                     {{"reduce_pct", &c.reduce_pct},
-                      {"reduce_vectors", &c.reduce_vectors},
-                      {"reduce_items", &c.reduce_items},
-                      {"tail_chunks", &c.tail_chunks}});
-  return c;  // checked where it is used: EpContext, combine_check (kCombineConfigLimits)
+  return config_from<CombineConfig>(d, "CombineConfig", kCombineConfigFields);
 }
 
 // The default configs as dicts: what config.py's dataclasses must mirror.
 py::dict config_defaults() {
-  const ExpertConfig e;
-  const CombineConfig c;
   py::dict expert, combine, d;
-  expert["narrow_max_rows"] = e.narrow_max_rows;
-  expert["m64_max_rows"] = e.m64_max_rows;
-  expert["mc_min_rows"] = e.mc_min_rows;
-  expert["mc_min_hidden"] = e.mc_min_hidden;
-  expert["simt_large_min_rows"] = e.simt_large_min_rows;
-  combine["reduce_pct"] = c.reduce_pct;
-  combine["reduce_vectors"] = c.reduce_vectors;
-  combine["reduce_items"] = c.reduce_items;
-  combine["tail_chunks"] = c.tail_chunks;
+  for (const auto& [name, member] : kExpertConfigFields) expert[name] = ExpertConfig().*member;
+  for (const auto& [name, member] : kCombineConfigFields) combine[name] = CombineConfig().*member;
   d["ExpertConfig"] = expert;
   d["CombineConfig"] = combine;
   return d;
+}
+
+// ---- tensor checks
+std::string dtype_name(torch::ScalarType dtype) {
+  return std::string(c10::getDtypeNames(dtype).first);
 }
 
 void check_cuda_tensor(const torch::Tensor& t, const char* name, int64_t dim) {
@@ -104,32 +105,198 @@ void check_cuda_tensor(const torch::Tensor& t, const char* name, int64_t dim) {
               (long long)t.dim());
 }
 
-// The fused layer's tensors and sizes (api.h MegaMoeArgs), shared by the one-GPU and the EP
-// bindings, which check them first and set the rest (expert map, grid, timeout, trace).
-MegaMoeArgs megamoe_args(const torch::Tensor& x, const torch::Tensor& topk_ids,
-                         const torch::Tensor& topk_weights, const torch::Tensor& w13,
-                         const torch::Tensor& w2, torch::Tensor& act, torch::Tensor& partial,
-                         torch::Tensor& sync, torch::Tensor& out) {
-  MegaMoeArgs a{};
-  a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
+// A contiguous CUDA tensor of `dim` dims and `dtype` on cuda:`device`.
+void check_tensor(const torch::Tensor& t, const char* name, int64_t dim,
+                  torch::ScalarType dtype, int device) {
+  check_cuda_tensor(t, name, dim);
+  PETIT_CHECK(t.scalar_type() == dtype, "%s must be %s, got %s", name, dtype_name(dtype).c_str(),
+              dtype_name(t.scalar_type()).c_str());
+  PETIT_CHECK(t.get_device() == device, "%s must be on cuda:%d, got cuda:%d", name, device,
+              int(t.get_device()));
+}
+
+// A workspace: a contiguous `dtype` CUDA tensor of any shape with >= min_elems elements on
+// cuda:`device`.
+void check_workspace(const torch::Tensor& t, const char* name, torch::ScalarType dtype,
+                     int64_t min_elems, int device) {
+  PETIT_CHECK(t.is_cuda() && t.is_contiguous() && t.get_device() == device &&
+                  t.scalar_type() == dtype && t.numel() >= min_elems,
+              "%s must be a contiguous %s tensor of >= %lld elements on cuda:%d", name,
+              dtype_name(dtype).c_str(), (long long)min_elems, device);
+}
+
+void check_aligned16(const torch::Tensor& t, const char* name) {
+  PETIT_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              "%s must be 16-byte aligned (vector loads/stores)", name);
+}
+
+// vLLM's EP expert_map (global -> local expert id, -1 for other ranks' experts), optional:
+// with it the routing ids are global ids and the kernels map them (expert_ids.h). Returns the
+// map's pointer (nullptr without one) and sets *num_global to its length.
+const int32_t* expert_map_arg(const c10::optional<torch::Tensor>& expert_map,
+                              const torch::Device& device, int* num_global) {
+  *num_global = 0;
+  if (!expert_map.has_value()) return nullptr;
+  const torch::Tensor& m = *expert_map;
+  check_cuda_tensor(m, "expert_map", 1);
+  PETIT_CHECK(m.scalar_type() == torch::kInt32 && m.device() == device && m.numel() >= 1 &&
+                  m.numel() < (int64_t(1) << 31),
+              "expert_map must be a non-empty int32 [E] tensor on the routing ids' device");
+  *num_global = int(m.numel());
+  return m.data_ptr<int32_t>();
+}
+
+// ---- the expert kernels (experts/: routing.cu, tile_choice.cu and the GEMM launchers)
+// The per-local-expert row lists of a routing block (api.h RowListArgs) in new int32 tensors.
+struct RowLists {
+  torch::Tensor counts, offsets, sorted, workspace;
+  RowListArgs args{};
+};
+
+RowLists row_lists(const torch::Tensor& topk_ids, int num_local_experts,
+                   const int32_t* expert_map, int num_global_experts) {
+  const auto opts = topk_ids.options().dtype(torch::kInt32);
+  const int num_entries = int(topk_ids.numel());
+  RowLists r;
+  r.counts = torch::empty({num_local_experts}, opts);
+  r.offsets = torch::empty({num_local_experts + 1}, opts);
+  r.sorted = torch::empty({num_entries}, opts);
+  r.workspace = torch::empty({row_list_workspace_ints(num_entries, num_local_experts)}, opts);
+  r.args.topk_ids = topk_ids.data_ptr<int32_t>();
+  r.args.expert_map = expert_map;
+  r.args.num_global_experts = num_global_experts;
+  r.args.num_entries = num_entries;
+  r.args.num_local_experts = num_local_experts;
+  r.args.workspace = r.workspace.data_ptr<int32_t>();
+  r.args.expert_counts = r.counts.data_ptr<int32_t>();
+  r.args.expert_offsets = r.offsets.data_ptr<int32_t>();
+  r.args.sorted_entries = r.sorted.data_ptr<int32_t>();
+  return r;
+}
+
+std::vector<torch::Tensor> expert_row_lists(const torch::Tensor& topk_ids,
+                                            int64_t num_local_experts,
+                                            c10::optional<torch::Tensor> expert_map) {
+  check_tensor(topk_ids, "topk_ids", 2, torch::kInt32, topk_ids.get_device());
+  PETIT_CHECK(num_local_experts >= 1 && num_local_experts <= kMaxExperts,
+              "num_local_experts %lld outside [1, %d]", (long long)num_local_experts, kMaxExperts);
+  PETIT_CHECK(topk_ids.numel() < (int64_t(1) << 31), "too many routing entries");
+  c10::cuda::CUDAGuard guard(topk_ids.device());
+  int num_global = 0;
+  const int32_t* map = expert_map_arg(expert_map, topk_ids.device(), &num_global);
+  const RowLists r = row_lists(topk_ids, int(num_local_experts), map, num_global);
+  PETIT_CHECK_OK(launch_expert_row_lists(r.args, c10::cuda::getCurrentCUDAStream()),
+                 "row-list launch");
+  return {r.counts, r.offsets, r.sorted};
+}
+
+// A caller's workspace (checked) or a new one of `elems` elements like `like`.
+torch::Tensor workspace_or_new(const c10::optional<torch::Tensor>& given, const char* name,
+                               int64_t elems, const torch::Tensor& like) {
+  if (!given.has_value()) return torch::empty({elems}, like.options());
+  check_workspace(*given, name, like.scalar_type(), elems, like.get_device());
+  return *given;
+}
+
+// Local experts with the local weighted reduction (docs/architecture.md, "Expert kernels"):
+// row lists + gate/up GEMM + down GEMM + reduction, all on the current stream, no host sync.
+// Limits: experts_check, before anything is allocated.
+torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& topk_ids,
+                              const torch::Tensor& topk_weights, const torch::Tensor& w13,
+                              const torch::Tensor& w2, c10::optional<torch::Tensor> out,
+                              c10::optional<torch::Tensor> act_workspace,
+                              c10::optional<torch::Tensor> partial_workspace, int64_t tiles,
+                              c10::optional<torch::Tensor> expert_map, const py::dict& config) {
+  PETIT_CHECK(w13.scalar_type() == torch::kBFloat16 && w2.scalar_type() == torch::kBFloat16,
+              "w13 and w2 must be bfloat16 (quantized expert weights are not supported)");
+  const int device = recv_x.get_device();
+  check_tensor(recv_x, "recv_x", 2, torch::kBFloat16, device);
+  check_tensor(topk_ids, "recv_topk_ids", 2, torch::kInt32, device);
+  check_tensor(topk_weights, "recv_topk_weights", 2, torch::kFloat32, device);
+  check_tensor(w13, "w13", 3, torch::kBFloat16, device);
+  check_tensor(w2, "w2", 3, torch::kBFloat16, device);
+  const int64_t N = recv_x.size(0), H = recv_x.size(1), K = topk_ids.size(1);
+  const int64_t L = w13.size(0), I = w13.size(1) / 2;
+  PETIT_CHECK(topk_ids.size(0) == N && topk_weights.size(0) == N && topk_weights.size(1) == K,
+              "recv_topk_ids [%lld, %lld] and recv_topk_weights [%lld, %lld] must be [N=%lld, K]",
+              (long long)topk_ids.size(0), (long long)K, (long long)topk_weights.size(0),
+              (long long)topk_weights.size(1), (long long)N);
+  PETIT_CHECK(w13.size(1) % 2 == 0 && w13.size(2) == H,
+              "w13 must be [L, 2I, H=%lld], got [%lld, %lld, %lld]", (long long)H, (long long)L,
+              (long long)w13.size(1), (long long)w13.size(2));
+  PETIT_CHECK(w2.size(0) == L && w2.size(1) == H && w2.size(2) == I,
+              "w2 must be [L=%lld, H=%lld, I=%lld], got [%lld, %lld, %lld]", (long long)L,
+              (long long)H, (long long)I, (long long)w2.size(0), (long long)w2.size(1),
+              (long long)w2.size(2));
+  ExpertGemmArgs a{};
+  a.num_rows = checked_int(N, "row count");
+  a.top_k = checked_int(K, "top-k");
+  a.hidden = checked_int(H, "hidden size");
+  a.intermediate = checked_int(I, "intermediate size");
+  a.num_local_experts = checked_int(L, "local expert count");
+  a.tiles = checked_int(tiles, "tiles");
+  a.config = expert_config_from(config);
+  a.expert_map = expert_map_arg(expert_map, recv_x.device(), &a.num_global_experts);
+  require(experts_check, a);  // num_sms 0: the launchers' SM count of the device
+
+  c10::cuda::CUDAGuard guard(recv_x.device());
+  torch::Tensor result = out.has_value() ? *out : torch::empty({N, H}, recv_x.options());
+  check_tensor(result, "out", 2, torch::kBFloat16, device);
+  PETIT_CHECK(result.size(0) == N && result.size(1) == H, "out must be [N=%lld, H=%lld]",
+              (long long)N, (long long)H);
+  if (N == 0) return result;
+  const torch::Tensor act = workspace_or_new(
+      act_workspace, "act_workspace (N*K*I)",
+      expert_act_workspace_elems(a.num_rows, a.top_k, a.intermediate), recv_x);
+  const torch::Tensor partial = workspace_or_new(
+      partial_workspace, "partial_workspace (N*K*H)",
+      expert_partial_workspace_elems(a.num_rows, a.top_k, a.hidden), recv_x);
+  for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&recv_x, "recv_x"},
+                                {&w13, "w13"}, {&w2, "w2"}, {&result, "out"},
+                                {&act, "act_workspace"}, {&partial, "partial_workspace"}})
+    check_aligned16(*t, name);
+
+  RowLists rl = row_lists(topk_ids, a.num_local_experts, a.expert_map, a.num_global_experts);
+  a.x = reinterpret_cast<const petit_bf16_bits*>(recv_x.data_ptr());
   a.topk_ids = topk_ids.data_ptr<int32_t>();
   a.topk_weights = topk_weights.data_ptr<float>();
   a.w13 = reinterpret_cast<const petit_bf16_bits*>(w13.data_ptr());
   a.w2 = reinterpret_cast<const petit_bf16_bits*>(w2.data_ptr());
+  a.expert_offsets = rl.args.expert_offsets;
+  a.sorted_entries = rl.args.sorted_entries;
   a.act = reinterpret_cast<petit_bf16_bits*>(act.data_ptr());
-  a.partial = partial.data_ptr<float>();
-  a.sync = sync.data_ptr<int32_t>();
-  a.out = reinterpret_cast<petit_bf16_bits*>(out.data_ptr());
-  a.num_rows = int(x.size(0));
-  a.top_k = int(topk_ids.size(1));
-  a.hidden = int(x.size(1));
-  a.intermediate = int(w13.size(1) / 2);
-  a.num_local_experts = int(w13.size(0));
-  return a;
+  a.partial = reinterpret_cast<petit_bf16_bits*>(partial.data_ptr());
+  a.out = reinterpret_cast<petit_bf16_bits*>(result.data_ptr());
+  // fused GEMMs (expert_fused_gemms): per-expert arrival counters and the tile claim counter,
+  // zeroed by the row lists
+  torch::Tensor gate_up_done;
+  if (expert_fused_gemms(a)) {
+    gate_up_done = torch::empty({L + 1}, rl.offsets.options());
+    a.gate_up_done = rl.args.expert_done = gate_up_done.data_ptr<int32_t>();
+  }
+  const petitStream_t stream = c10::cuda::getCurrentCUDAStream();
+  PETIT_CHECK_OK(launch_expert_row_lists(rl.args, stream), "row-list launch");
+  PETIT_CHECK_OK(launch_experts(a, stream), "expert GEMM launch");
+  return result;
 }
 
-// The fused layer's weight format: bf16 w13 / w2 without scales, or block fp8 (float8_e4m3fn
-// with fp32 scales [L, 2I/128, H/128] / [L, H/128, I/128]); sets the scale pointers of `a`.
+// The tile family experts_forward runs for these sizes (tiles = 0: the automatic choice).
+int64_t resolve_expert_tiles_for(int64_t num_rows, int64_t top_k, int64_t num_local_experts,
+                                 int64_t hidden, int64_t tiles, const py::dict& config) {
+  ExpertGemmArgs a{};
+  a.config = expert_config_from(config);
+  PETIT_CHECK(config_valid(a.config), "%s", kExpertConfigLimits);
+  a.num_rows = int(num_rows);
+  a.top_k = int(top_k);
+  a.num_local_experts = int(num_local_experts);
+  a.hidden = int(hidden);
+  a.tiles = int(tiles);
+  return resolve_expert_tiles(a);
+}
+
+// ---- the fused layer (experts/megamoe.cu), on one GPU and on a rank of an EpContext
+// The weight format: bf16 w13 / w2 without scales, or block fp8 (float8_e4m3fn with fp32
+// scales [L, 2I/128, H/128] / [L, H/128, I/128]); sets the scale pointers of `a`.
 void set_weight_format(MegaMoeArgs& a, const torch::Tensor& w13, const torch::Tensor& w2,
                        const c10::optional<torch::Tensor>& w13_scale,
                        const c10::optional<torch::Tensor>& w2_scale) {
@@ -140,11 +307,8 @@ void set_weight_format(MegaMoeArgs& a, const torch::Tensor& w13, const torch::Te
               "w13 and w2 must be bfloat16, or float8_e4m3fn with both w13_scale and w2_scale");
   if (!fp8) return;
   const int64_t B = kFp8ScaleBlock, L = w13.size(0), I = w13.size(1) / 2, H = w13.size(2);
-  for (const torch::Tensor* t : {&*w13_scale, &*w2_scale}) {
-    check_cuda_tensor(*t, "w13_scale / w2_scale", 3);
-    PETIT_CHECK(t->scalar_type() == torch::kFloat32 && t->get_device() == w13.get_device(),
-                "w13_scale and w2_scale must be float32 on the weights' device");
-  }
+  check_tensor(*w13_scale, "w13_scale", 3, torch::kFloat32, w13.get_device());
+  check_tensor(*w2_scale, "w2_scale", 3, torch::kFloat32, w13.get_device());
   PETIT_CHECK(H % B == 0 && I % B == 0 && w13_scale->size(0) == L &&
                   w13_scale->size(1) == 2 * I / B && w13_scale->size(2) == H / B &&
                   w2_scale->size(0) == L && w2_scale->size(1) == H / B &&
@@ -154,6 +318,162 @@ void set_weight_format(MegaMoeArgs& a, const torch::Tensor& w13, const torch::Te
               (long long)B, (long long)B);
   a.w13_scale = w13_scale->data_ptr<float>();
   a.w2_scale = w2_scale->data_ptr<float>();
+}
+
+// The fused layer's tensors (api.h MegaMoeArgs), checked and converted for the one-GPU and the
+// EP bindings: x [T, H] bf16, topk_ids [T, K] int32, topk_weights [T, K] f32, w13 [L, 2I, H]
+// and w2 [L, H, I] (set_weight_format), out [T, H] bf16, and workspaces for the experts'
+// `expert_rows` x K entries: act >= entries * I bf16, partial >= entries * H f32, sync >=
+// megamoe_sync_ints(L, H) int32; all on cuda:`device`. The callers set the rest (expert map,
+// grid, timeout, trace) and run the C API's check.
+MegaMoeArgs megamoe_args(const torch::Tensor& x, const torch::Tensor& topk_ids,
+                         const torch::Tensor& topk_weights, const torch::Tensor& w13,
+                         const torch::Tensor& w2, const c10::optional<torch::Tensor>& w13_scale,
+                         const c10::optional<torch::Tensor>& w2_scale, torch::Tensor& out,
+                         torch::Tensor& act, torch::Tensor& partial, torch::Tensor& sync,
+                         int64_t hidden, int64_t expert_rows, int device) {
+  check_tensor(x, "x", 2, torch::kBFloat16, device);
+  check_tensor(topk_ids, "topk_ids", 2, torch::kInt32, device);
+  check_tensor(topk_weights, "topk_weights", 2, torch::kFloat32, device);
+  check_tensor(w13, "w13", 3, w13.scalar_type(), device);  // dtype: set_weight_format
+  check_tensor(w2, "w2", 3, w2.scalar_type(), device);
+  check_tensor(out, "out", 2, torch::kBFloat16, device);
+  const int64_t T = x.size(0), H = hidden, K = topk_ids.size(1);
+  const int64_t L = w13.size(0), I = w13.size(1) / 2, entries = expert_rows * K;
+  PETIT_CHECK(x.size(1) == H && topk_ids.size(0) == T && topk_weights.size(0) == T &&
+                  topk_weights.size(1) == K && w13.size(2) == H && w2.size(0) == L &&
+                  w2.size(1) == H && w2.size(2) == I && out.size(0) == T && out.size(1) == H,
+              "inconsistent shapes: x [T, H=%lld], topk [T, K], w13 [L, 2I, H], w2 [L, H, I], "
+              "out [T, H]", (long long)H);
+  check_workspace(act, "act_workspace (entries x I)", torch::kBFloat16, entries * I, device);
+  check_workspace(partial, "partial_workspace (entries x H)", torch::kFloat32, entries * H,
+                  device);
+  check_workspace(sync, "sync (megamoe_sync_ints)", torch::kInt32,
+                  megamoe_sync_ints(int(L), int(H)), device);
+  MegaMoeArgs a{};
+  a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
+  a.topk_ids = topk_ids.data_ptr<int32_t>();
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.w13 = w13.data_ptr();
+  a.w2 = w2.data_ptr();
+  set_weight_format(a, w13, w2, w13_scale, w2_scale);
+  a.act = reinterpret_cast<petit_bf16_bits*>(act.data_ptr());
+  a.partial = partial.data_ptr<float>();
+  a.sync = sync.data_ptr<int32_t>();
+  a.out = reinterpret_cast<petit_bf16_bits*>(out.data_ptr());
+  a.num_rows = checked_int(T, "token count");
+  a.top_k = checked_int(K, "top-k");
+  a.hidden = checked_int(H, "hidden size");
+  a.intermediate = checked_int(I, "intermediate size");
+  a.num_local_experts = checked_int(L, "local expert count");
+  return a;
+}
+
+// trace: optional int64 stamps of `num_blocks` blocks (kMegaMoeTraceSlots each, layout.h).
+int64_t* megamoe_trace_arg(const c10::optional<torch::Tensor>& trace, int64_t num_blocks,
+                           int device) {
+  if (!trace.has_value()) return nullptr;
+  check_workspace(*trace, "trace", torch::kInt64, num_blocks * kMegaMoeTraceSlots, device);
+  return trace->data_ptr<int64_t>();
+}
+
+// MegaMoE at W=1 (experts/megamoe.cu): the MoE layer in one launch. Shapes and limits are
+// validated in Python (vllm_petit_moe/ops.py megamoe_forward); checked again here where a
+// wrong value would make the kernel read or write out of bounds.
+void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
+                     const torch::Tensor& topk_weights, const torch::Tensor& w13,
+                     const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act_workspace,
+                     torch::Tensor& partial_workspace, torch::Tensor& sync,
+                     c10::optional<torch::Tensor> expert_map, int64_t num_sms,
+                     double timeout_s, c10::optional<torch::Tensor> trace,
+                     c10::optional<torch::Tensor> w13_scale,
+                     c10::optional<torch::Tensor> w2_scale) {
+  const int device = x.get_device();
+  MegaMoeArgs a = megamoe_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, out,
+                               act_workspace, partial_workspace, sync, x.size(1), x.size(0),
+                               device);
+  PETIT_CHECK(timeout_s_valid(timeout_s), "timeout_s %g outside (0, %g] seconds",
+              timeout_s, kMaxTimeoutS);
+  c10::cuda::CUDAGuard guard(x.device());
+  a.expert_map = expert_map_arg(expert_map, topk_ids.device(), &a.num_global_experts);
+  int grid_sms = int(num_sms);
+  if (trace.has_value() && grid_sms == 0) {
+    PETIT_CHECK_OK(petitDeviceGetAttribute(&grid_sms, petitDevAttrMultiProcessorCount, device),
+                   "SM count query");
+  }
+  a.trace = megamoe_trace_arg(trace, int64_t(kMegaMoeBlocksPerSm) * grid_sms, device);
+  a.num_sms = checked_int(num_sms, "num_sms");
+  a.timeout_ticks = uint64_t(timeout_s * petit_timer_ticks_per_second());
+  PETIT_CHECK(megamoe_check(a) == petitSuccess,
+              "fused MoE layer: arguments outside its limits (N*K <= %d, H and I multiples of "
+              "%d, K <= %d, L <= %d, 16-byte aligned tensors)",
+              kMegaMoeMaxEntries, kMegaMoeSizeMultiple, kMaxTopK, kMaxExperts);
+  PETIT_CHECK_OK(launch_megamoe(a, c10::cuda::getCurrentCUDAStream()), "fused MoE launch");
+}
+
+// ---- host-only helpers (no GPU needed): diagnostics and CPU tests
+// The dispatch kernels' float -> e4m3 conversion (fp8.h), run on the host: lets CPU tests
+// check it bit for bit against torch's float8_e4m3fn.
+torch::Tensor float_to_e4m3(const torch::Tensor& values) {
+  PETIT_CHECK(values.device().is_cpu() && values.scalar_type() == torch::kFloat32,
+              "float_to_e4m3 takes a CPU float32 tensor");
+  torch::Tensor in = values.contiguous();
+  torch::Tensor out = torch::empty(in.sizes(), in.options().dtype(torch::kUInt8));
+  const float* src = in.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < in.numel(); ++i) dst[i] = petit_float_to_e4m3(src[i]);
+  return out;
+}
+
+// What a combine of `num_tokens` own tokens (rows per source region `region_stride`) launches
+// on `num_blocks` SMs: host-side planning only (plan_combine), for diagnostics and CPU tests.
+py::dict combine_plan(int64_t world_size, int64_t hidden, int64_t num_tokens,
+                      int64_t region_stride, int64_t num_blocks, const py::dict& combine_config) {
+  PETIT_CHECK(world_size >= 2 && world_size <= kMaxWorldSize, "world size %lld outside [2, %d]",
+              (long long)world_size, kMaxWorldSize);
+  PETIT_CHECK(hidden > 0 && hidden % 8 == 0, "hidden size %lld must be a positive multiple of 8",
+              (long long)hidden);
+  PETIT_CHECK(region_stride >= 1 && num_tokens >= 0 && num_tokens <= region_stride,
+              "need 0 <= num_tokens (%lld) <= region_stride (%lld), region_stride >= 1",
+              (long long)num_tokens, (long long)region_stride);
+  PETIT_CHECK(num_blocks >= 1, "num_blocks %lld must be >= 1", (long long)num_blocks);
+  CombineArgs a{};
+  a.ctx.layout = make_heap_layout(int(world_size), int(region_stride), int(hidden), 1);
+  a.ctx.world_size = int(world_size);
+  a.ctx.num_blocks = int(num_blocks);
+  a.num_tokens = int(num_tokens);
+  a.top_k = 1;
+  a.region_stride = int(region_stride);
+  a.config = combine_config_from(combine_config);
+  require(combine_check, a);
+  int grid = 0;
+  PETIT_CHECK_OK(plan_combine(&a, &grid), "combine plan");
+  py::dict d;
+  d["send_chunks"] = a.num_chunks;
+  d["whole_pairs"] = a.num_whole_pairs;
+  d["send_blocks"] = a.num_send_blocks;
+  d["reduce_chunks"] = a.num_reduce_chunks;
+  d["static_reduce"] = bool(a.static_reduce);
+  d["grid"] = grid;
+  return d;
+}
+
+py::dict heap_layout(int64_t world_size, int64_t max_tokens, int64_t hidden, int64_t max_top_k) {
+  HeapLayout l = make_heap_layout(int(world_size), int(max_tokens), int(hidden), int(max_top_k));
+  py::dict d;
+  d["max_groups"] = l.max_groups;
+  d["max_chunks"] = l.max_chunks;
+  d["dispatch_rows"] = l.dispatch_rows;
+  d["dispatch_ids"] = l.dispatch_ids;
+  d["dispatch_weights"] = l.dispatch_weights;
+  d["dispatch_scales"] = l.dispatch_scales;
+  d["combine_rows"] = l.combine_rows;
+  d["dispatch_flags"] = l.dispatch_flags;
+  d["combine_flags"] = l.combine_flags;
+  d["flags_begin"] = l.flags_begin;
+  d["flags_end"] = l.flags_end;
+  d["total_bytes"] = l.total_bytes;
+  return d;
 }
 
 // ---- EpContext (comm/ep_context.h): the torch side of its calls. Tensors in, raw pointers
@@ -192,12 +512,6 @@ torch::Tensor context_view(const EpContext& ctx, const OwnedPtr& p, std::vector<
       .target_device(device)
       .deleter([owner](void*) mutable { owner.reset(); })
       .make_tensor();
-}
-
-int checked_int(int64_t value, const char* name) {
-  PETIT_CHECK(value >= INT32_MIN && value <= INT32_MAX, "%s %lld does not fit 32 bits", name,
-              (long long)value);
-  return int(value);
 }
 
 // The class the module binds: a type of this file alone (pybind11's types are hidden; a bound
@@ -239,21 +553,16 @@ std::vector<torch::Tensor> ep_dispatch(BoundEpContext& ctx, const torch::Tensor&
                                        const torch::Tensor& topk_weights, int64_t region_stride,
                                        int64_t quant) {
   const int device = ctx.device(), H = ctx.layout().hidden;
-  check_cuda_tensor(x, "x", 2);
-  check_cuda_tensor(topk_ids, "topk_ids", 2);
-  check_cuda_tensor(topk_weights, "topk_weights", 2);
+  check_tensor(x, "x", 2, torch::kBFloat16, device);
+  check_tensor(topk_ids, "topk_ids", 2, topk_ids.scalar_type(), device);
+  check_tensor(topk_weights, "topk_weights", 2, torch::kFloat32, device);
   const int64_t T = x.size(0), K = topk_ids.size(1);
-  PETIT_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16");
   PETIT_CHECK(x.size(1) == H, "x hidden size %lld != buffer hidden size %d",
               (long long)x.size(1), H);
   PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32 || topk_ids.scalar_type() == torch::kInt64,
               "topk_ids must be int32 or int64");
-  PETIT_CHECK(topk_weights.scalar_type() == torch::kFloat32, "topk_weights must be float32");
   PETIT_CHECK(topk_ids.size(0) == T && topk_weights.size(0) == T && topk_weights.size(1) == K,
               "x, topk_ids and topk_weights disagree on the token count / top-k");
-  PETIT_CHECK(x.get_device() == device && topk_ids.get_device() == device &&
-                  topk_weights.get_device() == device,
-              "inputs must be on the buffer's device %d", device);
   DispatchArgs a{};
   a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
   a.topk_ids = topk_ids.data_ptr();
@@ -280,11 +589,9 @@ std::vector<torch::Tensor> ep_dispatch(BoundEpContext& ctx, const torch::Tensor&
 void ep_combine(BoundEpContext& ctx, const torch::Tensor& expert_out, torch::Tensor& out,
                 int64_t top_k, int64_t region_stride, c10::optional<torch::Tensor> trace) {
   const int device = ctx.device(), H = ctx.layout().hidden;
-  check_cuda_tensor(expert_out, "expert_out", 2);
-  check_cuda_tensor(out, "out", 2);
+  check_tensor(expert_out, "expert_out", 2, torch::kBFloat16, device);
+  check_tensor(out, "out", 2, torch::kBFloat16, device);
   const int64_t rows = int64_t(ctx.world_size()) * region_stride;
-  PETIT_CHECK(expert_out.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "expert_out and out must be bfloat16");
   PETIT_CHECK(expert_out.size(0) == rows && expert_out.size(1) == H,
               "expert_out must be [world*region_stride, hidden] = [%lld, %d], got [%lld, %lld]",
               (long long)rows, H, (long long)expert_out.size(0), (long long)expert_out.size(1));
@@ -297,9 +604,8 @@ void ep_combine(BoundEpContext& ctx, const torch::Tensor& expert_out, torch::Ten
   a.top_k = checked_int(top_k, "top-k");
   a.region_stride = checked_int(region_stride, "region stride");
   if (trace.has_value()) {
-    check_cuda_tensor(*trace, "trace", 2);
-    PETIT_CHECK(trace->scalar_type() == torch::kInt64 && trace->size(0) == ctx.num_blocks() &&
-                    trace->size(1) == kCombineTraceSlots && trace->get_device() == device,
+    check_tensor(*trace, "trace", 2, torch::kInt64, device);
+    PETIT_CHECK(trace->size(0) == ctx.num_blocks() && trace->size(1) == kCombineTraceSlots,
                 "trace must be int64 [num_blocks, %d] = [%d, %d] on this buffer's device",
                 int(kCombineTraceSlots), ctx.num_blocks(), int(kCombineTraceSlots));
     a.trace = trace->data_ptr<int64_t>();
@@ -318,44 +624,14 @@ void ep_megamoe(BoundEpContext& ctx, const torch::Tensor& x, const torch::Tensor
                 c10::optional<torch::Tensor> trace, c10::optional<torch::Tensor> w13_scale,
                 c10::optional<torch::Tensor> w2_scale) {
   const int device = ctx.device();
-  for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&x, "x"},
-                                {&topk_ids, "topk_ids"}, {&topk_weights, "topk_weights"},
-                                {&w13, "w13"}, {&w2, "w2"}, {&out, "out"}, {&act, "act"},
-                                {&partial, "partial"}, {&sync, "sync"}}) {
-    PETIT_CHECK(t->is_cuda() && t->is_contiguous() && t->get_device() == device,
-                "%s must be a contiguous tensor on the buffer's device %d", name, device);
-  }
-  const int64_t T = x.size(0), K = topk_ids.size(1), L = w13.size(0), I = w13.size(1) / 2;
-  const int64_t H = ctx.layout().hidden, entries = ctx.world_size() * region_stride * K;
-  PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
-                  act.scalar_type() == torch::kBFloat16 &&
-                  topk_ids.scalar_type() == torch::kInt32 &&
-                  topk_weights.scalar_type() == torch::kFloat32 &&
-                  partial.scalar_type() == torch::kFloat32 && sync.scalar_type() == torch::kInt32,
-              "dtypes: bf16 x, out, act; int32 topk_ids, sync; f32 weights, partial");
-  PETIT_CHECK(x.dim() == 2 && x.size(1) == H && topk_ids.size(0) == T &&
-                  topk_weights.size(0) == T && topk_weights.size(1) == K &&
-                  w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == L &&
-                  w2.size(1) == H && w2.size(2) == I && out.numel() == T * H &&
-                  act.numel() >= entries * I && partial.numel() >= entries * H &&
-                  sync.numel() >= megamoe_sync_ints(int(L), int(H)),
-              "shapes: x [T, H=%lld], topk [T, K], w13 [L, 2I, H], w2 [L, H, I], out [T, H], "
-              "act >= W*R*K*I, partial >= W*R*K*H, sync >= megamoe_sync_ints(L, H)",
-              (long long)H);
   MegaMoeEpArgs e{};
   e.region_stride = checked_int(region_stride, "region stride");
-  e.layer = megamoe_args(x, topk_ids, topk_weights, w13, w2, act, partial, sync, out);
-  set_weight_format(e.layer, w13, w2, w13_scale, w2_scale);
-  if (trace.has_value()) {  // one row of stamps per block of the grid (2 per SM)
-    check_cuda_tensor(*trace, "trace", 2);
-    PETIT_CHECK(trace->scalar_type() == torch::kInt64 &&
-                    trace->size(0) == int64_t(kMegaMoeBlocksPerSm) * ctx.num_blocks() &&
-                    trace->size(1) == kMegaMoeTraceSlots && trace->get_device() == device,
-                "trace must be int64 [%d x num_sms, %d] = [%d, %d] on this buffer's device",
-                kMegaMoeBlocksPerSm, kMegaMoeTraceSlots, kMegaMoeBlocksPerSm * ctx.num_blocks(),
-                kMegaMoeTraceSlots);
-    e.layer.trace = trace->data_ptr<int64_t>();
-  }
+  e.layer = megamoe_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, out, act,
+                         partial, sync, ctx.layout().hidden,
+                         int64_t(ctx.world_size()) * region_stride, device);
+  // one row of stamps per block of the grid (kMegaMoeBlocksPerSm per SM)
+  e.layer.trace = megamoe_trace_arg(trace, int64_t(kMegaMoeBlocksPerSm) * ctx.num_blocks(),
+                                    device);
   translated([&] { ctx.megamoe(e, c10::cuda::getCurrentCUDAStream(device)); });
 }
 
@@ -388,367 +664,6 @@ py::dict ep_diagnostics(const BoundEpContext& ctx) {
   d["observed_tag"] = flag_tag(diag.observed_flag);
   d["dropped_ids"] = int(diag.dropped_ids);
   return d;
-}
-
-// SM count of a device, queried once per device (no device sync; safe under graph capture).
-int num_sms_of(int device) {
-  static std::mutex mutex;
-  static std::vector<int> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device >= int(cache.size())) cache.resize(device + 1, 0);
-  if (cache[device] == 0) {
-    PETIT_CHECK_OK(petitDeviceGetAttribute(&cache[device], petitDevAttrMultiProcessorCount, device),
-                   "SM count query");
-  }
-  return cache[device];
-}
-
-// vLLM's EP expert_map (global -> local expert id, -1 for other ranks' experts), optional:
-// with it the routing ids are global ids and the kernels map them (expert_ids.h). Returns the
-// map's pointer (nullptr without one) and sets *num_global to its length.
-const int32_t* expert_map_arg(const c10::optional<torch::Tensor>& expert_map,
-                              const torch::Device& device, int* num_global) {
-  *num_global = 0;
-  if (!expert_map.has_value()) return nullptr;
-  const torch::Tensor& m = *expert_map;
-  check_cuda_tensor(m, "expert_map", 1);
-  PETIT_CHECK(m.scalar_type() == torch::kInt32 && m.device() == device && m.numel() >= 1 &&
-                  m.numel() < (int64_t(1) << 31),
-              "expert_map must be a non-empty int32 [E] tensor on the routing ids' device");
-  *num_global = int(m.numel());
-  return m.data_ptr<int32_t>();
-}
-
-std::vector<torch::Tensor> expert_row_lists(const torch::Tensor& topk_ids,
-                                            int64_t num_local_experts,
-                                            c10::optional<torch::Tensor> expert_map) {
-  check_cuda_tensor(topk_ids, "topk_ids", 2);
-  PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32, "topk_ids must be int32");
-  PETIT_CHECK(num_local_experts >= 1 && num_local_experts <= kMaxExperts,
-              "num_local_experts %lld outside [1, %d]", (long long)num_local_experts, kMaxExperts);
-  PETIT_CHECK(topk_ids.numel() < (int64_t(1) << 31), "too many routing entries");
-  c10::cuda::CUDAGuard guard(topk_ids.device());
-  auto opts = topk_ids.options();
-  const int num_entries = int(topk_ids.numel());
-  auto counts = torch::empty({num_local_experts}, opts);
-  auto offsets = torch::empty({num_local_experts + 1}, opts);
-  auto sorted = torch::empty({num_entries}, opts);
-  auto workspace = torch::empty({row_list_workspace_ints(num_entries, int(num_local_experts))}, opts);
-  RowListArgs a{};
-  a.topk_ids = topk_ids.data_ptr<int32_t>();
-  a.expert_map = expert_map_arg(expert_map, topk_ids.device(), &a.num_global_experts);
-  a.num_entries = num_entries;
-  a.num_local_experts = int(num_local_experts);
-  a.workspace = workspace.data_ptr<int32_t>();
-  a.expert_counts = counts.data_ptr<int32_t>();
-  a.expert_offsets = offsets.data_ptr<int32_t>();
-  a.sorted_entries = sorted.data_ptr<int32_t>();
-  PETIT_CHECK_OK(launch_expert_row_lists(a, c10::cuda::getCurrentCUDAStream()),
-                 "row-list launch");
-  return {counts, offsets, sorted};
-}
-
-void check_aligned16(const torch::Tensor& t, const char* name) {
-  PETIT_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
-              "%s must be 16-byte aligned (vector loads/stores)", name);
-}
-
-// Local experts with the local weighted reduction (docs/architecture.md, "Expert kernels"):
-// row lists + gate/up GEMM + down GEMM + reduction, all on the current stream, no host sync.
-torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& topk_ids,
-                              const torch::Tensor& topk_weights, const torch::Tensor& w13,
-                              const torch::Tensor& w2, c10::optional<torch::Tensor> out,
-                              c10::optional<torch::Tensor> act_workspace,
-                              c10::optional<torch::Tensor> partial_workspace, int64_t tiles,
-                              c10::optional<torch::Tensor> expert_map, const py::dict& config) {
-  check_cuda_tensor(recv_x, "recv_x", 2);
-  check_cuda_tensor(topk_ids, "recv_topk_ids", 2);
-  check_cuda_tensor(topk_weights, "recv_topk_weights", 2);
-  check_cuda_tensor(w13, "w13", 3);
-  check_cuda_tensor(w2, "w2", 3);
-  PETIT_CHECK(recv_x.scalar_type() == torch::kBFloat16, "recv_x must be bfloat16");
-  PETIT_CHECK(w13.scalar_type() == torch::kBFloat16 && w2.scalar_type() == torch::kBFloat16,
-              "w13 and w2 must be bfloat16 (quantized expert weights are not supported)");
-  PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32, "recv_topk_ids must be int32");
-  PETIT_CHECK(topk_weights.scalar_type() == torch::kFloat32, "recv_topk_weights must be float32");
-  const int64_t N = recv_x.size(0), H = recv_x.size(1), K = topk_ids.size(1);
-  const int64_t L = w13.size(0), I = w13.size(1) / 2;
-  PETIT_CHECK(H > 0 && H % 8 == 0, "hidden size %lld must be a positive multiple of 8",
-              (long long)H);
-  PETIT_CHECK(topk_ids.size(0) == N && topk_weights.size(0) == N && topk_weights.size(1) == K,
-              "recv_topk_ids [%lld, %lld] and recv_topk_weights [%lld, %lld] must be [N=%lld, K]",
-              (long long)topk_ids.size(0), (long long)K, (long long)topk_weights.size(0),
-              (long long)topk_weights.size(1), (long long)N);
-  PETIT_CHECK(K >= 1 && K <= kMaxTopK, "top-k %lld outside [1, %d]", (long long)K, kMaxTopK);
-  PETIT_CHECK(L >= 1 && L <= kMaxExperts, "%lld local experts outside [1, %d]", (long long)L,
-              kMaxExperts);
-  PETIT_CHECK(w13.size(1) % 2 == 0 && I > 0 && I % 8 == 0 && w13.size(2) == H,
-              "w13 must be [L, 2I, H=%lld] with I a positive multiple of 8, got [%lld, %lld, %lld]",
-              (long long)H, (long long)w13.size(0), (long long)w13.size(1),
-              (long long)w13.size(2));
-  PETIT_CHECK(w2.size(0) == L && w2.size(1) == H && w2.size(2) == I,
-              "w2 must be [L=%lld, H=%lld, I=%lld], got [%lld, %lld, %lld]", (long long)L,
-              (long long)H, (long long)I, (long long)w2.size(0), (long long)w2.size(1),
-              (long long)w2.size(2));
-  PETIT_CHECK(N * K < (int64_t(1) << 31), "N*K = %lld routing entries exceed 2^31 - 1",
-              (long long)(N * K));
-  PETIT_CHECK(tiles >= kExpertTilesAuto && tiles <= kExpertTilesLast,
-              "tiles %lld must be 0 (auto), 1 (simt), 2 (wgmma_narrow), 3 (wgmma_m64), "
-              "4 (wgmma) or 5 (wgmma_mc)",
-              (long long)tiles);
-  const ExpertConfig expert_config = expert_config_from(config);
-  const auto device = recv_x.device();
-  PETIT_CHECK(topk_ids.device() == device && topk_weights.device() == device &&
-                  w13.device() == device && w2.device() == device,
-              "recv_x, routing and weights must be on one device");
-  check_aligned16(recv_x, "recv_x");
-  check_aligned16(w13, "w13");
-  check_aligned16(w2, "w2");
-  c10::cuda::CUDAGuard guard(device);
-  auto opts = recv_x.options();
-
-  torch::Tensor result;
-  if (out.has_value()) {
-    result = *out;
-    check_cuda_tensor(result, "out", 2);
-    PETIT_CHECK(result.scalar_type() == torch::kBFloat16 && result.size(0) == N &&
-                    result.size(1) == H && result.device() == device,
-                "out must be a bfloat16 [N=%lld, H=%lld] tensor on recv_x's device",
-                (long long)N, (long long)H);
-  } else {
-    result = torch::empty({N, H}, opts);
-  }
-  if (N == 0) return result;
-  check_aligned16(result, "out");
-
-  const int64_t act_elems = expert_act_workspace_elems(int(N), int(K), int(I));
-  const int64_t partial_elems = expert_partial_workspace_elems(int(N), int(K), int(H));
-  torch::Tensor act, partial;
-  if (act_workspace.has_value()) {
-    act = *act_workspace;
-    PETIT_CHECK(act.is_cuda() && act.is_contiguous() && act.device() == device &&
-                    act.scalar_type() == torch::kBFloat16 && act.numel() >= act_elems,
-                "act_workspace must be a contiguous bfloat16 tensor of >= N*K*I = %lld elements "
-                "on recv_x's device",
-                (long long)act_elems);
-  } else {
-    act = torch::empty({act_elems}, opts);
-  }
-  if (partial_workspace.has_value()) {
-    partial = *partial_workspace;
-    PETIT_CHECK(partial.is_cuda() && partial.is_contiguous() && partial.device() == device &&
-                    partial.scalar_type() == torch::kBFloat16 && partial.numel() >= partial_elems,
-                "partial_workspace must be a contiguous bfloat16 tensor of >= N*K*H = %lld "
-                "elements on recv_x's device",
-                (long long)partial_elems);
-  } else {
-    partial = torch::empty({partial_elems}, opts);
-  }
-  check_aligned16(act, "act_workspace");
-  check_aligned16(partial, "partial_workspace");
-
-  auto int_opts = opts.dtype(torch::kInt32);
-  const int num_entries = int(N * K);
-  auto offsets = torch::empty({L + 1}, int_opts);
-  auto counts = torch::empty({L}, int_opts);
-  auto sorted = torch::empty({num_entries}, int_opts);
-  auto row_list_ws = torch::empty({row_list_workspace_ints(num_entries, int(L))}, int_opts);
-  const petitStream_t stream = c10::cuda::getCurrentCUDAStream();
-
-  int num_global = 0;
-  const int32_t* map = expert_map_arg(expert_map, device, &num_global);
-  RowListArgs rl{};
-  rl.topk_ids = topk_ids.data_ptr<int32_t>();
-  rl.expert_map = map;
-  rl.num_global_experts = num_global;
-  rl.num_entries = num_entries;
-  rl.num_local_experts = int(L);
-  rl.workspace = row_list_ws.data_ptr<int32_t>();
-  rl.expert_counts = counts.data_ptr<int32_t>();
-  rl.expert_offsets = offsets.data_ptr<int32_t>();
-  rl.sorted_entries = sorted.data_ptr<int32_t>();
-
-  ExpertGemmArgs a{};
-  a.x = reinterpret_cast<const petit_bf16_bits*>(recv_x.data_ptr());
-  a.topk_ids = topk_ids.data_ptr<int32_t>();
-  a.expert_map = map;
-  a.num_global_experts = num_global;
-  a.topk_weights = topk_weights.data_ptr<float>();
-  a.w13 = reinterpret_cast<const petit_bf16_bits*>(w13.data_ptr());
-  a.w2 = reinterpret_cast<const petit_bf16_bits*>(w2.data_ptr());
-  a.expert_offsets = offsets.data_ptr<int32_t>();
-  a.sorted_entries = sorted.data_ptr<int32_t>();
-  a.act = reinterpret_cast<petit_bf16_bits*>(act.data_ptr());
-  a.partial = reinterpret_cast<petit_bf16_bits*>(partial.data_ptr());
-  a.out = reinterpret_cast<petit_bf16_bits*>(result.data_ptr());
-  a.num_rows = int(N);
-  a.top_k = int(K);
-  a.hidden = int(H);
-  a.intermediate = int(I);
-  a.num_local_experts = int(L);
-  a.tiles = int(tiles);
-  a.num_sms = num_sms_of(device.index());
-  a.config = expert_config;
-  // fused GEMMs (expert_fused_gemms): per-expert arrival counters and the tile claim counter,
-  // zeroed by the row lists
-  torch::Tensor gate_up_done;
-  if (expert_fused_gemms(a)) {
-    gate_up_done = torch::empty({L + 1}, int_opts);
-    a.gate_up_done = rl.expert_done = gate_up_done.data_ptr<int32_t>();
-  }
-  PETIT_CHECK_OK(launch_expert_row_lists(rl, stream), "row-list launch");
-  PETIT_CHECK_OK(launch_experts(a, stream), "expert GEMM launch");
-  return result;
-}
-
-// The tile family experts_forward runs for these sizes (tiles = 0: the automatic choice).
-int64_t resolve_expert_tiles_for(int64_t num_rows, int64_t top_k, int64_t num_local_experts,
-                                 int64_t hidden, int64_t tiles, const py::dict& config) {
-  ExpertGemmArgs a{};
-  a.config = expert_config_from(config);
-  a.num_rows = int(num_rows);
-  a.top_k = int(top_k);
-  a.num_local_experts = int(num_local_experts);
-  a.hidden = int(hidden);
-  a.tiles = int(tiles);
-  return resolve_expert_tiles(a);
-}
-
-// The dispatch kernels' float -> e4m3 conversion (fp8.h), run on the host: lets CPU tests
-// check it bit for bit against torch's float8_e4m3fn.
-torch::Tensor float_to_e4m3(const torch::Tensor& values) {
-  PETIT_CHECK(values.device().is_cpu() && values.scalar_type() == torch::kFloat32,
-              "float_to_e4m3 takes a CPU float32 tensor");
-  torch::Tensor in = values.contiguous();
-  torch::Tensor out = torch::empty(in.sizes(), in.options().dtype(torch::kUInt8));
-  const float* src = in.data_ptr<float>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  for (int64_t i = 0; i < in.numel(); ++i) dst[i] = petit_float_to_e4m3(src[i]);
-  return out;
-}
-
-// What a combine of `num_tokens` own tokens (rows per source region `region_stride`) launches
-// on `num_blocks` SMs: host-side planning only (plan_combine), for diagnostics and CPU tests.
-py::dict combine_plan(int64_t world_size, int64_t hidden, int64_t num_tokens,
-                      int64_t region_stride, int64_t num_blocks, const py::dict& combine_config) {
-  PETIT_CHECK(world_size >= 2 && world_size <= kMaxWorldSize, "world size %lld outside [2, %d]",
-              (long long)world_size, kMaxWorldSize);
-  PETIT_CHECK(hidden > 0 && hidden % 8 == 0, "hidden size %lld must be a positive multiple of 8",
-              (long long)hidden);
-  PETIT_CHECK(region_stride >= 1 && num_tokens >= 0 && num_tokens <= region_stride,
-              "need 0 <= num_tokens (%lld) <= region_stride (%lld), region_stride >= 1",
-              (long long)num_tokens, (long long)region_stride);
-  PETIT_CHECK(num_blocks >= 1, "num_blocks %lld must be >= 1", (long long)num_blocks);
-  CombineArgs a{};
-  a.ctx.layout = make_heap_layout(int(world_size), int(region_stride), int(hidden), 1);
-  a.ctx.world_size = int(world_size);
-  a.ctx.num_blocks = int(num_blocks);
-  a.num_tokens = int(num_tokens);
-  a.top_k = 1;
-  a.region_stride = int(region_stride);
-  a.config = combine_config_from(combine_config);
-  char err[512] = {0};
-  PETIT_CHECK(combine_check(a, err, sizeof(err)) == petitSuccess, "%s", err);
-  int grid = 0;
-  PETIT_CHECK_OK(plan_combine(&a, &grid), "combine plan");
-  py::dict d;
-  d["send_chunks"] = a.num_chunks;
-  d["whole_pairs"] = a.num_whole_pairs;
-  d["send_blocks"] = a.num_send_blocks;
-  d["reduce_chunks"] = a.num_reduce_chunks;
-  d["static_reduce"] = bool(a.static_reduce);
-  d["grid"] = grid;
-  return d;
-}
-
-py::dict heap_layout(int64_t world_size, int64_t max_tokens, int64_t hidden, int64_t max_top_k) {
-  HeapLayout l = make_heap_layout(int(world_size), int(max_tokens), int(hidden), int(max_top_k));
-  py::dict d;
-  d["max_groups"] = l.max_groups;
-  d["max_chunks"] = l.max_chunks;
-  d["dispatch_rows"] = l.dispatch_rows;
-  d["dispatch_ids"] = l.dispatch_ids;
-  d["dispatch_weights"] = l.dispatch_weights;
-  d["dispatch_scales"] = l.dispatch_scales;
-  d["combine_rows"] = l.combine_rows;
-  d["dispatch_flags"] = l.dispatch_flags;
-  d["combine_flags"] = l.combine_flags;
-  d["flags_begin"] = l.flags_begin;
-  d["flags_end"] = l.flags_end;
-  d["total_bytes"] = l.total_bytes;
-  return d;
-}
-
-// MegaMoE at W=1 (experts/megamoe.cu): the MoE layer in one launch. Shapes and limits are
-// validated in Python (vllm_petit_moe/ops.py megamoe_forward); checked again here where a
-// wrong value would make the kernel read or write out of bounds.
-void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
-                     const torch::Tensor& topk_weights, const torch::Tensor& w13,
-                     const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act_workspace,
-                     torch::Tensor& partial_workspace, torch::Tensor& sync,
-                     c10::optional<torch::Tensor> expert_map, int64_t num_sms,
-                     double timeout_s, c10::optional<torch::Tensor> trace,
-                     c10::optional<torch::Tensor> w13_scale,
-                     c10::optional<torch::Tensor> w2_scale) {
-  check_cuda_tensor(x, "x", 2);
-  check_cuda_tensor(topk_ids, "topk_ids", 2);
-  check_cuda_tensor(topk_weights, "topk_weights", 2);
-  check_cuda_tensor(w13, "w13", 3);
-  check_cuda_tensor(w2, "w2", 3);
-  check_cuda_tensor(out, "out", 2);
-  const int64_t N = x.size(0), H = x.size(1), K = topk_ids.size(1);
-  const int64_t L = w13.size(0), I = w13.size(1) / 2;
-  PETIT_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "x and out must be bfloat16");
-  PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32 &&
-                  topk_weights.scalar_type() == torch::kFloat32,
-              "topk_ids must be int32 and topk_weights float32");
-  PETIT_CHECK(topk_ids.size(0) == N && topk_weights.size(0) == N && topk_weights.size(1) == K &&
-                  w13.size(2) == H && w2.size(0) == L && w2.size(1) == H && w2.size(2) == I &&
-                  out.size(0) == N && out.size(1) == H,
-              "inconsistent shapes: x [N, H], topk [N, K], w13 [L, 2I, H], w2 [L, H, I], "
-              "out [N, H]");
-  PETIT_CHECK(act_workspace.is_cuda() && act_workspace.is_contiguous() &&
-                  act_workspace.scalar_type() == torch::kBFloat16 &&
-                  act_workspace.numel() >= N * K * I,
-              "act_workspace must be a contiguous bfloat16 CUDA tensor of >= N*K*I elements");
-  PETIT_CHECK(partial_workspace.is_cuda() && partial_workspace.is_contiguous() &&
-                  partial_workspace.scalar_type() == torch::kFloat32 &&
-                  partial_workspace.numel() >= N * K * H,
-              "partial_workspace must be a contiguous float32 CUDA tensor of >= N*K*H elements");
-  PETIT_CHECK(sync.is_cuda() && sync.is_contiguous() && sync.scalar_type() == torch::kInt32 &&
-                  sync.numel() >= megamoe_sync_ints(int(L), int(H)),
-              "sync must be a contiguous int32 CUDA tensor of >= %d elements",
-              megamoe_sync_ints(int(L), int(H)));
-  PETIT_CHECK(timeout_s_valid(timeout_s), "timeout_s %g outside (0, %g] seconds",
-              timeout_s, kMaxTimeoutS);
-  c10::cuda::CUDAGuard guard(x.device());
-  MegaMoeArgs a = megamoe_args(x, topk_ids, topk_weights, w13, w2, act_workspace,
-                               partial_workspace, sync, out);
-  a.expert_map = expert_map_arg(expert_map, topk_ids.device(), &a.num_global_experts);
-  set_weight_format(a, w13, w2, w13_scale, w2_scale);
-  if (trace.has_value()) {
-    int sms = int(num_sms);
-    if (sms == 0) {
-      PETIT_CHECK_OK(petitDeviceGetAttribute(&sms, petitDevAttrMultiProcessorCount,
-                                             x.get_device()),
-                     "SM count query");
-    }
-    const torch::Tensor& t = *trace;
-    PETIT_CHECK(t.is_cuda() && t.is_contiguous() && t.scalar_type() == torch::kInt64 &&
-                    t.numel() >= int64_t(kMegaMoeBlocksPerSm) * sms * kMegaMoeTraceSlots,
-                "trace must be a contiguous int64 CUDA tensor of >= %d x SMs x %d elements",
-                kMegaMoeBlocksPerSm, kMegaMoeTraceSlots);
-    a.trace = t.data_ptr<int64_t>();
-  }
-  a.num_sms = int(num_sms);
-  a.timeout_ticks = uint64_t(timeout_s * petit_timer_ticks_per_second());
-  const petitError_t err = megamoe_check(a);
-  PETIT_CHECK(err == petitSuccess,
-              "fused MoE layer: arguments outside its limits (N*K <= %d, H and I multiples of "
-              "%d, K <= %d, L <= %d, 16-byte aligned tensors)",
-              kMegaMoeMaxEntries, kMegaMoeSizeMultiple, kMaxTopK, kMaxExperts);
-  PETIT_CHECK_OK(launch_megamoe(a, c10::cuda::getCurrentCUDAStream()), "fused MoE launch");
 }
 
 }  // namespace

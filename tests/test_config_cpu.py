@@ -26,6 +26,19 @@ def header_structs() -> dict[str, dict[str, int]]:
     return structs
 
 
+def header_field_tables() -> dict[str, list[str]]:
+    """{struct name: [field, ...]} of config.h's k*ConfigFields tables (the names the binding
+    reads config dicts by), in table order; each entry names its own member."""
+    tables = {}
+    for struct, body in re.findall(r"std::pair<const char\*, int (\w+)::\*> k\w+Fields\[\] = "
+                                   r"\{(.*?)\};", CONFIG_H.read_text(), flags=re.S):
+        entries = re.findall(r'\{"(\w+)", &(\w+)::(\w+)\}', body)
+        assert all(owner == struct and name == member for name, owner, member in entries), \
+            entries
+        tables[struct] = [name for name, _, _ in entries]
+    return tables
+
+
 def python_defaults(cls) -> dict[str, int]:
     return {field.name: field.default for field in dataclasses.fields(cls)}
 
@@ -36,6 +49,25 @@ def test_python_mirror_matches_the_header(cls):
     assert set(structs) == {"ExpertConfig", "CombineConfig"}, structs
     assert list(python_defaults(cls).items()) == list(structs[cls.__name__].items())
     assert as_dict(cls()) == structs[cls.__name__]
+
+
+@pytest.mark.parametrize("cls", [ExpertConfig, CombineConfig])
+def test_the_binding_field_tables_list_every_field_in_order(cls):
+    assert header_field_tables()[cls.__name__] == list(header_structs()[cls.__name__])
+
+
+@pytest.mark.skipif(not extension_available(), reason="compiled extension not built")
+def test_extension_reads_config_dicts_by_field_name():
+    """ExpertConfig dicts: an unknown field and an invalid value are refused by name (before
+    any device call)."""
+    from vllm_petit_moe import _C
+
+    assert _C.resolve_expert_tiles(4, 2, 2, 16, config=as_dict(ExpertConfig())) >= 1
+    with pytest.raises(RuntimeError, match="ExpertConfig has no field split_k"):
+        _C.resolve_expert_tiles(4, 2, 2, 16, config={"split_k": 4})
+    with pytest.raises(RuntimeError, match="narrow_max_rows <= m64_max_rows"):
+        _C.resolve_expert_tiles(4, 2, 2, 16, config={"narrow_max_rows": 100})
+    # (CombineConfig dicts: tests/test_layout_cpu.py, through combine_plan)
 
 
 @pytest.mark.skipif(not extension_available(), reason="compiled extension not built")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,6 +50,8 @@ def load_experts_emu(tmp_path_factory):
     lib.petit_emu_default_expert_config.restype = None
     lib.petit_emu_fused_gemms.restype = ctypes.c_int
     lib.petit_emu_fused_claims.restype = ctypes.c_int
+    lib.petit_emu_experts_check.restype = ctypes.c_int
+    lib.petit_emu_experts_check.argtypes = [ctypes.c_int] * 8 + [ctypes.c_char_p, ctypes.c_int]
     return lib
 
 
@@ -387,6 +390,54 @@ def test_invalid_config_is_refused(sm90):
     run_emulated(sm90, *problem, config=(96, 96, 256, 4096, 256))  # equal bounds: fine
     with pytest.raises(AssertionError, match="returned"):
         run_emulated(sm90, *problem, config=(100, 96, 256, 4096, 256))
+
+
+# experts_check (csrc/experts/tile_choice.cu): the one home of experts_forward's limits, whose
+# message the binding raises. Valid sizes, then one field at a time outside its limit:
+# (field overrides, ExpertConfig fields or None, the message's pattern).
+CHECK_VALID = dict(num_rows=4, top_k=2, hidden=16, intermediate=8, num_local_experts=2,
+                   tiles=0, num_sms=0, num_global_experts=-1)
+
+
+@pytest.mark.parametrize("overrides,config,pattern", [
+    (dict(hidden=12), None, r"^hidden size 12 must be a positive multiple of 8$"),
+    (dict(hidden=0), None, r"^hidden size 0 must be"),
+    (dict(intermediate=4), None, r"^intermediate size 4 must be a positive multiple of 8$"),
+    (dict(top_k=17), None, r"^top-k 17 outside \[1, 16\]$"),
+    (dict(top_k=0), None, r"^top-k 0 outside"),
+    (dict(num_local_experts=513), None, r"^513 local experts outside \[1, 512\]$"),
+    (dict(num_local_experts=0), None, r"^0 local experts outside"),
+    (dict(num_rows=2**30), None,
+     r"^N\*K = 2147483648 routing entries outside \[0, 2\^31 - 1\]$"),
+    (dict(num_rows=-1), None, r"^N\*K = -2 routing entries"),
+    (dict(tiles=6), None, r"^tiles 6 must be 0 \(auto\), 1 \(simt\)"),
+    (dict(tiles=-1), None, r"^tiles -1 must be"),
+    (dict(num_sms=-1), None, r"^num_sms -1 must be >= 0"),
+    ({}, (100, 96, 256, 4096, 256), r"^ExpertConfig: bounds must be >= 0 with narrow_max_rows "
+                                    r"<= m64_max_rows, got narrow_max_rows 100, m64_max_rows 96$"),
+    ({}, (0, 96, 256, 4096, -1), r"^ExpertConfig: bounds"),
+    (dict(num_global_experts=0), None, r"^an expert_map needs >= 1 entries, got 0$"),
+])
+def test_experts_check_names_the_limit(emu, overrides, config, pattern):
+    err = ctypes.create_string_buffer(512)
+    assert emu.petit_emu_experts_check(*CHECK_VALID.values(), err, len(err)) == 0, err.value
+    assert err.value == b""
+    set_config(emu, config)
+    try:
+        rc = emu.petit_emu_experts_check(*{**CHECK_VALID, **overrides}.values(), err, len(err))
+    finally:
+        set_config(emu)
+    assert rc != 0 and re.search(pattern, err.value.decode()), (rc, err.value)
+
+
+def test_experts_check_accepts_the_edges(emu):
+    """The limits' own values pass: K = 16, L = 512, N*K = 2^31 - 1, every family, a map."""
+    err = ctypes.create_string_buffer(512)
+    for overrides in (dict(top_k=16), dict(num_local_experts=512), dict(num_rows=0),
+                      dict(num_rows=2**31 - 1, top_k=1), dict(tiles=5), dict(num_sms=132),
+                      dict(num_global_experts=1), dict(hidden=8, intermediate=8)):
+        rc = emu.petit_emu_experts_check(*{**CHECK_VALID, **overrides}.values(), err, len(err))
+        assert rc == 0, (overrides, err.value)
 
 
 def test_auto_without_wgmma(emu):

@@ -179,3 +179,25 @@ def test_extension_imports_on_its_own():
     result = subprocess.run([sys.executable, "-c", "import vllm_petit_moe._C"],
                             capture_output=True, text=True, cwd=str(ROOT), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_binding_checks_its_tensors_before_any_device_call():
+    """The binding's own checks (dtypes, device) run first and name the tensor; on a machine
+    without a GPU they are what a CPU tensor meets."""
+    _require_extension()
+    import torch
+
+    from vllm_petit_moe import _C
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    ids, weights = torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2)
+    w13, w2 = torch.zeros(2, 16, 16, dtype=torch.bfloat16), torch.zeros(2, 16, 8,
+                                                                        dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="w13 and w2 must be bfloat16 .quantized expert "
+                                           "weights are not supported"):
+        _C.experts_forward(x, ids, weights, w13.half(), w2)
+    with pytest.raises(RuntimeError, match="recv_x must be a CUDA tensor"):
+        _C.experts_forward(x, ids, weights, w13, w2)
+    with pytest.raises(RuntimeError, match="x must be a CUDA tensor"):
+        _C.megamoe_forward(x, ids, weights, w13, w2, x, x, x, ids)
+    with pytest.raises(RuntimeError, match="topk_ids must be a CUDA tensor"):
+        _C.expert_row_lists(ids, 2)

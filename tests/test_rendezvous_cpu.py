@@ -2,10 +2,11 @@
 
 W spawned processes join a gloo group, make a second gloo group that stands for vLLM's EP
 ``cpu_group``, and build an ``EpBuffer`` on it with the real setup (``rendezvous``: the
-agreement, the descriptor exchange over abstract Unix sockets with SCM_RIGHTS). Stand-ins:
-the device query, and an EpContext whose exported "heap" is a memfd holding the text
-"heap of rank r" (``map_peers`` reads what it was handed) and whose linear range is one
-shared file. After setup each rank runs an ``all_reduce`` on the group, as vLLM would.
+agreement, the descriptor exchange over abstract Unix sockets with SCM_RIGHTS). Stand-ins
+(tests/fake_extension.py): the device query, and an EpContext whose exported "heap" is a
+memfd holding the text "heap of rank r" (``map_peers`` reads what it was handed) and whose
+linear range is one shared file. After setup each rank runs an ``all_reduce`` on the group,
+as vLLM would.
 
 - A process outside the group (uid 65534 when root, else only another pid) that connects to
   rank 0's socket before rank 1 does is refused; the genuine rank 1 still connects and both
@@ -31,9 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import fake_extension
+from fake_extension import SharedFileEpContext
 from vllm_petit_moe.testing.rank_pool import free_port
 
-HEAP_STRIDE = 4096
 _SOCKET_PREFIX = "petit-moe-"
 
 
@@ -41,15 +43,13 @@ def _num_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-class FakeEpContext:
-    """The EpContext methods EpBuffer's setup calls: a memfd as the exported heap, a shared
-    file as the linear range; `mapped` records what each peer's descriptor held."""
+class FakeEpContext(SharedFileEpContext):
+    """The exported heap is a memfd holding "heap of rank r"; `mapped` records what each
+    peer's descriptor held."""
 
-    def __init__(self, heap_file, mapped, device, rank, world, *args, combine_config=None):
-        self.rank, self.world, self.mapped = rank, world, mapped
-        self.heap = torch.from_file(heap_file, shared=True, size=world * HEAP_STRIDE,
-                                    dtype=torch.uint8)
-        self.heap_bytes = HEAP_STRIDE
+    def __init__(self, heap_file, mapped, *args, **kwargs):
+        super().__init__(heap_file, *args, **kwargs)
+        self.mapped = mapped
 
     def export_fd(self):
         fd = os.memfd_create(f"fake-heap-{self.rank}")
@@ -61,20 +61,6 @@ class FakeEpContext:
             if r != self.rank:
                 self.mapped[r] = os.pread(fd, 64, 0).decode()
                 os.close(fd)
-
-    def heap_view(self, rank, offset, num_bytes):
-        return self.heap[rank * HEAP_STRIDE + offset:rank * HEAP_STRIDE + offset + num_bytes]
-
-    def attach_heartbeat(self, name, create, period_s, max_wait_s):
-        if create:
-            open("/dev/shm" + name, "wb").close()
-
-    @staticmethod
-    def unlink_heartbeat(name):
-        os.unlink("/dev/shm" + name)
-
-    def close(self):
-        self.heap = None
 
 
 def _misbehave(how: str) -> None:
@@ -151,19 +137,8 @@ def _worker(rank, world, port, tmp, scenario, results):
         group = dist.new_group(backend="gloo")  # stands for vLLM's EP cpu_group
         rendezvous.SETUP_TIMEOUT_S = scenario.get("timeout_s", 5.0)
         mapped: dict[int, str] = {}
-
-        class FakeOps:
-            @staticmethod
-            def EpContext(*args, **kw):  # noqa: N802 - the extension's class name
-                return FakeEpContext(os.path.join(tmp, "heap"), mapped, *args, **kw)
-
-            @staticmethod
-            def heap_layout(*args):
-                return {"combine_rows": 64}
-
-        buffer_mod._ops = lambda: FakeOps
-        buffer_mod._local_device = lambda num_sms: (torch.device("cpu"), num_sms or 8)
-        buffer_mod._synchronize = lambda device: None
+        fake_extension.install(
+            lambda *args, **kw: FakeEpContext(os.path.join(tmp, "heap"), mapped, *args, **kw))
         if rank == 1 and "misbehave" in scenario:
             _misbehave(scenario["misbehave"])
         if rank == 1 and "wait_for" in scenario:

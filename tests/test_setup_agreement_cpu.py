@@ -4,10 +4,11 @@ collective that a failed peer will never join (docs/faults.md).
 W processes join a gloo group and run the real ``EpBuffer.__init__``: its bounded status
 agreements (``rendezvous.Agreement``), the signature check, the host check, the heap-descriptor
 exchange over Unix sockets (real SCM_RIGHTS, with /dev/null descriptors) and the mapping
-check. Only the device pieces are stand-ins: the CUDA device query, and an EpContext whose
-"heap" is one shared file mapped by every process (so the signature each rank writes is read
-back by the others through it, as through the linear range). Faults are injected on one
-rank; every rank must raise SetupError naming that rank's reason, within the bound.
+check. Only the device pieces are stand-ins (tests/fake_extension.py): the CUDA device query,
+and an EpContext whose "heap" is one shared file mapped by every process (so the signature
+each rank writes is read back by the others through it, as through the linear range). Faults
+are injected on one rank; every rank must raise SetupError naming that rank's reason, within
+the bound.
 """
 from __future__ import annotations
 
@@ -17,58 +18,42 @@ import time
 import traceback
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import fake_extension
+from fake_extension import SharedFileEpContext
 from vllm_petit_moe.testing.rank_pool import free_port
 
-HEAP_STRIDE = 4096
 
+class FakeEpContext(SharedFileEpContext):
+    """With a fault of this rank injected: `fail` "heap" (the allocation raises), "map"
+    (map_peers raises), "mapping" (the peers' bytes do not show in the views)."""
 
-class FakeEpContext:
-    """The EpContext methods EpBuffer's setup calls, over a shared file as the linear heap."""
-
-    def __init__(self, heap_file, fail, device, rank, world, *args, combine_config=None):
+    def __init__(self, heap_file, fail, *args, **kwargs):
         if fail == "heap":
             raise RuntimeError("allocation of a 1234-byte heap failed: out of memory")
-        self.rank, self.world, self.fail = rank, world, fail
-        self.heap = torch.from_file(heap_file, shared=True, size=world * HEAP_STRIDE,
-                                    dtype=torch.uint8)
-        self.heap_bytes = HEAP_STRIDE
-        self.closed = False
-
-    def export_fd(self):
-        return os.open("/dev/null", os.O_RDONLY)
+        super().__init__(heap_file, *args, **kwargs)
+        self.fail = fail
 
     def attach_heartbeat(self, name, create, period_s, max_wait_s):
         path = "/dev/shm" + name
         assert os.path.exists(path) != create, (name, create)  # rank 0 creates, then the rest
         assert 0 < period_s < max_wait_s
-        if create:
-            open(path, "wb").close()
-
-    @staticmethod
-    def unlink_heartbeat(name):
-        os.unlink("/dev/shm" + name)
+        super().attach_heartbeat(name, create, period_s, max_wait_s)
 
     def map_peers(self, fds):
         assert fds[self.rank] == -1 and all(fd >= 0 for r, fd in enumerate(fds) if r != self.rank)
-        for r, fd in enumerate(fds):
-            if r != self.rank:
-                os.close(fd)
+        super().map_peers(fds)
         if self.fail == "map":
             raise RuntimeError("granting device 0 access to all heaps failed: no peer-to-peer "
                                "path")
 
     def heap_view(self, rank, offset, num_bytes):
-        view = self.heap[rank * HEAP_STRIDE + offset:rank * HEAP_STRIDE + offset + num_bytes]
+        view = super().heap_view(rank, offset, num_bytes)
         if self.fail == "mapping" and rank != self.rank:
             return view.clone().zero_()  # a broken mapping: the peers' bytes do not show
         return view
-
-    def close(self):
-        self.closed = True
 
 
 def _worker(rank, world, port, heap_file, faults, kwargs, results):
@@ -82,19 +67,7 @@ def _worker(rank, world, port, heap_file, faults, kwargs, results):
         if fail == "die":
             os._exit(3)  # dies before setup: the others must not wait for it unbounded
         rendezvous.SETUP_TIMEOUT_S = 5.0
-
-        class FakeOps:
-            @staticmethod
-            def EpContext(*args, **kw):  # noqa: N802 - the extension's class name
-                return FakeEpContext(heap_file, fail, *args, **kw)
-
-            @staticmethod
-            def heap_layout(*args):
-                return {"combine_rows": 64}
-
-        buffer_mod._ops = lambda: FakeOps
-        buffer_mod._local_device = lambda num_sms: (torch.device("cpu"), num_sms or 8)
-        buffer_mod._synchronize = lambda device: None
+        fake_extension.install(lambda *args, **kw: FakeEpContext(heap_file, fail, *args, **kw))
         args = dict(hidden_size=128, num_experts=12, max_tokens_per_rank=64, num_sms=4)
         args.update(kwargs.get(rank, {}))
         start = time.monotonic()

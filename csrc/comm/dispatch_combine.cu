@@ -5,10 +5,8 @@
 // epoch-tagged flag in the peer's heap (no remote atomics). Each kernel first does all its
 // send items, then waits for its receive items: since all blocks are co-resident and sends
 // never wait, every rank's sends complete and the waits terminate (or time out).
-#include <stdarg.h>
-#include <stdio.h>
-
 #include "api.h"
+#include "common/check.h"
 #include "common/expert_ids.h"
 #include "common/fp8.h"
 #include "comm/ep_sync.h"
@@ -650,18 +648,6 @@ int combine_tail_chunks(const CombineConfig& config, int send_chunks, int64_t ro
   const int size_bound = max_size_chunks(region_stride, num_vectors);
   if (chunks > size_bound) chunks = size_bound;
   return chunks >= 2 ? chunks : 0;
-}
-
-// Writes the reason of a refused call into err (nullptr: none) and returns
-// petitErrorInvalidValue.
-petitError_t refuse(char* err, int err_len, const char* fmt, ...) {
-  if (err != nullptr && err_len > 0) {
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(err, size_t(err_len), fmt, args);
-    va_end(args);
-  }
-  return petitErrorInvalidValue;
 }
 
 // What a dispatch and a combine both need of the context and the call: a co-resident grid,

@@ -171,8 +171,13 @@ EpContext::EpContext(const EpContextParams& p)
   require_ok(petitHostAlloc(reinterpret_cast<void**>(&diag_host_), sizeof(EpDiagnostics)),
              "pinned diagnostics allocation");
   memset(diag_host_, 0, sizeof(EpDiagnostics));
-  require_ok(petitHostGetDevicePointer(reinterpret_cast<void**>(&args_.diagnostics), diag_host_),
-             "diagnostics device pointer");
+  const petitError_t mapped =
+      petitHostGetDevicePointer(reinterpret_cast<void**>(&args_.diagnostics), diag_host_);
+  if (mapped != petitSuccess) {  // no destructor runs after a constructor throws
+    (void)petitFreeHost(diag_host_);
+    diag_host_ = nullptr;
+  }
+  require_ok(mapped, "diagnostics device pointer");
 }
 
 EpContext::~EpContext() {  // the owner closes first; otherwise the same wait, without the GIL
@@ -206,9 +211,11 @@ void EpContext::attach_heartbeat(const std::string& name, bool create, double pe
   DeviceScope scope(device_);
   void* device = nullptr;
   petitError_t e = petitHostRegisterMapped(host, bytes);
-  if (e == petitSuccess) e = petitHostGetDevicePointer(&device, host);
+  const bool registered = e == petitSuccess;
+  if (registered) e = petitHostGetDevicePointer(&device, host);
   if (e != petitSuccess) {
     (void)petitGetLastError();
+    if (registered) (void)petitHostUnregister(host);
     munmap(host, bytes);
     fail("heartbeat page: registering it with the GPU failed (%d)", int(e));
   }

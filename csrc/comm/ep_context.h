@@ -10,6 +10,10 @@
 // every view of it holds too (OwnedPtr::owner), so a view kept past close() reads stale bytes,
 // never unmapped or freed memory. The last owner waits for the device before it frees (a
 // queued kernel may still read the memory), through EpContextParams::run_blocking.
+//
+// Tested without a GPU on a fake runtime (tests/emu/ep_context_emu.cpp,
+// tests/test_ep_context_emu_cpu.py): its runtime calls go through platform.h's petit* names
+// and the heap's through petit_driver(), which the test redefines.
 #pragma once
 
 #include <cstdint>

@@ -3,8 +3,11 @@
 // nothing in csrc reads the environment. Python mirrors both structs field by field in
 // vllm_petit_moe/config.py (tests/test_config_cpu.py parses this header and checks the
 // mirror's names and defaults) and passes them through the binding as {field: value} dicts
-// (EpBuffer(..., combine_config=...), experts_forward(..., config=...)).
+// (EpBuffer(..., combine_config=...), experts_forward(..., config=...)), which the binding
+// reads through the field tables below (k*ConfigFields: every field, by name).
 #pragma once
+
+#include <utility>
 
 namespace petit {
 
@@ -34,6 +37,19 @@ inline bool config_valid(const ExpertConfig& c) {
   return c.narrow_max_rows >= 0 && c.m64_max_rows >= c.narrow_max_rows && c.mc_min_rows >= 0 &&
          c.mc_min_hidden >= 0 && c.simt_large_min_rows >= 0;
 }
+// What config_valid(ExpertConfig) demands, as an error message says it.
+constexpr const char* kExpertConfigLimits =
+    "ExpertConfig: bounds must be >= 0 with narrow_max_rows <= m64_max_rows";
+// The fields by name, in declaration order: the binding's {field: value} dicts and defaults.
+constexpr std::pair<const char*, int ExpertConfig::*> kExpertConfigFields[] = {
+    {"narrow_max_rows", &ExpertConfig::narrow_max_rows},
+    {"m64_max_rows", &ExpertConfig::m64_max_rows},
+    {"mc_min_rows", &ExpertConfig::mc_min_rows},
+    {"mc_min_hidden", &ExpertConfig::mc_min_hidden},
+    {"simt_large_min_rows", &ExpertConfig::simt_large_min_rows}};
+static_assert(sizeof(kExpertConfigFields) / sizeof(kExpertConfigFields[0]) * sizeof(int) ==
+                  sizeof(ExpertConfig),
+              "kExpertConfigFields lists every field of ExpertConfig");
 
 // The combine's split of its persistent grid into senders and reducers, and of its work into
 // items (dispatch_combine.cu, plan_combine). No choice here changes an output bit: every
@@ -62,5 +78,13 @@ inline bool config_valid(const CombineConfig& c) {
 constexpr const char* kCombineConfigLimits =
     "CombineConfig: reduce_pct in [0, 90], reduce_vectors and reduce_items in [0, 2^20], "
     "tail_chunks in [0, 1024]";
+constexpr std::pair<const char*, int CombineConfig::*> kCombineConfigFields[] = {
+    {"reduce_pct", &CombineConfig::reduce_pct},
+    {"reduce_vectors", &CombineConfig::reduce_vectors},
+    {"reduce_items", &CombineConfig::reduce_items},
+    {"tail_chunks", &CombineConfig::tail_chunks}};
+static_assert(sizeof(kCombineConfigFields) / sizeof(kCombineConfigFields[0]) * sizeof(int) ==
+                  sizeof(CombineConfig),
+              "kCombineConfigFields lists every field of CombineConfig");
 
 }  // namespace petit

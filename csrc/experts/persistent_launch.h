@@ -1,9 +1,11 @@
 // Host side shared by the expert kernels' launchers (gemm_sm90.cu, gemm_simt.cu, reduce.cu,
-// tile_choice.cu): the argument checks of ExpertGemmArgs, the SM count, the persistent grid
-// (and its cluster form) and the one launch function, which launches programmatically and
-// records the shape it launched (last_expert_gemm_launch). Internal to csrc/experts/: the
-// public launchers are declared in api.h.
+// tile_choice.cu): the argument checks of ExpertGemmArgs (experts_check and the pointers), the
+// SM count, the persistent grid (and its cluster form) and the one launch function, which
+// launches programmatically and records the shape it launched (last_expert_gemm_launch).
+// Internal to csrc/experts/: the public launchers are declared in api.h.
 #pragma once
+
+#include <atomic>
 
 #include "api.h"
 #include "common/launch.h"
@@ -14,15 +16,10 @@ inline bool aligned16(const void* p) {
   return p != nullptr && (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
+// experts_check (the limits, with their message) and, with rows, the pointers the kernels use.
 inline petitError_t check_args(const ExpertGemmArgs& a) {
-  if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
-      a.hidden % 8 != 0 || a.intermediate <= 0 || a.intermediate % 8 != 0 ||
-      a.num_local_experts < 1 || a.num_local_experts > kMaxExperts ||
-      a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesLast || a.num_sms < 0 ||
-      !config_valid(a.config) ||
-      (a.expert_map != nullptr && a.num_global_experts < 1))
-    return petitErrorInvalidValue;
-  if (int64_t(a.num_rows) * a.top_k >= (int64_t(1) << 31)) return petitErrorInvalidValue;
+  const petitError_t err = experts_check(a, nullptr, 0);
+  if (err != petitSuccess) return err;
   if (a.num_rows > 0 &&
       !(aligned16(a.x) && aligned16(a.w13) && aligned16(a.w2) && aligned16(a.act) &&
         aligned16(a.partial) && aligned16(a.out) && a.topk_ids != nullptr &&
@@ -31,13 +28,22 @@ inline petitError_t check_args(const ExpertGemmArgs& a) {
   return petitSuccess;
 }
 
+// a.num_sms, or where it is 0 the current device's SM count: queried once per device and
+// process (the launchers run once per layer and step; no device sync, safe during capture).
 inline petitError_t device_sm_count(const ExpertGemmArgs& a, int* num_sms) {
   *num_sms = a.num_sms;
   if (*num_sms > 0) return petitSuccess;
   int device = 0;
   petitError_t err = petitGetDevice(&device);
   if (err != petitSuccess) return err;
-  return petitDeviceGetAttribute(num_sms, petitDevAttrMultiProcessorCount, device);
+  constexpr int kCachedDevices = 64;  // devices beyond are queried every call
+  static std::atomic<int> cached[kCachedDevices] = {};
+  const bool cacheable = device >= 0 && device < kCachedDevices;
+  if (cacheable && (*num_sms = cached[device].load(std::memory_order_relaxed)) > 0)
+    return petitSuccess;
+  err = petitDeviceGetAttribute(num_sms, petitDevAttrMultiProcessorCount, device);
+  if (err == petitSuccess && cacheable) cached[device].store(*num_sms, std::memory_order_relaxed);
+  return err;
 }
 
 // Persistent grid of block_m x block_n tiles over out_cols output columns: enough blocks to fill

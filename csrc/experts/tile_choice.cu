@@ -5,6 +5,7 @@
 // 64-row regimes), then the local reduction (reduce.cu). Launch contract and formulas: api.h;
 // design: docs/architecture.md, "Expert GEMMs".
 #include "api.h"
+#include "common/check.h"
 #include "experts/persistent_launch.h"
 #include "experts/tile_choice.h"
 
@@ -61,6 +62,36 @@ petitError_t launch_expert_gemm(const ExpertChoice& choice, bool gate_up, const 
 }
 
 }  // namespace
+
+petitError_t experts_check(const ExpertGemmArgs& a, char* err, int err_len) {
+  if (a.hidden <= 0 || a.hidden % 8 != 0)
+    return refuse(err, err_len, "hidden size %d must be a positive multiple of 8", a.hidden);
+  if (a.intermediate <= 0 || a.intermediate % 8 != 0)
+    return refuse(err, err_len, "intermediate size %d must be a positive multiple of 8",
+                  a.intermediate);
+  if (a.top_k < 1 || a.top_k > kMaxTopK)
+    return refuse(err, err_len, "top-k %d outside [1, %d]", a.top_k, kMaxTopK);
+  if (a.num_local_experts < 1 || a.num_local_experts > kMaxExperts)
+    return refuse(err, err_len, "%d local experts outside [1, %d]", a.num_local_experts,
+                  kMaxExperts);
+  const int64_t num_entries = int64_t(a.num_rows) * a.top_k;
+  if (a.num_rows < 0 || num_entries >= (int64_t(1) << 31))
+    return refuse(err, err_len, "N*K = %lld routing entries outside [0, 2^31 - 1]",
+                  (long long)num_entries);
+  if (a.tiles < kExpertTilesAuto || a.tiles > kExpertTilesLast)
+    return refuse(err, err_len,
+                  "tiles %d must be 0 (auto), 1 (simt), 2 (wgmma_narrow), 3 (wgmma_m64), "
+                  "4 (wgmma) or 5 (wgmma_mc)", a.tiles);
+  if (a.num_sms < 0)
+    return refuse(err, err_len, "num_sms %d must be >= 0 (0: the device's SM count)", a.num_sms);
+  if (!config_valid(a.config))
+    return refuse(err, err_len, "%s, got narrow_max_rows %d, m64_max_rows %d",
+                  kExpertConfigLimits, a.config.narrow_max_rows, a.config.m64_max_rows);
+  if (a.expert_map != nullptr && a.num_global_experts < 1)
+    return refuse(err, err_len, "an expert_map needs >= 1 entries, got %d",
+                  a.num_global_experts);
+  return petitSuccess;
+}
 
 int resolve_expert_tiles(const ExpertGemmArgs& a) { return choose_expert_tiles(a).tiles; }
 

@@ -117,3 +117,26 @@ extern "C" void petit_emu_last_gemm_launch(int gate_up, int* shape) {
   shape[2] = s.smem_bytes;
   shape[3] = s.cluster;
 }
+
+// experts_check on these sizes, with the ExpertConfig of petit_emu_set_expert_config and, where
+// num_global_experts >= 0, an expert_map of that many entries (never read). Returns the
+// petitError_t as an int (0: accepted), the reason in err.
+extern "C" int petit_emu_experts_check(int num_rows, int top_k, int hidden, int intermediate,
+                                       int num_local_experts, int tiles, int num_sms,
+                                       int num_global_experts, char* err, int err_len) {
+  static const int32_t map_entry = 0;
+  petit::ExpertGemmArgs a{};
+  a.num_rows = num_rows;
+  a.top_k = top_k;
+  a.hidden = hidden;
+  a.intermediate = intermediate;
+  a.num_local_experts = num_local_experts;
+  a.tiles = tiles;
+  a.num_sms = num_sms;
+  a.config = g_config;
+  if (num_global_experts >= 0) {
+    a.expert_map = &map_entry;
+    a.num_global_experts = num_global_experts;
+  }
+  return int(petit::experts_check(a, err, err_len));
+}
