@@ -11,7 +11,11 @@ in pplx-kernels' tests; ``EmulatedEpBuffer``: the same with the real dispatch an
 on the CPU emulation of tests/emu), the runtime facts of the EP group (``EpRuntime``), and
 the Triton GEMMs (``ReferenceExperts``: vLLM's experts contract, expert_map lookup included,
 on the reference), and ``ops.experts_forward`` (``emulated_experts_forward``: a torch emulation
-of the three kernel steps). The compiled extension is never imported.
+of the three kernel steps). For block-fp8 layers: vLLM's own fp8 oracle kernel
+(``build_fp8_kernel``) with the GEMMs of whichever experts it holds replaced by their contract
+on the reference (``record_experts_inputs``, which also records what they were handed), and
+block-fp8 weights whose dequantization is exact in bf16 (``make_block_fp8_call``). The compiled
+extension is never imported.
 """
 
 from __future__ import annotations
@@ -80,17 +84,33 @@ class SimulatedCall:
     xs: list[torch.Tensor]
     topk_ids: list[torch.Tensor]
     topk_weights: list[torch.Tensor]
-    w13: torch.Tensor  # [E, 2I, H] bf16
+    w13: torch.Tensor  # [E, 2I, H] bf16 (block fp8: the dequantized weights, exact in bf16)
     w2: torch.Tensor  # [E, H, I] bf16
+    # block fp8 (make_block_fp8_call): (w13 e4m3, w13 scales [E, 2I/128, H/128], w2 e4m3,
+    # w2 scales [E, H/128, I/128]), the weights the layer holds; None: bf16 weights
+    fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
-    def local_weights(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _local(self, rank: int, world_size: int) -> slice:
         num_local = self.num_experts // world_size
-        experts = slice(rank * num_local, (rank + 1) * num_local)
+        return slice(rank * num_local, (rank + 1) * num_local)
+
+    def local_weights(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's experts in bf16 (the dequantized ones for block fp8)."""
+        experts = self._local(rank, world_size)
         return self.w13[experts], self.w2[experts]
+
+    def layer_weights(self, rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+        """What this rank's layer holds: (w13, w2, w13_scale, w2_scale), the scales None for
+        bf16 weights."""
+        if self.fp8 is None:
+            return (*self.local_weights(rank, world_size), None, None)
+        experts = self._local(rank, world_size)
+        w13, w13_scale, w2, w2_scale = (t[experts].contiguous() for t in self.fp8)
+        return w13, w2, w13_scale, w2_scale
 
 
 class FakeEpBuffer:
@@ -107,6 +127,7 @@ class FakeEpBuffer:
         self.call = call
         self.region_strides: list[int] = []
         self.paths: list[str] = []  # "dispatch" / "megamoe", per call
+        self.quants: list[str | None] = []  # the quant mode of each dispatch
         self.reserved_megamoe: list[int] = []  # reserve_megamoe_workspace calls
 
     def _record_dispatch(self, x, topk_ids, topk_weights, region_stride):
@@ -135,17 +156,28 @@ class FakeEpBuffer:
         self.reserved_megamoe.append(intermediate_size)
         return 0
 
-    def _record_megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride, out):
-        """As _record_dispatch, plus the layer's weights (this rank's experts) and `out`."""
+    def _record_megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride, out,
+                        w13_scale=None, w2_scale=None):
+        """As _record_dispatch, plus the layer's weights (this rank's experts: e4m3 bytes and
+        block scales for block fp8) and `out`."""
         self._record_dispatch(x, topk_ids, topk_weights, region_stride)
         self.paths.append("megamoe")
-        local_w13, local_w2 = self.call.local_weights(self.rank, self.world_size)
-        assert torch.equal(w13, local_w13) and torch.equal(w2, local_w2)
+        assert x.dtype == torch.bfloat16  # the fused kernel takes the bf16 tokens
+        handed = (w13, w2, w13_scale, w2_scale)
+        for name, got, want in zip(("w13", "w2", "w13_scale", "w2_scale"), handed,
+                                   self.call.layer_weights(self.rank, self.world_size)):
+            assert (got is None) == (want is None), f"{name}: {got} handed over, want {want}"
+            assert got is None or (got.dtype == want.dtype and torch.equal(
+                got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)), name
         assert out is not None and out.shape == x.shape and out.is_contiguous()
 
-    def megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride=None, out=None):
-        """The whole layer of this rank on the reference (every rank's inputs are known)."""
-        self._record_megamoe(x, topk_ids, topk_weights, w13, w2, region_stride, out)
+    def megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride=None, out=None,
+                w13_scale=None, w2_scale=None):
+        """The whole layer of this rank on the reference (every rank's inputs are known; block
+        fp8: on the dequantized weights)."""
+        self._record_megamoe(x, topk_ids, topk_weights, w13, w2, region_stride, out, w13_scale,
+                             w2_scale)
         call = self.call
         out.copy_(reference.ep_moe_reference(call.xs, call.topk_ids, call.topk_weights,
                                              call.w13, call.w2, self.world_size)[self.rank])
@@ -155,6 +187,7 @@ class FakeEpBuffer:
         call = self.call
         self._record_dispatch(x, topk_ids, topk_weights, region_stride)
         self.paths.append("dispatch")
+        self.quants.append(quant)
         received = reference.dispatch_reference(
             call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride, quant
         )[self.rank]
@@ -171,11 +204,15 @@ class FakeEpBuffer:
         assert handle == ("fake-handle", self.rank, self.region_strides[-1])
         region_stride = handle[2]
         assert expert_out.shape[0] == self.world_size * region_stride
+        quant = self.quants[-1]
         dispatched = reference.dispatch_reference(
-            call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride
+            call.xs, call.topk_ids, call.topk_weights, self.num_experts, region_stride, quant
         )
-        expert_outs = self._expert_outs(
-            expert_out, [(d.recv_x, d.recv_topk_ids, d.recv_topk_weights) for d in dispatched])
+        # the other ranks' experts see what dispatch delivered (fp8: dequantized)
+        expert_outs = self._expert_outs(expert_out, [
+            (d.recv_x if quant is None else
+             reference.dequantize_fp8_reference(d.recv_x, d.recv_x_scales).to(torch.bfloat16),
+             d.recv_topk_ids, d.recv_topk_weights) for d in dispatched])
         y = reference.combine_reference(expert_outs, call.topk_ids, self.num_experts)[self.rank]
         if out is None:
             return y
@@ -209,15 +246,22 @@ class EmulatedEpBuffer(FakeEpBuffer):
         xs[rank], ids[rank], ws[rank] = x, topk_ids, topk_weights
         return xs, ids, ws
 
-    def megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride=None, out=None):
-        """The fused layer kernel of every rank at once on the emulation (megamoe_lib)."""
+    def megamoe(self, x, topk_ids, topk_weights, w13, w2, region_stride=None, out=None,
+                w13_scale=None, w2_scale=None):
+        """The fused layer kernel of every rank at once on the emulation (megamoe_lib), on
+        every rank's weights as its layer holds them (block fp8: e4m3 + scales)."""
         from test_megamoe_ep_emu_cpu import fused_layer
 
-        self._record_megamoe(x, topk_ids, topk_weights, w13, w2, region_stride, out)
+        self._record_megamoe(x, topk_ids, topk_weights, w13, w2, region_stride, out, w13_scale,
+                             w2_scale)
         xs, ids, ws = self._all_ranks(x, topk_ids, topk_weights)
+        weights, scales = (self.call.w13, self.call.w2), None
+        if self.call.fp8 is not None:
+            q13, s13, q2, s2 = self.call.fp8
+            weights, scales = (q13.view(torch.uint8), q2.view(torch.uint8)), (s13, s2)
         rc, results, ys, syncs = fused_layer(
-            self.ep, self.megamoe_lib.petit_emu_megamoe_sync_ints, xs, ids, ws, self.call.w13,
-            self.call.w2, region_stride, topk_ids.shape[1])
+            self.ep, self.megamoe_lib.petit_emu_megamoe_sync_ints, xs, ids, ws, *weights,
+            region_stride, topk_ids.shape[1], scales=scales)
         assert rc == 0, f"fused layer launch results {results}"
         assert all(int(sync.abs().sum()) == 0 for sync in syncs), "counters not reset"
         out.copy_(ys[self.rank])
@@ -227,6 +271,7 @@ class EmulatedEpBuffer(FakeEpBuffer):
         rank = self.rank
         self._record_dispatch(x, topk_ids, topk_weights, region_stride)
         self.paths.append("dispatch")
+        self.quants.append(quant)
         xs, ids, ws = self._all_ranks(x, topk_ids, topk_weights)
         received = self.ep.dispatch(xs, ids, ws, region_stride, quant=quant)
         assert not isinstance(received, int), f"dispatch launch returned {received}"
@@ -399,6 +444,40 @@ def make_call(world_size, num_tokens, *, num_experts=8, hidden=40, intermediate=
     return SimulatedCall(xs, ids, ws, w13.to(torch.bfloat16), w2.to(torch.bfloat16))
 
 
+def block_fp8_weights(w: torch.Tensor, block: int = 128
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert weights ``[L, R, C]`` as a block-fp8 checkpoint (e4m3, one fp32 scale per
+    ``block`` x ``block``), with power-of-two scales so that the dequantized weights are exact
+    in bf16 (an e4m3 value times 2^k): (e4m3, scales ``[L, R/block, C/block]``, dequantized
+    bf16)."""
+    num, rows, cols = w.shape
+    blocks = w.float().view(num, rows // block, block, cols // block, block)
+    scale = reference.pow2_ceil(blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12) / 448.0)
+    q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    return (q.view(num, rows, cols).contiguous(), scale.contiguous(),
+            dequantize_block_fp8(q.view(num, rows, cols), scale).to(torch.bfloat16))
+
+
+def dequantize_block_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``[L, R, C]`` from e4m3 ``[L, R, C]`` and its block scales ``[L, R/b, C/b]``."""
+    num, rows, cols = q.shape
+    block_r, block_c = rows // scale.shape[1], cols // scale.shape[2]
+    return (q.float().view(num, scale.shape[1], block_r, scale.shape[2], block_c)
+            * scale[:, :, None, :, None]).view(num, rows, cols)
+
+
+def make_block_fp8_call(world_size, num_tokens, *, num_experts=8, hidden=128, intermediate=128,
+                        top_k=3, seed=0) -> SimulatedCall:
+    """``make_call`` with block-fp8 expert weights (``block_fp8_weights``): ``fp8`` holds what
+    the layer holds, ``w13`` / ``w2`` their exact bf16 dequantization."""
+    call = make_call(world_size, num_tokens, num_experts=num_experts, hidden=hidden,
+                     intermediate=intermediate, top_k=top_k, seed=seed)
+    q13, s13, d13 = block_fp8_weights(call.w13)
+    q2, s2, d2 = block_fp8_weights(call.w2)
+    return SimulatedCall(call.xs, call.topk_ids, call.topk_weights, d13, d2,
+                         fp8=(q13, s13, q2, s2))
+
+
 def dp_step(vllm_config, num_tokens):
     """A forward context carrying vLLM's DP metadata for one step."""
     dp_metadata = DPMetadata(torch.tensor(num_tokens, dtype=torch.int32))
@@ -513,3 +592,135 @@ def caplog_at(logger):
             logger.removeHandler(handler)
             logger.setLevel(old_level)
     return capture()
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's fp8 experts on the CPU: the input each receives, their GEMMs on the reference
+# --------------------------------------------------------------------------------------------
+
+
+def build_fp8_kernel(moe_config, vllm_config, backend: str, *, w1_scale, w2_scale,
+                     block_shape=(128, 128), per_act_token_quant=False, per_out_ch_quant=False,
+                     a1_scale=None, a2_scale=None):
+    """The ``FusedMoEKernel`` vLLM's fp8 oracle builds for a layer whose experts it chose as
+    ``backend`` (an ``Fp8MoeBackend`` name: ``"TRITON"``, ``"FLASHINFER_CUTLASS"``,
+    ``"DEEPGEMM"``, ...): its quant config (``make_fp8_moe_quant_config``) and kernel
+    (``make_fp8_moe_kernel``: the allgather prepare/finalize with DP + EP, then the experts
+    class), so with the kernel hook installed our substitution sees what vLLM built. vLLM's
+    EP all2all manager (a GPU communicator) is stood in for by its world size."""
+    from unittest import mock
+
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    from vllm.model_executor.layers.fused_moe.oracle import fp8 as fp8_oracle
+
+    class All2AllManager:
+        world_size = moe_config.moe_parallel_config.ep_size
+
+    fp8_backend = fp8_oracle.Fp8MoeBackend[backend]
+    quant_config = fp8_oracle.make_fp8_moe_quant_config(
+        fp8_backend, w1_scale=w1_scale, w2_scale=w2_scale, a1_scale=a1_scale,
+        a2_scale=a2_scale, block_shape=None if block_shape is None else list(block_shape),
+        per_act_token_quant=per_act_token_quant, per_out_ch_quant=per_out_ch_quant)
+    experts_class = fp8_oracle.backend_to_kernel_cls(fp8_backend)[0]
+    # the manager's lookup: _get_ep_all2all_manager (0.24), get_ep_all2all_manager (0.33)
+    patches = [mock.patch.object(all2all_utils, name, lambda *args, **kwargs: All2AllManager())
+               for name in ("_get_ep_all2all_manager", "get_ep_all2all_manager")
+               if hasattr(all2all_utils, name)]
+    with set_current_vllm_config(vllm_config):
+        for patch in patches:
+            patch.start()
+        try:
+            return fp8_oracle.make_fp8_moe_kernel(quant_config, moe_config, experts_class,
+                                                  fp8_backend)
+        finally:
+            for patch in patches:
+                patch.stop()
+
+
+def record_experts_inputs(monkeypatch, experts_class, kind: str) -> list[dict]:
+    """Replace ``experts_class.apply`` (GPU kernels) by vLLM's contract of that kind on the
+    reference, recording what each call was handed: ``"expert_map"`` (Triton, DeepGEMM:
+    e4m3 rows dequantized with ``a1q_scale``, global ids through ``expert_map``) or
+    ``"ep_rank"`` (FlashInfer-CUTLASS: bf16 rows, which it quantizes itself, global ids
+    of experts ``[ep_rank L, (ep_rank + 1) L)``). Both: ids in ``[0, E)``, block-fp8 weights
+    dequantized with the quant config's scales, the router weights applied, the top-k
+    reduced into ``output``. Returns the list the calls are recorded in (hidden_states,
+    a1q_scale, topk_ids, expert_map as handed over)."""
+    calls: list[dict] = []
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input):
+        calls.append(dict(hidden_states=hidden_states.clone(), topk_ids=topk_ids.clone(),
+                          a1q_scale=None if a1q_scale is None else a1q_scale.clone(),
+                          expert_map=expert_map))
+        assert bool(((topk_ids >= 0) & (topk_ids < global_num_experts)).all())
+        num_local = w1.shape[0]
+        if kind == "ep_rank":
+            first = self.moe_config.moe_parallel_config.ep_rank * num_local
+            mine = (topk_ids >= first) & (topk_ids < first + num_local)
+            local_ids = torch.where(mine, topk_ids - first, -1).to(torch.int32)
+        else:
+            local_ids = expert_map.long()[topk_ids.long()].to(torch.int32)
+        x = hidden_states
+        if a1q_scale is not None:
+            x = reference.dequantize_fp8_reference(x, a1q_scale)
+        w13, w2 = w1, w2
+        if self.quant_config.w1_scale is not None:
+            w13 = dequantize_block_fp8(w1, self.quant_config.w1_scale)
+            w2 = dequantize_block_fp8(w2, self.quant_config.w2_scale)
+        weights = torch.where(local_ids >= 0, topk_weights.float(), 0.0)
+        output.copy_(reference.experts_reference(
+            x.to(torch.bfloat16), local_ids, weights, w13.to(torch.bfloat16),
+            w2.to(torch.bfloat16)))
+
+    monkeypatch.setattr(experts_class, "apply", apply)
+    return calls
+
+
+def run_rank_through_the_hook(build, call, rank, num_tokens, vllm_config, monkeypatch, *,
+                              ep_emu_lib=None, megamoe_lib=None):
+    """Rank ``rank``'s forward of ``call`` through the kernel ``build(moe_config)`` makes (as
+    vLLM builds it) while the plugin's hook is installed (conftest's ``kernel_hook``): the
+    decision, the substitution and the experts step as a server of DP rank ``rank`` would
+    take them, with the layer's weights as ``call.layer_weights`` and vLLM's linear
+    expert_map. The buffer is a ``FakeEpBuffer`` (with ``ep_emu_lib`` an ``EmulatedEpBuffer``:
+    the real dispatch / combine, with ``megamoe_lib`` the fused layer, on the CPU emulation).
+    Returns (output, kernel, buffer or None where nothing was substituted)."""
+    from vllm_petit_moe.vllm_glue import buffer_cache
+
+    world_size = len(num_tokens)
+    num_experts, top_k = call.num_experts, call.topk_ids[0].shape[1]
+    hidden, intermediate = call.xs[0].shape[1], call.w2.shape[2]
+    parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
+                                    ep_rank=rank)
+    moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
+                                 hidden_dim=hidden, intermediate_size=intermediate)
+    buffers = []
+
+    def create_buffer(group, config):
+        if ep_emu_lib is None:
+            buffer = FakeEpBuffer(rank, world_size, num_experts, call)
+        else:
+            buffer = EmulatedEpBuffer(ep_emu_lib, rank, world_size, num_experts, call,
+                                      megamoe_lib=megamoe_lib)
+        buffers.append(buffer)
+        return buffer
+
+    runtime = single_node_cuda(rank, world_size)
+    monkeypatch.setattr(hook, "_runtime_provider", lambda: runtime)
+    monkeypatch.setattr(buffer_cache, "_create_buffer", create_buffer)
+    buffer_cache.close_all_buffers()
+    try:
+        kernel = build(moe_config)
+        _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
+        w13, w2, _, _ = call.layer_weights(rank, world_size)
+        with dp_step(vllm_config, num_tokens):
+            out = kernel.apply(
+                call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
+                activation=MoEActivation.SILU, global_num_experts=num_experts,
+                expert_map=expert_map, apply_router_weight_on_input=False,
+            )
+    finally:
+        buffer_cache.close_all_buffers()
+    return out, kernel, (buffers[0] if buffers else None)

@@ -96,8 +96,9 @@ class EpLayerConfig:
     rank takes the same path; Python only):
 
     megamoe_max_tokens: the fused layer (``EpBuffer.megamoe``: dispatch, this rank's experts
-        and combine in one launch per rank) for R up to this, where the layer qualifies (bf16,
-        H and I multiples of 64, W * R * K <= ``MEGAMOE_MAX_ENTRIES``); 0: never. Larger
+        and combine in one launch per rank) for R up to this, where the layer qualifies (vLLM's
+        Triton experts on bf16 or block-fp8 weights, H and I multiples of 64 (128 for fp8),
+        W * R * K <= ``MEGAMOE_MAX_ENTRIES``); 0: never. Larger
         steps run the composed path (petit dispatch, the experts, petit combine). Off by
         default until it is measured on several GPUs (docs/vllm_integration.md, "Not yet");
         ``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` sets it (``vllm_glue.envs.ep_layer_config``).

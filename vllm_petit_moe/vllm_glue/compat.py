@@ -228,6 +228,19 @@ _SYMBOLS: dict[str, tuple[tuple[str, str], ...]] = {
         ("vllm.model_executor.layers.fused_moe.experts.triton_moe", "TritonExperts"),
         ("vllm.model_executor.layers.fused_moe.fused_moe", "TritonExperts"),
     ),
+    # fp8 experts vLLM's fp8 oracle may pair with the allgather prepare/finalize (below,
+    # "DP + EP: vLLM's fp8 experts and the input each expects")
+    "TritonOrDeepGemmExperts": (
+        ("vllm.model_executor.layers.fused_moe.experts.triton_deep_gemm_moe",
+         "TritonOrDeepGemmExperts"),
+    ),
+    "DeepGemmExperts": (
+        ("vllm.model_executor.layers.fused_moe.experts.deep_gemm_moe", "DeepGemmExperts"),
+    ),
+    "FlashInferExperts": (
+        ("vllm.model_executor.layers.fused_moe.experts.flashinfer_cutlass_moe",
+         "FlashInferExperts"),
+    ),
 }
 
 
@@ -294,7 +307,7 @@ def is_no_dp_ep_prepare_finalize(prepare_finalize: Any) -> bool:
 #       vLLM's Triton fp8 experts.
 # HOW   `moe_kernel_quantize_input` with the arguments vLLM's no-DP/no-EP prepare passes it
 #       (prepare_finalize/no_dp_ep.py, `_quantize_input`), by keyword, as far as the installed
-#       signature has them.
+#       signature has them (0.33 added `is_scale_transposed`; False for the Triton experts).
 # REMOVE WHEN vLLM exports the prepare step's quantization as a public function.
 
 
@@ -308,7 +321,8 @@ def _moe_quantize_input_fn() -> tuple[Callable[..., Any], frozenset[str]]:
 
     params = inspect.signature(moe_kernel_quantize_input).parameters
     return moe_kernel_quantize_input, frozenset(
-        name for name in ("is_scale_swizzled", "mx_alignment") if name in params)
+        name for name in ("is_scale_swizzled", "is_scale_transposed", "mx_alignment")
+        if name in params)
 
 
 def quantize_moe_input(hidden_states: Any, quant_config: Any) -> tuple[Any, Any]:
@@ -322,6 +336,76 @@ def quantize_moe_input(hidden_states: Any, quant_config: Any) -> tuple[Any, Any]
         if hasattr(quant_config, name):
             kwargs[name] = getattr(quant_config, name)
     return quantize(hidden_states, quant_config.a1_scale, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# DP + EP: vLLM's fp8 experts and the input each expects
+# --------------------------------------------------------------------------------------------
+#
+# WHY   With DP + EP petit's prepare/finalize stands in for vLLM's allgather one, so it must
+#       hand the experts vLLM built the input that vLLM's own prepare would have: for a
+#       block-fp8 layer that depends on which experts vLLM's fp8 oracle chose. On Hopper
+#       (`oracle/fp8.py: _get_priority_backends`, the same rule in 0.24 and 0.33) block-fp8
+#       layers with EP > 1 try FlashInfer's CUTLASS experts first (FlashInferExperts, when
+#       FlashInfer's CUTLASS MoE is installed), then DeepGEMM (TritonOrDeepGemmExperts, where
+#       vLLM's DeepGEMM runs), then Triton; with EP = 1 Triton first. So the choice on a
+#       given GPU follows the installed FlashInfer/DeepGEMM more than the vLLM version.
+#       What each takes, in both versions:
+#       - TritonExperts, TritonOrDeepGemmExperts: e4m3 rows + fp32 [M, H/128] row-major
+#         1 x 128 scales (vLLM's prepare quantizes; UE8M0-rounded where
+#         `fp8_block_scales_are_ue8m0`); global ids resolved through `expert_map`;
+#       - FlashInferExperts: bf16 rows (`expects_unquantized_inputs`: the kernel quantizes
+#         inside, so the modular kernel calls prepare with `defer_input_quant=True`); global
+#         ids, local experts found from `ep_rank` / `ep_size` (linear placement), `expert_map`
+#         unused. 0.33's fp8 oracle also passes `input_dtype` (bf16) to
+#         `maybe_make_prepare_finalize` for these experts, which only FlashInfer's one-sided
+#         all2all reads: the allgather prepare, like ours, follows `defer_input_quant`;
+#       all three reduce the top-k themselves (TopKWeightAndReduceNoOP).
+#       DeepGEMM's masked kernel (BatchedDeepGemmExperts) runs only behind DeepEP-LL /
+#       NIXL-EP (`--all2all-backend` chosen explicitly): not a layer petit replaces.
+#       The weights differ too: vLLM converts them for FlashInfer (w13 as [up; gate],
+#       `prepare_fp8_moe_layer_for_fi`) and DeepGEMM (its scale layout,
+#       `prepare_fp8_moe_layer_for_deepgemm`); only the Triton experts keep the checkpoint's
+#       layout that MegaMoE takes in place.
+# HOW   The classes by module and name (`_SYMBOLS`, the same in 0.24 and 0.33);
+#       `ep_experts_kind` names the one a layer has (subclasses included).
+# REMOVE WHEN never while petit stands in for vLLM's prepare (new experts need an entry);
+#       the lookups move with vLLM's modules.
+
+EP_EXPERTS = {
+    "triton": "TritonExperts",
+    "deep_gemm": "TritonOrDeepGemmExperts",
+    "flashinfer_cutlass": "FlashInferExperts",
+}
+"""The experts petit's prepare/finalize serves with DP + EP: kind -> ``_SYMBOLS`` name."""
+
+
+def ep_experts_kind(experts: Any) -> str | None:
+    """``"triton"``, ``"deep_gemm"`` or ``"flashinfer_cutlass"``: which of vLLM's experts
+    (``EP_EXPERTS``) ``experts`` is, or None for any other class."""
+    for kind, name in EP_EXPERTS.items():
+        cls = fused_moe_symbol_or_none(name)
+        if cls is not None and isinstance(experts, cls):
+            return kind
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# fp8 activation scales: transposed (0.33)
+# --------------------------------------------------------------------------------------------
+#
+# WHY   vLLM 0.33's FusedMoEQuantConfig has `is_scale_transposed`: its fp8 oracle sets it for
+#       FlashInfer's TRT-LLM block-fp8 experts (Blackwell), which read the 1 x 128 activation
+#       scales as [H/128, M] (column-major). Our dispatch writes them [M, H/128] row-major, so
+#       such experts cannot take our fp8 wire.
+# HOW   `getattr(quant_config, "is_scale_transposed", False)` (0.24 has no such field:
+#       False); `prepare_finalize.dispatch_quant_mode` refuses the layer when it is set.
+# REMOVE WHEN the supported range starts at 0.33 (read the field directly).
+
+
+def fp8_activation_scales_transposed(quant_config: Any) -> bool:
+    """Whether the experts of ``quant_config`` want column-major activation scales."""
+    return bool(getattr(quant_config, "is_scale_transposed", False))
 
 
 # --------------------------------------------------------------------------------------------

@@ -102,6 +102,12 @@ def layer_intermediate_size(moe_config: Any) -> int:
     return intermediate if intermediate > 0 else int(moe_config.intermediate_size)
 
 
+def is_quantized(quant_config: Any) -> bool:
+    """Whether a layer's ``FusedMoEQuantConfig`` quantizes its weights or activations."""
+    return quant_config is not None and (quant_config.quant_dtype is not None
+                                         or quant_config.weight_quant_dtype is not None)
+
+
 def block_fp8_unsupported_reason(quant_config: Any) -> str | None:
     """None where a layer's quantization is what MegaMoE takes in place: e4m3 weights with one
     fp32 scale per 128 x 128 block and activations quantized dynamically in 1 x 128 groups
@@ -155,8 +161,7 @@ def unsupported_reason(moe_config: Any, quant_config: Any, *,
     if int(moe_config.num_local_experts) > MAX_LOCAL_EXPERTS:
         return f"{moe_config.num_local_experts} local experts > {MAX_LOCAL_EXPERTS}"
     if quant_config is not None:
-        quantized = quant_config.quant_dtype is not None or \
-            quant_config.weight_quant_dtype is not None
+        quantized = is_quantized(quant_config)
         if quantized and allow_block_fp8:
             reason = block_fp8_unsupported_reason(quant_config)
             if reason is not None:
@@ -434,12 +439,25 @@ class PetitEpExperts(PetitExperts):
     (the composed path) it runs our grouped GEMMs (``fallback`` None) or the vLLM Triton
     experts it replaced (``fallback``).
 
+    Block-fp8 layers (``block_fp8_unsupported_reason``): the fused steps run on the e4m3
+    weights and the quant config's block scales as loaded, on the bf16 tokens; the composed
+    steps need vLLM's fp8 Triton experts as ``fallback`` (our grouped GEMMs take bf16
+    weights), and get what they expect from prepare (``expects_unquantized_inputs`` is the
+    fallback's: e4m3 activations with their 1 x 128 scales, quantized inside dispatch).
+
     The choice is the prepare/finalize's, per step, from the region stride ``R`` that every
     rank shares (``EpLayerConfig``), so all ranks run the same path.
     """
 
+    allow_block_fp8 = True
+
     def __init__(self, moe_config, quant_config, prepare_finalize, fallback=None):
         super().__init__(moe_config, quant_config)
+        self.fp8 = is_quantized(quant_config)
+        if self.fp8 and fallback is None:
+            raise ValueError("vllm-petit-moe: a block-fp8 layer's composed steps need vLLM's "
+                             "fp8 experts as the fallback (petit's grouped GEMMs take bf16 "
+                             "weights)")
         self.prepare_finalize = prepare_finalize
         self.fallback = fallback
 
@@ -447,6 +465,11 @@ class PetitEpExperts(PetitExperts):
     def _supports_batch_invariance() -> bool:
         # A row's bits depend on the path its step's size chose.
         return False
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        """The composed path's experts' wish (the fused steps take the bf16 tokens anyway)."""
+        return bool(self.fallback is not None and self.fallback.expects_unquantized_inputs)
 
     def finalize_weight_and_reduce_impl(self):
         if self.fallback is not None:
@@ -470,7 +493,11 @@ class PetitEpExperts(PetitExperts):
             if activation != _MoEActivation.SILU:
                 raise NotImplementedError(f"vllm-petit-moe: the fused layer supports SiLU only, "
                                           f"got {activation}")
-            self.prepare_finalize.set_megamoe_weights(w1, w2)
+            scales = {}
+            if self.fp8:
+                scales = dict(w13_scale=self.quant_config.w1_scale,
+                              w2_scale=self.quant_config.w2_scale)
+            self.prepare_finalize.set_megamoe_weights(w1, w2, **scales)
             return
         owner = self.fallback if self.fallback is not None else super()
         owner.apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation,

@@ -17,12 +17,15 @@ Outcomes, each logged once per process and reason:
 - **unsupported** (WARNING): a DP+EP layer we cannot serve yet; vLLM's allgather/reduce-
   scatter stays. With ``VLLM_PETIT_MOE_STRICT=1`` both non-substitute outcomes raise instead.
 
-Experts: where our prepare/finalize was substituted, ``maybe_substitute_experts`` puts
-``PetitEpExperts`` in place of vLLM's Triton experts, on the same weights, when our grouped
-GEMMs are asked for (``VLLM_PETIT_MOE_EXPERTS=1``) or the fused layer is
-(``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` > 0, ``config.EpLayerConfig``): steps up to that many
-tokens per rank then run as one fused launch per rank, the others composed, with our GEMMs or
-vLLM's Triton experts. Both are off by default until validated on two GPUs.
+The experts vLLM chose stay behind our prepare/finalize when their input contract is known
+(``prepare_finalize.experts_dispatch_mode``: vLLM's Triton, DeepGEMM and FlashInfer-CUTLASS
+experts, each handed the rows it expects). Where our prepare/finalize was substituted,
+``maybe_substitute_experts`` puts ``PetitEpExperts`` in place of vLLM's Triton experts, on
+the same weights, when our grouped GEMMs are asked for (``VLLM_PETIT_MOE_EXPERTS=1``, bf16) or
+the fused layer is (``VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS`` > 0, ``config.EpLayerConfig``; bf16
+or block-fp8 weights): steps up to that many tokens per rank then run as one fused launch per
+rank, the others composed, with our GEMMs or vLLM's Triton experts. Both are off by default
+until validated on two GPUs.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ def decide(
 
     from vllm_petit_moe.vllm_glue.prepare_finalize import (
         PetitPrepareAndFinalize,
-        dispatch_quant_mode,
+        experts_dispatch_mode,
     )
 
     if isinstance(prepare_finalize, PetitPrepareAndFinalize):
@@ -162,10 +165,6 @@ def decide(
         return _unsupported("LoRA on MoE layers")
     if moe.in_dtype is not torch.bfloat16:
         return _unsupported(f"activation dtype {moe.in_dtype} (only bfloat16 so far)")
-    quant_mode, quant_unsupported = dispatch_quant_mode(
-        getattr(fused_experts, "quant_config", None), moe.hidden_dim)
-    if quant_unsupported is not None:
-        return _unsupported(quant_unsupported)
     if moe.hidden_dim % SIZE_MULTIPLE != 0:
         return _unsupported(f"hidden size {moe.hidden_dim} is not a multiple of {SIZE_MULTIPLE}")
     if moe.experts_per_token > MAX_TOP_K:
@@ -177,15 +176,11 @@ def decide(
             f"(this rank has {moe.num_local_experts})"
         )
 
-    # 4. The experts: vLLM's Triton experts (expert_map aware, reduce the top-k themselves).
-    triton_experts = compat.fused_moe_symbol("TritonExperts")
-    no_op_reduce = compat.fused_moe_symbol("TopKWeightAndReduceNoOP")
-    if not isinstance(fused_experts, triton_experts):
-        return _unsupported(
-            f"experts {type(fused_experts).__name__} (only vLLM's Triton experts are wired up)"
-        )
-    if not isinstance(fused_experts.finalize_weight_and_reduce_impl(), no_op_reduce):
-        return _unsupported(f"experts {type(fused_experts).__name__} do not reduce top-k")
+    # 4. The experts and the input they expect: bf16 rows, or the activations quantized as
+    # vLLM's prepare would (fp8 inside dispatch), for experts whose contract is known.
+    quant_mode, quant_unsupported = experts_dispatch_mode(fused_experts, moe.hidden_dim)
+    if quant_unsupported is not None:
+        return _unsupported(quant_unsupported)
 
     # 5. This process: a supported GPU, the EP group on one node and matching the config.
     runtime = runtime_provider()
@@ -201,8 +196,11 @@ def decide(
             f"EP group (rank {runtime.ep_rank} of {runtime.ep_world_size}) does not match the "
             f"layer's parallel config (rank {mpc.ep_rank} of {mpc.ep_size})"
         )
-    return Decision(True, f"DP={mpc.dp_size} x EP={mpc.ep_size} on one node, "
-                          f"{quant_mode or 'bf16'} dispatch")
+    wire = quant_mode or ("bf16 (the experts quantize inside)"
+                          if getattr(fused_experts, "quant_config", None) is not None
+                          and fused_experts.quant_config.quant_dtype is not None else "bf16")
+    return Decision(True, f"DP={mpc.dp_size} x EP={mpc.ep_size} on one node, {wire} dispatch "
+                          f"to vLLM's {type(fused_experts).__name__}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,10 +362,14 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
     ``PetitEpExperts`` in place of vLLM's Triton experts (the fused layer enabled on the
     prepare/finalize for the steps it covers). Otherwise ``fused_experts`` unchanged.
 
-    Only layers that already passed ``decide`` (bf16, unquantized activations, Triton experts
-    reducing the top-k) get here; ``experts.unsupported_reason`` adds what the kernels need
-    on top (SiLU gating, bf16 weights, no biases, sizes); such a layer keeps the Triton
-    experts with a logged reason (or fails in strict mode).
+    Only layers that already passed ``decide`` get here; ``experts.unsupported_reason`` adds
+    what the kernels need on top (SiLU gating, bf16 or block-fp8 weights, no biases, sizes).
+    Block-fp8 layers (``experts.block_fp8_unsupported_reason``) run fused on their e4m3
+    weights and keep vLLM's fp8 Triton experts for the composed steps (petit's grouped GEMMs
+    take bf16 weights). The weights are taken as vLLM loaded them for its Triton experts, so
+    other experts (FlashInfer's, DeepGEMM's: weights converted to their own layouts) keep
+    theirs. A layer that cannot be served keeps vLLM's experts with a logged reason (or fails
+    in strict mode).
     """
     if envs.use_petit_moe() and _is_single_gpu_layer(prepare_finalize):
         from vllm_petit_moe.vllm_glue.experts import PetitSingleGpuExperts
@@ -387,45 +389,60 @@ def maybe_substitute_experts(prepare_finalize: Any, fused_experts: Any) -> Any:
 
     if not isinstance(prepare_finalize, PetitPrepareAndFinalize):
         return fused_experts
-    if not isinstance(fused_experts, compat.fused_moe_symbol("TritonExperts")):
-        return fused_experts  # already ours, or experts we never replace
+    from vllm_petit_moe.vllm_glue.experts import (PetitEpExperts, is_quantized,
+                                                  layer_intermediate_size, unsupported_reason)
+
+    if isinstance(fused_experts, PetitEpExperts):
+        return fused_experts
     petit_gemms = envs.petit_experts()
     fused_tokens = envs.ep_layer_config().megamoe_max_tokens
     if not petit_gemms and fused_tokens == 0:
         return fused_experts
 
-    from vllm_petit_moe.vllm_glue.experts import (PetitEpExperts, layer_intermediate_size,
-                                                  unsupported_reason)
-
     asked = " and ".join(
         ([f"{envs.VLLM_PETIT_MOE_EXPERTS}=1"] if petit_gemms else [])
         + ([f"{envs.VLLM_PETIT_MOE_MEGAMOE_MAX_TOKENS}={fused_tokens}"] if fused_tokens else []))
-    moe = fused_experts.moe_config
-    reason = unsupported_reason(moe, fused_experts.quant_config)
+    kept = type(fused_experts).__name__
+    if not isinstance(fused_experts, compat.fused_moe_symbol("TritonExperts")):
+        _refuse_or_warn(f"{asked}, but these MoE layers run vLLM's {kept}, whose weights vLLM "
+                        "converted to that kernel's own layout; petit's experts take them as "
+                        f"loaded for vLLM's TritonExperts; they keep {kept}")
+        return fused_experts
+    moe, quant_config = fused_experts.moe_config, fused_experts.quant_config
+    block_fp8 = is_quantized(quant_config)
+    reason = unsupported_reason(moe, quant_config, allow_block_fp8=True)
+    if reason is None and block_fp8 and not fused_tokens:
+        reason = "block-fp8 weights: petit's grouped GEMMs take bf16 weights"
     if reason is None and fused_tokens:
         fused_reason = prepare_finalize.enable_megamoe(
             fused_tokens, hidden_size=int(moe.hidden_dim),
-            intermediate_size=layer_intermediate_size(moe), top_k=int(moe.experts_per_token))
-        if fused_reason is not None and not petit_gemms:
+            intermediate_size=layer_intermediate_size(moe), top_k=int(moe.experts_per_token),
+            block_fp8=block_fp8)
+        if fused_reason is not None and (block_fp8 or not petit_gemms):
             reason = f"the fused layer: {fused_reason}"
         elif fused_reason is not None:  # our GEMMs still serve: composed only
             _refuse_or_warn(f"{asked}, but these MoE layers cannot run fused ({fused_reason}); "
                             "they run composed with PetitExperts")
     if reason is not None:
         _refuse_or_warn(f"{asked}, but PetitExperts cannot serve these MoE layers ({reason}); "
-                        f"they keep vLLM's {type(fused_experts).__name__}")
+                        f"they keep vLLM's {kept}")
         return fused_experts
-    fused_what = (f"the fused layer for steps of up to {prepare_finalize.megamoe_max_stride} "
-                  "tokens per rank, else " if prepare_finalize.megamoe_max_stride else "")
+    if block_fp8 and petit_gemms:
+        _refuse_or_warn(f"{asked}, but petit's grouped GEMMs take bf16 weights: the composed "
+                        f"steps of these block-fp8 MoE layers keep vLLM's {kept}")
+    use_gemms = petit_gemms and not block_fp8
+    fused_what = (f"the fused layer{' on block-fp8 weights' if block_fp8 else ''} for steps of "
+                  f"up to {prepare_finalize.megamoe_max_stride} tokens per rank, else "
+                  if prepare_finalize.megamoe_max_stride else "")
     composed_what = (f"petit grouped GEMMs (tile family {envs.petit_experts_tiles()})"
-                     if petit_gemms else f"vLLM's {type(fused_experts).__name__}")
+                     if use_gemms else f"vLLM's {kept}")
     key = (True, "experts: " + fused_what + composed_what)
     if key not in _reported:
         _reported.add(key)
         logger.info("vllm-petit-moe: MoE layers use PetitEpExperts (%s%s) instead of %s (%s)",
-                    fused_what, composed_what, type(fused_experts).__name__, asked)
-    return PetitEpExperts(moe, fused_experts.quant_config, prepare_finalize,
-                          fallback=None if petit_gemms else fused_experts)
+                    fused_what, composed_what, kept, asked)
+    return PetitEpExperts(moe, quant_config, prepare_finalize,
+                          fallback=None if use_gemms else fused_experts)
 
 
 def install() -> None:

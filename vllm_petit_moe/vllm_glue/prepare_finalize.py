@@ -50,9 +50,13 @@ token (``per_act_token_quant``), ``prepare`` quantizes at the source *inside* ou
 (``EpBuffer.dispatch(quant=...)``, same formulas as vLLM's ``per_token_group_quant_fp8`` /
 dynamic per-token ``scaled_fp8_quant``) and returns e4m3 rows plus their scales
 (``[W*R, H/128]`` or ``[W*R, 1]`` float32) as ``a1q_scale``, which vLLM's Triton fp8 experts
-consume as they do after its own quantization: the wire carries half the bytes. Other
-schemes (static or per-tensor scales, int8, fp4) raise ``NotImplementedError`` here, and the
-hook keeps vLLM's path for them (:func:`dispatch_quant_mode` is the one place that decides).
+(and DeepGEMM's) consume as they do after its own quantization: the wire carries half the
+bytes. Experts that quantize inside (FlashInfer's CUTLASS experts on block fp8:
+``expects_unquantized_inputs``, so vLLM's modular kernel passes ``defer_input_quant``) get
+the bf16 rows instead, as from vLLM's own prepare. Other schemes (static or per-tensor
+scales, int8, fp4, column-major scales) raise ``NotImplementedError`` here, and the hook
+keeps vLLM's path for them (:func:`dispatch_quant_mode` is the one place that decides; which
+experts are served at all: :func:`experts_dispatch_mode`).
 
 The fused layer. Once :meth:`PetitPrepareAndFinalize.enable_megamoe` was called (by the hook,
 when it puts ``PetitEpExperts`` in place of the experts), a step whose region stride ``R`` is
@@ -60,7 +64,9 @@ at most ``EpLayerConfig.megamoe_max_tokens`` runs as one ``EpBuffer.megamoe`` la
 instead of dispatch + experts + combine. vLLM's modular kernel still calls the three steps:
 ``prepare`` only records the step (``x``, ids, weights, ``R``; no launch) and returns the
 tokens unchanged; ``PetitEpExperts.apply`` hands the layer's weights over (no launch);
-``finalize`` launches the fused kernel, which writes ``output`` directly. ``R`` is equal on
+``finalize`` launches the fused kernel, which writes ``output`` directly. A block-fp8 layer
+(``enable_megamoe(..., block_fp8=True)``) runs its fused steps on the bf16 tokens and the
+e4m3 weights with their block scales, its composed steps on fp8 rows. ``R`` is equal on
 every rank, so every rank takes the same path (mixing a fused call with a peer's dispatch is
 reported as a fault, never a silent result). A rank with no tokens still returns one
 placeholder row from ``prepare``, because vLLM skips the experts of an empty batch and the
@@ -80,6 +86,7 @@ _PrepareAndFinalizeModular = compat.fused_moe_symbol("PrepareAndFinalizeModular"
 _ActivationFormat = compat.fused_moe_symbol("ActivationFormat")
 _TopKWeightAndReduceDelegate = compat.fused_moe_symbol("TopKWeightAndReduceDelegate")
 _TopKWeightAndReduceContiguous = compat.fused_moe_symbol("TopKWeightAndReduceContiguous")
+_TopKWeightAndReduceNoOP = compat.fused_moe_symbol("TopKWeightAndReduceNoOP")
 
 # Buffer reuse invariant (docs/architecture.md, "Buffer reuse"): a rank may start dispatch n+1
 # on a buffer only after its combine n returned. All MoE layers share one buffer, so this
@@ -142,6 +149,9 @@ def dispatch_quant_mode(quant_config, hidden_size: int | None = None
         return None, f"{what}: only fp8 e4m3 activations (or bf16) are supported"
     if getattr(quant_config, "a1_scale", None) is not None:
         return None, f"{what}: static activation scales (only dynamic fp8 is supported)"
+    if compat.fp8_activation_scales_transposed(quant_config):
+        return None, (f"{what}: the experts read column-major [H/128, M] activation scales; "
+                      "dispatch delivers them row-major")
     if block_shape is not None:
         if per_token or len(block_shape) != 2 or int(block_shape[1]) != FP8_SCALE_BLOCK:
             return None, f"{what}: only 1x128 activation blocks are supported"
@@ -153,6 +163,30 @@ def dispatch_quant_mode(quant_config, hidden_size: int | None = None
     if per_token:
         return "fp8_per_token", None
     return None, f"{what}: per-tensor activation scales (only 1x128 blocks or per token)"
+
+
+def experts_dispatch_mode(fused_experts, hidden_size: int | None = None
+                          ) -> tuple[str | None, str | None]:
+    """What ``prepare`` hands ``fused_experts`` (the experts vLLM built for a DP + EP layer):
+    ``(mode, None)``, mode as in :func:`dispatch_quant_mode` (None: bf16 rows), or
+    ``(None, reason)`` where petit cannot serve them. The experts must be ones whose input
+    contract is known (``compat.EP_EXPERTS``: vLLM's Triton, DeepGEMM and FlashInfer-CUTLASS
+    experts; all take global ids of which they serve only this rank's, like the rows of
+    vLLM's allgather) in the Standard format and reduce the top-k themselves (what
+    ``combine`` sums). Experts that quantize inside (``expects_unquantized_inputs``: vLLM's
+    modular kernel then calls ``prepare`` with ``defer_input_quant``) get bf16 rows; the
+    others the activations quantized as vLLM's prepare would (fp8 inside dispatch)."""
+    name = type(fused_experts).__name__
+    if compat.ep_experts_kind(fused_experts) is None:
+        return None, (f"experts {name} (petit's dispatch serves vLLM's "
+                      f"{', '.join(compat.EP_EXPERTS.values())})")
+    if fused_experts.activation_format() != _ActivationFormat.Standard:
+        return None, f"experts {name} take the {fused_experts.activation_format()} format"
+    if not isinstance(fused_experts.finalize_weight_and_reduce_impl(), _TopKWeightAndReduceNoOP):
+        return None, f"experts {name} do not reduce top-k"
+    if getattr(fused_experts, "expects_unquantized_inputs", False):
+        return None, None
+    return dispatch_quant_mode(getattr(fused_experts, "quant_config", None), hidden_size)
 
 
 def _is_capturing() -> bool:
@@ -191,20 +225,26 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
         self._num_rows = 0
         self._expert_map_checked = False
         self._megamoe_max_stride = 0  # steps with R up to this run fused (enable_megamoe)
+        self._megamoe_block_fp8 = False  # the fused layer runs on block-fp8 weights
         self._megamoe_step = None  # (x, ids, weights, R) of a fused step between prepare/finalize
-        self._megamoe_weights = None  # (w13, w2) handed over by PetitEpExperts.apply
+        self._megamoe_weights = None  # (w13, w2, scales) handed over by PetitEpExperts.apply
 
     # --- the fused layer ------------------------------------------------------------------
 
     def enable_megamoe(self, max_tokens: int, *, hidden_size: int, intermediate_size: int,
-                       top_k: int) -> str | None:
+                       top_k: int, block_fp8: bool = False) -> str | None:
         """Let steps whose region stride ``R`` is at most ``max_tokens`` run the fused layer
         (``EpBuffer.megamoe``); only for experts that hand their weights over in ``apply``
-        (``PetitEpExperts``). Returns why the layer cannot run fused (None: enabled, for
-        ``R <= megamoe_max_stride``)."""
+        (``PetitEpExperts``). ``block_fp8``: the weights are e4m3 with 128 x 128 block scales
+        (the experts hand the scales over too); a fused step then takes the bf16 tokens
+        whatever the layer's activation quantization (the composed steps keep it). Returns
+        why the layer cannot run fused (None: enabled, for ``R <= megamoe_max_stride``)."""
         if hidden_size % MEGAMOE_SIZE_MULTIPLE or intermediate_size % MEGAMOE_SIZE_MULTIPLE:
             return (f"hidden {hidden_size} / intermediate {intermediate_size} are not multiples "
                     f"of {MEGAMOE_SIZE_MULTIPLE}")
+        if block_fp8 and (hidden_size % FP8_SCALE_BLOCK or intermediate_size % FP8_SCALE_BLOCK):
+            return (f"block-fp8 weights: hidden {hidden_size} / intermediate "
+                    f"{intermediate_size} are not multiples of the {FP8_SCALE_BLOCK} scale block")
         max_stride = min(int(max_tokens), MEGAMOE_MAX_ENTRIES // (self.world_size * top_k))
         if max_stride < 1:
             return (f"W * K = {self.world_size} * {top_k} routing entries per token row exceed "
@@ -212,6 +252,7 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
         # now, while vLLM builds the model: its memory profile then includes the workspace
         self.buffer.reserve_megamoe_workspace(intermediate_size)
         self._megamoe_max_stride = max_stride
+        self._megamoe_block_fp8 = bool(block_fp8)
         return None
 
     @property
@@ -223,12 +264,23 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
         """Whether the step between ``prepare`` and ``finalize`` runs the fused layer."""
         return self._megamoe_step is not None
 
-    def set_megamoe_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """The layer's local experts for the pending fused step (from the experts' apply)."""
+    def set_megamoe_weights(self, w13: torch.Tensor, w2: torch.Tensor,
+                            w13_scale: torch.Tensor | None = None,
+                            w2_scale: torch.Tensor | None = None) -> None:
+        """The layer's local experts for the pending fused step (from the experts' apply):
+        w13 ``[L, 2I, H]``, w2 ``[L, H, I]``; with block-fp8 weights (``enable_megamoe(...,
+        block_fp8=True)``) e4m3 and their fp32 scales ``[L, 2I/128, H/128]``,
+        ``[L, H/128, I/128]``."""
         if self._megamoe_step is None:
             raise RuntimeError("vllm-petit-moe: fused-layer weights handed over outside a fused "
                                "step")
-        self._megamoe_weights = (w13, w2)
+        if self._megamoe_block_fp8 != (w13_scale is not None and w2_scale is not None):
+            raise RuntimeError(
+                "vllm-petit-moe: the fused layer was enabled for "
+                f"{'block-fp8' if self._megamoe_block_fp8 else 'bf16'} weights, the experts "
+                f"handed over {'no ' if w13_scale is None or w2_scale is None else ''}scales")
+        scales = {} if w13_scale is None else dict(w13_scale=w13_scale, w2_scale=w2_scale)
+        self._megamoe_weights = (w13, w2, scales)
 
     # --- interface properties -----------------------------------------------------------
 
@@ -359,7 +411,10 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
         stride = self.region_stride(a1.size(0))
         self._num_rows = self.world_size * stride
         self._megamoe_step = self._megamoe_weights = None
-        if 0 < stride <= self._megamoe_max_stride and quant_mode is None:
+        if 0 < stride <= self._megamoe_max_stride and (quant_mode is None
+                                                        or self._megamoe_block_fp8):
+            # the fused kernel takes the bf16 tokens (a block-fp8 layer's composed steps keep
+            # vLLM's fp8 activations)
             return self._prepare_megamoe(a1, topk_weights, topk_ids, stride,
                                          apply_router_weight_on_input)
         if stride == 0:
@@ -420,8 +475,10 @@ class PetitPrepareAndFinalize(_PrepareAndFinalizeModular):
                 "vllm-petit-moe: a fused-layer step reached finalize without the experts' "
                 "weights; only PetitEpExperts can run behind a prepare/finalize with the fused "
                 "layer enabled")
+        w13, w2, scales = layer_weights
         target = output if output.is_contiguous() else torch.empty_like(x)
-        self.buffer.megamoe(x, ids, weights, *layer_weights, region_stride=stride, out=target)
+        self.buffer.megamoe(x, ids, weights, w13, w2, region_stride=stride, out=target,
+                            **scales)
         if target is not output:
             output.copy_(target)
 
