@@ -3,10 +3,26 @@
 // (petitSuccess or the launch error). No torch types cross this header.
 #pragma once
 
+#include "common/check.h"
 #include "common/config.h"
 #include "common/layout.h"
 
 namespace petit {
+
+// ------------------------------------------------------------------ wait bounds
+// The bound of the kernels' spin-waits in seconds (megamoe_forward's timeout_s,
+// EpContextParams::timeout_s): petitErrorInvalidValue, with the reason in `err` (nullptr: none),
+// outside (0, kMaxTimeoutS] (timeout_s_valid, layout.h). The one message of the binding and
+// EpContext. timeout_ticks: a valid bound in petit_timer ticks (MegaMoeArgs::timeout_ticks,
+// EpContextArgs::timeout_ticks).
+inline petitError_t timeout_check(double timeout_s, char* err, int err_len) {
+  if (timeout_s_valid(timeout_s)) return petitSuccess;
+  return refuse(err, err_len, "timeout_s %g outside (0, %g] seconds (the bound of every spin-wait)",
+                timeout_s, double(kMaxTimeoutS));
+}
+inline uint64_t timeout_ticks(double timeout_s) {
+  return uint64_t(timeout_s * petit_timer_ticks_per_second());
+}
 
 // ------------------------------------------------------------------ routing.cu
 // Per-local-expert row lists from a routing block (a stable counting sort, device-side
@@ -28,6 +44,10 @@ constexpr int kRowListChunk = 1024;  // entries per block
 PETIT_HOST_DEVICE int64_t row_list_workspace_ints(int num_entries, int num_local_experts) {
   return int64_t(ceil_div(num_entries > 0 ? num_entries : 1, kRowListChunk)) * num_local_experts;
 }
+// petitErrorInvalidValue, with the reason in `err` (nullptr: none), where num_local_experts is
+// outside [1, kMaxExperts], num_entries < 0 or an expert_map has no entries. Reads no pointer
+// (the binding runs it before it allocates the lists); launch_expert_row_lists runs it too.
+petitError_t row_lists_check(const RowListArgs& args, char* err, int err_len);
 petitError_t launch_expert_row_lists(const RowListArgs& args, petitStream_t stream);
 
 // ----------------------- tile_choice.cu, gemm_sm90.cu, gemm_simt.cu, reduce.cu
@@ -172,8 +192,16 @@ struct MegaMoeArgs {
 PETIT_HOST_DEVICE int megamoe_sync_ints(int num_local_experts, int hidden) {
   return 3 + num_local_experts + hidden / 32;
 }
-// petitErrorInvalidValue when the arguments are outside the limits above (no CUDA call).
-petitError_t megamoe_check(const MegaMoeArgs& args);
+// petitErrorInvalidValue, with the reason in `err` (nullptr: none), where the arguments are
+// outside the limits above: 0 <= N, 1 <= K <= kMaxTopK, 1 <= L <= kMaxExperts, H and I
+// positive multiples of kMegaMoeSizeMultiple, N*K <= kMegaMoeMaxEntries, num_sms >= 0,
+// timeout_ticks > 0, x / w13 / w2 / act / partial / out 16-byte aligned, a sync buffer, an
+// expert_map of >= 1 entries; block fp8: both scales (4-byte aligned), H and I multiples of
+// kFp8ScaleBlock. No CUDA call; launch_megamoe runs it too.
+petitError_t megamoe_check(const MegaMoeArgs& args, char* err, int err_len);
+// The most blocks a fused launch on `num_sms` SMs runs (0: the current device's SM count):
+// kMegaMoeBlocksPerSm per SM; its trace has a row for each.
+petitError_t megamoe_max_blocks(int num_sms, int64_t* blocks);
 // petitErrorNotSupported where mma.sync is missing (HIP, GPUs before sm_80).
 petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream);
 int megamoe_smem_bytes();
@@ -264,7 +292,11 @@ struct MegaMoeEpArgs {
   EpContextArgs ctx;
   int region_stride;  // R: T <= R <= layout.max_tokens, equal on all ranks
 };
-petitError_t megamoe_ep_check(const MegaMoeEpArgs& args);
+// petitErrorInvalidValue, with the reason in `err` (nullptr: none), where a call is outside
+// megamoe_check's limits for its W x R received rows, or outside its context's: no expert_map,
+// 0 <= T <= R <= layout.max_tokens, K <= layout.max_top_k, H = layout.hidden, L = the context's
+// local experts, num_sms >= 1, a mapped heap. No CUDA call; launch_megamoe_ep runs it too.
+petitError_t megamoe_ep_check(const MegaMoeEpArgs& args, char* err, int err_len);
 petitError_t launch_megamoe_ep(const MegaMoeEpArgs& args, petitStream_t stream);
 
 // Wire format of dispatched rows. fp8 modes quantize at the source inside dispatch (fp8.h):
@@ -346,6 +378,16 @@ petitError_t launch_combine(const CombineArgs& args, petitStream_t stream);
 // Host only: what launch_combine launches for `args` (its fields set by the launcher, plus the
 // grid size); the same errors as launch_combine's, no CUDA call.
 petitError_t plan_combine(CombineArgs* args, int* grid);
+// Host only, without a context (diagnostics, tests): the plan of a combine of `num_tokens` own
+// tokens with region stride `region_stride` among `world_size` ranks, rows of `hidden` bf16,
+// `num_blocks` blocks and `config` (a heap of region_stride tokens per rank, top-k 1). Sets
+// `*plan` and `*grid` as plan_combine does; petitErrorInvalidValue, with the reason in `err`
+// (nullptr: none), outside 2 <= world_size <= kMaxWorldSize, hidden a positive multiple of 8,
+// 0 <= num_tokens <= region_stride, region_stride >= 1, num_blocks >= 1, or where
+// combine_check refuses.
+petitError_t plan_combine_sizes(int world_size, int hidden, int num_tokens, int region_stride,
+                                int num_blocks, const CombineConfig& config, CombineArgs* plan,
+                                int* grid, char* err, int err_len);
 
 // Ceiling for benchmarks: every rank pushes `bytes_per_peer` from `src` into each peer's
 // heap at `heap_offset` with the same SM copy loop the dispatch uses (self excluded).

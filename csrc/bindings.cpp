@@ -1,8 +1,8 @@
 // The torch layer: tensors in (their device, dtype, contiguity and the shapes that relate them
 // are checked here, with messages about tensors), raw pointers and sizes out to the
 // framework-free C API (api.h, comm/ep_context.h), device and stream selection, and the
-// pybind11 module. The C API owns every limit and its check (experts_check, dispatch_check,
-// combine_check, megamoe_check, EpContext): the binding raises their messages as they are.
+// pybind11 module. The C API owns every limit and its check (the *_check functions,
+// timeout_check, plan_combine_sizes, EpContext): the binding raises their messages as they are.
 // Nothing here branches on the platform.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -43,13 +43,14 @@ namespace {
     PETIT_CHECK(_err == petitSuccess, "%s failed: %s", what, petitGetErrorString(_err)); \
   } while (0)
 
-// A framework-free check of the C API (api.h: *_check(args, err, err_len)), its refusal raised
-// with the check's own message.
-template <class Args>
-void require(petitError_t (*check)(const Args&, char*, int), const Args& args) {
-  char err[512] = {0};
-  PETIT_CHECK(check(args, err, sizeof(err)) == petitSuccess, "%s", err);
-}
+// A C API call that gives the reason of a refusal (api.h: its last two parameters are
+// `char* err, int err_len`): a refusal is raised with that message, after `prefix`.
+#define PETIT_CHECK_CALL(prefix, call, ...)                                              \
+  do {                                                                                  \
+    char _petit_err[512] = {0};                                                         \
+    PETIT_CHECK(call(__VA_ARGS__, _petit_err, int(sizeof(_petit_err))) == petitSuccess, \
+                "%s%s", prefix, _petit_err);                                            \
+  } while (0)
 
 int checked_int(int64_t value, const char* name) {
   PETIT_CHECK(value >= INT32_MIN && value <= INT32_MAX, "%s %lld does not fit 32 bits", name,
@@ -98,17 +99,27 @@ std::string dtype_name(torch::ScalarType dtype) {
   return std::string(c10::getDtypeNames(dtype).first);
 }
 
-void check_cuda_tensor(const torch::Tensor& t, const char* name, int64_t dim) {
-  PETIT_CHECK(t.is_cuda(), "%s must be a CUDA tensor", name);
-  PETIT_CHECK(t.is_contiguous(), "%s must be contiguous", name);
-  PETIT_CHECK(t.dim() == dim, "%s must have %lld dims, got %lld", name, (long long)dim,
-              (long long)t.dim());
+// "[2, *, 16]" (-1: any size).
+std::string sizes_text(c10::IntArrayRef sizes) {
+  std::string text = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    char size[24] = "*";
+    if (sizes[i] >= 0) snprintf(size, sizeof(size), "%lld", (long long)sizes[i]);
+    text += (i > 0 ? ", " : "") + std::string(size);
+  }
+  return text + "]";
 }
 
-// A contiguous CUDA tensor of `dim` dims and `dtype` on cuda:`device`.
-void check_tensor(const torch::Tensor& t, const char* name, int64_t dim,
-                  torch::ScalarType dtype, int device) {
-  check_cuda_tensor(t, name, dim);
+// A contiguous CUDA tensor of `dtype` on cuda:`device` whose sizes are `sizes` (-1: any), which
+// `shape` names in the message ("[N, K]").
+void check_tensor(const torch::Tensor& t, const char* name, torch::ScalarType dtype, int device,
+                  const char* shape, c10::IntArrayRef sizes) {
+  PETIT_CHECK(t.is_cuda(), "%s must be a CUDA tensor", name);
+  PETIT_CHECK(t.is_contiguous(), "%s must be contiguous", name);
+  bool sized = t.dim() == int64_t(sizes.size());
+  for (size_t i = 0; sized && i < sizes.size(); ++i) sized = sizes[i] < 0 || t.size(i) == sizes[i];
+  PETIT_CHECK(sized, "%s must be %s = %s, got %s", name, shape, sizes_text(sizes).c_str(),
+              sizes_text(t.sizes()).c_str());
   PETIT_CHECK(t.scalar_type() == dtype, "%s must be %s, got %s", name, dtype_name(dtype).c_str(),
               dtype_name(t.scalar_type()).c_str());
   PETIT_CHECK(t.get_device() == device, "%s must be on cuda:%d, got cuda:%d", name, device,
@@ -132,22 +143,21 @@ void check_aligned16(const torch::Tensor& t, const char* name) {
 
 // vLLM's EP expert_map (global -> local expert id, -1 for other ranks' experts), optional:
 // with it the routing ids are global ids and the kernels map them (expert_ids.h). Returns the
-// map's pointer (nullptr without one) and sets *num_global to its length.
-const int32_t* expert_map_arg(const c10::optional<torch::Tensor>& expert_map,
-                              const torch::Device& device, int* num_global) {
+// map's pointer (nullptr without one) and sets *num_global to its length. Refused here when
+// empty: its data pointer may then be null, which the C API reads as no map.
+const int32_t* expert_map_arg(const c10::optional<torch::Tensor>& expert_map, int device,
+                              int* num_global) {
   *num_global = 0;
   if (!expert_map.has_value()) return nullptr;
-  const torch::Tensor& m = *expert_map;
-  check_cuda_tensor(m, "expert_map", 1);
-  PETIT_CHECK(m.scalar_type() == torch::kInt32 && m.device() == device && m.numel() >= 1 &&
-                  m.numel() < (int64_t(1) << 31),
-              "expert_map must be a non-empty int32 [E] tensor on the routing ids' device");
-  *num_global = int(m.numel());
-  return m.data_ptr<int32_t>();
+  check_tensor(*expert_map, "expert_map", torch::kInt32, device, "[E]", {-1});
+  PETIT_CHECK(expert_map->numel() >= 1, "expert_map must have >= 1 entries");
+  *num_global = checked_int(expert_map->numel(), "expert_map size");
+  return expert_map->data_ptr<int32_t>();
 }
 
 // ---- the expert kernels (experts/: routing.cu, tile_choice.cu and the GEMM launchers)
-// The per-local-expert row lists of a routing block (api.h RowListArgs) in new int32 tensors.
+// The per-local-expert row lists of a routing block (api.h RowListArgs, checked by
+// row_lists_check before anything is allocated) in new int32 tensors.
 struct RowLists {
   torch::Tensor counts, offsets, sorted, workspace;
   RowListArgs args{};
@@ -155,18 +165,19 @@ struct RowLists {
 
 RowLists row_lists(const torch::Tensor& topk_ids, int num_local_experts,
                    const int32_t* expert_map, int num_global_experts) {
-  const auto opts = topk_ids.options().dtype(torch::kInt32);
-  const int num_entries = int(topk_ids.numel());
   RowLists r;
-  r.counts = torch::empty({num_local_experts}, opts);
-  r.offsets = torch::empty({num_local_experts + 1}, opts);
-  r.sorted = torch::empty({num_entries}, opts);
-  r.workspace = torch::empty({row_list_workspace_ints(num_entries, num_local_experts)}, opts);
-  r.args.topk_ids = topk_ids.data_ptr<int32_t>();
   r.args.expert_map = expert_map;
   r.args.num_global_experts = num_global_experts;
-  r.args.num_entries = num_entries;
+  r.args.num_entries = checked_int(topk_ids.numel(), "routing entry count");
   r.args.num_local_experts = num_local_experts;
+  PETIT_CHECK_CALL("", row_lists_check, r.args);
+  const auto opts = topk_ids.options().dtype(torch::kInt32);
+  r.counts = torch::empty({num_local_experts}, opts);
+  r.offsets = torch::empty({num_local_experts + 1}, opts);
+  r.sorted = torch::empty({r.args.num_entries}, opts);
+  r.workspace =
+      torch::empty({row_list_workspace_ints(r.args.num_entries, num_local_experts)}, opts);
+  r.args.topk_ids = topk_ids.data_ptr<int32_t>();
   r.args.workspace = r.workspace.data_ptr<int32_t>();
   r.args.expert_counts = r.counts.data_ptr<int32_t>();
   r.args.expert_offsets = r.offsets.data_ptr<int32_t>();
@@ -177,14 +188,13 @@ RowLists row_lists(const torch::Tensor& topk_ids, int num_local_experts,
 std::vector<torch::Tensor> expert_row_lists(const torch::Tensor& topk_ids,
                                             int64_t num_local_experts,
                                             c10::optional<torch::Tensor> expert_map) {
-  check_tensor(topk_ids, "topk_ids", 2, torch::kInt32, topk_ids.get_device());
-  PETIT_CHECK(num_local_experts >= 1 && num_local_experts <= kMaxExperts,
-              "num_local_experts %lld outside [1, %d]", (long long)num_local_experts, kMaxExperts);
-  PETIT_CHECK(topk_ids.numel() < (int64_t(1) << 31), "too many routing entries");
+  const int device = topk_ids.get_device();
+  check_tensor(topk_ids, "topk_ids", torch::kInt32, device, "[N, K]", {-1, -1});
   c10::cuda::CUDAGuard guard(topk_ids.device());
   int num_global = 0;
-  const int32_t* map = expert_map_arg(expert_map, topk_ids.device(), &num_global);
-  const RowLists r = row_lists(topk_ids, int(num_local_experts), map, num_global);
+  const int32_t* map = expert_map_arg(expert_map, device, &num_global);
+  const RowLists r = row_lists(topk_ids, checked_int(num_local_experts, "num_local_experts"),
+                               map, num_global);
   PETIT_CHECK_OK(launch_expert_row_lists(r.args, c10::cuda::getCurrentCUDAStream()),
                  "row-list launch");
   return {r.counts, r.offsets, r.sorted};
@@ -210,24 +220,14 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
   PETIT_CHECK(w13.scalar_type() == torch::kBFloat16 && w2.scalar_type() == torch::kBFloat16,
               "w13 and w2 must be bfloat16 (quantized expert weights are not supported)");
   const int device = recv_x.get_device();
-  check_tensor(recv_x, "recv_x", 2, torch::kBFloat16, device);
-  check_tensor(topk_ids, "recv_topk_ids", 2, torch::kInt32, device);
-  check_tensor(topk_weights, "recv_topk_weights", 2, torch::kFloat32, device);
-  check_tensor(w13, "w13", 3, torch::kBFloat16, device);
-  check_tensor(w2, "w2", 3, torch::kBFloat16, device);
-  const int64_t N = recv_x.size(0), H = recv_x.size(1), K = topk_ids.size(1);
-  const int64_t L = w13.size(0), I = w13.size(1) / 2;
-  PETIT_CHECK(topk_ids.size(0) == N && topk_weights.size(0) == N && topk_weights.size(1) == K,
-              "recv_topk_ids [%lld, %lld] and recv_topk_weights [%lld, %lld] must be [N=%lld, K]",
-              (long long)topk_ids.size(0), (long long)K, (long long)topk_weights.size(0),
-              (long long)topk_weights.size(1), (long long)N);
-  PETIT_CHECK(w13.size(1) % 2 == 0 && w13.size(2) == H,
-              "w13 must be [L, 2I, H=%lld], got [%lld, %lld, %lld]", (long long)H, (long long)L,
-              (long long)w13.size(1), (long long)w13.size(2));
-  PETIT_CHECK(w2.size(0) == L && w2.size(1) == H && w2.size(2) == I,
-              "w2 must be [L=%lld, H=%lld, I=%lld], got [%lld, %lld, %lld]", (long long)L,
-              (long long)H, (long long)I, (long long)w2.size(0), (long long)w2.size(1),
-              (long long)w2.size(2));
+  check_tensor(recv_x, "recv_x", torch::kBFloat16, device, "[N, H]", {-1, -1});
+  const int64_t N = recv_x.size(0), H = recv_x.size(1);
+  check_tensor(topk_ids, "recv_topk_ids", torch::kInt32, device, "[N, K]", {N, -1});
+  const int64_t K = topk_ids.size(1);
+  check_tensor(topk_weights, "recv_topk_weights", torch::kFloat32, device, "[N, K]", {N, K});
+  check_tensor(w2, "w2", torch::kBFloat16, device, "[L, H, I]", {-1, H, -1});
+  const int64_t L = w2.size(0), I = w2.size(2);
+  check_tensor(w13, "w13", torch::kBFloat16, device, "[L, 2I, H]", {L, 2 * I, H});
   ExpertGemmArgs a{};
   a.num_rows = checked_int(N, "row count");
   a.top_k = checked_int(K, "top-k");
@@ -236,14 +236,12 @@ torch::Tensor experts_forward(const torch::Tensor& recv_x, const torch::Tensor& 
   a.num_local_experts = checked_int(L, "local expert count");
   a.tiles = checked_int(tiles, "tiles");
   a.config = expert_config_from(config);
-  a.expert_map = expert_map_arg(expert_map, recv_x.device(), &a.num_global_experts);
-  require(experts_check, a);  // num_sms 0: the launchers' SM count of the device
+  a.expert_map = expert_map_arg(expert_map, device, &a.num_global_experts);
+  PETIT_CHECK_CALL("", experts_check, a);  // num_sms 0: the launchers' SM count of the device
 
   c10::cuda::CUDAGuard guard(recv_x.device());
   torch::Tensor result = out.has_value() ? *out : torch::empty({N, H}, recv_x.options());
-  check_tensor(result, "out", 2, torch::kBFloat16, device);
-  PETIT_CHECK(result.size(0) == N && result.size(1) == H, "out must be [N=%lld, H=%lld]",
-              (long long)N, (long long)H);
+  check_tensor(result, "out", torch::kBFloat16, device, "[N, H]", {N, H});
   if (N == 0) return result;
   const torch::Tensor act = workspace_or_new(
       act_workspace, "act_workspace (N*K*I)",
@@ -295,68 +293,52 @@ int64_t resolve_expert_tiles_for(int64_t num_rows, int64_t top_k, int64_t num_lo
 }
 
 // ---- the fused layer (experts/megamoe.cu), on one GPU and on a rank of an EpContext
-// The weight format: bf16 w13 / w2 without scales, or block fp8 (float8_e4m3fn with fp32
-// scales [L, 2I/128, H/128] / [L, H/128, I/128]); sets the scale pointers of `a`.
-void set_weight_format(MegaMoeArgs& a, const torch::Tensor& w13, const torch::Tensor& w2,
-                       const c10::optional<torch::Tensor>& w13_scale,
-                       const c10::optional<torch::Tensor>& w2_scale) {
-  const bool fp8 = w13_scale.has_value();
-  const auto weight_type = fp8 ? torch::kFloat8_e4m3fn : torch::kBFloat16;
-  PETIT_CHECK(w13.scalar_type() == weight_type && w2.scalar_type() == weight_type &&
-                  w2_scale.has_value() == fp8,
-              "w13 and w2 must be bfloat16, or float8_e4m3fn with both w13_scale and w2_scale");
-  if (!fp8) return;
-  const int64_t B = kFp8ScaleBlock, L = w13.size(0), I = w13.size(1) / 2, H = w13.size(2);
-  check_tensor(*w13_scale, "w13_scale", 3, torch::kFloat32, w13.get_device());
-  check_tensor(*w2_scale, "w2_scale", 3, torch::kFloat32, w13.get_device());
-  PETIT_CHECK(H % B == 0 && I % B == 0 && w13_scale->size(0) == L &&
-                  w13_scale->size(1) == 2 * I / B && w13_scale->size(2) == H / B &&
-                  w2_scale->size(0) == L && w2_scale->size(1) == H / B &&
-                  w2_scale->size(2) == I / B,
-              "fp8 weights: H and I multiples of %lld, w13_scale [L, 2I/%lld, H/%lld], "
-              "w2_scale [L, H/%lld, I/%lld]", (long long)B, (long long)B, (long long)B,
-              (long long)B, (long long)B);
-  a.w13_scale = w13_scale->data_ptr<float>();
-  a.w2_scale = w2_scale->data_ptr<float>();
-}
-
 // The fused layer's tensors (api.h MegaMoeArgs), checked and converted for the one-GPU and the
-// EP bindings: x [T, H] bf16, topk_ids [T, K] int32, topk_weights [T, K] f32, w13 [L, 2I, H]
-// and w2 [L, H, I] (set_weight_format), out [T, H] bf16, and workspaces for the experts'
-// `expert_rows` x K entries: act >= entries * I bf16, partial >= entries * H f32, sync >=
-// megamoe_sync_ints(L, H) int32; all on cuda:`device`. The callers set the rest (expert map,
-// grid, timeout, trace) and run the C API's check.
+// EP bindings: x [T, H] bf16, topk_ids [T, K] int32, topk_weights [T, K] f32, out [T, H] bf16;
+// w13 [L, 2I, H] and w2 [L, H, I] bf16, or float8_e4m3fn with fp32 w13_scale [L, 2I/128, H/128]
+// and w2_scale [L, H/128, I/128] (block fp8); workspaces for the experts' `expert_rows` x K
+// entries: act >= entries * I bf16, partial >= entries * H f32, sync >= megamoe_sync_ints(L, H)
+// int32; all on cuda:`device`. hidden, expert_rows -1: x's H and T. The callers set the rest
+// (expert map, grid, timeout, trace) and run the C API's check.
 MegaMoeArgs megamoe_args(const torch::Tensor& x, const torch::Tensor& topk_ids,
                          const torch::Tensor& topk_weights, const torch::Tensor& w13,
                          const torch::Tensor& w2, const c10::optional<torch::Tensor>& w13_scale,
                          const c10::optional<torch::Tensor>& w2_scale, torch::Tensor& out,
                          torch::Tensor& act, torch::Tensor& partial, torch::Tensor& sync,
                          int64_t hidden, int64_t expert_rows, int device) {
-  check_tensor(x, "x", 2, torch::kBFloat16, device);
-  check_tensor(topk_ids, "topk_ids", 2, torch::kInt32, device);
-  check_tensor(topk_weights, "topk_weights", 2, torch::kFloat32, device);
-  check_tensor(w13, "w13", 3, w13.scalar_type(), device);  // dtype: set_weight_format
-  check_tensor(w2, "w2", 3, w2.scalar_type(), device);
-  check_tensor(out, "out", 2, torch::kBFloat16, device);
-  const int64_t T = x.size(0), H = hidden, K = topk_ids.size(1);
-  const int64_t L = w13.size(0), I = w13.size(1) / 2, entries = expert_rows * K;
-  PETIT_CHECK(x.size(1) == H && topk_ids.size(0) == T && topk_weights.size(0) == T &&
-                  topk_weights.size(1) == K && w13.size(2) == H && w2.size(0) == L &&
-                  w2.size(1) == H && w2.size(2) == I && out.size(0) == T && out.size(1) == H,
-              "inconsistent shapes: x [T, H=%lld], topk [T, K], w13 [L, 2I, H], w2 [L, H, I], "
-              "out [T, H]", (long long)H);
-  check_workspace(act, "act_workspace (entries x I)", torch::kBFloat16, entries * I, device);
-  check_workspace(partial, "partial_workspace (entries x H)", torch::kFloat32, entries * H,
+  check_tensor(x, "x", torch::kBFloat16, device, "[T, H]", {-1, hidden});
+  const int64_t T = x.size(0), H = x.size(1), rows = expert_rows < 0 ? T : expert_rows;
+  check_tensor(topk_ids, "topk_ids", torch::kInt32, device, "[T, K]", {T, -1});
+  const int64_t K = topk_ids.size(1), B = kFp8ScaleBlock;
+  check_tensor(topk_weights, "topk_weights", torch::kFloat32, device, "[T, K]", {T, K});
+  const bool fp8 = w13_scale.has_value();
+  const auto weight_type = fp8 ? torch::kFloat8_e4m3fn : torch::kBFloat16;
+  PETIT_CHECK(w13.scalar_type() == weight_type && w2.scalar_type() == weight_type &&
+                  w2_scale.has_value() == fp8,
+              "w13 and w2 must be bfloat16, or float8_e4m3fn with both w13_scale and w2_scale");
+  check_tensor(w2, "w2", weight_type, device, "[L, H, I]", {-1, H, -1});
+  const int64_t L = w2.size(0), I = w2.size(2);
+  check_tensor(w13, "w13", weight_type, device, "[L, 2I, H]", {L, 2 * I, H});
+  check_tensor(out, "out", torch::kBFloat16, device, "[T, H]", {T, H});
+  check_workspace(act, "act_workspace (entries x I)", torch::kBFloat16, rows * K * I, device);
+  check_workspace(partial, "partial_workspace (entries x H)", torch::kFloat32, rows * K * H,
                   device);
   check_workspace(sync, "sync (megamoe_sync_ints)", torch::kInt32,
                   megamoe_sync_ints(int(L), int(H)), device);
   MegaMoeArgs a{};
+  if (fp8) {  // H and I multiples of 128: megamoe_check
+    check_tensor(*w13_scale, "w13_scale", torch::kFloat32, device, "[L, 2I/128, H/128]",
+                 {L, 2 * I / B, H / B});
+    check_tensor(*w2_scale, "w2_scale", torch::kFloat32, device, "[L, H/128, I/128]",
+                 {L, H / B, I / B});
+    a.w13_scale = w13_scale->data_ptr<float>();
+    a.w2_scale = w2_scale->data_ptr<float>();
+  }
   a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
   a.topk_ids = topk_ids.data_ptr<int32_t>();
   a.topk_weights = topk_weights.data_ptr<float>();
   a.w13 = w13.data_ptr();
   a.w2 = w2.data_ptr();
-  set_weight_format(a, w13, w2, w13_scale, w2_scale);
   a.act = reinterpret_cast<petit_bf16_bits*>(act.data_ptr());
   a.partial = partial.data_ptr<float>();
   a.sync = sync.data_ptr<int32_t>();
@@ -369,17 +351,18 @@ MegaMoeArgs megamoe_args(const torch::Tensor& x, const torch::Tensor& topk_ids,
   return a;
 }
 
-// trace: optional int64 stamps of `num_blocks` blocks (kMegaMoeTraceSlots each, layout.h).
-int64_t* megamoe_trace_arg(const c10::optional<torch::Tensor>& trace, int64_t num_blocks,
-                           int device) {
+// trace: optional int64 stamps of every block a fused launch on `num_sms` SMs may run
+// (megamoe_max_blocks; kMegaMoeTraceSlots each, layout.h).
+int64_t* megamoe_trace_arg(const c10::optional<torch::Tensor>& trace, int num_sms, int device) {
   if (!trace.has_value()) return nullptr;
-  check_workspace(*trace, "trace", torch::kInt64, num_blocks * kMegaMoeTraceSlots, device);
+  int64_t blocks = 0;
+  PETIT_CHECK_OK(megamoe_max_blocks(num_sms, &blocks), "SM count query");
+  check_workspace(*trace, "trace", torch::kInt64, blocks * kMegaMoeTraceSlots, device);
   return trace->data_ptr<int64_t>();
 }
 
-// MegaMoE at W=1 (experts/megamoe.cu): the MoE layer in one launch. Shapes and limits are
-// validated in Python (vllm_petit_moe/ops.py megamoe_forward); checked again here where a
-// wrong value would make the kernel read or write out of bounds.
+// MegaMoE at W=1 (experts/megamoe.cu): the MoE layer in one launch. ops.megamoe_forward checks
+// its arguments first and names Python's limits; here the tensors, then megamoe_check.
 void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
                      const torch::Tensor& topk_weights, const torch::Tensor& w13,
                      const torch::Tensor& w2, torch::Tensor& out, torch::Tensor& act_workspace,
@@ -390,24 +373,14 @@ void megamoe_forward(const torch::Tensor& x, const torch::Tensor& topk_ids,
                      c10::optional<torch::Tensor> w2_scale) {
   const int device = x.get_device();
   MegaMoeArgs a = megamoe_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, out,
-                               act_workspace, partial_workspace, sync, x.size(1), x.size(0),
-                               device);
-  PETIT_CHECK(timeout_s_valid(timeout_s), "timeout_s %g outside (0, %g] seconds",
-              timeout_s, kMaxTimeoutS);
-  c10::cuda::CUDAGuard guard(x.device());
-  a.expert_map = expert_map_arg(expert_map, topk_ids.device(), &a.num_global_experts);
-  int grid_sms = int(num_sms);
-  if (trace.has_value() && grid_sms == 0) {
-    PETIT_CHECK_OK(petitDeviceGetAttribute(&grid_sms, petitDevAttrMultiProcessorCount, device),
-                   "SM count query");
-  }
-  a.trace = megamoe_trace_arg(trace, int64_t(kMegaMoeBlocksPerSm) * grid_sms, device);
+                               act_workspace, partial_workspace, sync, -1, -1, device);
+  PETIT_CHECK_CALL("", timeout_check, timeout_s);
+  a.timeout_ticks = timeout_ticks(timeout_s);
   a.num_sms = checked_int(num_sms, "num_sms");
-  a.timeout_ticks = uint64_t(timeout_s * petit_timer_ticks_per_second());
-  PETIT_CHECK(megamoe_check(a) == petitSuccess,
-              "fused MoE layer: arguments outside its limits (N*K <= %d, H and I multiples of "
-              "%d, K <= %d, L <= %d, 16-byte aligned tensors)",
-              kMegaMoeMaxEntries, kMegaMoeSizeMultiple, kMaxTopK, kMaxExperts);
+  a.expert_map = expert_map_arg(expert_map, device, &a.num_global_experts);
+  PETIT_CHECK_CALL("fused MoE layer: ", megamoe_check, a);
+  c10::cuda::CUDAGuard guard(x.device());
+  a.trace = megamoe_trace_arg(trace, a.num_sms, device);
   PETIT_CHECK_OK(launch_megamoe(a, c10::cuda::getCurrentCUDAStream()), "fused MoE launch");
 }
 
@@ -426,28 +399,17 @@ torch::Tensor float_to_e4m3(const torch::Tensor& values) {
 }
 
 // What a combine of `num_tokens` own tokens (rows per source region `region_stride`) launches
-// on `num_blocks` SMs: host-side planning only (plan_combine), for diagnostics and CPU tests.
+// on `num_blocks` SMs: host-side planning only (plan_combine_sizes), for diagnostics and CPU
+// tests.
 py::dict combine_plan(int64_t world_size, int64_t hidden, int64_t num_tokens,
                       int64_t region_stride, int64_t num_blocks, const py::dict& combine_config) {
-  PETIT_CHECK(world_size >= 2 && world_size <= kMaxWorldSize, "world size %lld outside [2, %d]",
-              (long long)world_size, kMaxWorldSize);
-  PETIT_CHECK(hidden > 0 && hidden % 8 == 0, "hidden size %lld must be a positive multiple of 8",
-              (long long)hidden);
-  PETIT_CHECK(region_stride >= 1 && num_tokens >= 0 && num_tokens <= region_stride,
-              "need 0 <= num_tokens (%lld) <= region_stride (%lld), region_stride >= 1",
-              (long long)num_tokens, (long long)region_stride);
-  PETIT_CHECK(num_blocks >= 1, "num_blocks %lld must be >= 1", (long long)num_blocks);
   CombineArgs a{};
-  a.ctx.layout = make_heap_layout(int(world_size), int(region_stride), int(hidden), 1);
-  a.ctx.world_size = int(world_size);
-  a.ctx.num_blocks = int(num_blocks);
-  a.num_tokens = int(num_tokens);
-  a.top_k = 1;
-  a.region_stride = int(region_stride);
-  a.config = combine_config_from(combine_config);
-  require(combine_check, a);
   int grid = 0;
-  PETIT_CHECK_OK(plan_combine(&a, &grid), "combine plan");
+  PETIT_CHECK_CALL("", plan_combine_sizes, checked_int(world_size, "world size"),
+                   checked_int(hidden, "hidden size"), checked_int(num_tokens, "num_tokens"),
+                   checked_int(region_stride, "region_stride"),
+                   checked_int(num_blocks, "num_blocks"), combine_config_from(combine_config),
+                   &a, &grid);
   py::dict d;
   d["send_chunks"] = a.num_chunks;
   d["whole_pairs"] = a.num_whole_pairs;
@@ -553,16 +515,13 @@ std::vector<torch::Tensor> ep_dispatch(BoundEpContext& ctx, const torch::Tensor&
                                        const torch::Tensor& topk_weights, int64_t region_stride,
                                        int64_t quant) {
   const int device = ctx.device(), H = ctx.layout().hidden;
-  check_tensor(x, "x", 2, torch::kBFloat16, device);
-  check_tensor(topk_ids, "topk_ids", 2, topk_ids.scalar_type(), device);
-  check_tensor(topk_weights, "topk_weights", 2, torch::kFloat32, device);
-  const int64_t T = x.size(0), K = topk_ids.size(1);
-  PETIT_CHECK(x.size(1) == H, "x hidden size %lld != buffer hidden size %d",
-              (long long)x.size(1), H);
+  check_tensor(x, "x", torch::kBFloat16, device, "[T, H]", {-1, H});
+  const int64_t T = x.size(0);
   PETIT_CHECK(topk_ids.scalar_type() == torch::kInt32 || topk_ids.scalar_type() == torch::kInt64,
               "topk_ids must be int32 or int64");
-  PETIT_CHECK(topk_ids.size(0) == T && topk_weights.size(0) == T && topk_weights.size(1) == K,
-              "x, topk_ids and topk_weights disagree on the token count / top-k");
+  check_tensor(topk_ids, "topk_ids", topk_ids.scalar_type(), device, "[T, K]", {T, -1});
+  const int64_t K = topk_ids.size(1);
+  check_tensor(topk_weights, "topk_weights", torch::kFloat32, device, "[T, K]", {T, K});
   DispatchArgs a{};
   a.x = reinterpret_cast<const petit_bf16_bits*>(x.data_ptr());
   a.topk_ids = topk_ids.data_ptr();
@@ -584,30 +543,25 @@ std::vector<torch::Tensor> ep_dispatch(BoundEpContext& ctx, const torch::Tensor&
           context_view(ctx, {r.scales, r.owner}, {fp8 ? rows : 0, num_scales}, torch::kFloat32)};
 }
 
-// trace: optional int64 [num_blocks, kCombineTraceSlots] on this device; each launched
-// block writes its row (CombineTraceSlot), the others are left as they are.
+// out [T, H] <- the rows of expert_out [W*R, H] that belong to this rank's tokens. trace:
+// optional int64 [num_blocks, kCombineTraceSlots] on this device; each launched block writes
+// its row (CombineTraceSlot), the others are left as they are. Limits (top-k, T <= R):
+// combine_check.
 void ep_combine(BoundEpContext& ctx, const torch::Tensor& expert_out, torch::Tensor& out,
                 int64_t top_k, int64_t region_stride, c10::optional<torch::Tensor> trace) {
   const int device = ctx.device(), H = ctx.layout().hidden;
-  check_tensor(expert_out, "expert_out", 2, torch::kBFloat16, device);
-  check_tensor(out, "out", 2, torch::kBFloat16, device);
-  const int64_t rows = int64_t(ctx.world_size()) * region_stride;
-  PETIT_CHECK(expert_out.size(0) == rows && expert_out.size(1) == H,
-              "expert_out must be [world*region_stride, hidden] = [%lld, %d], got [%lld, %lld]",
-              (long long)rows, H, (long long)expert_out.size(0), (long long)expert_out.size(1));
-  PETIT_CHECK(out.size(1) == H && out.size(0) <= region_stride,
-              "out must be [tokens <= region_stride, hidden]");
+  check_tensor(expert_out, "expert_out", torch::kBFloat16, device, "[W*R, H]",
+               {int64_t(ctx.world_size()) * region_stride, H});
+  check_tensor(out, "out", torch::kBFloat16, device, "[T, H]", {-1, H});
   CombineArgs a{};
   a.expert_out = reinterpret_cast<const petit_bf16_bits*>(expert_out.data_ptr());
   a.out = reinterpret_cast<petit_bf16_bits*>(out.data_ptr());
-  a.num_tokens = int(out.size(0));
+  a.num_tokens = checked_int(out.size(0), "token count");
   a.top_k = checked_int(top_k, "top-k");
   a.region_stride = checked_int(region_stride, "region stride");
   if (trace.has_value()) {
-    check_tensor(*trace, "trace", 2, torch::kInt64, device);
-    PETIT_CHECK(trace->size(0) == ctx.num_blocks() && trace->size(1) == kCombineTraceSlots,
-                "trace must be int64 [num_blocks, %d] = [%d, %d] on this buffer's device",
-                int(kCombineTraceSlots), ctx.num_blocks(), int(kCombineTraceSlots));
+    check_tensor(*trace, "trace", torch::kInt64, device, "[num_blocks, kCombineTraceSlots]",
+                 {ctx.num_blocks(), kCombineTraceSlots});
     a.trace = trace->data_ptr<int64_t>();
   }
   translated([&] { ctx.combine(a, c10::cuda::getCurrentCUDAStream(device)); });
@@ -629,9 +583,7 @@ void ep_megamoe(BoundEpContext& ctx, const torch::Tensor& x, const torch::Tensor
   e.layer = megamoe_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, out, act,
                          partial, sync, ctx.layout().hidden,
                          int64_t(ctx.world_size()) * region_stride, device);
-  // one row of stamps per block of the grid (kMegaMoeBlocksPerSm per SM)
-  e.layer.trace = megamoe_trace_arg(trace, int64_t(kMegaMoeBlocksPerSm) * ctx.num_blocks(),
-                                    device);
+  e.layer.trace = megamoe_trace_arg(trace, ctx.num_blocks(), device);  // the context's grid
   translated([&] { ctx.megamoe(e, c10::cuda::getCurrentCUDAStream(device)); });
 }
 

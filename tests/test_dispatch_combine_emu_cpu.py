@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -54,6 +55,8 @@ def _load(lib):
     lib.petit_emu_ep_set_combine_config.restype = None
     lib.petit_emu_ep_combine_plan.argtypes = [p, i, i, i, i, p]
     lib.petit_emu_ep_combine_plan.restype = ctypes.c_int
+    lib.petit_emu_combine_plan_sizes.argtypes = [i] * 9 + [p, ctypes.c_char_p, i]
+    lib.petit_emu_ep_megamoe_check.argtypes = [p] + [i] * 9 + [ctypes.c_char_p, i]
     lib.petit_emu_ep_diagnostics.argtypes = [p, i, p]
     lib.petit_emu_ep_diagnostics.restype = None
     lib.petit_emu_ep_dispatch_each.argtypes = [p, ctypes.c_uint32, p, p, i, p, p, p, p, p, p]
@@ -501,6 +504,56 @@ def test_invalid_combine_config_is_refused(emu):
         emu.petit_emu_ep_set_combine_config(ep.handle, 91, 128, 8, 4)
         out = _ints([0] * 6)
         assert emu.petit_emu_ep_combine_plan(ep.handle, 0, 8, 2, 32, out) != 0
+    finally:
+        ep.close()
+
+
+def combine_plan_sizes(lib, world, hidden, tokens, stride, num_blocks, config=CombineConfig()):
+    """(rc, plan dict, message) of plan_combine_sizes (csrc/api.h: a combine's plan without a
+    context, the binding's combine_plan); config: a CombineConfig or its fields (a tuple, which
+    may be invalid)."""
+    fields = config if isinstance(config, tuple) else dataclasses.astuple(config)
+    out, err = _ints([0] * 6), ctypes.create_string_buffer(512)
+    rc = lib.petit_emu_combine_plan_sizes(world, hidden, tokens, stride, num_blocks, *fields,
+                                          out, err, len(err))
+    plan = dict(zip(("send_chunks", "whole_pairs", "send_blocks", "reduce_chunks",
+                     "static_reduce", "grid"), list(out)))
+    return rc, plan, err.value.decode()
+
+
+@pytest.mark.parametrize("sizes,config,pattern", [
+    ((1, 64, 1, 1, 2), CombineConfig(), r"^world size 1 outside \[2, 32\]$"),
+    ((33, 64, 1, 1, 2), CombineConfig(), r"^world size 33 outside"),
+    ((2, 60, 1, 1, 2), CombineConfig(), r"^hidden size 60 must be a positive multiple of 8$"),
+    ((2, 0, 1, 1, 2), CombineConfig(), r"^hidden size 0 must be"),
+    ((2, 64, 10, 5, 2), CombineConfig(),
+     r"^need 0 <= num_tokens \(10\) <= region_stride \(5\), region_stride >= 1$"),
+    ((2, 64, -1, 5, 2), CombineConfig(), r"^need 0 <= num_tokens \(-1\)"),
+    ((2, 64, 0, 0, 2), CombineConfig(), r"region_stride \(0\), region_stride >= 1$"),
+    ((2, 64, 1, 1, 0), CombineConfig(), r"^num_blocks 0 must be >= 1$"),
+    ((2, 64, 1, 1, 2), (91, 128, 8, 4), r"^CombineConfig: reduce_pct in \[0, 90\]"),
+])
+def test_combine_plan_sizes_bad_sizes_name_the_limit(emu, sizes, config, pattern):
+    rc, _, message = combine_plan_sizes(emu, *sizes, config=config)
+    assert rc != 0 and re.search(pattern, message), (rc, message)
+
+
+@pytest.mark.parametrize("world,hidden,tokens,stride,num_blocks,config", [
+    (2, 7168, 1, 1, 132, CombineConfig()),
+    (2, 2048, 96, 96, 3, CombineConfig(reduce_pct=50, reduce_vectors=64, reduce_items=0)),
+    (4, 64, 0, 40, 2, CombineConfig()),
+    (8, 1024, 100, 117, 24, CombineConfig(reduce_vectors=0)),
+])
+def test_combine_plan_sizes_is_a_contexts_plan(emu, world, hidden, tokens, stride, num_blocks,
+                                               config):
+    """Without a context, the plan a context of region_stride tokens per rank makes."""
+    rc, plan, message = combine_plan_sizes(emu, world, hidden, tokens, stride, num_blocks, config)
+    assert rc == 0 and message == "", message
+    ep = EmuEp(emu, world, max_tokens=stride, hidden=hidden, max_top_k=1,
+               num_experts=world, num_blocks=num_blocks)
+    try:
+        ep.set_combine_config(config)
+        assert ep.combine_plan(0, tokens, 1, stride) == plan
     finally:
         ep.close()
 

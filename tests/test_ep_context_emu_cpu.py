@@ -438,11 +438,12 @@ def test_calls_outside_the_limits_carry_their_checks_message(lib, rt):
                                  torch.zeros(5, hidden, dtype=torch.bfloat16), 0, 8),
              r"^top-k 0 outside \[1, 4\]$"),
             (lambda: ctx.megamoe(5, 2, 9, 64, local),
-             r"^fused EP layer: arguments outside its limits"),
+             r"^fused EP layer: need tokens \(5\) <= region stride \(9\) <= max tokens per "
+             r"rank \(8\), region stride >= 1$"),
             (lambda: ctx.megamoe(5, 2, 8, 64, local + 1),
-             r"^fused EP layer: arguments outside its limits"),
+             rf"^fused EP layer: {local + 1} local experts != the context's {local}$"),
             (lambda: ctx.megamoe(5, 2, 8, 60, local),
-             r"^fused EP layer: arguments outside its limits"),
+             r"^fused EP layer: intermediate size 60 must be a positive multiple of 64$"),
         ]:
             with pytest.raises(ContextError) as raised:
                 call()

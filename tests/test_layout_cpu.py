@@ -210,6 +210,12 @@ def test_combine_plan_rejects_bad_sizes():
         ext.combine_plan(2, 7168, 10, 10, 132, combine_config=dict(reduce_pct=91))
     with pytest.raises(RuntimeError, match="has no field"):
         ext.combine_plan(2, 7168, 10, 10, 132, combine_config=dict(send_chunks=4))
+    # the C API's message (plan_combine_sizes) as it is; sizes past 32 bits refused by name
+    with pytest.raises(RuntimeError, match=r"petit_moe: need 0 <= num_tokens \(10\) <= "
+                                           r"region_stride \(5\), region_stride >= 1"):
+        ext.combine_plan(2, 7168, 10, 5, 132)
+    with pytest.raises(RuntimeError, match="world size 4294967298 does not fit 32 bits"):
+        ext.combine_plan(2**32 + 2, 7168, 1, 1, 132)
 
 
 @pytest.mark.parametrize("config,tokens,num_blocks,expected", [

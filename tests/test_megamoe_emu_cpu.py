@@ -8,6 +8,7 @@ Every output is poisoned (NaN) before the kernel runs, and inputs are fresh rand
 """
 
 import ctypes
+import re
 
 import pytest
 import torch
@@ -256,6 +257,91 @@ def test_limits_rejected(emu):
     case = make_case(10, 2, 2, 96, intermediate, 2)  # H not a multiple of 64
     rc, out, _ = run_emu(emu, *case)
     assert rc != 0 and out.isnan().all()
+
+
+# megamoe_check (csrc/experts/megamoe.cu): the one home of the fused layer's limits, whose
+# message the binding raises ("fused MoE layer: ...") and EpContext through megamoe_ep_check.
+# Valid sizes, then one field at a time outside its limit: (overrides, the message's pattern).
+MEGAMOE_CHECK_VALID = dict(num_rows=4, top_k=2, hidden=64, intermediate=128, num_local_experts=3,
+                           num_sms=0, timeout_ticks=1, num_global_experts=-1, fp8=0,
+                           misaligned=None)
+
+
+def megamoe_check(emu, **overrides):
+    """(rc, message) of petit_emu_megamoe_check on MEGAMOE_CHECK_VALID with `overrides`."""
+    emu.petit_emu_megamoe_check.argtypes = [ctypes.c_int] * 6 + [
+        ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
+        ctypes.c_int]
+    args = {**MEGAMOE_CHECK_VALID, **overrides}
+    if args["misaligned"] is not None:
+        args["misaligned"] = args["misaligned"].encode()
+    err = ctypes.create_string_buffer(512)
+    rc = emu.petit_emu_megamoe_check(*args.values(), err, len(err))
+    return rc, err.value.decode()
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (dict(num_rows=-1), r"^token count -1 must be >= 0$"),
+    (dict(top_k=0), r"^top-k 0 outside \[1, 16\]$"),
+    (dict(top_k=17), r"^top-k 17 outside \[1, 16\]$"),
+    (dict(hidden=96), r"^hidden size 96 must be a positive multiple of 64$"),
+    (dict(hidden=0), r"^hidden size 0 must be"),
+    (dict(intermediate=32), r"^intermediate size 32 must be a positive multiple of 64$"),
+    (dict(num_local_experts=0), r"^0 local experts outside \[1, 512\]$"),
+    (dict(num_local_experts=513), r"^513 local experts outside"),
+    (dict(num_rows=MAX_ENTRIES // 2 + 1),
+     r"^N\*K = 2050 routing entries above the fused layer's 2048$"),
+    (dict(num_sms=-1), r"^num_sms -1 must be >= 0 \(0: the device's SM count\)$"),
+    (dict(timeout_ticks=0), r"^timeout_ticks must be > 0$"),
+    (dict(misaligned="x"), r"^x must be 16-byte aligned$"),
+    (dict(misaligned="w2"), r"^w2 must be 16-byte aligned$"),
+    (dict(misaligned="partial"), r"^partial must be 16-byte aligned$"),
+    (dict(misaligned="sync"), r"^no sync buffer \(megamoe_sync_ints\)$"),
+    (dict(num_global_experts=0), r"^an expert_map needs >= 1 entries, got 0$"),
+    (dict(fp8=1, misaligned="w2_scale", hidden=128),
+     r"^block fp8 weights need both w13_scale and w2_scale$"),
+    (dict(fp8=1), r"^block fp8 weights need hidden \(64\) and intermediate \(128\) sizes that "
+                  r"are multiples of 128$"),
+    (dict(fp8=1, hidden=128, misaligned="w13_scale"),
+     r"^w13_scale and w2_scale must be 4-byte aligned$"),
+])
+def test_megamoe_check_names_the_limit(emu, overrides, pattern):
+    assert megamoe_check(emu) == (0, "")
+    rc, message = megamoe_check(emu, **overrides)
+    assert rc != 0 and re.search(pattern, message), (rc, message)
+
+
+def test_megamoe_check_accepts_the_edges(emu):
+    """The limits' own values pass: K = 16, L = 512, N*K = 2048, no rows, a map, fp8 sizes."""
+    for overrides in (dict(top_k=16), dict(num_local_experts=512), dict(num_rows=0),
+                      dict(num_rows=MAX_ENTRIES // 2), dict(num_global_experts=1),
+                      dict(num_sms=132), dict(fp8=1, hidden=128, intermediate=256)):
+        assert megamoe_check(emu, **overrides) == (0, ""), overrides
+
+
+def test_timeout_check_is_the_one_message(emu):
+    """timeout_check (csrc/api.h): the wait bound megamoe_forward and EpContext take, its
+    message, and its ticks (ns on CUDA)."""
+    emu.petit_emu_timeout_check.argtypes = [ctypes.c_double, ctypes.c_void_p, ctypes.c_char_p,
+                                            ctypes.c_int]
+    err, ticks = ctypes.create_string_buffer(512), ctypes.c_ulonglong()
+    for timeout_s, want in ((0.5, 500_000_000), (3600.0, 3_600_000_000_000)):
+        assert emu.petit_emu_timeout_check(timeout_s, ctypes.byref(ticks), err, len(err)) == 0
+        assert ticks.value == want and err.value == b""
+    for timeout_s, shown in ((0.0, "0"), (-1.0, "-1"), (3601.0, "3601"), (float("nan"), "nan"),
+                             (float("inf"), "inf")):
+        assert emu.petit_emu_timeout_check(timeout_s, ctypes.byref(ticks), err, len(err)) != 0
+        assert err.value.decode() == (f"timeout_s {shown} outside (0, 3600] seconds (the bound "
+                                      f"of every spin-wait)"), err.value
+
+
+def test_megamoe_max_blocks(emu):
+    """Two blocks per SM, num_sms = 0: the device's SMs (a trace's rows)."""
+    emu.petit_emu_megamoe_max_blocks.restype = ctypes.c_longlong
+    assert emu.petit_emu_megamoe_max_blocks(0, 132) == 264
+    assert emu.petit_emu_megamoe_max_blocks(5, 132) == 10
+    assert emu.petit_emu_megamoe_max_blocks(2**30, 132) == 2**31
+    assert emu.petit_emu_megamoe_max_blocks(-1, 132) == -1
 
 
 def _trace_tool():

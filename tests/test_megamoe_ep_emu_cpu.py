@@ -9,6 +9,9 @@ This is what the W >= 2 fused kernel must equal, and the form in which the fused
 already serves EP today: dispatch -> one MegaMoE launch -> combine (instead of row lists,
 gate/up, down and the local reduction).
 """
+import ctypes
+import re
+
 import pytest
 import torch
 
@@ -230,6 +233,64 @@ def test_a_fused_call_against_a_peers_standalone_calls_fails_clearly(ep_emu_lib,
     assert result.returncode != 0 and "returned" not in result.stdout, out[-3000:]
     assert "petit_moe: combine timed out on rank 0 waiting for rank 1, token group 0: " \
         "expected epoch 1, flag holds epoch 0" in out, out[-3000:]
+
+
+# megamoe_ep_check (csrc/experts/megamoe.cu): a fused EP call's limits against its context,
+# with the message EpContext raises ("fused EP layer: ..."). A context of 2 ranks, 8 tokens per
+# rank, hidden 128, top-k <= 4, 32 experts (16 per rank), a grid of 2 blocks; valid sizes, then
+# one field at a time outside its limit.
+EP_CHECK_VALID = dict(num_tokens=5, top_k=2, region_stride=8, hidden=-1, intermediate=64,
+                      num_local_experts=-1, num_sms=-1, with_map=0)
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (dict(with_map=1), r"^global ids take no expert_map \(the context maps them\)$"),
+    (dict(region_stride=9), r"^need tokens \(5\) <= region stride \(9\) <= max tokens per "
+                            r"rank \(8\), region stride >= 1$"),
+    (dict(region_stride=4), r"^need tokens \(5\) <= region stride \(4\)"),
+    (dict(num_tokens=-1), r"^need tokens \(-1\)"),
+    (dict(num_tokens=0, region_stride=0), r"^need tokens \(0\) <= region stride \(0\)"),
+    (dict(top_k=5), r"^top-k 5 outside \[1, 4\]$"),
+    (dict(top_k=0), r"^top-k 0 outside \[1, 16\]$"),  # megamoe_check on the received rows
+    (dict(hidden=64), r"^hidden size 64 != the context's 128$"),
+    (dict(num_local_experts=17), r"^17 local experts != the context's 16$"),
+    (dict(num_sms=0), r"^num_sms 0 must be >= 1 \(the context's grid\)$"),
+    (dict(intermediate=60), r"^intermediate size 60 must be a positive multiple of 64$"),
+])
+def test_megamoe_ep_check_limits(ep_emu_lib, overrides, pattern):
+    ep = EmuEp(ep_emu_lib, 2, max_tokens=8, hidden=128, max_top_k=4, num_experts=32,
+               num_blocks=2)
+    try:
+        err = ctypes.create_string_buffer(512)
+        rc = ep_emu_lib.petit_emu_ep_megamoe_check(ep.handle, 0, *EP_CHECK_VALID.values(), err,
+                                                   len(err))
+        assert rc == 0 and err.value == b"", err.value
+        rc = ep_emu_lib.petit_emu_ep_megamoe_check(
+            ep.handle, 0, *{**EP_CHECK_VALID, **overrides}.values(), err, len(err))
+        assert rc != 0 and re.search(pattern, err.value.decode()), (rc, err.value)
+    finally:
+        ep.close()
+
+
+def test_megamoe_ep_check_limits_on_the_received_rows(ep_emu_lib):
+    """W*R*K against the fused layer's 2048 entries: 8 ranks x 64 rows x 4 slots is the limit,
+    one more row of stride is past it; the limits themselves pass."""
+    ep = EmuEp(ep_emu_lib, 8, max_tokens=65, hidden=64, max_top_k=4, num_experts=8,
+               num_blocks=1)
+    try:
+        err = ctypes.create_string_buffer(512)
+        sizes = dict(EP_CHECK_VALID, top_k=4)
+        for overrides in (dict(region_stride=64), dict(region_stride=64, num_tokens=64),
+                          dict(num_tokens=0, region_stride=1)):
+            rc = ep_emu_lib.petit_emu_ep_megamoe_check(
+                ep.handle, 3, *{**sizes, **overrides}.values(), err, len(err))
+            assert rc == 0 and err.value == b"", (overrides, err.value)
+        rc = ep_emu_lib.petit_emu_ep_megamoe_check(
+            ep.handle, 3, *dict(sizes, region_stride=65).values(), err, len(err))
+        assert rc != 0 and err.value.decode() == (
+            "W*R*K = 8*65*4 = 2080 received routing entries above the fused layer's 2048")
+    finally:
+        ep.close()
 
 
 # Shapes the fused layer takes (H, I multiples of 64) with E divisible by 2, 3 and 4.

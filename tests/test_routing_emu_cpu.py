@@ -10,6 +10,7 @@ CUDA headers (for uint4/dim3 only).
 from __future__ import annotations
 
 import ctypes
+import re
 
 import pytest
 import torch
@@ -116,3 +117,19 @@ def test_row_lists_zero_the_fused_gemm_counters(emu, num_rows):
     assert torch.equal(done, torch.zeros(38, dtype=torch.int32))
     for got, want in zip(with_done, run_emulated(emu, ids, 37)):
         assert torch.equal(got, want)
+
+
+# row_lists_check (csrc/experts/routing.cu): the row lists' limits, whose message the binding
+# (expert_row_lists) raises before it allocates the lists.
+@pytest.mark.parametrize("num_entries,num_local,num_global,pattern", [
+    (8, 0, -1, r"^num_local_experts 0 outside \[1, 512\]$"),
+    (8, 513, -1, r"^num_local_experts 513 outside \[1, 512\]$"),
+    (-1, 4, -1, r"^-1 routing entries must be >= 0$"),
+    (8, 4, 0, r"^an expert_map needs >= 1 entries, got 0$"),
+])
+def test_row_lists_check_names_the_limit(emu, num_entries, num_local, num_global, pattern):
+    err = ctypes.create_string_buffer(512)
+    rc = emu.petit_emu_row_lists_check(num_entries, num_local, num_global, err, len(err))
+    assert rc != 0 and re.search(pattern, err.value.decode()), (rc, err.value)
+    for args in ((0, 1, -1), (8, 512, -1), (2**31 - 1, 4, 1)):  # the limits themselves
+        assert emu.petit_emu_row_lists_check(*args, err, len(err)) == 0, (args, err.value)

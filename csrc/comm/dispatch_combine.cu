@@ -753,6 +753,36 @@ petitError_t plan_combine(CombineArgs* args, int* grid) {
   return petitSuccess;
 }
 
+petitError_t plan_combine_sizes(int world_size, int hidden, int num_tokens, int region_stride,
+                                int num_blocks, const CombineConfig& config, CombineArgs* plan,
+                                int* grid, char* err, int err_len) {
+  if (world_size < 2 || world_size > kMaxWorldSize)
+    return refuse(err, err_len, "world size %d outside [2, %d]", world_size, kMaxWorldSize);
+  if (hidden <= 0 || hidden % kVecElems != 0)
+    return refuse(err, err_len, "hidden size %d must be a positive multiple of %d", hidden,
+                  kVecElems);
+  if (region_stride < 1 || num_tokens < 0 || num_tokens > region_stride)
+    return refuse(err, err_len,
+                  "need 0 <= num_tokens (%d) <= region_stride (%d), region_stride >= 1",
+                  num_tokens, region_stride);
+  if (num_blocks < 1) return refuse(err, err_len, "num_blocks %d must be >= 1", num_blocks);
+  CombineArgs& a = *plan;
+  a = CombineArgs{};
+  a.ctx.layout = make_heap_layout(world_size, region_stride, hidden, 1);
+  a.ctx.world_size = world_size;
+  a.ctx.num_blocks = num_blocks;
+  a.num_tokens = num_tokens;
+  a.top_k = 1;
+  a.region_stride = region_stride;
+  a.config = config;
+  const petitError_t refused = combine_check(a, err, err_len);
+  if (refused != petitSuccess) return refused;
+  const petitError_t planned = plan_combine(&a, grid);
+  if (planned != petitSuccess)
+    return refuse(err, err_len, "combine plan failed: %s", petitGetErrorString(planned));
+  return petitSuccess;
+}
+
 petitError_t launch_combine(const CombineArgs& args, petitStream_t stream) {
   CombineArgs a = args;
   int grid = 0;

@@ -110,9 +110,8 @@ EpContext::EpContext(const EpContextParams& p)
   PETIT_REQUIRE(p.max_tokens >= 1 && p.max_tokens <= kMaxTokensPerRank,
                 "max tokens per rank %lld outside [1, %d] (the call tag holds the region stride "
                 "in full)", (long long)p.max_tokens, kMaxTokensPerRank);
-  PETIT_REQUIRE(timeout_s_valid(p.timeout_s),
-                "timeout_s %g outside (0, %g] seconds (the bound of every spin-wait)", p.timeout_s,
-                kMaxTimeoutS);
+  char err[512] = {0};
+  PETIT_REQUIRE(timeout_check(p.timeout_s, err, sizeof(err)) == petitSuccess, "%s", err);
   DeviceScope scope(device_);
   args_.layout = make_heap_layout(int(p.world_size), int(p.max_tokens), int(p.hidden),
                                   int(p.max_top_k));
@@ -127,11 +126,10 @@ EpContext::EpContext(const EpContextParams& p)
                 "num_sms %lld must be in [1, %d] (the persistent grid must be co-resident)",
                 (long long)p.num_blocks, num_sms);
   args_.num_blocks = int(p.num_blocks);
-  args_.timeout_ticks = uint64_t(p.timeout_s * petit_timer_ticks_per_second());
+  args_.timeout_ticks = timeout_ticks(p.timeout_s);
 
   // The heap: unmapped and freed once nothing holds it, the context (until close) and every
   // view of it, after the device is done with it (a queued kernel may still read a view).
-  char err[512] = {0};
   SymmetricHeap* heap = nullptr;
   const petitError_t created =
       SymmetricHeap::create(device_, args_.layout.total_bytes, &heap, err, sizeof(err));
@@ -304,10 +302,8 @@ void EpContext::megamoe(MegaMoeEpArgs e, petitStream_t stream) {
   e.ctx = args_;
   e.layer.num_sms = args_.num_blocks;
   e.layer.timeout_ticks = args_.timeout_ticks;
-  PETIT_REQUIRE(megamoe_ep_check(e) == petitSuccess,
-                "fused EP layer: arguments outside its limits (T <= region stride <= max tokens, "
-                "W*R*K <= %d entries, H and I multiples of %d, L = the buffer's local experts)",
-                kMegaMoeMaxEntries, kMegaMoeSizeMultiple);
+  char err[512] = {0};
+  PETIT_REQUIRE(megamoe_ep_check(e, err, sizeof(err)) == petitSuccess, "fused EP layer: %s", err);
   DeviceScope scope(device_);
   const petitError_t launched = launch_megamoe_ep(e, stream);
   PETIT_REQUIRE(launched != petitErrorCooperativeLaunchTooLarge,

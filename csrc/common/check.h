@@ -1,6 +1,7 @@
-// The refusal of the framework-free checks (api.h: dispatch_check, combine_check,
-// experts_check): the reason, formatted into the caller's buffer, and petitErrorInvalidValue.
-// One formatting path (vsnprintf) for every message; the torch binding raises the text as it is.
+// The refusal of the framework-free checks (api.h: the *_check functions, timeout_check,
+// plan_combine_sizes): the reason, formatted into the caller's buffer, and
+// petitErrorInvalidValue. One formatting path (vsnprintf) for every message; the torch binding
+// and EpContext raise the text as it is.
 #pragma once
 
 #include <stdarg.h>

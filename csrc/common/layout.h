@@ -45,7 +45,7 @@ static_assert(kFlagEpochShift == kFlagCountBits + kFlagTagBits &&
               "flag = epoch | tag | count fills 64 bits");
 // Bound of every spin-wait (seconds; EpBuffer's timeout_s, megamoe_forward's,
 // VLLM_PETIT_MOE_TIMEOUT_S): kDefaultTimeoutS where the caller gives none; finite, > 0 and at
-// most kMaxTimeoutS (timeout_s_valid: the one check of the binding and the emulation).
+// most kMaxTimeoutS (timeout_s_valid; api.h timeout_check gives the message).
 constexpr float kDefaultTimeoutS = 30.0f;
 constexpr float kMaxTimeoutS = 3600.0f;
 // NaN fails both comparisons; 0 would fail every wait at once, inf would never end one.

@@ -1205,44 +1205,97 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
 
 }  // namespace megamoe_detail
 
-petitError_t megamoe_check(const MegaMoeArgs& a) {
-  const bool aligned =
-      ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.w13) |
-        reinterpret_cast<uintptr_t>(a.w2) | reinterpret_cast<uintptr_t>(a.act) |
-        reinterpret_cast<uintptr_t>(a.partial) | reinterpret_cast<uintptr_t>(a.out)) & 15) == 0;
-  if (a.num_rows < 0 || a.top_k < 1 || a.top_k > kMaxTopK || a.hidden <= 0 ||
-      a.hidden % kMegaMoeSizeMultiple || a.intermediate <= 0 ||
-      a.intermediate % kMegaMoeSizeMultiple || a.num_local_experts < 1 ||
-      a.num_local_experts > kMaxExperts || int64_t(a.num_rows) * a.top_k > kMegaMoeMaxEntries ||
-      a.num_sms < 0 || a.timeout_ticks == 0 || !aligned || a.sync == nullptr ||
-      (a.expert_map != nullptr && a.num_global_experts < 1)) {
-    return petitErrorInvalidValue;
+petitError_t megamoe_check(const MegaMoeArgs& a, char* err, int err_len) {
+  if (a.num_rows < 0) return refuse(err, err_len, "token count %d must be >= 0", a.num_rows);
+  if (a.top_k < 1 || a.top_k > kMaxTopK)
+    return refuse(err, err_len, "top-k %d outside [1, %d]", a.top_k, kMaxTopK);
+  if (a.hidden <= 0 || a.hidden % kMegaMoeSizeMultiple)
+    return refuse(err, err_len, "hidden size %d must be a positive multiple of %d", a.hidden,
+                  kMegaMoeSizeMultiple);
+  if (a.intermediate <= 0 || a.intermediate % kMegaMoeSizeMultiple)
+    return refuse(err, err_len, "intermediate size %d must be a positive multiple of %d",
+                  a.intermediate, kMegaMoeSizeMultiple);
+  if (a.num_local_experts < 1 || a.num_local_experts > kMaxExperts)
+    return refuse(err, err_len, "%d local experts outside [1, %d]", a.num_local_experts,
+                  kMaxExperts);
+  const int64_t entries = int64_t(a.num_rows) * a.top_k;
+  if (entries > kMegaMoeMaxEntries)
+    return refuse(err, err_len, "N*K = %lld routing entries above the fused layer's %d",
+                  (long long)entries, kMegaMoeMaxEntries);
+  if (a.num_sms < 0)
+    return refuse(err, err_len, "num_sms %d must be >= 0 (0: the device's SM count)", a.num_sms);
+  if (a.timeout_ticks == 0) return refuse(err, err_len, "timeout_ticks must be > 0");
+  const std::pair<const void*, const char*> aligned[] = {
+      {a.x, "x"}, {a.w13, "w13"}, {a.w2, "w2"}, {a.act, "act"}, {a.partial, "partial"},
+      {a.out, "out"}};
+  for (const auto& [ptr, name] : aligned) {
+    if ((reinterpret_cast<uintptr_t>(ptr) & 15) != 0)
+      return refuse(err, err_len, "%s must be 16-byte aligned", name);
   }
+  if (a.sync == nullptr) return refuse(err, err_len, "no sync buffer (megamoe_sync_ints)");
+  if (a.expert_map != nullptr && a.num_global_experts < 1)
+    return refuse(err, err_len, "an expert_map needs >= 1 entries, got %d",
+                  a.num_global_experts);
   // block fp8 weights: both scale tensors, H and I whole scale blocks (and ring steps)
-  if ((a.w13_scale == nullptr) != (a.w2_scale == nullptr) ||
-      (a.w13_scale != nullptr &&
-       (a.hidden % kFp8ScaleBlock || a.intermediate % kFp8ScaleBlock ||
-        ((reinterpret_cast<uintptr_t>(a.w13_scale) | reinterpret_cast<uintptr_t>(a.w2_scale)) &
-         3) != 0))) {
-    return petitErrorInvalidValue;
-  }
+  if ((a.w13_scale == nullptr) != (a.w2_scale == nullptr))
+    return refuse(err, err_len, "block fp8 weights need both w13_scale and w2_scale");
+  if (a.w13_scale != nullptr &&
+      (a.hidden % kFp8ScaleBlock || a.intermediate % kFp8ScaleBlock))
+    return refuse(err, err_len,
+                  "block fp8 weights need hidden (%d) and intermediate (%d) sizes that are "
+                  "multiples of %d", a.hidden, a.intermediate, kFp8ScaleBlock);
+  if (((reinterpret_cast<uintptr_t>(a.w13_scale) | reinterpret_cast<uintptr_t>(a.w2_scale)) &
+       3) != 0)
+    return refuse(err, err_len, "w13_scale and w2_scale must be 4-byte aligned");
   return petitSuccess;
 }
 
-petitError_t megamoe_ep_check(const MegaMoeEpArgs& e) {
+petitError_t megamoe_ep_check(const MegaMoeEpArgs& e, char* err, int err_len) {
   const EpContextArgs& c = e.ctx;
-  MegaMoeArgs rows = e.layer;  // the experts' view: W x R received rows, local ids
-  rows.num_rows = c.world_size * e.region_stride;
-  rows.expert_map = nullptr;
   const MegaMoeArgs& a = e.layer;
-  if (megamoe_check(rows) != petitSuccess || a.expert_map != nullptr ||
-      c.heap_base == nullptr || c.token_rank_mask == nullptr || c.world_size < 1 ||
-      a.num_rows > e.region_stride || e.region_stride < 1 ||
-      e.region_stride > c.layout.max_tokens || a.top_k > c.layout.max_top_k ||
-      a.hidden != c.layout.hidden || a.num_local_experts != c.num_local_experts ||
-      a.num_sms < 1) {
-    return petitErrorInvalidValue;
+  if (c.heap_base == nullptr || c.token_rank_mask == nullptr || c.world_size < 1)
+    return refuse(err, err_len, "context not set up (heap, device state, world size %d)",
+                  c.world_size);
+  if (a.expert_map != nullptr)
+    return refuse(err, err_len, "global ids take no expert_map (the context maps them)");
+  if (a.num_rows < 0 || e.region_stride < a.num_rows || e.region_stride < 1 ||
+      e.region_stride > c.layout.max_tokens)
+    return refuse(err, err_len,
+                  "need tokens (%d) <= region stride (%d) <= max tokens per rank (%d), region "
+                  "stride >= 1", a.num_rows, e.region_stride, c.layout.max_tokens);
+  if (a.top_k > c.layout.max_top_k)
+    return refuse(err, err_len, "top-k %d outside [1, %d]", a.top_k, c.layout.max_top_k);
+  if (a.hidden != c.layout.hidden)
+    return refuse(err, err_len, "hidden size %d != the context's %d", a.hidden,
+                  c.layout.hidden);
+  if (a.num_local_experts != c.num_local_experts)
+    return refuse(err, err_len, "%d local experts != the context's %d", a.num_local_experts,
+                  c.num_local_experts);
+  if (a.num_sms < 1)
+    return refuse(err, err_len, "num_sms %d must be >= 1 (the context's grid)", a.num_sms);
+  const int64_t received = int64_t(c.world_size) * e.region_stride * a.top_k;
+  if (received > kMegaMoeMaxEntries)
+    return refuse(err, err_len,
+                  "W*R*K = %d*%d*%d = %lld received routing entries above the fused layer's %d",
+                  c.world_size, e.region_stride, a.top_k, (long long)received,
+                  kMegaMoeMaxEntries);
+  MegaMoeArgs rows = a;  // the experts' view: W x R received rows, local ids
+  rows.num_rows = c.world_size * e.region_stride;
+  return megamoe_check(rows, err, err_len);
+}
+
+petitError_t megamoe_max_blocks(int num_sms, int64_t* blocks) {
+  if (num_sms < 0) return petitErrorInvalidValue;
+  if (num_sms == 0) {
+    int device = 0;
+    petitError_t err;
+    if ((err = petitGetDevice(&device)) != petitSuccess ||
+        (err = petitDeviceGetAttribute(&num_sms, petitDevAttrMultiProcessorCount, device)) !=
+            petitSuccess) {
+      return err;
+    }
   }
+  *blocks = int64_t(kMegaMoeBlocksPerSm) * num_sms;
   return petitSuccess;
 }
 
@@ -1331,19 +1384,14 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
 }  // namespace
 
 petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
-  petitError_t err = megamoe_check(args);
+  petitError_t err = megamoe_check(args, nullptr, 0);
   if (err != petitSuccess) return err;
 #if !PETIT_SM80_PATH || !PETIT_SM90A_BUILT
   return petitErrorNotSupported;  // no sm_90a image (HIP, other targets): the composed path
 #else
   if (args.num_rows == 0) return petitSuccess;
-  int device = 0, num_sms = args.num_sms;
-  if (num_sms == 0 &&
-      ((err = petitGetDevice(&device)) != petitSuccess ||
-       (err = petitDeviceGetAttribute(&num_sms, petitDevAttrMultiProcessorCount, device)) !=
-           petitSuccess)) {
-    return err;
-  }
+  int64_t max_blocks = 0;
+  if ((err = megamoe_max_blocks(args.num_sms, &max_blocks)) != petitSuccess) return err;
   // kBlocksPerSm blocks per SM, fewer when the most row groups the entries can form have fewer
   // tasks (an active expert's groups: its rows / 16, rounded up).
   const int64_t entries = int64_t(args.num_rows) * args.top_k;
@@ -1354,8 +1402,7 @@ petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
       max_groups * (args.intermediate / megamoe_detail::kTileCols +
                     args.hidden / megamoe_detail::kDownRows) +
       args.hidden / megamoe_detail::kDownRows;
-  const int grid = int(std::max<int64_t>(
-      1, std::min<int64_t>(kMegaMoeBlocksPerSm * int64_t(num_sms), max_tasks)));
+  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(max_blocks, max_tasks)));
   MegaMoeEpArgs e{};
   e.layer = args;
   return launch_kernel<false>(e, grid, stream);
@@ -1363,7 +1410,7 @@ petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
 }
 
 petitError_t launch_megamoe_ep(const MegaMoeEpArgs& args, petitStream_t stream) {
-  petitError_t err = megamoe_ep_check(args);
+  petitError_t err = megamoe_ep_check(args, nullptr, 0);
   if (err != petitSuccess) return err;
   // Every block takes part in the send phase before any waits for the other ranks: the grid
   // must be co-resident, two blocks on each of the rank's num_sms SMs. Refused here when it

@@ -154,10 +154,21 @@ PETIT_GLOBAL void __launch_bounds__(kRowListThreads) row_list_one_block_kernel(R
 
 }  // namespace
 
+petitError_t row_lists_check(const RowListArgs& a, char* err, int err_len) {
+  if (a.num_local_experts < 1 || a.num_local_experts > kMaxExperts)
+    return refuse(err, err_len, "num_local_experts %d outside [1, %d]", a.num_local_experts,
+                  kMaxExperts);
+  if (a.num_entries < 0)
+    return refuse(err, err_len, "%d routing entries must be >= 0", a.num_entries);
+  if (a.expert_map != nullptr && a.num_global_experts < 1)
+    return refuse(err, err_len, "an expert_map needs >= 1 entries, got %d",
+                  a.num_global_experts);
+  return petitSuccess;
+}
+
 petitError_t launch_expert_row_lists(const RowListArgs& a, petitStream_t stream) {
-  if (a.num_local_experts < 1 || a.num_local_experts > kMaxExperts || a.num_entries < 0 ||
-      (a.expert_map != nullptr && a.num_global_experts < 1))
-    return petitErrorInvalidValue;
+  const petitError_t err = row_lists_check(a, nullptr, 0);
+  if (err != petitSuccess) return err;
   const int num_chunks = ceil_div(a.num_entries > 0 ? a.num_entries : 1, kRowListChunk);
   if (num_chunks == 1) {  // decode sizes: one launch instead of three
     petitLaunchKernel(row_list_one_block_kernel, dim3(1), dim3(kRowListThreads), 0, stream, a);

@@ -237,6 +237,61 @@ extern "C" int petit_emu_ep_combine_plan(void* handle, int rank, int num_tokens,
   return rc;
 }
 
+// plan_combine_sizes (api.h: a combine's plan without a context) with the CombineConfig of
+// these fields: out[6] as petit_emu_ep_combine_plan's. Returns the petitError_t, the reason of
+// a refusal in err.
+extern "C" int petit_emu_combine_plan_sizes(int world_size, int hidden, int num_tokens,
+                                            int region_stride, int num_blocks, int reduce_pct,
+                                            int reduce_vectors, int reduce_items,
+                                            int tail_chunks, int* out, char* err, int err_len) {
+  petit::CombineArgs a{};
+  int grid = 0;
+  const int rc = int(petit::plan_combine_sizes(
+      world_size, hidden, num_tokens, region_stride, num_blocks,
+      petit::CombineConfig{reduce_pct, reduce_vectors, reduce_items, tail_chunks}, &a, &grid,
+      err, err_len));
+  const int plan[6] = {a.num_chunks, a.num_whole_pairs, a.num_send_blocks, a.num_reduce_chunks,
+                       a.static_reduce, grid};
+  for (int i = 0; i < 6; ++i) out[i] = plan[i];
+  return rc;
+}
+
+// megamoe_ep_check of a fused call on rank `rank` of the context with these sizes (16-byte
+// aligned placeholders, never read; bf16 weights): hidden, num_local_experts and num_sms the
+// context's where < 0; with_map: an expert_map of one entry. Returns the petitError_t, the
+// reason of a refusal in err.
+extern "C" int petit_emu_ep_megamoe_check(void* handle, int rank, int num_tokens, int top_k,
+                                          int region_stride, int hidden, int intermediate,
+                                          int num_local_experts, int num_sms, int with_map,
+                                          char* err, int err_len) {
+  alignas(16) static char placeholder[16];
+  static const int32_t map_entry = 0;
+  EpEmu& ep = *static_cast<EpEmu*>(handle);
+  petit::MegaMoeEpArgs e{};
+  e.ctx = ep.context(rank);
+  e.region_stride = region_stride;
+  petit::MegaMoeArgs& a = e.layer;
+  a.x = reinterpret_cast<const petit_bf16_bits*>(placeholder);
+  a.w13 = a.w2 = placeholder;
+  a.act = reinterpret_cast<petit_bf16_bits*>(placeholder);
+  a.partial = reinterpret_cast<float*>(placeholder);
+  a.sync = reinterpret_cast<int32_t*>(placeholder);
+  a.out = reinterpret_cast<petit_bf16_bits*>(placeholder);
+  if (with_map != 0) {
+    a.expert_map = &map_entry;
+    a.num_global_experts = 1;
+  }
+  a.num_rows = num_tokens;
+  a.top_k = top_k;
+  a.hidden = hidden < 0 ? ep.layout.hidden : hidden;
+  a.intermediate = intermediate;
+  a.num_local_experts = num_local_experts < 0 ? ep.num_experts / ep.world_size
+                                              : num_local_experts;
+  a.num_sms = num_sms < 0 ? ep.num_blocks : num_sms;
+  a.timeout_ticks = ep.timeout_ticks;
+  return int(petit::megamoe_ep_check(e, err, err_len));
+}
+
 // A context of `world_size` ranks (num_experts / world_size local experts each); the flags are
 // zeroed, every other heap byte is kHeapPoison. timeout_s: the kernels' wait bound in seconds
 // of the emulated timer (emu_ptx::kTimerSlowdown times slower than the host clock).
@@ -246,13 +301,13 @@ extern "C" void* petit_emu_ep_create(int world_size, int max_tokens, int hidden,
       max_tokens > petit::kMaxTokensPerRank || hidden < 8 ||
       hidden % 8 != 0 || max_top_k < 1 || max_top_k > petit::kMaxTopK || num_experts < 1 ||
       num_experts % world_size != 0 || num_blocks < 1 ||
-      !petit::timeout_s_valid(timeout_s))  // as EpContext (bindings.cpp)
+      petit::timeout_check(timeout_s, nullptr, 0) != petitSuccess)  // as EpContext
     return nullptr;
   auto ep = std::make_unique<EpEmu>();
   ep->world_size = world_size;
   ep->num_experts = num_experts;
   ep->num_blocks = num_blocks;
-  ep->timeout_ticks = uint64_t(timeout_s * petit_timer_ticks_per_second());
+  ep->timeout_ticks = petit::timeout_ticks(timeout_s);
   ep->layout = petit::make_heap_layout(world_size, max_tokens, hidden, max_top_k);
   ep->stride = petit::align_up(ep->layout.total_bytes, kHeapAlignment);
   ep->heap = static_cast<unsigned char*>(

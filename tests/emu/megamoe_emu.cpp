@@ -7,6 +7,8 @@
 //       tests/emu/megamoe_emu.cpp -o megamoe_emu.so
 #include "emu_runtime.h"
 
+#include <string>
+
 #include "experts/megamoe.cu"
 
 // Runs launch_megamoe on host memory with a grid of `num_sms` blocks. at_once = 1: every
@@ -58,4 +60,61 @@ extern "C" int petit_emu_megamoe(const uint16_t* x, const int32_t* topk_ids,
 
 extern "C" int petit_emu_megamoe_sync_ints(int num_local_experts, int hidden) {
   return petit::megamoe_sync_ints(num_local_experts, hidden);
+}
+
+// megamoe_check on these sizes (16-byte aligned placeholder pointers, never read; bf16 weights,
+// or block fp8 with fp8 = 1; no expert_map, or one of num_global_experts >= 0 entries), with
+// `misaligned` naming one pointer to offset by 8 bytes ("x", "w13", "w2", "act", "partial",
+// "out", "w13_scale"; "sync": none at all; nullptr: all aligned). Returns the petitError_t as
+// an int (0: accepted), the reason in err.
+extern "C" int petit_emu_megamoe_check(int num_rows, int top_k, int hidden, int intermediate,
+                                       int num_local_experts, int num_sms,
+                                       unsigned long long timeout_ticks, int num_global_experts,
+                                       int fp8, const char* misaligned, char* err, int err_len) {
+  alignas(16) static char placeholder[32];
+  static const int32_t map_entry = 0;
+  const std::string off = misaligned != nullptr ? misaligned : "";
+  auto ptr = [&](const char* name) -> void* { return placeholder + (off == name ? 8 : 0); };
+  petit::MegaMoeArgs a{};
+  a.x = static_cast<const petit_bf16_bits*>(ptr("x"));
+  a.w13 = ptr("w13");
+  a.w2 = ptr("w2");
+  a.act = static_cast<petit_bf16_bits*>(ptr("act"));
+  a.partial = static_cast<float*>(ptr("partial"));
+  a.out = static_cast<petit_bf16_bits*>(ptr("out"));
+  a.sync = off == "sync" ? nullptr : static_cast<int32_t*>(ptr("sync"));
+  if (fp8 != 0) {
+    a.w13_scale = reinterpret_cast<const float*>(placeholder + (off == "w13_scale" ? 2 : 0));
+    a.w2_scale = off == "w2_scale" ? nullptr : reinterpret_cast<const float*>(placeholder);
+  }
+  if (num_global_experts >= 0) {
+    a.expert_map = &map_entry;
+    a.num_global_experts = num_global_experts;
+  }
+  a.num_rows = num_rows;
+  a.top_k = top_k;
+  a.hidden = hidden;
+  a.intermediate = intermediate;
+  a.num_local_experts = num_local_experts;
+  a.num_sms = num_sms;
+  a.timeout_ticks = timeout_ticks;
+  return int(petit::megamoe_check(a, err, err_len));
+}
+
+// timeout_check (api.h): 0 with *ticks = timeout_ticks(timeout_s), else the refusal's reason.
+extern "C" int petit_emu_timeout_check(double timeout_s, unsigned long long* ticks, char* err,
+                                       int err_len) {
+  const petitError_t rc = petit::timeout_check(timeout_s, err, err_len);
+  *ticks = rc == petitSuccess ? petit::timeout_ticks(timeout_s) : 0;
+  return int(rc);
+}
+
+// megamoe_max_blocks on an emulated device of `sm_count` SMs: the blocks, or -1 on an error.
+extern "C" long long petit_emu_megamoe_max_blocks(int num_sms, int sm_count) {
+  const int device_sms = emu::sm_count;
+  emu::sm_count = sm_count;
+  int64_t blocks = 0;
+  const petitError_t rc = petit::megamoe_max_blocks(num_sms, &blocks);
+  emu::sm_count = device_sms;
+  return rc == petitSuccess ? blocks : -1;
 }

@@ -37,3 +37,18 @@ extern "C" long long petit_emu_row_list_workspace_ints(int num_entries, int num_
 }
 
 extern "C" int petit_emu_row_list_chunk() { return petit::kRowListChunk; }
+
+// row_lists_check on these sizes (an expert_map of num_global_experts entries where that is
+// >= 0, never read). Returns the petitError_t as an int (0: accepted), the reason in err.
+extern "C" int petit_emu_row_lists_check(int num_entries, int num_local_experts,
+                                         int num_global_experts, char* err, int err_len) {
+  static const int32_t map_entry = 0;
+  petit::RowListArgs a{};
+  a.num_entries = num_entries;
+  a.num_local_experts = num_local_experts;
+  if (num_global_experts >= 0) {
+    a.expert_map = &map_entry;
+    a.num_global_experts = num_global_experts;
+  }
+  return int(petit::row_lists_check(a, err, err_len));
+}
