@@ -484,6 +484,29 @@ def dp_step(vllm_config, num_tokens):
     return override_forward_context(create_forward_context(None, vllm_config, dp_metadata))
 
 
+def rank_moe_config(call, rank, world_size):
+    """The FusedMoEConfig of DP rank ``rank`` of ``world_size`` (EP over the same ranks) for
+    the layer of ``call``."""
+    parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
+                                    ep_rank=rank)
+    return make_moe_config(parallel, num_experts=call.num_experts,
+                           experts_per_token=call.topk_ids[0].shape[1],
+                           hidden_dim=call.xs[0].shape[1], intermediate_size=call.w2.shape[2])
+
+
+def apply_on_rank(kernel, call, rank, num_tokens, vllm_config, w13, w2):
+    """``kernel.apply`` on rank ``rank``'s inputs of ``call`` in one DP step, with the layer's
+    weights ``w13`` / ``w2`` and vLLM's linear expert_map."""
+    world_size = len(num_tokens)
+    _, expert_map, _ = determine_expert_map(world_size, rank, call.num_experts, "linear")
+    with dp_step(vllm_config, num_tokens):
+        return kernel.apply(
+            call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
+            activation=MoEActivation.SILU, global_num_experts=call.num_experts,
+            expert_map=expert_map, apply_router_weight_on_input=False,
+        )
+
+
 def run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config, experts_class,
                                     ep_emu_lib=None, megamoe_max_tokens=0, megamoe_lib=None):
     """Rank `rank`'s forward of `call` through vLLM's FusedMoEKernel with our prepare/finalize
@@ -495,10 +518,7 @@ def run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config, experts
     world_size = len(num_tokens)
     num_experts, top_k = call.num_experts, call.topk_ids[0].shape[1]
     hidden, intermediate = call.xs[0].shape[1], call.w2.shape[2]
-    parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
-                                    ep_rank=rank)
-    moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
-                                 hidden_dim=hidden, intermediate_size=intermediate)
+    moe_config = rank_moe_config(call, rank, world_size)
     if ep_emu_lib is None:
         buffer = FakeEpBuffer(rank, world_size, num_experts, call)
     else:
@@ -513,15 +533,9 @@ def run_rank_through_modular_kernel(call, rank, num_tokens, vllm_config, experts
                                                fallback=experts)
     with set_current_vllm_config(vllm_config):
         kernel = mk.FusedMoEKernel(pf, experts)
-    _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
-    w13, w2 = call.local_weights(rank, world_size)
     try:
-        with dp_step(vllm_config, num_tokens):
-            out = kernel.apply(
-                call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
-                activation=MoEActivation.SILU, global_num_experts=num_experts,
-                expert_map=expert_map, apply_router_weight_on_input=False,
-            )
+        out = apply_on_rank(kernel, call, rank, num_tokens, vllm_config,
+                            *call.local_weights(rank, world_size))
     finally:
         buffer.close()
     return out, buffer
@@ -689,13 +703,8 @@ def run_rank_through_the_hook(build, call, rank, num_tokens, vllm_config, monkey
     Returns (output, kernel, buffer or None where nothing was substituted)."""
     from vllm_petit_moe.vllm_glue import buffer_cache
 
-    world_size = len(num_tokens)
-    num_experts, top_k = call.num_experts, call.topk_ids[0].shape[1]
-    hidden, intermediate = call.xs[0].shape[1], call.w2.shape[2]
-    parallel = make_parallel_config(dp_size=world_size, dp_rank=rank, ep_size=world_size,
-                                    ep_rank=rank)
-    moe_config = make_moe_config(parallel, num_experts=num_experts, experts_per_token=top_k,
-                                 hidden_dim=hidden, intermediate_size=intermediate)
+    world_size, num_experts = len(num_tokens), call.num_experts
+    moe_config = rank_moe_config(call, rank, world_size)
     buffers = []
 
     def create_buffer(group, config):
@@ -713,14 +722,8 @@ def run_rank_through_the_hook(build, call, rank, num_tokens, vllm_config, monkey
     buffer_cache.close_all_buffers()
     try:
         kernel = build(moe_config)
-        _, expert_map, _ = determine_expert_map(world_size, rank, num_experts, "linear")
         w13, w2, _, _ = call.layer_weights(rank, world_size)
-        with dp_step(vllm_config, num_tokens):
-            out = kernel.apply(
-                call.xs[rank], w13, w2, call.topk_weights[rank], call.topk_ids[rank],
-                activation=MoEActivation.SILU, global_num_experts=num_experts,
-                expert_map=expert_map, apply_router_weight_on_input=False,
-            )
+        out = apply_on_rank(kernel, call, rank, num_tokens, vllm_config, w13, w2)
     finally:
         buffer_cache.close_all_buffers()
     return out, kernel, (buffers[0] if buffers else None)

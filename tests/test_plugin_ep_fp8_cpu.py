@@ -90,6 +90,18 @@ def rel_error(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def assert_rank_output(out, call, rank, num_tokens, expected, other_wire, what):
+    """Rank ``rank``'s output: bf16 of its input's shape and, where it has tokens, within 1e-2
+    of ``expected`` and more than that from ``other_wire`` (so the test can tell the two
+    ``what`` apart)."""
+    assert out.shape == call.xs[rank].shape and out.dtype == torch.bfloat16
+    if num_tokens[rank] == 0:
+        return
+    err = rel_error(out, expected[rank])
+    assert err < 1e-2, f"rank {rank}: relative error {err}"
+    assert rel_error(out, other_wire[rank]) > 1e-2, f"rank {rank}: {what} indistinct"
+
+
 def warnings_of(records):
     return [r.getMessage() for r in records if r.levelno == logging.WARNING]
 
@@ -171,13 +183,7 @@ def test_fp8_experts_get_the_input_they_expect(backend, kernels, world_size, num
             assert scale.shape == (rows, HIDDEN // 128)
         ids = handed["topk_ids"]
         assert ids.dtype == torch.int32 and bool(((ids >= 0) & (ids < NUM_EXPERTS)).all())
-        assert out.shape == call.xs[rank].shape and out.dtype == torch.bfloat16
-        if num_tokens[rank] == 0:
-            continue
-        err = rel_error(out, expected[rank])
-        assert err < 1e-2, f"rank {rank}: relative error {err}"
-        # the test can tell the wires apart: the other one is off by more than the bound
-        assert rel_error(out, other_wire[rank]) > 1e-2, f"rank {rank}: wires indistinct"
+        assert_rank_output(out, call, rank, num_tokens, expected, other_wire, "wires")
 
 
 def test_dispatch_quant_mode_refuses_column_major_activation_scales():
@@ -353,9 +359,4 @@ def test_fused_block_fp8_layer_through_vllms_kernel(fused, kernels, world_size, 
             assert len(calls) == 1 and buffer.quants == [wire]
             assert calls[0]["hidden_states"].dtype == torch.float8_e4m3fn
             assert calls[0]["a1q_scale"].shape == (world_size * stride, HIDDEN // 128)
-        assert out.shape == call.xs[rank].shape and out.dtype == torch.bfloat16
-        if num_tokens[rank] == 0:
-            continue
-        err = rel_error(out, expected[rank])
-        assert err < 1e-2, f"rank {rank}: relative error {err}"
-        assert rel_error(out, other_wire[rank]) > 1e-2, f"rank {rank}: paths indistinct"
+        assert_rank_output(out, call, rank, num_tokens, expected, other_wire, "paths")
