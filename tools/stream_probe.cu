@@ -80,6 +80,23 @@ __device__ int warp_steps(const Part& p, int warp, int* first) {
   return (warp + 1) * steps / kWarps - *first;
 }
 
+// A warp's walk over its shares of the block's tasks (task = block + i x grid), in order:
+// next() is the next step's index within the current task's share [first, first + steps).
+struct StepWalk {
+  int task, j = 0, first = 0, steps = 0;
+  __device__ StepWalk(const Call& call, int tasks0, int tasks, int warp) : task(blockIdx.x) {
+    if (task < tasks) steps = warp_steps(call.part[task < tasks0 ? 0 : 1], warp, &first);
+  }
+  __device__ int next(const Call& call, int tasks0, int warp) {
+    while (j >= steps) {  // the next task with steps for this warp
+      task += gridDim.x;
+      j = 0;
+      steps = warp_steps(call.part[task < tasks0 ? 0 : 1], warp, &first);
+    }
+    return j++;
+  }
+};
+
 template <int P>
 __global__ void __launch_bounds__(kWarps * 32, 2)
     stream(const __grid_constant__ Call call, uint64_t* stamps, uint32_t* sink) {
@@ -117,21 +134,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       int first;
       total += warp_steps(call.part[task < tasks0 ? 0 : 1], warp, &first);
     }
-    // the issuing lane's position: task, step within the warp's share, the share's size
-    int task = blockIdx.x, j = 0, first = 0, steps = 0;
-    if (task < tasks) steps = warp_steps(call.part[task < tasks0 ? 0 : 1], warp, &first);
+    StepWalk loads(call, tasks0, tasks, warp);  // the issuing lane's position
     auto issue = [&](int n) {
-      while (j >= steps) {  // next task with steps for this warp
-        task += gridDim.x;
-        j = 0;
-        steps = warp_steps(call.part[task < tasks0 ? 0 : 1], warp, &first);
-      }
-      const int part = task < tasks0 ? 0 : 1;
+      int s = loads.next(call, tasks0, warp);
+      const int task = loads.task, part = task < tasks0 ? 0 : 1;
       const Part& p = call.part[part];
       const int row = (task - (part ? tasks0 : 0)) * kTaskRows;
-      int s = j++;
-      if constexpr (P == kRotated) s = (s + 5 * task) % steps;
-      const int kstep = first + s;
+      if constexpr (P == kRotated) s = (s + 5 * task) % loads.steps;
+      const int kstep = loads.first + s;
       const int kcoord = kstep * (128 / p.elem_bytes);
       const int slot = n % kStages;
       const uint32_t dst = smem_addr_u32(my_ring + slot * kStepBytes);
@@ -148,22 +158,16 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
         sm90_tma_load_4d(dst + kStepBytes / 2, &p.map16, kcoord, row + 16, 0, 0, bar);
       }
     };
-    // the consuming lanes' position in x: the step's 128 bytes of the token's input row
-    int xtask = blockIdx.x, xj = 0, xfirst = 0, xsteps = 0;
-    if (xtask < tasks) xsteps = warp_steps(call.part[xtask < tasks0 ? 0 : 1], warp, &xfirst);
+    StepWalk inputs(call, tasks0, tasks, warp);  // the consuming lanes' position in x
     if (lane == 0)
       for (int n = 0; n < kStages && n < total; ++n) issue(n);
     for (int n = 0; n < total; ++n) {
       const int slot = n % kStages;
       uint32_t xv = 0;
       if constexpr (P == kMix) {
-        while (xj >= xsteps) {
-          xtask += gridDim.x;
-          xj = 0;
-          xsteps = warp_steps(call.part[xtask < tasks0 ? 0 : 1], warp, &xfirst);
-        }
         // issued before the weights' wait: 128 k of bf16 inputs per e4m3 step, 64 per bf16
-        const int at = (xfirst + xj++) * 32 + lane;
+        const int step = inputs.next(call, tasks0, warp);
+        const int at = (inputs.first + step) * 32 + lane;
         if (call.part[0].elem_bytes == 1) {
           const uint2 v = reinterpret_cast<const uint2*>(call.x)[at];
           xv = v.x ^ v.y;
