@@ -29,7 +29,7 @@ KERNEL_SOURCES = ["comm/heap.cpp", "comm/ep_context.cpp", "comm/dispatch_combine
                   "experts/routing.cu",
                   "experts/tile_choice.cu", "experts/gemm_sm90.cu", "experts/gemm_simt.cu",
                   "experts/reduce.cu", "experts/megamoe.cu"]
-BINDING_SOURCES = ["bindings.cpp"]
+BINDING_SOURCES = ["bindings/module.cpp", "bindings/kernels.cpp", "bindings/ep_context.cpp"]
 
 # The vLLM versions the glue supports (vllm_petit_moe/vllm_glue/compat.py SUPPORTED_VLLM, which
 # a CPU test keeps equal to this). A range, not a pin: installing into a working vLLM

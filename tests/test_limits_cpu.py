@@ -136,8 +136,8 @@ def test_one_default_timeout(monkeypatch):
     assert limits.check_timeout_s(default) == default
     monkeypatch.delenv(envs.VLLM_PETIT_MOE_TIMEOUT_S, raising=False)
     assert envs.timeout_s() == default
-    bindings = (CSRC / "bindings.cpp").read_text()
-    assert 'py::arg("timeout_s") = double(petit::kDefaultTimeoutS)' in bindings
+    bindings = (CSRC / "bindings" / "kernels.cpp").read_text()
+    assert 'py::arg("timeout_s") = double(kDefaultTimeoutS)' in bindings
     assert not re.search(r'py::arg\("timeout_s"\) = [0-9]', bindings)
 
 

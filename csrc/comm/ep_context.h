@@ -1,7 +1,7 @@
 // One rank's EP context, framework-free: its share of the symmetric heap, the device-side state
 // of its calls (EpState, token masks, group counters), the pinned diagnostics record, the
 // heartbeat page and its thread, the launch/close mutex and the order of close and abort.
-// The torch binding (bindings.cpp) converts tensors into the raw calls below and wraps the
+// The torch binding (bindings/ep_context.cpp) converts tensors into the raw calls below and wraps the
 // returned pointers in tensor views; every error is a std::runtime_error whose message the
 // binding shows as it is (after its "petit_moe: " prefix).
 //
