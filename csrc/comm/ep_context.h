@@ -1,9 +1,9 @@
 // One rank's EP context, framework-free: its share of the symmetric heap, the device-side state
 // of its calls (EpState, token masks, group counters), the pinned diagnostics record, the
 // heartbeat page and its thread, the launch/close mutex and the order of close and abort.
-// The torch binding (bindings/ep_context.cpp) converts tensors into the raw calls below and wraps the
-// returned pointers in tensor views; every error is a std::runtime_error whose message the
-// binding shows as it is (after its "petit_moe: " prefix).
+// The torch binding (bindings/ep_context.cpp) converts tensors into the raw calls below and
+// wraps the returned pointers in tensor views; every error is a std::runtime_error whose
+// message the binding shows as it is (after its "petit_moe: " prefix).
 //
 // Ownership: the heap and the device state are each one allocation behind a shared_ptr that
 // the context holds until close() (the heap) or its destruction (the device state), and that
