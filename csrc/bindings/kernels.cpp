@@ -13,6 +13,39 @@ namespace petit {
 namespace binding {
 namespace {
 
+ExpertConfig expert_config_from(const py::dict& d) {
+  return config_from<ExpertConfig>(d, "ExpertConfig", kExpertConfigFields);
+}
+
+// A workspace: a contiguous `dtype` CUDA tensor of any shape with >= min_elems elements on
+// cuda:`device`.
+void check_workspace(const torch::Tensor& t, const char* name, torch::ScalarType dtype,
+                     int64_t min_elems, int device) {
+  PETIT_CHECK(t.is_cuda() && t.is_contiguous() && t.get_device() == device &&
+                  t.scalar_type() == dtype && t.numel() >= min_elems,
+              "%s must be a contiguous %s tensor of >= %lld elements on cuda:%d", name,
+              dtype_name(dtype).c_str(), (long long)min_elems, device);
+}
+
+void check_aligned16(const torch::Tensor& t, const char* name) {
+  PETIT_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              "%s must be 16-byte aligned (vector loads/stores)", name);
+}
+
+// vLLM's EP expert_map (global -> local expert id, -1 for other ranks' experts), optional:
+// with it the routing ids are global ids and the kernels map them (expert_ids.h). Returns the
+// map's pointer (nullptr without one) and sets *num_global to its length. Refused here when
+// empty: its data pointer may then be null, which the C API reads as no map.
+const int32_t* expert_map_arg(const c10::optional<torch::Tensor>& expert_map, int device,
+                              int* num_global) {
+  *num_global = 0;
+  if (!expert_map.has_value()) return nullptr;
+  check_tensor(*expert_map, "expert_map", torch::kInt32, device, "[E]", {-1});
+  PETIT_CHECK(expert_map->numel() >= 1, "expert_map must have >= 1 entries");
+  *num_global = checked_int(expert_map->numel(), "expert_map size");
+  return expert_map->data_ptr<int32_t>();
+}
+
 // The default configs as dicts: what config.py's dataclasses must mirror.
 py::dict config_defaults() {
   py::dict expert, combine, d;
