@@ -453,6 +453,10 @@ def _main_w1(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.replot and args.world is None:  # the file's own world (its first row's)
+        import json
+        with open(args.replot) as f:
+            args.world = json.loads(f.readline())["world"]
     if args.replot and args.world == 1:
         import moe_layer_w1 as w1
         return replot(args.replot, w1.plot_w1,
