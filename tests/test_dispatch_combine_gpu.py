@@ -626,3 +626,52 @@ def test_spin_wait_is_bounded(rank_pools):
     assert r0["timed_out"] == 1 and r0["rank"] == 0 and r0["peer"] == 1
     assert r0["peer_alive"] == 1, "rank 1 was alive: the wait must have ended at max_wait_s"
     assert r0["phase"] == "dispatch" and r0["expected_epoch"] == 1
+
+
+def _rank_leaves_on_a_bad_id(state):
+    """Rank 1's dispatch raises before its launch (an id out of range, validate_ids): it leaves
+    the protocol and marks its heartbeat aborted. Rank 0's dispatch waits for rank 1's rows and
+    must fail within 1.5 x timeout_s naming that, long before max_wait_s (60 s)."""
+    import time
+
+    from vllm_petit_moe.buffer import BufferAbortedError, PeerFaultError
+    timeout_s = 1.0
+    buf = get_buffer(state, **_cfg(hidden=64, max_tokens=32, timeout_s=timeout_s),
+                     max_wait_s=60.0)
+    x = torch.randn(4, 64, device=state["device"]).bfloat16()
+    ids = torch.zeros(4, 1, dtype=torch.int64, device=state["device"])
+    w = torch.ones(4, 1, device=state["device"])
+    if state["rank"] == 1:
+        ids[2, 0] = NUM_EXPERTS + 5
+        try:
+            buf.dispatch(x, ids, w)
+        except ValueError as e:
+            error = str(e)
+        else:
+            return {"error": None}
+        try:
+            buf.dispatch(x, ids.clamp(max=0), w)
+        except BufferAbortedError as e:
+            return {"error": error, "then": str(e)}
+        return {"error": error, "then": None}
+    start = time.monotonic()
+    buf.dispatch(x, ids, w)
+    try:
+        buf.synchronize()
+    except PeerFaultError as e:
+        return {"message": str(e), "elapsed": time.monotonic() - start,
+                "timeout_s": timeout_s, **buf.diagnostics()}
+    return {"message": None}
+
+
+def test_a_rank_that_leaves_on_an_error_fails_its_peers_fast(rank_pools):
+    pool = rank_pools(2)
+    results = pool.run(_rank_leaves_on_a_bad_id, timeout_s=120)
+    pool.close()  # rank 0's CUDA context is gone after the trap
+    r0, r1 = results
+    assert r1["error"] is not None and "top-k ids must be in" in r1["error"], r1
+    assert r1["then"] is not None and "left the collective protocol" in r1["then"], r1
+    assert r0["message"] is not None, "rank 0's dispatch must fail, not hang or succeed"
+    assert r0["error"] == "peer_aborted" and r0["peer"] == 1, r0
+    assert "rank 1 left the protocol" in r0["message"], r0
+    assert r0["elapsed"] < 1.5 * r0["timeout_s"] + 2.0, r0  # + the launch and sync
