@@ -90,6 +90,26 @@ def test_ab_compare_moe_layer_rows(tmp_path, capsys):
     assert ab.main([str(tmp_path / "old"), str(tmp_path / "new"), "--metric", "vllm_us"]) == 1
 
 
+def test_ab_compare_moe_layer_keeps_dtypes_apart(tmp_path, capsys):
+    """One bench_moe_layer.py run with --dtypes bf16 fp8 writes both dtypes' rows at each
+    token count: they are separate configurations (a row without dtype is bf16), not repeats
+    pooled into one median."""
+    ab = _ab_compare()
+
+    def rows(bf16_us, fp8_us):
+        return [dict(preset="qwen3-30b-a3b", routing="uniform", tokens=1, vllm_us=40.0,
+                     composed_us=None, megamoe_us=bf16_us),
+                dict(preset="qwen3-30b-a3b", dtype="fp8", routing="uniform", tokens=1,
+                     vllm_us=30.0, composed_us=None, megamoe_us=fp8_us)]
+    _write_run(tmp_path / "old", rows(30.0, 20.0))
+    _write_run(tmp_path / "new", rows(30.0, 10.0))
+    assert ab.main([str(tmp_path / "old"), str(tmp_path / "new")]) == 0
+    out = capsys.readouterr().out
+    assert "of megamoe_us over 2 configurations: 0.707" in out
+    fp8_row = next(line for line in out.splitlines() if " fp8 " in line)
+    assert "20.0" in fp8_row and "10.0" in fp8_row and "0.500" in fp8_row
+
+
 def test_ab_compare_experts_chained_metric(tmp_path, capsys):
     """us_chain (bench_experts --chain, decode sizes only) as a second metric: compared where
     both settings have it, "-" elsewhere, the verdict on it with --metric us_chain."""

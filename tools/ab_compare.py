@@ -12,8 +12,8 @@ omitted).
 A and B are directory prefixes: A matches A, A_r2, A_r3, ... The kind of results is read from
 the records: expert results (key preset, routing, tokens, tiles; metrics us and, from
 bench_experts --chain, us_chain; the verdict on --metric, default us, over the configurations
-that have it), MoE-layer results of bench_moe_layer.py (key preset, routing, tokens; metrics
-vllm_us, composed_us, megamoe_us, the verdict on --metric, default megamoe_us) or
+that have it), MoE-layer results of bench_moe_layer.py (key preset, dtype, routing, tokens;
+metrics vllm_us, composed_us, megamoe_us, the verdict on --metric, default megamoe_us) or
 dispatch/combine results (key preset, routing, tokens, num_sms; metrics dispatch_us and
 combine_us, the verdict on --metric, default combine_us). Exit status 0 when B is faster
 (geometric mean < 1), 1 when it is not, 2 when there is nothing to compare.
@@ -31,7 +31,8 @@ KINDS = {  # kind: (key fields, metrics, the verdict's default metric)
     # tiles: the family asked for (tiles_requested where recorded: "auto" resolves to names
     # that changed between trees)
     "experts": (("preset", "routing", "tokens", "tiles"), ("us", "us_chain"), "us"),
-    "moe_layer": (("preset", "routing", "tokens"), ("vllm_us", "composed_us", "megamoe_us"),
+    # dtype: bf16 or fp8 (rows written before fp8 existed have none: bf16)
+    "moe_layer": (("preset", "dtype", "routing", "tokens"), ("vllm_us", "composed_us", "megamoe_us"),
                   "megamoe_us"),
     "dispatch_combine": (("preset", "routing", "tokens", "num_sms"),
                          ("dispatch_us", "combine_us"), "combine_us"),
@@ -55,8 +56,8 @@ def load(prefix):
                     r = json.loads(line)
                     kind = kind or kind_of(r)
                     fields, metrics, _ = KINDS[kind]
-                    key = tuple(r.get("tiles_requested", r[k]) if k == "tiles" else r[k]
-                                for k in fields)
+                    key = tuple(r.get("tiles_requested", r[k]) if k == "tiles" else
+                                r.get(k, "bf16") if k == "dtype" else r[k] for k in fields)
                     per_key = values.setdefault(key, {})
                     for m in metrics:
                         if r.get(m) is not None:
@@ -98,7 +99,7 @@ def main(argv=None):
             ta, tb = statistics.median(a[key][m]), statistics.median(b[key][m])
             ratio = tb / ta
             row += f" {ta:14.1f} {tb:14.1f} {ratio:6.3f}"
-            in_mean = (not args.tokens or key[2] in args.tokens) and (
+            in_mean = (not args.tokens or key[fields.index("tokens")] in args.tokens) and (
                 kind_a != "dispatch_combine" or not args.num_sms or key[3] in args.num_sms)
             if m == metric and in_mean:
                 logs.append(math.log(ratio))
