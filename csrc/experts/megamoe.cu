@@ -52,7 +52,6 @@
 #include "common/launch.h"
 #include "gemm/epilogues.h"
 #if PETIT_SM80_PATH
-#include "gemm/cp_async.h"
 #include "gemm/sm80_mma.h"
 #include "gemm/sm90_epilogue_staged.h"    // named barriers
 #include "gemm/sm90_mainloop_wgmma_ws.h"  // mbarrier wrappers
@@ -79,9 +78,7 @@ constexpr int kPassRows = 8 * kMaxNTiles;
 constexpr int kPassRows8 = 8;    // e4m3 weights: one n-tile per pass (mainloop_fp8)
 constexpr int kGroupShift = 4;   // kSplit: a row group is 1 << kGroupShift rows, one pass
 static_assert(1 << kGroupShift == kPassRows, "a row group is one pass");
-constexpr int kStages = 4;       // ring steps in flight per warp
-constexpr int kAhead8 = 2;       // e4m3 weights: input steps in flight per warp (cp.async)
-constexpr int kInputSlotBytes = 32 * 64;  // a step's inputs: 32 bf16 of each lane
+constexpr int kStages = 5;       // ring steps in flight per warp
 constexpr int kInputsAhead = 4;  // input steps in flight per warp with one n-tile (W = 1)
 constexpr int kBoxRows = 16;     // one TMA box: 16 weight rows x 64 k, 128-byte swizzle
 constexpr int kBoxBytes = kBoxRows * kStepK * 2;
@@ -106,9 +103,7 @@ struct SmemLayout {
   static constexpr int kGroupBase = kActive + 4 * kMaxExperts;  // int32 [active + 1]
   static constexpr int kScalars = kGroupBase + 4 * (kMaxExperts + 4);         // int32 [12]
   static constexpr int kReduce = kScalars + 4 * 12;  // float [warps][2][n-tiles][4][32]
-  static constexpr int kInputs8 = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
-  // [warps][kAhead8][lanes][64 bytes]: e4m3 weights, the rows' inputs of the next steps
-  static constexpr int kBytes = kInputs8 + kWarps * kAhead8 * kInputSlotBytes;
+  static constexpr int kBytes = kReduce + 4 * kWarps * 2 * kMaxNTiles * 4 * 32;
 };
 static_assert(kBlocksPerSm * (SmemLayout::kBytes + 1024) <= 228 * 1024, "two blocks per SM");
 // kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3); EP: the call's epoch
@@ -299,7 +294,6 @@ struct Smem {
   int32_t* group_base;  // [active + 1] kSplit: each active expert's first row group
   int32_t* scalars;     // [12] Scalar
   float* red;           // [warps][2][n-tiles][4][32] the warps' sums of a pass
-  unsigned char* inputs8;  // [warps][kAhead8][lanes][64 bytes] e4m3 weights: inputs ahead
 };
 
 PETIT_DEVICE Smem carve_smem(unsigned char* smem) {
@@ -316,7 +310,6 @@ PETIT_DEVICE Smem carve_smem(unsigned char* smem) {
   static_assert(SmemLayout::kGroupBase == SmemLayout::kActive + 4 * kMaxExperts, "adjacent");
   s.scalars = reinterpret_cast<int32_t*>(smem + SmemLayout::kScalars);
   s.red = reinterpret_cast<float*>(smem + SmemLayout::kReduce);
-  s.inputs8 = smem + SmemLayout::kInputs8;
   return s;
 }
 
@@ -778,87 +771,62 @@ PETIT_DEVICE void mainloop(const WarpStream& ws, const petit_bf16_bits* const (&
 // (e4m3_x4_to_bf16: k pairs (0, 2), (1, 3) of each word) and the bf16 inputs of the same k
 // permuted alike (bf16_pairs_even_odd), so the bf16 mma.sync runs as in the bf16 mainloop. A
 // step's products are summed apart and added to acc times the step's block scale, per half
-// (a half's 16 rows lie in one 128-row block), in fp32. The inputs travel kAhead8 steps ahead
-// by cp.async into the warp's slots of shared memory (each lane its own 64 bytes: no registers
-// held, and not behind the weights' TMA boxes), the block scales kAhead8 steps ahead in
-// registers.
+// (a half's 16 rows lie in one 128-row block), in fp32. The next step's inputs and scales are
+// loaded after the multiplies (one step ahead: more spill at two).
 PETIT_DEVICE void mainloop_fp8(const WarpStream& ws, const petit_bf16_bits* b_row,
                                const float* const (&scale_rows)[2], float (&acc)[2][4],
-                               Producer& prod, int& consumed, const WarpRing& ring,
-                               unsigned char* inputs) {
+                               Producer& prod, int& consumed, const WarpRing& ring) {
   const int lane = petit_lane_id(), g = lane / 4, q = lane % 4;
   const int end = ws.s0 + ws.steps;
-  unsigned char* const mine = inputs + lane * 64;  // slot d at + d * kInputSlotBytes
-  float scale[kAhead8][2];  // [slot][half]
-  // step s's inputs into slot d (one cp.async group, empty past the end or for a missing
-  // row, whose inputs are zeros) and its scales
-  auto issue = [&](int d, int s) {
-    if (b_row != nullptr && s < end) {
-      const uint32_t dst = gemm::smem_addr_u32(mine + d * kInputSlotBytes);
+  uint4 b[2][2];   // [span h][c]: bf16 of k 128s + 64h + 16q + 8c ..
+  float scale[2];  // [half]
+  auto load = [&](int s) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          gemm::sm80_cp_async_16(dst + (2 * h + c) * 16,
-                                 b_row + s * kStepK8 + h * 64 + 16 * q + 8 * c, 16);
-        }
-    }
-    gemm::cp_async_commit();
+      for (int c = 0; c < 2; ++c) {
+        b[h][c] = b_row != nullptr && s < end
+                      ? petit_load_cg(reinterpret_cast<const uint4*>(
+                            b_row + s * kStepK8 + h * 64 + 16 * q + 8 * c))
+                      : zero4();
+      }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) scale[d][h] = s < end ? scale_rows[h][s] : 0.0f;
+    for (int h = 0; h < 2; ++h) scale[h] = s < end ? scale_rows[h][s] : 0.0f;
   };
+  load(ws.s0);
+  for (int s = ws.s0; s < end; ++s) {
+    const int slot = consumed % kStages;
+    gemm::sm90_mbarrier_wait_parity(ring.full_addr + slot * 8, (consumed / kStages) & 1);
+    const unsigned char* step = ring.steps + slot * kStepBytes;
+    float part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
-  for (int d = 0; d < kAhead8; ++d) issue(d, ws.s0 + d);
-  for (int base = ws.s0; base < end; base += kAhead8) {
+    for (int h = 0; h < 2; ++h) {  // chunk 4h + q of rows g, g + 8 of each box
+      const uint4 w[4] = {box_chunk(step, g, 4 * h + q), box_chunk(step, g + 8, 4 * h + q),
+                          box_chunk(step + kBoxBytes, g, 4 * h + q),
+                          box_chunk(step + kBoxBytes, g + 8, 4 * h + q)};
 #pragma unroll
-    for (int d = 0; d < kAhead8; ++d) {
-      const int s = base + d;
-      if (s < end) {
-        gemm::cp_async_wait<kAhead8 - 1>();  // step s's group (groups complete in order)
-        uint4 b[2][2];  // [span h][c]: bf16 of k 128s + 64h + 16q + 8c ..
+      for (int c = 0; c < 2; ++c) {  // k 8c .. 8c + 7 of the chunk: words 2c, 2c + 1
+        uint4 a[4];
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            b[h][c] = b_row != nullptr ? *reinterpret_cast<const uint4*>(
-                                             mine + d * kInputSlotBytes + (2 * h + c) * 16)
-                                       : zero4();
-          }
-        const int slot = consumed % kStages;
-        gemm::sm90_mbarrier_wait_parity(ring.full_addr + slot * 8, (consumed / kStages) & 1);
-        const unsigned char* step = ring.steps + slot * kStepBytes;
-        float part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // chunk 4h + q of rows g, g + 8 of each box
-          const uint4 w[4] = {box_chunk(step, g, 4 * h + q), box_chunk(step, g + 8, 4 * h + q),
-                              box_chunk(step + kBoxBytes, g, 4 * h + q),
-                              box_chunk(step + kBoxBytes, g + 8, 4 * h + q)};
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {  // k 8c .. 8c + 7 of the chunk: words 2c, 2c + 1
-            uint4 a[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const uint32_t lo = c == 0 ? w[i].x : w[i].z, hi = c == 0 ? w[i].y : w[i].w;
-              a[i] = make_uint4(gemm::e4m3_x4_to_bf16(lo << 8), gemm::e4m3_x4_to_bf16(lo),
-                                gemm::e4m3_x4_to_bf16(hi << 8), gemm::e4m3_x4_to_bf16(hi));
-            }
-            const uint4 bk = gemm::bf16_pairs_even_odd(b[h][c]);
-            gemm::mma_span32(part[0], a[0], a[1], bk);
-            gemm::mma_span32(part[1], a[2], a[3], bk);
-          }
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t lo = c == 0 ? w[i].x : w[i].z, hi = c == 0 ? w[i].y : w[i].w;
+          a[i] = make_uint4(gemm::e4m3_x4_to_bf16(lo << 8), gemm::e4m3_x4_to_bf16(lo),
+                            gemm::e4m3_x4_to_bf16(hi << 8), gemm::e4m3_x4_to_bf16(hi));
         }
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[h][r] = fmaf(part[h][r], scale[d][h], acc[h][r]);
-        issue(d, s + kAhead8);  // into the slot just read (its values are in registers)
-        ++consumed;
-        petit_syncwarp();  // every lane has read the slot before lane 0 refills it
-        produce<true>(prod, consumed, ring);
+        const uint4 bk = gemm::bf16_pairs_even_odd(b[h][c]);
+        gemm::mma_span32(part[0], a[0], a[1], bk);
+        gemm::mma_span32(part[1], a[2], a[3], bk);
       }
     }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[h][r] = fmaf(part[h][r], scale[h], acc[h][r]);
+    load(s + 1);  // after the multiplies read the registers
+    ++consumed;
+    petit_syncwarp();  // every lane has read the slot before lane 0 refills it
+    produce<true>(prod, consumed, ring);
   }
-  gemm::cp_async_wait<0>();  // the next mainloop refills the slots
 }
 
 // Gate/up epilogue of a pass: act[pos][cols] = bf16(silu(gate) * up) for the pass's `rows`
@@ -944,8 +912,7 @@ PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& 
         for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
     if constexpr (kFp8) {
       float acc8[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-      mainloop_fp8(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring,
-                   s.inputs8 + warp * (kAhead8 * kInputSlotBytes));
+      mainloop_fp8(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
