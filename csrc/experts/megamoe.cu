@@ -697,15 +697,6 @@ PETIT_DEVICE uint4 box_chunk(const unsigned char* box, int r, int chunk) {
 
 // ------------------------------------------------------------------ gate/up and down (roles)
 
-// The optional trace's ring-step records (layout.h): thread 0's (a lane of compute warp 0)
-// first kMegaMoeTraceSteps e4m3 steps at W = 1, each as the moment its wait began and the
-// moment its weights were in. stamps: nullptr on every other thread, without a trace and in
-// the EP kernel (whose fp8 instance has no register to spare).
-struct StepTrace {
-  int64_t* stamps;
-  int count;
-};
-
 // One pass's multiplies: this warp's k steps over NT n-tiles of the pass's rows, the weights
 // (M) from the warp's ring, the rows' inputs (N) from global memory at b_rows[j] (nullptr: a
 // missing row), into acc[half][n-tile]. B is loaded D steps ahead into a register ring, so a
@@ -784,8 +775,7 @@ PETIT_DEVICE void mainloop(const WarpStream& ws, const petit_bf16_bits* const (&
 // loaded after the multiplies (one step ahead: more spill at two).
 PETIT_DEVICE void mainloop_fp8(const WarpStream& ws, const petit_bf16_bits* b_row,
                                const float* const (&scale_rows)[2], float (&acc)[2][4],
-                               Producer& prod, int& consumed, const WarpRing& ring,
-                               StepTrace& st) {
+                               Producer& prod, int& consumed, const WarpRing& ring) {
   const int lane = petit_lane_id(), g = lane / 4, q = lane % 4;
   const int end = ws.s0 + ws.steps;
   uint4 b[2][2];   // [span h][c]: bf16 of k 128s + 64h + 16q + 8c ..
@@ -806,14 +796,7 @@ PETIT_DEVICE void mainloop_fp8(const WarpStream& ws, const petit_bf16_bits* b_ro
   load(ws.s0);
   for (int s = ws.s0; s < end; ++s) {
     const int slot = consumed % kStages;
-    const bool stamp = st.stamps != nullptr && st.count < kMegaMoeTraceSteps;
-    const int64_t begun = stamp ? int64_t(petit_timer()) : 0;
     gemm::sm90_mbarrier_wait_parity(ring.full_addr + slot * 8, (consumed / kStages) & 1);
-    if (stamp) {
-      st.stamps[2 * st.count] = begun;
-      st.stamps[2 * st.count + 1] = int64_t(petit_timer());
-      ++st.count;
-    }
     const unsigned char* step = ring.steps + slot * kStepBytes;
     float part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
@@ -888,8 +871,7 @@ PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, int pass_rows
 // warps' sums through shared memory, then the kind's epilogue.
 template <bool kEp, bool kFp8>
 PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& l,
-                              const Smem& s, Producer& prod, int& consumed, const WarpRing& ring,
-                              StepTrace& st) {
+                              const Smem& s, Producer& prod, int& consumed, const WarpRing& ring) {
   constexpr int kRows = kFp8 ? kPassRows8 : kPassRows;  // rows per pass
   const int lane = petit_lane_id(), warp = petit_warp_id(), g = lane / 4;
   const bool gate_up = t.kind == kGateUp;
@@ -930,7 +912,7 @@ PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& 
         for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
     if constexpr (kFp8) {
       float acc8[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-      mainloop_fp8(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring, st);
+      mainloop_fp8(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -1173,8 +1155,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   // ---- the tasks. Per iteration: R (ready: the control warp has acquired what the task
   // reads from other blocks), the task's role, S (every store of the task issued).
   Control<kEp, kSplit> ctl{};
-  StepTrace steps{kFp8 && !kEp && trace != nullptr  // W = 1
-                      ? trace + kMegaMoeTraceHeader + 3 * kMegaMoeTraceTasks : nullptr, 0};
   for (int iter = 0;; ++iter) {
     if (control && lane == 0) ctl.await_inputs(cur_task, sc, e, l, epoch);
     __syncthreads();  // R(iter)
@@ -1187,7 +1167,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     } else if (kEp && cur_task.kind == kFinal) {
       final_task(cur_task.tile, e);
     } else {
-      weight_task<kEp, kFp8>(cur_task, a, l, s, prod, consumed, ring, steps);
+      weight_task<kEp, kFp8>(cur_task, a, l, s, prod, consumed, ring);
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {
