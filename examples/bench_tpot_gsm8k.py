@@ -146,6 +146,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="vllm serve's --max-model-len (default: %(default)s)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="vllm serve's --gpu-memory-utilization (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="vllm serve's --max-num-seqs, recorded in every row; 0: the highest "
+                   "--concurrency level. vLLM captures CUDA graphs for batches up to twice it: "
+                   "at its own default (256) 102 graphs up to 512, over 3.5 min of a cold fp8 "
+                   "start on an H100; for levels up to 8, ten (default: %(default)s)")
     p.add_argument("--serve-args", default="", help="more `vllm serve` arguments (one string)")
     p.add_argument("--health-timeout", type=float, default=900.0,
                    help="seconds a server may take to answer /health (default: %(default)s)")
@@ -170,6 +175,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.megamoe_max_tokens < 1 or args.prompts_per_client < 0:
         p.error("--num-prompts 0..1319, --concurrency >= 1, --repeats >= 1, "
                 "--megamoe-max-tokens >= 1, --prompts-per-client >= 0")
+    if args.max_num_seqs < 0 or 0 < args.max_num_seqs < max(args.concurrency):
+        p.error(f"--max-num-seqs {args.max_num_seqs}: 0, or at least the highest --concurrency "
+                f"({max(args.concurrency)}; fewer would queue that level's requests)")
+    args.max_num_seqs = args.max_num_seqs or max(args.concurrency)
     return args
 
 
@@ -324,7 +333,8 @@ def main(argv=None) -> int:
         cmd = vllm_serve_command(args.python, args.model_dir, name, port, args.dp,
                                  args.attention_backend, max_model_len=args.max_model_len,
                                  gpu_memory_utilization=args.gpu_memory_utilization,
-                                 load_format="dummy") + shlex.split(args.serve_args)
+                                 load_format="dummy", max_num_seqs=args.max_num_seqs
+                                 ) + shlex.split(args.serve_args)
         bound = dict(megamoe_max_tokens=args.megamoe_max_tokens)
         settings = server_settings(backend, args.strict, args.routing_strategy, **bound)
         env = server_env(backend, args.strict, args.routing_strategy, **bound)
@@ -369,6 +379,7 @@ def main(argv=None) -> int:
                                  backend=backend, routing_strategy=args.routing_strategy,
                                  concurrency=c, num_prompts=num_prompts,
                                  output_len=args.output_len, repeat=rep, model=name,
+                                 max_num_seqs=args.max_num_seqs,
                                  server_start_s=round(start_s, 1),
                                  bench_wall_s=round(time.monotonic() - wall, 1),
                                  **(bound if backend == "petit-megamoe" else {}))
