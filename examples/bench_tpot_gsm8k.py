@@ -178,6 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.max_num_seqs < 0 or 0 < args.max_num_seqs < max(args.concurrency):
         p.error(f"--max-num-seqs {args.max_num_seqs}: 0, or at least the highest --concurrency "
                 f"({max(args.concurrency)}; fewer would queue that level's requests)")
+    if any(w.split("=")[0] == "--max-num-seqs" for w in shlex.split(args.serve_args)):
+        p.error("--max-num-seqs in --serve-args: give it as --max-num-seqs (rows record it)")
     args.max_num_seqs = args.max_num_seqs or max(args.concurrency)
     return args
 

@@ -340,7 +340,8 @@ def test_dry_run_on_one_gpu_and_usage_errors(capsys, tmp_path):
     for argv in (["--backends", "petit-experts"], ["--num-prompts", "2000"],
                  ["--concurrency", "0"], ["--routing-strategy", "none"],
                  ["--megamoe-max-tokens", "0"], ["--prompts-per-client", "-1"],
-                 ["--concurrency", "8", "--max-num-seqs", "4"], ["--max-num-seqs", "-1"]):
+                 ["--concurrency", "8", "--max-num-seqs", "4"], ["--max-num-seqs", "-1"],
+                 ["--serve-args", "--max-num-seqs 16"], ["--serve-args", "--max-num-seqs=16"]):
         with pytest.raises(SystemExit) as e:
             bench.main(["--dry-run", *argv])
         assert e.value.code == 2
