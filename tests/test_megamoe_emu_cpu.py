@@ -182,52 +182,6 @@ def test_fp8_limits_rejected(emu):
     assert rc != 0 and out.isnan().all()
 
 
-def wide_fp8_tasks(groups, hidden, intermediate, grid):
-    """The schedule's rule for e4m3 weights (megamoe.cu, wide_tasks): gate/up tasks are two
-    16-column tiles where the 16-column tasks outnumber the grid; down tasks two 32-row tiles
-    where I < 1024 and the 32-row tasks are at least 8 grids."""
-    gate_up = groups * (intermediate // 16) > grid
-    down = intermediate < 1024 and groups * (hidden // 32) >= 8 * grid
-    return gate_up, down
-
-
-@pytest.mark.parametrize("hidden,intermediate,experts,num_sms,want", [
-    (256, 256, 1, 8, (False, False)),   # 16 gate/up tasks on 16 blocks: one wave, narrow
-    (256, 256, 1, 1, (True, False)),    # 16 on 2 blocks: wide gate/up; 8 down tasks: narrow
-    (256, 256, 3, 1, (True, True)),     # and 24 short down tasks on 2 blocks: wide down
-    (256, 1024, 3, 1, (True, False)),   # I = 1024: down tasks of 8 k steps stay narrow
-])
-def test_fp8_wide_tasks_where_the_schedule_says(emu, hidden, intermediate, experts, num_sms,
-                                                want):
-    """e4m3 weights: the call's tasks are as many as the schedule's rule gives (every block's
-    trace counts the tasks it ran), and the output matches the reference, with 16-row groups
-    and with one group per expert. Experts of 1, 2 and 17 rows: the third makes three 8-row
-    passes over both tiles of a wide task, or two row groups (20 entries > 16: the launcher
-    splits where the tiles exceed L2)."""
-    from vllm_petit_moe.limits import MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS
-    rows = {0: 1, 1: 2, 2: 17}
-    flat = torch.tensor([e for e in range(experts) for _ in range(rows[e])], dtype=torch.int32)
-    ids = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(3))]
-    case, (s13, s2), (d13, d2) = make_fp8_case(40, ids.numel(), 1, hidden, intermediate, 4,
-                                               ids=ids.view(-1, 1))
-    assert wide_fp8_tasks(experts, hidden, intermediate, MEGAMOE_BLOCKS_PER_SM * num_sms) == want
-    gate_up_subs, down_subs = (2 if w else 1 for w in want)
-    ref = reference_moe(*case[:3], d13, d2)
-    for l2_bytes in (0, WHOLE_L2):
-        groups = experts + (l2_bytes == 0 and experts > 2)  # the 17-row expert: two groups
-        wide = wide_fp8_tasks(groups, hidden, intermediate, MEGAMOE_BLOCKS_PER_SM * num_sms)
-        subs = [2 if w else 1 for w in wide]
-        trace = torch.full((MEGAMOE_BLOCKS_PER_SM * num_sms, MEGAMOE_TRACE_SLOTS), -1,
-                           dtype=torch.int64)
-        rc, out, sync = run_emu(emu, *case, num_sms=num_sms, l2_bytes=l2_bytes, trace=trace,
-                                w13_scale=s13, w2_scale=s2)
-        assert rc == 0
-        assert_close(out, ref)
-        assert int(sync.abs().sum()) == 0, "counters not reset for the next call"
-        tasks = groups * (intermediate // (16 * subs[0]) + hidden // (32 * subs[1])) + hidden // 32
-        assert int(trace[:, 3].clamp_min(0).sum()) == tasks, (wide, trace[:, 3])
-
-
 def test_skewed_rows_in_groups_or_passes(emu):
     """Where the launcher splits experts' rows into 16-row groups, an expert with more than 16
     rows gets one task per group (the last one partial); otherwise one task makes a pass per 16

@@ -78,10 +78,10 @@ constexpr int kStepK8 = 128;     // the same with e4m3 weights: one scale block 
 constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per pass: 16 expert rows
 constexpr int kPassRows = 8 * kMaxNTiles;
 constexpr int kPassRows8 = 8;    // e4m3 weights: one n-tile per pass (mainloop_fp8)
-// e4m3 weights: a weight task may be kWide8 tiles (gate/up: 2 x 16 columns of I, down: 2 x 32
-// rows of H), so that its fixed costs are paid on as many bytes as a bf16 task's; where, the
-// call's schedule says (schedule_of: where the grid still gets enough tasks)
-constexpr int kWide8 = 2;
+// e4m3 weights: a weight task is several tiles (gate/up: 2 x 16 columns of I, down: 2 x 32
+// rows of H), so that its fixed costs are paid on as many bytes as a bf16 task's
+constexpr int kGateUpSubs8 = 2;
+constexpr int kDownSubs8 = 2;
 constexpr int kGroupShift = 4;   // kSplit: a row group is 1 << kGroupShift rows, one pass
 static_assert(1 << kGroupShift == kPassRows, "a row group is one pass");
 constexpr int kStages = 5;       // ring steps in flight per warp
@@ -113,10 +113,9 @@ struct SmemLayout {
 };
 static_assert(kBlocksPerSm * (SmemLayout::kBytes + 1024) <= 228 * 1024, "two blocks per SM");
 // kClaim0..2: the claimed task of iterations i, i + 1, i + 2 (by i % 3); EP: the call's epoch
-// (two words) and a send item's route mask; kNumGroups: the row groups of all active experts;
-// kWide: which weight tasks are wide (bit kGateUp, bit kDown; route_scan)
+// (two words) and a send item's route mask; kNumGroups: the row groups of all active experts
 enum Scalar { kNumActive = 0, kClaim0 = 1, kExitHere = 4, kEpochLo = 5, kEpochHi = 6,
-              kRouteMask = 7, kNumGroups = 8, kWide = 9 };
+              kRouteMask = 7, kNumGroups = 8 };
 
 // Sync words (MegaMoeArgs::sync): all zero between calls. kSyncExperts: [L] gate/up tiles
 // done per expert, then [H / 32] down tiles done per row tile, then (EP) one count of the
@@ -168,7 +167,7 @@ enum TaskKind { kGateUp = 0, kDown = 1, kReduce = 2, kFinal = 3 };
 struct Task {
   bool valid;
   int kind;
-  int expert, tile;  // a weight task's tiles: tile * subs .. + subs - 1 (Schedule::subs_of)
+  int expert, tile;
   int begin, count;  // the row group's first sorted position and rows
 };
 
@@ -178,7 +177,6 @@ PETIT_HOST_DEVICE constexpr int row_groups(int rows) {
 }
 
 // kSplit = false: one row group per expert (num_groups == num_active, group_base unused).
-// gate_up_tiles, down_tiles: weight tasks per row group.
 template <bool kEp, bool kSplit>
 PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int gate_up_tiles,
                               int down_tiles, int reduce_tiles, const int32_t* active,
@@ -234,13 +232,13 @@ struct WarpStream {
 };
 
 template <bool kFp8>
-PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a, int subs) {
+PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   const int warp = petit_warp_id();
   WarpStream ws{};
   if (!t.valid || t.kind >= kReduce) return ws;  // no weights
   ws.gate_up = t.kind == kGateUp;
   ws.expert = t.expert;
-  ws.subs = kFp8 ? subs : 1;
+  ws.subs = !kFp8 ? 1 : ws.gate_up ? kGateUpSubs8 : kDownSubs8;
   if (ws.gate_up) {  // w13 as {H, I, 2, L}: gate (group 0) and up (group 1) rows of the tile
     ws.sub_rows = kTileCols;
     ws.row0 = ws.row1 = t.tile * ws.subs * kTileCols;
@@ -491,32 +489,13 @@ PETIT_DEVICE void route_count(const Layer& l, const Smem& s) {
   }
 }
 
-// e4m3 weights (kFp8): which weight tasks of a call with `groups` row groups are wide (bit
-// kGateUp, bit kDown), the same in every block. Wide where the grid keeps enough of them,
-// measured on one H100 (docs/experiments/megamoe-fp8.md, "Wide tasks"):
-// - gate/up, where the 16-column tasks are more than the grid (more than one wave): the wide
-//   ones then take a wave fewer at least, each well under twice as long (Qwen3-30B-A3B at 1
-//   token: 384 tasks on 264 blocks). With fewer (DeepSeek-V3's share at 1-2 tokens: 128-256)
-//   they would only make the one wave longer;
-// - down, where the 32-row tasks are short (I < 1024: under 2 k steps per warp) and many
-//   (>= 8 waves). The down tasks of the experts whose gate/up ends last are the call's tail,
-//   which wide tasks made longer (1-2 tokens, and DeepSeek-V3's 4-step tasks at 8 tokens).
-template <bool kFp8>
-PETIT_DEVICE int wide_tasks(int groups, const Layer& l) {
-  const int64_t grid = gridDim.x;
-  const bool gate_up = int64_t(groups) * (l.intermediate / kTileCols) > grid;
-  const bool down = l.intermediate < 8 * kStepK8 &&
-                    int64_t(groups) * (l.hidden / kDownRows) >= 8 * grid;
-  return kFp8 ? (gate_up << kGateUp) | (down << kDown) : 0;
-}
-
 // Warp 0: the offsets (cursor becomes each expert's first position), the active experts, their
-// row groups (kSplit), the totals and which tasks are wide in scalars. Lane l owns experts
+// row groups (kSplit) and the totals in scalars. Lane l owns experts
 // [l * per_lane, (l + 1) * per_lane); one warp-wide inclusive scan.
-template <bool kSplit, bool kFp8>
-PETIT_DEVICE void route_scan(const Layer& l, const Smem& s) {
+template <bool kSplit>
+PETIT_DEVICE void route_scan(int L, const Smem& s) {
   static_assert(kMaxExperts % 32 == 0, "the routing scan: kMaxExperts / 32 experts per lane");
-  const int L = l.num_local_experts, lane = petit_lane_id();
+  const int lane = petit_lane_id();
   const int per_lane = (L + 31) / 32;
   int count = 0, actives = 0, groups = 0;
   for (int i = 0; i < per_lane; ++i) {
@@ -559,7 +538,6 @@ PETIT_DEVICE void route_scan(const Layer& l, const Smem& s) {
       s.group_base[active_incl] = group_incl;
       s.scalars[kNumGroups] = group_incl;
     }
-    s.scalars[kWide] = wide_tasks<kFp8>(kSplit ? group_incl : active_incl, l);
   }
 }
 
@@ -588,7 +566,9 @@ struct Schedule {
   static constexpr bool kHeld = kEp || !kSplit;
   const Smem& s;
   int held_active, held_groups;
-  int gate_up_tiles, down_tiles;  // weight tasks per row group (of subs_of tiles each)
+  int gate_up_tiles, down_tiles;  // weight tasks per row group (of `subs` tiles each)
+  int reduce_tiles;               // H / kDownRows: reductions, row tiles
+  int down_subs;                  // row tiles per down task
 
   PETIT_DEVICE int num_active() const { return kHeld ? held_active : s.scalars[kNumActive]; }
   PETIT_DEVICE int num_groups() const {
@@ -596,15 +576,7 @@ struct Schedule {
   }
   PETIT_DEVICE Task task(int id) const {
     return decode_task<kEp, kSplit>(id, num_active(), num_groups(), gate_up_tiles, down_tiles,
-                                    reduce_tiles(), s.active, s.group_base, s.offsets);
-  }
-  // H / kDownRows: the reductions' row tiles
-  PETIT_DEVICE int reduce_tiles() const {
-    return down_tiles * (s.scalars[kWide] >> kDown & 1 ? kWide8 : 1);
-  }
-  // a weight task's tiles (1, or kWide8 where the call's routing made its kind wide)
-  PETIT_DEVICE int subs_of(const Task& t) const {
-    return s.scalars[kWide] >> t.kind & 1 ? kWide8 : 1;
+                                    reduce_tiles, s.active, s.group_base, s.offsets);
   }
   // A down task waits for its expert's gate/up tasks, a reduction for its row tile's down
   // tasks (every row group's).
@@ -618,11 +590,15 @@ struct Schedule {
 };
 
 template <bool kEp, bool kSplit>
-PETIT_DEVICE Schedule<kEp, kSplit> schedule_of(const Layer& l, const Smem& s) {
-  const int wide = s.scalars[kWide];
-  return Schedule<kEp, kSplit>{s, s.scalars[kNumActive], kSplit ? s.scalars[kNumGroups] : 0,
-                               l.intermediate / (kTileCols * (wide >> kGateUp & 1 ? kWide8 : 1)),
-                               l.hidden / (kDownRows * (wide >> kDown & 1 ? kWide8 : 1))};
+PETIT_DEVICE Schedule<kEp, kSplit> schedule_of(const Layer& l, const Smem& s, int gate_up_subs,
+                                               int down_subs) {
+  return Schedule<kEp, kSplit>{s,
+                               s.scalars[kNumActive],
+                               kSplit ? s.scalars[kNumGroups] : 0,
+                               l.intermediate / (kTileCols * gate_up_subs),
+                               l.hidden / (kDownRows * down_subs),
+                               l.hidden / kDownRows,
+                               down_subs};
 }
 
 // ------------------------------------------------------------------ the control warp (role)
@@ -642,14 +618,14 @@ struct Control {
       // the rows went to peers' heaps: a system-scope release, then the count; the last
       // reduction of this rank tells every rank its rows are in (dispatch's publish_item)
       petit_fence_acq_rel_sys();
-      if (atomicAdd(l.reductions_done, 1) == sc.reduce_tiles() + int(gridDim.x) - 1)
+      if (atomicAdd(l.reductions_done, 1) == sc.reduce_tiles + int(gridDim.x) - 1)
         publish_reductions(e.ctx, epoch, e.region_stride, l.top_k);
     } else {
       __threadfence();  // release: the compute warps' stores, ordered before it by S
       if (t.kind == kGateUp) atomicAdd(&l.gate_up_done[t.expert], 1);
       if (t.kind == kDown) {
-        const int subs = sc.subs_of(t);
-        for (int i = 0; i < subs; ++i) atomicAdd(&l.tile_done[t.tile * subs + i], 1);
+        for (int i = 0; i < sc.down_subs; ++i)
+          atomicAdd(&l.tile_done[t.tile * sc.down_subs + i], 1);
       }
     }
     t.valid = false;
@@ -926,17 +902,19 @@ PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, int pass_rows
 // A gate/up or down task on the compute warps: per pass of up to 16 rows, the mainloop, the
 // warps' sums through shared memory, then the kind's epilogue.
 template <bool kEp, bool kFp8>
-PETIT_DEVICE void weight_task(const Task& t, int subs, const MegaMoeArgs& a, const Layer& l,
+PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& l,
                               const Smem& s, Producer& prod, int& consumed, const WarpRing& ring) {
   constexpr int kRows = kFp8 ? kPassRows8 : kPassRows;  // rows per pass
   const int lane = petit_lane_id(), warp = petit_warp_id(), g = lane / 4;
   const bool gate_up = t.kind == kGateUp;
-  const WarpStream ws = warp_stream<kFp8>(t, a, subs);
+  const WarpStream ws = warp_stream<kFp8>(t, a);
   // e4m3: the two halves' scale rows, [L, 2I / 128, H / 128] (gate, then up rows) or
   // [L, H / 128, I / 128]; a task's 32 columns (64 rows) lie in one 128-row block
-  static_assert(kStepK8 % (kWide8 * kTileCols) == 0 && kStepK8 % (kWide8 * kDownRows) == 0,
+  static_assert(kStepK8 % (kGateUpSubs8 * kTileCols) == 0 &&
+                    kStepK8 % (kDownSubs8 * kDownRows) == 0,
                 "an e4m3 task's rows lie in one scale block");
-  static_assert(kWide8 <= kMaxNTiles, "a tile's sums are one n-tile of red");
+  static_assert(kGateUpSubs8 <= kMaxNTiles && kDownSubs8 <= kMaxNTiles,
+                "a tile's sums are one n-tile of red");
   const float* scale_rows[2] = {nullptr, nullptr};
   if constexpr (kFp8) {
     const int blocks_h = l.hidden / kStepK8, blocks_i = l.intermediate / kStepK8;
@@ -1164,7 +1142,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   if (trace != nullptr) trace[4] = int64_t(petit_timer());  // every row's ids read
   route_count(l, s);
   __syncthreads();
-  if (warp == 0) route_scan<kSplit, kFp8>(l, s);
+  if (warp == 0) route_scan<kSplit>(l.num_local_experts, s);
   // The second claim: issued here; at W = 1 its value is stored only after the first weight
   // loads (the barrier below does not wait for the atomic's round trip, and the first loads
   // need only the first claim). The EP kernel, whose routing waits for the peers' rows anyway,
@@ -1177,7 +1155,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   __syncthreads();
   if (trace != nullptr) trace[5] = int64_t(petit_timer());  // counts, offsets, active experts
 
-  const Schedule<kEp, kSplit> sc = schedule_of<kEp, kSplit>(l, s);
+  const Schedule<kEp, kSplit> sc =
+      schedule_of<kEp, kSplit>(l, s, kFp8 ? kGateUpSubs8 : 1, kFp8 ? kDownSubs8 : 1);
   // The first task's weight stream goes out before the sort (the second task's, whose claim
   // is stored meanwhile, after it).
   const unsigned char* ring_warp = s.ring + warp * (kStages * kStepBytes);
@@ -1185,10 +1164,10 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
                       gemm::smem_addr_u32(s.full + warp * kStages), &w13_map, &w2_map};
   Producer prod{};
   Task cur_task = sc.task(s.scalars[kClaim0]), next_task{};
-  prod.cur = warp_stream<kFp8>(cur_task, a, sc.subs_of(cur_task));
+  prod.cur = warp_stream<kFp8>(cur_task, a);
   if constexpr (kEp) {
     next_task = sc.task(s.scalars[kClaim0 + 1]);
-    prod.next = warp_stream<kFp8>(next_task, a, sc.subs_of(next_task));
+    prod.next = warp_stream<kFp8>(next_task, a);
     prod.has_next = next_task.valid;
   }
   int consumed = 0;
@@ -1201,7 +1180,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   if (trace != nullptr) trace[1] = int64_t(petit_timer());
   if constexpr (!kEp) {
     next_task = sc.task(s.scalars[kClaim0 + 1]);
-    prod.next = warp_stream<kFp8>(next_task, a, sc.subs_of(next_task));
+    prod.next = warp_stream<kFp8>(next_task, a);
     prod.has_next = next_task.valid;
   }
 
@@ -1228,7 +1207,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     } else if (kEp && cur_task.kind == kFinal) {
       final_task(cur_task.tile, e);
     } else {
-      weight_task<kEp, kFp8>(cur_task, sc.subs_of(cur_task), a, l, s, prod, consumed, ring);
+      weight_task<kEp, kFp8>(cur_task, a, l, s, prod, consumed, ring);
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {
@@ -1248,7 +1227,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         prod.sub = 0;
         prod.iter = iter + 1;
       }
-      prod.next = warp_stream<kFp8>(next_task, a, sc.subs_of(next_task));
+      prod.next = warp_stream<kFp8>(next_task, a);
       prod.has_next = next_task.valid;
       if (cur_task.valid) produce<kFp8>(prod, consumed, ring);
     }
@@ -1400,7 +1379,6 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
   // grid's blocks stream meanwhile exceed L2 (DeepSeek-V3's share: 264 x 458 KB on one H200),
   // and where an expert can have more than 16 rows; otherwise (Qwen3-30B-A3B: 264 x 128 KB)
   // one task per expert and tile, its passes served from L2, where splitting only adds tasks
-  // (e4m3: the tile of a wide task, kWide8 times the rows, where the schedule may take them)
   // (measured: docs/experiments/megamoe-w1.md). Two kernels, so that the unsplit one pays
   // nothing for it.
   int l2_bytes = 0;
@@ -1409,8 +1387,10 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
     return err;
   }
   const int64_t rows = kEp ? int64_t(e.ctx.world_size) * e.region_stride : a.num_rows;
-  const int64_t tile_bytes = int64_t(element_bytes) * md::kDownRows * (fp8 ? md::kWide8 : 1) *
-                             std::max(a.hidden, a.intermediate);
+  const int64_t tile_bytes =
+      int64_t(element_bytes) *
+      std::max<int64_t>(2 * md::kTileCols * (fp8 ? md::kGateUpSubs8 : 1) * int64_t(a.hidden),
+                        md::kDownRows * (fp8 ? md::kDownSubs8 : 1) * int64_t(a.intermediate));
   const bool split = rows * a.top_k > md::kPassRows && int64_t(grid) * tile_bytes > l2_bytes;
   const int smem = md::SmemLayout::kBytes;
   // W = 1 programmatic (common/launch.h): the blocks take the SMs as the previous kernel's
@@ -1461,9 +1441,11 @@ petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
   const int64_t max_groups = std::min<int64_t>(
       entries, std::min<int64_t>(entries, args.num_local_experts) +
                    entries / megamoe_detail::kPassRows);
+  const bool fp8 = args.w13_scale != nullptr;
   const int64_t max_tasks =
-      max_groups * (args.intermediate / megamoe_detail::kTileCols +
-                    args.hidden / megamoe_detail::kDownRows) +
+      max_groups *
+          (args.intermediate / (megamoe_detail::kTileCols * (fp8 ? megamoe_detail::kGateUpSubs8 : 1)) +
+           args.hidden / (megamoe_detail::kDownRows * (fp8 ? megamoe_detail::kDownSubs8 : 1))) +
       args.hidden / megamoe_detail::kDownRows;
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(max_blocks, max_tasks)));
   MegaMoeEpArgs e{};
