@@ -26,9 +26,7 @@
 //      L2, a group is all of an expert's rows, and a task's later passes re-read its tile from
 //      L2; where they do not, a pass would re-stream it from HBM, so a group is 16 rows: an
 //      expert with more rows gets more tasks, consecutive claims that stream the same tile at
-//      once (from HBM once) on several blocks (the launcher's choice: kSplit). With e4m3
-//      weights (half the bytes a row) a weight task is two such tiles, one after the other in
-//      each pass, so that its fixed costs are paid on as many bytes as a bf16 task's.
+//      once (from HBM once) on several blocks (the launcher's choice: kSplit).
 //   3. Weights stream by TMA into a per-warp ring of kStages steps that runs ahead across task
 //      boundaries, so a task's weights are in flight before its inputs exist.
 //   4. A gate/up task writes act[pos][cols] = bf16(silu(gate) * up) and raises its expert's
@@ -78,10 +76,6 @@ constexpr int kStepK8 = 128;     // the same with e4m3 weights: one scale block 
 constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per pass: 16 expert rows
 constexpr int kPassRows = 8 * kMaxNTiles;
 constexpr int kPassRows8 = 8;    // e4m3 weights: one n-tile per pass (mainloop_fp8)
-// e4m3 weights: a weight task is several tiles (gate/up: 2 x 16 columns of I, down: 2 x 32
-// rows of H), so that its fixed costs are paid on as many bytes as a bf16 task's
-constexpr int kGateUpSubs8 = 2;
-constexpr int kDownSubs8 = 2;
 constexpr int kGroupShift = 4;   // kSplit: a row group is 1 << kGroupShift rows, one pass
 static_assert(1 << kGroupShift == kPassRows, "a row group is one pass");
 constexpr int kStages = 5;       // ring steps in flight per warp
@@ -179,19 +173,19 @@ PETIT_HOST_DEVICE constexpr int row_groups(int rows) {
 // kSplit = false: one row group per expert (num_groups == num_active, group_base unused).
 template <bool kEp, bool kSplit>
 PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int gate_up_tiles,
-                              int down_tiles, int reduce_tiles, const int32_t* active,
-                              const int32_t* group_base, const int32_t* offsets) {
+                              int down_tiles, const int32_t* active, const int32_t* group_base,
+                              const int32_t* offsets) {
   Task t{};
   const int num_gate_up = num_groups * gate_up_tiles, num_down = num_groups * down_tiles;
   // W = 1 with no entry: no task (the output is zeroed); EP: the reductions and final sums
   // run regardless (the peers wait for this rank's "reductions done")
   t.valid = (kEp || num_active > 0) &&
-            task < num_gate_up + num_down + reduce_tiles * (kEp ? 2 : 1);
+            task < num_gate_up + num_down + down_tiles * (kEp ? 2 : 1);
   if (!t.valid) return t;
   if (task >= num_gate_up + num_down) {
     const int tile = task - num_gate_up - num_down;
-    t.kind = tile < reduce_tiles ? kReduce : kFinal;
-    t.tile = tile % reduce_tiles;
+    t.kind = tile < down_tiles ? kReduce : kFinal;
+    t.tile = tile % down_tiles;
     return t;
   }
   const bool gate_up = task < num_gate_up;
@@ -222,13 +216,11 @@ PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int gate
 
 // This warp's weight stream of one task: the two 16-row boxes of a step (half 0 / half 1:
 // box coordinates row, group, expert of the task's weight map), its steps [s0, s0 + steps)
-// of kStepK, and the passes over them; per pass, its tiles one after the other (tile i's
-// boxes sub_rows * i rows further).
+// of kStepK, and the passes over them.
 struct WarpStream {
   bool gate_up;
   int row0, row1, group0, group1, expert;
-  int subs, sub_rows;
-  int s0, steps, total;  // total = passes * subs * steps
+  int s0, steps, total;  // total = passes * steps
 };
 
 template <bool kFp8>
@@ -238,15 +230,12 @@ PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   if (!t.valid || t.kind >= kReduce) return ws;  // no weights
   ws.gate_up = t.kind == kGateUp;
   ws.expert = t.expert;
-  ws.subs = !kFp8 ? 1 : ws.gate_up ? kGateUpSubs8 : kDownSubs8;
   if (ws.gate_up) {  // w13 as {H, I, 2, L}: gate (group 0) and up (group 1) rows of the tile
-    ws.sub_rows = kTileCols;
-    ws.row0 = ws.row1 = t.tile * ws.subs * kTileCols;
+    ws.row0 = ws.row1 = t.tile * kTileCols;
     ws.group0 = 0;
     ws.group1 = 1;
   } else {  // w2 as {I, H, 1, L}: the tile's 32 rows
-    ws.sub_rows = kDownRows;
-    ws.row0 = t.tile * ws.subs * kDownRows;
+    ws.row0 = t.tile * kDownRows;
     ws.row1 = ws.row0 + kBoxRows;
     ws.group0 = ws.group1 = 0;
   }
@@ -254,8 +243,7 @@ PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   ws.s0 = warp * k_steps / kWarps;
   ws.steps = (warp + 1) * k_steps / kWarps - ws.s0;
   // a pass: a row group's rows (e4m3: 8 of them)
-  ws.total = ws.steps * ws.subs *
-             (kFp8 ? (t.count + kPassRows8 - 1) / kPassRows8 : row_groups(t.count));
+  ws.total = ws.steps * (kFp8 ? (t.count + kPassRows8 - 1) / kPassRows8 : row_groups(t.count));
   return ws;
 }
 
@@ -566,9 +554,7 @@ struct Schedule {
   static constexpr bool kHeld = kEp || !kSplit;
   const Smem& s;
   int held_active, held_groups;
-  int gate_up_tiles, down_tiles;  // weight tasks per row group (of `subs` tiles each)
-  int reduce_tiles;               // H / kDownRows: reductions, row tiles
-  int down_subs;                  // row tiles per down task
+  int gate_up_tiles, down_tiles;
 
   PETIT_DEVICE int num_active() const { return kHeld ? held_active : s.scalars[kNumActive]; }
   PETIT_DEVICE int num_groups() const {
@@ -576,7 +562,7 @@ struct Schedule {
   }
   PETIT_DEVICE Task task(int id) const {
     return decode_task<kEp, kSplit>(id, num_active(), num_groups(), gate_up_tiles, down_tiles,
-                                    reduce_tiles, s.active, s.group_base, s.offsets);
+                                    s.active, s.group_base, s.offsets);
   }
   // A down task waits for its expert's gate/up tasks, a reduction for its row tile's down
   // tasks (every row group's).
@@ -590,15 +576,9 @@ struct Schedule {
 };
 
 template <bool kEp, bool kSplit>
-PETIT_DEVICE Schedule<kEp, kSplit> schedule_of(const Layer& l, const Smem& s, int gate_up_subs,
-                                               int down_subs) {
-  return Schedule<kEp, kSplit>{s,
-                               s.scalars[kNumActive],
-                               kSplit ? s.scalars[kNumGroups] : 0,
-                               l.intermediate / (kTileCols * gate_up_subs),
-                               l.hidden / (kDownRows * down_subs),
-                               l.hidden / kDownRows,
-                               down_subs};
+PETIT_DEVICE Schedule<kEp, kSplit> schedule_of(const Layer& l, const Smem& s) {
+  return Schedule<kEp, kSplit>{s, s.scalars[kNumActive], kSplit ? s.scalars[kNumGroups] : 0,
+                               l.intermediate / kTileCols, l.hidden / kDownRows};
 }
 
 // ------------------------------------------------------------------ the control warp (role)
@@ -612,21 +592,18 @@ struct Control {
   bool inputs_seen;  // the current task's inputs were seen complete (acquired) already
 
   PETIT_DEVICE void publish(Task& t, const MegaMoeEpArgs& e, const Layer& l, uint64_t epoch,
-                            const Schedule<kEp, kSplit>& sc) {
+                            int down_tiles) {
     if (!t.valid) return;
     if (kEp && t.kind == kReduce) {
       // the rows went to peers' heaps: a system-scope release, then the count; the last
       // reduction of this rank tells every rank its rows are in (dispatch's publish_item)
       petit_fence_acq_rel_sys();
-      if (atomicAdd(l.reductions_done, 1) == sc.reduce_tiles + int(gridDim.x) - 1)
+      if (atomicAdd(l.reductions_done, 1) == down_tiles + int(gridDim.x) - 1)
         publish_reductions(e.ctx, epoch, e.region_stride, l.top_k);
     } else {
       __threadfence();  // release: the compute warps' stores, ordered before it by S
       if (t.kind == kGateUp) atomicAdd(&l.gate_up_done[t.expert], 1);
-      if (t.kind == kDown) {
-        for (int i = 0; i < sc.down_subs; ++i)
-          atomicAdd(&l.tile_done[t.tile * sc.down_subs + i], 1);
-      }
+      if (t.kind == kDown) atomicAdd(&l.tile_done[t.tile], 1);
     }
     t.valid = false;
   }
@@ -636,7 +613,7 @@ struct Control {
                                  const MegaMoeEpArgs& e, const Layer& l, uint64_t epoch) {
     const EpContextArgs& c = e.ctx;
     const bool waits = cur.valid && cur.kind != kGateUp && !inputs_seen;
-    if (waits || !cur.valid) publish(unpublished, e, l, epoch, sc);  // ours may
+    if (waits || !cur.valid) publish(unpublished, e, l, epoch, sc.down_tiles);  // ours may
                                                                                 // be awaited
     if (kEp && waits && cur.kind == kFinal) {  // every rank's rows of our tokens
       for (int d = 0; d < c.world_size; ++d) {
@@ -653,7 +630,7 @@ struct Control {
   // iter + 2 (read after S(iter)), look at the next task's inputs.
   PETIT_DEVICE void step(int iter, const Task& next, const Schedule<kEp, kSplit>& sc,
                          const MegaMoeEpArgs& e, const Layer& l, uint64_t epoch, int* scalars) {
-    publish(unpublished, e, l, epoch, sc);
+    publish(unpublished, e, l, epoch, sc.down_tiles);
     scalars[kClaim0 + (iter + 2) % 3] = claim_task(e.layer.sync);
     inputs_seen = next.valid && next.kind != kGateUp && next.kind != kFinal &&
                   petit_load_acquire_gpu(sc.counter_of(next, l)) >= sc.target_of(next);
@@ -681,7 +658,6 @@ struct Producer {
   int iter;              // the block iteration whose task cur is
   int step;              // of cur: 0 .. cur.total
   int kstep;             // step % cur.steps
-  int sub;               // (step / cur.steps) % cur.subs: the tile of the pass
   int pushed;            // steps issued so far (slot = pushed % kStages)
 };
 
@@ -694,7 +670,6 @@ PETIT_DEVICE void produce(Producer& p, int consumed, const WarpRing& r) {
       p.has_next = false;
       p.step = 0;
       p.kstep = 0;
-      p.sub = 0;
       ++p.iter;
       continue;
     }
@@ -703,18 +678,14 @@ PETIT_DEVICE void produce(Producer& p, int consumed, const WarpRing& r) {
       const uint32_t dst = r.steps_addr + slot * kStepBytes, bar = r.full_addr + slot * 8;
       const CUtensorMap* map = p.cur.gate_up ? r.w13_map : r.w2_map;
       const int k = (p.cur.s0 + p.kstep) * (kFp8 ? kStepK8 : kStepK);
-      const int rows = kFp8 ? p.sub * p.cur.sub_rows : 0;
       gemm::sm90_mbarrier_arrive_expect_tx(bar, kStepBytes);
-      gemm::sm90_tma_load_4d(dst, map, k, p.cur.row0 + rows, p.cur.group0, p.cur.expert, bar);
-      gemm::sm90_tma_load_4d(dst + kBoxBytes, map, k, p.cur.row1 + rows, p.cur.group1,
-                             p.cur.expert, bar);
+      gemm::sm90_tma_load_4d(dst, map, k, p.cur.row0, p.cur.group0, p.cur.expert, bar);
+      gemm::sm90_tma_load_4d(dst + kBoxBytes, map, k, p.cur.row1, p.cur.group1, p.cur.expert,
+                             bar);
     }
     ++p.step;
     ++p.pushed;
-    if (++p.kstep == p.cur.steps) {  // the next tile, or the next pass, starts over the k steps
-      p.kstep = 0;
-      if (kFp8 && ++p.sub == p.cur.subs) p.sub = 0;
-    }
+    if (++p.kstep == p.cur.steps) p.kstep = 0;  // the next pass starts over the k steps
   }
 }
 
@@ -858,44 +829,41 @@ PETIT_DEVICE void mainloop_fp8(const WarpStream& ws, const petit_bf16_bits* b_ro
   }
 }
 
-// The epilogues' items of a pass: (row n, tile i, part) in that order, n < rows. With several
-// tiles (e4m3: 8-row passes) tile i's sums are the warps' n-tile i (red's row 8i + n).
-
 // Gate/up epilogue of a pass: act[pos][cols] = bf16(silu(gate) * up) for the pass's `rows`
-// rows, from the warps' sums (item: row n, columns c, c + 1 of tile i).
-PETIT_DEVICE void gate_up_epilogue(const Task& t, int pass, int rows, int pass_rows, int subs,
+// rows, from the warps' sums (item: row n, columns c, c + 1 of the tile).
+PETIT_DEVICE void gate_up_epilogue(const Task& t, int pass, int rows, int pass_rows,
                                    const Layer& l, petit_bf16_bits* act, const float* red) {
-  for (int item = threadIdx.x; item < pass_rows * subs * 16; item += kComputeThreads) {
-    const int n = item / (subs * 16), i = (item / 16) % subs, part = item % 16;
+  for (int item = threadIdx.x; item < pass_rows * 16; item += kComputeThreads) {
+    const int n = item / 16, part = item % 16;
     if (n >= rows) break;
-    const int pos = t.begin + pass + n, m = n + 8 * i;
+    const int pos = t.begin + pass + n;
     if (part < 8) {
       const int c = 2 * part;  // columns c, c + 1 of the tile
-      const float a0 = gemm::silu(reduced(red, 0, c, m)) * reduced(red, 1, c, m);
-      const float a1 = gemm::silu(reduced(red, 0, c + 1, m)) * reduced(red, 1, c + 1, m);
+      const float a0 = gemm::silu(reduced(red, 0, c, n)) * reduced(red, 1, c, n);
+      const float a1 = gemm::silu(reduced(red, 0, c + 1, n)) * reduced(red, 1, c + 1, n);
       const uint32_t packed = uint32_t(petit_float_to_bf16(a0)) |
                               (uint32_t(petit_float_to_bf16(a1)) << 16);
-      *reinterpret_cast<uint32_t*>(act + int64_t(pos) * l.intermediate +
-                                   (t.tile * subs + i) * kTileCols + c) = packed;
+      *reinterpret_cast<uint32_t*>(act + int64_t(pos) * l.intermediate + t.tile * kTileCols +
+                                   c) = packed;
     }
   }
 }
 
 // Down epilogue of a pass: partial[entry][rows] = weight * (act . w2^T) as fp32, per routing
-// entry (item: row n, rows r0, r0 + 1 of tile i).
-PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, int pass_rows, int subs,
+// entry (item: row n, rows r0, r0 + 1 of the tile).
+PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, int pass_rows,
                                 const Layer& l, const Smem& s, float* partial) {
-  for (int item = threadIdx.x; item < pass_rows * subs * 16; item += kComputeThreads) {
-    const int n = item / (subs * 16), i = (item / 16) % subs, part = item % 16;
+  for (int item = threadIdx.x; item < pass_rows * 16; item += kComputeThreads) {
+    const int n = item / 16, part = item % 16;
     if (n >= rows) break;
-    const int entry = s.sorted[t.begin + pass + n], m = n + 8 * i;
+    const int entry = s.sorted[t.begin + pass + n];
     const float weight = l.row_weights[entry];
     const int r0 = 2 * part;  // rows r0, r0 + 1 of the tile (half r0 / 16)
     float2 v;
-    v.x = weight * reduced(s.red, r0 / 16, r0 % 16, m);
-    v.y = weight * reduced(s.red, r0 / 16, r0 % 16 + 1, m);
-    *reinterpret_cast<float2*>(partial + int64_t(entry) * l.hidden +
-                               (t.tile * subs + i) * kDownRows + r0) = v;
+    v.x = weight * reduced(s.red, r0 / 16, r0 % 16, n);
+    v.y = weight * reduced(s.red, r0 / 16, r0 % 16 + 1, n);
+    *reinterpret_cast<float2*>(partial + int64_t(entry) * l.hidden + t.tile * kDownRows + r0) =
+        v;
   }
 }
 
@@ -909,22 +877,17 @@ PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& 
   const bool gate_up = t.kind == kGateUp;
   const WarpStream ws = warp_stream<kFp8>(t, a);
   // e4m3: the two halves' scale rows, [L, 2I / 128, H / 128] (gate, then up rows) or
-  // [L, H / 128, I / 128]; a task's 32 columns (64 rows) lie in one 128-row block
-  static_assert(kStepK8 % (kGateUpSubs8 * kTileCols) == 0 &&
-                    kStepK8 % (kDownSubs8 * kDownRows) == 0,
-                "an e4m3 task's rows lie in one scale block");
-  static_assert(kGateUpSubs8 <= kMaxNTiles && kDownSubs8 <= kMaxNTiles,
-                "a tile's sums are one n-tile of red");
+  // [L, H / 128, I / 128]; a half's 16 rows lie in one 128-row block
   const float* scale_rows[2] = {nullptr, nullptr};
   if constexpr (kFp8) {
     const int blocks_h = l.hidden / kStepK8, blocks_i = l.intermediate / kStepK8;
     if (gate_up) {
       const float* base = a.w13_scale + int64_t(t.expert) * 2 * blocks_i * blocks_h;
-      scale_rows[0] = base + (t.tile * ws.subs * kTileCols / kStepK8) * blocks_h;
-      scale_rows[1] = base + (blocks_i + t.tile * ws.subs * kTileCols / kStepK8) * blocks_h;
+      scale_rows[0] = base + (t.tile * kTileCols / kStepK8) * blocks_h;
+      scale_rows[1] = base + (blocks_i + t.tile * kTileCols / kStepK8) * blocks_h;
     } else {
-      scale_rows[0] = a.w2_scale + (int64_t(t.expert) * blocks_h +
-                                    t.tile * ws.subs * kDownRows / kStepK8) * blocks_i;
+      scale_rows[0] =
+          a.w2_scale + (int64_t(t.expert) * blocks_h + t.tile * kDownRows / kStepK8) * blocks_i;
       scale_rows[1] = scale_rows[0];
     }
   }
@@ -940,43 +903,41 @@ PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& 
                             : a.act + int64_t(t.begin + r) * l.intermediate;
       }
     }
-    // red[warp][half][n-tile][reg][lane]: the warp's sums of the pass (e4m3: tile i's 8 rows
-    // as n-tile i)
-    float* mine = s.red + warp * (2 * kMaxNTiles * 4 * 32);
+    float acc[2][kMaxNTiles][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < kMaxNTiles; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
     if constexpr (kFp8) {
-      for (int i = 0; i < ws.subs; ++i) {
-        float acc8[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-        mainloop_fp8(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring);
+      float acc8[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+      mainloop_fp8(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring);
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) mine[((h * kMaxNTiles + i) * 4 + r) * 32 + lane] = acc8[h][r];
-      }
+        for (int r = 0; r < 4; ++r) acc[h][0][r] = acc8[h][r];
+    } else if (rows > 8) {
+      mainloop<kEp, 2>(ws, b_rows, acc, prod, consumed, ring);
     } else {
-      float acc[2][kMaxNTiles][4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < kMaxNTiles; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
-      if (rows > 8) {
-        mainloop<kEp, 2>(ws, b_rows, acc, prod, consumed, ring);
-      } else {
-        mainloop<kEp, 1>(ws, b_rows, acc, prod, consumed, ring);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < kMaxNTiles; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
+      mainloop<kEp, 1>(ws, b_rows, acc, prod, consumed, ring);
     }
+    // red[warp][half][n-tile][reg][lane]; an e4m3 pass has one n-tile (the epilogue reads
+    // rows < 8 only)
+    float* mine = s.red + warp * (2 * kMaxNTiles * 4 * 32);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < (kFp8 ? 1 : kMaxNTiles); ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
+        }
     gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);
     if (gate_up) {
-      gate_up_epilogue(t, pass, rows, kRows, kFp8 ? ws.subs : 1, l, a.act, s.red);
+      gate_up_epilogue(t, pass, rows, kRows, l, a.act, s.red);
     } else {
-      down_epilogue(t, pass, rows, kRows, kFp8 ? ws.subs : 1, l, s, a.partial);
+      down_epilogue(t, pass, rows, kRows, l, s, a.partial);
     }
     gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);  // red is reused next pass
   }
@@ -1155,8 +1116,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   __syncthreads();
   if (trace != nullptr) trace[5] = int64_t(petit_timer());  // counts, offsets, active experts
 
-  const Schedule<kEp, kSplit> sc =
-      schedule_of<kEp, kSplit>(l, s, kFp8 ? kGateUpSubs8 : 1, kFp8 ? kDownSubs8 : 1);
+  const Schedule<kEp, kSplit> sc = schedule_of<kEp, kSplit>(l, s);
   // The first task's weight stream goes out before the sort (the second task's, whose claim
   // is stored meanwhile, after it).
   const unsigned char* ring_warp = s.ring + warp * (kStages * kStepBytes);
@@ -1224,7 +1184,6 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         prod.cur = prod.next;
         prod.step = 0;
         prod.kstep = 0;
-        prod.sub = 0;
         prod.iter = iter + 1;
       }
       prod.next = warp_stream<kFp8>(next_task, a);
@@ -1388,9 +1347,7 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
   }
   const int64_t rows = kEp ? int64_t(e.ctx.world_size) * e.region_stride : a.num_rows;
   const int64_t tile_bytes =
-      int64_t(element_bytes) *
-      std::max<int64_t>(2 * md::kTileCols * (fp8 ? md::kGateUpSubs8 : 1) * int64_t(a.hidden),
-                        md::kDownRows * (fp8 ? md::kDownSubs8 : 1) * int64_t(a.intermediate));
+      int64_t(element_bytes) * md::kDownRows * std::max(a.hidden, a.intermediate);
   const bool split = rows * a.top_k > md::kPassRows && int64_t(grid) * tile_bytes > l2_bytes;
   const int smem = md::SmemLayout::kBytes;
   // W = 1 programmatic (common/launch.h): the blocks take the SMs as the previous kernel's
@@ -1441,11 +1398,9 @@ petitError_t launch_megamoe(const MegaMoeArgs& args, petitStream_t stream) {
   const int64_t max_groups = std::min<int64_t>(
       entries, std::min<int64_t>(entries, args.num_local_experts) +
                    entries / megamoe_detail::kPassRows);
-  const bool fp8 = args.w13_scale != nullptr;
   const int64_t max_tasks =
-      max_groups *
-          (args.intermediate / (megamoe_detail::kTileCols * (fp8 ? megamoe_detail::kGateUpSubs8 : 1)) +
-           args.hidden / (megamoe_detail::kDownRows * (fp8 ? megamoe_detail::kDownSubs8 : 1))) +
+      max_groups * (args.intermediate / megamoe_detail::kTileCols +
+                    args.hidden / megamoe_detail::kDownRows) +
       args.hidden / megamoe_detail::kDownRows;
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(max_blocks, max_tasks)));
   MegaMoeEpArgs e{};
