@@ -151,6 +151,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--concurrency level. vLLM captures CUDA graphs for batches up to twice it: "
                    "at its own default (256) 102 graphs up to 512, over 3.5 min of a cold fp8 "
                    "start on an H100; for levels up to 8, ten (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="vllm serve's --max-num-batched-tokens, recorded in every row; 0: "
+                   "--max-model-len. vLLM compiles for and warms up DeepGEMM's fp8 GEMMs at every "
+                   "size up to it: at its own default (8192) 645 JIT builds, 3.5 min of a cold "
+                   "fp8 start on an H100 (default: %(default)s)")
     p.add_argument("--serve-args", default="", help="more `vllm serve` arguments (one string)")
     p.add_argument("--health-timeout", type=float, default=900.0,
                    help="seconds a server may take to answer /health (default: %(default)s)")
@@ -178,9 +183,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.max_num_seqs < 0 or 0 < args.max_num_seqs < max(args.concurrency):
         p.error(f"--max-num-seqs {args.max_num_seqs}: 0, or at least the highest --concurrency "
                 f"({max(args.concurrency)}; fewer would queue that level's requests)")
-    if any(w.split("=")[0] == "--max-num-seqs" for w in shlex.split(args.serve_args)):
-        p.error("--max-num-seqs in --serve-args: give it as --max-num-seqs (rows record it)")
+    if args.max_num_batched_tokens < 0:
+        p.error(f"--max-num-batched-tokens {args.max_num_batched_tokens}: 0 or more")
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens"):
+        if any(w.split("=")[0] == flag for w in shlex.split(args.serve_args)):
+            p.error(f"{flag} in --serve-args: give it as {flag} (rows record it)")
     args.max_num_seqs = args.max_num_seqs or max(args.concurrency)
+    args.max_num_batched_tokens = args.max_num_batched_tokens or args.max_model_len
     return args
 
 
@@ -335,7 +344,8 @@ def main(argv=None) -> int:
         cmd = vllm_serve_command(args.python, args.model_dir, name, port, args.dp,
                                  args.attention_backend, max_model_len=args.max_model_len,
                                  gpu_memory_utilization=args.gpu_memory_utilization,
-                                 load_format="dummy", max_num_seqs=args.max_num_seqs
+                                 load_format="dummy", max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens
                                  ) + shlex.split(args.serve_args)
         bound = dict(megamoe_max_tokens=args.megamoe_max_tokens)
         settings = server_settings(backend, args.strict, args.routing_strategy, **bound)
@@ -382,6 +392,7 @@ def main(argv=None) -> int:
                                  concurrency=c, num_prompts=num_prompts,
                                  output_len=args.output_len, repeat=rep, model=name,
                                  max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens,
                                  server_start_s=round(start_s, 1),
                                  bench_wall_s=round(time.monotonic() - wall, 1),
                                  **(bound if backend == "petit-megamoe" else {}))

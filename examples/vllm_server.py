@@ -114,7 +114,8 @@ def server_env(backend: str, strict: bool = False, routing_strategy: str | None 
 def vllm_serve_command(python: str, model_dir, served_name: str, port: int, dp: int,
                        attention_backend: str, *, max_model_len: int,
                        gpu_memory_utilization: float, load_format: str | None = None,
-                       max_num_seqs: int | None = None) -> list[str]:
+                       max_num_seqs: int | None = None,
+                       max_num_batched_tokens: int | None = None) -> list[str]:
     """`vllm serve` on 127.0.0.1, bf16, seed 0, CUDA graphs on, no prefix caching; DP = `dp`,
     + expert parallel when dp > 1. (python -m: the DP coordinator is spawned, and a `vllm`
     script without a __main__ guard would be re-run by it.)"""
@@ -125,6 +126,8 @@ def vllm_serve_command(python: str, model_dir, served_name: str, port: int, dp: 
             + (["--enable-expert-parallel"] if dp > 1 else [])
             + ["--attention-backend", attention_backend, "--max-model-len", str(max_model_len)]
             + (["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else [])
+            + (["--max-num-batched-tokens", str(max_num_batched_tokens)]
+               if max_num_batched_tokens else [])
             + ["--gpu-memory-utilization", str(gpu_memory_utilization),
                "--no-enable-prefix-caching", "--disable-uvicorn-access-log"])
 

@@ -313,10 +313,18 @@ def test_dry_run_prints_every_server_and_bench_command_with_its_env(capsys, tmp_
         assert run.count("bench serve") == 2 and "--max-concurrency 64" in run
         # a server holds the highest level's sequences and captures graphs for no more
         assert "--max-num-seqs 64 " in run.split(" bench serve ")[0]
+        # and compiles (DeepGEMM's fp8 warm-up included) for batches up to --max-model-len
+        assert "--max-num-batched-tokens 2048 " in run.split(" bench serve ")[0]
     assert str(tmp_path / "tpot_gsm8k_H200_2gpu.jsonl") in out
     wider = dry_run(capsys, "--backends", "default", "--concurrency", "1", "8",
                     "--max-num-seqs", "256", "--results-dir", str(tmp_path))
     assert "--max-num-seqs 256 " in wider and "--max-num-seqs 8 " not in wider
+    longer = dry_run(capsys, "--backends", "default", "--max-model-len", "4096",
+                     "--results-dir", str(tmp_path))
+    assert "--max-num-batched-tokens 4096 " in longer
+    batched = dry_run(capsys, "--backends", "default", "--max-num-batched-tokens", "8192",
+                      "--results-dir", str(tmp_path))
+    assert "--max-num-batched-tokens 8192 " in batched
 
 
 def test_dry_run_on_one_gpu_and_usage_errors(capsys, tmp_path):
@@ -341,7 +349,9 @@ def test_dry_run_on_one_gpu_and_usage_errors(capsys, tmp_path):
                  ["--concurrency", "0"], ["--routing-strategy", "none"],
                  ["--megamoe-max-tokens", "0"], ["--prompts-per-client", "-1"],
                  ["--concurrency", "8", "--max-num-seqs", "4"], ["--max-num-seqs", "-1"],
-                 ["--serve-args", "--max-num-seqs 16"], ["--serve-args", "--max-num-seqs=16"]):
+                 ["--serve-args", "--max-num-seqs 16"], ["--serve-args", "--max-num-seqs=16"],
+                 ["--max-num-batched-tokens", "-1"],
+                 ["--serve-args", "--max-num-batched-tokens=4096"]):
         with pytest.raises(SystemExit) as e:
             bench.main(["--dry-run", *argv])
         assert e.value.code == 2
@@ -435,8 +445,8 @@ def test_driver_runs_interleaves_resumes_and_records_the_strategy(tmp_path, caps
                                 "backend", "routing_strategy", "concurrency", "num_prompts",
                                 "output_len", "repeat"]
         assert (r["gpu"], r["world"], r["num_gpus"], r["dtype"], r["routing_strategy"],
-                r["num_prompts"], r["max_num_seqs"]) == ("CPU", 2, 2, "bf16", "normal_routing",
-                                                         4, 2)
+                r["num_prompts"], r["max_num_seqs"], r["max_num_batched_tokens"]) == \
+            ("CPU", 2, 2, "bf16", "normal_routing", 4, 2, 2048)
         # the stand-in sleeps TOKEN_S per token: 2 requests of 8 tokens in turn per client.
         # (Its TPOT can read under TOKEN_S: a busy client receives the chunks in bursts.)
         assert r["completed"] == 4 and 0 < r["tpot_ms_p50"] < 100
