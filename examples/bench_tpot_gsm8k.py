@@ -12,7 +12,7 @@ the MoE layer, so the servers always run with VLLM_MOE_ROUTING_SIMULATION_STRATE
 One JSONL row per (backend, concurrency, repeat) goes to
 <results-dir>/tpot_gsm8k_<gpu>_<dp>gpu.jsonl (a DP rank per GPU; rows lead with gpu, world =
 DP, num_gpus) as soon as its level is done; rows of the same
-commit already there are skipped (rerun the same command to resume). --max-runtime S plans
+commit and server settings already there are skipped (rerun the same command to resume). --max-runtime S plans
 only the server runs whose estimate fits in S seconds, every backend measuring the same
 levels (later repeats dropped first, then the highest levels), starts nothing expected to end
 after S seconds, and exits 3 while work is left. --plot draws TPOT p50
@@ -52,7 +52,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GSM8K = HERE / "data" / "gsm8k_test.jsonl"
 ROUTING_STRATEGIES = ("uniform_random", "normal_routing")  # vLLM 0.24's RoutingSimulator
-KEY = ("backend", "routing_strategy", "concurrency", "num_prompts", "output_len", "repeat")
+# a row's identity: a result of the same commit with these fields equal is done (resume). The
+# server's settings are part of it (rows written before they were recorded have None there).
+KEY = ("backend", "routing_strategy", "concurrency", "num_prompts", "output_len", "max_num_seqs",
+       "max_num_batched_tokens", "repeat")
+CONFIG = KEY[1:-1]  # a table line: per configuration, every backend and repeat
 # `vllm bench serve`'s saved result JSON (vllm/benchmarks/serve.py) -> row fields
 RESULT_FIELDS = {"mean_tpot_ms": "tpot_ms_mean", "median_tpot_ms": "tpot_ms_p50",
                  "p99_tpot_ms": "tpot_ms_p99", "median_itl_ms": "itl_ms_p50",
@@ -204,11 +208,16 @@ def ratio_table(rows: list[dict]) -> str:
     backend, and petit/default of TPOT p50 (median of the per-repeat ratios, min..max)."""
     by = {}
     for r in rows:
-        by.setdefault(tuple(r[k] for k in KEY[1:5]), {}).setdefault(r["backend"], {})[
+        by.setdefault(tuple(r.get(k) for k in CONFIG), {}).setdefault(r["backend"], {})[
             r["repeat"]] = r
-    out = ["routing         conc  prompts  out  backend  tpot_p50  tpot_p99  itl_p50  "
-           "ttft_mean  petit/default (tpot p50)"]
-    for (strategy, conc, n, olen), per in sorted(by.items()):
+    out = ["routing         conc  prompts  out  seqs  batched  backend  tpot_p50  tpot_p99  "
+           "itl_p50  ttft_mean  petit/default (tpot p50)"]
+
+    def order(config):  # a server setting not recorded (None) first
+        return tuple(-1 if v is None else v for v in config)
+
+    for (strategy, conc, n, olen, seqs, batched), per in sorted(by.items(),
+                                                                key=lambda kv: order(kv[0])):
         for backend, reps in sorted(per.items()):
             def med(k):
                 return statistics.median(r[k] for r in reps.values())
@@ -216,7 +225,8 @@ def ratio_table(rows: list[dict]) -> str:
                       for i in reps if backend != "default" and i in per.get("default", {})]
             ratio = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})"
                      if ratios else "")
-            out.append(f"{strategy:15s} {conc:4d} {n:8d} {olen:4d}  {backend:7s} "
+            out.append(f"{strategy:15s} {conc:4d} {n:8d} {olen:4d}  {seqs or '-':>4}  "
+                       f"{batched or '-':>7}  {backend:7s} "
                        f"{med('tpot_ms_p50'):9.2f} {med('tpot_ms_p99'):9.2f} "
                        f"{med('itl_ms_p50'):8.2f} {med('ttft_ms_mean'):10.1f}  {ratio}")
     return "\n".join(out)
@@ -311,9 +321,11 @@ def main(argv=None) -> int:
     all_prompts = args.num_prompts or len(load_prompts(GSM8K))
     prompts = {c: min(all_prompts, args.prompts_per_client * c) if args.prompts_per_client
                else all_prompts for c in args.concurrency}
-    done = {tuple(r[k] for k in KEY) for r in of_commit(rows, stamp["commit"])}
+    done = {tuple(r.get(k) for k in KEY) for r in of_commit(rows, stamp["commit"])}
     todo = [(rep, b, [c for c in args.concurrency if (b, args.routing_strategy, c, prompts[c],
-                                                      args.output_len, rep) not in done])
+                                                      args.output_len, args.max_num_seqs,
+                                                      args.max_num_batched_tokens, rep)
+                      not in done])
             for rep in range(args.repeats) for b in args.backends]
     todo = [t for t in todo if t[2]]
     dataset = work / "gsm8k_custom.jsonl"

@@ -361,7 +361,7 @@ def row(backend, conc, rep, tpot, strategy="uniform_random", **kw):
     r = dict(gpu="H200", world=2, commit="abc", date="d", backend=backend,
              routing_strategy=strategy, concurrency=conc, num_prompts=1319, output_len=256,
              repeat=rep, tpot_ms_mean=tpot, tpot_ms_p50=tpot, tpot_ms_p99=2 * tpot,
-             itl_ms_p50=tpot, ttft_ms_mean=50.0)
+             itl_ms_p50=tpot, ttft_ms_mean=50.0, max_num_seqs=64, max_num_batched_tokens=2048)
     r.update(kw)
     return r
 
@@ -385,6 +385,17 @@ def test_resume_skips_the_rows_already_there(capsys, tmp_path, monkeypatch):
     out = dry_run(capsys, "--dp", "2", "--concurrency", "8", "64", "--repeats", "2",
                   "--results-dir", str(tmp_path))
     assert "0 server run(s) to do" in out and "bench serve" not in out
+    # rows of other server settings, or of none recorded, are not this command's results
+    for other in (("--max-num-seqs", "128"), ("--max-num-batched-tokens", "4096")):
+        out = dry_run(capsys, "--dp", "2", "--concurrency", "8", "64", "--repeats", "2",
+                      "--results-dir", str(tmp_path), *other)
+        assert "4 server run(s) to do" in out
+    unrecorded = [{k: v for k, v in r.items() if k != "max_num_batched_tokens"} for r in rows]
+    bench.write_jsonl(tmp_path / "tpot_gsm8k_H200_2gpu.jsonl", unrecorded)
+    out = dry_run(capsys, "--dp", "2", "--concurrency", "8", "64", "--repeats", "2",
+                  "--results-dir", str(tmp_path))
+    assert "4 server run(s) to do" in out
+    bench.write_jsonl(tmp_path / "tpot_gsm8k_H200_2gpu.jsonl", rows)
     monkeypatch.setenv("PETIT_COMMIT", "def")  # another commit's rows are not its results
     out = dry_run(capsys, "--dp", "2", "--concurrency", "8", "64", "--repeats", "2",
                   "--results-dir", str(tmp_path))
@@ -396,8 +407,10 @@ def test_table_gives_petit_over_default_per_repeat_and_the_plot_draws(tmp_path, 
     rows = [row("default", 8, 0, 10.0), row("petit", 8, 0, 8.0),
             row("default", 8, 1, 10.0), row("petit", 8, 1, 9.0),
             row("default", 64, 0, 20.0), row("petit", 64, 0, 15.0)]
-    table = bench.ratio_table(rows).splitlines()
-    assert len(table) == 5 and "petit/default" in table[0]
+    table = bench.ratio_table(rows + [row("petit", 8, 0, 7.0, max_num_seqs=None)]).splitlines()
+    assert len(table) == 6 and "petit/default" in table[0]
+    assert "   -     2048  petit" in table[1]  # a setting not recorded: its own line, no ratio
+    assert table[1].rstrip().endswith("7.0") or table[1].rstrip().endswith("50.0")
     c8 = [ln for ln in table if " 8 " in ln and "petit " in ln][0]
     assert "0.850 (0.800..0.900)" in c8 and "8.50" in c8  # median of 8 and 9
     c64 = [ln for ln in table if " 64 " in ln and "petit " in ln][0]
