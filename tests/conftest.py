@@ -47,6 +47,14 @@ def build_emu_library(tmp_path_factory, source: str) -> ctypes.CDLL:
            "-o", str(lib_path)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
+    # the emulation links no CUDA runtime or driver: a symbol of theirs would resolve only in
+    # a process that has loaded them (beside a CUDA build of torch), not on a CPU-only one
+    nm = shutil.which("nm")
+    if nm is not None:
+        undefined = subprocess.run([nm, "-D", "-u", str(lib_path)], capture_output=True,
+                                   text=True, check=True).stdout.split()
+        cuda = sorted(sym for sym in undefined if sym.startswith(("cuda", "cu")))
+        assert not cuda, f"{source}.so needs CUDA symbols the emulation does not define: {cuda}"
     _emu_libraries[source] = ctypes.CDLL(str(lib_path))
     return _emu_libraries[source]
 

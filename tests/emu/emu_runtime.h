@@ -389,6 +389,10 @@ inline uint64_t petit_timer() {
   (*(blocks) = emu::blocks_per_sm, petitSuccess)
 #undef petitGetDevice
 #define petitGetDevice(device) (*(device) = 0, petitSuccess)
+// (no CUDA runtime is linked: without this, an emulation library that names the real one
+// loads only into a process that happens to have libcudart, e.g. beside a CUDA build of torch)
+#undef petitGetErrorString
+#define petitGetErrorString(err) ((err) == petitSuccess ? "no error" : "emulated runtime error")
 #undef petitDeviceGetAttribute
 #define petitDeviceGetAttribute(value, attr, device) \
   (*(value) = emu::device_attribute(int(attr)), petitSuccess)
