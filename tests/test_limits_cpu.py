@@ -39,6 +39,8 @@ HEADER_NAMES = {
     "MEGAMOE_MAX_ENTRIES": "kMegaMoeMaxEntries",
     "MEGAMOE_SIZE_MULTIPLE": "kMegaMoeSizeMultiple",
     "MEGAMOE_TRACE_HEADER": "kMegaMoeTraceHeader",
+    "MEGAMOE_TRACE_TASKS": "kMegaMoeTraceTasks",
+    "MEGAMOE_TRACE_STEPS": "kMegaMoeTraceSteps",
     "MEGAMOE_TRACE_SLOTS": "kMegaMoeTraceSlots",
     "MEGAMOE_BLOCKS_PER_SM": "kMegaMoeBlocksPerSm",
     "DEFAULT_TIMEOUT_S": "kDefaultTimeoutS",

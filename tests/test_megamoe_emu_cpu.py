@@ -393,3 +393,37 @@ def test_trace_records_every_task_once_in_order(emu):
     assert [summary["kinds"][k]["count"] for k in tool.KINDS] == \
         [sum(1 for w in want if w[0] == i) for i in range(len(tool.KINDS))]
     assert summary["span_us"] > 0 and summary["handoff_us_max"] >= summary["handoff_us_median"]
+
+
+def test_trace_records_warp_0s_e4m3_steps(emu):
+    """With e4m3 weights the trace also holds warp 0's ring steps (wait begun, weights in).
+    H = 512 and I = 256 give a gate/up task 4 k steps (warp 0 takes one per pass) and a down
+    task 2 (warps 1 and 3 take them); 12 rows on one expert make two 8-row passes, so warp 0
+    takes two steps in every gate/up task and none in a down task. Each step lies in one of its
+    block's task records, and tools/megamoe_trace.py's step summary counts them."""
+    from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS,
+                                       MEGAMOE_TRACE_TASKS)
+    num_sms = 2
+    ids = torch.zeros(12, 1, dtype=torch.int32)
+    case, (s13, s2), (d13, d2) = make_fp8_case(31, 12, 1, 512, 256, 1, ids=ids)
+    grid = MEGAMOE_BLOCKS_PER_SM * num_sms
+    trace = torch.full((grid, MEGAMOE_TRACE_SLOTS), -1, dtype=torch.int64)
+    rc, out, _ = run_emu(emu, *case, num_sms=num_sms, trace=trace, w13_scale=s13, w2_scale=s2)
+    assert rc == 0
+    assert_close(out, reference_moe(*case[:3], d13, d2))
+    tool = _trace_tool()
+    blocks = tool.blocks_from_trace(trace.tolist())
+    gate_up_tasks = 0
+    for b in blocks:
+        assert b["count"] <= MEGAMOE_TRACE_TASKS, "a block's task records were truncated"
+        tasks = [t for t in b["tasks"] if t["kind"] == "gate/up"]
+        gate_up_tasks += len(tasks)
+        assert len(b["steps"]) == 2 * len(tasks), (b["steps"], tasks)
+        for begun, arrived in b["steps"]:
+            assert begun <= arrived
+            assert sum(t["ready"] <= begun <= t["done"] for t in tasks) == 1, (begun, tasks)
+    assert gate_up_tasks == 256 // 16
+    steps = tool.summarize(blocks, min(b["entry"] for b in blocks))["steps"]
+    assert list(steps) == ["gate/up"] and steps["gate/up"]["tasks"] == gate_up_tasks
+    k = steps["gate/up"]
+    assert k["steps_median"] == 2 and k["wait_us_median"] >= 0 and k["work_us_median"] >= 0

@@ -14,7 +14,9 @@ preset's local share; fresh random weights; 3 untraced calls first):
   input wait) per kind;
 - per expert, the gate/up -> down hand-off: its first down task ready minus its last gate/up
   task done;
-- the blocks' time split: routing, working, waiting, tail (last task -> exit).
+- the blocks' time split: routing, working, waiting, tail (last task -> exit);
+- with --dtype fp8, warp 0's ring steps per task kind: the wait for a task's first step's
+  weights and for its later steps', and each step's own work (weights in -> next step's wait).
 
     python tools/megamoe_trace.py --preset deepseek-v3 --tokens 1 8 64 [--out DIR]
 
@@ -40,7 +42,8 @@ import torch
 
 from vllm_petit_moe import ops
 from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_HEADER,
-                                   MEGAMOE_TRACE_SLOTS)
+                                   MEGAMOE_TRACE_SLOTS, MEGAMOE_TRACE_STEPS,
+                                   MEGAMOE_TRACE_TASKS)
 from vllm_petit_moe.testing.scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,14 +121,19 @@ def blocks_from_trace(rows: list[list[int]]) -> list[dict]:
         if row[0] < 0:  # a block the grid did not have
             continue
         tasks = []
-        for i in range(min(row[3], (MEGAMOE_TRACE_SLOTS - MEGAMOE_TRACE_HEADER) // 3)):
+        for i in range(min(row[3], MEGAMOE_TRACE_TASKS)):
             first = MEGAMOE_TRACE_HEADER + 3 * i
             task, ready, done = row[first:first + 3]
             kind, expert, group, tile = task_fields(task)
             tasks.append({"kind": KINDS[kind], "expert": expert, "group": group, "tile": tile,
                           "ready": ready, "done": done})
+        # warp 0's e4m3 ring steps (W = 1 fp8 only): (wait begun, weights in); -1 unused
+        first = MEGAMOE_TRACE_HEADER + 3 * MEGAMOE_TRACE_TASKS
+        steps = [(row[first + 2 * i], row[first + 2 * i + 1]) for i in range(MEGAMOE_TRACE_STEPS)
+                 if row[first + 2 * i] >= 0]
         blocks.append({"entry": row[0], "routed": row[1], "exit": row[2], "count": row[3],
-                       "ids": row[4], "counted": row[5], "issued": row[6], "tasks": tasks})
+                       "ids": row[4], "counted": row[5], "issued": row[6], "tasks": tasks,
+                       "steps": steps})
     return blocks
 
 
@@ -173,7 +181,33 @@ def summarize(blocks: list[dict], t0: float) -> dict:
     handoff = [(down_ready[e] - gate_up_done[e]) / 1e3 for e in down_ready if e in gate_up_done]
     out["handoff_us_median"] = med(handoff)
     out["handoff_us_max"] = max(handoff or [0.0])
+    out["steps"] = summarize_steps(blocks)
     return out
+
+
+def summarize_steps(blocks: list[dict]) -> dict:
+    """Warp 0's e4m3 ring steps per task kind (W = 1, fp8 weights; empty otherwise), each step
+    placed in the task whose ready..done holds its wait's start: the wait for the task's first
+    step's weights and for its later steps' (median us), the time from a step's weights in to
+    the next step's wait (the step's own work: widening, multiplies, next loads), and the steps
+    a task's warp 0 took."""
+    med = lambda v: round(statistics.median(v), 3) if v else None  # noqa: E731
+    per_kind = {}
+    for b in blocks:
+        for t in b["tasks"]:
+            mine = [s for s in b["steps"] if t["ready"] <= s[0] <= t["done"]]
+            if not mine:
+                continue
+            k = per_kind.setdefault(t["kind"], {"first_wait": [], "wait": [], "work": [],
+                                                "steps": []})
+            k["steps"].append(len(mine))
+            k["first_wait"].append((mine[0][1] - mine[0][0]) / 1e3)
+            k["wait"] += [(s[1] - s[0]) / 1e3 for s in mine[1:]]
+            k["work"] += [(nxt[0] - cur[1]) / 1e3 for cur, nxt in zip(mine, mine[1:])]
+    return {kind: {"tasks": len(k["steps"]), "steps_median": med(k["steps"]),
+                   "first_wait_us_median": med(k["first_wait"]),
+                   "wait_us_median": med(k["wait"]), "work_us_median": med(k["work"])}
+            for kind, k in per_kind.items()}
 
 
 def main(argv=None) -> int:
@@ -232,6 +266,12 @@ def main(argv=None) -> int:
                                          for name, v in split.items())
               + f"; gate/up -> down hand-off per expert: median {s['handoff_us_median']:.2f} us,"
               f" max {s['handoff_us_max']:.2f} us")
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        for kind, k in s["steps"].items():
+            print(f"warp 0's e4m3 steps, {kind}: {k['tasks']} tasks of {fmt(k['steps_median'])}"
+                  f" steps; median us: first weights' wait {fmt(k['first_wait_us_median'])}, "
+                  f"later steps' wait {fmt(k['wait_us_median'])}, work per step "
+                  f"{fmt(k['work_us_median'])}")
     if buf is not None:
         buf.close()
     return 0

@@ -18,7 +18,9 @@ MAX_ENTRIES = 2**31 - 1  # N*K routing entries of experts_forward are indexed wi
 MEGAMOE_MAX_ENTRIES = 2048  # kMegaMoeMaxEntries: N*K of one fused-layer call
 MEGAMOE_SIZE_MULTIPLE = 64  # kMegaMoeSizeMultiple: H and I of the fused layer
 MEGAMOE_TRACE_HEADER = 7  # kMegaMoeTraceHeader: a block's phase stamps before its task records
-MEGAMOE_TRACE_SLOTS = 103  # kMegaMoeTraceSlots: int64 stamps per block of the fused layer's trace
+MEGAMOE_TRACE_TASKS = 32  # kMegaMoeTraceTasks: (task, ready, done) records per block
+MEGAMOE_TRACE_STEPS = 64  # kMegaMoeTraceSteps: warp 0's e4m3 ring steps per block (W = 1)
+MEGAMOE_TRACE_SLOTS = 231  # kMegaMoeTraceSlots: int64 stamps per block of the fused layer's trace
 MEGAMOE_BLOCKS_PER_SM = 2  # kMegaMoeBlocksPerSm: the fused layer's grid, per SM at most
 
 # --------------------------------------------------------------------------- waits

@@ -17,10 +17,13 @@ constexpr int kMegaMoeSizeMultiple = 64;  // fused layer: H and I, whole 64-k TM
 // griddepcontrol.wait: the previous kernel has completed), routing
 // done, exit, the count of tasks, the routing's steps (rows' ids read -- at EP after every
 // rank's rows arrived --, expert counts and offsets known, the first weight loads issued),
-// then (task, ready, done) of its first kMegaMoeTraceTasks.
+// then (task, ready, done) of its first kMegaMoeTraceTasks, then (wait begun, weights in) of
+// the first kMegaMoeTraceSteps weight ring steps of its warp 0 with e4m3 weights (W = 1).
 constexpr int kMegaMoeTraceHeader = 7;
 constexpr int kMegaMoeTraceTasks = 32;
-constexpr int kMegaMoeTraceSlots = kMegaMoeTraceHeader + 3 * kMegaMoeTraceTasks;
+constexpr int kMegaMoeTraceSteps = 64;
+constexpr int kMegaMoeTraceSlots =
+    kMegaMoeTraceHeader + 3 * kMegaMoeTraceTasks + 2 * kMegaMoeTraceSteps;
 constexpr int kMegaMoeBlocksPerSm = 2;  // fused layer's grid: up to this many blocks per SM
 constexpr int kRegionAlignment = 256;  // bytes; keeps every region 16-byte vector aligned
 constexpr int kFp8ScaleBlock = 128;   // elements per fp8 scale (1x128 block quantization)

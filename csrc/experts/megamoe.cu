@@ -697,6 +697,16 @@ PETIT_DEVICE uint4 box_chunk(const unsigned char* box, int r, int chunk) {
 
 // ------------------------------------------------------------------ gate/up and down (roles)
 
+// The optional trace's ring-step records (layout.h): thread 0's (a lane of compute warp 0)
+// first kMegaMoeTraceSteps e4m3 steps at W = 1, each as the moment its wait began and the
+// moment its weights were in. Only the kernel instance with kSteps (launched with a trace,
+// W = 1, e4m3 weights) records them; every other instance's code has no trace of them.
+// stamps: nullptr on every other thread.
+struct StepTrace {
+  int64_t* stamps;
+  int count;
+};
+
 // One pass's multiplies: this warp's k steps over NT n-tiles of the pass's rows, the weights
 // (M) from the warp's ring, the rows' inputs (N) from global memory at b_rows[j] (nullptr: a
 // missing row), into acc[half][n-tile]. B is loaded D steps ahead into a register ring, so a
@@ -773,9 +783,11 @@ PETIT_DEVICE void mainloop(const WarpStream& ws, const petit_bf16_bits* const (&
 // step's products are summed apart and added to acc times the step's block scale, per half
 // (a half's 16 rows lie in one 128-row block), in fp32. The next step's inputs and scales are
 // loaded after the multiplies (one step ahead: more spill at two).
+template <bool kSteps>
 PETIT_DEVICE void mainloop_fp8(const WarpStream& ws, const petit_bf16_bits* b_row,
                                const float* const (&scale_rows)[2], float (&acc)[2][4],
-                               Producer& prod, int& consumed, const WarpRing& ring) {
+                               Producer& prod, int& consumed, const WarpRing& ring,
+                               StepTrace& st) {
   const int lane = petit_lane_id(), g = lane / 4, q = lane % 4;
   const int end = ws.s0 + ws.steps;
   uint4 b[2][2];   // [span h][c]: bf16 of k 128s + 64h + 16q + 8c ..
@@ -796,7 +808,14 @@ PETIT_DEVICE void mainloop_fp8(const WarpStream& ws, const petit_bf16_bits* b_ro
   load(ws.s0);
   for (int s = ws.s0; s < end; ++s) {
     const int slot = consumed % kStages;
+    const bool stamp = kSteps && st.stamps != nullptr && st.count < kMegaMoeTraceSteps;
+    const int64_t begun = stamp ? int64_t(petit_timer()) : 0;
     gemm::sm90_mbarrier_wait_parity(ring.full_addr + slot * 8, (consumed / kStages) & 1);
+    if (stamp) {
+      st.stamps[2 * st.count] = begun;
+      st.stamps[2 * st.count + 1] = int64_t(petit_timer());
+      ++st.count;
+    }
     const unsigned char* step = ring.steps + slot * kStepBytes;
     float part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
@@ -869,9 +888,10 @@ PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, int pass_rows
 
 // A gate/up or down task on the compute warps: per pass of up to 16 rows, the mainloop, the
 // warps' sums through shared memory, then the kind's epilogue.
-template <bool kEp, bool kFp8>
+template <bool kEp, bool kFp8, bool kSteps>
 PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& l,
-                              const Smem& s, Producer& prod, int& consumed, const WarpRing& ring) {
+                              const Smem& s, Producer& prod, int& consumed, const WarpRing& ring,
+                              StepTrace& st) {
   constexpr int kRows = kFp8 ? kPassRows8 : kPassRows;  // rows per pass
   const int lane = petit_lane_id(), warp = petit_warp_id(), g = lane / 4;
   const bool gate_up = t.kind == kGateUp;
@@ -912,7 +932,7 @@ PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& 
         for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
     if constexpr (kFp8) {
       float acc8[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-      mainloop_fp8(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring);
+      mainloop_fp8<kSteps>(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring, st);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -1055,7 +1075,8 @@ PETIT_DEVICE void exit_block(const MegaMoeEpArgs& e, const Smem& s, uint64_t epo
 // at every rank, and final tasks sum each own token's W rows.
 // kSplit: an expert's rows in row groups of 16 (the launcher's choice), else one group.
 // kFp8: e4m3 weights with 128 x 128 block scales (MegaMoeArgs::w13_scale), else bf16.
-template <bool kEp, bool kSplit, bool kFp8>
+// kSteps (W = 1, e4m3, launched with a trace only): the trace's ring-step records too.
+template <bool kEp, bool kSplit, bool kFp8, bool kSteps = false>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     megamoe_kernel(const MegaMoeEpArgs e, const __grid_constant__ CUtensorMap w13_map,
                    const __grid_constant__ CUtensorMap w2_map) {
@@ -1155,6 +1176,9 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   // ---- the tasks. Per iteration: R (ready: the control warp has acquired what the task
   // reads from other blocks), the task's role, S (every store of the task issued).
   Control<kEp, kSplit> ctl{};
+  static_assert(!kSteps || (kFp8 && !kEp), "ring steps are traced at W = 1 with e4m3 only");
+  StepTrace steps{kSteps && trace != nullptr
+                      ? trace + kMegaMoeTraceHeader + 3 * kMegaMoeTraceTasks : nullptr, 0};
   for (int iter = 0;; ++iter) {
     if (control && lane == 0) ctl.await_inputs(cur_task, sc, e, l, epoch);
     __syncthreads();  // R(iter)
@@ -1167,7 +1191,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     } else if (kEp && cur_task.kind == kFinal) {
       final_task(cur_task.tile, e);
     } else {
-      weight_task<kEp, kFp8>(cur_task, a, l, s, prod, consumed, ring);
+      weight_task<kEp, kFp8, kSteps>(cur_task, a, l, s, prod, consumed, ring, steps);
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {
@@ -1372,6 +1396,12 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
     return launch_with_attributes(kernel, grid, md::kThreads, smem, 1, !kEp, stream, e, w13_map,
                                   w2_map);
   };
+  if constexpr (!kEp) {
+    if (fp8 && e.layer.trace != nullptr) {  // the instance that traces ring steps
+      return split ? launch(md::megamoe_kernel<false, true, true, true>)
+                   : launch(md::megamoe_kernel<false, false, true, true>);
+    }
+  }
   if (fp8) {
     return split ? launch(md::megamoe_kernel<kEp, true, true>)
                  : launch(md::megamoe_kernel<kEp, false, true>);
