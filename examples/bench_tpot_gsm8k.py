@@ -11,8 +11,8 @@ the MoE layer, so the servers always run with VLLM_MOE_ROUTING_SIMULATION_STRATE
 
 One JSONL row per (backend, concurrency, repeat) goes to
 <results-dir>/tpot_gsm8k_<gpu>_<dp>gpu.jsonl (a DP rank per GPU; rows lead with gpu, world =
-DP, num_gpus) as soon as its level is done; rows of the same
-commit and server settings already there are skipped (rerun the same command to resume). --max-runtime S plans
+DP, num_gpus) as soon as its level is done; rows of the same commit and server settings
+already there are skipped (rerun the same command to resume). --max-runtime S plans
 only the server runs whose estimate fits in S seconds, every backend measuring the same
 levels (later repeats dropped first, then the highest levels), starts nothing expected to end
 after S seconds, and exits 3 while work is left. --plot draws TPOT p50
