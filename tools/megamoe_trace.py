@@ -246,8 +246,9 @@ def main(argv=None) -> int:
                                         "summary": s, "blocks": blocks}))
         if rank != 0:
             continue
-        print(f"=== {args.preset} {args.dtype}, {tokens} tokens" + (f" per rank, W={world}, rank 0"
-                                                        if world > 1 else "") + f": span {s['span_us']:.1f} us over "
+        where = f" per rank, W={world}, rank 0" if world > 1 else ""
+        print(f"=== {args.preset} {args.dtype}, {tokens} tokens{where}: span "
+              f"{s['span_us']:.1f} us over "
               f"{s['blocks']} blocks, routing {s['routing_us_median']:.2f} us (median)"
               + (f", {s['truncated_blocks']} blocks' task lists truncated"
                  if s["truncated_blocks"] else ""))
