@@ -79,7 +79,7 @@ constexpr int kPassRows8 = 8;    // e4m3 weights: one n-tile per pass (mainloop_
 constexpr int kGroupShift = 4;   // kSplit: a row group is 1 << kGroupShift rows, one pass
 static_assert(1 << kGroupShift == kPassRows, "a row group is one pass");
 constexpr int kStages = 5;       // ring steps in flight per warp
-constexpr int kL2Ahead = 8;      // steps per warp prefetched into L2 beyond the ring's
+constexpr int kL2Ahead = 4;      // steps per warp prefetched into L2 beyond the ring's
 constexpr int kInputsAhead = 4;  // input steps in flight per warp with one n-tile (W = 1)
 constexpr int kBoxRows = 16;     // one TMA box: 16 weight rows x 64 k, 128-byte swizzle
 constexpr int kBoxBytes = kBoxRows * kStepK * 2;
