@@ -170,31 +170,6 @@ def test_fp8_weights_match_reference(emu, seed, num_rows, top_k, hidden, interme
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_weights_prefetched_into_l2_are_the_ones_loaded(emu, fp8):
-    """Each warp prefetches into L2 the weight steps after its ring's (the current task's, then
-    the next task's first pass). The emulation records every prefetched box, retires it when
-    the same block loads that box, and traps where a block exits with a prefetched box it never
-    loaded or prefetches outside the tensor. Two blocks, many tasks each, tasks of 6 (bf16) or
-    3 (e4m3) steps a warp against a 5-step ring: both kinds of prefetch happen, and the output
-    is the reference's."""
-    shape = (31, 6, 2, 1536, 256, 4)
-    emu.petit_emu_take_l2_prefetches.restype = ctypes.c_longlong
-    emu.petit_emu_take_l2_prefetches()
-    if fp8:
-        case, (s13, s2), (d13, d2) = make_fp8_case(*shape)
-        ref = reference_moe(*case[:3], d13, d2)
-        rc, out, _ = run_emu(emu, *case, num_sms=1, l2_bytes=WHOLE_L2, w13_scale=s13,
-                             w2_scale=s2)
-    else:
-        case = make_case(*shape)
-        ref = reference_moe(*case)
-        rc, out, _ = run_emu(emu, *case, num_sms=1, l2_bytes=WHOLE_L2)
-    assert rc == 0
-    assert_close(out, ref)
-    assert emu.petit_emu_take_l2_prefetches() > 0
-
-
 def test_fp8_limits_rejected(emu):
     """fp8 weights need H and I multiples of the 128 scale block and both scale tensors."""
     case, (s13, s2), _ = make_fp8_case(25, 2, 2, 128, 128, 2)

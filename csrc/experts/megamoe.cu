@@ -79,7 +79,6 @@ constexpr int kPassRows8 = 8;    // e4m3 weights: one n-tile per pass (mainloop_
 constexpr int kGroupShift = 4;   // kSplit: a row group is 1 << kGroupShift rows, one pass
 static_assert(1 << kGroupShift == kPassRows, "a row group is one pass");
 constexpr int kStages = 5;       // ring steps in flight per warp
-constexpr int kL2Ahead = 4;      // steps per warp prefetched into L2 beyond the ring's
 constexpr int kInputsAhead = 4;  // input steps in flight per warp with one n-tile (W = 1)
 constexpr int kBoxRows = 16;     // one TMA box: 16 weight rows x 64 k, 128-byte swizzle
 constexpr int kBoxBytes = kBoxRows * kStepK * 2;
@@ -644,11 +643,6 @@ struct Control {
 // iteration ahead); lane 0 issues each step as two TMA boxes into the warp's ring slot,
 // completing the slot's mbarrier. The warp consumes slots in order; a slot is refilled only
 // after every lane of the warp has read it (the refill follows the multiplies that used it).
-// The kL2Ahead steps after the ring's are prefetched into L2, so that a warp has more than its
-// ring's bytes in flight: a long task's stream (DeepSeek-V3's gate/up, 14 e4m3 steps a warp)
-// and the next task's weights while the current one's are still arriving (at 1 token the
-// second wave of gate/up tasks, whose weights would otherwise be asked for only after the
-// first wave's came in).
 
 // The warp's ring: kStages steps and their mbarriers, and the tensor maps it loads from.
 struct WarpRing {
@@ -665,50 +659,13 @@ struct Producer {
   int step;              // of cur: 0 .. cur.total
   int kstep;             // step % cur.steps
   int pushed;            // steps issued so far (slot = pushed % kStages)
-  int prefetched;        // steps issued or prefetched into L2 so far (>= pushed once set)
 };
 
-// The k coordinate of step `kstep` of stream ws.
 template <bool kFp8>
-PETIT_DEVICE int step_k(const WarpStream& ws, int kstep) {
-  return (ws.s0 + kstep) * (kFp8 ? kStepK8 : kStepK);
-}
-
-// Step `kstep` of stream ws, both boxes, into L2 (lane 0).
-template <bool kFp8>
-PETIT_DEVICE void prefetch_step(const WarpStream& ws, int kstep, const WarpRing& r) {
-  const CUtensorMap* map = ws.gate_up ? r.w13_map : r.w2_map;
-  const int k = step_k<kFp8>(ws, kstep);
-  gemm::sm90_tma_prefetch_l2_4d(map, k, ws.row0, ws.group0, ws.expert);
-  gemm::sm90_tma_prefetch_l2_4d(map, k, ws.row1, ws.group1, ws.expert);
-}
-
-// Up to kL2Ahead steps after the last one pushed (of the current task, then the next) into
-// L2, at most `most` of them in this call; each once, and only a task's first pass (a later
-// pass re-reads the first's weights). The mainloop's calls, one step pushed each, prefetch
-// one; the block's task loop, where the next task becomes known, the rest.
-template <bool kFp8, int kMost>
-PETIT_DEVICE void prefetch_ahead(Producer& p, const WarpRing& r) {
-  if (p.prefetched < p.pushed) p.prefetched = p.pushed;
-#pragma unroll 1
-  for (int i = 0; i < kMost && p.prefetched - p.pushed < kL2Ahead; ++i, ++p.prefetched) {
-    const int pos = p.step + (p.prefetched - p.pushed);  // in the current task's steps, ...
-    if (pos < p.cur.total) {
-      if (pos < p.cur.steps && petit_lane_id() == 0) prefetch_step<kFp8>(p.cur, pos, r);
-    } else if (p.has_next && pos - p.cur.total < p.next.total) {  // ... then the next's
-      if (pos - p.cur.total < p.next.steps && petit_lane_id() == 0)
-        prefetch_step<kFp8>(p.next, pos - p.cur.total, r);
-    } else {
-      return;  // nothing further known yet
-    }
-  }
-}
-
-template <bool kFp8, int kMostAhead = 1>
 PETIT_DEVICE void produce(Producer& p, int consumed, const WarpRing& r) {
   while (p.pushed - consumed < kStages) {
     if (p.step >= p.cur.total) {
-      if (!p.has_next) break;
+      if (!p.has_next) return;
       p.cur = p.next;
       p.has_next = false;
       p.step = 0;
@@ -720,7 +677,7 @@ PETIT_DEVICE void produce(Producer& p, int consumed, const WarpRing& r) {
       const int slot = p.pushed % kStages;
       const uint32_t dst = r.steps_addr + slot * kStepBytes, bar = r.full_addr + slot * 8;
       const CUtensorMap* map = p.cur.gate_up ? r.w13_map : r.w2_map;
-      const int k = step_k<kFp8>(p.cur, p.kstep);
+      const int k = (p.cur.s0 + p.kstep) * (kFp8 ? kStepK8 : kStepK);
       gemm::sm90_mbarrier_arrive_expect_tx(bar, kStepBytes);
       gemm::sm90_tma_load_4d(dst, map, k, p.cur.row0, p.cur.group0, p.cur.expert, bar);
       gemm::sm90_tma_load_4d(dst + kBoxBytes, map, k, p.cur.row1, p.cur.group1, p.cur.expert,
@@ -730,7 +687,6 @@ PETIT_DEVICE void produce(Producer& p, int consumed, const WarpRing& r) {
     ++p.pushed;
     if (++p.kstep == p.cur.steps) p.kstep = 0;  // the next pass starts over the k steps
   }
-  prefetch_ahead<kFp8, kMostAhead>(p, r);
 }
 
 // Lane (g, q)'s 16 bytes of box row r (g or g + 8) for span h of a step: k = 32h + 8q of the
@@ -1196,7 +1152,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     prod.has_next = next_task.valid;
   }
   int consumed = 0;
-  if (!control && cur_task.valid) produce<kFp8, kL2Ahead>(prod, consumed, ring);
+  if (!control && cur_task.valid) produce<kFp8>(prod, consumed, ring);
   if (trace != nullptr) trace[6] = int64_t(petit_timer());  // this warp's first loads issued
   if (!kEp && control && lane == 0) s.scalars[kClaim0 + 1] = second_claim;
 
@@ -1207,8 +1163,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     next_task = sc.task(s.scalars[kClaim0 + 1]);
     prod.next = warp_stream<kFp8>(next_task, a);
     prod.has_next = next_task.valid;
-    if (!control && cur_task.valid) produce<kFp8, kL2Ahead>(prod, consumed, ring);  // its
-  }                                                           // first step, the rest into L2
+  }
 
   if (!kEp && sc.num_active() == 0) {  // no entry served: the layer's output is 0
     const int64_t vectors = int64_t(l.num_rows) * l.hidden / 8;
@@ -1257,7 +1212,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       }
       prod.next = warp_stream<kFp8>(next_task, a);
       prod.has_next = next_task.valid;
-      if (cur_task.valid) produce<kFp8, kL2Ahead>(prod, consumed, ring);
+      if (cur_task.valid) produce<kFp8>(prod, consumed, ring);
     }
   }
   // No weight load is in flight here: the producer only loads the current and the next task,
