@@ -97,19 +97,6 @@ PETIT_DEVICE void sm90_tma_load_4d_multicast(uint32_t dst, const CUtensorMap* ma
 #endif
 }
 
-// Box (c0, c1, c2, c3) of `map` into L2 only (no shared memory, no completion): a later
-// sm90_tma_load_4d of the same box finds it there.
-PETIT_DEVICE void sm90_tma_prefetch_l2_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
-#if PETIT_SM90A_DEVICE
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-               : "memory");
-#elif PETIT_EMU_PTX
-  emu_ptx::tma_prefetch_l2_4d(map, c0, c1, c2, c3);
-#endif
-}
-
 // Fetches the tensor map into the TMA unit's cache ahead of its first use.
 PETIT_DEVICE void sm90_prefetch_tensor_map(const CUtensorMap* map) {
 #if PETIT_SM90A_DEVICE

@@ -30,10 +30,6 @@
 //     through a tensor map that tensor_map_encode writes in its own format into the 128 bytes
 //     of a CUtensorMap: queued on their mbarrier, performed (and their bytes completed) when
 //     a thread waits on that barrier, i.e. no earlier than someone needs them;
-//   - TMA L2 prefetches (cp.async.bulk.prefetch.tensor): no effect on memory; recorded per
-//     block, a later load of the same box by the block retires one, and a block that exits
-//     with one never loaded (or prefetches a box outside its tensor) traps: it fetched the
-//     wrong bytes;
 //   - thread-block clusters (emu::launch_cluster runs a cluster's blocks at the same time):
 //     %cluster_ctarank, barrier.cluster (a barrier of all the cluster's threads), mapa (a
 //     shared::cluster address carries the target block's rank in its high bits, which
@@ -58,9 +54,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
-#include <set>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 namespace emu {
@@ -362,23 +356,6 @@ inline int64_t perform(const TmaCopy& c) {
   return n * int64_t(m.strides[0]);
 }
 
-// L2 prefetches not yet followed by a load of the same box, per block (its dynamic shared
-// memory), and how many were issued since the count was last read.
-using PrefetchedBox = std::tuple<const unsigned char*, int, int, int, int>;  // tensor, coords
-inline std::map<const unsigned char*, std::multiset<PrefetchedBox>> l2_prefetched;
-inline int64_t l2_prefetches = 0;
-
-inline void tma_prefetch_l2_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
-  TensorMap m;
-  std::memcpy(&m, map, sizeof(TensorMap));
-  const int c[4] = {c0, c1, c2, c3};
-  for (int d = 0; d < 4; ++d)
-    if (c[d] < 0 || uint64_t(c[d]) >= m.dims[d]) trap("L2 prefetch of a box outside its tensor");
-  std::lock_guard<std::mutex> lock(mbarrier_mutex);
-  l2_prefetched[emu::dynamic_smem].insert({m.base, c0, c1, c2, c3});
-  ++l2_prefetches;
-}
-
 // Into the block of cluster rank `rank` (-1: this thread's block).
 inline void tma_load_4d_into(int rank, uint32_t dst, const CUtensorMap* map, int c0, int c1,
                              int c2, int c3, uint32_t bar) {
@@ -392,13 +369,6 @@ inline void tma_load_4d_into(int rank, uint32_t dst, const CUtensorMap* map, int
   if (copy.map.box[0] * copy.map.strides[0] != 128) trap("128-byte swizzle needs 128-byte box rows");
   std::lock_guard<std::mutex> lock(mbarrier_mutex);
   mbarrier_tx[tx_key(bar)].copies.push_back(copy);
-  if (rank < 0) {  // a box this block prefetched is loaded
-    const auto block = l2_prefetched.find(emu::dynamic_smem);
-    if (block != l2_prefetched.end()) {
-      const auto it = block->second.find({copy.map.base, c0, c1, c2, c3});
-      if (it != block->second.end()) block->second.erase(it);
-    }
-  }
 }
 
 inline void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
@@ -507,7 +477,7 @@ inline void describe_mbarriers(std::FILE* f) {
 // copies nobody waited for, or expected bytes that never came; then its mbarriers leave the
 // table. Only its own: another grid (another emulated rank's) may be streaming meanwhile.
 inline void check_block_drained(unsigned char* const* smem, int count, size_t bytes) {
-  bool undrained = false, unloaded = false;
+  bool undrained = false;
   {
     std::lock_guard<std::mutex> lock(mbarrier_mutex);
     for (auto it = mbarrier_tx.begin(); it != mbarrier_tx.end();) {
@@ -522,15 +492,8 @@ inline void check_block_drained(unsigned char* const* smem, int count, size_t by
       if (!undrained) it = mbarrier_tx.erase(it);
       else ++it;
     }
-    for (int q = 0; q < count; ++q) {
-      const auto block = smem[q] != nullptr ? l2_prefetched.find(smem[q]) : l2_prefetched.end();
-      if (block == l2_prefetched.end()) continue;
-      unloaded |= !block->second.empty();
-      l2_prefetched.erase(block);
-    }
   }
   if (undrained) trap("block exits with TMA copies or expected bytes its mbarrier never completed");
-  if (unloaded) trap("block exits with boxes it prefetched to L2 and never loaded");
 }
 
 // A thread that ends with copies or MMAs it never waited for: the GPU would have completed

@@ -58,15 +58,6 @@ extern "C" int petit_emu_megamoe(const uint16_t* x, const int32_t* topk_ids,
   return rc;
 }
 
-// Weight boxes prefetched into L2 since the last call of this (each later loaded by the same
-// block, or the emulation traps).
-extern "C" long long petit_emu_take_l2_prefetches() {
-  std::lock_guard<std::mutex> lock(emu_ptx::mbarrier_mutex);
-  const long long n = emu_ptx::l2_prefetches;
-  emu_ptx::l2_prefetches = 0;
-  return n;
-}
-
 extern "C" int petit_emu_megamoe_sync_ints(int num_local_experts, int hidden) {
   return petit::megamoe_sync_ints(num_local_experts, hidden);
 }
