@@ -235,7 +235,8 @@ def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
     (v1 / "setup.py").write_text("")
     (v1 / "V1_TREE").write_text("")
     env.update(AB_OLD=str(old), AB_TREES=f"v1={v1}", AB_RUNS="old v1 new", AB_REPEATS="1",
-               AB_BENCH="examples/bench_dispatch_combine.py", OUT=str(tmp_path / "out3"))
+               AB_BENCH="examples/bench_dispatch_combine.py", OUT=str(tmp_path / "out3"),
+               AB_AFTER='echo "$PWD $PYTHONPATH" > "$AB_TREE_OUT/where"; test ! -f V1_TREE')
     three = subprocess.run(["bash", str(new / "tools" / "ab_trees.sh")], env=env,
                            capture_output=True, text=True)
     assert three.returncode == 0, three.stdout + three.stderr
@@ -245,6 +246,13 @@ def test_ab_trees_runs_each_tree_with_its_settings(tmp_path):
     assert "ab-old vs ab-v1" in three.stdout and "0.875" in three.stdout
     assert sorted(p.name for p in (tmp_path / "out3").glob("build-*.log")) == \
         ["build-new.log", "build-old.log", "build-v1.log"]
+    # AB_AFTER: once per tree, in it, with its PYTHONPATH and output folder; a failure is
+    # reported, not fatal
+    for name, tree in (("old", old), ("v1", v1), ("new", new)):
+        where = (tmp_path / "out3" / f"after-{name}" / "where").read_text().split()
+        assert where[0] == str(tree) and where[1].split(":")[0] == str(tree)
+    assert "AB_AFTER in v1: rc 1" in three.stdout
+    assert "AB_AFTER in old" not in three.stdout and "AB_AFTER in new" not in three.stdout
     env.update(AB_RUNS="old v2")
     unknown = subprocess.run(["bash", str(new / "tools" / "ab_trees.sh")], env=env,
                              capture_output=True, text=True)

@@ -15,6 +15,9 @@
 # tuning configs are benchmark arguments, not environment (AB_ARGS: --combine-configs of
 # bench_dispatch_combine.py, --expert-configs of bench_experts.py). Results are stamped with
 # each tree's commit: ab_prepare.sh's for its folders, PETIT_COMMIT (pass it) for this tree.
+# AB_AFTER: a shell command run once in each tree of AB_RUNS after the benchmarks (a trace, a
+# test), with PYTHONPATH that tree, PY the interpreter and AB_TREE_OUT=$OUT/after-<tree> for its
+# files; its output goes to $OUT/after-<tree>.log (AB_AFTER_TIMEOUT s each, default 120).
 #
 #   AB_OLD=ab_old AB_RUNS="old new" AB_REPEATS=2 \
 #     AB_ARGS="--routings uniform --tokens 128 4096 --num-sms 24 132 --iters 20" \
@@ -88,5 +91,13 @@ for run in $(printf '%s\n' $RUNS | awk '!seen[$0]++'); do
   echo "--- $(basename "$first") vs $(basename "$base")" | tee -a "$OUT/ab_summary.log"
   $PY tools/ab_compare.py "$first" "$base" --metric "${AB_METRIC:-combine_us}" | tee -a "$OUT/ab_summary.log"
 done
+if [ -n "${AB_AFTER:-}" ]; then
+  for tree in $(printf '%s\n' $RUNS | sed 's/:.*//' | awk '!seen[$0]++'); do
+    mkdir -p "$OUT/after-$tree"
+    (cd "${DIRS[$tree]}" && PYTHONPATH="${DIRS[$tree]}:${PYTHONPATH:-}" PY="$PY" \
+      AB_TREE_OUT="$OUT/after-$tree" timeout "${AB_AFTER_TIMEOUT:-120}" bash -c "$AB_AFTER") \
+      > "$OUT/after-$tree.log" 2>&1 || echo "AB_AFTER in $tree: rc $?" | tee -a "$OUT/ab_summary.log"
+  done
+fi
 pack_out ab_trees
 [ $bench_rc -eq 0 ]
