@@ -322,10 +322,16 @@ def main(argv=None) -> int:
     prompts = {c: min(all_prompts, args.prompts_per_client * c) if args.prompts_per_client
                else all_prompts for c in args.concurrency}
     done = {tuple(r.get(k) for k in KEY) for r in of_commit(rows, stamp["commit"])}
-    todo = [(rep, b, [c for c in args.concurrency if (b, args.routing_strategy, c, prompts[c],
-                                                      args.output_len, args.max_num_seqs,
-                                                      args.max_num_batched_tokens, rep)
-                      not in done])
+    this_run = dict(routing_strategy=args.routing_strategy, output_len=args.output_len,
+                    max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
+
+    def key(backend, conc, rep):  # the KEY of this command's row
+        row = dict(this_run, backend=backend, concurrency=conc, num_prompts=prompts[conc],
+                   repeat=rep)
+        return tuple(row[k] for k in KEY)
+
+    todo = [(rep, b, [c for c in args.concurrency if key(b, c, rep) not in done])
             for rep in range(args.repeats) for b in args.backends]
     todo = [t for t in todo if t[2]]
     dataset = work / "gsm8k_custom.jsonl"
