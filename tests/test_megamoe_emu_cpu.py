@@ -182,6 +182,50 @@ def test_fp8_limits_rejected(emu):
     assert rc != 0 and out.isnan().all()
 
 
+def wide_fp8_tasks(num_rows, top_k, num_local, hidden, intermediate, grid):
+    """The launcher's choice for e4m3 weights at W = 1 (megamoe.cu, wide_mask), from the
+    expected active experts under uniform routing, L (1 - (1 - K/L)^N): gate/up tasks of two
+    16-column tiles where the 16-column tasks would outnumber the grid; down tasks of two 32-row
+    tiles too where I < 1024 and the 32-row tasks would be at least 8 grids."""
+    active = num_local * (1 - (1 - min(1.0, top_k / num_local)) ** num_rows)
+    if active * (intermediate // 16) <= grid:
+        return False, False
+    return True, intermediate < 1024 and active * (hidden // 32) >= 8 * grid
+
+
+@pytest.mark.parametrize("hidden,intermediate,rows,num_sms,want", [
+    (256, 256, [1], 8, (False, False)),          # 1 expert: 16 gate/up tasks, 16 blocks
+    (256, 256, [1], 1, (True, False)),           # 16 on 2 blocks: wide gate/up; 8 down tasks
+    (256, 256, [1, 2, 17], 1, (True, True)),     # ~4 experts: 32 short down tasks on 2 blocks
+    (256, 1024, [1, 2, 17], 1, (True, False)),   # I = 1024: down tasks of 8 k steps
+])
+def test_fp8_wide_tasks_where_the_launcher_says(emu, hidden, intermediate, rows, num_sms, want):
+    """e4m3 weights: the call's tasks are as many as the launcher's choice gives (every block's
+    trace counts the tasks it ran), and the output matches the reference, with 16-row groups
+    and with one group per expert. Experts of 1, 2 and 17 rows: the third makes three 8-row
+    passes over both tiles of a wide task, or two row groups (20 entries > 16: the launcher
+    splits where the tiles exceed L2)."""
+    from vllm_petit_moe.limits import MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS
+    num_local, grid = 4, MEGAMOE_BLOCKS_PER_SM * num_sms
+    flat = torch.tensor([e for e, n in enumerate(rows) for _ in range(n)], dtype=torch.int32)
+    ids = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(3))]
+    case, (s13, s2), (d13, d2) = make_fp8_case(40, ids.numel(), 1, hidden, intermediate,
+                                               num_local, ids=ids.view(-1, 1))
+    assert wide_fp8_tasks(ids.numel(), 1, num_local, hidden, intermediate, grid) == want
+    subs = [2 if w else 1 for w in want]
+    ref = reference_moe(*case[:3], d13, d2)
+    for l2_bytes in (0, WHOLE_L2):
+        groups = len(rows) + (l2_bytes == 0 and max(rows) > 16)  # 17 rows: two groups
+        trace = torch.full((grid, MEGAMOE_TRACE_SLOTS), -1, dtype=torch.int64)
+        rc, out, sync = run_emu(emu, *case, num_sms=num_sms, l2_bytes=l2_bytes, trace=trace,
+                                w13_scale=s13, w2_scale=s2)
+        assert rc == 0
+        assert_close(out, ref)
+        assert int(sync.abs().sum()) == 0, "counters not reset for the next call"
+        tasks = groups * (intermediate // (16 * subs[0]) + hidden // (32 * subs[1])) + hidden // 32
+        assert int(trace[:, 3].clamp_min(0).sum()) == tasks, (want, trace[:, 3])
+
+
 def test_skewed_rows_in_groups_or_passes(emu):
     """Where the launcher splits experts' rows into 16-row groups, an expert with more than 16
     rows gets one task per group (the last one partial); otherwise one task makes a pass per 16
@@ -399,8 +443,9 @@ def test_trace_records_warp_0s_e4m3_steps(emu):
     """With e4m3 weights the trace also holds warp 0's ring steps (wait begun, weights in).
     H = 512 and I = 256 give a gate/up task 4 k steps (warp 0 takes one per pass) and a down
     task 2 (warps 1 and 3 take them); 12 rows on one expert make two 8-row passes, so warp 0
-    takes two steps in every gate/up task and none in a down task. Each step lies in one of its
-    block's task records, and tools/megamoe_trace.py's step summary counts them."""
+    takes two steps in every gate/up task and none in a down task (four in a task of two tiles,
+    which the launcher picks here: 16 narrow tasks outnumber the 4 blocks). Each step lies in
+    one of its block's task records, and tools/megamoe_trace.py's step summary counts them."""
     from vllm_petit_moe.limits import (MEGAMOE_BLOCKS_PER_SM, MEGAMOE_TRACE_SLOTS,
                                        MEGAMOE_TRACE_TASKS)
     num_sms = 2
@@ -413,17 +458,17 @@ def test_trace_records_warp_0s_e4m3_steps(emu):
     assert_close(out, reference_moe(*case[:3], d13, d2))
     tool = _trace_tool()
     blocks = tool.blocks_from_trace(trace.tolist())
-    gate_up_tasks = 0
+    gate_up_tasks, subs = 0, 2  # tiles per gate/up task (wide_mask: 16 > 4 blocks)
     for b in blocks:
         assert b["count"] <= MEGAMOE_TRACE_TASKS, "a block's task records were truncated"
         tasks = [t for t in b["tasks"] if t["kind"] == "gate/up"]
         gate_up_tasks += len(tasks)
-        assert len(b["steps"]) == 2 * len(tasks), (b["steps"], tasks)
+        assert len(b["steps"]) == 2 * subs * len(tasks), (b["steps"], tasks)
         for begun, arrived in b["steps"]:
             assert begun <= arrived
             assert sum(t["ready"] <= begun <= t["done"] for t in tasks) == 1, (begun, tasks)
-    assert gate_up_tasks == 256 // 16
+    assert gate_up_tasks == 256 // 16 // subs
     steps = tool.summarize(blocks, min(b["entry"] for b in blocks))["steps"]
     assert list(steps) == ["gate/up"] and steps["gate/up"]["tasks"] == gate_up_tasks
     k = steps["gate/up"]
-    assert k["steps_median"] == 2 and k["wait_us_median"] >= 0 and k["work_us_median"] >= 0
+    assert k["steps_median"] == 2 * subs and k["wait_us_median"] >= 0 and k["work_us_median"] >= 0

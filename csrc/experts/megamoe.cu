@@ -26,7 +26,9 @@
 //      L2, a group is all of an expert's rows, and a task's later passes re-read its tile from
 //      L2; where they do not, a pass would re-stream it from HBM, so a group is 16 rows: an
 //      expert with more rows gets more tasks, consecutive claims that stream the same tile at
-//      once (from HBM once) on several blocks (the launcher's choice: kSplit).
+//      once (from HBM once) on several blocks (the launcher's choice: kSplit). With e4m3
+//      weights (half the bytes a row) a weight task is two such tiles, one after the other in
+//      each pass, so that its fixed costs are paid on as many bytes as a bf16 task's.
 //   3. Weights stream by TMA into a per-warp ring of kStages steps that runs ahead across task
 //      boundaries, so a task's weights are in flight before its inputs exist.
 //   4. A gate/up task writes act[pos][cols] = bf16(silu(gate) * up) and raises its expert's
@@ -43,6 +45,7 @@
 // kind, all claimed before it (claims are ordered) by blocks that never wait on a later kind;
 // the control warp publishes its own finished task before it waits.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <type_traits>
 
@@ -76,6 +79,10 @@ constexpr int kStepK8 = 128;     // the same with e4m3 weights: one scale block 
 constexpr int kMaxNTiles = 2;    // n-tiles of 8 rows per pass: 16 expert rows
 constexpr int kPassRows = 8 * kMaxNTiles;
 constexpr int kPassRows8 = 8;    // e4m3 weights: one n-tile per pass (mainloop_fp8)
+// e4m3 weights: a weight task may be kWide8 tiles (gate/up: 2 x 16 columns of I, down: 2 x 32
+// rows of H), so that its fixed costs are paid on as many bytes as a bf16 task's; which kinds
+// are wide is the kernel's kWide (bit kGateUp, bit kDown; the launcher's wide_mask)
+constexpr int kWide8 = 2;
 constexpr int kGroupShift = 4;   // kSplit: a row group is 1 << kGroupShift rows, one pass
 static_assert(1 << kGroupShift == kPassRows, "a row group is one pass");
 constexpr int kStages = 5;       // ring steps in flight per warp
@@ -161,7 +168,7 @@ enum TaskKind { kGateUp = 0, kDown = 1, kReduce = 2, kFinal = 3 };
 struct Task {
   bool valid;
   int kind;
-  int expert, tile;
+  int expert, tile;  // a weight task's tiles: tile * subs .. + subs - 1 (Schedule::subs_of)
   int begin, count;  // the row group's first sorted position and rows
 };
 
@@ -171,21 +178,22 @@ PETIT_HOST_DEVICE constexpr int row_groups(int rows) {
 }
 
 // kSplit = false: one row group per expert (num_groups == num_active, group_base unused).
+// gate_up_tiles, down_tiles: weight tasks per row group.
 template <bool kEp, bool kSplit>
 PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int gate_up_tiles,
-                              int down_tiles, const int32_t* active, const int32_t* group_base,
-                              const int32_t* offsets) {
+                              int down_tiles, int reduce_tiles, const int32_t* active,
+                              const int32_t* group_base, const int32_t* offsets) {
   Task t{};
   const int num_gate_up = num_groups * gate_up_tiles, num_down = num_groups * down_tiles;
   // W = 1 with no entry: no task (the output is zeroed); EP: the reductions and final sums
   // run regardless (the peers wait for this rank's "reductions done")
   t.valid = (kEp || num_active > 0) &&
-            task < num_gate_up + num_down + down_tiles * (kEp ? 2 : 1);
+            task < num_gate_up + num_down + reduce_tiles * (kEp ? 2 : 1);
   if (!t.valid) return t;
   if (task >= num_gate_up + num_down) {
     const int tile = task - num_gate_up - num_down;
-    t.kind = tile < down_tiles ? kReduce : kFinal;
-    t.tile = tile % down_tiles;
+    t.kind = tile < reduce_tiles ? kReduce : kFinal;
+    t.tile = tile % reduce_tiles;
     return t;
   }
   const bool gate_up = task < num_gate_up;
@@ -216,26 +224,31 @@ PETIT_DEVICE Task decode_task(int task, int num_active, int num_groups, int gate
 
 // This warp's weight stream of one task: the two 16-row boxes of a step (half 0 / half 1:
 // box coordinates row, group, expert of the task's weight map), its steps [s0, s0 + steps)
-// of kStepK, and the passes over them.
+// of kStepK, and the passes over them; per pass, its tiles one after the other (tile i's
+// boxes sub_rows * i rows further).
 struct WarpStream {
   bool gate_up;
   int row0, row1, group0, group1, expert;
-  int s0, steps, total;  // total = passes * steps
+  int subs, sub_rows;
+  int s0, steps, total;  // total = passes * subs * steps
 };
 
 template <bool kFp8>
-PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
+PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a, int subs) {
   const int warp = petit_warp_id();
   WarpStream ws{};
   if (!t.valid || t.kind >= kReduce) return ws;  // no weights
   ws.gate_up = t.kind == kGateUp;
   ws.expert = t.expert;
+  ws.subs = kFp8 ? subs : 1;
   if (ws.gate_up) {  // w13 as {H, I, 2, L}: gate (group 0) and up (group 1) rows of the tile
-    ws.row0 = ws.row1 = t.tile * kTileCols;
+    ws.sub_rows = kTileCols;
+    ws.row0 = ws.row1 = t.tile * ws.subs * kTileCols;
     ws.group0 = 0;
     ws.group1 = 1;
   } else {  // w2 as {I, H, 1, L}: the tile's 32 rows
-    ws.row0 = t.tile * kDownRows;
+    ws.sub_rows = kDownRows;
+    ws.row0 = t.tile * ws.subs * kDownRows;
     ws.row1 = ws.row0 + kBoxRows;
     ws.group0 = ws.group1 = 0;
   }
@@ -243,7 +256,8 @@ PETIT_DEVICE WarpStream warp_stream(const Task& t, const MegaMoeArgs& a) {
   ws.s0 = warp * k_steps / kWarps;
   ws.steps = (warp + 1) * k_steps / kWarps - ws.s0;
   // a pass: a row group's rows (e4m3: 8 of them)
-  ws.total = ws.steps * (kFp8 ? (t.count + kPassRows8 - 1) / kPassRows8 : row_groups(t.count));
+  ws.total = ws.steps * ws.subs *
+             (kFp8 ? (t.count + kPassRows8 - 1) / kPassRows8 : row_groups(t.count));
   return ws;
 }
 
@@ -549,12 +563,15 @@ PETIT_DEVICE void route_sort(int num_entries, const Smem& s) {
 // The block's view of the call's tasks once routed: the active experts and their row groups,
 // held in registers, but read from shared memory at each use by the W = 1 kernel with row
 // groups (its registers spill otherwise; the EP kernel's spill more the other way round).
-template <bool kEp, bool kSplit>
+// kWide: the wide kinds (bit kGateUp, bit kDown), whose tasks are kWide8 tiles.
+template <bool kEp, bool kSplit, int kWide>
 struct Schedule {
   static constexpr bool kHeld = kEp || !kSplit;
+  static constexpr int kGateUpSubs = kWide >> kGateUp & 1 ? kWide8 : 1;
+  static constexpr int kDownSubs = kWide >> kDown & 1 ? kWide8 : 1;
   const Smem& s;
   int held_active, held_groups;
-  int gate_up_tiles, down_tiles;
+  int gate_up_tiles, down_tiles;  // weight tasks per row group (of subs_of tiles each)
 
   PETIT_DEVICE int num_active() const { return kHeld ? held_active : s.scalars[kNumActive]; }
   PETIT_DEVICE int num_groups() const {
@@ -562,7 +579,13 @@ struct Schedule {
   }
   PETIT_DEVICE Task task(int id) const {
     return decode_task<kEp, kSplit>(id, num_active(), num_groups(), gate_up_tiles, down_tiles,
-                                    s.active, s.group_base, s.offsets);
+                                    reduce_tiles(), s.active, s.group_base, s.offsets);
+  }
+  // H / kDownRows: the reductions' row tiles
+  PETIT_DEVICE int reduce_tiles() const { return down_tiles * kDownSubs; }
+  // a weight task's tiles
+  PETIT_DEVICE int subs_of(const Task& t) const {
+    return kGateUpSubs == kDownSubs || t.kind == kGateUp ? kGateUpSubs : kDownSubs;
   }
   // A down task waits for its expert's gate/up tasks, a reduction for its row tile's down
   // tasks (every row group's).
@@ -575,10 +598,11 @@ struct Schedule {
   }
 };
 
-template <bool kEp, bool kSplit>
-PETIT_DEVICE Schedule<kEp, kSplit> schedule_of(const Layer& l, const Smem& s) {
-  return Schedule<kEp, kSplit>{s, s.scalars[kNumActive], kSplit ? s.scalars[kNumGroups] : 0,
-                               l.intermediate / kTileCols, l.hidden / kDownRows};
+template <bool kEp, bool kSplit, int kWide>
+PETIT_DEVICE Schedule<kEp, kSplit, kWide> schedule_of(const Layer& l, const Smem& s) {
+  using S = Schedule<kEp, kSplit, kWide>;
+  return S{s, s.scalars[kNumActive], kSplit ? s.scalars[kNumGroups] : 0,
+           l.intermediate / (kTileCols * S::kGateUpSubs), l.hidden / (kDownRows * S::kDownSubs)};
 }
 
 // ------------------------------------------------------------------ the control warp (role)
@@ -586,34 +610,39 @@ PETIT_DEVICE Schedule<kEp, kSplit> schedule_of(const Layer& l, const Smem& s) {
 // complete, publishes each finished task (fence + counter) while the compute warps run the
 // next one, and claims two tasks ahead. The compute warps never fence (a fence would wait for
 // their weight loads in flight) and wait at R only when an input is really missing.
-template <bool kEp, bool kSplit>
+template <bool kEp, bool kSplit, int kWide>
 struct Control {
+  using Sched = Schedule<kEp, kSplit, kWide>;
   Task unpublished;  // the finished task not yet published
   bool inputs_seen;  // the current task's inputs were seen complete (acquired) already
 
   PETIT_DEVICE void publish(Task& t, const MegaMoeEpArgs& e, const Layer& l, uint64_t epoch,
-                            int down_tiles) {
+                            const Sched& sc) {
     if (!t.valid) return;
     if (kEp && t.kind == kReduce) {
       // the rows went to peers' heaps: a system-scope release, then the count; the last
       // reduction of this rank tells every rank its rows are in (dispatch's publish_item)
       petit_fence_acq_rel_sys();
-      if (atomicAdd(l.reductions_done, 1) == down_tiles + int(gridDim.x) - 1)
+      if (atomicAdd(l.reductions_done, 1) == sc.reduce_tiles() + int(gridDim.x) - 1)
         publish_reductions(e.ctx, epoch, e.region_stride, l.top_k);
     } else {
       __threadfence();  // release: the compute warps' stores, ordered before it by S
       if (t.kind == kGateUp) atomicAdd(&l.gate_up_done[t.expert], 1);
-      if (t.kind == kDown) atomicAdd(&l.tile_done[t.tile], 1);
+      if (t.kind == kDown) {
+        constexpr int subs = Sched::kDownSubs;
+#pragma unroll
+        for (int i = 0; i < subs; ++i) atomicAdd(&l.tile_done[t.tile * subs + i], 1);
+      }
     }
     t.valid = false;
   }
 
   // Before R(iter): what the current task reads from other blocks is complete.
-  PETIT_DEVICE void await_inputs(const Task& cur, const Schedule<kEp, kSplit>& sc,
+  PETIT_DEVICE void await_inputs(const Task& cur, const Sched& sc,
                                  const MegaMoeEpArgs& e, const Layer& l, uint64_t epoch) {
     const EpContextArgs& c = e.ctx;
     const bool waits = cur.valid && cur.kind != kGateUp && !inputs_seen;
-    if (waits || !cur.valid) publish(unpublished, e, l, epoch, sc.down_tiles);  // ours may
+    if (waits || !cur.valid) publish(unpublished, e, l, epoch, sc);  // ours may
                                                                                 // be awaited
     if (kEp && waits && cur.kind == kFinal) {  // every rank's rows of our tokens
       for (int d = 0; d < c.world_size; ++d) {
@@ -628,9 +657,9 @@ struct Control {
 
   // During the compute warps' task: publish the previous task, claim the task of iteration
   // iter + 2 (read after S(iter)), look at the next task's inputs.
-  PETIT_DEVICE void step(int iter, const Task& next, const Schedule<kEp, kSplit>& sc,
+  PETIT_DEVICE void step(int iter, const Task& next, const Sched& sc,
                          const MegaMoeEpArgs& e, const Layer& l, uint64_t epoch, int* scalars) {
-    publish(unpublished, e, l, epoch, sc.down_tiles);
+    publish(unpublished, e, l, epoch, sc);
     scalars[kClaim0 + (iter + 2) % 3] = claim_task(e.layer.sync);
     inputs_seen = next.valid && next.kind != kGateUp && next.kind != kFinal &&
                   petit_load_acquire_gpu(sc.counter_of(next, l)) >= sc.target_of(next);
@@ -658,10 +687,11 @@ struct Producer {
   int iter;              // the block iteration whose task cur is
   int step;              // of cur: 0 .. cur.total
   int kstep;             // step % cur.steps
+  int sub;               // (step / cur.steps) % cur.subs: the tile of the pass
   int pushed;            // steps issued so far (slot = pushed % kStages)
 };
 
-template <bool kFp8>
+template <bool kFp8, int kWide>
 PETIT_DEVICE void produce(Producer& p, int consumed, const WarpRing& r) {
   while (p.pushed - consumed < kStages) {
     if (p.step >= p.cur.total) {
@@ -670,6 +700,7 @@ PETIT_DEVICE void produce(Producer& p, int consumed, const WarpRing& r) {
       p.has_next = false;
       p.step = 0;
       p.kstep = 0;
+      p.sub = 0;
       ++p.iter;
       continue;
     }
@@ -678,14 +709,18 @@ PETIT_DEVICE void produce(Producer& p, int consumed, const WarpRing& r) {
       const uint32_t dst = r.steps_addr + slot * kStepBytes, bar = r.full_addr + slot * 8;
       const CUtensorMap* map = p.cur.gate_up ? r.w13_map : r.w2_map;
       const int k = (p.cur.s0 + p.kstep) * (kFp8 ? kStepK8 : kStepK);
+      const int rows = kWide != 0 ? p.sub * p.cur.sub_rows : 0;
       gemm::sm90_mbarrier_arrive_expect_tx(bar, kStepBytes);
-      gemm::sm90_tma_load_4d(dst, map, k, p.cur.row0, p.cur.group0, p.cur.expert, bar);
-      gemm::sm90_tma_load_4d(dst + kBoxBytes, map, k, p.cur.row1, p.cur.group1, p.cur.expert,
-                             bar);
+      gemm::sm90_tma_load_4d(dst, map, k, p.cur.row0 + rows, p.cur.group0, p.cur.expert, bar);
+      gemm::sm90_tma_load_4d(dst + kBoxBytes, map, k, p.cur.row1 + rows, p.cur.group1,
+                             p.cur.expert, bar);
     }
     ++p.step;
     ++p.pushed;
-    if (++p.kstep == p.cur.steps) p.kstep = 0;  // the next pass starts over the k steps
+    if (++p.kstep == p.cur.steps) {  // the next tile, or the next pass, starts over the k steps
+      p.kstep = 0;
+      if (kWide != 0 && ++p.sub == p.cur.subs) p.sub = 0;
+    }
   }
 }
 
@@ -769,7 +804,7 @@ PETIT_DEVICE void mainloop(const WarpStream& ws, const petit_bf16_bits* const (&
         if constexpr (D > 1) load_b(ahead[d], s + D);  // after the multiplies read it
         ++consumed;
         petit_syncwarp();  // every lane has read the slot before lane 0 refills it
-        produce<false>(prod, consumed, ring);
+        produce<false, 0>(prod, consumed, ring);
       }
     }
   }
@@ -783,7 +818,7 @@ PETIT_DEVICE void mainloop(const WarpStream& ws, const petit_bf16_bits* const (&
 // step's products are summed apart and added to acc times the step's block scale, per half
 // (a half's 16 rows lie in one 128-row block), in fp32. The next step's inputs and scales are
 // loaded after the multiplies (one step ahead: more spill at two).
-template <bool kSteps>
+template <int kWide, bool kSteps>
 PETIT_DEVICE void mainloop_fp8(const WarpStream& ws, const petit_bf16_bits* b_row,
                                const float* const (&scale_rows)[2], float (&acc)[2][4],
                                Producer& prod, int& consumed, const WarpRing& ring,
@@ -844,70 +879,76 @@ PETIT_DEVICE void mainloop_fp8(const WarpStream& ws, const petit_bf16_bits* b_ro
     load(s + 1);  // after the multiplies read the registers
     ++consumed;
     petit_syncwarp();  // every lane has read the slot before lane 0 refills it
-    produce<true>(prod, consumed, ring);
+    produce<true, kWide>(prod, consumed, ring);
   }
 }
 
+// The epilogues' items of a pass: (row n, tile i, part) in that order, n < rows. With several
+// tiles (e4m3: 8-row passes) tile i's sums are the warps' n-tile i (red's row 8i + n).
+
 // Gate/up epilogue of a pass: act[pos][cols] = bf16(silu(gate) * up) for the pass's `rows`
-// rows, from the warps' sums (item: row n, columns c, c + 1 of the tile).
-PETIT_DEVICE void gate_up_epilogue(const Task& t, int pass, int rows, int pass_rows,
+// rows, from the warps' sums (item: row n, columns c, c + 1 of tile i).
+PETIT_DEVICE void gate_up_epilogue(const Task& t, int pass, int rows, int pass_rows, int subs,
                                    const Layer& l, petit_bf16_bits* act, const float* red) {
-  for (int item = threadIdx.x; item < pass_rows * 16; item += kComputeThreads) {
-    const int n = item / 16, part = item % 16;
+  for (int item = threadIdx.x; item < pass_rows * subs * 16; item += kComputeThreads) {
+    const int n = item / (subs * 16), i = (item / 16) % subs, part = item % 16;
     if (n >= rows) break;
-    const int pos = t.begin + pass + n;
+    const int pos = t.begin + pass + n, m = n + 8 * i;
     if (part < 8) {
       const int c = 2 * part;  // columns c, c + 1 of the tile
-      const float a0 = gemm::silu(reduced(red, 0, c, n)) * reduced(red, 1, c, n);
-      const float a1 = gemm::silu(reduced(red, 0, c + 1, n)) * reduced(red, 1, c + 1, n);
+      const float a0 = gemm::silu(reduced(red, 0, c, m)) * reduced(red, 1, c, m);
+      const float a1 = gemm::silu(reduced(red, 0, c + 1, m)) * reduced(red, 1, c + 1, m);
       const uint32_t packed = uint32_t(petit_float_to_bf16(a0)) |
                               (uint32_t(petit_float_to_bf16(a1)) << 16);
-      *reinterpret_cast<uint32_t*>(act + int64_t(pos) * l.intermediate + t.tile * kTileCols +
-                                   c) = packed;
+      *reinterpret_cast<uint32_t*>(act + int64_t(pos) * l.intermediate +
+                                   (t.tile * subs + i) * kTileCols + c) = packed;
     }
   }
 }
 
 // Down epilogue of a pass: partial[entry][rows] = weight * (act . w2^T) as fp32, per routing
-// entry (item: row n, rows r0, r0 + 1 of the tile).
-PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, int pass_rows,
+// entry (item: row n, rows r0, r0 + 1 of tile i).
+PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, int pass_rows, int subs,
                                 const Layer& l, const Smem& s, float* partial) {
-  for (int item = threadIdx.x; item < pass_rows * 16; item += kComputeThreads) {
-    const int n = item / 16, part = item % 16;
+  for (int item = threadIdx.x; item < pass_rows * subs * 16; item += kComputeThreads) {
+    const int n = item / (subs * 16), i = (item / 16) % subs, part = item % 16;
     if (n >= rows) break;
-    const int entry = s.sorted[t.begin + pass + n];
+    const int entry = s.sorted[t.begin + pass + n], m = n + 8 * i;
     const float weight = l.row_weights[entry];
     const int r0 = 2 * part;  // rows r0, r0 + 1 of the tile (half r0 / 16)
     float2 v;
-    v.x = weight * reduced(s.red, r0 / 16, r0 % 16, n);
-    v.y = weight * reduced(s.red, r0 / 16, r0 % 16 + 1, n);
-    *reinterpret_cast<float2*>(partial + int64_t(entry) * l.hidden + t.tile * kDownRows + r0) =
-        v;
+    v.x = weight * reduced(s.red, r0 / 16, r0 % 16, m);
+    v.y = weight * reduced(s.red, r0 / 16, r0 % 16 + 1, m);
+    *reinterpret_cast<float2*>(partial + int64_t(entry) * l.hidden +
+                               (t.tile * subs + i) * kDownRows + r0) = v;
   }
 }
 
 // A gate/up or down task on the compute warps: per pass of up to 16 rows, the mainloop, the
 // warps' sums through shared memory, then the kind's epilogue.
-template <bool kEp, bool kFp8, bool kSteps>
-PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& l,
+template <bool kEp, bool kFp8, int kWide, bool kSteps>
+PETIT_DEVICE void weight_task(const Task& t, int subs, const MegaMoeArgs& a, const Layer& l,
                               const Smem& s, Producer& prod, int& consumed, const WarpRing& ring,
                               StepTrace& st) {
   constexpr int kRows = kFp8 ? kPassRows8 : kPassRows;  // rows per pass
   const int lane = petit_lane_id(), warp = petit_warp_id(), g = lane / 4;
   const bool gate_up = t.kind == kGateUp;
-  const WarpStream ws = warp_stream<kFp8>(t, a);
+  const WarpStream ws = warp_stream<kFp8>(t, a, subs);
   // e4m3: the two halves' scale rows, [L, 2I / 128, H / 128] (gate, then up rows) or
-  // [L, H / 128, I / 128]; a half's 16 rows lie in one 128-row block
+  // [L, H / 128, I / 128]; a task's 32 columns (64 rows) lie in one 128-row block
+  static_assert(kStepK8 % (kWide8 * kTileCols) == 0 && kStepK8 % (kWide8 * kDownRows) == 0,
+                "an e4m3 task's rows lie in one scale block");
+  static_assert(kWide8 <= kMaxNTiles, "a tile's sums are one n-tile of red");
   const float* scale_rows[2] = {nullptr, nullptr};
   if constexpr (kFp8) {
     const int blocks_h = l.hidden / kStepK8, blocks_i = l.intermediate / kStepK8;
     if (gate_up) {
       const float* base = a.w13_scale + int64_t(t.expert) * 2 * blocks_i * blocks_h;
-      scale_rows[0] = base + (t.tile * kTileCols / kStepK8) * blocks_h;
-      scale_rows[1] = base + (blocks_i + t.tile * kTileCols / kStepK8) * blocks_h;
+      scale_rows[0] = base + (t.tile * ws.subs * kTileCols / kStepK8) * blocks_h;
+      scale_rows[1] = base + (blocks_i + t.tile * ws.subs * kTileCols / kStepK8) * blocks_h;
     } else {
-      scale_rows[0] =
-          a.w2_scale + (int64_t(t.expert) * blocks_h + t.tile * kDownRows / kStepK8) * blocks_i;
+      scale_rows[0] = a.w2_scale + (int64_t(t.expert) * blocks_h +
+                                    t.tile * ws.subs * kDownRows / kStepK8) * blocks_i;
       scale_rows[1] = scale_rows[0];
     }
   }
@@ -923,41 +964,43 @@ PETIT_DEVICE void weight_task(const Task& t, const MegaMoeArgs& a, const Layer& 
                             : a.act + int64_t(t.begin + r) * l.intermediate;
       }
     }
-    float acc[2][kMaxNTiles][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int j = 0; j < kMaxNTiles; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
+    // red[warp][half][n-tile][reg][lane]: the warp's sums of the pass (e4m3: tile i's 8 rows
+    // as n-tile i)
+    float* mine = s.red + warp * (2 * kMaxNTiles * 4 * 32);
     if constexpr (kFp8) {
-      float acc8[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-      mainloop_fp8<kSteps>(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring, st);
+      for (int i = 0; i < ws.subs; ++i) {
+        float acc8[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        mainloop_fp8<kWide, kSteps>(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring, st);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) mine[((h * kMaxNTiles + i) * 4 + r) * 32 + lane] = acc8[h][r];
+      }
+    } else {
+      float acc[2][kMaxNTiles][4];
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[h][0][r] = acc8[h][r];
-    } else if (rows > 8) {
-      mainloop<kEp, 2>(ws, b_rows, acc, prod, consumed, ring);
-    } else {
-      mainloop<kEp, 1>(ws, b_rows, acc, prod, consumed, ring);
+        for (int j = 0; j < kMaxNTiles; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[h][j][r] = 0.0f;
+      if (rows > 8) {
+        mainloop<kEp, 2>(ws, b_rows, acc, prod, consumed, ring);
+      } else {
+        mainloop<kEp, 1>(ws, b_rows, acc, prod, consumed, ring);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < kMaxNTiles; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
     }
-    // red[warp][half][n-tile][reg][lane]; an e4m3 pass has one n-tile (the epilogue reads
-    // rows < 8 only)
-    float* mine = s.red + warp * (2 * kMaxNTiles * 4 * 32);
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int j = 0; j < (kFp8 ? 1 : kMaxNTiles); ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          mine[((h * kMaxNTiles + j) * 4 + r) * 32 + lane] = acc[h][j][r];
-        }
     gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);
     if (gate_up) {
-      gate_up_epilogue(t, pass, rows, kRows, l, a.act, s.red);
+      gate_up_epilogue(t, pass, rows, kRows, kFp8 ? ws.subs : 1, l, a.act, s.red);
     } else {
-      down_epilogue(t, pass, rows, kRows, l, s, a.partial);
+      down_epilogue(t, pass, rows, kRows, kFp8 ? ws.subs : 1, l, s, a.partial);
     }
     gemm::sm90_named_barrier_sync(kComputeBarrier, kComputeThreads);  // red is reused next pass
   }
@@ -1075,11 +1118,13 @@ PETIT_DEVICE void exit_block(const MegaMoeEpArgs& e, const Smem& s, uint64_t epo
 // at every rank, and final tasks sum each own token's W rows.
 // kSplit: an expert's rows in row groups of 16 (the launcher's choice), else one group.
 // kFp8: e4m3 weights with 128 x 128 block scales (MegaMoeArgs::w13_scale), else bf16.
+// kWide (e4m3 at W = 1): the kinds whose tasks are kWide8 tiles (bit kGateUp, bit kDown).
 // kSteps (W = 1, e4m3, launched with a trace only): the trace's ring-step records too.
-template <bool kEp, bool kSplit, bool kFp8, bool kSteps = false>
+template <bool kEp, bool kSplit, bool kFp8, int kWide, bool kSteps = false>
 PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     megamoe_kernel(const MegaMoeEpArgs e, const __grid_constant__ CUtensorMap w13_map,
                    const __grid_constant__ CUtensorMap w2_map) {
+  static_assert(kWide == 0 || (kFp8 && !kEp), "wide tasks: e4m3 weights at W = 1");
 #if PETIT_SM90A_BODY
   const MegaMoeArgs& a = e.layer;
   PETIT_DYNAMIC_SMEM(smem_bytes);
@@ -1137,7 +1182,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   __syncthreads();
   if (trace != nullptr) trace[5] = int64_t(petit_timer());  // counts, offsets, active experts
 
-  const Schedule<kEp, kSplit> sc = schedule_of<kEp, kSplit>(l, s);
+  const Schedule<kEp, kSplit, kWide> sc = schedule_of<kEp, kSplit, kWide>(l, s);
   // The first task's weight stream goes out before the sort (the second task's, whose claim
   // is stored meanwhile, after it).
   const unsigned char* ring_warp = s.ring + warp * (kStages * kStepBytes);
@@ -1145,14 +1190,14 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
                       gemm::smem_addr_u32(s.full + warp * kStages), &w13_map, &w2_map};
   Producer prod{};
   Task cur_task = sc.task(s.scalars[kClaim0]), next_task{};
-  prod.cur = warp_stream<kFp8>(cur_task, a);
+  prod.cur = warp_stream<kFp8>(cur_task, a, sc.subs_of(cur_task));
   if constexpr (kEp) {
     next_task = sc.task(s.scalars[kClaim0 + 1]);
-    prod.next = warp_stream<kFp8>(next_task, a);
+    prod.next = warp_stream<kFp8>(next_task, a, sc.subs_of(next_task));
     prod.has_next = next_task.valid;
   }
   int consumed = 0;
-  if (!control && cur_task.valid) produce<kFp8>(prod, consumed, ring);
+  if (!control && cur_task.valid) produce<kFp8, kWide>(prod, consumed, ring);
   if (trace != nullptr) trace[6] = int64_t(petit_timer());  // this warp's first loads issued
   if (!kEp && control && lane == 0) s.scalars[kClaim0 + 1] = second_claim;
 
@@ -1161,7 +1206,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   if (trace != nullptr) trace[1] = int64_t(petit_timer());
   if constexpr (!kEp) {
     next_task = sc.task(s.scalars[kClaim0 + 1]);
-    prod.next = warp_stream<kFp8>(next_task, a);
+    prod.next = warp_stream<kFp8>(next_task, a, sc.subs_of(next_task));
     prod.has_next = next_task.valid;
   }
 
@@ -1175,7 +1220,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
 
   // ---- the tasks. Per iteration: R (ready: the control warp has acquired what the task
   // reads from other blocks), the task's role, S (every store of the task issued).
-  Control<kEp, kSplit> ctl{};
+  Control<kEp, kSplit, kWide> ctl{};
   static_assert(!kSteps || (kFp8 && !kEp), "ring steps are traced at W = 1 with e4m3 only");
   StepTrace steps{kSteps && trace != nullptr
                       ? trace + kMegaMoeTraceHeader + 3 * kMegaMoeTraceTasks : nullptr, 0};
@@ -1191,7 +1236,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
     } else if (kEp && cur_task.kind == kFinal) {
       final_task(cur_task.tile, e);
     } else {
-      weight_task<kEp, kFp8, kSteps>(cur_task, a, l, s, prod, consumed, ring, steps);
+      weight_task<kEp, kFp8, kWide, kSteps>(cur_task, sc.subs_of(cur_task), a, l, s, prod,
+                                            consumed, ring, steps);
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {
@@ -1208,11 +1254,12 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
         prod.cur = prod.next;
         prod.step = 0;
         prod.kstep = 0;
+        prod.sub = 0;
         prod.iter = iter + 1;
       }
-      prod.next = warp_stream<kFp8>(next_task, a);
+      prod.next = warp_stream<kFp8>(next_task, a, sc.subs_of(next_task));
       prod.has_next = next_task.valid;
-      if (cur_task.valid) produce<kFp8>(prod, consumed, ring);
+      if (cur_task.valid) produce<kFp8, kWide>(prod, consumed, ring);
     }
   }
   // No weight load is in flight here: the producer only loads the current and the next task,
@@ -1327,7 +1374,33 @@ int megamoe_smem_bytes() { return megamoe_detail::SmemLayout::kBytes; }
 
 namespace {
 
-// Encodes the weight maps and launches megamoe_kernel<kEp, split> with `grid` blocks.
+#if PETIT_SM80_PATH && PETIT_SM90A_BUILT
+// e4m3 weights at W = 1: the kernel's kWide, from the tasks the call can expect under uniform
+// routing, with E[active local experts] = L (1 - (1 - K / E)^N) (E: the experts the ids
+// index). Measured on one H100 (docs/experiments/megamoe-fp8.md, "Wide tasks"):
+// - gate/up wide where the 16-column tasks outnumber the grid (more than one wave): the wide
+//   ones then take a wave fewer at least, each well under twice as long (Qwen3-30B-A3B at 1
+//   token: 384 tasks on 264 blocks); with fewer (DeepSeek-V3's 32-expert share at 1-2 tokens:
+//   1-2 experts, 128-256 tasks) they only make the one wave longer;
+// - down wide too where its 32-row tasks are short (I < 1024: under 2 k steps per warp) and
+//   many (>= 8 waves): the down tasks of the experts whose gate/up ends last are the call's
+//   tail, which wide tasks made longer at 1-2 tokens and with DeepSeek-V3's 4-step tasks.
+int wide_mask(const MegaMoeArgs& a, int grid) {
+  namespace md = megamoe_detail;
+  if (a.w13_scale == nullptr || a.num_rows == 0) return 0;
+  const double local = a.num_local_experts;
+  const double indexed = a.expert_map != nullptr ? std::max(a.num_global_experts, 1) : local;
+  const double active =
+      local * (1.0 - std::pow(1.0 - std::min(1.0, a.top_k / indexed), double(a.num_rows)));
+  if (active * (a.intermediate / md::kTileCols) <= grid) return 0;
+  const bool down = a.intermediate < 8 * md::kStepK8 &&
+                    active * (a.hidden / md::kDownRows) >= 8.0 * grid;
+  return (1 << md::kGateUp) | (down ? 1 << md::kDown : 0);
+}
+#endif
+
+// Encodes the weight maps and launches megamoe_kernel<kEp, split, fp8, wide> with `grid`
+// blocks.
 template <bool kEp>
 petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t stream) {
 #if !PETIT_SM80_PATH || !PETIT_SM90A_BUILT
@@ -1362,6 +1435,7 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
   // grid's blocks stream meanwhile exceed L2 (DeepSeek-V3's share: 264 x 458 KB on one H200),
   // and where an expert can have more than 16 rows; otherwise (Qwen3-30B-A3B: 264 x 128 KB)
   // one task per expert and tile, its passes served from L2, where splitting only adds tasks
+  // (e4m3: the tile of a wide task, kWide8 times the rows, where the call's tasks are wide)
   // (measured: docs/experiments/megamoe-w1.md). Two kernels, so that the unsplit one pays
   // nothing for it.
   int l2_bytes = 0;
@@ -1370,8 +1444,9 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
     return err;
   }
   const int64_t rows = kEp ? int64_t(e.ctx.world_size) * e.region_stride : a.num_rows;
-  const int64_t tile_bytes =
-      int64_t(element_bytes) * md::kDownRows * std::max(a.hidden, a.intermediate);
+  const int wide = kEp ? 0 : wide_mask(a, grid);
+  const int64_t tile_bytes = int64_t(element_bytes) * md::kDownRows * (wide ? md::kWide8 : 1) *
+                             std::max(a.hidden, a.intermediate);
   const bool split = rows * a.top_k > md::kPassRows && int64_t(grid) * tile_bytes > l2_bytes;
   const int smem = md::SmemLayout::kBytes;
   // W = 1 programmatic (common/launch.h): the blocks take the SMs as the previous kernel's
@@ -1396,18 +1471,35 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
     return launch_with_attributes(kernel, grid, md::kThreads, smem, 1, !kEp, stream, e, w13_map,
                                   w2_map);
   };
+  constexpr int kGateUpWide = 1 << md::kGateUp, kAllWide = kGateUpWide | 1 << md::kDown;
   if constexpr (!kEp) {
-    if (fp8 && e.layer.trace != nullptr) {  // the instance that traces ring steps
-      return split ? launch(md::megamoe_kernel<false, true, true, true>)
-                   : launch(md::megamoe_kernel<false, false, true, true>);
+    if (fp8 && e.layer.trace != nullptr) {  // the instances that trace ring steps
+      if (wide == kAllWide) {
+        return split ? launch(md::megamoe_kernel<false, true, true, kAllWide, true>)
+                     : launch(md::megamoe_kernel<false, false, true, kAllWide, true>);
+      }
+      if (wide == kGateUpWide) {
+        return split ? launch(md::megamoe_kernel<false, true, true, kGateUpWide, true>)
+                     : launch(md::megamoe_kernel<false, false, true, kGateUpWide, true>);
+      }
+      return split ? launch(md::megamoe_kernel<false, true, true, 0, true>)
+                   : launch(md::megamoe_kernel<false, false, true, 0, true>);
+    }
+    if (wide == kAllWide) {
+      return split ? launch(md::megamoe_kernel<kEp, true, true, kAllWide>)
+                   : launch(md::megamoe_kernel<kEp, false, true, kAllWide>);
+    }
+    if (wide == kGateUpWide) {
+      return split ? launch(md::megamoe_kernel<kEp, true, true, kGateUpWide>)
+                   : launch(md::megamoe_kernel<kEp, false, true, kGateUpWide>);
     }
   }
   if (fp8) {
-    return split ? launch(md::megamoe_kernel<kEp, true, true>)
-                 : launch(md::megamoe_kernel<kEp, false, true>);
+    return split ? launch(md::megamoe_kernel<kEp, true, true, 0>)
+                 : launch(md::megamoe_kernel<kEp, false, true, 0>);
   }
-  return split ? launch(md::megamoe_kernel<kEp, true, false>)
-               : launch(md::megamoe_kernel<kEp, false, false>);
+  return split ? launch(md::megamoe_kernel<kEp, true, false, 0>)
+               : launch(md::megamoe_kernel<kEp, false, false, 0>);
 #endif
 }
 
