@@ -460,7 +460,8 @@ def main(argv=None):
     if args.replot and args.world == 1:
         import moe_layer_w1 as w1
         return replot(args.replot, w1.plot_w1,
-                      lambda r: f"MoE layer at W=1, {r['gpu']}, {r['commit']}")
+                      lambda r: f"MoE layer at W=1, {r['gpu']}, {r['commit']}",
+                      key=("preset", "dtype", "routing", "tokens"))
     if args.replot:
         # rows before num_gpus ran one rank per GPU too
         return replot(args.replot, _plot, lambda r: f"MoE layer via vLLM, "

@@ -157,3 +157,30 @@ def test_w1_agreement_rule_per_dtype():
     assert _agrees(5e-2, {"vllm": 4.7e-2, "mega": 1.7e-3})
     assert not _agrees(5e-2, {"vllm": 4.7e-2, "mega": 6e-2})
     assert _agrees(1e-3, {"vllm": 1e-3, "mega": 1.5e-2})  # both tiny: under 2e-2
+
+
+def test_replot_draws_the_newest_row_of_each_configuration(tmp_path):
+    """A results file gathers runs of several commits: with a key, replot draws each
+    configuration's last row once, and the title names the commits drawn."""
+    import json
+
+    from vllm_petit_moe.testing.bench_env import replot
+
+    def row(commit, tokens, us):
+        return dict(commit=commit, preset="qwen3-30b-a3b", dtype="fp8", routing="uniform",
+                    tokens=tokens, megamoe_us=us)
+
+    path = tmp_path / "moe_layer_H100_1gpu.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (
+        row("old1234", 1, 31.0), row("old1234", 64, 280.0), row("new5678", 1, 30.2))))
+    drawn = {}
+
+    def plot(rows, png, title):
+        drawn.update(rows=rows, png=png, title=title)
+
+    key = ("preset", "dtype", "routing", "tokens")
+    assert replot(path, plot, lambda r: f"W=1, {r['commit']}", key=key) == 0
+    assert [(r["tokens"], r["megamoe_us"]) for r in drawn["rows"]] == [(1, 30.2), (64, 280.0)]
+    assert drawn["title"] == "W=1, new5678 + old1234" and drawn["png"] == path.with_suffix(".png")
+    replot(path, plot, lambda r: r["commit"])  # no key: every row
+    assert len(drawn["rows"]) == 3 and drawn["title"] == "old1234 + new5678"

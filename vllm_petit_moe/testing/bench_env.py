@@ -106,15 +106,20 @@ def write_results(repo_root, name, rows, stamp, plot, title, out_dir=None):
     return out_dirs[0] / f"{name}.jsonl"
 
 
-def replot(jsonl, plot, title):
+def replot(jsonl, plot, title, key=()):
     """Redraw the PNG next to a results file written by `write_results`:
-    `plot(rows, <jsonl without suffix>.png, title(first row))`. Returns 0 (an exit status)."""
+    `plot(rows, <jsonl without suffix>.png, title(first row))`, the title row's commit naming
+    every commit drawn. With `key` (field names), a file that gathers runs of several commits
+    draws only the last row of each configuration. Returns 0 (an exit status)."""
     import json
     from pathlib import Path
     rows = [json.loads(line) for line in open(jsonl) if line.strip()]
     if not rows:
         raise SystemExit(f"{jsonl}: no results to plot")
-    plot(rows, Path(jsonl).with_suffix(".png"), title(rows[0]))
+    if key:
+        rows = list({tuple(r.get(k) for k in key): r for r in rows}.values())
+    commits = " + ".join(dict.fromkeys(str(r.get("commit")) for r in rows))
+    plot(rows, Path(jsonl).with_suffix(".png"), title(dict(rows[0], commit=commits)))
     return 0
 
 
