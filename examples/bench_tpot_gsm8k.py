@@ -278,6 +278,14 @@ def plot(rows: list[dict], path) -> None:
 START_GUESS_S, LEVEL_GUESS_S = 150.0, 45.0
 
 
+def start_guess(rows) -> float:
+    """Seconds the next server start is expected to take: the newest start among `rows` (the
+    first start on a machine fills its compile caches: 220 s, then 56-76 s on one H100), else
+    START_GUESS_S."""
+    starts = [r["server_start_s"] for r in rows if r.get("server_start_s")]
+    return starts[-1] if starts else START_GUESS_S
+
+
 def fit_budget(todo: list, budget: float, start_s: float, level_s) -> list:
     """The server runs of `todo` ([(repeat, backend, levels)]) that fit in `budget` seconds,
     every backend measuring the same levels: later repeats go first, then the highest
@@ -350,7 +358,7 @@ def main(argv=None) -> int:
 
     planned = sum(len(levels) for *_, levels in todo)
     if args.max_runtime and not args.dry_run:  # paired levels, not one backend's alone
-        todo = fit_budget(todo, args.max_runtime, guess("server_start_s") or START_GUESS_S,
+        todo = fit_budget(todo, args.max_runtime, start_guess(rows),
                           lambda c: guess("bench_wall_s", concurrency=c, num_prompts=prompts[c],
                                           output_len=args.output_len) or LEVEL_GUESS_S)
         if sum(len(levels) for *_, levels in todo) < planned:
@@ -381,7 +389,7 @@ def main(argv=None) -> int:
             print(f"# wait for http://{HOST}:{port}/health (<= {args.health_timeout:.0f} s)")
             print("\n".join(shlex.join(b) for b in benches.values()))
             continue
-        if time_left() < guess("server_start_s"):
+        if time_left() < start_guess(rows):
             break
         server = Server(cmd, env, work / f"server_{tag}.log", port)
         log(f"{tag}: starting vllm serve (DP {args.dp}, log {server.log_path})")

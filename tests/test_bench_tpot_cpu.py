@@ -614,3 +614,17 @@ def test_fit_budget_keeps_levels_paired():
     assert bench.fit_budget(todo, 379.0, 150.0, level) == []           # 2 x (150 + 40) > 379
     resumed = [(0, "petit", [2]), (1, "default", [1, 2]), (1, "petit", [1, 2])]
     assert bench.fit_budget(resumed, 200.0, 150.0, level) == [(0, "petit", [2])]
+
+
+def test_start_guess_is_the_newest_start():
+    """A resumed --max-runtime plans with the newest server start: the first start on a
+    machine fills its compile caches (220 s on one H100, 56-76 s after it), and planning with
+    the longest left a 509 s budget unable to fit the two starts that took 56 + 58 s."""
+    assert bench.start_guess([]) == bench.START_GUESS_S
+    rows = [dict(server_start_s=220.1), dict(server_start_s=220.1), dict(server_start_s=76.0),
+            dict(tpot_ms_p50=4.3)]
+    assert bench.start_guess(rows) == 76.0
+    level = lambda c: bench.LEVEL_GUESS_S  # noqa: E731 (levels not yet measured)
+    todo = [(0, "default", [2, 8]), (0, "petit", [2, 8])]
+    assert bench.fit_budget(todo, 509.0, bench.start_guess(rows), level) == todo
+    assert bench.fit_budget(todo, 509.0, 220.1, level) == []
