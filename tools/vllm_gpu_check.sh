@@ -127,10 +127,11 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
   > "$OUT/gpus.txt" 2>/dev/null || : > "$OUT/gpus.txt"
 num_gpus=$(grep -c . "$OUT/gpus.txt")
 
-# 4. the vLLM integration tests (real DP + EP setup, >= 2 GPUs)
+# 4. the vLLM integration tests (one GPU: a block-fp8 layer; real DP + EP setup: >= 2 GPUs)
 if want test-vllm; then
   # shellcheck disable=SC2086
-  run_step test-vllm 300 "$PY" -m pytest -q -rs "${pytest_args[@]}" tests/test_vllm_moe_gpu.py
+  run_step test-vllm 300 "$PY" -m pytest -q -rs "${pytest_args[@]}" \
+    tests/test_vllm_single_gpu_gpu.py tests/test_vllm_moe_gpu.py
   # all skipped (no GPUs, extension missing) is not a pass here
   if [ "${RC[test-vllm]}" = 0 ] && ! tail -1 "$OUT/test-vllm.log" | grep -q passed; then
     RC[test-vllm]=all-skipped
