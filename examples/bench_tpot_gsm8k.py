@@ -259,8 +259,9 @@ def plot(rows: list[dict], path) -> None:
             cs = [c for c in pts if c in base]
             axr.plot(cs, [pts[c] / base[c] for c in cs], "o-", label=f"{backend}/default")
     r0 = rows[0]
-    ax.set(ylabel="TPOT p50 (ms)", title=f"vllm bench serve, GSM8K, {r0['gpu']} x {r0['world']}"
-           f", dummy weights, commit {r0['commit']}")
+    ax.set_ylabel("TPOT p50 (ms)")
+    ax.set_title(f"{r0.get('model', 'vllm serve')} ({r0.get('dtype', 'bf16')}, dummy weights), "
+                 f"GSM8K, {r0['gpu']} x {r0['world']}, {r0['commit']}", fontsize=10)
     axr.axhline(1.0, color="gray", lw=0.8)
     axr.set(xlabel="concurrency", ylabel="ratio", xscale="log")
     for a in (ax, axr):
