@@ -734,13 +734,9 @@ PETIT_DEVICE uint4 box_chunk(const unsigned char* box, int r, int chunk) {
 
 // The optional trace's ring-step records (layout.h): thread 0's (a lane of compute warp 0)
 // first kMegaMoeTraceSteps e4m3 steps at W = 1, each as the moment its wait began and the
-// moment its weights were in. Only the kernel instance with kSteps (launched with a trace,
-// W = 1, e4m3 weights) records them; every other instance's code has no trace of them.
-// stamps: nullptr on every other thread.
-struct StepTrace {
-  int64_t* stamps;
-  int count;
-};
+// moment its weights were in, at step_stamps[2 * consumed] (the warp's ring steps so far).
+// Only the kernel instance with kSteps (launched with a trace, W = 1, e4m3 weights) records
+// them; every other instance's code has no trace of them. nullptr on every other thread.
 
 // One pass's multiplies: this warp's k steps over NT n-tiles of the pass's rows, the weights
 // (M) from the warp's ring, the rows' inputs (N) from global memory at b_rows[j] (nullptr: a
@@ -822,7 +818,7 @@ template <int kWide, bool kSteps>
 PETIT_DEVICE void mainloop_fp8(const WarpStream& ws, const petit_bf16_bits* b_row,
                                const float* const (&scale_rows)[2], float (&acc)[2][4],
                                Producer& prod, int& consumed, const WarpRing& ring,
-                               StepTrace& st) {
+                               int64_t* step_stamps) {
   const int lane = petit_lane_id(), g = lane / 4, q = lane % 4;
   const int end = ws.s0 + ws.steps;
   uint4 b[2][2];   // [span h][c]: bf16 of k 128s + 64h + 16q + 8c ..
@@ -843,13 +839,13 @@ PETIT_DEVICE void mainloop_fp8(const WarpStream& ws, const petit_bf16_bits* b_ro
   load(ws.s0);
   for (int s = ws.s0; s < end; ++s) {
     const int slot = consumed % kStages;
-    const bool stamp = kSteps && st.stamps != nullptr && st.count < kMegaMoeTraceSteps;
-    const int64_t begun = stamp ? int64_t(petit_timer()) : 0;
+    const bool stamp = kSteps && step_stamps != nullptr && consumed < kMegaMoeTraceSteps;
+    const uint32_t begun = stamp ? uint32_t(petit_timer()) : 0u;  // one register over the wait
     gemm::sm90_mbarrier_wait_parity(ring.full_addr + slot * 8, (consumed / kStages) & 1);
     if (stamp) {
-      st.stamps[2 * st.count] = begun;
-      st.stamps[2 * st.count + 1] = int64_t(petit_timer());
-      ++st.count;
+      const int64_t in = int64_t(petit_timer());
+      step_stamps[2 * consumed] = in - int64_t(uint32_t(in) - begun);  // waits < 4 s
+      step_stamps[2 * consumed + 1] = in;
     }
     const unsigned char* step = ring.steps + slot * kStepBytes;
     float part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -929,7 +925,7 @@ PETIT_DEVICE void down_epilogue(const Task& t, int pass, int rows, int pass_rows
 template <bool kEp, bool kFp8, int kWide, bool kSteps>
 PETIT_DEVICE void weight_task(const Task& t, int subs, const MegaMoeArgs& a, const Layer& l,
                               const Smem& s, Producer& prod, int& consumed, const WarpRing& ring,
-                              StepTrace& st) {
+                              int64_t* step_stamps) {
   constexpr int kRows = kFp8 ? kPassRows8 : kPassRows;  // rows per pass
   const int lane = petit_lane_id(), warp = petit_warp_id(), g = lane / 4;
   const bool gate_up = t.kind == kGateUp;
@@ -970,7 +966,8 @@ PETIT_DEVICE void weight_task(const Task& t, int subs, const MegaMoeArgs& a, con
     if constexpr (kFp8) {
       for (int i = 0; i < ws.subs; ++i) {
         float acc8[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-        mainloop_fp8<kWide, kSteps>(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring, st);
+        mainloop_fp8<kWide, kSteps>(ws, b_rows[0], scale_rows, acc8, prod, consumed, ring,
+                                    step_stamps);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -1222,8 +1219,8 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   // reads from other blocks), the task's role, S (every store of the task issued).
   Control<kEp, kSplit, kWide> ctl{};
   static_assert(!kSteps || (kFp8 && !kEp), "ring steps are traced at W = 1 with e4m3 only");
-  StepTrace steps{kSteps && trace != nullptr
-                      ? trace + kMegaMoeTraceHeader + 3 * kMegaMoeTraceTasks : nullptr, 0};
+  int64_t* const step_stamps =
+      kSteps && trace != nullptr ? trace + kMegaMoeTraceHeader + 3 * kMegaMoeTraceTasks : nullptr;
   for (int iter = 0;; ++iter) {
     if (control && lane == 0) ctl.await_inputs(cur_task, sc, e, l, epoch);
     __syncthreads();  // R(iter)
@@ -1237,7 +1234,7 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
       final_task(cur_task.tile, e);
     } else {
       weight_task<kEp, kFp8, kWide, kSteps>(cur_task, sc.subs_of(cur_task), a, l, s, prod,
-                                            consumed, ring, steps);
+                                            consumed, ring, step_stamps);
     }
     __syncthreads();  // S(iter): the task's stores are issued; the claim of iter + 2 is in
     if (trace != nullptr && iter < kMegaMoeTraceTasks) {
