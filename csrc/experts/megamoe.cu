@@ -732,12 +732,6 @@ PETIT_DEVICE uint4 box_chunk(const unsigned char* box, int r, int chunk) {
 
 // ------------------------------------------------------------------ gate/up and down (roles)
 
-// The optional trace's ring-step records (layout.h): thread 0's (a lane of compute warp 0)
-// first kMegaMoeTraceSteps e4m3 steps at W = 1, each as the moment its wait began and the
-// moment its weights were in, at step_stamps[2 * consumed] (the warp's ring steps so far).
-// Only the kernel instance with kSteps (launched with a trace, W = 1, e4m3 weights) records
-// them; every other instance's code has no trace of them. nullptr on every other thread.
-
 // One pass's multiplies: this warp's k steps over NT n-tiles of the pass's rows, the weights
 // (M) from the warp's ring, the rows' inputs (N) from global memory at b_rows[j] (nullptr: a
 // missing row), into acc[half][n-tile]. B is loaded D steps ahead into a register ring, so a
@@ -1219,6 +1213,11 @@ PETIT_GLOBAL void PETIT_LAUNCH_BOUNDS(kThreads, kBlocksPerSm)
   // reads from other blocks), the task's role, S (every store of the task issued).
   Control<kEp, kSplit, kWide> ctl{};
   static_assert(!kSteps || (kFp8 && !kEp), "ring steps are traced at W = 1 with e4m3 only");
+  // The optional trace's ring-step records (layout.h): thread 0's (a lane of compute warp 0)
+  // first kMegaMoeTraceSteps e4m3 steps at W = 1, each as the moment its wait began and the
+  // moment its weights were in, at step_stamps[2 * consumed] (the warp's ring steps so far).
+  // Only the instance with kSteps (launched with a trace, W = 1, e4m3 weights) records them;
+  // every other instance's code has no trace of them. nullptr on every other thread.
   int64_t* const step_stamps =
       kSteps && trace != nullptr ? trace + kMegaMoeTraceHeader + 3 * kMegaMoeTraceTasks : nullptr;
   for (int iter = 0;; ++iter) {
