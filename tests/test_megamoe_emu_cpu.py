@@ -472,3 +472,4 @@ def test_trace_records_warp_0s_e4m3_steps(emu):
     assert list(steps) == ["gate/up"] and steps["gate/up"]["tasks"] == gate_up_tasks
     k = steps["gate/up"]
     assert k["steps_median"] == 2 * subs and k["wait_us_median"] >= 0 and k["work_us_median"] >= 0
+    assert k["first_work_us_median"] >= 0

@@ -16,7 +16,8 @@ preset's local share; fresh random weights; 3 untraced calls first):
   task done;
 - the blocks' time split: routing, working, waiting, tail (last task -> exit);
 - with --dtype fp8, warp 0's ring steps per task kind: the wait for a task's first step's
-  weights and for its later steps', and each step's own work (weights in -> next step's wait).
+  weights and for its later steps', and a step's own work (weights in -> next step's wait),
+  the first step's apart (it also waits for the task's first input and scale loads).
 
     python tools/megamoe_trace.py --preset deepseek-v3 --tokens 1 8 64 [--out DIR]
 
@@ -189,8 +190,8 @@ def summarize_steps(blocks: list[dict]) -> dict:
     """Warp 0's e4m3 ring steps per task kind (W = 1, fp8 weights; empty otherwise), each step
     placed in the task whose ready..done holds its wait's start: the wait for the task's first
     step's weights and for its later steps' (median us), the time from a step's weights in to
-    the next step's wait (the step's own work: widening, multiplies, next loads), and the steps
-    a task's warp 0 took."""
+    the next step's wait (the step's own work: widening, multiplies, next loads) for the first
+    step and for the later ones, and the steps a task's warp 0 took."""
     med = lambda v: round(statistics.median(v), 3) if v else None  # noqa: E731
     per_kind = {}
     for b in blocks:
@@ -198,15 +199,19 @@ def summarize_steps(blocks: list[dict]) -> dict:
             mine = [s for s in b["steps"] if t["ready"] <= s[0] <= t["done"]]
             if not mine:
                 continue
-            k = per_kind.setdefault(t["kind"], {"first_wait": [], "wait": [], "work": [],
-                                                "steps": []})
+            k = per_kind.setdefault(t["kind"], {"first_wait": [], "wait": [], "first_work": [],
+                                                "work": [], "steps": []})
             k["steps"].append(len(mine))
             k["first_wait"].append((mine[0][1] - mine[0][0]) / 1e3)
             k["wait"] += [(s[1] - s[0]) / 1e3 for s in mine[1:]]
-            k["work"] += [(nxt[0] - cur[1]) / 1e3 for cur, nxt in zip(mine, mine[1:])]
+            work = [(nxt[0] - cur[1]) / 1e3 for cur, nxt in zip(mine, mine[1:])]
+            k["first_work"] += work[:1]
+            k["work"] += work[1:]
     return {kind: {"tasks": len(k["steps"]), "steps_median": med(k["steps"]),
                    "first_wait_us_median": med(k["first_wait"]),
-                   "wait_us_median": med(k["wait"]), "work_us_median": med(k["work"])}
+                   "wait_us_median": med(k["wait"]),
+                   "first_work_us_median": med(k["first_work"]),
+                   "work_us_median": med(k["work"])}
             for kind, k in per_kind.items()}
 
 
@@ -271,8 +276,8 @@ def main(argv=None) -> int:
         for kind, k in s["steps"].items():
             print(f"warp 0's e4m3 steps, {kind}: {k['tasks']} tasks of {fmt(k['steps_median'])}"
                   f" steps; median us: first weights' wait {fmt(k['first_wait_us_median'])}, "
-                  f"later steps' wait {fmt(k['wait_us_median'])}, work per step "
-                  f"{fmt(k['work_us_median'])}")
+                  f"later steps' wait {fmt(k['wait_us_median'])}; work of the first step "
+                  f"{fmt(k['first_work_us_median'])}, of a later step {fmt(k['work_us_median'])}")
     if buf is not None:
         buf.close()
     return 0
