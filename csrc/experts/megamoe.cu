@@ -642,8 +642,7 @@ struct Control {
                                  const MegaMoeEpArgs& e, const Layer& l, uint64_t epoch) {
     const EpContextArgs& c = e.ctx;
     const bool waits = cur.valid && cur.kind != kGateUp && !inputs_seen;
-    if (waits || !cur.valid) publish(unpublished, e, l, epoch, sc);  // ours may
-                                                                                // be awaited
+    if (waits || !cur.valid) publish(unpublished, e, l, epoch, sc);  // ours may be awaited
     if (kEp && waits && cur.kind == kFinal) {  // every rank's rows of our tokens
       for (int d = 0; d < c.world_size; ++d) {
         wait_flag(c, reductions_flag(c, c.rank, d), epoch,
@@ -1467,35 +1466,28 @@ petitError_t launch_kernel(const MegaMoeEpArgs& e, int grid, petitStream_t strea
     return launch_with_attributes(kernel, grid, md::kThreads, smem, 1, !kEp, stream, e, w13_map,
                                   w2_map);
   };
-  constexpr int kGateUpWide = 1 << md::kGateUp, kAllWide = kGateUpWide | 1 << md::kDown;
+  // megamoe_kernel<kEp, split, fp8, wide, steps>: the instance by the tags' values
+  auto instance = [&](auto fp8_tag, auto wide_tag, auto steps_tag) {
+    constexpr bool kF = decltype(fp8_tag)::value, kS = decltype(steps_tag)::value;
+    constexpr int kW = decltype(wide_tag)::value;
+    return split ? launch(md::megamoe_kernel<kEp, true, kF, kW, kS>)
+                 : launch(md::megamoe_kernel<kEp, false, kF, kW, kS>);
+  };
+  using Narrow = std::integral_constant<int, 0>;
   if constexpr (!kEp) {
-    if (fp8 && e.layer.trace != nullptr) {  // the instances that trace ring steps
-      if (wide == kAllWide) {
-        return split ? launch(md::megamoe_kernel<false, true, true, kAllWide, true>)
-                     : launch(md::megamoe_kernel<false, false, true, kAllWide, true>);
-      }
-      if (wide == kGateUpWide) {
-        return split ? launch(md::megamoe_kernel<false, true, true, kGateUpWide, true>)
-                     : launch(md::megamoe_kernel<false, false, true, kGateUpWide, true>);
-      }
-      return split ? launch(md::megamoe_kernel<false, true, true, 0, true>)
-                   : launch(md::megamoe_kernel<false, false, true, 0, true>);
-    }
-    if (wide == kAllWide) {
-      return split ? launch(md::megamoe_kernel<kEp, true, true, kAllWide>)
-                   : launch(md::megamoe_kernel<kEp, false, true, kAllWide>);
-    }
-    if (wide == kGateUpWide) {
-      return split ? launch(md::megamoe_kernel<kEp, true, true, kGateUpWide>)
-                   : launch(md::megamoe_kernel<kEp, false, true, kGateUpWide>);
+    if (fp8) {  // the wide kinds; with a trace, the instances that trace ring steps too
+      auto by_wide = [&](auto steps_tag) {
+        using GateUpWide = std::integral_constant<int, 1 << md::kGateUp>;
+        using AllWide = std::integral_constant<int, GateUpWide::value | 1 << md::kDown>;
+        if (wide == AllWide::value) return instance(std::true_type{}, AllWide{}, steps_tag);
+        if (wide == GateUpWide::value) return instance(std::true_type{}, GateUpWide{}, steps_tag);
+        return instance(std::true_type{}, Narrow{}, steps_tag);
+      };
+      return e.layer.trace != nullptr ? by_wide(std::true_type{}) : by_wide(std::false_type{});
     }
   }
-  if (fp8) {
-    return split ? launch(md::megamoe_kernel<kEp, true, true, 0>)
-                 : launch(md::megamoe_kernel<kEp, false, true, 0>);
-  }
-  return split ? launch(md::megamoe_kernel<kEp, true, false, 0>)
-               : launch(md::megamoe_kernel<kEp, false, false, 0>);
+  return fp8 ? instance(std::true_type{}, Narrow{}, std::false_type{})
+             : instance(std::false_type{}, Narrow{}, std::false_type{});
 #endif
 }
 
